@@ -1,0 +1,95 @@
+"""The policy/engine contract: what an engine observes, what a policy returns, the Policy protocol."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from policies.calibration import Calibration
+    from policies.page_table import PageTable
+
+# prompt feature columns (phi): routing-weighted mean input norm, routing-weighted RMS input norm,
+# max input norm, merged over running requests weighted by their KV-block usage
+PHI_NAMES = ("mean_norm", "rms_norm", "max_norm")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What an engine knows at the end of one iteration; built identically by pwsim and pwruntime."""
+
+    step: int
+    time_s: float
+    free_blocks: int
+    total_blocks: int
+    kv_block_bytes: int
+    free_block_threshold: int
+    pending_kv_blocks: int = 0  # blocks the running requests will need within the next iteration
+    headroom_bytes: int = 0  # budget not used by weights, KV pool or in-flight transfers
+    inflight_bytes: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    routing_mass: np.ndarray | None = None  # [layers, experts], each row sums to 1 (or all 0)
+    prompt_features: np.ndarray | None = None  # [num_blocks, 3], PHI_NAMES
+
+    def __post_init__(self) -> None:
+        if self.free_blocks < 0 or self.total_blocks < 0 or self.free_blocks > self.total_blocks:
+            raise ValueError(f"free blocks {self.free_blocks} not within 0..{self.total_blocks}")
+        if self.kv_block_bytes < 0:
+            raise ValueError("kv_block_bytes must be non-negative")
+
+
+@dataclass(frozen=True)
+class Transition:
+    """Move block `block` from `from_bits` to `to_bits`; `delta_bytes` = M[from] - M[to] (>0 frees)."""
+
+    block: int
+    from_bits: int
+    to_bits: int
+    delta_bytes: int
+
+    @property
+    def is_offload(self) -> bool:
+        return self.to_bits < self.from_bits
+
+
+@dataclass(frozen=True)
+class Plan:
+    transitions: tuple[Transition, ...]
+    predicted_damage: float = 0.0
+    reason: str = ""
+
+    @property
+    def bytes_freed(self) -> int:
+        return int(sum(t.delta_bytes for t in self.transitions))
+
+    def __len__(self) -> int:
+        return len(self.transitions)
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A planner. Deterministic given its inputs, parameters and seed."""
+
+    name: str
+
+    def reset(self, table: "PageTable", calibration: "Calibration | None") -> None:
+        """Prepare for serving; may set the table's initial bits with `table.initialize`."""
+
+    def plan_step(self, table: "PageTable", observation: Observation) -> Plan | None:
+        """Decide this iteration's transitions, or None for no change."""
+
+
+@dataclass
+class NoopPolicy:
+    """Keeps every block where it is; the default of an engine that has no planner."""
+
+    name: str = "noop"
+    params: dict = field(default_factory=dict)
+
+    def reset(self, table: "PageTable", calibration: "Calibration | None") -> None:
+        return None
+
+    def plan_step(self, table: "PageTable", observation: Observation) -> Plan | None:
+        return None

@@ -1,0 +1,1 @@
+"""pwsim: the trace-driven discrete-event simulator of one PagedWeight serving replica."""

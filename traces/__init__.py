@@ -1,0 +1,1 @@
+"""What the engines read and write: trace schemas and I/O, synthetic generators, model cards, hardware profiles."""
