@@ -160,9 +160,9 @@ class PageTable:
 
     def begin_offload(self, i: int, to_bits: int) -> int:
         """Commit the lower bits, mark surplus planes TO_CPU; returns the bytes it will free."""
-        q = int(self.q[i])
         self._check_idle(i)
         self._check_bits(i, to_bits)
+        q = int(self.q[i])
         if to_bits >= q:
             raise PageTableError(f"offload of {self.block_id(i)} must lower bits: {q} -> {to_bits}")
         self.q[i] = to_bits  # commit the lower bitwidth first
@@ -173,6 +173,7 @@ class PageTable:
 
     def finish_offload(self, i: int) -> None:
         """Release the surplus planes and old LUT (after kernels stopped reading them)."""
+        self._check_index(i)
         if not self.busy[i] or self.target[i] > self.q[i] or not (self.planes[i] == PlaneState.TO_CPU).any():
             raise PageTableError(f"{self.block_id(i)} has no offload in flight")
         self.planes[i][self.planes[i] == PlaneState.TO_CPU] = PlaneState.CPU
@@ -180,9 +181,9 @@ class PageTable:
 
     def begin_reload(self, i: int, to_bits: int) -> int:
         """Mark planes q..to_bits-1 TO_GPU; returns the bytes to copy (planes plus LUT_to)."""
-        q = int(self.q[i])
         self._check_idle(i)
         self._check_bits(i, to_bits)
+        q = int(self.q[i])
         if to_bits <= q:
             raise PageTableError(f"reload of {self.block_id(i)} must raise bits: {q} -> {to_bits}")
         self.planes[i, q:to_bits] = PlaneState.TO_GPU
@@ -192,6 +193,7 @@ class PageTable:
 
     def finish_reload(self, i: int) -> None:
         """Planes landed: mark them GPU and only now raise the committed bits."""
+        self._check_index(i)
         if not self.busy[i] or self.target[i] <= self.q[i]:
             raise PageTableError(f"{self.block_id(i)} has no reload in flight")
         to_bits = int(self.target[i])
@@ -201,15 +203,17 @@ class PageTable:
         self.q[i] = to_bits
         self.target[i] = -1
 
-    def _check_idle(self, i: int) -> None:
+    def _check_index(self, i: int) -> None:
         if not 0 <= i < self.num_blocks:
             raise PageTableError(f"block index {i} out of range 0..{self.num_blocks - 1}")
+
+    def _check_idle(self, i: int) -> None:
+        self._check_index(i)
         if self.busy[i]:
             raise PageTableError(f"{self.block_id(i)} already has a transfer in flight")
 
     def _check_bits(self, i: int, bits: int) -> None:
-        if not 0 <= i < self.num_blocks:
-            raise PageTableError(f"block index {i} out of range 0..{self.num_blocks - 1}")
+        self._check_index(i)
         if bits != 0 and not (0 < bits <= MAX_BITS and self.supported[bits]):
             raise PageTableError(f"{bits} bits not supported for {self.block_id(i)}; supported: {self.bits}")
 

@@ -1,0 +1,92 @@
+"""AP byte sizes, the calibration directory format, the registry, and import hygiene."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import policies
+from policies.apformat import ap_block_bytes, byte_table
+from policies.calibration import Calibration, CalibrationError, model_fingerprint
+
+
+def test_ap_bytes_are_exact():
+    # 1408 inputs -> 44 words per row; 2048 rows; 3 planes + LUT_3 (2048 rows * 8 codes * 2 bytes)
+    assert ap_block_bytes(2048, 1408, 3) == 3 * 2048 * 44 * 4 + 2048 * 8 * 2
+    # 50 inputs pad to 2 words per row
+    assert ap_block_bytes(10, 50, 8) == 8 * 10 * 2 * 4 + 10 * 256 * 2
+    assert ap_block_bytes(10, 50, 0) == 0
+    shapes = np.array([[2816, 2048], [2048, 1408], [7, 33]])
+    table = byte_table(shapes)
+    for r, (o, i) in enumerate(shapes):
+        assert [ap_block_bytes(int(o), int(i), b) for b in range(9)] == list(table[r])
+
+
+def _calibration(fp: str = "arch:abc") -> Calibration:
+    rng = np.random.default_rng(0)
+    n = 2 * 3 * 2
+    return Calibration(
+        fingerprint=fp, layers=2, experts=3, bits=(3, 4, 5, 6, 7, 8),
+        sensitivity=rng.random((n, 9)), initial_bits=np.full(n, 6),
+        domain_damage={"pydocs": rng.random((n, 9))}, provenance={"seed": 0},
+    )
+
+
+def test_calibration_round_trip(tmp_path):
+    cal = _calibration()
+    out = cal.save(tmp_path / "cal")
+    assert sorted(p.name for p in out.iterdir()) == ["arrays.npz", "calibration.json"]
+    back = Calibration.load(out, expect_fingerprint="arch:abc")
+    np.testing.assert_array_equal(back.sensitivity, cal.sensitivity)
+    np.testing.assert_array_equal(back.domain_damage["pydocs"], cal.domain_damage["pydocs"])
+    assert back.floor_stages == cal.floor_stages and back.provenance == {"seed": 0}
+    cal.save(out)  # overwrite in place leaves no stray temp dirs
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+
+
+def test_calibration_refuses_another_model(tmp_path):
+    _calibration().save(tmp_path / "cal")
+    with pytest.raises(CalibrationError, match="pwruntime calibrate"):
+        Calibration.load(tmp_path / "cal", expect_fingerprint="arch:other")
+
+
+def test_calibration_fingerprint_with_weights():
+    fp = model_fingerprint({"layers": 2}, "w1")
+    assert fp.endswith("+w:w1")
+    cal = _calibration(fp)
+    cal.check_fingerprint(model_fingerprint({"layers": 2}))  # no digest on one side: arch decides
+    with pytest.raises(CalibrationError):
+        cal.check_fingerprint(model_fingerprint({"layers": 2}, "w2"))
+
+
+def test_calibration_missing_or_malformed(tmp_path):
+    with pytest.raises(CalibrationError, match="missing"):
+        Calibration.load(tmp_path)
+    _calibration().save(tmp_path / "cal")
+    meta = tmp_path / "cal" / "calibration.json"
+    data = json.loads(meta.read_text())
+    data["format_version"] = 99
+    meta.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match="format_version"):
+        Calibration.load(tmp_path / "cal")
+    with pytest.raises(CalibrationError, match="shape"):
+        Calibration(fingerprint="x", layers=2, experts=3, bits=(3,), sensitivity=np.zeros((5, 9)),
+                    initial_bits=np.zeros(12))
+
+
+def test_registry():
+    assert "noop" in policies.available()
+    p = policies.get("noop")
+    assert isinstance(p, policies.Policy)
+    with pytest.raises(ValueError, match="unknown policy"):
+        policies.get("nope")
+
+
+def test_core_packages_do_not_import_heavy_frameworks():
+    code = ("import sys, policies, traces; import policies.registry; "
+            "heavy = [m for m in ('torch', 'cupy', 'simpy') if m in sys.modules]; print(','.join(heavy))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""

@@ -1,0 +1,147 @@
+"""Property tests of the page-table protocol: legal sequences keep the invariants, illegal ones raise."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies import PageTable, PageTableError, PlaneState
+from policies.apformat import ap_block_bytes, lut_bytes, plane_bytes
+
+OPS = ("begin_offload", "finish_offload", "begin_reload", "finish_reload")
+
+
+def make_table() -> PageTable:
+    return PageTable(layers=2, experts=3, hidden=48, intermediate=40, bits=(3, 4, 5, 6, 7, 8))
+
+
+def snapshot(t: PageTable) -> tuple:
+    return tuple(a.copy().tobytes() for a in (t.q, t.d, t.planes, t.target))
+
+
+def expected_resident(t: PageTable) -> int:
+    """Independent recomputation: committed bytes + bytes of planes in flight + the extra LUT held."""
+    total = 0
+    for i in range(t.num_blocks):
+        out_f, in_f = (int(x) for x in t.shapes[i])
+        q = int(t.q[i])
+        total += ap_block_bytes(out_f, in_f, q)
+        moving = int(np.isin(t.planes[i], (PlaneState.TO_GPU, PlaneState.TO_CPU)).sum())
+        total += moving * plane_bytes(out_f, in_f)
+        if t.target[i] > q:  # reload: the new LUT is being copied in
+            total += lut_bytes(out_f, int(t.target[i]))
+        elif t.target[i] >= 0:  # offload: the old LUT is still held
+            old = q + int((t.planes[i] == PlaneState.TO_CPU).sum())
+            total += lut_bytes(out_f, old)
+    return total
+
+
+def check_invariants(t: PageTable) -> None:
+    t.check_invariants()
+    lead = t.leading_gpu_planes()
+    assert (t.q <= lead).all(), "q exceeds the leading GPU-resident planes"
+    assert t.resident_bytes() == expected_resident(t)
+
+
+op_strategy = st.lists(
+    st.tuples(st.sampled_from(OPS), st.integers(0, 11), st.integers(0, 9)), min_size=1, max_size=60
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(op_strategy)
+def test_random_operation_sequences_keep_invariants(ops):
+    t = make_table()
+    check_invariants(t)
+    for name, block, bits in ops:
+        before = snapshot(t)
+        q_before = int(t.q[block])
+        args = (block,) if name.startswith("finish") else (block, bits)
+        try:
+            getattr(t, name)(*args)
+        except PageTableError:
+            assert snapshot(t) == before, f"illegal {name}{args} changed the table"
+            continue
+        check_invariants(t)
+        if name == "begin_offload":
+            # offload lowers q first, before any plane is released
+            assert t.q[block] == bits < q_before
+            assert (t.planes[block, bits:q_before] == PlaneState.TO_CPU).all()
+        if name == "begin_reload":
+            # reload does not raise q until planes are resident
+            assert t.q[block] == q_before
+            assert (t.planes[block, q_before:bits] == PlaneState.TO_GPU).all()
+        if name == "finish_reload":
+            assert (t.planes[block, : t.q[block]] == PlaneState.GPU).all()
+
+
+def test_offload_then_reload_round_trip_restores_bytes():
+    t = make_table()
+    full = t.resident_bytes()
+    freed = t.begin_offload(0, 3)
+    assert freed == t.M[0, 8] - t.M[0, 3]
+    t.finish_offload(0)
+    assert t.resident_bytes() == full - freed
+    copied = t.begin_reload(0, 8)
+    assert copied == 5 * plane_bytes(*t.shapes[0]) + lut_bytes(int(t.shapes[0, 0]), 8)
+    assert t.q[0] == 3
+    t.finish_reload(0)
+    assert t.q[0] == 8 and t.resident_bytes() == full
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: t.begin_offload(0, 8),          # not lower
+    lambda t: t.begin_offload(0, 2),          # unsupported bitwidth
+    lambda t: t.begin_reload(0, 8),           # already at 8
+    lambda t: t.finish_offload(0),            # nothing in flight
+    lambda t: t.finish_reload(0),
+    lambda t: t.begin_offload(99, 4),         # out of range
+])
+def test_illegal_calls_raise_and_change_nothing(call):
+    t = make_table()
+    before = snapshot(t)
+    with pytest.raises(PageTableError):
+        call(t)
+    assert snapshot(t) == before
+
+
+def test_second_transfer_on_busy_block_is_refused():
+    t = make_table()
+    t.begin_offload(1, 5)
+    with pytest.raises(PageTableError, match="in flight"):
+        t.begin_reload(1, 6)
+    with pytest.raises(PageTableError, match="in flight"):
+        t.begin_offload(1, 3)
+
+
+def test_invariant_checker_catches_a_corrupted_table():
+    """The checker the property test relies on must fail on a broken table."""
+    t = make_table()
+    t.planes[0, 2] = PlaneState.CPU  # a hole under q
+    with pytest.raises(PageTableError, match="exceeds leading GPU planes"):
+        t.check_invariants()
+    t = make_table()
+    t.begin_offload(0, 4)
+    t.finish_offload(0)
+    t.planes[0, 5] = PlaneState.GPU  # a stray GPU plane above q
+    with pytest.raises(PageTableError, match="above q"):
+        t.check_invariants()
+
+
+def test_block_layout_and_shapes():
+    t = PageTable(layers=3, experts=4, hidden=64, intermediate=32)
+    i = t.index(2, 1, 1)
+    assert t.block_id(i).layer == 2 and t.block_id(i).expert == 1 and t.block_id(i).kind == 1
+    assert tuple(t.shapes[t.index(0, 0, 0)]) == (64, 64)  # gate_up [2I, H]
+    assert tuple(t.shapes[t.index(0, 0, 1)]) == (64, 32)  # down [H, I]
+    assert str(t.block_id(i)) == "L2.E1.down"
+
+
+def test_initialize_validates_bits():
+    t = make_table()
+    with pytest.raises(PageTableError, match="not in"):
+        t.initialize(2)
+    t.initialize(np.array([3, 4] * 6))
+    assert t.mean_bits() == 3.5
+    check_invariants(t)
