@@ -1,0 +1,131 @@
+"""`pwsim gen-trace` (write a synthetic trace directory) and `pwsim trace-info` (validate and summarise)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from traces.clikit import UserError
+from traces.generators import LengthDist, RoutingSpec, WorkloadSpec, generate_requests, generate_routing, parse_domains
+from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
+from traces.model_card import load_card
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None, None
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc="routing", unit="row", unit_scale=True, leave=False)
+    return bar, bar.update
+
+
+def run_gen(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory for the trace")
+    if (out / REQUESTS_FILE).exists() and not args.force:
+        raise UserError(f"{out} already holds a trace ({REQUESTS_FILE}); pass --force to overwrite it")
+    names, weights = parse_domains(args.domains)
+    workload = WorkloadSpec(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
+                            prompt=LengthDist.parse(args.prompt_dist), output=LengthDist.parse(args.output_dist),
+                            domains=names, domain_weights=weights, token_ids_vocab=args.token_ids_vocab)
+    t0 = time.perf_counter()
+    requests = generate_requests(workload, args.seed)
+    routing = None
+    if args.routing:
+        spec = load_card(args.card)
+        rspec = RoutingSpec(skew=args.skew, domain_shift=args.domain_shift, drift=args.drift,
+                            features=args.features, tokens_per_request=args.routing_tokens)
+        tokens = (requests.prompt_tokens.astype("int64") + requests.output_tokens)
+        if args.routing_tokens > 0:
+            tokens = tokens.clip(max=args.routing_tokens)
+        bar, update = _progress(int(tokens.sum()) * spec.moe_layers, not args.json)
+        try:
+            routing = generate_routing(requests, spec, rspec, args.seed, progress=update)
+        finally:
+            if bar is not None:
+                bar.close()
+    write_trace_dir(out, Trace(requests, routing))
+    summary = {"out": str(out), "seconds": round(time.perf_counter() - t0, 3), "requests": requests.summary(),
+               "routing": routing.summary() if routing is not None else None}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        r = summary["requests"]
+        print(f"wrote {out}/{REQUESTS_FILE}: {r['requests']} requests over {r['duration_s']:.1f} s "
+              f"({r['total_tokens']:,} tokens; domains {r['domains']})")
+        if routing is not None:
+            print(f"wrote {out}/{ROUTING_FILE}: {len(routing):,} rows for {routing.card} "
+                  f"({routing.layers} MoE layers, {routing.experts} experts, top-{routing.top_k})")
+    return 0
+
+
+def _format_info(path: str, trace: Trace) -> str:
+    lines = [f"{path}: valid trace"]
+    if trace.requests is not None:
+        s = trace.requests.summary()
+        p, o = s["prompt_tokens"], s["output_tokens"]
+        lines += [f"  requests      {s['requests']} over {s['duration_s']:.1f} s ({s['rate_per_s']:.2f}/s)",
+                  f"  prompt tokens mean {p['mean']:.0f}, p50 {p['p50']:.0f}, p99 {p['p99']:.0f}, max {p['max']}",
+                  f"  output tokens mean {o['mean']:.0f}, p50 {o['p50']:.0f}, p99 {o['p99']:.0f}, max {o['max']}",
+                  f"  domains       " + ", ".join(f"{d} {c}" for d, c in s["domains"].items()),
+                  f"  token ids     {'yes' if s['prompt_token_ids'] else 'no'}"]
+    if trace.routing is not None:
+        s = trace.routing.summary()
+        lines += [f"  routing       {s['rows']:,} rows, {s['requests']} requests, model card {s['card']}",
+                  f"  shape         {s['layers']} MoE layers x {s['experts']} experts, top-{s['top_k']}, "
+                  f"features {'yes' if s['features'] else 'no'}",
+                  f"  skew          hottest 10% of experts take {100 * s['hottest_10pct_mass']:.1f}% of routing mass"]
+    return "\n".join(lines)
+
+
+def run_info(args: argparse.Namespace) -> int:
+    model = load_card(args.card) if args.card else None
+    trace = read_trace(args.path, model)
+    if args.json:
+        print(json.dumps({"path": args.path, "valid": True,
+                          "requests": trace.requests.summary() if trace.requests is not None else None,
+                          "routing": trace.routing.summary() if trace.routing is not None else None}, indent=2))
+    else:
+        print(_format_info(args.path, trace))
+    return 0
+
+
+def register(subparsers) -> None:
+    g = subparsers.add_parser("gen-trace", help="write a synthetic trace directory",
+                              description="Generate a synthetic request trace (and routing trace) reproducibly by "
+                                          "seed and write it as a trace directory (requests.parquet, routing.parquet).")
+    g.add_argument("--out", required=True, help="trace directory to write")
+    g.add_argument("--requests", type=int, default=100, help="number of requests (default 100)")
+    g.add_argument("--rate", type=float, default=2.0, help="mean arrival rate, requests/s (default 2)")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="coefficient of variation of inter-arrival gaps: 1 = Poisson, >1 bursty gamma (default 1)")
+    g.add_argument("--prompt-dist", default="lognormal:512,1.0,16,4096",
+                   help="prompt lengths: fixed:N | uniform:MIN,MAX | lognormal:MEDIAN,SIGMA[,MIN,MAX] | "
+                        "zipf:ALPHA[,MIN,MAX] (default lognormal:512,1.0,16,4096)")
+    g.add_argument("--output-dist", default="lognormal:128,0.8,8,1024", help="output lengths, same forms")
+    g.add_argument("--domains", default="chat,code,math", help="domain mix: a,b,c or a:0.5,b:0.3,c:0.2")
+    g.add_argument("--token-ids-vocab", type=int, default=0, help="also draw prompt token ids below this vocab size")
+    g.add_argument("--card", default="Qwen1.5-MoE-A2.7B", help="model card for the routing trace (see `pwsim models`)")
+    g.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
+                   help="also write routing.parquet (default yes)")
+    g.add_argument("--routing-tokens", type=int, default=0,
+                   help="route only the first N positions of each request (default 0 = all)")
+    g.add_argument("--skew", type=float, default=1.0, help="Zipf exponent of expert popularity (default 1.0)")
+    g.add_argument("--domain-shift", type=float, default=0.5,
+                   help="fraction of each layer's expert ranking a domain reshuffles, 0..1 (default 0.5)")
+    g.add_argument("--drift", type=float, default=0.05, help="popularity drift, logit std per sqrt(s) (default 0.05)")
+    g.add_argument("--features", action="store_true", help="also draw synthetic input-norm features")
+    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--force", action="store_true", help="overwrite an existing trace in --out")
+    g.add_argument("--json", action="store_true", help="machine-readable summary")
+    g.set_defaults(func=run_gen)
+
+    i = subparsers.add_parser("trace-info", help="validate a trace file or directory and summarise it",
+                              description="Validate a trace (a directory, requests.parquet or routing.parquet) "
+                                          "and print a summary; a malformed trace gives one error line, exit 2.")
+    i.add_argument("path", help="trace directory or .parquet file")
+    i.add_argument("--card", help="also check the routing trace belongs to this model card")
+    i.add_argument("--json", action="store_true", help="machine-readable summary")
+    i.set_defaults(func=run_info)

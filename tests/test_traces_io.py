@@ -1,0 +1,266 @@
+"""Trace files: round trips, atomic writes, and one clear error (file, column, row) per malformed input."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from traces import io as tio
+from traces.generators import RoutingSpec, WorkloadSpec, generate_requests, generate_routing
+from traces.model_card import load_card
+from traces.schema import RequestTrace, RoutingTrace, TraceError
+
+CARD = load_card("OLMoE-1B-7B-0924")
+
+
+@pytest.fixture(scope="module")
+def small():
+    req = generate_requests(WorkloadSpec(requests=6, token_ids_vocab=500), seed=3)
+    req = RequestTrace(req.request_id, req.arrival_s, np.minimum(req.prompt_tokens, 5), np.minimum(req.output_tokens, 3),
+                       req.domain_idx, req.domains,
+                       np.concatenate([[0], np.cumsum(np.minimum(req.prompt_tokens, 5))]),
+                       np.arange(int(np.minimum(req.prompt_tokens, 5).sum())) % 500, req.provenance)
+    rt = generate_routing(req, CARD, RoutingSpec(features=True), seed=3)
+    return req, rt
+
+
+def _write(table: pa.Table, path) -> str:
+    pq.write_table(table, path)
+    return str(path)
+
+
+def _set(table: pa.Table, name: str, array: pa.Array) -> pa.Table:
+    out = table.set_column(table.column_names.index(name), name, array)
+    return out.replace_schema_metadata(table.schema.metadata)
+
+
+def _raises(fn, file, column, row=None, match=None) -> TraceError:
+    with pytest.raises(TraceError) as info:
+        fn()
+    e = info.value
+    assert e.file == str(file) and e.column == column and e.row == row, str(e)
+    assert str(file) in str(e) and "\n" not in str(e)
+    if row is not None:
+        assert f"row {row}" in str(e)
+    if match:
+        assert match in str(e), str(e)
+    return e
+
+
+# ---------------------------------------------------------------- round trips
+def test_request_round_trip_keeps_everything(tmp_path, small):
+    req, _ = small
+    path = tio.write_requests(tmp_path / "r.parquet", req)
+    back = tio.read_requests(path)
+    for name in ("request_id", "arrival_s", "prompt_tokens", "output_tokens", "token_offsets", "token_ids"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(req, name))
+    assert back.domains == req.domains and list(back.domain) == list(req.domain)
+    assert back.provenance == req.provenance and back.source == str(path)
+    assert list(back.prompt_ids(2)) == list(req.prompt_ids(2))
+
+
+def test_unused_domains_and_their_order_survive(tmp_path):
+    req = RequestTrace([0, 1], [0.0, 1.0], [3, 4], [1, 2], [2, 2], ("zeta", "alpha", "mid"))
+    back = tio.read_requests(tio.write_requests(tmp_path / "r.parquet", req))
+    assert back.domains == ("zeta", "alpha", "mid") and list(back.domain) == ["mid", "mid"]
+
+
+def test_routing_round_trip_and_directory(tmp_path, small):
+    req, rt = small
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req, rt))
+    assert sorted(os.listdir(tmp_path / "t")) == ["requests.parquet", "routing.parquet"]
+    back = tio.read_trace_dir(tmp_path / "t", model=CARD)
+    r = back.routing
+    assert (r.card, r.layers, r.experts, r.top_k) == (CARD.name, CARD.moe_layers, CARD.experts, CARD.top_k)
+    for name in ("request_id", "position", "layer", "expert_ids", "weights", "gate_up_in_norm", "down_in_norm"):
+        np.testing.assert_array_equal(getattr(r, name), getattr(rt, name))
+    np.testing.assert_allclose(r.routing_mass(), rt.routing_mass())
+    # rewriting without routing removes the stale routing file
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req))
+    assert tio.read_trace_dir(tmp_path / "t").routing is None
+
+
+def test_empty_traces_round_trip(tmp_path):
+    req = generate_requests(WorkloadSpec(requests=0), seed=0)
+    rt = generate_routing(req, CARD, RoutingSpec(features=True), seed=0)
+    back = tio.read_trace_dir(tio.write_trace_dir(tmp_path, tio.Trace(req, rt)))
+    assert len(back.requests) == 0 and len(back.routing) == 0 and back.routing.has_features
+    assert back.routing.summary()["rows"] == 0 and back.requests.summary()["requests"] == 0
+
+
+def test_reader_accepts_other_integer_widths_and_variable_lists(tmp_path, small):
+    """A pandas-style file (int64 everywhere, plain list<...>) reads the same."""
+    _, rt = small
+    t = tio.routing_table(rt)
+    for name, typ in (("position", pa.int64()), ("layer", pa.int64())):
+        t = _set(t, name, t.column(name).cast(typ))
+    t = _set(t, "expert_ids", t.column("expert_ids").cast(pa.list_(pa.int64())))
+    t = _set(t, "weights", t.column("weights").cast(pa.list_(pa.float64())))
+    back = tio.read_routing(_write(t, tmp_path / "r.parquet"))
+    np.testing.assert_array_equal(back.expert_ids, rt.expert_ids)
+    np.testing.assert_array_equal(back.layer, rt.layer)
+
+
+def test_read_trace_tells_files_apart(tmp_path, small):
+    req, rt = small
+    tio.write_trace_dir(tmp_path, tio.Trace(req, rt))
+    assert tio.read_trace(tmp_path / "routing.parquet").requests is None
+    assert tio.read_trace(tmp_path / "requests.parquet").routing is None
+
+
+def test_sorted_and_request_ranges(small):
+    _, rt = small
+    rng = np.random.default_rng(0)
+    perm = rng.permutation(len(rt))
+    shuffled = RoutingTrace(rt.card, rt.layers, rt.experts, rt.top_k, rt.request_id[perm], rt.position[perm],
+                            rt.layer[perm], rt.expert_ids[perm], rt.weights[perm])
+    assert not shuffled.is_sorted()
+    again = shuffled.sorted()
+    np.testing.assert_array_equal(again.expert_ids, rt.expert_ids)
+    ids, start, stop = again.request_ranges()
+    for rid, a, b in zip(ids, start, stop):
+        assert (again.request_id[a:b] == rid).all()
+    assert stop[-1] == len(rt)
+
+
+# ---------------------------------------------------------------- atomic writes
+def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path, small, monkeypatch):
+    req, _ = small
+    path = tio.write_requests(tmp_path / "r.parquet", req)
+    before = path.read_bytes()
+
+    def boom(table, where, **kw):
+        open(where, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(tio.pq, "write_table", boom)
+    with pytest.raises(OSError):
+        tio.write_requests(path, req)
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["r.parquet"]
+
+
+def test_writer_refuses_invalid_traces_before_touching_disk(tmp_path, small):
+    _, rt = small
+    with pytest.raises(TraceError):
+        tio.write_trace_dir(tmp_path / "t", tio.Trace(RequestTrace([5], [0.0], [1], [1], [0], ("a",)), rt))
+    assert not (tmp_path / "t").exists()
+
+
+# ---------------------------------------------------------------- request errors
+def test_request_errors_name_file_column_row(tmp_path, small):
+    req, _ = small
+    base = tio.requests_table(req)
+    f = tmp_path / "bad.parquet"
+    cases = [
+        ("prompt_tokens", pa.array([4, 5, -3, 2, 1, 1], pa.int32()), 2, "not positive"),
+        ("output_tokens", pa.array([1, 1, 1, 0, 1, 1], pa.int32()), 3, "not positive"),
+        ("arrival_s", pa.array([0.0, 1.0, 2.0, 1.5, 3.0, 4.0]), 3, "earlier than the previous"),
+        ("arrival_s", pa.array([0.0, float("nan"), 2.0, 3, 4, 5]), 1, "finite"),
+        ("request_id", pa.array([0, 7, 2, 3, 7, 5], pa.int64()), 4, "duplicate request id 7 (first at row 1)"),
+        ("request_id", pa.array([0, 1, None, 3, 4, 5], pa.int64()), 2, "null value"),
+        ("prompt_tokens", pa.array([1, 2, 3, 2**40, 1, 1], pa.int64()), 3, "does not fit int32"),
+    ]
+    for column, array, row, match in cases:
+        _write(_set(base, column, array), f)
+        _raises(lambda: tio.read_requests(f), f, column, row, match)
+
+
+def test_request_column_errors(tmp_path, small):
+    req, _ = small
+    base = tio.requests_table(req)
+    f = tmp_path / "bad.parquet"
+    _write(base.drop_columns(["output_tokens"]), f)
+    _raises(lambda: tio.read_requests(f), f, "output_tokens", None, "missing column")
+    _write(_set(base, "arrival_s", pa.array(["0", "1", "2", "3", "4", "5"])), f)
+    _raises(lambda: tio.read_requests(f), f, "arrival_s", None, "has type string")
+    _write(_set(base, "domain", pa.array([1, 2, 3, 4, 5, 6])), f)
+    _raises(lambda: tio.read_requests(f), f, "domain", None, "expected string")
+    lens = np.diff(req.token_offsets)
+    bad = [list(range(n)) for n in lens]
+    bad[4] = bad[4] + [1]
+    _write(_set(base, "prompt_token_ids", pa.array(bad, pa.list_(pa.int32()))), f)
+    _raises(lambda: tio.read_requests(f), f, "prompt_token_ids", 4, "token ids")
+
+
+def test_not_parquet_missing_and_wrong_kind(tmp_path, small):
+    req, rt = small
+    junk = tmp_path / "junk.parquet"
+    junk.write_text("request_id,arrival_s\n0,0.0\n" * 20)
+    _raises(lambda: tio.read_requests(junk), junk, None, None, "not a Parquet file")
+    _raises(lambda: tio.read_requests(tmp_path / "nope.parquet"), tmp_path / "nope.parquet", None, None, "does not exist")
+    tio.write_routing(tmp_path / "routing.parquet", rt)
+    _raises(lambda: tio.read_requests(tmp_path / "routing.parquet"), tmp_path / "routing.parquet", "metadata.schema",
+            None, "expected a 'requests' trace")
+    (tmp_path / "empty").mkdir()
+    _raises(lambda: tio.read_trace_dir(tmp_path / "empty"), tmp_path / "empty", None, None, "has no requests.parquet")
+
+
+# ---------------------------------------------------------------- routing errors
+def _fixed(rows, typ, k):
+    return pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(rows).ravel(), typ), k)
+
+
+def test_routing_value_errors_name_file_column_row(tmp_path, small):
+    _, rt = small
+    base = tio.routing_table(rt)
+    f, k = tmp_path / "bad.parquet", rt.top_k
+    ids = rt.expert_ids.copy()
+    ids[5, 2] = CARD.experts  # out of range
+    rep = rt.expert_ids.copy()
+    rep[9, 1] = rep[9, 0]  # repeated expert
+    w = rt.weights.copy()
+    w[11, 0] = -0.5
+    layer = rt.layer.copy()
+    layer[7] = CARD.moe_layers
+    pos = rt.position.copy()
+    pos[6] = -1
+    dup_layer = rt.layer.copy()
+    dup_layer[1] = dup_layer[0]
+    cases = [("expert_ids", _fixed(ids, pa.int16(), k), 5, "out of range"),
+             ("expert_ids", _fixed(rep, pa.int16(), k), 9, "repeated expert"),
+             ("weights", _fixed(w, pa.float32(), k), 11, "finite and >= 0"),
+             ("layer", pa.array(layer), 7, "out of range"),
+             ("position", pa.array(pos), 6, "negative position"),
+             ("layer", pa.array(dup_layer), 1, "duplicate (request")]
+    for column, array, row, match in cases:
+        _write(_set(base, column, array), f)
+        _raises(lambda: tio.read_routing(f), f, column, row, match)
+    short = [list(r) for r in rt.expert_ids]
+    short[3] = short[3][:-1]
+    _write(_set(base, "expert_ids", pa.array(short, pa.list_(pa.int16()))), f)
+    _raises(lambda: tio.read_routing(f), f, "expert_ids", 3, "top_k")
+
+
+def test_routing_metadata_errors(tmp_path, small):
+    _, rt = small
+    f = tmp_path / "routing.parquet"
+    _write(tio.routing_table(rt).replace_schema_metadata(None), f)
+    _raises(lambda: tio.read_routing(f), f, "metadata", None, "no PagedWeight metadata")
+    tio.write_routing(f, rt)
+    _raises(lambda: tio.read_routing(f, model="Qwen1.5-MoE-A2.7B"), f, "metadata.card", None, "OLMoE-1B-7B-0924")
+    from dataclasses import replace
+    _raises(lambda: tio.read_routing(f, model=replace(CARD, top_k=2)), f, "metadata.top_k", None, "top_k is 8")
+    table = tio.routing_table(rt)
+    meta = dict(table.schema.metadata)
+    meta[b"pagedweight"] = meta[b"pagedweight"].replace(b'"top_k": 8', b'"top_k": 4')
+    _write(table.replace_schema_metadata(meta), f)
+    _raises(lambda: tio.read_routing(f), f, "expert_ids", 0, "top_k = 4")
+
+
+def test_routing_must_match_its_requests(tmp_path, small):
+    req, rt = small
+    tio.write_trace_dir(tmp_path, tio.Trace(req, rt))
+    f = tmp_path / "routing.parquet"
+    base = tio.routing_table(rt)
+    rid = rt.request_id.copy()
+    rid[-1] = 999
+    _write(_set(base, "request_id", pa.array(rid)), f)
+    _raises(lambda: tio.read_trace_dir(tmp_path), f, "request_id", len(rt) - 1, "not in the request trace")
+    pos = rt.position.copy()
+    last = len(rt) - 1
+    pos[last] = int(req.prompt_tokens[-1] + req.output_tokens[-1])
+    _write(_set(base, "position", pa.array(pos)), f)
+    _raises(lambda: tio.read_trace_dir(tmp_path), f, "position", last, "past the request")

@@ -1,0 +1,179 @@
+"""Hardware profiles: the coefficients of the simulator's cost model, as a typed, validated JSON file.
+
+A profile is written by hand (the bundled roofline profiles) or by `pwruntime bench kernels` with
+measured numbers, and read by pwsim's cost model; it lives in `traces/` so that both sides can use
+it without importing each other. Units are in the key names (GB/s = 1e9 bytes/s, TFLOP/s = 1e12).
+
+Format (JSON object, `format_version` 1):
+
+    name, device                        str
+    gpu_memory_bytes                    int, the device's capacity (a budget may not exceed it)
+    hbm_gbps                            peak HBM bandwidth
+    achieved_bandwidth_fraction         {op class: fraction of hbm_gbps a kernel of that class reaches}
+                                        op classes: OP_CLASSES below
+    fp16_tflops                         peak dense fp16 tensor-core throughput
+    achieved_flops_fraction             fraction of fp16_tflops a GEMM reaches
+    pcie_h2d_gbps, pcie_d2h_gbps        pinned host<->device copy bandwidth
+    iteration_overhead_us               fixed cost of one engine iteration (host work, sampling, sync)
+    layer_overhead_us                   kernel-launch cost per transformer layer per iteration
+    ap_kernel_efficiency                {bits "3".."8": fraction of the moe bandwidth the fused AP kernel
+                                        reaches when it reads that many planes}
+    ap_fused_max_tokens                 tokens per expert up to which the fused AP kernel runs; above
+                                        it the expert is dequantized to fp16 and multiplied by a GEMM
+    metadata                            {"measured": bool, "note": str, "sources": [...], ...}
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from traces.clikit import UserError
+
+FORMAT_VERSION = 1
+OP_CLASSES = ("attention", "kv", "moe", "dense", "lm_head")
+AP_BITS = (3, 4, 5, 6, 7, 8)
+BUNDLED_DIR = Path(__file__).resolve().parent / "hardware"
+
+
+class HardwareProfileError(UserError):
+    """A hardware profile file is missing or malformed."""
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    device: str
+    gpu_memory_bytes: int
+    hbm_gbps: float
+    achieved_bandwidth_fraction: dict[str, float]
+    fp16_tflops: float
+    achieved_flops_fraction: float
+    pcie_h2d_gbps: float
+    pcie_d2h_gbps: float
+    iteration_overhead_us: float
+    layer_overhead_us: float
+    ap_kernel_efficiency: dict[int, float]
+    ap_fused_max_tokens: int = 8
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    # -------------------------------------------------------------- derived
+    @property
+    def measured(self) -> bool:
+        return bool(self.metadata.get("measured", False))
+
+    def bandwidth(self, op_class: str) -> float:
+        """Achieved bytes/s of a kernel of `op_class`."""
+        return self.hbm_gbps * 1e9 * self.achieved_bandwidth_fraction[op_class]
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.fp16_tflops * 1e12 * self.achieved_flops_fraction
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        return self.pcie_h2d_gbps * 1e9
+
+    @property
+    def d2h_bytes_per_s(self) -> float:
+        return self.pcie_d2h_gbps * 1e9
+
+    # ------------------------------------------------------------------ I/O
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["ap_kernel_efficiency"] = {str(b): v for b, v in sorted(self.ap_kernel_efficiency.items())}
+        return {"format_version": FORMAT_VERSION, **d}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write atomically (temporary file in the same directory, then rename)."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.to_json(), f, indent=2)
+            f.write("\n")
+        os.replace(tmp, out)
+        return out
+
+
+def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise HardwareProfileError(f"hardware profile field {name} must be a {'non-negative' if allow_zero else 'positive'} "
+                                   f"number, got {value!r}")
+
+
+def validate(p: HardwareProfile) -> None:
+    """Raise HardwareProfileError naming the first bad field."""
+    if not p.name:
+        raise HardwareProfileError("hardware profile needs a non-empty name")
+    for f in ("gpu_memory_bytes", "hbm_gbps", "fp16_tflops", "achieved_flops_fraction", "pcie_h2d_gbps",
+              "pcie_d2h_gbps", "ap_fused_max_tokens"):
+        _positive(f, getattr(p, f))
+    for f in ("iteration_overhead_us", "layer_overhead_us"):
+        _positive(f, getattr(p, f), allow_zero=True)
+    if p.achieved_flops_fraction > 1:
+        raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")
+    missing = [c for c in OP_CLASSES if c not in p.achieved_bandwidth_fraction]
+    if missing:
+        raise HardwareProfileError(f"achieved_bandwidth_fraction lacks op classes {missing}; it needs {list(OP_CLASSES)}")
+    for c, v in p.achieved_bandwidth_fraction.items():
+        _positive(f"achieved_bandwidth_fraction[{c!r}]", v)
+        if v > 1:
+            raise HardwareProfileError(f"achieved_bandwidth_fraction[{c!r}] must be <= 1, got {v}")
+    missing_b = [b for b in AP_BITS if b not in p.ap_kernel_efficiency]
+    if missing_b:
+        raise HardwareProfileError(f"ap_kernel_efficiency lacks bitwidths {missing_b}; it needs {list(AP_BITS)}")
+    for b, v in p.ap_kernel_efficiency.items():
+        _positive(f"ap_kernel_efficiency[{b}]", v)
+    if "measured" not in p.metadata:
+        raise HardwareProfileError('hardware profile metadata must say "measured": true or false')
+
+
+def from_json(data: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
+    if not isinstance(data, dict):
+        raise HardwareProfileError(f"{source}: a hardware profile is a JSON object")
+    version = data.get("format_version")
+    if version != FORMAT_VERSION:
+        raise HardwareProfileError(f"{source}: format_version {version!r}, this PagedWeight reads {FORMAT_VERSION}")
+    known = set(HardwareProfile.__dataclass_fields__)
+    unknown = sorted(set(data) - known - {"format_version"})
+    if unknown:
+        raise HardwareProfileError(f"{source}: unknown field(s) {unknown}")
+    kwargs = {k: v for k, v in data.items() if k in known}
+    try:
+        eff = kwargs.get("ap_kernel_efficiency", {})
+        kwargs["ap_kernel_efficiency"] = {int(b): float(v) for b, v in eff.items()}
+        kwargs["achieved_bandwidth_fraction"] = dict(kwargs.get("achieved_bandwidth_fraction", {}))
+        return HardwareProfile(**kwargs)
+    except HardwareProfileError as e:
+        raise HardwareProfileError(f"{source}: {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise HardwareProfileError(f"{source}: malformed hardware profile ({e})") from None
+
+
+def bundled_profiles() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_DIR.glob("*.json"))
+
+
+def load_profile(path_or_name: str | os.PathLike) -> HardwareProfile:
+    """Load a profile from a JSON path, or a bundled one by name (e.g. `h200-roofline`)."""
+    p = Path(path_or_name)
+    if not p.is_file():
+        bundled = BUNDLED_DIR / f"{path_or_name}.json"
+        if not bundled.is_file():
+            raise HardwareProfileError(f"hardware profile {str(path_or_name)!r} not found; pass a JSON file or one of "
+                                       f"the bundled profiles: {', '.join(bundled_profiles())}")
+        p = bundled
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise HardwareProfileError(f"{p} is not valid JSON ({e})") from None
+    return from_json(data, str(p))
