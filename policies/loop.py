@@ -1,0 +1,143 @@
+"""The observe -> plan -> move -> commit step both engines run at the end of every iteration.
+
+`PlanLoop.step(observation)`, called at an iteration boundary (no kernel is reading weights):
+
+1. `policy.plan_step(table, observation)`.
+2. Each transition of the plan is checked against the table (its `from_bits` must be the block's
+   committed bits and the block idle) and begun through the table's protocol: an offload commits
+   the lower bits at once and its surplus planes wait for the mover; a reload first asks the
+   engine for room (`reserve(bytes)`, e.g. by shrinking the KV pool over free blocks) and then
+   marks its planes in flight. The mover gets `start(transition, bytes)`. An `in_place` transition
+   (planes already resident) is committed at once without the mover. A transition the table
+   or the engine refuses is recorded in `rejected` and changes nothing; nothing raises.
+3. Transfers the mover reports as landed are committed (`finish_offload` frees planes, and the
+   engine's `release(bytes)` can give them to the KV pool; `finish_reload` raises `q`).
+
+The simulator and the runtime differ only in their mover (a PCIe link model vs. copy streams) and
+in the `reserve`/`release` callbacks; the loop is the same object, so the same observations give
+the same plans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from policies.contract import Observation, Plan, Policy, Transition
+from policies.apformat import MAX_BITS, lut_bytes, plane_bytes
+from policies.page_table import PageTable, PageTableError
+
+
+class PageMover(Protocol):
+    """Moves the planes of begun transitions; reports the blocks whose transfer finished."""
+
+    def start(self, transition: Transition, nbytes: int) -> None: ...
+
+    def landed(self) -> list[int]:
+        """Blocks whose transfer finished since the last call, in the order they finished."""
+        ...
+
+
+@dataclass
+class ImmediateMover:
+    """Every transfer lands at once (full-precision weights, or a zero-cost model)."""
+
+    _pending: list[int] = field(default_factory=list)
+    bytes_moved: int = 0
+
+    def start(self, transition: Transition, nbytes: int) -> None:
+        self._pending.append(transition.block)
+        self.bytes_moved += int(nbytes) if not transition.is_offload else 0
+
+    def landed(self) -> list[int]:
+        out, self._pending = self._pending, []
+        return out
+
+
+@dataclass(frozen=True)
+class LoopResult:
+    plan: Plan | None
+    started: tuple[Transition, ...] = ()
+    rejected: tuple[tuple[Transition, str], ...] = ()
+    committed: tuple[int, ...] = ()  # blocks whose transfer finished at this boundary
+    released_bytes: int = 0  # GPU bytes freed by the offloads committed now
+    reserved_bytes: int = 0  # GPU bytes the reloads begun now occupy
+
+
+class PlanLoop:
+    """One policy over one page table, with a mover and the engine's memory callbacks."""
+
+    def __init__(self, policy: Policy, table: PageTable, mover: PageMover | None = None,
+                 reserve: Callable[[int], bool] | None = None,
+                 release: Callable[[int], None] | None = None) -> None:
+        self.policy, self.table = policy, table
+        self.mover = mover if mover is not None else ImmediateMover()
+        self._reserve, self._release = reserve, release
+        self._release_on_commit: dict[int, int] = {}  # block -> GPU bytes freed when its transfer commits
+        self.num_plans = 0
+
+    def step(self, observation: Observation) -> LoopResult:
+        plan = self.policy.plan_step(self.table, observation)
+        started, rejected = [], []
+        reserved = 0
+        if plan is not None:
+            self.num_plans += 1
+            for t in plan.transitions:
+                why, nbytes = self._begin(t)
+                if why is None:
+                    started.append(t)
+                    reserved += 0 if t.is_offload else nbytes
+                else:
+                    rejected.append((t, why))
+        committed, released = [], 0
+        for i in self.mover.landed():
+            if self.table.target[i] < 0:
+                continue  # nothing in flight (a mover reporting twice); ignore
+            if self.table.target[i] > self.table.q[i]:
+                self.table.finish_reload(i)
+            else:
+                self.table.finish_offload(i)
+            released += self._release_on_commit.pop(i, 0)
+            committed.append(i)
+        if released and self._release is not None:
+            self._release(released)
+        return LoopResult(plan, tuple(started), tuple(rejected), tuple(committed), released, reserved)
+
+    def _begin(self, t: Transition) -> tuple[str | None, int]:
+        """Begin one transition; returns (why it was refused or None, bytes moved)."""
+        table, i = self.table, t.block
+        if not 0 <= i < table.num_blocks:
+            return f"block {i} out of range", 0
+        if table.busy[i]:
+            return "transfer already in flight", 0
+        if int(table.q[i]) != t.from_bits:
+            return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}", 0
+        if t.to_bits == t.from_bits or t.to_bits < 0:
+            return f"no legal change {t.from_bits} -> {t.to_bits}", 0
+        out, inp = (int(x) for x in table.shapes[i])
+        try:
+            if getattr(t, "in_place", False):  # planes already resident: commit now, nothing moves
+                table.commit_in_place(i, t.to_bits)
+                return None, 0
+            if t.is_offload:
+                nbytes = table.begin_offload(i, t.to_bits)
+                self._release_on_commit[i] = nbytes  # surplus planes and the old LUT
+            else:
+                # planes q..to-1 plus LUT_to must fit before the copy starts; LUT_q goes at commit
+                if t.to_bits > MAX_BITS or not table.supported[t.to_bits]:
+                    return f"{t.to_bits} bits not supported; supported: {table.bits}", 0
+                if getattr(table, "held", None) is not None and table.held[i]:
+                    return "block keeps planes in place (commit_in_place); it cannot reload", 0
+                need = (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
+                if self._reserve is not None and not self._reserve(need):
+                    return "no room for the reload", 0
+                try:
+                    nbytes = table.begin_reload(i, t.to_bits)
+                except PageTableError:
+                    if self._reserve is not None and self._release is not None:
+                        self._release(need)  # give the room back
+                    raise
+                self._release_on_commit[i] = lut_bytes(out, t.from_bits) if t.from_bits > 0 else 0
+        except PageTableError as e:
+            return str(e), 0
+        self.mover.start(t, nbytes)
+        return None, nbytes

@@ -1,0 +1,226 @@
+"""Continuous-batching scheduler: admission, chunked prefill, decode, preemption by recompute.
+
+Pure python and deterministic (no clocks, no randomness), shared by pwsim and pwruntime: both call
+`schedule()` once per iteration, run the batch (tensors or a cost model), then `postprocess()`.
+
+Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
+
+1. Running sequences, oldest admitted first, each get `min(uncomputed tokens, budget left)` new
+   tokens: one for a decode, a chunk of the prompt for a sequence still in (chunked) prefill.
+   When the pool cannot hold those tokens, the newest running sequence is preempted (its blocks
+   freed, its progress reset to 0, its generated tokens kept, put back at the head of the waiting
+   queue) until it can; if the sequence itself is the newest, it is preempted. A sequence that is
+   alone in the batch is never preempted: the step stalls instead (see 3).
+2. If nobody was preempted this step, waiting sequences are admitted first-come first-served
+   while there is budget, fewer than `max_num_seqs` run, and the pool can hold the head's first
+   chunk (`min(uncomputed, budget left)` tokens). The head blocks the queue (no overtaking).
+3. A step that schedules nothing while requests are unfinished is a *stall* (the pool is too
+   small for the oldest request on its own). An engine keeps calling (its planner may grow the
+   pool meanwhile); after `stall_limit` consecutive stalls the blocking request is finished with
+   reason "kv_capacity", keeping what it generated. So every request finishes.
+
+`postprocess(batch, sampled)` advances `num_computed_tokens`, appends the sampled tokens
+(`None` for a simulator: `UNKNOWN_TOKEN` each), applies the stops (EOS, stop tokens, max tokens,
+then the engine's optional `stop(seq)` callback, e.g. for stop strings), and frees finished blocks.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Hashable, Iterable, Sequence as Seq
+
+from policies.kv_blocks import BlockPool
+from policies.sequence import UNKNOWN_TOKEN, Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence's share of a step: tokens at positions [start, start + num_new_tokens)."""
+
+    seq: Sequence
+    num_new_tokens: int
+    start: int  # tokens already in the cache (context length) before this step
+    sample: bool  # this step reaches the sequence's last known token: sample the next one
+    is_decode: bool = False  # one token after a complete context (not a prefill or recompute chunk)
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    step: int
+    entries: tuple[ScheduledSeq, ...]
+    preempted: tuple[Sequence, ...] = ()
+    aborted: tuple[Sequence, ...] = ()  # finished with "kv_capacity" by this call
+    stalled: bool = False
+    num_running: int = 0  # after scheduling
+    num_waiting: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(1 for e in self.entries if e.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for e in self.entries if e.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries
+
+
+@dataclass
+class Scheduler:
+    """Waiting/running queues over one BlockPool; see the module docstring for the rules."""
+
+    pool: BlockPool
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    stall_limit: int = 8
+    waiting: deque = field(default_factory=deque)
+    running: list = field(default_factory=list)  # admission order, oldest first
+    num_steps: int = 0
+    num_preemptions: int = 0
+    _stalls: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+    # ------------------------------------------------------------------ queue
+    def add(self, seq: Sequence) -> None:
+        if seq.status != SequenceStatus.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} is not a fresh waiting sequence")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def abort(self, seq_id: Hashable) -> Sequence | None:
+        """Finish a waiting or running sequence with reason "abort"; returns it (None if unknown)."""
+        for seq in list(self.running) + list(self.waiting):
+            if seq.seq_id == seq_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.pool.free(seq.seq_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # --------------------------------------------------------------- schedule
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_num_batched_tokens
+        entries: list[ScheduledSeq] = []
+        preempted: list[Sequence] = []
+        blocked = False  # a running sequence could not grow: admit nobody this step
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            want = seq.num_computed_tokens + n
+            while not self.pool.can_allocate(seq.seq_id, want) and self.running[-1] is not seq:
+                preempted.append(self._preempt(self.running[-1]))
+            if not self.pool.can_allocate(seq.seq_id, want):
+                if entries:  # older sequences run this step; give way to them
+                    preempted.append(self._preempt(seq))
+                blocked = True  # alone and still too big: a stall (handled below)
+                break
+            self.pool.allocate(seq.seq_id, want)
+            decode = n == 1 and seq.num_uncomputed_tokens == 1 and bool(seq.output_token_ids)
+            entries.append(ScheduledSeq(seq, n, seq.num_computed_tokens, want == seq.num_tokens, decode))
+            budget -= n
+            i += 1
+        if not preempted and not blocked:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(seq.num_uncomputed_tokens, budget)
+                if not self.pool.can_allocate(seq.seq_id, n):
+                    break
+                self.waiting.popleft()
+                self.pool.allocate(seq.seq_id, n)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+                entries.append(ScheduledSeq(seq, n, 0, n == seq.num_tokens))
+                budget -= n
+        aborted: list[Sequence] = []
+        stalled = not entries and self.has_unfinished()
+        self._stalls = self._stalls + 1 if stalled else 0
+        if stalled and self._stalls > self.stall_limit:
+            blocker = self.running[0] if self.running else self.waiting[0]
+            self.finish(blocker, "kv_capacity")
+            aborted.append(blocker)
+            self._stalls = 0
+        self.num_steps += 1
+        return ScheduledBatch(self.num_steps - 1, tuple(entries), tuple(preempted), tuple(aborted), stalled,
+                              len(self.running), len(self.waiting))
+
+    def _preempt(self, seq: Sequence) -> Sequence:
+        self.running.remove(seq)
+        self.pool.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        return seq
+
+    # ------------------------------------------------------------ postprocess
+    def postprocess(self, batch: ScheduledBatch, sampled: Seq[int] | None = None,
+                    stop: Callable[[Sequence], str | None] | None = None) -> list[Sequence]:
+        """Advance the batch's sequences; `sampled` has one token per entry with `sample` (in order).
+
+        Returns the sequences finished by this call (their blocks are freed).
+        """
+        n_sample = batch.num_sampled
+        if sampled is not None and len(sampled) != n_sample:
+            raise ValueError(f"expected {n_sample} sampled tokens, got {len(sampled)}")
+        tokens: Iterable[int] = iter(sampled) if sampled is not None else iter([UNKNOWN_TOKEN] * n_sample)
+        finished: list[Sequence] = []
+        for e in batch.entries:
+            seq = e.seq
+            if seq.status != SequenceStatus.RUNNING:
+                raise ValueError(f"sequence {seq.seq_id!r} is no longer running; postprocess each batch once")
+            seq.num_computed_tokens = e.start + e.num_new_tokens
+            if not e.sample:
+                continue
+            token = int(next(tokens))
+            seq.output_token_ids.append(token)
+            reason = seq.builtin_stop(token)
+            if reason is None and stop is not None:
+                reason = stop(seq)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    # ------------------------------------------------------------------ views
+    def pending_blocks(self) -> int:
+        """Blocks the running sequences would newly need in the next step (its token budget applied)."""
+        budget, need = self.max_num_batched_tokens, 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            need += self.pool.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
+            budget -= n
+        return need
+
+    def block_usage(self) -> dict[Hashable, int]:
+        """KV blocks held by each running sequence (the weights of the prompt-feature merge)."""
+        return {s.seq_id: self.pool.num_blocks_of(s.seq_id) for s in self.running}

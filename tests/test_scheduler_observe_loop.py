@@ -1,0 +1,189 @@
+"""Shared observe/plan/commit pieces: routing mass, prompt features, Observation, PlanLoop."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from policies.contract import Observation, Plan, Transition
+from policies.kv_blocks import BlockPool
+from policies.loop import ImmediateMover, PlanLoop
+from policies.observe import PromptFeatures, RoutingMass, build_observation, split_tokens
+from policies.page_table import PageTable, PlaneState
+from policies.scheduler import Scheduler
+from policies.sequence import make_sequences
+
+
+def _routing(rng, layers, tokens, experts, k):
+    ids = np.stack([np.stack([rng.choice(experts, k, replace=False) for _ in range(tokens)]) for _ in range(layers)])
+    w = rng.random((layers, tokens, k))
+    return ids.reshape(layers, tokens, k), w / w.sum(-1, keepdims=True)
+
+
+def test_routing_mass_matches_eq1_without_decay_and_rows_sum_to_one():
+    rng = np.random.default_rng(0)
+    rm = RoutingMass(3, 5, half_life_tokens=None)
+    assert np.all(rm.mass() == 0)
+    all_ids, all_w = [], []
+    for t in (4, 1, 7):
+        ids, w = _routing(rng, 3, t, 5, 2)
+        rm.update(ids, w)
+        all_ids.append(ids)
+        all_w.append(w)
+    ids, w = np.concatenate(all_ids, 1), np.concatenate(all_w, 1)
+    expect = np.zeros((3, 5))
+    for layer in range(3):
+        for e in range(5):
+            expect[layer, e] = w[layer][ids[layer] == e].sum() / w[layer].sum()
+    np.testing.assert_allclose(rm.mass(), expect, rtol=1e-12)
+    np.testing.assert_allclose(rm.mass().sum(1), 1.0)
+    assert rm.tokens_seen == 12
+
+
+def test_routing_mass_decays_by_tokens():
+    rm = RoutingMass(1, 2, half_life_tokens=4.0)
+    rm.update(np.zeros((1, 4, 1), int), np.ones((1, 4, 1)))  # 4 tokens to expert 0
+    rm.update(np.ones((1, 4, 1), int), np.ones((1, 4, 1)))  # 4 tokens to expert 1: expert 0 halves first
+    np.testing.assert_allclose(rm.mass(), [[2 / 6, 4 / 6]])
+    with pytest.raises(ValueError):
+        rm.update(np.zeros((2, 1, 1), int), np.ones((2, 1, 1)))
+
+
+def test_prompt_features_against_direct_computation():
+    rng = np.random.default_rng(1)
+    layers, experts, k, n = 2, 4, 2, 6
+    pf = PromptFeatures(layers, experts)
+    ids, w = _routing(rng, layers, n, experts, k)
+    gu = rng.random((layers, n)) + 0.5
+    dn = rng.random((layers, n, k)) + 0.5
+    pf.update("s", ids[:, :2], w[:, :2], gu[:, :2], dn[:, :2])
+    pf.update("s", ids[:, 2:], w[:, 2:], gu[:, 2:], dn[:, 2:])  # accumulation over steps
+    phi = pf.sequence_features("s")
+    for layer in range(layers):
+        for e in range(experts):
+            sel = ids[layer] == e
+            if not sel.any():
+                assert np.all(phi[(layer * experts + e) * 2: (layer * experts + e) * 2 + 2] == 0)
+                continue
+            r = w[layer][sel]
+            for kind, x in ((0, np.broadcast_to(gu[layer][:, None], (n, k))[sel]), (1, dn[layer][sel])):
+                row = phi[(layer * experts + e) * 2 + kind]
+                np.testing.assert_allclose(row, [(r * x).sum() / r.sum(), np.sqrt((r * x * x).sum() / r.sum()),
+                                                 x.max()], rtol=1e-12)
+
+
+def test_prompt_features_merge_weighted_by_kv_blocks():
+    pf = PromptFeatures(1, 2)
+    one = np.ones((1, 1, 1))
+    pf.update("a", np.zeros((1, 1, 1), int), one, np.full((1, 1), 2.0), np.full((1, 1, 1), 4.0))
+    pf.update("b", np.zeros((1, 1, 1), int), one, np.full((1, 1), 6.0), np.full((1, 1, 1), 8.0))
+    pf.update("c", np.ones((1, 1, 1), int), one, np.full((1, 1), 1.0), np.full((1, 1, 1), 1.0))
+    merged = pf.merged({"a": 3, "b": 1})  # c is not running
+    np.testing.assert_allclose(merged[0], [3.0, 3.0, 3.0])  # (3*2 + 1*6) / 4
+    np.testing.assert_allclose(merged[1], [5.0, 5.0, 5.0])
+    assert np.all(merged[2:] == 0)  # expert 1 only seen by c
+    pf.drop("a")
+    np.testing.assert_allclose(pf.merged({"a": 3, "b": 1})[0], [6.0, 6.0, 6.0])
+
+
+def test_build_observation_from_pool_and_scheduler():
+    pool = BlockPool(10, 4)
+    sched = Scheduler(pool, max_num_batched_tokens=64)
+    for s in make_sequences([6, 3], [5, 5]):
+        sched.add(s)
+    batch = sched.schedule()
+    sched.postprocess(batch, None)
+    rm = RoutingMass(1, 2)
+    rm.update(np.array([[[0], [1], [1]]]), np.ones((1, 3, 1)))
+    obs = build_observation(step=3, time_s=0.5, pool=pool, scheduler=sched, kv_block_bytes=128,
+                            free_block_threshold=2, routing=rm)
+    assert (obs.free_blocks, obs.total_blocks, obs.num_running, obs.num_waiting) == (7, 10, 2, 0)
+    assert obs.pending_kv_blocks == 0  # 7 and 4 tokens fit in their blocks after one decode
+    np.testing.assert_allclose(obs.routing_mass, [[1 / 3, 2 / 3]])
+    assert split_tokens([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
+
+
+@dataclass
+class ScriptedPolicy:
+    """Returns a fixed plan per step (None when the script says so)."""
+
+    script: list
+    name: str = "scripted"
+    seen: list = field(default_factory=list)
+
+    def reset(self, table, calibration):
+        return None
+
+    def plan_step(self, table, observation):
+        self.seen.append(observation.step)
+        return self.script[observation.step] if observation.step < len(self.script) else None
+
+
+def _obs(step):
+    return Observation(step=step, time_s=0.0, free_blocks=1, total_blocks=4, kv_block_bytes=64,
+                       free_block_threshold=2)
+
+
+def test_plan_loop_offload_then_reload_with_immediate_mover():
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    off = Transition(0, 8, 4, int(table.M[0, 8] - table.M[0, 4]))
+    stale = Transition(1, 6, 4, 0)
+    up = Transition(0, 4, 6, int(table.M[0, 4] - table.M[0, 6]))
+    released = []
+    asked = []
+    loop = PlanLoop(ScriptedPolicy([Plan((off, stale)), None, Plan((up,))]), table, ImmediateMover(),
+                    reserve=lambda b: asked.append(b) or True, release=released.append)
+    r0 = loop.step(_obs(0))
+    assert r0.started == (off,) and r0.rejected[0][0] == stale and "stale" in r0.rejected[0][1]
+    assert r0.committed == (0,) and r0.released_bytes == off.delta_bytes == released[0]
+    assert table.q[0] == 4 and not table.busy.any()
+    assert np.all(table.planes[0, 4:] == PlaneState.CPU)
+    assert loop.step(_obs(1)).plan is None
+    r2 = loop.step(_obs(2))
+    assert r2.committed == (0,) and table.q[0] == 6 and asked and r2.reserved_bytes > 0
+    table.check_invariants()
+
+
+def test_plan_loop_reload_refused_without_room():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=4)
+    up = Transition(0, 4, 8, int(table.M[0, 4] - table.M[0, 8]))
+    loop = PlanLoop(ScriptedPolicy([Plan((up,))]), table, reserve=lambda b: False)
+    r = loop.step(_obs(0))
+    assert r.started == () and r.rejected[0][1] == "no room for the reload" and table.q[0] == 4
+
+
+class _SlowMover:
+    """Lands each transfer one step after it started (an async copy stream in miniature)."""
+
+    def __init__(self):
+        self.now, self.next = [], []
+
+    def start(self, t, nbytes):
+        self.next.append(t.block)
+
+    def landed(self):
+        out, self.now, self.next = self.now, self.next, []
+        return out
+
+
+def test_reload_commits_only_at_a_later_boundary():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=4)
+    up = Transition(0, 4, 6, int(table.M[0, 4] - table.M[0, 6]))
+    loop = PlanLoop(ScriptedPolicy([Plan((up,)), None]), table, _SlowMover())
+    r0 = loop.step(_obs(0))
+    assert r0.started == (up,) and r0.committed == () and table.q[0] == 4 and table.busy[0]
+    r1 = loop.step(_obs(1))
+    assert r1.committed == (0,) and table.q[0] == 6 and not table.busy[0]
+
+
+def test_in_place_transition_commits_without_moving_pages():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    mover = ImmediateMover()
+    down = Transition(0, 8, 5, 0, in_place=True)
+    loop = PlanLoop(ScriptedPolicy([Plan((down,)), Plan((Transition(0, 5, 8, 0),))]), table, mover)
+    r = loop.step(_obs(0))
+    assert r.started == (down,) and r.committed == () and table.q[0] == 5 and mover.bytes_moved == 0
+    assert np.all(table.planes[0] == PlaneState.GPU)  # every plane stays resident
+    r1 = loop.step(_obs(1))  # a paged reload of a block held in place is refused, not raised
+    assert r1.started == () and "in place" in r1.rejected[0][1] and table.q[0] == 5
