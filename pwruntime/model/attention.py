@@ -1,0 +1,209 @@
+"""Paged attention: batch metadata, the per-forward attention plan, the pure-torch reference, the attention module.
+
+Tokens of a batch are flattened (sequence 0's new tokens, then sequence 1's, ...). Each new token's K/V
+is written to its slot (block_id * block_size + offset) first; then a token attends to its sequence's
+cached tokens plus the new tokens up to itself (causal, optionally within a sliding window).
+
+The reference gathers K/V through the block tables, vectorised over sequences: all decode tokens of the
+batch (query length 1) form one group; each multi-token chunk is its own group. A chunk with no cached
+context (plain prefill) uses torch's scaled_dot_product_attention on its own K/V, which is the same
+math. This is the CPU path and the reference a CUDA paged-attention kernel must match.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pwruntime.model.config import ModelConfig
+from pwruntime.model.layers import Linear, RMSNorm, Rotary
+
+
+@dataclass
+class AttentionMetadata:
+    query_lens: list[int]        # new tokens per sequence in this forward (sum == T)
+    context_lens: list[int]      # tokens already in the cache per sequence before this forward
+    block_tables: torch.Tensor   # [num_seqs, max_blocks] int32, padded with -1
+    slot_mapping: torch.Tensor   # [T] int64: block_id * block_size + offset of each new token's K/V
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+
+def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
+                   device: str | torch.device = "cpu") -> AttentionMetadata:
+    """Metadata for sequences given as (context_len, query_len, block ids); the blocks must cover
+    context_len + query_len tokens."""
+    width = max(1, max(len(blocks) for _, _, blocks in seqs))
+    table = torch.full((len(seqs), width), -1, dtype=torch.int32)
+    slots: list[int] = []
+    for s, (ctx, qlen, blocks) in enumerate(seqs):
+        if len(blocks) * block_size < ctx + qlen:
+            raise ValueError(f"sequence {s}: {len(blocks)} blocks of {block_size} cannot hold {ctx + qlen} tokens")
+        table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + qlen)]
+    return AttentionMetadata([q for _, q, _ in seqs], [c for c, _, _ in seqs], table.to(device),
+                             torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
+    """One sequence of `num_tokens` new tokens in blocks 0, 1, 2, ... (a trivial block table)."""
+    n_blocks = -(-num_tokens // block_size)
+    return batch_metadata([(0, num_tokens, list(range(n_blocks)))], block_size, device)
+
+
+@dataclass
+class _PrefillGroup:          # one sequence, no cached context: attend among its own new tokens
+    start: int
+    end: int
+
+
+@dataclass
+class _GatherGroup:           # sequences whose keys are gathered from the paged cache
+    token_idx: torch.Tensor   # [Tg] flat token positions in the batch
+    dest: torch.Tensor        # [Tg] row in the padded [S*Qmax] query layout
+    key_slots: torch.Tensor   # [S, L] cache slot of key position p (0 where invalid)
+    key_valid: torch.Tensor   # [S, L]
+    q_pos: torch.Tensor       # [S, Qmax] absolute position of each padded query row
+    q_valid: torch.Tensor     # [S, Qmax]
+    masks: dict = field(default_factory=dict)   # window -> [S, Qmax, L] bool (built on first use)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if window not in self.masks:
+            k_pos = torch.arange(self.key_slots.shape[1], device=self.q_pos.device)
+            m = (k_pos[None, None, :] <= self.q_pos[:, :, None]) & self.key_valid[:, None, :]
+            if window is not None:
+                m &= k_pos[None, None, :] > self.q_pos[:, :, None] - window
+            m |= ~self.q_valid[:, :, None] & (k_pos == 0)[None, None, :]   # padded rows: no all-masked row
+            self.masks[window] = m
+        return self.masks[window]
+
+
+@dataclass
+class AttentionPlan:
+    """Everything derived from AttentionMetadata once per forward and shared by all layers."""
+    slot_mapping: torch.Tensor
+    groups: list
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> "AttentionPlan":
+        starts = [0]
+        for q in meta.query_lens:
+            starts.append(starts[-1] + q)
+        groups: list = []
+        decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
+        for s, q in enumerate(meta.query_lens):
+            if q > 1 and meta.context_lens[s] == 0:
+                groups.append(_PrefillGroup(starts[s], starts[s + 1]))
+            elif q > 1:
+                groups.append(cls._gather(meta, [s], starts, block_size, device))
+        if decode:
+            groups.append(cls._gather(meta, decode, starts, block_size, device))
+        return cls(meta.slot_mapping.to(device=device, dtype=torch.int64), groups)
+
+    @staticmethod
+    def _gather(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
+                device: torch.device) -> _GatherGroup:
+        q_lens = torch.tensor([meta.query_lens[s] for s in seqs], device=device)
+        ctx = torch.tensor([meta.context_lens[s] for s in seqs], device=device)
+        total, q_max = ctx + q_lens, int(max(meta.query_lens[s] for s in seqs))
+        length = int(max(meta.context_lens[s] + meta.query_lens[s] for s in seqs))
+        table = meta.block_tables.to(device=device, dtype=torch.int64)[torch.tensor(seqs, device=device)]
+        k_pos = torch.arange(length, device=device)
+        blocks = table[:, (k_pos // block_size).clamp(max=table.shape[1] - 1)]
+        in_seq = k_pos[None, :] < total[:, None]
+        if bool((in_seq & ((blocks < 0) | (k_pos[None, :] >= table.shape[1] * block_size))).any()):
+            raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
+        key_slots = torch.where(in_seq, blocks * block_size + k_pos % block_size, 0)
+        qi = torch.arange(q_max, device=device)
+        token_idx = torch.cat([torch.arange(starts[s], starts[s + 1], device=device) for s in seqs])
+        dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s], device=device) for g, s in enumerate(seqs)])
+        return _GatherGroup(token_idx, dest, key_slots, in_seq, ctx[:, None] + qi[None, :],
+                            qi[None, :] < q_lens[:, None])
+
+
+def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
+                        scale: float, window: int | None) -> torch.Tensor:
+    """Reference paged attention (GQA) for one group; q [Tg, heads, d] -> [Tg, heads, d]."""
+    n_seq, length = g.key_slots.shape
+    q_max = g.q_pos.shape[1]
+    heads, d = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    keys = k_cache.reshape(-1, kv_heads, d)[g.key_slots].float()      # [S, L, kvh, d]
+    values = v_cache.reshape(-1, kv_heads, d)[g.key_slots].float()
+    qp = q.new_zeros(n_seq * q_max, heads, d, dtype=torch.float32)
+    qp[g.dest] = q.float()
+    qp = qp.view(n_seq, q_max, kv_heads, heads // kv_heads, d).permute(0, 2, 3, 1, 4)   # [S, kvh, grp, Q, d]
+    scores = torch.matmul(qp, keys.permute(0, 2, 3, 1)[:, :, None]) * scale            # [S, kvh, grp, Q, L]
+    scores = scores.masked_fill(~g.mask(window)[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values.permute(0, 2, 1, 3)[:, :, None])                  # [S, kvh, grp, Q, d]
+    out = out.permute(0, 3, 1, 2, 4).reshape(n_seq * q_max, heads, d)
+    return out[g.dest].to(q.dtype)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       window: int | None) -> torch.Tensor:
+    """Causal attention among n new tokens; q [n, heads, d], k/v [n, kv_heads, d]."""
+    groups = q.shape[1] // k.shape[1]
+    qt = q.transpose(0, 1)[None]
+    kt = k.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
+    vt = v.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
+    if window is None:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(q.shape[0], device=q.device)
+        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache)."""
+    out = torch.empty_like(q)
+    for g in plan.groups:
+        if isinstance(g, _PrefillGroup):
+            out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
+                                                    scale, window)
+        else:
+            out[g.token_idx] = _gathered_attention(q[g.token_idx], k_cache, v_cache, g, scale, window)
+    return out
+
+
+class Attention(nn.Module):
+    """q/k/v projections (+ optional q/k RMSNorm), rotary, paged attention, output projection."""
+
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None], window: int | None):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
+        self.scale, self.window, self.qk_norm, self.clip = cfg.head_dim ** -0.5, window, cfg.qk_norm, cfg.clip_qkv
+        self.q_proj = Linear(w["q"], w.get("q_bias"))
+        self.k_proj = Linear(w["k"], w.get("k_bias"))
+        self.v_proj = Linear(w["v"], w.get("v_bias"))
+        self.o_proj = Linear(w["o"], w.get("o_bias"))
+        if cfg.qk_norm != "none":
+            self.q_norm, self.k_norm = RMSNorm(w["q_norm"], cfg.rms_eps), RMSNorm(w["k_norm"], cfg.rms_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
+        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window)
+        return self.o_proj(out.reshape(n, self.heads * self.head_dim))

@@ -1,0 +1,178 @@
+"""ModelConfig: the architecture facts pwruntime needs, parsed from a HuggingFace config.json.
+
+Supported architectures (their transformers 5 semantics are mirrored exactly):
+  mixtral    MixtralForCausalLM   softmax router, top-k renormalised, experts w1/w3/w2, optional sliding window
+  qwen2_moe  Qwen2MoeForCausalLM  Qwen1.5-MoE: q/k/v bias, shared expert with a sigmoid gate, norm_topk_prob,
+                                  decoder_sparse_step / mlp_only_layers (those layers use a dense MLP)
+  olmoe      OlmoeForCausalLM     RMSNorm on the full q and k projections, optional clip_qkv, norm_topk_prob
+  qwen3_moe  Qwen3MoeForCausalLM  explicit head_dim, per-head q/k RMSNorm, norm_topk_prob,
+                                  decoder_sparse_step / mlp_only_layers
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from traces.clikit import UserError
+
+
+class CheckpointError(UserError):
+    """A checkpoint directory pwruntime cannot load (missing file or tensor, unknown architecture, bad shape)."""
+
+
+ARCHITECTURES = {
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+_DEFAULT_THETA = {"mixtral": 1e6, "qwen2_moe": 1e4, "olmoe": 1e4, "qwen3_moe": 1e4}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str                       # one of ARCHITECTURES' values
+    layers: int                     # decoder layers
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    experts: int                    # routed experts per MoE layer
+    top_k: int
+    expert_intermediate: int        # I of one routed expert: gate_up is [2I, H], down is [H, I]
+    shared_intermediate: int        # 0 when there is no shared expert
+    eos_token_id: int | None        # the first of eos_token_ids
+    max_position: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    moe_layers: tuple[int, ...] = ()        # decoder layer indices with a routed MoE block (the others are dense)
+    dense_intermediate: int = 0             # intermediate size of the dense MLP layers (mlp_only_layers)
+    rms_eps: float = 1e-6
+    rope_theta: float = 1e4
+    rope_linear_factor: float = 1.0         # rope_scaling {"type": "linear", "factor": f}; 1.0 = none
+    norm_topk_prob: bool = True
+    qk_norm: str = "none"                   # "none" | "full" (OLMoE, whole projection) | "head" (Qwen3, per head)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    clip_qkv: float | None = None
+    sliding_windows: tuple[int | None, ...] = ()   # per decoder layer; None = full causal attention
+    tie_word_embeddings: bool = False
+    torch_dtype: str | None = None          # dtype the checkpoint says it was saved in, if any
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def kv_groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def _get(cfg: dict, key: str, default: Any = ..., where: str = "config.json") -> Any:
+    value = cfg.get(key, None)
+    if value is None:
+        if default is ...:
+            raise CheckpointError(f"{where} has no {key!r}; it is required for {cfg.get('architectures')}: "
+                                  f"re-export the checkpoint with transformers' save_pretrained")
+        return default
+    return value
+
+
+def detect_arch(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    for name in archs:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    model_type = cfg.get("model_type")
+    if not archs and model_type in ARCHITECTURES.values():
+        return model_type
+    shown = archs[0] if archs else f"model_type {model_type!r}"
+    raise CheckpointError(f"unsupported architecture {shown}: pwruntime loads "
+                          f"{', '.join(ARCHITECTURES)}; use a checkpoint of one of these")
+
+
+def _rope(cfg: dict, arch: str) -> tuple[float, float]:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json rope_parameters must be a mapping, got {params!r}")
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or _DEFAULT_THETA[arch])
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1 is not supported: use a checkpoint with full rotary dims")
+    if kind == "default":
+        return theta, 1.0
+    if kind == "linear":
+        return theta, float(_get(params, "factor", where="rope_scaling"))
+    raise CheckpointError(f"rope type {kind!r} is not supported (only default and linear): "
+                          f"use a checkpoint without that rope_scaling")
+
+
+def _moe_layers(cfg: dict, layers: int, experts: int) -> tuple[int, ...]:
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+
+
+def _sliding(cfg: dict, arch: str, layers: int) -> tuple[int | None, ...]:
+    if arch in ("qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        return (None,) * layers
+    window = cfg.get("sliding_window")
+    if not window or arch == "olmoe":
+        return (None,) * layers
+    if arch == "qwen2_moe":     # transformers: layer_types, or odd-numbered layers below max_window_layers
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % 2 and i < int(cfg.get("max_window_layers", 28)) else "full_attention"
+            for i in range(layers)]
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    return (int(window),) * layers
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+
+
+def parse_config(cfg: dict, generation_config: dict | None = None) -> ModelConfig:
+    """ModelConfig from the dicts of config.json (and generation_config.json, for extra EOS ids)."""
+    arch = detect_arch(cfg)
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported (only silu): use a supported checkpoint")
+    hidden, heads, layers = int(_get(cfg, "hidden_size")), int(_get(cfg, "num_attention_heads")), \
+        int(_get(cfg, "num_hidden_layers"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = hidden // heads
+    if arch in ("mixtral", "qwen3_moe") and cfg.get("head_dim"):
+        head_dim = int(cfg["head_dim"])
+    if heads % kv_heads:
+        raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+    # transformers spells the expert count num_local_experts or num_experts (an attribute_map alias)
+    expert_keys = ("num_local_experts", "num_experts") if arch == "mixtral" else ("num_experts", "num_local_experts")
+    experts = int(_get(cfg, next((k for k in expert_keys if cfg.get(k) is not None), expert_keys[0])))
+    inter = int(_get(cfg, "moe_intermediate_size" if arch in ("qwen2_moe", "qwen3_moe") else "intermediate_size"))
+    moe_layers = _moe_layers(cfg, layers, experts) if arch in ("qwen2_moe", "qwen3_moe") else tuple(range(layers))
+    theta, linear = _rope(cfg, arch)
+    eos = _ids(cfg.get("eos_token_id"))
+    for e in _ids((generation_config or {}).get("eos_token_id")):
+        eos = eos if e in eos else eos + (e,)
+    return ModelConfig(
+        arch=arch, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        vocab=int(_get(cfg, "vocab_size")), experts=experts, top_k=int(_get(cfg, "num_experts_per_tok")),
+        expert_intermediate=inter,
+        shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0) if arch == "qwen2_moe" else 0,
+        eos_token_id=eos[0] if eos else None, eos_token_ids=eos, bos_token_id=cfg.get("bos_token_id"),
+        max_position=int(cfg.get("max_position_embeddings") or 4096),
+        moe_layers=moe_layers,
+        dense_intermediate=int(cfg.get("intermediate_size") or 0) if len(moe_layers) < layers else 0,
+        rms_eps=float(cfg.get("rms_norm_eps") or 1e-6), rope_theta=theta, rope_linear_factor=linear,
+        norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        qk_norm={"olmoe": "full", "qwen3_moe": "head"}.get(arch, "none"),
+        qkv_bias=bool(cfg.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(cfg.get("attention_bias", False)),
+        o_bias=bool(cfg.get("attention_bias", False)) if arch in ("olmoe", "qwen3_moe") else False,
+        clip_qkv=float(cfg["clip_qkv"]) if arch == "olmoe" and cfg.get("clip_qkv") is not None else None,
+        sliding_windows=_sliding(cfg, arch, layers),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+    )

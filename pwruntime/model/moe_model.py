@@ -1,0 +1,122 @@
+"""MoEModel: the decoder stack (attention + MoE or dense MLP per layer) over a paged KV cache.
+
+forward(input_ids [T], positions [T], kv, meta, record) runs T flattened tokens of a batch and returns the
+final-norm hidden states; logits(hidden) applies the LM head (the engine asks only for the rows it samples).
+Routed experts are reached only through `self.experts` (an ExpertStore), so another store (any-precision
+weights, a fused kernel) can replace DenseExpertStore without touching this file.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.attention import Attention, AttentionMetadata, AttentionPlan
+from pwruntime.model.config import ModelConfig
+from pwruntime.model.experts import ExpertStore
+from pwruntime.model.layers import DenseMLP, Linear, RMSNorm, Rotary
+from pwruntime.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class LayerRouting:
+    """What one MoE layer did to the T tokens of a forward."""
+    topk_ids: torch.Tensor          # [T, k] int64
+    topk_weights: torch.Tensor      # [T, k] float32, the weights actually applied
+    gate_up_in_norm: torch.Tensor   # [T] float32, L2 norm of the routed experts' input row
+    down_in_norm: torch.Tensor      # [T, k] float32, L2 norm of the activation fed to each selected down
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    hidden: torch.Tensor                        # [T, H] final-norm output
+    routing: list[LayerRouting] | None = None   # one per MoE layer when record=True
+
+
+class MoEBlock(nn.Module):
+    """Softmax top-k router + routed experts (through the store) + optional sigmoid-gated shared expert."""
+
+    def __init__(self, cfg: ModelConfig, moe_index: int, router: torch.Tensor,
+                 shared: DenseMLP | None = None, shared_gate: torch.Tensor | None = None):
+        super().__init__()
+        self.index, self.top_k, self.norm_topk = moe_index, cfg.top_k, cfg.norm_topk_prob
+        self.router = Linear(router)
+        self.shared = shared
+        self.shared_gate = Linear(shared_gate) if shared_gate is not None else None
+
+    def forward(self, x: torch.Tensor, store: ExpertStore, records: list[LayerRouting] | None) -> torch.Tensor:
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if records is None:
+            out = store.moe(self.index, x, ids, weights)
+        else:
+            down_norm = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
+            out = store.moe(self.index, x, ids, weights, down_in_norm=down_norm)
+            records.append(LayerRouting(ids, weights, x.float().norm(dim=-1), down_norm))
+        if self.shared is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: Attention, mlp: MoEBlock | DenseMLP, input_norm: RMSNorm, post_norm: RMSNorm):
+        super().__init__()
+        self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
+
+    def forward(self, x, cos, sin, k_cache, v_cache, plan, store, records):
+        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, plan)
+        h = self.post_norm(x)
+        if isinstance(self.mlp, MoEBlock):
+            return x + self.mlp(h, store, records)
+        return x + self.mlp(h)
+
+
+class MoEModel(nn.Module):
+    def __init__(self, config: ModelConfig, tokenizer: Tokenizer, embed: torch.Tensor,
+                 layers: list[DecoderLayer], norm: RMSNorm, lm_head: torch.Tensor, experts: ExpertStore):
+        super().__init__()
+        self.config, self.tokenizer, self.experts = config, tokenizer, experts
+        self.embed = nn.Parameter(embed, requires_grad=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = nn.Parameter(lm_head, requires_grad=False)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_linear_factor, device=embed.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
+        """An empty paged KV cache for this model (its dtype and device)."""
+        c = self.config
+        return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+                record: bool = False) -> ForwardOutput:
+        if input_ids.shape[0] != meta.num_tokens or positions.shape != input_ids.shape:
+            raise ValueError(f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions for "
+                             f"{meta.num_tokens} tokens in the metadata")
+        dev = self.device
+        input_ids, positions = input_ids.to(dev), positions.to(dev)
+        plan = AttentionPlan.build(meta, kv.block_size, dev)
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        records: list[LayerRouting] | None = [] if record else None
+        x = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records)
+        return ForwardOutput(self.norm(x), records)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, vocab] float32."""
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,103 @@
+"""Paged KV cache tensors and the pure-torch reference paged attention (GQA, block tables, windows)."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.attention import AttentionPlan, batch_metadata, paged_attention, prefill_metadata
+
+
+def test_kv_cache_resize_keeps_low_blocks_and_counts_bytes():
+    kv = KVCache(num_layers=3, num_blocks=4, block_size=2, num_kv_heads=2, head_dim=8, dtype=torch.float16)
+    assert kv.k[0].shape == (4, 2, 2, 8) and len(kv.v) == 3
+    for i in range(3):
+        kv.k[i].normal_()
+        kv.v[i].normal_()
+    before_k, before_v = [t.clone() for t in kv.k], [t.clone() for t in kv.v]
+    kv.resize(7)
+    assert kv.num_blocks == 7 and kv.k[2].shape[0] == 7
+    assert torch.equal(kv.k[1][:4], before_k[1]) and torch.equal(kv.v[2][:4], before_v[2])
+    assert not kv.k[0][4:].any()
+    kv.resize(3)
+    assert kv.k[0].shape[0] == 3 and torch.equal(kv.v[0], before_v[0][:3])
+    assert KVCache.bytes_per_block(3, 2, 2, 8, torch.float16) == 2 * 3 * 2 * 2 * 8 * 2
+    assert kv.nbytes == 3 * KVCache.bytes_per_block(3, 2, 2, 8, torch.float16)
+    kv.resize(0)
+    assert kv.k[0].shape == (0, 2, 2, 8)
+    with pytest.raises(ValueError):
+        kv.resize(-1)
+
+
+def _naive(q_tok, keys, values, q_pos, scale, window):
+    """One query token against its sequence's keys [L, kvh, d] (positions 0..L-1)."""
+    heads, kvh = q_tok.shape[0], keys.shape[1]
+    out = torch.empty_like(q_tok)
+    for h in range(heads):
+        kh = keys[:, h // (heads // kvh)]
+        vh = values[:, h // (heads // kvh)]
+        s = (kh @ q_tok[h]) * scale
+        pos = torch.arange(keys.shape[0])
+        ok = pos <= q_pos
+        if window is not None:
+            ok &= pos > q_pos - window
+        s[~ok] = -math.inf
+        out[h] = torch.softmax(s, 0) @ vh
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_attention_matches_naive_over_mixed_batch(window):
+    g = torch.Generator().manual_seed(1)
+    rng = random.Random(1)
+    bs, heads, kvh, d, n_blocks = 4, 6, 2, 8, 40
+    k_cache = torch.zeros(n_blocks, bs, kvh, d)
+    v_cache = torch.zeros(n_blocks, bs, kvh, d)
+    free = list(range(n_blocks))
+    rng.shuffle(free)
+    # (context_len, query_len): decodes, a chunk with context, a plain prefill, another decode
+    shapes = [(9, 1), (5, 6), (0, 7), (13, 1), (0, 1)]
+    seqs, full_k, full_v = [], [], []
+    for ctx, ql in shapes:
+        blocks = [free.pop() for _ in range(-(-(ctx + ql) // bs))]
+        ks, vs = torch.randn(ctx + ql, kvh, d, generator=g), torch.randn(ctx + ql, kvh, d, generator=g)
+        for p in range(ctx):        # the cached context
+            k_cache[blocks[p // bs], p % bs] = ks[p]
+            v_cache[blocks[p // bs], p % bs] = vs[p]
+        seqs.append((ctx, ql, blocks))
+        full_k.append(ks)
+        full_v.append(vs)
+    meta = batch_metadata(seqs, bs)
+    new_k = torch.cat([k[c:] for k, (c, _, _) in zip(full_k, seqs)])
+    new_v = torch.cat([v[c:] for v, (c, _, _) in zip(full_v, seqs)])
+    plan = AttentionPlan.build(meta, bs, torch.device("cpu"))
+    k_cache.view(-1, kvh, d).index_copy_(0, plan.slot_mapping, new_k)
+    v_cache.view(-1, kvh, d).index_copy_(0, plan.slot_mapping, new_v)
+    q = torch.randn(meta.num_tokens, heads, d, generator=g)
+    scale = d ** -0.5
+    got = paged_attention(q, new_k, new_v, k_cache, v_cache, plan, scale, window)
+    t = 0
+    for (ctx, ql, _), ks, vs in zip(seqs, full_k, full_v):
+        for i in range(ql):
+            ref = _naive(q[t], ks[:ctx + i + 1], vs[:ctx + i + 1], ctx + i, scale, window)
+            assert torch.allclose(got[t], ref, atol=1e-5), (ctx, ql, i)
+            t += 1
+
+
+def test_metadata_helpers_and_table_checks():
+    meta = prefill_metadata(10, 4)
+    assert meta.query_lens == [10] and meta.context_lens == [0]
+    assert meta.block_tables.tolist() == [[0, 1, 2]] and meta.block_tables.dtype == torch.int32
+    assert meta.slot_mapping.tolist() == list(range(10))
+    meta = batch_metadata([(5, 2, [7, 3]), (0, 1, [1])], 4)
+    assert meta.block_tables.tolist() == [[7, 3], [1, -1]]
+    assert meta.slot_mapping.tolist() == [3 * 4 + 1, 3 * 4 + 2, 4]
+    with pytest.raises(ValueError):
+        batch_metadata([(5, 4, [7, 3])], 4)         # 9 tokens do not fit 2 blocks of 4
+    bad = batch_metadata([(6, 1, [7, 3])], 4)
+    bad.block_tables[0, 1] = -1                     # a needed block missing from the table
+    with pytest.raises(ValueError):
+        AttentionPlan.build(bad, 4, torch.device("cpu"))

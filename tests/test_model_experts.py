@@ -1,0 +1,108 @@
+"""DenseExpertStore (grouped dispatch) and the routing records of forward(record=True)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model_fixtures import load_hf_model, make_tiny_checkpoint
+from pwruntime.model import DenseExpertStore, ExpertStore, load_model, prefill_metadata
+
+
+def _naive_moe(gate_up, down, x, ids, weights):
+    """Per token, per slot: the definition of the routed MoE output and the down-input norms."""
+    out = torch.zeros_like(x)
+    norms = torch.zeros(ids.shape)
+    inter = down.shape[2]
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            h = gate_up[e] @ x[t]
+            act = F.silu(h[:inter]) * h[inter:]
+            norms[t, s] = act.norm()
+            out[t] += weights[t, s] * (down[e] @ act)
+    return out, norms
+
+
+def test_dense_store_matches_naive_definition():
+    g = torch.Generator().manual_seed(0)
+    n_layers, e_n, h, inter, t, k = 2, 6, 16, 8, 23, 3
+    gate_up = [torch.randn(e_n, 2 * inter, h, generator=g) for _ in range(n_layers)]
+    down = [torch.randn(e_n, h, inter, generator=g) for _ in range(n_layers)]
+    store = DenseExpertStore(gate_up, down)
+    assert isinstance(store, ExpertStore)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e_n, generator=g)[:k] for _ in range(t)])
+    ids[:, 0] = 2                      # expert 2 is hot; some experts may be idle
+    weights = torch.rand(t, k, generator=g)
+    norms = torch.empty(t, k)
+    got = store.moe(1, x, ids, weights, down_in_norm=norms)
+    ref, ref_norms = _naive_moe(gate_up[1], down[1], x, ids, weights)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-5)
+    assert torch.allclose(norms, ref_norms, atol=1e-4, rtol=1e-5)
+    assert torch.equal(store.moe(1, x, ids, weights), got)
+    assert torch.equal(store.weight(0, 3, "gate_up"), gate_up[0][3])
+    assert store.weight(1, 5, "down").shape == (h, inter)
+    with pytest.raises(ValueError):
+        store.weight(0, 0, "up")
+
+
+def test_routing_records_match_transformers_router(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[1])
+    hf, model = load_hf_model(path), load_model(path)
+    ids = [1, 9, 33, 4, 70, 12, 5, 101, 64, 7]
+    mlp_inputs = {}
+    hooks = [hf.model.layers[i].mlp.register_forward_pre_hook(
+        lambda mod, args, i=i: mlp_inputs.__setitem__(i, args[0][0].detach())) for i in (0, 2)]
+    with torch.no_grad():
+        hf(torch.tensor([ids]))
+    for hk in hooks:
+        hk.remove()
+    out = model.forward(torch.tensor(ids), torch.arange(len(ids)), model.new_kv_cache(4, 4),
+                        prefill_metadata(len(ids), 4), record=True)
+    assert model.config.moe_layers == (0, 2)
+    assert out.routing is not None and len(out.routing) == 2       # one per MoE layer, dense layer 1 skipped
+    for rec, layer in zip(out.routing, (0, 2)):
+        x = mlp_inputs[layer]
+        with torch.no_grad():
+            _, ref_w, ref_ids = hf.model.layers[layer].mlp.gate(x)
+        assert rec.topk_ids.dtype == torch.int64 and rec.topk_weights.dtype == torch.float32
+        assert torch.equal(rec.topk_ids, ref_ids)
+        assert torch.allclose(rec.topk_weights, ref_w.float(), atol=1e-6)
+        assert torch.allclose(rec.gate_up_in_norm, x.norm(dim=-1), atol=1e-5)
+        experts = hf.model.layers[layer].mlp.experts.requires_grad_(False)
+        inter = model.config.expert_intermediate
+        for t in range(len(ids)):
+            for s in range(model.config.top_k):
+                h = experts.gate_up_proj[int(ref_ids[t, s])] @ x[t]
+                act = F.silu(h[:inter]) * h[inter:]
+                assert abs(float(rec.down_in_norm[t, s]) - float(act.norm())) < 1e-4
+    assert model.forward(torch.tensor(ids), torch.arange(len(ids)), model.new_kv_cache(4, 4),
+                         prefill_metadata(len(ids), 4)).routing is None
+
+
+def test_replacing_the_store_changes_only_routed_experts(tmp_path):
+    """The model reaches routed experts only through model.experts: a store that scales every expert
+    output by 0 leaves exactly the non-expert path (attention + shared expert)."""
+    path = make_tiny_checkpoint(tmp_path, "mixtral", seed=1)
+    model = load_model(path)
+    dense = model.experts
+
+    class Zero:
+        def weight(self, layer, expert, kind):
+            return dense.weight(layer, expert, kind)
+
+        def moe(self, layer, x, topk_ids, topk_weights, down_in_norm=None):
+            return dense.moe(layer, x, topk_ids, topk_weights * 0, down_in_norm)
+
+    ids = torch.tensor([1, 5, 9, 13])
+    run = lambda: model.forward(ids, torch.arange(4), model.new_kv_cache(1, 4), prefill_metadata(4, 4)).hidden
+    base = run()
+    model.experts = Zero()
+    zeroed = run()
+    model.experts = dense
+    assert not torch.allclose(base, zeroed)
+    assert torch.equal(run(), base)
+    no_experts = load_model(path, experts=Zero())
+    assert torch.equal(no_experts.forward(ids, torch.arange(4), no_experts.new_kv_cache(1, 4),
+                                          prefill_metadata(4, 4)).hidden, zeroed)
