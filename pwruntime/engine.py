@@ -1,0 +1,324 @@
+"""LLMEngine: continuous batching of requests over one model and one paged KV cache.
+
+Every `step()` is one iteration: schedule (policies.Scheduler over policies.BlockPool) -> forward
+(ModelRunner) -> sample (one torch.Generator per request) -> observe (policies.observe builds the
+Observation from the pool, the scheduler, the online routing mass and the prompt features) ->
+plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
+transfers committed). The default policy is "noop" and the default mover lands every transfer at
+once (full-precision weights have no pages to move).
+
+Memory: the KV pool starts with `num_kv_blocks` blocks (or, when unset, a share of free GPU memory
+or `cpu_kv_cache_bytes` on CPU, never more than max_num_seqs full-length sequences need). Bytes an
+offload releases grow the pool (`release`); a reload first takes spare bytes, then shrinks the pool
+over free blocks (`reserve`), compacting live blocks downwards when needed so the cache tensors can
+be truncated. Wall time is used only for metrics and `Observation.time_s`.
+
+Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
+traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence as Seq
+
+import numpy as np
+import torch
+
+import policies
+from policies.kv_blocks import BlockPool
+from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
+from policies.observe import PromptFeatures, RoutingMass, build_observation, split_tokens
+from policies.page_table import PageTable
+from policies.scheduler import ScheduledBatch, Scheduler
+from policies.sequence import Sequence
+from pwruntime.kv_cache import KVCache
+from pwruntime.model_runner import ModelRunner, RoutingArrays
+from pwruntime.sampling import SamplingParams, find_stop, make_generator, sample
+from pwruntime.trace_recorder import TraceRecorder
+from traces.clikit import UserError
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: from gpu_memory_fraction (CUDA) or cpu_kv_cache_bytes (CPU)
+    gpu_memory_fraction: float = 0.9  # share of the GPU's total memory this process may fill (weights included)
+    cpu_kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    policy: str = "noop"
+    policy_params: dict = field(default_factory=dict)
+    free_block_threshold: int = 8
+    routing_half_life_tokens: float | None = 4096.0
+    observe_routing: bool = True  # record routing each forward (routing mass and prompt features)
+    stall_limit: int = 8
+    seed: int = 0  # seeds requests that carry no seed of their own
+    record_traces: bool = False
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # every sampled token (including an EOS or stop token that ended it)
+    text: str  # decoded output, without the EOS/stop token, cut before a stop string
+    finish_reason: str  # "stop", "length", "kv_capacity" or "abort"
+    num_preemptions: int
+    arrival_time: float
+    first_token_time: float | None
+    finish_time: float
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: frozenset
+    arrival_time: float
+    first_token_time: float | None = None
+    stop_text: str | None = None  # output text cut before the stop string that ended it
+    checked_chars: int = 0
+
+
+class LLMEngine:
+    """add_request / step / generate / has_unfinished over one model."""
+
+    def __init__(self, model, config: EngineConfig | None = None, *, policy=None, table: PageTable | None = None,
+                 calibration=None, mover: PageMover | None = None, recorder: TraceRecorder | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.config = model, config or EngineConfig()
+        cfg, mc = self.config, model.config
+        self.tokenizer = model.tokenizer
+        self.clock, self.t0 = clock, clock()
+        self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype)
+        self.pool = BlockPool(self._initial_blocks(), cfg.block_size)
+        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size)
+        self.runner = ModelRunner(model, self.kv)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
+        n_moe = mc.num_moe_layers or mc.layers
+        self.table = table if table is not None else PageTable(n_moe, mc.experts, mc.hidden, mc.expert_intermediate)
+        if policy is None:
+            try:
+                policy = policies.get(cfg.policy, **dict(cfg.policy_params))
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        policy.reset(self.table, calibration)
+        self.policy = policy
+        self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release)
+        self.routing = RoutingMass(n_moe, mc.experts, cfg.routing_half_life_tokens)
+        self.features = PromptFeatures(n_moe, mc.experts)
+        self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
+        if self.recorder is not None:
+            self.recorder.set_model(n_moe, mc.experts, mc.top_k)
+        self._record = cfg.observe_routing or self.recorder is not None
+        eos = tuple(mc.eos_token_ids) or ((mc.eos_token_id,) if mc.eos_token_id is not None else ())
+        if not eos and self.tokenizer.eos_id is not None:
+            eos = (self.tokenizer.eos_id,)
+        self.eos_ids = tuple(int(e) for e in eos)
+        self._requests: dict[int, _Request] = {}
+        self._next_id = 0
+        self._spare_bytes = 0  # released by weight pages and not yet given to the KV pool
+        self.unclaimed: list[RequestOutput] = []  # outputs of requests finished inside another call's generate()
+        self.num_steps = 0
+        self.last_observation: policies.Observation | None = None
+        self.last_loop: LoopResult | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _initial_blocks(self) -> int:
+        cfg, mc = self.config, self.model.config
+        if cfg.num_kv_blocks is not None:
+            if cfg.num_kv_blocks < 1:
+                raise UserError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
+            return int(cfg.num_kv_blocks)
+        useful = cfg.max_num_seqs * -(-mc.max_position // cfg.block_size)
+        if self.model.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.model.device)
+            budget = int(total * cfg.gpu_memory_fraction) - (total - free)
+        else:
+            budget = int(cfg.cpu_kv_cache_bytes)
+        n = min(budget // self.block_bytes, useful)
+        if n < 1:
+            raise UserError(f"no memory left for the KV cache ({budget} bytes, {self.block_bytes} per block): "
+                            "raise gpu_memory_fraction or set num_kv_blocks")
+        return int(n)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
+                    arrival_time: float | None = None, domain: str | None = None) -> int:
+        """Queue a request (text, or token ids); returns its id. Raises UserError for an unusable prompt."""
+        params = params or SamplingParams()
+        mc = self.model.config
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        if not ids:
+            raise UserError("the prompt has no tokens; give a non-empty prompt")
+        if min(ids) < 0 or max(ids) >= mc.vocab:
+            raise UserError(f"prompt token ids must lie in 0..{mc.vocab - 1}")
+        if len(ids) >= mc.max_position:
+            raise UserError(f"the prompt has {len(ids)} tokens but the model handles at most {mc.max_position} "
+                            "positions; shorten the prompt")
+        need = self.pool.blocks_for(len(ids) + 1)
+        if need > self.pool.capacity:
+            raise UserError(f"the prompt needs {need} KV blocks of {self.pool.block_size} tokens but the pool has "
+                            f"{self.pool.capacity}; raise the KV cache size or shorten the prompt")
+        rid = self._next_id
+        self._next_id += 1
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
+        seq = Sequence(rid, ids, max_tokens=min(params.max_tokens, mc.max_position - len(ids)),
+                       stop_token_ids=tuple(sorted(stop_ids)), params=params,
+                       arrival_time=self._now() if arrival_time is None else float(arrival_time))
+        gen = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else int(
+                np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0])
+            gen = make_generator(seed, self.model.device)
+        self._requests[rid] = _Request(seq, text, params, gen, stop_ids, seq.arrival_time)
+        self.scheduler.add(seq)
+        if self.recorder is not None:
+            self.recorder.on_arrival(rid, seq.arrival_time, ids, domain)
+        return rid
+
+    def abort(self, request_id: int) -> RequestOutput | None:
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return None
+        self.features.drop(request_id)
+        return self._output(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """One iteration; returns the requests that finished in it."""
+        batch = self.scheduler.schedule()
+        for s in batch.preempted:
+            self.features.drop(s.seq_id)  # its recompute will observe its tokens again
+        finished: list[Sequence] = list(batch.aborted)
+        if batch.entries:
+            out = self.runner.run(batch, self.pool, record=self._record)
+            sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
+            tokens = sample(out.logits, [r.params for r in sampling], [r.generator for r in sampling])
+            if out.routing is not None:
+                self._observe_routing(batch, out.routing)
+            finished += self.scheduler.postprocess(batch, tokens, stop=self._stop_string)
+            now = self._now()
+            for r in sampling:
+                if r.first_token_time is None:
+                    r.first_token_time = now
+        outputs = [self._output(s) for s in finished]
+        self.last_observation = build_observation(
+            step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
+            kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
+            routing=self.routing if self._record else None, features=self.features if self._record else None,
+            headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
+        self.last_loop = self.loop.step(self.last_observation)
+        self.num_steps += 1
+        return outputs
+
+    def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run `prompts` to completion (continuously batched); outputs in the order of `prompts`."""
+        if isinstance(prompts, str):
+            raise TypeError("generate takes a list of prompts; wrap a single prompt in a list")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids: list[int] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                ids.append(self.add_request(p, sp))
+        except Exception:
+            for rid in ids:  # all or nothing: drop the prompts already queued
+                self.abort(rid)
+            raise
+        wanted, results = set(ids), {}
+        from tqdm import tqdm
+        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            while len(results) < len(ids):
+                for out in self.step():
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+                    else:
+                        self.unclaimed.append(out)
+        return [results[i] for i in ids]
+
+    # ---------------------------------------------------------------- helpers
+    def _now(self) -> float:
+        return self.clock() - self.t0
+
+    def _observe_routing(self, batch: ScheduledBatch, r: RoutingArrays) -> None:
+        self.routing.update(r.topk_ids, r.topk_weights)
+        for (a, b), e in zip(split_tokens(r.query_lens), batch.entries):
+            self.features.update(e.seq.seq_id, r.topk_ids[:, a:b], r.topk_weights[:, a:b],
+                                 r.gate_up_in_norm[:, a:b], r.down_in_norm[:, a:b])
+        if self.recorder is not None:
+            self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
+
+    def _stop_string(self, seq: Sequence) -> str | None:
+        req = self._requests[seq.seq_id]
+        stops = req.params.stop
+        if not stops:
+            return None
+        text = self.tokenizer.decode(seq.output_token_ids)
+        k = find_stop(text, stops, req.checked_chars - max(len(s) for s in stops) + 1)
+        req.checked_chars = len(text)
+        if k < 0:
+            return None
+        req.stop_text = text[:k]
+        return "stop"
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        req = self._requests.pop(seq.seq_id)
+        self.features.drop(seq.seq_id)
+        ids = list(seq.output_token_ids)
+        if req.stop_text is not None:
+            text = req.stop_text
+        else:
+            shown = ids[:-1] if seq.finish_reason == "stop" and ids and ids[-1] in req.stop_ids else ids
+            text = self.tokenizer.decode(shown)
+        if self.recorder is not None:
+            self.recorder.on_finish(seq.seq_id, len(ids))
+        return RequestOutput(seq.seq_id, req.prompt, list(seq.prompt_token_ids or []), ids, text,
+                             seq.finish_reason or "abort", seq.num_preemptions, req.arrival_time,
+                             req.first_token_time, self._now())
+
+    # ------------------------------------------------------- KV pool capacity
+    def grow_kv(self, num_blocks: int) -> None:
+        """Add blocks to the pool and back them with cache memory."""
+        self.pool.grow(num_blocks)
+        self.kv.resize(self.pool.id_limit)
+
+    def shrink_kv(self, num_blocks: int) -> bool:
+        """Remove free blocks (compacting live ones downwards if needed); False if too few are free."""
+        if num_blocks > self.pool.num_free:
+            return False
+        self.pool.shrink(num_blocks)
+        if self.pool.hole_blocks:
+            self.runner.copy_blocks(self.pool.compact())
+        self.kv.resize(self.pool.id_limit)
+        return True
+
+    def _release(self, nbytes: int) -> None:
+        self._spare_bytes += int(nbytes)
+        n = self._spare_bytes // self.block_bytes
+        if n:
+            self.grow_kv(n)
+            self._spare_bytes -= n * self.block_bytes
+
+    def _reserve(self, nbytes: int) -> bool:
+        if self._spare_bytes >= nbytes:
+            self._spare_bytes -= nbytes
+            return True
+        need = -(-(nbytes - self._spare_bytes) // self.block_bytes)
+        if not self.shrink_kv(need):
+            return False
+        self._spare_bytes += need * self.block_bytes - nbytes
+        return True

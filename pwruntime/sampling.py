@@ -1,0 +1,98 @@
+"""Sampling: SamplingParams and the per-request sampler (greedy, temperature, top-k, top-p, seeds).
+
+Each request owns a `torch.Generator` seeded from its `seed` (or, when unset, from the engine seed
+and the request's index), and draws exactly one random number stream per sampled token from it,
+so its tokens do not depend on which other requests share the batch.
+
+Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
+scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
+the token ids keep every sampled token, including the one that completed the stop); `max_tokens`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no top-k cut
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return g
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf; rows of [n, vocab]."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row of logits [vocab]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    row = filter_logits(logits.float()[None, :] / params.temperature, params.top_k, params.top_p)[0]
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> list[int]:
+    """One token per row of `logits` [n, vocab], each with its own params and generator."""
+    if logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
+    if all(p.greedy for p in params):
+        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
+    return [sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))]
+
+
+def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> int:
+    """Index of the earliest stop string occurring at or after `search_from`, or -1."""
+    best = -1
+    for s in stops:
+        k = text.find(s, max(0, search_from))
+        if k >= 0 and (best < 0 or k < best):
+            best = k
+    return best

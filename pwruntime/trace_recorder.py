@@ -1,0 +1,96 @@
+"""TraceRecorder: collects the request and routing traces of an engine run in the traces/ schema.
+
+The engine calls `on_arrival`, `on_routing` (after every forward) and `on_finish`; the recorder keeps
+numpy columns, builds `traces.schema.RequestTrace` / `RoutingTrace` on demand and `write(dir)`s a
+trace directory through `traces.io` (requests.parquet + routing.parquet, atomically). A position
+recomputed after a preemption is recorded once (its first computation), so (request, position,
+layer) rows stay unique as the schema requires.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pwruntime.model_runner import RoutingArrays
+
+
+@dataclass
+class TraceRecorder:
+    card: str = "runtime"
+    features: bool = True  # record gate_up / down input norms
+    domain: str = "unknown"
+    provenance: dict = field(default_factory=dict)
+    _requests: dict = field(default_factory=dict)  # request id -> [arrival_s, prompt ids, outputs, domain]
+    _recorded: dict = field(default_factory=dict)  # request id -> positions recorded so far
+    _chunks: list = field(default_factory=list)
+    _shape: tuple[int, int, int] | None = None  # layers, experts, top_k
+
+    def on_arrival(self, request_id: int, arrival_s: float, prompt_token_ids: list[int], domain: str | None = None,
+                   ) -> None:
+        self._requests[request_id] = [float(arrival_s), list(prompt_token_ids), 0, domain or self.domain]
+        self._recorded[request_id] = 0
+
+    def set_model(self, layers: int, experts: int, top_k: int) -> None:
+        self._shape = (layers, experts, top_k)
+
+    def on_routing(self, entries: list[tuple[int, int, int]], routing: RoutingArrays) -> None:
+        """`entries`: (request id, start position, new tokens) in the batch's flattening order."""
+        offset = 0
+        for rid, start, n in entries:
+            done = self._recorded.get(rid, 0)
+            first = max(start, done)  # skip positions already recorded (recompute after preemption)
+            if first < start + n:
+                sl = slice(offset + first - start, offset + n)
+                self._chunks.append((rid, first, routing.topk_ids[:, sl], routing.topk_weights[:, sl],
+                                     routing.gate_up_in_norm[:, sl], routing.down_in_norm[:, sl]))
+                self._recorded[rid] = start + n
+            offset += n
+
+    def on_finish(self, request_id: int, num_output_tokens: int) -> None:
+        if request_id in self._requests:
+            self._requests[request_id][2] = int(num_output_tokens)
+
+    def write(self, path) -> "Path":
+        """Write requests.parquet and routing.parquet (when routing was recorded) into directory `path`."""
+        from traces.io import Trace, write_trace_dir
+
+        routing = self.routing_trace() if self._shape is not None and self._chunks else None
+        return write_trace_dir(path, Trace(self.request_trace(), routing))
+
+    def request_trace(self):
+        from traces.schema import RequestTrace
+
+        ids = sorted(self._requests, key=lambda r: (self._requests[r][0], r))
+        rows = [self._requests[r] for r in ids]
+        return RequestTrace.from_columns(
+            request_id=ids, arrival_s=[r[0] for r in rows], prompt_tokens=[len(r[1]) for r in rows],
+            output_tokens=[max(1, r[2]) for r in rows], domain=[r[3] for r in rows],
+            prompt_token_ids=[r[1] for r in rows], provenance={"source": "pwruntime", **self.provenance})
+
+    def routing_trace(self):
+        from traces.schema import RoutingTrace
+
+        if self._shape is None:
+            raise ValueError("set_model() was not called: the routing trace needs layers, experts and top_k")
+        layers, experts, top_k = self._shape
+        rid, pos, layer, eids, w, gu, dn = [], [], [], [], [], [], []
+        for r, first, ids, wt, g, d in self._chunks:
+            n = ids.shape[1]
+            rid.append(np.full(n * layers, r, dtype=np.int64))
+            pos.append(np.repeat(np.arange(first, first + n, dtype=np.int32), layers))
+            layer.append(np.tile(np.arange(layers, dtype=np.int16), n))
+            eids.append(ids.transpose(1, 0, 2).reshape(-1, top_k))
+            w.append(wt.transpose(1, 0, 2).reshape(-1, top_k))
+            gu.append(g.T.reshape(-1))
+            dn.append(d.transpose(1, 0, 2).reshape(-1, top_k))
+
+        def cat(parts, dtype, shape):
+            return np.concatenate(parts).astype(dtype) if parts else np.zeros(shape, dtype)
+        return RoutingTrace(
+            self.card, layers, experts, top_k, cat(rid, np.int64, (0,)), cat(pos, np.int32, (0,)),
+            cat(layer, np.int16, (0,)), cat(eids, np.int16, (0, top_k)), cat(w, np.float32, (0, top_k)),
+            cat(gu, np.float32, (0,)) if self.features else None,
+            cat(dn, np.float32, (0, top_k)) if self.features else None,
+            provenance={"source": "pwruntime", **self.provenance}).sorted()

@@ -1,0 +1,201 @@
+"""LLMEngine with the real tiny models: continuous batching equals running alone, preemption, KV resizing,
+observations and traces."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from model_fixtures import ARCHS, make_text, make_tiny_checkpoint
+from policies.contract import Plan, Transition
+from pwruntime.engine import EngineConfig, LLMEngine
+from pwruntime.model import load_model
+from pwruntime.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def _prompts(model, lengths=(3, 29, 11, 6)):
+    words = make_text(200, seed=7).split()
+    out = []
+    for i, n in enumerate(lengths):
+        ids = model.tokenizer.encode(" ".join(words[i * 5: i * 5 + n]))
+        assert len(ids) >= n
+        out.append(ids)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine_models")
+    return {arch: load_model(make_tiny_checkpoint(root, arch, seed=1)) for arch in ARCHS}
+
+
+def _alone(model, prompt, params=GREEDY):
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4))
+    (out,) = engine.generate([prompt], params)
+    assert engine.scheduler.num_preemptions == 0
+    return out.token_ids
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_equals_alone(models, arch):
+    model = models[arch]
+    prompts = _prompts(model)
+    # a small token budget forces chunked prefill of the long prompt alongside decodes
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=10))
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    assert all(len(o.token_ids) == 12 for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # not degenerate
+    assert [o.token_ids for o in outs] == [_alone(model, p) for p in prompts]
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_batched_with_preemption_equals_alone(models):
+    model = models["qwen2_moe"]
+    prompts = _prompts(model)
+    # 12 blocks of 4 tokens: each request alone fits (<= 41 tokens), all four together (>= 90) do not
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64,
+                                           record_traces=True))
+    outs = engine.generate(prompts, GREEDY)
+    assert engine.scheduler.num_preemptions > 0
+    # recomputed positions are traced once: (request, position, layer) rows stay unique
+    rows = len(engine.recorder.routing_trace())
+    assert rows == sum(len(p) + GREEDY.max_tokens - 1 for p in prompts) * model.config.num_moe_layers
+    assert sum(o.num_preemptions for o in outs) == engine.scheduler.num_preemptions
+    assert [o.finish_reason for o in outs] == ["length"] * 4
+    assert [o.token_ids for o in outs] == [_alone(model, p) for p in prompts]
+
+
+def test_prompt_too_large_for_pool_is_a_clear_error(models):
+    from traces.clikit import UserError
+
+    engine = LLMEngine(models["mixtral"], EngineConfig(num_kv_blocks=2, block_size=4))
+    with pytest.raises(UserError, match="KV blocks"):
+        engine.add_request(list(range(3, 12)))
+    with pytest.raises(UserError, match="no tokens"):
+        engine.add_request([])
+
+
+def test_observation_routing_mass_and_features(models):
+    model = models["olmoe"]
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4))
+    for p in _prompts(model)[:2]:
+        engine.add_request(p, GREEDY)
+    engine.step()
+    obs = engine.last_observation
+    cfg = model.config
+    assert obs.routing_mass.shape == (cfg.num_moe_layers, cfg.experts)
+    np.testing.assert_allclose(obs.routing_mass.sum(axis=1), 1.0, rtol=1e-9)
+    assert obs.prompt_features.shape == (cfg.num_moe_layers * cfg.experts * 2, 3)
+    phi = obs.prompt_features
+    assert (phi >= 0).all() and (phi[:, 0] > 0).any()
+    seen = phi[:, 0] > 0
+    assert (phi[seen, 0] <= phi[seen, 1] + 1e-9).all() and (phi[seen, 1] <= phi[seen, 2] + 1e-9).all()  # mean<=rms<=max
+    assert obs.total_blocks == 64 and obs.free_blocks == 64 - engine.pool.num_used
+    assert obs.num_running == 2 and obs.kv_block_bytes == engine.block_bytes
+    while engine.has_unfinished():
+        engine.step()
+    assert np.all(engine.last_observation.prompt_features == 0)  # nobody running
+
+
+def test_shrink_with_compaction_and_grow_keep_outputs(models):
+    model = models["qwen3_moe"]
+    short, long_ = _prompts(model, (3, 9))
+    expect = _alone(model, long_, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=16, block_size=4))
+    engine.add_request(short, SamplingParams(max_tokens=1))  # takes block 0 and finishes at once
+    rid = engine.add_request(long_, SamplingParams(max_tokens=20, ignore_eos=True))
+    engine.step()
+    before = engine.pool.block_table(rid)
+    assert min(before) > 0 and engine.pool.num_free == 16 - len(before)
+    assert not engine.shrink_kv(engine.pool.num_free + 1)
+    # retire every free block, block 0 included: a hole under live blocks, so the top one moves down into it
+    assert engine.shrink_kv(engine.pool.num_free)
+    after = engine.pool.block_table(rid)
+    assert sorted(after) == list(range(len(before))) and after != before
+    assert engine.pool.id_limit == engine.kv.num_blocks == engine.pool.capacity == len(before)
+    outputs = []
+    while engine.has_unfinished():  # the request stalls when its blocks are full, until the pool grows
+        outputs += engine.step()
+        if engine.num_steps == 5:
+            engine.grow_kv(8)
+            assert engine.kv.num_blocks == engine.pool.id_limit == len(before) + 8
+    assert outputs[-1].token_ids == expect and outputs[-1].finish_reason == "length"
+
+
+@dataclass
+class OffloadOnce:
+    """A policy that lowers block 0 from 8 to 4 bits at step 1, then does nothing."""
+
+    name: str = "offload-once"
+    plans: list = field(default_factory=list)
+
+    def reset(self, table, calibration):
+        return None
+
+    def plan_step(self, table, observation):
+        if observation.step != 1:
+            return None
+        plan = Plan((Transition(0, 8, 4, int(table.M[0, 8] - table.M[0, 4])),))
+        self.plans.append(plan)
+        return plan
+
+
+def test_released_weight_bytes_grow_the_kv_pool(models):
+    model = models["mixtral"]
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=8, block_size=4), policy=OffloadOnce())
+    engine.add_request(_prompts(model)[0], GREEDY)
+    engine.step()
+    engine.step()
+    freed = engine.policy.plans[0].bytes_freed
+    assert engine.last_loop.committed == (0,) and engine.last_loop.released_bytes == freed
+    assert engine.table.q[0] == 4
+    grown = freed // engine.block_bytes
+    assert engine.pool.capacity == 8 + grown and engine.kv.num_blocks == engine.pool.id_limit
+    assert engine._spare_bytes == freed - grown * engine.block_bytes
+
+
+def test_trace_recording(models, tmp_path):
+    from traces.io import read_trace_dir
+    from traces.schema import check_routing_against_requests
+
+    model = models["qwen2_moe"]
+    prompts = _prompts(model, (4, 7))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, record_traces=True,
+                                           routing_half_life_tokens=None))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    req = engine.recorder.request_trace()
+    rt = engine.recorder.routing_trace()
+    assert list(req.prompt_tokens) == [len(p) for p in prompts] and list(req.output_tokens) == [5, 5]
+    assert list(req.prompt_ids(1)) == prompts[1]
+    cfg = model.config
+    assert len(rt) == sum(len(p) + 5 - 1 for p in prompts) * cfg.num_moe_layers and rt.has_features
+    check_routing_against_requests(rt, req)
+    np.testing.assert_allclose(rt.routing_mass(), engine.routing.mass(), rtol=1e-5)
+    assert [o.request_id for o in outs] == list(req.request_id)
+    back = read_trace_dir(engine.recorder.write(tmp_path / "trace"))
+    assert len(back.routing) == len(rt) and list(back.requests.prompt_tokens) == list(req.prompt_tokens)
+    np.testing.assert_array_equal(back.routing.expert_ids, rt.expert_ids)
+
+
+def test_request_outgrowing_the_pool_finishes_with_kv_capacity_and_abort(models):
+    model = models["mixtral"]
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=3, block_size=4, stall_limit=2))
+    prompt = _prompts(model, (5,))[0]
+    expect = _alone(model, prompt)
+    rid = engine.add_request(prompt, GREEDY)  # 12 slots hold prompt + 7 outputs, then it stalls
+    other = engine.add_request(prompt, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+        if engine.num_steps == 3:
+            aborted = engine.abort(other)
+            assert aborted.finish_reason == "abort" and aborted.request_id == other
+    (out,) = outs
+    assert out.request_id == rid and out.finish_reason == "kv_capacity"
+    n = 12 - len(prompt) + 1
+    assert out.token_ids == expect[:n]
+    assert engine.pool.num_free == 3
