@@ -1,0 +1,79 @@
+"""`pwruntime quantize`: turn a HuggingFace MoE checkpoint into an AP checkpoint (pwruntime.quant).
+
+Routed experts become 8 bit-planes + LUT_b per linear-block (per-row weighted k-means seeded at the
+lowest requested bitwidth, upscaled to 8 bits); everything else is copied through at full precision.
+Weighting: `hessian` (E[x_j^2] of each block's inputs on calibration text), `fisher` (sum of squared
+LM-loss gradients on calibration text), or `none`; `auto` is hessian when --calib-data is given,
+else none.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from traces.clikit import UserError
+
+WEIGHTINGS = ("auto", "hessian", "fisher", "none")
+
+
+def parse_bits(text: str) -> tuple[int, ...]:
+    """'3..8' or '3,4,6,8' -> sorted tuple of bitwidths in 1..8."""
+    try:
+        if ".." in text:
+            lo, hi = (int(x) for x in text.split(".."))
+            bits = tuple(range(lo, hi + 1))
+        else:
+            bits = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise UserError(f"--bits {text!r} is not a range LO..HI or a comma list, e.g. 3..8") from None
+    if not bits or min(bits) < 1 or max(bits) > 8:
+        raise UserError(f"--bits {text!r} must name bitwidths in 1..8, e.g. 3..8")
+    return bits
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="quantize a model's routed experts into an AP checkpoint",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="source HuggingFace checkpoint directory")
+    p.add_argument("--out", required=True, help="output AP checkpoint directory (written atomically)")
+    p.add_argument("--weighting", choices=WEIGHTINGS, default="auto", help="k-means weights (default: auto)")
+    p.add_argument("--calib-data", nargs="+", default=[], metavar="FILE",
+                   help="calibration text files (UTF-8, optionally .gz) for hessian/fisher weighting")
+    p.add_argument("--calib-tokens", type=int, default=16384, help="calibration tokens to use (default 16384)")
+    p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration sequence (default 512)")
+    p.add_argument("--bits", default="3..8", help="stored bitwidths, LO..HI or a list (default 3..8)")
+    p.add_argument("--seed", type=int, default=0, help="k-means++ seed (default 0)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+
+    bits = parse_bits(args.bits)
+    weighting = args.weighting
+    if weighting == "auto":
+        weighting = "hessian" if args.calib_data else "none"
+    if weighting != "none" and not args.calib_data:
+        raise UserError(f"--weighting {weighting} needs calibration text: pass --calib-data FILE...")
+    if args.calib_tokens < 2 or args.calib_seq_len < 2:
+        raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
+    for f in args.calib_data:
+        if not Path(f).is_file():
+            raise UserError(f"calibration file {f} does not exist; pass existing text files to --calib-data")
+    opts = QuantizeOptions(bits=bits, weighting=weighting, calib_files=tuple(args.calib_data),
+                           calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, seed=args.seed,
+                           overwrite=args.overwrite)
+    summary = quantize_checkpoint(args.model, args.out, opts)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"wrote {summary['out']}: {summary['blocks']} expert blocks at bits {summary['bits']} "
+              f"({summary['weighting']} weighting)")
+        print(f"time to quantize: {summary['quantize_seconds']:.1f} s (k-means {summary['kmeans_seconds']:.1f} s, "
+              f"weights {summary['weighting_seconds']:.1f} s, total {summary['total_seconds']:.1f} s)")
+    return 0
