@@ -42,16 +42,21 @@ class Observation:
 
 @dataclass(frozen=True)
 class Transition:
-    """Move block `block` from `from_bits` to `to_bits`; `delta_bytes` = M[from] - M[to] (>0 frees)."""
+    """Move block `block` from `from_bits` to `to_bits`; `delta_bytes` = M[from] - M[to] (>0 frees).
+
+    `in_place` transitions move no page: the engine applies them with `PageTable.commit_in_place`
+    (only the dp-llm baseline, which keeps every plane resident, emits them; `delta_bytes` is 0).
+    """
 
     block: int
     from_bits: int
     to_bits: int
     delta_bytes: int
+    in_place: bool = False
 
     @property
     def is_offload(self) -> bool:
-        return self.to_bits < self.from_bits
+        return self.to_bits < self.from_bits and not self.in_place
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ protocol, enforced here so that no engine can break it:
   `q` stays `b`. `finish_reload` (called by the engine at a safe boundary after the copy landed)
   marks them GPU, raises `q` to `b''` and frees the old LUT_b.
 
+* in place (`commit_in_place`, only for the dp-llm baseline that keeps every plane resident): `q`
+  moves among planes already on the GPU and nothing is copied; a block holding planes above `q`
+  is `held` and refuses offload/reload. Its bytes are still counted as `M[i, q]`: such a policy
+  reports its real footprint itself (`policies.planners.weight_bytes`).
+
 At most one transfer per block is in flight. Illegal calls raise `PageTableError` and change
 nothing. Bytes are exact: resident = sum_i M[i, q_i] + sum_i in_flight_bytes(i), where a block's
 in-flight bytes are its TO_* planes plus the extra LUT it holds during the transfer.
@@ -95,6 +100,7 @@ class PageTable:
         self.d = np.zeros(n, dtype=np.int8)
         self.planes = np.zeros((n, MAX_BITS), dtype=np.int8)
         self.target = np.full(n, -1, dtype=np.int8)  # bits of the transfer in flight, -1 none
+        self.held = np.zeros(n, dtype=bool)  # GPU planes kept above q by commit_in_place
         self.initialize(initial_bits)
 
     # ----------------------------------------------------------------- views
@@ -152,6 +158,7 @@ class PageTable:
             raise PageTableError(f"initial bits {int(arr[i])} for {self.block_id(i)} not in {self.bits}")
         self.q[:] = arr
         self.d[:] = arr
+        self.held[:] = False
         self.planes[:] = np.where(np.arange(MAX_BITS)[None, :] < arr[:, None], PlaneState.GPU, PlaneState.CPU)
 
     def set_desired(self, i: int, bits: int) -> None:
@@ -162,6 +169,7 @@ class PageTable:
         """Commit the lower bits, mark surplus planes TO_CPU; returns the bytes it will free."""
         self._check_idle(i)
         self._check_bits(i, to_bits)
+        self._check_not_held(i)
         q = int(self.q[i])
         if to_bits >= q:
             raise PageTableError(f"offload of {self.block_id(i)} must lower bits: {q} -> {to_bits}")
@@ -183,6 +191,7 @@ class PageTable:
         """Mark planes q..to_bits-1 TO_GPU; returns the bytes to copy (planes plus LUT_to)."""
         self._check_idle(i)
         self._check_bits(i, to_bits)
+        self._check_not_held(i)
         q = int(self.q[i])
         if to_bits <= q:
             raise PageTableError(f"reload of {self.block_id(i)} must raise bits: {q} -> {to_bits}")
@@ -202,6 +211,24 @@ class PageTable:
         self.planes[i, self.q[i]:to_bits] = PlaneState.GPU
         self.q[i] = to_bits
         self.target[i] = -1
+
+    def commit_in_place(self, i: int, bits: int) -> None:
+        """Set q to `bits` among planes already on the GPU; no plane moves (dp-llm baseline only)."""
+        self._check_idle(i)
+        self._check_bits(i, bits)
+        on_gpu = self.planes[i] == PlaneState.GPU
+        lead = MAX_BITS if on_gpu.all() else int(np.argmin(on_gpu))
+        if not 1 <= bits <= lead:
+            raise PageTableError(f"{self.block_id(i)}: cannot commit {bits} bits in place, "
+                                 f"only {lead} leading planes are on the GPU")
+        self.q[i] = bits
+        self.d[i] = bits
+        self.held[i] = bits < lead
+
+    def _check_not_held(self, i: int) -> None:
+        if self.held[i]:
+            raise PageTableError(f"{self.block_id(i)} keeps planes above q={self.q[i]} in place "
+                                 "(commit_in_place); it cannot offload or reload")
 
     def _check_index(self, i: int) -> None:
         if not 0 <= i < self.num_blocks:
@@ -227,5 +254,5 @@ class PageTable:
         for i in np.flatnonzero(~self.busy):
             if (self.planes[i] >= PlaneState.TO_GPU).any():
                 raise PageTableError(f"{self.block_id(i)}: planes in flight but no transfer recorded")
-            if (self.planes[i, self.q[i]:] == PlaneState.GPU).any():
+            if not self.held[i] and (self.planes[i, self.q[i]:] == PlaneState.GPU).any():
                 raise PageTableError(f"{self.block_id(i)}: GPU planes above q={self.q[i]} while idle")

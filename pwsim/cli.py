@@ -7,15 +7,16 @@ from traces.clikit import build_parser, run_main
 
 
 def _registrars():
-    from pwsim import cmd_models
-    return [cmd_models.register]
+    from pwsim import cmd_bench, cmd_compare, cmd_models, cmd_run, cmd_traces
+    return [cmd_models.register, cmd_traces.register, cmd_bench.register, cmd_run.register, cmd_compare.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from policies.calibration import CalibrationError
+    from policies.registry import PolicyError
     parser = build_parser("pwsim", "PagedWeight simulator: replay traces, compare planners under memory budgets.",
                           _registrars())
-    return run_main(parser, argv, user_errors=(CalibrationError,))
+    return run_main(parser, argv, user_errors=(CalibrationError, PolicyError))
 
 
 if __name__ == "__main__":

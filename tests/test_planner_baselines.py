@@ -1,0 +1,185 @@
+"""Baselines: fp16, uniform-<b>, static-mixed, dp-llm (in-place precision), expert-lru; the allocation solver."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from policies import Observation, PageTable, PageTableError, PolicyError, get
+from policies.apformat import fp16_bytes, lut_bytes
+from policies.planners import apply_plan_now, sensitivity_optimal_bits, weight_bytes
+from policies.planners.expert_lru import routed_since
+from policies.synthetic import synthetic_calibration, synthetic_features, synthetic_routing_mass
+
+BITS = (3, 4, 5, 6, 7, 8)
+
+
+def obs(step=1, free=0, **kw) -> Observation:
+    return Observation(step=step, time_s=0.0, free_blocks=free, total_blocks=100, kv_block_bytes=10**6,
+                       free_block_threshold=8, **kw)
+
+
+@pytest.fixture
+def setup():
+    table = PageTable(3, 4, 256, 128, bits=BITS)
+    return table, synthetic_calibration(table, seed=2, initial_mean_bits=6.0)
+
+
+def test_fp16_is_the_full_precision_reference(setup):
+    table, cal = setup
+    pol = get("fp16")
+    pol.reset(table, None)
+    assert (table.q == 8).all() and pol.full_precision
+    assert weight_bytes(pol, table) == sum(fp16_bytes(int(o), int(i)) for o, i in table.shapes)
+    assert pol.plan_step(table, obs()) is None
+
+
+@pytest.mark.parametrize("b", BITS)
+def test_uniform_is_static(setup, b):
+    table, cal = setup
+    pol = get(f"uniform-{b}")
+    pol.reset(table, cal)
+    assert (table.q == b).all() and weight_bytes(pol, table) == table.resident_bytes()
+    assert pol.plan_step(table, obs()) is None
+
+
+def test_uniform_rejects_unsupported_bits():
+    with pytest.raises(PolicyError, match="4 bits not supported"):
+        get("uniform-4").reset(PageTable(1, 2, 64, 32, bits=(3, 8)), None)
+
+
+def test_static_mixed_meets_the_mean_and_beats_uniform(setup):
+    table, cal = setup
+    pol = get("static-mixed", target_bits=4.5)
+    pol.reset(table, cal)
+    params = table.shapes[:, 0] * table.shapes[:, 1]
+    assert np.dot(params, table.q) / params.sum() <= 4.5
+    assert pol.plan_step(table, obs()) is None
+    s = cal.sensitivity  # convex chains: a Lagrangian optimum, so better than uniform 4 bits (fewer bits used)
+    assert s[np.arange(table.num_blocks), table.q].sum() < s[:, 4].sum()
+
+
+def test_allocation_is_optimal_on_tiny_convex_problems():
+    """On convex chains the greedy is a Lagrangian optimum: no assignment using no more bytes is better."""
+    table = PageTable(1, 2, 64, 32, bits=(3, 4, 5, 6), initial_bits=6)
+    rng = np.random.default_rng(0)
+    rows = np.arange(4)
+    for _ in range(30):
+        s = np.full((4, 9), np.nan)
+        s[:, 6] = rng.lognormal(0, 1, 4)
+        for b in (5, 4, 3):
+            s[:, b] = s[:, b + 1] * rng.uniform(2, 6, 4)
+        budget = int(rng.uniform(table.M[:, 3].sum(), table.M[:, 6].sum()))
+        bits = sensitivity_optimal_bits(table, s, budget_bytes=budget)
+        used = table.M[rows, bits].sum()
+        assert used <= budget
+        best = min(s[rows, list(c)].sum() for c in itertools.product((3, 4, 5, 6), repeat=4)
+                   if table.M[rows, list(c)].sum() <= used)
+        assert s[rows, bits].sum() <= best * (1 + 1e-12)
+
+
+def test_allocation_errors():
+    table = PageTable(1, 2, 64, 32, bits=BITS)
+    s = np.ones((4, 9))
+    with pytest.raises(PolicyError, match="below"):
+        sensitivity_optimal_bits(table, s, budget_bytes=10)
+    with pytest.raises(PolicyError, match="exactly one"):
+        sensitivity_optimal_bits(table, s)
+
+
+# --------------------------------------------------------------------------------------- dp-llm
+def test_dp_llm_changes_precision_in_place(setup):
+    table, cal = setup
+    pol = get("dp-llm", target_bits=5.0)
+    pol.reset(table, cal)
+    assert (table.planes == 1).all()  # every plane resident
+    per_layer = table.q.reshape(table.layers, -1)
+    assert (per_layer == per_layer[:, :1]).all() and per_layer[:, 0].mean() <= 5.0
+    real = weight_bytes(pol, table)
+    luts = sum(lut_bytes(int(o), b) for o, _ in table.shapes for b in BITS if b != 8)
+    assert real == table.M[:, 8].sum() + luts and pol.theoretical_weight_bytes(table) == table.committed_bytes()
+    rms_boost = synthetic_features(table.num_blocks, seed=0)
+    rms_boost[table.layer == 2, 1] *= 20  # layer 2 sees much larger inputs now
+    plan = pol.plan_step(table, obs(prompt_features=rms_boost))
+    assert plan is not None and all(t.in_place and t.delta_bytes == 0 for t in plan.transitions)
+    before = table.q.copy()
+    apply_plan_now(table, plan)
+    table.check_invariants()
+    assert (table.planes == 1).all() and weight_bytes(pol, table) == real  # nothing moved
+    assert table.q[table.layer == 2].mean() > before[table.layer == 2].mean()
+    assert table.q.reshape(table.layers, -1)[:, 0].mean() <= 5.0
+
+
+def test_in_place_blocks_refuse_page_moves(setup):
+    table, cal = setup
+    pol = get("dp-llm", target_bits=4.0)
+    pol.reset(table, cal)
+    i = int(np.flatnonzero(table.q < 8)[0])
+    with pytest.raises(PageTableError, match="in place"):
+        table.begin_offload(i, 3)
+    with pytest.raises(PageTableError, match="in place"):
+        table.begin_reload(i, 8)
+    table2 = PageTable(1, 2, 64, 32, bits=BITS, initial_bits=5)
+    with pytest.raises(PageTableError, match="only 5 leading planes"):
+        table2.commit_in_place(0, 6)
+
+
+# --------------------------------------------------------------------------------------- expert-lru
+def test_routed_since_reads_routing_mass_updates():
+    from policies.observe import RoutingMass
+    rm = RoutingMass(2, 6, half_life_tokens=64.0)
+    rng = np.random.default_rng(0)
+    prev = None
+    for _ in range(30):
+        ids = rng.integers(0, 6, (2, 3, 2))
+        rm.update(ids, rng.uniform(0.1, 1.0, (2, 3, 2)))
+        used = routed_since(prev, rm.mass())
+        truth = np.zeros((2, 6), bool)
+        for l in range(2):
+            truth[l, np.unique(ids[l])] = True
+        if prev is not None and not truth.all(axis=1).any():
+            assert (used == truth).all()
+        prev = rm.mass()
+
+
+def test_expert_lru_misses_fetch_and_evict_lru():
+    table = PageTable(1, 6, 256, 128, bits=BITS)
+    per_expert = int(table.M[0, 4] + table.M[1, 4])
+    pol = get("expert-lru", bits=4, budget_bytes=3 * per_expert)
+    pol.reset(table, None)
+    resident = lambda: set(np.flatnonzero(table.q[0::2] > 0).tolist())  # noqa: E731
+    assert resident() == {0, 1, 2} and table.resident_bytes() == 3 * per_expert
+    used = np.zeros((1, 6), bool)
+    for step, experts in enumerate([[0], [1], [3], [4], [0], [5]]):
+        used[:] = False
+        used[0, experts] = True
+        pol.touch(used)
+        plan = pol.plan_step(table, obs(step=step))
+        if plan is not None:
+            offs = [t for t in plan.transitions if t.is_offload]
+            assert plan.transitions[: len(offs)] == tuple(offs)  # evictions first
+        apply_plan_now(table, plan)
+        table.check_invariants()
+        assert len(resident()) <= 3 and set(experts) <= resident()
+    # 3 evicts 2 (never used), 4 evicts 0 (used at step 0), 0 comes back evicting 1, 5 evicts 3
+    assert resident() == {0, 4, 5}
+    assert pol.misses == 4 and pol.last_used.tolist() == [[4, 1, -1, 2, 3, 5]]
+    assert table.resident_bytes() <= 3 * per_expert
+
+
+def test_expert_lru_budget_errors():
+    with pytest.raises(PolicyError, match="holds no expert"):
+        get("expert-lru", budget_bytes=10).reset(PageTable(1, 2, 64, 32), None)
+
+
+def test_expert_lru_from_routing_mass_only():
+    table = PageTable(2, 8, 256, 128, bits=BITS)
+    per_expert = int(table.M[0, 4] + table.M[1, 4])
+    pol = get("expert-lru", budget_bytes=6 * per_expert)
+    pol.reset(table, None)
+    for step in range(20):
+        m = synthetic_routing_mass(2, 8, seed=step % 3)
+        apply_plan_now(table, pol.plan_step(table, obs(step=step, routing_mass=m)))
+        table.check_invariants()
+        assert int((table.q[0::2] > 0).sum()) <= 6
