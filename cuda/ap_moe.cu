@@ -1,0 +1,605 @@
+// Fused mixed-precision AP (bit-plane) MoE decode: gate_up + silu*mul, then down + weighted sum.
+//
+// Weights are AP layout v1 (policies/apformat.py): plane j of a block is [out, W] uint32 words,
+// W = ceil(in / 32); bit (k % 32) of word k / 32 of row r is bit (7 - j) of W[r, k]'s 8-bit code;
+// the b-bit code is the top b planes; LUT_b is [out, 2^b] fp16. Every block is read at its own
+// committed bits from the device page table: int64 rows [plane0..plane7, lut, bits] (10 columns),
+// block index (layer * E + expert) * 2 + kind. Nothing here depends on the bits at launch time.
+//
+// Work decomposition. One CTA = 4 warps handles (active expert a, row tile). Each CTA derives the
+// sorted list of active experts and the (token, slot) pairs routed to its expert from topk_ids
+// (so a CUDA graph can be replayed for any routing). A warp computes one m16 tile of output rows
+// for all tokens of its expert with mma.sync m16n8k16 (fp32 accumulators): the A fragment is
+// decoded from the bit-planes in registers, the B fragment (activations) comes from shared memory
+// where x is stored permuted to match the decode order. So an expert's planes are read once per
+// launch no matter how many tokens it serves. Decoders:
+//   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
+//   q = 4: two 8-entry register tables selected by the top plane through a prmt sign-replicate mask;
+//   other q: codes assembled a byte at a time (SWAR), LUT in shared memory.
+// Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk of 256 columns, words 2t, 2t+1 of
+// 8 (uint2 loads: the 4 lanes of a row read 32 contiguous bytes per plane). Plane words of the next
+// one or two chunks are in flight while a chunk is decoded (register buffers used in rotation).
+//
+// Launch 1 (pw_moe_gate_up): m-rows 0..7 are gate rows, 8..15 the matching up rows, so
+// silu(gate) * up is formed in registers and written to act[slot, I] (activation dtype).
+// Launch 2 (pw_moe_down): partial[slot, H] = w_slot * down_e(act[slot]); the last CTA to finish a
+// row tile (arrival counter) sums the top-k slots of every token in slot order (deterministic),
+// writes out[T, H] and re-arms the counter, so no memset or extra launch is needed.
+#include "pw_common.cuh"
+
+#ifndef PW_BF16
+#define PW_BF16 0
+#endif
+#ifndef PW_NT
+#define PW_NT 1
+#endif
+
+namespace {
+constexpr bool BF = PW_BF16 != 0;
+constexpr int NT = PW_NT;  // n-tiles of 8 tokens: up to 8 * NT tokens per expert
+constexpr int ACCS = NT == 1 ? 2 : 1;  // with one n-tile, two accumulator sets halve the mma dependency chain
+constexpr int WARPS = 4;
+constexpr int THREADS = 32 * WARPS;
+constexpr int CHUNK_WORDS = 8;   // words per row per chunk
+constexpr int CHUNK_K = 256;     // columns per chunk
+constexpr int CHUNK_XBYTES = 512;  // one token's activations for one chunk in shared memory
+constexpr int XS_ROW_PAD = 128;
+constexpr int MAX_TK = 1024;
+constexpr int MAX_EXPERT_WORDS = 32;  // E <= 1024
+constexpr int MAX_TOK = 64;
+constexpr int TABLE_COLS = 10;
+constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
+}  // namespace
+
+struct BlockRef {
+    const u32* planes[8];
+    const u16* lut;
+    int q;
+};
+
+__device__ __forceinline__ BlockRef read_block(const long long* table, long long b) {
+    BlockRef k;
+    const long long* row = table + b * TABLE_COLS;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) k.planes[j] = reinterpret_cast<const u32*>(row[j]);
+    k.lut = reinterpret_cast<const u16*>(row[8]);
+    k.q = static_cast<int>(row[9]);
+    return k;
+}
+
+// What one warp computes: 16 m-rows (m < 8 -> base0 + m, else base1 + m - 8; clamped to the
+// limits for loads) against n_tok tokens whose activation rows are x + rows[n] / row_div * ldx.
+struct Tile {
+    int base0, lim0, base1, lim1;
+    int W, K, nchunks;
+    int ks, ksplit;
+    int n_tok;
+    const u16* x;
+    long long ldx;
+    const int* rows;
+    int row_div;
+    bool x_vec;
+    int cps;  // chunks per shared-memory segment
+};
+
+__device__ __forceinline__ int mrow(const Tile& tl, int m) {
+    int r = m < 8 ? tl.base0 + m : tl.base1 + (m - 8);
+    int lim = m < 8 ? tl.lim0 : tl.lim1;
+    return r < lim ? r : lim - 1;
+}
+
+__device__ __forceinline__ u32 shr_rt(u32 w, int s) { return s >= 0 ? (w >> s) : (w << (-s)); }
+
+__device__ __forceinline__ u32 half_of(const u32 (&v)[16], int e) {
+    return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu);
+}
+
+// ---------------------------------------------------------------- activations -> shared memory
+// Token n's row starts at n * pitch + swz(n); within a chunk: [group G 0..7][word 0..7][4 halves].
+// Path 0 (nibble decoders): group G = 2i + h holds elements i + 16h + 4s, s = 0..3.
+// Path 1 (byte decoder):   group G = i holds elements i + 8s.
+__device__ __forceinline__ int xs_swz(int n) { return ((n & 1) << 3) | (((n >> 1) & 1) << 6); }
+
+template <int PATH>
+__device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch) {
+    const int c0 = seg * tl.cps;
+    const int nch = min(tl.cps, tl.nchunks - c0);
+    const int items = tl.n_tok * nch * CHUNK_WORDS;
+    for (int it = threadIdx.x; it < items; it += THREADS) {
+        const int w8 = it & 7;
+        const int rest = it >> 3;
+        const int cl = rest % nch;
+        const int n = rest / nch;
+        const int k0 = (c0 + cl) * CHUNK_K + w8 * 32;
+        const u16* src = tl.x + (long long)(tl.rows[n] / tl.row_div) * tl.ldx + k0;
+        u32 v[16];
+        if (tl.x_vec && k0 + 32 <= tl.K) {
+#pragma unroll
+            for (int q4 = 0; q4 < 4; ++q4) {
+                u32x4 r = ldg_nc_v4(src + 8 * q4);
+                v[4 * q4 + 0] = r.x;
+                v[4 * q4 + 1] = r.y;
+                v[4 * q4 + 2] = r.z;
+                v[4 * q4 + 3] = r.w;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 32; e += 2) {
+                u32 lo = (k0 + e < tl.K) ? (u32)src[e] : 0u;
+                u32 hi = (k0 + e + 1 < tl.K) ? (u32)src[e + 1] : 0u;
+                v[e >> 1] = lo | (hi << 16);
+            }
+        }
+        char* dst = xs + n * pitch + xs_swz(n) + cl * CHUNK_XBYTES + w8 * 8;
+#pragma unroll
+        for (int G = 0; G < 8; ++G) {
+            int e[4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                if constexpr (PATH == 0) e[s] = (G >> 1) + 16 * (G & 1) + 4 * s;
+                else e[s] = G + 8 * s;
+            }
+            u32x2 o;
+            o.x = half_of(v, e[0]) | (half_of(v, e[1]) << 16);
+            o.y = half_of(v, e[2]) | (half_of(v, e[3]) << 16);
+            *reinterpret_cast<u32x2*>(dst + G * 64) = o;
+        }
+    }
+}
+
+// ---------------------------------------------------------------- decoders
+// nibble codes: element i + 4s of a word -> nibble s (3 bits from the three least significant planes)
+template <int Q>
+__device__ __forceinline__ u32 nib3(const u32* w, int i) {
+    // planes Q-3, Q-2, Q-1 give code bits 2, 1, 0
+    return (shr_rt(w[Q - 3], i - 2) & 0x44444444u) | (shr_rt(w[Q - 2], i - 1) & 0x22222222u) |
+           (shr_rt(w[Q - 1], i) & 0x11111111u);
+}
+
+// q = 3: A[0..1] = pairs (s0,s1), (s2,s3) of elements i + 4s, s = 0..3; A[2..3] the same for s = 4..7
+__device__ __forceinline__ void decode3(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
+    const u32 n = nib3<3>(w, i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 s = h ? (n >> 16) : n;
+        const u32 lo = prmt(L[0], L[1], s), hi = prmt(L[2], L[3], s);
+        A[2 * h] = prmt(lo, hi, 0x5140u);
+        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
+    }
+}
+
+// q = 4: the top plane selects between the tables of codes 0..7 (L[0..3]) and 8..15 (L[4..7]).
+// P1 = w0 << (7 - i) puts element i + 8b at the sign of byte b, P2 = w0 << (3 - i) element i + 4 + 8b;
+// prmt with sign-replicating selectors turns them into per-byte masks in nibble order.
+__device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
+    const u32 n = nib3<4>(w, i);
+    const u32 p1 = w[0] << (7 - i), p2 = w[0] << (3 - i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 s = h ? (n >> 16) : n;
+        const u32 m = prmt(p1, p2, h ? 0xFBEAu : 0xD9C8u);
+        const u32 lo = (prmt(L[0], L[1], s) & ~m) | (prmt(L[4], L[5], s) & m);
+        const u32 hi = (prmt(L[2], L[3], s) & ~m) | (prmt(L[6], L[7], s) & m);
+        A[2 * h] = prmt(lo, hi, 0x5140u);
+        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
+    }
+}
+
+// any q: byte b of C = code of element i + 8b; LUT row in shared memory (activation dtype)
+template <int Q>
+__device__ __forceinline__ void decode_bytes(const u32* w, int i, const u16* lr, u32 (&A)[2]) {
+    u32 c = 0;
+#pragma unroll
+    for (int j = 0; j < Q; ++j) c |= shr_rt(w[j], i - (Q - 1 - j)) & (0x01010101u << (Q - 1 - j));
+    const u32 v0 = lr[c & 0xffu], v1 = lr[(c >> 8) & 0xffu], v2 = lr[(c >> 16) & 0xffu], v3 = lr[c >> 24];
+    A[0] = v0 | (v1 << 16);
+    A[1] = v2 | (v3 << 16);
+}
+
+// ---------------------------------------------------------------- the m16 x (8 NT) x K tile
+template <int SET>
+__device__ __forceinline__ void mma_group(float (&acc)[NT * ACCS][4], int nt_act, const char* xs, const int (&xoff)[NT],
+                                          int byte_off, u32 a0, u32 a1, u32 a2, u32 a3) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        if (NT == 1 || nt < nt_act) {
+            u32x2 b;
+            b.x = 0u;
+            b.y = 0u;
+            if (xoff[nt] >= 0) b = *reinterpret_cast<const u32x2*>(xs + xoff[nt] + byte_off);
+            mma16816<BF>(acc[nt * ACCS + (SET % ACCS)], a0, a1, a2, a3, b.x, b.y);
+        }
+    }
+}
+
+template <int Q>
+__device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][2], const BlockRef& blk, const Tile& tl, long long off0,
+                                           long long off1, int c, int t) {
+    const int w = c * CHUNK_WORDS + 2 * t;
+    const bool vec = (tl.W & 1) == 0;
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const long long off = (rr ? off1 : off0) + w;
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            if (vec) {
+                if (w < tl.W) {
+                    u32x2 v = ldg_nc_v2(blk.planes[j] + off);
+                    P[rr][j][0] = v.x;
+                    P[rr][j][1] = v.y;
+                } else {
+                    P[rr][j][0] = 0u;
+                    P[rr][j][1] = 0u;
+                }
+            } else {
+                P[rr][j][0] = (w < tl.W) ? ldg_nc(blk.planes[j] + off) : 0u;
+                P[rr][j][1] = (w + 1 < tl.W) ? ldg_nc(blk.planes[j] + off + 1) : 0u;
+            }
+        }
+    }
+}
+
+template <int Q>
+__device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32 (&L)[2][8], const u16* lut_s,
+                                              float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
+                                              const int (&xoff)[NT], int cl, int g, int t) {
+    constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        u32 w0[Q], w1[Q];
+#pragma unroll
+        for (int j = 0; j < Q; ++j) {
+            w0[j] = P[0][j][u];
+            w1[j] = P[1][j][u];
+        }
+        const int base = cl * CHUNK_XBYTES + (2 * t + u) * 8;
+        if constexpr (PATH == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                u32 A0[4], A1[4];
+                if constexpr (Q == 3) {
+                    decode3(w0, i, L[0], A0);
+                    decode3(w1, i, L[1], A1);
+                } else {
+                    decode4(w0, i, L[0], A0);
+                    decode4(w1, i, L[1], A1);
+                }
+                mma_group<0>(acc, nt_act, xs, xoff, base + (2 * i) * 64, A0[0], A1[0], A0[1], A1[1]);
+                mma_group<1>(acc, nt_act, xs, xoff, base + (2 * i + 1) * 64, A0[2], A1[2], A0[3], A1[3]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                u32 A0[2], A1[2];
+                decode_bytes<Q>(w0, i, lut_s + g * (1 << Q), A0);
+                decode_bytes<Q>(w1, i, lut_s + (g + 8) * (1 << Q), A1);
+                if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
+                else mma_group<0>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
+            }
+        }
+    }
+}
+
+// Accumulate this warp's 16 m-rows x n_tok tokens over its share of K into acc.
+template <int Q>
+__device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
+    constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
+    // NB register buffers of plane words: NB - 1 chunks are in flight while one is decoded. The
+    // buffers are used in rotation through a phase (no register copies: a copy of a register whose
+    // load is still in flight would wait for it and serialize the pipeline).
+    constexpr int NB = (Q <= 4) ? 3 : 2;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = mrow(tl, g), r1 = mrow(tl, g + 8);
+
+    // first plane loads go out before the LUT loads
+    const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
+    const int nt_act = (tl.n_tok + 7) >> 3;
+    const int pitch = tl.cps * CHUNK_XBYTES + XS_ROW_PAD;
+    int xoff[NT];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int n = nt * 8 + g;
+        xoff[nt] = n < tl.n_tok ? n * pitch + xs_swz(n) : -1;
+    }
+
+    const int n_my = tl.nchunks > tl.ks ? (tl.nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
+    u32 P0[2][Q][2], P1[2][Q][2], P2[2][Q][2];
+    if (n_my > 0) load_chunk<Q>(P0, blk, tl, off0, off1, tl.ks, t);
+    if (NB == 3 && n_my > 1) load_chunk<Q>(P1, blk, tl, off0, off1, tl.ks + tl.ksplit, t);
+
+    // ---- LUT: registers (q = 3, 4) or this warp's shared-memory slice
+    u32 L[2][8];
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) L[rr][k] = 0u;
+    if constexpr (PATH == 0) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const u16* lr = blk.lut + (long long)(rr ? r1 : r0) * (1 << Q);
+#pragma unroll
+            for (int half = 0; half < Q - 2; ++half) {  // entries 8*half .. 8*half+7
+                u32x4 e = ldg_nc_v4(lr + 8 * half);
+                if constexpr (BF) {
+                    e.x = lut2act<BF>(e.x & 0xffffu) | ((u32)lut2act<BF>(e.x >> 16) << 16);
+                    e.y = lut2act<BF>(e.y & 0xffffu) | ((u32)lut2act<BF>(e.y >> 16) << 16);
+                    e.z = lut2act<BF>(e.z & 0xffffu) | ((u32)lut2act<BF>(e.z >> 16) << 16);
+                    e.w = lut2act<BF>(e.w & 0xffffu) | ((u32)lut2act<BF>(e.w >> 16) << 16);
+                }
+                L[rr][4 * half + 0] = prmt(e.x, e.y, 0x6420u);  // low bytes of entries 0..3
+                L[rr][4 * half + 1] = prmt(e.z, e.w, 0x6420u);  // low bytes of entries 4..7
+                L[rr][4 * half + 2] = prmt(e.x, e.y, 0x7531u);  // high bytes of entries 0..3
+                L[rr][4 * half + 3] = prmt(e.z, e.w, 0x7531u);  // high bytes of entries 4..7
+            }
+        }
+    } else {
+        for (int idx = lane; idx < (16 << Q); idx += 32) {
+            const int m = idx >> Q, code = idx & ((1 << Q) - 1);
+            lut_s[idx] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
+        }
+        __syncwarp();
+    }
+
+    const int nseg = (tl.nchunks + tl.cps - 1) / tl.cps;
+    int my = 0, phase = 0;
+    for (int seg = 0; seg < nseg; ++seg) {
+        __syncthreads();  // the previous segment's activations are no longer read
+        fill_x<PATH>(xs, tl, seg, pitch);
+        __syncthreads();
+        const int cend = min(tl.nchunks, (seg + 1) * tl.cps);
+        while (my < n_my && tl.ks + my * tl.ksplit < cend) {
+            const int nxt = my + NB - 1;
+            const bool ld = nxt < n_my;
+            const int cn = tl.ks + nxt * tl.ksplit;
+            const int cl = tl.ks + my * tl.ksplit - seg * tl.cps;
+            if constexpr (NB == 3) {
+                if (phase == 0) {
+                    if (ld) load_chunk<Q>(P2, blk, tl, off0, off1, cn, t);
+                    compute_chunk<Q>(P0, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
+                } else if (phase == 1) {
+                    if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
+                    compute_chunk<Q>(P1, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
+                } else {
+                    if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
+                    compute_chunk<Q>(P2, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
+                }
+                phase = phase == 2 ? 0 : phase + 1;
+            } else {
+                if (phase == 0) {
+                    if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
+                    compute_chunk<Q>(P0, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
+                } else {
+                    if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
+                    compute_chunk<Q>(P1, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
+                }
+                phase ^= 1;
+            }
+            ++my;
+        }
+    }
+}
+
+__device__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
+    switch (blk.q) {
+        case 1: ap_mma<1>(blk, tl, xs, lut_s, acc); break;
+        case 2: ap_mma<2>(blk, tl, xs, lut_s, acc); break;
+        case 3: ap_mma<3>(blk, tl, xs, lut_s, acc); break;
+        case 4: ap_mma<4>(blk, tl, xs, lut_s, acc); break;
+        case 5: ap_mma<5>(blk, tl, xs, lut_s, acc); break;
+        case 6: ap_mma<6>(blk, tl, xs, lut_s, acc); break;
+        case 7: ap_mma<7>(blk, tl, xs, lut_s, acc); break;
+        case 8: ap_mma<8>(blk, tl, xs, lut_s, acc); break;
+        default: break;  // not resident: contributes zero
+    }
+}
+
+// Sum the k-slices of each row group into the ks == 0 warp (reuses the activation area).
+__device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks, int ksplit) {
+    __syncthreads();
+    if (ksplit == 1) return;
+    float* red = reinterpret_cast<float*>(smem);
+    const int lane = threadIdx.x & 31;
+    if (ks != 0) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[((warp * NT + nt) * 4 + i) * 32 + lane] = acc[nt][i];
+    }
+    __syncthreads();
+    if (ks == 0) {
+        for (int o = 1; o < ksplit; ++o)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[nt][i] += red[(((warp + o) * NT + nt) * 4 + i) * 32 + lane];
+    }
+}
+
+// ---------------------------------------------------------------- routing prologue
+// Active experts sorted ascending; CTA `a` takes the a-th. Its slots (t * topk + j) in ascending order.
+// info: [0] expert (-1 if a >= number active), [1] number of active experts, [2] tokens of the expert.
+__device__ void route(const long long* __restrict__ topk_ids, int TK, int E, int a, int* s_ids, u32* s_bitmap,
+                      int* s_slots, int* s_info) {
+    const int tid = threadIdx.x;
+    const int nwords = (E + 31) >> 5;
+    for (int i = tid; i < MAX_EXPERT_WORDS; i += THREADS) s_bitmap[i] = 0u;
+    __syncthreads();
+    for (int i = tid; i < TK; i += THREADS) {
+        const int e = static_cast<int>(topk_ids[i]);
+        s_ids[i] = e;
+        if (e >= 0 && e < E) atomicOr(&s_bitmap[e >> 5], 1u << (e & 31));
+    }
+    __syncthreads();
+    if (tid < 32) {
+        const int lane = tid;
+        const u32 w = lane < nwords ? s_bitmap[lane] : 0u;
+        const int pc = __popc(w);
+        int incl = pc;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(PW_FULL_MASK, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int total = __shfl_sync(PW_FULL_MASK, incl, 31);
+        const int excl = incl - pc;
+        const bool mine = a >= excl && a < incl;
+        int e = -1;
+        if (mine) {
+            u32 ww = w;
+            for (int r = a - excl; r > 0; --r) ww &= ww - 1u;
+            e = lane * 32 + __ffs(ww) - 1;
+        }
+        const u32 who = __ballot_sync(PW_FULL_MASK, mine);
+        e = who ? __shfl_sync(PW_FULL_MASK, e, __ffs(who) - 1) : -1;
+        int cnt = 0;
+        if (e >= 0) {
+            for (int base = 0; base < TK; base += 32) {
+                const int s = base + lane;
+                const bool f = s < TK && s_ids[s] == e;
+                const u32 m = __ballot_sync(PW_FULL_MASK, f);
+                if (f) {
+                    const int pos = cnt + __popc(m & ((1u << lane) - 1u));
+                    if (pos < MAX_TOK) s_slots[pos] = s;
+                }
+                cnt += __popc(m);
+            }
+        }
+        if (lane == 0) {
+            s_info[0] = e;
+            s_info[1] = total;
+            s_info[2] = cnt < MAX_TOK ? cnt : MAX_TOK;
+        }
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {
+    int cps = (xs_budget / (n_tok > 0 ? n_tok : 1) - XS_ROW_PAD) / CHUNK_XBYTES;
+    cps = cps < 1 ? 1 : cps;
+    return cps < nchunks ? cps : nchunks;
+}
+
+// ---------------------------------------------------------------- the kernel
+// One entry point for the three uses, so the decode loop is compiled once per module:
+//   mode 0, gate_up: grid = max_active * n_tiles; block = block_base + 2e; rows = I (gate) / I + r (up);
+//                    x = hidden [T, H]; dst = act [T * topk, I] = silu(gate x) * (up x).
+//   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
+//   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst).
+// m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features.
+extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_moe(
+    int mode, const long long* __restrict__ table, long long block_base, const u16* __restrict__ x, long long ldx,
+    int x_vec, const long long* __restrict__ topk_ids, const float* __restrict__ topk_w, int T, int topk, int E,
+    int m_rows, int K, int ksplit, int n_tiles, int xs_budget, u16* __restrict__ dst, long long ld_dst,
+    float* __restrict__ partial, int* __restrict__ counters) {
+    extern __shared__ __align__(16) char smem[];
+    __shared__ int s_ids[MAX_TK];
+    __shared__ u32 s_bitmap[MAX_EXPERT_WORDS];
+    __shared__ int s_slots[MAX_TOK];
+    __shared__ int s_info[4];
+
+    const int tile = blockIdx.x % n_tiles;
+    int e = 0, n_act = 1, n_tok;
+    if (mode == 2) {
+        for (int i = threadIdx.x; i < MAX_TOK; i += THREADS) s_slots[i] = i;
+        __syncthreads();
+        n_tok = T < MAX_TOK ? T : MAX_TOK;
+    } else {
+        route(topk_ids, T * topk, E, blockIdx.x / n_tiles, s_ids, s_bitmap, s_slots, s_info);
+        e = s_info[0];
+        n_act = s_info[1];
+        n_tok = s_info[2];
+        if (e < 0 || n_tok == 0) return;
+    }
+
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rgs = WARPS / ksplit, rg = warp / ksplit, ks = warp % ksplit;
+    const int rows_per_warp = mode == 0 ? 8 : 16;
+    const int tile_rows = rows_per_warp * rgs;
+    const int rbase = tile * tile_rows + rg * rows_per_warp;
+
+    Tile tl;
+    if (mode == 0) {
+        tl.base0 = rbase;
+        tl.lim0 = m_rows;
+        tl.base1 = m_rows + rbase;
+        tl.lim1 = 2 * m_rows;
+    } else {
+        tl.base0 = rbase;
+        tl.lim0 = m_rows;
+        tl.base1 = rbase + 8;
+        tl.lim1 = m_rows;
+    }
+    tl.K = K;
+    tl.W = (K + 31) >> 5;
+    tl.nchunks = (tl.W + CHUNK_WORDS - 1) / CHUNK_WORDS;
+    tl.ks = ks;
+    tl.ksplit = ksplit;
+    tl.n_tok = n_tok;
+    tl.x = x;
+    tl.ldx = ldx;
+    tl.rows = s_slots;
+    tl.row_div = mode == 0 ? topk : 1;
+    tl.x_vec = x_vec != 0;
+    tl.cps = chunks_per_segment(xs_budget, n_tok, tl.nchunks);
+
+    const BlockRef blk = read_block(table, mode == 2 ? block_base : block_base + 2LL * e + (mode == 1 ? 1 : 0));
+    const int region0 = max(xs_budget, NT * 2048);
+    u16* lut_s = reinterpret_cast<u16*>(smem + region0 + warp * LUT_WARP_BYTES);
+
+    float sets[NT * ACCS][4];
+#pragma unroll
+    for (int k = 0; k < NT * ACCS; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sets[k][i] = 0.f;
+    ap_mma_any(blk, tl, smem, lut_s, sets);
+    float acc[NT][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[nt][i] = ACCS == 2 ? sets[2 * nt][i] + sets[2 * nt + 1][i] : sets[nt][i];
+    reduce_ksplit(acc, smem, warp, ks, ksplit);
+
+    if (ks == 0) {
+        const int ra = rbase + g, rb = rbase + 8 + g;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int cc = 0; cc < 2; ++cc) {
+                const int n = nt * 8 + 2 * t + cc;
+                if (n >= n_tok) continue;
+                if (mode == 0) {
+                    if (ra < m_rows)
+                        dst[(long long)s_slots[n] * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
+                } else if (mode == 1) {
+                    const int slot = s_slots[n];
+                    const float wv = topk_w[slot];
+                    if (ra < m_rows) partial[(long long)slot * m_rows + ra] = wv * acc[nt][cc];
+                    if (rb < m_rows) partial[(long long)slot * m_rows + rb] = wv * acc[nt][2 + cc];
+                } else {
+                    if (ra < m_rows) dst[(long long)n * ld_dst + ra] = f2act<BF>(acc[nt][cc]);
+                    if (rb < m_rows) dst[(long long)n * ld_dst + rb] = f2act<BF>(acc[nt][2 + cc]);
+                }
+            }
+    }
+    if (mode != 1) return;
+
+    // down: the last CTA of this row tile sums the top-k slots of every token and re-arms the counter
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_info[3] = (atomicAdd(&counters[tile], 1) == n_act - 1) ? 1 : 0;
+    __syncthreads();
+    if (s_info[3]) {
+        __threadfence();
+        const int r0 = tile * tile_rows;
+        const int nrows = min(tile_rows, m_rows - r0);
+#pragma unroll 4
+        for (int idx = threadIdx.x; idx < T * nrows; idx += THREADS) {
+            const int tt = idx / nrows, r = r0 + idx % nrows;
+            const float* src = partial + (long long)tt * topk * m_rows + r;
+            float s = 0.f;
+            for (int j = 0; j < topk; ++j) s += ldcg_f32(src + (long long)j * m_rows);  // slot order
+            dst[(long long)tt * m_rows + r] = f2act<BF>(s);
+        }
+        if (threadIdx.x == 0) counters[tile] = 0;
+    }
+}

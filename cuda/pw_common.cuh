@@ -1,0 +1,91 @@
+// Shared device helpers for PagedWeight kernels: 16-bit float conversions, prmt, mma, loads.
+//
+// No CUDA headers are included on purpose: the sources compile the same under NVRTC (CuPy
+// RawModule) and nvcc, and fp16/bf16 values travel as raw 16-bit patterns (unsigned short).
+// Activation dtype is chosen at compile time with PW_BF16 (0 = fp16, 1 = bf16).
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+struct alignas(8) u32x2 { u32 x, y; };
+struct alignas(16) u32x4 { u32 x, y, z, w; };
+
+#define PW_FULL_MASK 0xffffffffu
+
+__device__ __forceinline__ float h2f(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ u16 f2h(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ float bf2f(u16 h) { return __uint_as_float(((u32)h) << 16); }
+__device__ __forceinline__ u16 f2bf(float f) {
+    u16 h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// activation <-> float for the compile-time activation dtype
+template <bool BF> __device__ __forceinline__ float act2f(u16 v) { return BF ? bf2f(v) : h2f(v); }
+template <bool BF> __device__ __forceinline__ u16 f2act(float v) { return BF ? f2bf(v) : f2h(v); }
+// an fp16 LUT entry in the activation dtype (bf16 activations: the centroid rounded to bf16)
+template <bool BF> __device__ __forceinline__ u16 lut2act(u16 h) { return BF ? f2bf(h2f(h)) : h; }
+
+// prmt.b32 in its default mode: selector nibble bit 3 replicates the selected byte's sign bit.
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// compile-time signed shift: right by S (left when S < 0)
+template <int S> __device__ __forceinline__ u32 shr(u32 w) {
+    if constexpr (S >= 0) return w >> S;
+    else return w << (-S);
+}
+
+// read-only global loads (plane words are immutable while a kernel runs)
+__device__ __forceinline__ u32x2 ldg_nc_v2(const u32* p) {
+    u32x2 r;
+    asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 ldg_nc(const u32* p) {
+    u32 r;
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32x4 ldg_nc_v4(const void* p) {
+    u32x4 r;
+    asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+// loads that bypass L1 (data written by other blocks of the same launch): the builtin is an
+// ordinary load to the compiler, so __threadfence/__syncthreads order it and independent ones overlap
+__device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
+
+// D = A * B + D, m16n8k16, fp32 accumulators; A row-major (4 regs), B col-major (2 regs)
+template <bool BF>
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if constexpr (BF) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }

@@ -1,0 +1,191 @@
+"""`pwruntime bench kernels`: time the AP kernels against torch fp16 and write a measured hardware profile.
+
+Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
+an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
+layers of Qwen1.5-MoE-A2.7B, Mixtral-8x7B, OLMoE and Qwen3-MoE (T = 1, 4, 16, 64; uniform 3..8 bits
+and mixed) against their roofline (active planes + LUT bytes / fp16 GEMV bandwidth) and torch fp16
+(per-expert loop, gathered experts + bmm), and paged-attention decode. Prints a table and the command
+that reproduces it; `--json` prints the results as JSON, `--out` writes them, `--profile-out` writes
+the measured coefficients in the simulator's hardware-profile format (traces/hardware.py).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+from traces.clikit import UserError
+
+FP16_GEMV_FALLBACK_GBPS = 3960.0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("target", choices=["kernels"], help="what to benchmark")
+    p.add_argument("--models", default=None,
+                   help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
+                        "olmoe-1b-7b, qwen3-moe-30b-a3b)")
+    p.add_argument("--tokens", default="1,4,16,64", help="decode batch sizes (tokens per step), comma-separated")
+    p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement (median reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    p.add_argument("--profile-out", type=Path, default=None,
+                   help="write a measured hardware profile here (default: hardware-profile-<device>.json "
+                        "next to --out, or in the current directory)")
+    p.add_argument("--profile-name", default=None, help="name field of the written profile")
+    p.set_defaults(func=run)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def run(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime.kernels import bench as kb
+    if not torch.cuda.is_available():
+        raise UserError("pwruntime bench kernels needs a CUDA GPU (and CuPy); none is visible here")
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(kb.ARCHS)
+    unknown = [m for m in models if m not in kb.ARCHS]
+    if unknown:
+        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.ARCHS)}")
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+    except ValueError:
+        raise UserError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
+    if any(not 1 <= t <= 64 for t in tokens) or args.reps < 1:
+        raise UserError("--tokens must lie in 1..64 and --reps must be positive")
+    cfg = kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed)
+    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        f"pwruntime bench kernels --models {','.join(models)} --tokens {args.tokens} --reps {args.reps}"
+
+    steps = 4 + len(models)
+    bar = tqdm(total=steps, desc="bench kernels", file=sys.stderr)
+    res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
+                 "gpu_memory_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
+    res["copy"] = kb.copy_bandwidth()
+    bar.update()
+    res["fp16_gemm_tflops"] = kb.gemm_tflops()
+    bar.update()
+    res["single_block"] = kb.single_block(cfg)
+    bar.update()
+    res["paged_attention"] = kb.attention(cfg)
+    bar.update()
+    res["moe"] = []
+    for m in models:
+        res["moe"] += kb.moe_layers(cfg, m, progress=lambda s: bar.set_postfix_str(s))
+        torch.cuda.empty_cache()
+        bar.update()
+    bar.close()
+    add_rooflines(res)
+
+    if args.out:
+        _write_json(args.out, res)
+    profile_path = args.profile_out or (args.out.parent if args.out else Path(".")) / \
+        f"hardware-profile-{_slug(res['device'])}.json"
+    profile = _profile(res, args.profile_name or f"{_slug(res['device'])}-measured")
+    profile.save(profile_path)
+
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        _print_tables(res)
+    print(f"\nreproduce: {command}")
+    if args.out:
+        print(f"results: {args.out}")
+    print(f"hardware profile: {profile_path}")
+    return 0
+
+
+def add_rooflines(res: dict) -> None:
+    """fp16 GEMV bandwidth (T = 1) and, per MoE row, roofline time and measured/roofline."""
+    gemv = [r["fp16_gbps"] for r in res["single_block"] if r["tokens"] == 1]
+    res["fp16_gemv_gbps"] = max(gemv) if gemv else FP16_GEMV_FALLBACK_GBPS
+    for r in res["moe"]:
+        r["roofline_us"] = r["ap_bytes"] / res["fp16_gemv_gbps"] / 1e3
+        r["vs_roofline"] = r["ap_us"] / r["roofline_us"]
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("nvidia-", "")
+
+
+def _profile(res: dict, name: str):
+    """Measured coefficients in traces.hardware's format; unmeasured fields keep the roofline profile's values."""
+    from traces.hardware import HardwareProfile, load_profile
+    base = load_profile("h200-roofline")
+    hbm = res["copy"]["d2d_copy_gbps"]
+    gemv_frac = min(1.0, res["fp16_gemv_gbps"] / hbm)
+    attn_frac = min(1.0, res["paged_attention"]["gbps"] / hbm)
+    moe_bw = hbm * gemv_frac
+    eff = {}
+    for b in (3, 4, 5, 6, 7, 8):
+        rows = [r for r in res["moe"] if r["bits"] == b and r["tokens"] == 1]
+        eff[b] = sum(r["ap_gbps"] for r in rows) / len(rows) / moe_bw if rows else 1.0
+    max_tok = 1
+    for t in sorted({r["tokens"] for r in res["moe"]}):
+        rows = [r for r in res["moe"] if r["tokens"] == t and r["bits"] == 8]
+        if rows and all(r["ap_us"] < min(v for v in (r["fp16_loop_us"], r["fp16_gathered_bmm_us"]) if v)
+                        for r in rows):
+            max_tok = t
+        else:
+            break
+    return HardwareProfile(
+        name=name, device=res["device"],
+        gpu_memory_bytes=int(res["gpu_memory_bytes"]),
+        hbm_gbps=round(hbm, 1),
+        achieved_bandwidth_fraction={"attention": round(attn_frac, 4), "kv": round(attn_frac, 4),
+                                     "moe": round(gemv_frac, 4), "dense": round(gemv_frac, 4),
+                                     "lm_head": round(gemv_frac, 4)},
+        fp16_tflops=base.fp16_tflops,
+        achieved_flops_fraction=round(min(1.0, res["fp16_gemm_tflops"] / base.fp16_tflops), 4),
+        pcie_h2d_gbps=round(res["copy"]["h2d_pinned_gbps"], 2), pcie_d2h_gbps=round(res["copy"]["d2h_pinned_gbps"], 2),
+        iteration_overhead_us=base.iteration_overhead_us, layer_overhead_us=base.layer_overhead_us,
+        ap_kernel_efficiency={b: round(v, 4) for b, v in eff.items()}, ap_fused_max_tokens=max_tok,
+        metadata={
+            "measured": True,
+            "note": ("Measured by `pwruntime bench kernels`. hbm_gbps is a device-to-device copy (bytes read + "
+                     "written); moe/dense/lm_head fractions are torch's fp16 GEMV (Mixtral 14336x4096, T=1) over it; "
+                     "attention/kv the paged-attention decode kernel; ap_kernel_efficiency[b] is the fused AP MoE "
+                     "layer's bandwidth at T=1 and uniform b bits (mean over the benchmarked models) over the moe "
+                     "bandwidth; ap_fused_max_tokens the largest benchmarked T at which the fused kernel at 8 bits "
+                     "beats torch fp16 for every model. iteration/layer overheads and fp16_tflops are not measured "
+                     "here (copied from h200-roofline)."),
+            "command": res["command"], "fp16_gemm_tflops_measured": round(res["fp16_gemm_tflops"], 1),
+            "fp16_gemv_gbps": round(res["fp16_gemv_gbps"], 1),
+        })
+
+
+def _print_tables(res: dict) -> None:
+    c = res["copy"]
+    print(f"{res['device']}: pinned H2D {c['h2d_pinned_gbps']:.1f} GB/s, D2H {c['d2h_pinned_gbps']:.1f} GB/s, "
+          f"device copy {c['d2d_copy_gbps']:.0f} GB/s, fp16 GEMM {res['fp16_gemm_tflops']:.0f} TFLOP/s, "
+          f"fp16 GEMV {res['fp16_gemv_gbps']:.0f} GB/s")
+    a = res["paged_attention"]
+    print(f"paged attention decode ({a['seqs']} seqs x {a['context']} tokens, {a['heads']}/{a['kv_heads']} heads): "
+          f"{a['us']:.1f} us, {a['gbps']:.0f} GB/s of KV")
+    print("\none linear-block 14336x4096 (us; fp16 = torch F.linear)")
+    print(f"{'T':>3} {'bits':>4} {'AP us':>8} {'AP GB/s':>8} {'fp16 us':>8} {'speedup':>7}")
+    for r in res["single_block"]:
+        print(f"{r['tokens']:>3} {r['bits']:>4} {r['ap_us']:>8.2f} {r['ap_gbps']:>8.0f} {r['fp16_us']:>8.2f} "
+              f"{r['speedup_vs_fp16']:>7.2f}")
+    print("\nMoE layer (us per layer; roofline = AP bytes / fp16 GEMV bandwidth)")
+    print(f"{'model':<20} {'T':>3} {'bits':>5} {'act':>4} {'AP us':>8} {'roofline':>8} {'x roof':>6} "
+          f"{'AP GB/s':>8} {'fp16 loop':>9} {'fp16 bmm':>9}")
+    for r in res["moe"]:
+        bmm = f"{r['fp16_gathered_bmm_us']:.1f}" if r["fp16_gathered_bmm_us"] else "-"
+        print(f"{r['model']:<20} {r['tokens']:>3} {str(r['bits']):>5} {r['active_experts']:>4} {r['ap_us']:>8.1f} "
+              f"{r['roofline_us']:>8.1f} {r['vs_roofline']:>6.2f} {r['ap_gbps']:>8.0f} {r['fp16_loop_us']:>9.1f} "
+              f"{bmm:>9}")

@@ -1,0 +1,258 @@
+"""Kernel measurements behind `pwruntime bench kernels`: AP kernels vs torch fp16, copies, attention.
+
+Every GPU time is the median of many replays of a captured CUDA graph, timed with CUDA events after
+warm-up (launch gaps are hidden as far as a graph hides them). Weights are random bit-planes and
+sorted random LUTs (never zeros); data sets are sized or rotated (several layers or matrices per
+replay) so repeated replays do not run out of the 60 MB L2. "Bytes" are the bytes a kernel must
+read: the active experts' planes 0..q-1 plus LUT_q at their committed bits (fp16: the weights).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from policies.apformat import ap_block_bytes, fp16_bytes
+from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.device_table import DeviceWeightTable
+from pwruntime.kernels.moe import MoEShape, MoEWorkspace, ap_linear, fused_moe
+
+ARCHS: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, top-k
+    "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
+    "mixtral-8x7b": (4096, 14336, 8, 2),
+    "olmoe-1b-7b": (2048, 1024, 64, 8),
+    "qwen3-moe-30b-a3b": (2048, 768, 128, 8),
+}
+BITS = (3, 4, 5, 6, 7, 8)
+FP16_GATHER_LIMIT = 8 << 30  # skip the gathered-bmm baseline when its gathered copy exceeds this
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    models: tuple[str, ...] = tuple(ARCHS)
+    tokens: tuple[int, ...] = (1, 4, 16, 64)
+    reps: int = 30
+    warmup: int = 5
+    seed: int = 0
+
+
+def _events_ms(run: Callable[[], None], reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        run()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for s, e in zip(starts, ends):
+        s.record()
+        run()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compile / load / allocate outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def graph_ms(graph: torch.cuda.CUDAGraph, cfg: BenchConfig) -> float:
+    return _events_ms(graph.replay, cfg.reps, cfg.warmup)
+
+
+# ------------------------------------------------------------------ platform numbers
+def copy_bandwidth(size: int = 256 << 20, reps: int = 10) -> dict:
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 255)
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    h2d = _events_ms(lambda: dev.copy_(host, non_blocking=True), reps, 2)
+    d2h = _events_ms(lambda: host.copy_(dev, non_blocking=True), reps, 2)
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    other = torch.empty_like(big)
+    d2d = _events_ms(lambda: other.copy_(big), reps, 2)
+    return {"bytes": size, "h2d_pinned_gbps": size / h2d / 1e6, "d2h_pinned_gbps": size / d2h / 1e6,
+            "d2d_copy_gbps": 2 * big.numel() / d2d / 1e6}
+
+
+def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.float16)
+    ms = _events_ms(lambda: a @ b, reps, 3)
+    return 2 * n ** 3 / ms / 1e9
+
+
+def _random_planes(n: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(-2**31, 2**31 - 1, (n, 8, out, -(-inp // 32)), dtype=torch.int32, device="cuda",
+                         generator=gen)
+
+
+def _random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
+    return {b: (torch.sort(torch.randn(n, out, 1 << b, device="cuda", generator=gen), dim=-1)[0]
+                / inp ** 0.5).half() for b in BITS}
+
+
+# ------------------------------------------------------------------ one linear-block
+def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: int = 8,
+                 tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
+    """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated."""
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    planes = _random_planes(copies, out, inp, gen)
+    luts = _random_luts(copies, out, inp, gen)
+    table = DeviceWeightTable(copies, "cuda")
+    for c in range(copies):
+        table.set_block(c, planes[c], luts[8][c], 8)
+    dense = [torch.randn(out, inp, device="cuda", generator=gen, dtype=torch.float16) / inp ** 0.5
+             for _ in range(max(2, copies // 2))]
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16)
+        g_ap = capture(lambda: [ap_linear(table, c, x, out) for c in range(copies)])
+        g_fp = capture(lambda: [F.linear(x, w) for w in dense])
+        fp_us = graph_ms(g_fp, cfg) * 1000 / len(dense)
+        for b in BITS:
+            for c in range(copies):
+                table.commit_bits(c, b, luts[b][c])
+            us = graph_ms(g_ap, cfg) * 1000 / copies
+            nbytes = ap_block_bytes(out, inp, b)
+            rows.append({"out": out, "in": inp, "tokens": t, "bits": b, "ap_us": us, "ap_bytes": nbytes,
+                         "ap_gbps": nbytes / us / 1e3, "fp16_us": fp_us,
+                         "fp16_gbps": fp16_bytes(out, inp) / fp_us / 1e3, "speedup_vs_fp16": fp_us / us})
+    return rows
+
+
+# ------------------------------------------------------------------ MoE layers
+class _APLayers:
+    """`layers` MoE layers of random AP experts (all 8 planes resident, LUTs for 3..8 bits)."""
+
+    def __init__(self, shape: MoEShape, layers: int, gen: torch.Generator):
+        self.shape, self.layers = shape, layers
+        self.table = DeviceWeightTable(layers * shape.num_experts * 2, "cuda")
+        h, i, e = shape.hidden, shape.intermediate, shape.num_experts
+        self.dims = [(2 * i, h), (h, i)]
+        self.data = []
+        for layer in range(layers):
+            per_kind = []
+            for kind, (o, inp) in enumerate(self.dims):
+                planes, luts = _random_planes(e, o, inp, gen), _random_luts(e, o, inp, gen)
+                for ex in range(e):
+                    self.table.set_block(shape.block(layer, ex, kind), planes[ex], luts[8][ex], 8)
+                per_kind.append((planes, luts))
+            self.data.append(per_kind)
+
+    def set_bits(self, bits_of: Callable[[int, int, int], int]) -> None:
+        for layer, per_kind in enumerate(self.data):
+            for kind, (_, luts) in enumerate(per_kind):
+                for ex in range(self.shape.num_experts):
+                    b = bits_of(layer, ex, kind)
+                    self.table.commit_bits(self.shape.block(layer, ex, kind), b, luts[b][ex])
+
+    def bytes_per_layer(self, active: list[int]) -> float:
+        total = sum(self.table.nbytes_read(self.shape.block(layer, ex, kind))
+                    for layer in range(self.layers) for ex in active for kind in (0, 1))
+        return total / self.layers
+
+
+def _routing(shape: MoEShape, tokens: int, gen: torch.Generator):
+    ids = torch.stack([torch.randperm(shape.num_experts, device="cuda", generator=gen)[:shape.top_k]
+                       for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, shape.top_k, device="cuda", generator=gen), dim=-1)
+    return ids, w
+
+
+def _layers_for(shape: MoEShape) -> int:
+    """Enough layers that one replay's 3-bit bytes at T=1 exceed the L2 several times (at most 8)."""
+    per_layer = shape.top_k * sum(ap_block_bytes(o, i, 3) for o, i in
+                                  [(2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)])
+    return max(2, min(8, -(-240_000_000 // per_layer)))
+
+
+def _fp16_paths(shape: MoEShape, x, ids, w, wgu, wd):
+    """torch fp16: gathered experts + bmm, and a per-active-expert loop (indices prepared on the host)."""
+    inter = shape.intermediate
+    tokens, k = ids.shape
+    flat = ids.reshape(-1)
+
+    def gathered():
+        xg = x.repeat_interleave(k, dim=0).unsqueeze(-1)
+        h = torch.bmm(wgu[flat], xg).squeeze(-1)
+        a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(-1)
+        y = torch.bmm(wd[flat], a).squeeze(-1).view(tokens, k, -1)
+        return (y.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
+
+    groups = []
+    for e in torch.unique(flat).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        groups.append((e, tok, w[tok, slot].unsqueeze(-1)))
+
+    def loop():
+        out = torch.zeros(tokens, shape.hidden, device=x.device, dtype=torch.float32)
+        for e, tok, wt in groups:
+            h = x[tok] @ wgu[e].T
+            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ wd[e].T
+            out.index_add_(0, tok, y.float() * wt)
+        return out.to(x.dtype)
+
+    gather_bytes = flat.numel() * (fp16_bytes(2 * inter, shape.hidden) + fp16_bytes(shape.hidden, inter))
+    return (gathered if gather_bytes <= FP16_GATHER_LIMIT else None), loop
+
+
+def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    h, i, e, k = ARCHS[name]
+    shape = MoEShape(e, h, i, k)
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    layers = _layers_for(shape)
+    ap = _APLayers(shape, layers, gen)
+    wgu = torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.float16) / h ** 0.5
+    wd = torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.float16) / i ** 0.5
+    cases = {}
+    for t in cfg.tokens:
+        ids, w = _routing(shape, t, gen)
+        x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16)
+        ws = MoEWorkspace.create(shape, t, torch.float16, "cuda")
+        graph = capture(lambda: [fused_moe(ap.table, layer, x, ids, w, shape, ws) for layer in range(layers)])
+        gathered, loop = _fp16_paths(shape, x, ids, w, wgu, wd)
+        active = sorted(set(ids.reshape(-1).tolist()))
+        fp16_active = len(active) * (fp16_bytes(2 * i, h) + fp16_bytes(h, i))
+        # the graph holds raw pointers: keep its inputs and scratch alive as long as it is replayed
+        cases[t] = dict(graph=graph, active=active, fp16_bytes=fp16_active, keep=(ids, w, x, ws),
+                        fp16_loop_us=graph_ms(capture(loop), cfg) * 1000,
+                        fp16_gathered_us=graph_ms(capture(gathered), cfg) * 1000 if gathered else None)
+        progress(f"{name} T={t}: fp16 loop {cases[t]['fp16_loop_us']:.1f} us")
+    rows = []
+    mixed_gen = torch.Generator().manual_seed(cfg.seed + 1)
+    mixed = torch.randint(3, 9, (layers, e, 2), generator=mixed_gen)
+    for bits in (*BITS, "mixed"):
+        ap.set_bits((lambda l, x_, kd: bits) if bits != "mixed" else (lambda l, x_, kd: int(mixed[l, x_, kd])))
+        for t, c in cases.items():
+            us = graph_ms(c["graph"], cfg) * 1000 / layers
+            nbytes = ap.bytes_per_layer(c["active"])
+            rows.append({"model": name, "tokens": t, "bits": bits, "active_experts": len(c["active"]),
+                         "layers_rotated": layers, "ap_us": us, "ap_bytes": nbytes, "ap_gbps": nbytes / us / 1e3,
+                         "fp16_bytes": c["fp16_bytes"], "fp16_loop_us": c["fp16_loop_us"],
+                         "fp16_gathered_bmm_us": c["fp16_gathered_us"]})
+        progress(f"{name} bits={bits} done")
+    return rows  # the caller empties torch's cache once these locals are gone
+
+
+# ------------------------------------------------------------------ paged attention
+def attention(cfg: BenchConfig, seqs: int = 32, context: int = 2048, heads: int = 32, kv_heads: int = 8,
+              dim: int = 128, block_size: int = 16) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    nb = seqs * context // block_size
+    kc = torch.randn(nb, block_size, kv_heads, dim, device="cuda", generator=gen, dtype=torch.float16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(nb, device="cuda", generator=gen).int().view(seqs, -1)
+    lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs, heads, dim, device="cuda", generator=gen, dtype=torch.float16)
+    us = graph_ms(capture(lambda: paged_attention_decode(q, kc, vc, tables, lens)), cfg) * 1000
+    kv_bytes = 2 * kc.numel() * kc.element_size()
+    return {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+            "us": us, "kv_bytes": kv_bytes, "gbps": kv_bytes / us / 1e3}

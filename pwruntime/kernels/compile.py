@@ -1,0 +1,163 @@
+"""Run-time compilation of cuda/*.cu through CuPy (RawModule) and launching on torch's current stream.
+
+Modules are cached per (device, compute capability, source file, defines); CuPy adds the
+device's `-arch=sm_XY` to the options and keeps compiled binaries in its on-disk cache, so a
+second process loads them instead of compiling. Local `#include "x.cuh"` lines are inlined before
+compiling, so that cache key covers the headers too. Arguments are passed zero-copy: tensors as
+raw device pointers (`data_ptr()`), scalars as fixed-width numpy scalars matching the C types.
+CuPy is imported only here and only when a CUDA kernel is actually requested.
+
+`python -m pwruntime.kernels.compile` compiles every variant the runtime and the benchmark use,
+several at a time in separate processes, so that the first forward pass does not wait for NVRTC.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import re
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+BASE_OPTIONS = ("-std=c++17",)
+_INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
+
+
+class KernelUnavailable(RuntimeError):
+    """The CUDA path cannot run here (no CUDA device, or CuPy is not installed)."""
+
+
+def source(name: str) -> str:
+    """Text of cuda/<name> with its local quoted includes inlined (each header once)."""
+    seen: set[str] = set()
+
+    def expand(fname: str) -> str:
+        if fname in seen:
+            return ""
+        seen.add(fname)
+        text = (CUDA_DIR / fname).read_text()
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(name)
+
+
+def options(defines: Sequence[tuple[str, int]]) -> tuple[str, ...]:
+    return BASE_OPTIONS + tuple(f"-D{k}={int(v)}" for k, v in defines)
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise KernelUnavailable("the CUDA kernels need CuPy (pip install cupy-cuda13x, or the 'cuda' extra)") from e
+    return cupy
+
+
+@functools.lru_cache(maxsize=None)
+def _module(device_index: int, capability: tuple[int, int], name: str, defines: tuple[tuple[str, int], ...]):
+    cupy = _cupy()
+    with cupy.cuda.Device(device_index):
+        mod = cupy.RawModule(code=source(name), options=options(defines))
+        mod.compile()
+    return mod
+
+
+@functools.lru_cache(maxsize=None)
+def _function(device_index: int, capability: tuple[int, int], name: str, defines: tuple[tuple[str, int], ...],
+              func: str):
+    return _module(device_index, capability, name, defines).get_function(func)
+
+
+def get_kernel(device: torch.device, name: str, func: str, defines: Sequence[tuple[str, int]], dyn_smem: int = 0):
+    """The compiled `func` of cuda/<name> for `device`, allowed at least `dyn_smem` bytes of dynamic shared memory."""
+    if device.type != "cuda":
+        raise KernelUnavailable(f"CUDA kernels need a CUDA tensor, got device {device}")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(index)
+    fn = _function(index, tuple(cap), name, tuple(defines), func)
+    if dyn_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < dyn_smem:
+        # one CUfunction serves every launch plan: the limit only ever grows
+        with _cupy().cuda.Device(index):
+            fn.max_dynamic_shared_size_bytes = int(dyn_smem)
+    return fn
+
+
+@functools.lru_cache(maxsize=64)
+def _external_stream(device_index: int, handle: int):
+    return _cupy().cuda.ExternalStream(handle, device_index)
+
+
+def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence,
+           shared_mem: int = 0) -> None:
+    """Launch on torch's current stream of `device` (so graph capture and stream order just work)."""
+    cupy = _cupy()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    handle = torch.cuda.current_stream(index).cuda_stream
+    with cupy.cuda.Device(index), _external_stream(index, handle):
+        kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
+
+
+# argument helpers: the C type each kernel parameter has
+def ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def i64(v: int) -> np.int64:
+    return np.int64(v)
+
+
+def f32(v: float) -> np.float32:
+    return np.float32(v)
+
+
+# ------------------------------------------------------------------ warm-up
+def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+    """Every (source, defines) the runtime and `pwruntime bench kernels` compile."""
+    out = []
+    for bf in (0, 1):
+        for nt in (1, 2, 4, 8):
+            out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt))))
+        out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
+    for dt in (0, 1, 2):
+        out.append(("paged_attention.cu", (("PW_DT", dt), ("PW_DPL", 4))))
+    return out
+
+
+def _compile_one(job: tuple[int, str, tuple[tuple[str, int], ...]]) -> str:
+    index, name, defines = job
+    cap = torch.cuda.get_device_capability(index)
+    _module(index, tuple(cap), name, defines)
+    return f"{name} {dict(defines)}"
+
+
+def warm(device_index: int = 0, jobs: int = 8) -> list[str]:
+    """Compile all variants in `jobs` processes; they land in CuPy's on-disk cache."""
+    work = [(device_index, n, d) for n, d in variants()]
+    import multiprocessing as mp
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+        return list(pool.map(_compile_one, work))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Compile PagedWeight's CUDA kernels into CuPy's cache.")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--jobs", type=int, default=8)
+    args = ap.parse_args(argv)
+    import time
+    t0 = time.perf_counter()
+    for line in warm(args.device, args.jobs):
+        print("compiled", line)
+    print(f"compiled {len(variants())} variants in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

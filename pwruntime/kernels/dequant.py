@@ -1,0 +1,36 @@
+"""Dequantize AP blocks at their committed bits to fp16/bf16 (prefill: dequantize, then torch GEMMs)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from pwruntime.kernels import compile as kc
+from pwruntime.kernels.device_table import DeviceWeightTable
+from pwruntime.kernels.reference import dequantize_resident
+
+THREADS = 128
+
+
+def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Tensor, out_features: int,
+                      in_features: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """W_q [n, out, in] of same-shape blocks, one launch on CUDA; a block at 0 bits gives zeros."""
+    ids = [int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)]
+    if not ids:
+        return torch.empty(0, out_features, in_features, dtype=dtype, device=table.device)
+    if table.device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        out = []
+        for b in ids:
+            rb = table.resident(b)
+            out.append(torch.zeros(out_features, in_features, dtype=dtype, device=table.device) if rb is None
+                       else dequantize_resident(rb, in_features, dtype))
+        return torch.stack(out)
+    dev = table.device
+    dst = torch.empty(len(ids), out_features, in_features, dtype=dtype, device=dev)
+    idx = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+    words = -(-in_features // 32)
+    k = kc.get_kernel(dev, "ap_dequant.cu", "pw_ap_dequant", (("PW_BF16", int(dtype == torch.bfloat16)),))
+    grid = (-(-out_features * words // THREADS), len(ids))
+    kc.launch(k, dev, grid, (THREADS,), (kc.ptr(table.table), kc.ptr(idx), kc.i32(out_features),
+                                         kc.i32(in_features), kc.ptr(dst)))
+    return dst

@@ -1,0 +1,166 @@
+"""Device-side weight page table: per linear-block plane pointers, LUT pointer and committed bits.
+
+One int64 tensor `table[num_blocks, 10]` on the device: columns 0..7 hold the addresses of bit-planes
+0..7 (0 where a plane is not resident), column 8 the address of `LUT_q`, column 9 the committed
+bitwidth q. Block order is the page table's: `i = (layer * experts + expert) * 2 + kind`. Kernels
+read the row of every block they touch at run time, so committing a new bitwidth or moving a plane
+is a small stream-ordered write into this tensor: no recompilation, no new launch configuration,
+and a captured CUDA graph replays with the new bits.
+
+The table also keeps a reference to every tensor it points at (so nothing it names is freed while
+it is named) and a host mirror of the rows; the pure-torch reference path computes from those
+tensors, which makes the same object usable on CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from policies.apformat import MAX_BITS, WORD_BITS
+
+TABLE_COLS = 10
+COL_LUT = 8
+COL_BITS = 9
+ALIGN = 16
+
+
+@dataclass(frozen=True)
+class ResidentBlock:
+    """What one row points at: planes 0..len-1 (each [out, words] 32-bit words) and LUT_bits."""
+    planes: tuple[torch.Tensor, ...]
+    lut: torch.Tensor
+    bits: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.lut.shape[0])
+
+    @property
+    def words(self) -> int:
+        return int(self.planes[0].shape[1])
+
+    def stacked(self) -> torch.Tensor:
+        """Planes 0..bits-1 as one [bits, out, words] int32 tensor (the reference dequantizer's input)."""
+        return torch.stack([p.view(torch.int32) if p.dtype == torch.uint32 else p for p in self.planes[:self.bits]])
+
+
+def _as_plane_list(planes) -> list[torch.Tensor]:
+    if isinstance(planes, torch.Tensor):
+        if planes.dim() != 3:
+            raise ValueError(f"planes must be [planes, out, words] or a list of [out, words], got {tuple(planes.shape)}")
+        return [planes[j] for j in range(planes.shape[0])]
+    return list(planes)
+
+
+class DeviceWeightTable:
+    """The kernels' view of the weight page table (see the module docstring for the row format)."""
+
+    def __init__(self, num_blocks: int, device: str | torch.device = "cuda") -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = int(num_blocks)
+        self.device = torch.device(device)
+        self.table = torch.zeros(self.num_blocks, TABLE_COLS, dtype=torch.int64, device=self.device)
+        self.host = np.zeros((self.num_blocks, TABLE_COLS), dtype=np.int64)
+        self._blocks: dict[int, ResidentBlock] = {}
+
+    # ------------------------------------------------------------ reads
+    def bits(self, block: int) -> int:
+        return int(self.host[self._check(block), COL_BITS])
+
+    def resident(self, block: int) -> ResidentBlock | None:
+        return self._blocks.get(self._check(block))
+
+    def nbytes_read(self, block: int) -> int:
+        """Bytes a kernel reads for this block at its committed bits (planes 0..q-1 + LUT_q)."""
+        rb = self._blocks.get(self._check(block))
+        if rb is None:
+            return 0
+        return rb.bits * rb.out_features * rb.words * 4 + rb.lut.numel() * 2
+
+    # ------------------------------------------------------------ writes
+    def set_block(self, block: int, planes, lut: torch.Tensor, bits: int | None = None) -> None:
+        """Point `block` at `planes` (at least `bits` of them, MSB first) and `LUT_bits`, committing `bits`.
+
+        `bits` defaults to the number of planes given. Planes beyond `bits` are recorded too (they
+        are resident, the kernels just do not read them), so `commit_bits` can raise q later.
+        """
+        block = self._check(block)
+        plist = _as_plane_list(planes)
+        bits = len(plist) if bits is None else int(bits)
+        rb = self._validate(plist, lut, bits)
+        row = np.zeros(TABLE_COLS, dtype=np.int64)
+        for j, p in enumerate(plist):
+            row[j] = p.data_ptr()
+        row[COL_LUT] = lut.data_ptr()
+        row[COL_BITS] = bits
+        self._write(block, row)
+        self._blocks[block] = rb
+
+    def commit_bits(self, block: int, bits: int, lut: torch.Tensor) -> None:
+        """Change the committed bitwidth of a resident block (its planes 0..bits-1 must be recorded)."""
+        block = self._check(block)
+        rb = self._blocks.get(block)
+        if rb is None:
+            raise ValueError(f"block {block} has no resident planes; call set_block first")
+        self.set_block(block, rb.planes, lut, bits)
+
+    def clear(self, block: int) -> None:
+        """Mark a block not resident (q = 0); kernels then treat its weights as zero."""
+        block = self._check(block)
+        self._write(block, np.zeros(TABLE_COLS, dtype=np.int64))
+        self._blocks.pop(block, None)
+
+    def upload(self, block: int, planes: torch.Tensor, lut: torch.Tensor, bits: int,
+               planes_resident: int | None = None) -> ResidentBlock:
+        """Copy planes[:planes_resident or bits] and LUT_bits to this table's device and point `block` at them."""
+        n = bits if planes_resident is None else int(planes_resident)
+        dev_planes = planes[:n].to(self.device, non_blocking=True).contiguous()
+        if dev_planes.dtype == torch.uint32:
+            dev_planes = dev_planes.view(torch.int32)
+        dev_lut = lut.to(self.device, dtype=torch.float16, non_blocking=True).contiguous()
+        self.set_block(block, dev_planes, dev_lut, bits)
+        return self._blocks[block]
+
+    # ------------------------------------------------------------ internals
+    def _check(self, block: int) -> int:
+        block = int(block)
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} out of range for a table of {self.num_blocks} blocks")
+        return block
+
+    def _validate(self, plist: Sequence[torch.Tensor], lut: torch.Tensor, bits: int) -> ResidentBlock:
+        if not 1 <= bits <= MAX_BITS:
+            raise ValueError(f"bits must be in 1..{MAX_BITS}, got {bits}")
+        if not bits <= len(plist) <= MAX_BITS:
+            raise ValueError(f"{bits} bits need planes 0..{bits - 1}; got {len(plist)} planes")
+        if lut.dim() != 2 or lut.shape[1] != 1 << bits:
+            raise ValueError(f"LUT_{bits} must be [out, {1 << bits}], got {tuple(lut.shape)}")
+        if lut.dtype != torch.float16:
+            raise ValueError(f"LUTs are fp16 centroids, got {lut.dtype}")
+        out = lut.shape[0]
+        tensors = list(plist) + [lut]
+        for p in plist:
+            if p.dtype not in (torch.int32, torch.uint32):
+                raise ValueError(f"planes are 32-bit words (int32/uint32), got {p.dtype}")
+            if p.dim() != 2 or p.shape[0] != out or tuple(p.shape) != tuple(plist[0].shape):
+                raise ValueError(f"every plane must be [out={out}, words], got {tuple(p.shape)}")
+        for t in tensors:
+            if t.device != self.device and not (t.device.type == self.device.type == "cuda"
+                                                and self.device.index is None):
+                raise ValueError(f"tensor on {t.device}, table on {self.device}")
+            if not t.is_contiguous():
+                raise ValueError("planes and LUTs must be contiguous")
+            if self.device.type == "cuda" and t.data_ptr() % ALIGN:
+                raise ValueError(f"planes and LUTs must be {ALIGN}-byte aligned on the device")
+        if plist[0].shape[1] * WORD_BITS <= 0:
+            raise ValueError("empty planes")
+        return ResidentBlock(tuple(plist), lut, bits)
+
+    def _write(self, block: int, row: np.ndarray) -> None:
+        self.host[block] = row
+        # a stream-ordered copy into the device row: kernels queued before see the old row, after it the new
+        self.table[block].copy_(torch.from_numpy(row.copy()), non_blocking=False)

@@ -1,0 +1,208 @@
+"""Fused AP MoE decode (two launches per MoE layer) and the single-block AP linear, with CPU fallbacks.
+
+`fused_moe(table, layer, x, topk_ids, topk_weights, shape)` computes, for T <= 64 tokens,
+`out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)` with every block at the bits
+committed in the `DeviceWeightTable`. On CUDA (fp16/bf16 activations) it is two launches of
+cuda/ap_moe.cu on torch's current stream: gate_up + silu*mul into `act[T*k, I]`, then down + the
+weighted top-k sum (see the .cu header). The launch configuration depends only on the shapes, T
+and dtype, never on the bits or the routing, so a decode step is capturable in a CUDA graph and
+replays correctly after `table.commit_bits(...)`. Keep one `MoEWorkspace` per (T, dtype) across
+layers and replays. Elsewhere (CPU, fp32) it runs `reference.fused_moe_ref` on the table's tensors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pwruntime.kernels import compile as kc
+from pwruntime.kernels.device_table import DeviceWeightTable
+from pwruntime.kernels.reference import ap_linear_ref, dequantize_resident, fused_moe_ref
+
+MAX_TOKENS = 64           # tokens per launch (8 mma n-tiles of 8)
+MAX_SLOTS = 1024          # T * top_k the routing prologue holds in shared memory
+MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
+THREADS = 128
+CHUNK_K = 256
+XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
+LUT_SMEM = 4 * 16 * 256 * 2
+SMEM_LIMIT = 227 * 1024
+_MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    num_experts: int
+    hidden: int
+    intermediate: int
+    top_k: int
+
+    def block(self, layer: int, expert: int, kind: int) -> int:
+        return (layer * self.num_experts + expert) * 2 + kind
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Grid and shared memory of one launch; a function of (shape, T, dtype) only."""
+    nt: int
+    ksplit: int
+    n_tiles: int
+    grid: int
+    xs_budget: int
+    smem: int
+
+
+def n_tiles_of(tokens: int) -> int:
+    return next(n for n in (1, 2, 4, 8) if 8 * n >= min(tokens, MAX_TOKENS))
+
+
+def _sm_count(device: torch.device | None) -> int:
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_tile: int, max_ctas_per_tile: int,
+                sm_count: int = 132) -> LaunchPlan:
+    """Pick the k-split (warps of a CTA sharing rows) so the expected CTAs fill the GPU a few times over."""
+    nt = n_tiles_of(tokens)
+    nchunks = -(-(-(-k // 32)) // 8)
+    ksplit = 1
+    for ks in (1, 2, 4):
+        ksplit = ks
+        tiles = -(-m_rows // (rows_per_warp * (4 // ks)))
+        if tiles * ctas_per_tile >= 3 * sm_count or nchunks // (ks * 2) < 2:
+            break
+    n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
+    xs_budget = max(min(tokens * (nchunks * 512 + 128), XS_CAP), tokens * 640)
+    smem = max(xs_budget, nt * 2048) + LUT_SMEM
+    if smem > SMEM_LIMIT:
+        raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
+    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem)
+
+
+def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
+    max_active = min(shape.num_experts, tokens * shape.top_k)
+    expect = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
+    expect = max(1, min(max_active, round(expect)))
+    p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count)
+    p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count)
+    return p1, p2
+
+
+@dataclass
+class MoEWorkspace:
+    """Scratch of one (T, dtype, device): reuse across layers, steps and graph replays (not concurrently)."""
+    tokens: int
+    dtype: torch.dtype
+    act: torch.Tensor        # [T * k, I] activation dtype
+    partial: torch.Tensor    # [T * k, H] fp32
+    counters: torch.Tensor   # [n_tiles of launch 2] int32, zero between launches
+
+    @classmethod
+    def create(cls, shape: MoEShape, tokens: int, dtype: torch.dtype, device: torch.device | str) -> "MoEWorkspace":
+        device = torch.device(device)
+        slots = tokens * shape.top_k
+        return cls(tokens, dtype,
+                   torch.empty(slots, shape.intermediate, dtype=dtype, device=device),
+                   torch.empty(slots, shape.hidden, dtype=torch.float32, device=device),
+                   torch.zeros(-(-shape.hidden // 16), dtype=torch.int32, device=device))  # any k-split
+
+
+def _cuda_ok(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _check_moe_args(shape: MoEShape, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    if x.dim() != 2 or x.shape[1] != shape.hidden:
+        raise ValueError(f"x must be [T, {shape.hidden}], got {tuple(x.shape)}")
+    if tuple(topk_ids.shape) != (x.shape[0], shape.top_k) or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids/topk_weights must be [T, {shape.top_k}], got {tuple(topk_ids.shape)} and "
+                         f"{tuple(topk_weights.shape)}")
+    if shape.num_experts > MAX_EXPERTS or shape.top_k * MAX_TOKENS > MAX_SLOTS:
+        raise ValueError(f"the fused kernel supports up to {MAX_EXPERTS} experts and top-k <= "
+                         f"{MAX_SLOTS // MAX_TOKENS}; got {shape.num_experts} and {shape.top_k}")
+
+
+def fused_moe(table: DeviceWeightTable, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, shape: MoEShape, workspace: MoEWorkspace | None = None) -> torch.Tensor:
+    """Routed-expert output [T, H] of one MoE layer at the table's committed bits (see module docstring)."""
+    _check_moe_args(shape, x, topk_ids, topk_weights)
+    if not _cuda_ok(x):
+        return _fused_moe_cpu(table, layer, x, topk_ids, topk_weights, shape)
+    outs = []
+    for s in range(0, x.shape[0], MAX_TOKENS):
+        sl = slice(s, s + MAX_TOKENS)
+        outs.append(_fused_moe_cuda(table, layer, x[sl], topk_ids[sl], topk_weights[sl], shape, workspace))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _fused_moe_cpu(table, layer, x, topk_ids, topk_weights, shape):
+    def weight(e: int, kind: int, in_f: int) -> torch.Tensor:
+        rb = table.resident(shape.block(layer, e, kind))
+        if rb is None:
+            raise ValueError(f"block L{layer}.E{e}.{('gate_up', 'down')[kind]} is not resident in the table")
+        return dequantize_resident(rb, in_f, x.dtype)
+
+    return fused_moe_ref(x, topk_ids, topk_weights, lambda e: weight(e, 0, shape.hidden),
+                         lambda e: weight(e, 1, shape.intermediate))
+
+
+def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
+    tokens = x.shape[0]
+    dev = x.device
+    ws = workspace
+    if ws is None or ws.tokens < tokens or ws.dtype != x.dtype:
+        ws = MoEWorkspace.create(shape, tokens, x.dtype, dev)
+    p1, p2 = moe_plans(shape, tokens, _sm_count(dev))
+    if ws.counters.numel() < p2.n_tiles:
+        raise ValueError("workspace was made for another shape")
+    x = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    wts = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(tokens, shape.hidden, dtype=x.dtype, device=dev)
+    bf = int(x.dtype == torch.bfloat16)
+    defines = (("PW_BF16", bf), ("PW_NT", p1.nt))
+    base = layer * shape.num_experts * 2
+    x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
+    a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
+    k1 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p1.smem)
+    kc.launch(k1, dev, (p1.grid,), (THREADS,), (
+        kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
+        kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
+        kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
+        kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
+    k2 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p2.smem)
+    kc.launch(k2, dev, (p2.grid,), (THREADS,), (
+        kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
+        kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
+        kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
+        kc.i32(p2.xs_budget), kc.ptr(out), kc.i64(shape.hidden), kc.ptr(ws.partial), kc.ptr(ws.counters)), p2.smem)
+    return out
+
+
+def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
+    """y[T, out] = x[T, in] W_q^T for one block at its committed bits (fp32 accumulation)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, in], got {tuple(x.shape)}")
+    if not _cuda_ok(x):
+        rb = table.resident(block)
+        if rb is None:
+            raise ValueError(f"block {block} is not resident in the table")
+        return ap_linear_ref(x, dequantize_resident(rb, x.shape[1], x.dtype))
+    dev = x.device
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype, device=dev)
+    x = x.contiguous()
+    for s in range(0, x.shape[0], MAX_TOKENS):
+        xs, ys = x[s:s + MAX_TOKENS], y[s:s + MAX_TOKENS]
+        n = xs.shape[0]
+        p = plan_launch(out_features, x.shape[1], n, 16, 1, 1, _sm_count(dev))
+        k = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe",
+                          (("PW_BF16", int(x.dtype == torch.bfloat16)), ("PW_NT", p.nt)), p.smem)
+        x_vec = int(xs.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0)
+        kc.launch(k, dev, (p.grid,), (THREADS,), (
+            kc.i32(_MODE_LINEAR), kc.ptr(table.table), kc.i64(block), kc.ptr(xs), kc.i64(x.shape[1]), kc.i32(x_vec),
+            kc.ptr(None), kc.ptr(None), kc.i32(n), kc.i32(1), kc.i32(1), kc.i32(out_features), kc.i32(x.shape[1]),
+            kc.i32(p.ksplit), kc.i32(p.n_tiles), kc.i32(p.xs_budget), kc.ptr(ys), kc.i64(out_features),
+            kc.ptr(None), kc.ptr(None)), p.smem)
+    return y

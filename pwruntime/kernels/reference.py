@@ -1,0 +1,77 @@
+"""Pure-torch references of the CUDA kernels: what each kernel computes, used on CPU and in tests.
+
+The references follow the kernels' numerics where the kernels round: weights are the LUT values
+in the activation dtype (fp16 centroids, rounded to bf16 for bf16 activations), products are
+accumulated in fp32, the fused MoE stores the intermediate `silu(gate) * up` in the activation
+dtype (it travels between the two launches), sums the per-slot outputs of a token in slot order,
+and rounds the result to the activation dtype.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pwruntime.quant.pack import dequantize
+
+
+def dequantize_resident(rb, in_features: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """W_q [out, in] of a `device_table.ResidentBlock` at its committed bits, in `dtype`."""
+    return dequantize(rb.stacked(), rb.lut, rb.out_features, in_features).to(dtype)
+
+
+def ap_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y = x W^T with fp32 accumulation, rounded to x's dtype."""
+    return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
+
+
+def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  gate_up: Callable[[int], torch.Tensor], down: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j].
+
+    gate_up(e) -> [2I, H] (gate rows first), down(e) -> [H, I]; weights are used in x's dtype.
+    Experts are processed grouped (each expert's weights dequantized once), as the kernel does.
+    """
+    n_tok, k = topk_ids.shape
+    hidden = x.shape[1]
+    per_slot = torch.zeros(n_tok, k, hidden, dtype=torch.float32, device=x.device)
+    ids = topk_ids.to(torch.int64)
+    for e in torch.unique(ids).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        wgu = gate_up(e).to(x.dtype).float()
+        inter = wgu.shape[0] // 2
+        h = x[tok].float() @ wgu.T
+        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
+        y = act @ down(e).to(x.dtype).float().T
+        per_slot[tok, slot] = y * topk_weights[tok, slot].float()[:, None]
+    out = per_slot[:, 0]
+    for j in range(1, k):  # slot order, like the kernel's reduction
+        out = out + per_slot[:, j]
+    return out.to(x.dtype)
+
+
+def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, context_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached tokens, gathered through the block table.
+
+    q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [S, max_blocks] (padded with -1);
+    context_lens [S] tokens to attend to. Query head h reads KV head h // (Hq // Hkv). Returns [S, Hq, D].
+    """
+    n_seq, heads, dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(n_seq, heads, dim, dtype=q.dtype, device=q.device)
+    lens = [int(v) for v in context_lens.tolist()]
+    for s in range(n_seq):
+        n = lens[s]
+        if n == 0:
+            continue
+        blocks = block_tables[s, :-(-n // block_size)].to(torch.int64)
+        kk = k_cache[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, dim=1)
+        vv = v_cache[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[s].float(), kk) * scale
+        p = torch.softmax(scores, dim=-1)
+        out[s] = torch.einsum("hn,nhd->hd", p, vv).to(q.dtype)
+    return out

@@ -1,0 +1,230 @@
+"""CUDA kernels vs the pure-torch references (needs a GPU and CuPy; skipped cleanly without CUDA).
+
+Blocks are random bit-planes (any bit pattern is a valid AP block) with sorted random fp16 LUTs;
+the references dequantize them with pwruntime.quant.pack.dequantize. Outputs and scratch buffers
+are poisoned with NaN first, so an unwritten element or a read of unwritten scratch fails.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_linear, dequantize_blocks, fused_moe
+from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.reference import fused_moe_ref, paged_attention_decode_ref
+from pwruntime.quant.pack import dequantize
+
+pytestmark = pytest.mark.gpu
+
+ARCHS = {  # hidden, intermediate, experts, top-k
+    "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
+    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8),
+}
+TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert torch.isfinite(got).all(), "non-finite output (unwritten or NaN scratch read)"
+    return float((got.double() - want.double()).norm() / want.double().norm())
+
+
+def random_block(out: int, inp: int, gen: torch.Generator):
+    words = -(-inp // 32)
+    planes = torch.randint(-2**31, 2**31 - 1, (8, out, words), dtype=torch.int32, device="cuda", generator=gen)
+    if inp % 32:  # layout v1: padding bits are zero
+        planes[:, :, -1] &= (1 << (inp % 32)) - 1
+    scale = 1 / math.sqrt(inp)  # weight-like magnitudes keep fp16 activations in range
+    luts = {b: (torch.sort(torch.randn(out, 1 << b, device="cuda", generator=gen), dim=1)[0] * scale).half()
+            for b in range(1, 9)}
+    return planes, luts
+
+
+class Model:
+    """Random AP expert blocks for `layers` MoE layers of an architecture, all 8 planes resident."""
+
+    def __init__(self, arch: str, layers: int = 2, seed: int = 0):
+        h, i, e, k = ARCHS[arch]
+        self.shape = MoEShape(e, h, i, k)
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.table = DeviceWeightTable(layers * e * 2, "cuda")
+        self.blocks = {}
+        for layer in range(layers):
+            for ex in range(e):
+                for kind, (o, inp) in enumerate([(2 * i, h), (h, i)]):
+                    planes, luts = random_block(o, inp, self.gen)
+                    blk = self.shape.block(layer, ex, kind)
+                    self.blocks[blk] = (planes, luts, o, inp)
+                    self.table.set_block(blk, planes, luts[8], 8)
+        self._cache = {}
+
+    def set_bits(self, bits_of) -> None:
+        self._cache.clear()
+        for blk, (_, luts, _, _) in self.blocks.items():
+            self.table.commit_bits(blk, int(bits_of(blk)), luts[int(bits_of(blk))])
+
+    def weight(self, blk: int) -> torch.Tensor:
+        b = self.table.bits(blk)
+        key = (blk, b)
+        if key not in self._cache:
+            planes, luts, o, inp = self.blocks[blk]
+            self._cache[key] = dequantize(planes[:b], luts[b], o, inp)
+        return self._cache[key]
+
+    def ref(self, layer, x, ids, w):
+        s = self.shape
+        return fused_moe_ref(x, ids, w, lambda e: self.weight(s.block(layer, e, 0)),
+                             lambda e: self.weight(s.block(layer, e, 1)))
+
+    def routing(self, tokens: int):
+        s = self.shape
+        ids = torch.stack([torch.randperm(s.num_experts, device="cuda", generator=self.gen)[:s.top_k]
+                           for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, s.top_k, device="cuda", generator=self.gen), dim=-1)
+        return ids, w
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHS))
+def model(request):
+    m = Model(request.param, layers=2 if request.param != "mixtral" else 1)
+    yield m
+    del m
+    torch.cuda.empty_cache()
+
+
+def _workspace(m: Model, tokens: int, dtype) -> MoEWorkspace:
+    ws = MoEWorkspace.create(m.shape, tokens, dtype, "cuda")
+    ws.act.fill_(float("nan"))
+    ws.partial.fill_(float("nan"))
+    return ws
+
+
+def test_fused_moe_mixed_bits_all_token_counts(model):
+    m = model
+    gen = torch.Generator().manual_seed(1)
+    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
+    m.set_bits(lambda blk: bits[blk])
+    layer = max(0, m.table.num_blocks // (2 * m.shape.num_experts) - 1)
+    for dtype in (torch.float16, torch.bfloat16):
+        for tokens in ((1, 2, 7, 16, 64) if dtype == torch.float16 else (1, 16, 64)):
+            ids, w = m.routing(tokens)
+            x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).to(dtype)
+            ws = _workspace(m, tokens, dtype)
+            got = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
+            want = m.ref(layer, x, ids, w)
+            err = rel(got, want)
+            assert err < TOL[dtype], (dtype, tokens, err)
+            again = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
+            assert torch.equal(got, again), "non-deterministic result (race?)"
+
+
+def test_fused_moe_uniform_bits(model):
+    m = model
+    tokens = 7
+    ids, w = m.routing(tokens)
+    x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).half()
+    ws = _workspace(m, tokens, torch.float16)
+    for b in range(3, 9):
+        m.set_bits(lambda blk: b)
+        err = rel(fused_moe(m.table, 0, x, ids, w, m.shape, ws), m.ref(0, x, ids, w))
+        assert err < TOL[torch.float16], (b, err)
+
+
+def test_graph_replay_follows_bits_and_routing():
+    m = Model("qwen1.5-moe", layers=2, seed=3)
+    tokens, dtype = 4, torch.float16
+    m.set_bits(lambda blk: 8)
+    ids, w = m.routing(tokens)
+    x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).to(dtype)
+    ws = _workspace(m, tokens, dtype)
+
+    def step():
+        h = fused_moe(m.table, 0, x, ids, w, m.shape, ws)
+        return fused_moe(m.table, 1, h, ids, w, m.shape, ws)
+
+    def ref():
+        return m.ref(1, m.ref(0, x, ids, w), ids, w)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compile, load, set shared-memory limits outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    first = out.clone()
+    assert rel(first, ref()) < 5e-3
+
+    gen = torch.Generator().manual_seed(5)
+    new_bits = {blk: int(torch.randint(3, 8, (1,), generator=gen)) for blk in m.blocks}
+    m.set_bits(lambda blk: new_bits[blk])  # table writes only: same graph
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, ref()) < 5e-3
+    assert rel(out, first) > 1e-2
+
+    ids2, w2 = m.routing(tokens)
+    ids.copy_(ids2)
+    w.copy_(w2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel(out, ref()) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_f,in_f", [(200, 1000), (48, 80), (14336, 4096), (4096, 1408)])
+def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
+    gen = torch.Generator(device="cuda").manual_seed(out_f + in_f)
+    planes, luts = random_block(out_f, in_f, gen)
+    table = DeviceWeightTable(2, "cuda")
+    table.set_block(1, planes, luts[8], 8)
+    for b in range(1, 9):
+        table.commit_bits(1, b, luts[b])
+        w = dequantize(planes[:b], luts[b], out_f, in_f)
+        for tokens in (1, 7, 64):
+            x = torch.randn(tokens, in_f, device="cuda", generator=gen).to(dtype)
+            got = ap_linear(table, 1, x, out_f)
+            want = x.float() @ w.to(dtype).float().T
+            err = rel(got, want)
+            assert err < TOL[dtype] / 2, (b, tokens, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_kernel_is_exact(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    table = DeviceWeightTable(6, "cuda")
+    out_f, in_f = 96, 333
+    want = []
+    for blk, b in zip(range(6), (3, 4, 5, 6, 7, 8)):
+        planes, luts = random_block(out_f, in_f, gen)
+        table.set_block(blk, planes, luts[b], b)
+        want.append(dequantize(planes[:b], luts[b], out_f, in_f).to(dtype))
+    got = dequantize_blocks(table, [5, 0, 3, 1], out_f, in_f, dtype)
+    assert torch.equal(got, torch.stack([want[5], want[0], want[3], want[1]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_paged_attention_matches_reference(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    heads, kv_heads, dim, block_size, num_blocks = 32, 8, 128, 16, 200
+    lens = [1, 17, 300, 64, 129]
+    kc = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    vc = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen)
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32, device="cuda")
+    used = 0
+    for s, n in enumerate(lens):
+        nb = -(-n // block_size)
+        tables[s, :nb] = perm[used:used + nb].int()
+        used += nb
+    cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    q = torch.randn(len(lens), heads, dim, device="cuda", generator=gen).to(dtype)
+    got = paged_attention_decode(q, kc, vc, tables, cl)
+    want = paged_attention_decode_ref(q, kc, vc, tables, cl, 1 / math.sqrt(dim))
+    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    assert rel(got, want) < tol

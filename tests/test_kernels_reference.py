@@ -1,0 +1,312 @@
+"""Kernel references (CPU, CI): each against an independent straightforward computation.
+
+dequantize vs a numpy bit-by-bit LUT lookup; the fused-MoE reference (and fused_moe's CPU path
+through the device table) vs a per-(token, slot) float64 loop; paged attention vs dense attention
+on contiguous K/V; plus the device table's bookkeeping and the launch planner's limits.
+"""
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize_blocks, fused_moe
+from pwruntime.kernels import compile as kc
+from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.moe import MAX_TOKENS, SMEM_LIMIT, moe_plans, plan_launch
+from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, paged_attention_decode_ref
+from pwruntime.quant.pack import pack_planes
+
+
+def make_block(rng: np.random.Generator, out: int, inp: int):
+    """Random 8-bit codes, their packed planes (int32 [8, out, words]) and sorted fp16 LUTs for 1..8 bits."""
+    codes = rng.integers(0, 256, size=(out, inp), dtype=np.uint8)
+    planes = torch.from_numpy(pack_planes(codes).view(np.int32))
+    luts = {b: torch.from_numpy(np.sort(rng.standard_normal((out, 1 << b)), axis=1).astype(np.float16))
+            for b in range(1, 9)}
+    return codes, planes, luts
+
+
+def numpy_dequant(planes: np.ndarray, lut: np.ndarray, bits: int, inp: int) -> np.ndarray:
+    """Bit by bit: code[r, k] = sum_j bit(k % 32 of word k // 32 of plane j) << (bits - 1 - j)."""
+    words = planes.astype(np.uint32)
+    out = words.shape[1]
+    code = np.zeros((out, inp), dtype=np.int64)
+    for j in range(bits):
+        for k in range(inp):
+            code[:, k] |= ((words[j, :, k // 32] >> np.uint32(k % 32)) & 1).astype(np.int64) << (bits - 1 - j)
+    return np.take_along_axis(lut.astype(np.float64), code, axis=1)
+
+
+@pytest.mark.parametrize("bits", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("shape", [(5, 70), (3, 64)])
+def test_dequantize_matches_bitwise_numpy(bits, shape):
+    rng = np.random.default_rng(bits * 100 + shape[1])
+    codes, planes, luts = make_block(rng, *shape)
+    table = DeviceWeightTable(4, "cpu")
+    table.set_block(2, planes, luts[bits], bits)
+    got = dequantize_resident(table.resident(2), shape[1], torch.float32).double().numpy()
+    want = numpy_dequant(planes.numpy(), luts[bits].numpy(), bits, shape[1])
+    np.testing.assert_array_equal(got, want)
+    # the b-bit code is the top b bits of the 8-bit code
+    np.testing.assert_array_equal(want, np.take_along_axis(luts[bits].numpy().astype(np.float64),
+                                                           (codes >> (8 - bits)).astype(np.int64), axis=1))
+    got_many = dequantize_blocks(table, [2, 2], shape[0], shape[1], torch.float16)
+    assert got_many.shape == (2, *shape) and torch.equal(got_many[0], got_many[1])
+    np.testing.assert_array_equal(got_many[0].double().numpy(), want)
+
+
+def _moe_setup(seed: int, shape: MoEShape, layers: int, bits):
+    rng = np.random.default_rng(seed)
+    table = DeviceWeightTable(layers * shape.num_experts * 2, "cpu")
+    store = {}
+    for layer in range(layers):
+        for e in range(shape.num_experts):
+            for kind, (o, i) in enumerate([(2 * shape.intermediate, shape.hidden), (shape.hidden, shape.intermediate)]):
+                _, planes, luts = make_block(rng, o, i)
+                b = int(bits(layer, e, kind)) if callable(bits) else int(bits)
+                blk = shape.block(layer, e, kind)
+                table.set_block(blk, planes, luts[b], b)
+                store[blk] = (planes, luts, i)
+    return table, store
+
+
+def _routing(gen: torch.Generator, tokens: int, shape: MoEShape):
+    ids = torch.stack([torch.randperm(shape.num_experts, generator=gen)[:shape.top_k] for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, shape.top_k, generator=gen), dim=-1)
+    return ids, w
+
+
+def _loop_moe(x, ids, w, wgu, wd):
+    """float64, one (token, slot) at a time."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = wgu[e] @ x[t].double()
+            inter = h.shape[0] // 2
+            a = h[:inter] / (1 + torch.exp(-h[:inter])) * h[inter:]
+            out[t] += float(w[t, j]) * (wd[e] @ a)
+    return out
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double() - want).norm() / want.norm())
+
+
+def _dense(store, blk, bits, dtype=torch.float64):
+    planes, luts, i = store[blk]
+    return torch.from_numpy(numpy_dequant(planes.numpy(), luts[bits].numpy(), bits, i)).to(dtype)
+
+
+def test_fused_moe_cpu_path_matches_token_loop_and_follows_bits():
+    shape = MoEShape(num_experts=6, hidden=40, intermediate=24, top_k=2)
+    table, store = _moe_setup(1, shape, layers=2, bits=lambda l, e, k: 3 + (l + e + k) % 6)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, shape.hidden, generator=gen)
+    ids, w = _routing(gen, 5, shape)
+    layer = 1
+
+    def dense(bits_of):
+        wgu = {e: _dense(store, shape.block(layer, e, 0), bits_of(e, 0)) for e in range(shape.num_experts)}
+        wd = {e: _dense(store, shape.block(layer, e, 1), bits_of(e, 1)) for e in range(shape.num_experts)}
+        return wgu, wd
+
+    got = fused_moe(table, layer, x, ids, w, shape)
+    want = _loop_moe(x, ids, w, *dense(lambda e, k: 3 + (layer + e + k) % 6))
+    assert _rel(got, want) < 1e-6
+
+    # commit 3 bits everywhere in this layer: the result follows the table
+    for e in range(shape.num_experts):
+        for kind in (0, 1):
+            blk = shape.block(layer, e, kind)
+            table.commit_bits(blk, 3, store[blk][1][3])
+    got3 = fused_moe(table, layer, x, ids, w, shape)
+    want3 = _loop_moe(x, ids, w, *dense(lambda e, k: 3))
+    assert _rel(got3, want3) < 1e-6
+    assert _rel(got3, want) > 1e-2
+
+
+def test_fused_moe_ref_bf16_rounds_like_the_kernel():
+    shape = MoEShape(num_experts=4, hidden=32, intermediate=16, top_k=2)
+    table, store = _moe_setup(2, shape, layers=1, bits=4)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(3, shape.hidden, generator=gen).to(torch.bfloat16)
+    ids, w = _routing(gen, 3, shape)
+    got = fused_moe(table, 0, x, ids, w, shape)
+    assert got.dtype == torch.bfloat16
+    wgu = {e: _dense(store, shape.block(0, e, 0), 4) for e in range(4)}
+    wd = {e: _dense(store, shape.block(0, e, 1), 4) for e in range(4)}
+    want = _loop_moe(x.double(), ids, w, wgu, wd)
+    assert _rel(got, want) < 2e-2
+
+
+def test_fused_moe_ref_sums_slots_in_order():
+    # two slots of one token on the same expert weight set: per-slot weighting, not per-expert
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 8, generator=gen)
+    wgu = {0: torch.randn(6, 8, generator=gen), 1: torch.randn(6, 8, generator=gen)}
+    wd = {0: torch.randn(8, 3, generator=gen), 1: torch.randn(8, 3, generator=gen)}
+    ids = torch.tensor([[0, 1], [1, 0]])
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    got = fused_moe_ref(x, ids, w, lambda e: wgu[e], lambda e: wd[e])
+    want = _loop_moe(x, ids, w, {e: v.double() for e, v in wgu.items()}, {e: v.double() for e, v in wd.items()})
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_ap_linear_cpu_matches_dense():
+    rng = np.random.default_rng(5)
+    _, planes, luts = make_block(rng, 9, 100)
+    table = DeviceWeightTable(1, "cpu")
+    table.set_block(0, planes, luts[5], 5)
+    x = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    got = ap_linear(table, 0, x, 9)
+    want = x.double() @ torch.from_numpy(numpy_dequant(planes.numpy(), luts[5].numpy(), 5, 100)).T
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def _dense_attention(q, ks, vs, scale):
+    """float64 attention of one query per sequence over its own contiguous K/V [L, Hkv, D]."""
+    out = []
+    for s, (k, v) in enumerate(zip(ks, vs)):
+        group = q.shape[1] // k.shape[1]
+        heads = []
+        for h in range(q.shape[1]):
+            kk, vv = k[:, h // group].double(), v[:, h // group].double()
+            sc = (kk @ q[s, h].double()) * scale
+            p = torch.exp(sc - sc.max())
+            heads.append((p / p.sum()) @ vv)
+        out.append(torch.stack(heads))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3)])
+def test_paged_attention_reference_matches_dense(heads, kv_heads):
+    gen = torch.Generator().manual_seed(heads)
+    block_size, dim, num_blocks = 4, 8, 40
+    lens = [1, 7, 13]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = 5
+    tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32)
+    ks, vs = [], []
+    for s, n in enumerate(lens):
+        nb = -(-n // block_size)
+        ids = [perm.pop() for _ in range(nb)]
+        tables[s, :nb] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(n, kv_heads, dim, generator=gen)
+        v = torch.randn(n, kv_heads, dim, generator=gen)
+        for i in range(n):  # scatter the sequence into its blocks
+            k_cache[ids[i // block_size], i % block_size] = k[i]
+            v_cache[ids[i // block_size], i % block_size] = v[i]
+        ks.append(k)
+        vs.append(v)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    scale = 1 / math.sqrt(dim)
+    want = _dense_attention(q, ks, vs, scale)
+    got = paged_attention_decode_ref(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    via_api = paged_attention_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32))
+    torch.testing.assert_close(via_api, got)
+
+
+def test_device_table_rows_and_validation():
+    rng = np.random.default_rng(7)
+    _, planes, luts = make_block(rng, 4, 64)
+    t = DeviceWeightTable(3, "cpu")
+    t.set_block(1, planes, luts[8], 8)
+    row = t.host[1]
+    assert row[9] == 8 and row[8] == luts[8].data_ptr()
+    assert all(row[j] == planes[j].data_ptr() for j in range(8))
+    torch.testing.assert_close(t.table.cpu(), torch.from_numpy(t.host))
+    assert t.nbytes_read(1) == 8 * 4 * 2 * 4 + 4 * 256 * 2
+    t.commit_bits(1, 3, luts[3])
+    assert t.bits(1) == 3 and t.host[1, 8] == luts[3].data_ptr() and t.host[1, 0] == planes[0].data_ptr()
+    assert t.nbytes_read(1) == 3 * 4 * 2 * 4 + 4 * 8 * 2
+    t.clear(1)
+    assert t.bits(1) == 0 and t.resident(1) is None and not t.table[1].any()
+    with pytest.raises(ValueError, match="LUT_4"):
+        t.set_block(0, planes, luts[3], 4)
+    with pytest.raises(ValueError, match="need planes"):
+        t.set_block(0, planes[:2], luts[3], 3)
+    with pytest.raises(ValueError, match="bits must be"):
+        t.set_block(0, planes, luts[8], 9)
+    with pytest.raises(IndexError):
+        t.bits(3)
+    with pytest.raises(ValueError, match="no resident planes"):
+        t.commit_bits(2, 3, luts[3])
+
+
+ARCHS = {  # hidden, intermediate, experts, top-k
+    "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
+    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+def test_launch_plans_fit_and_cover(arch, tokens):
+    h, i, e, k = ARCHS[arch]
+    p1, p2 = moe_plans(MoEShape(e, h, i, k), tokens)
+    for p, rows, rpw in ((p1, i, 8), (p2, h, 16)):
+        assert p.ksplit in (1, 2, 4) and p.smem <= SMEM_LIMIT
+        assert p.n_tiles * rpw * (4 // p.ksplit) >= rows
+        assert p.grid == p.n_tiles * min(e, tokens * k)
+        assert p.xs_budget >= tokens * 640 and 8 * p.nt >= tokens
+    assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
+
+
+def test_sources_inline_headers_and_cpu_path_never_imports_cupy():
+    src = kc.source("ap_moe.cu")
+    assert "mma.sync.aligned.m16n8k16" in src and '#include "pw_common.cuh"' not in src
+    assert kc.options([("PW_NT", 2)]) == ("-std=c++17", "-DPW_NT=2")
+    code = ("import sys, torch; from pwruntime.kernels import fused_moe, paged_attention_decode, DeviceWeightTable;"
+            "assert 'cupy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _fake_bench_results() -> dict:
+    moe = []
+    for model in ("a", "b"):
+        for t in (1, 4):
+            for b in (3, 4, 5, 6, 7, 8):
+                moe.append({"model": model, "tokens": t, "bits": b, "ap_us": 10.0 * b / t, "ap_bytes": 1e6 * b,
+                            "ap_gbps": 1e6 * b / (10.0 * b / t) / 1e3, "fp16_loop_us": 40.0 if t == 1 else 5.0,
+                            "fp16_gathered_bmm_us": None})
+    return {"device": "Test GPU", "command": "pwruntime bench kernels", "gpu_memory_bytes": 80 << 30,
+            "copy": {"h2d_pinned_gbps": 50.0, "d2h_pinned_gbps": 52.0, "d2d_copy_gbps": 4000.0},
+            "fp16_gemm_tflops": 700.0, "paged_attention": {"gbps": 2000.0},
+            "single_block": [{"tokens": 1, "fp16_gbps": 3600.0}], "moe": moe}
+
+
+def test_bench_profile_is_a_valid_hardware_profile(tmp_path):
+    from pwruntime.cmd_bench import _profile, add_rooflines
+    from traces.hardware import load_profile
+    res = _fake_bench_results()
+    add_rooflines(res)
+    assert res["fp16_gemv_gbps"] == 3600.0
+    assert res["moe"][0]["roofline_us"] == pytest.approx(3e6 / 3600.0 / 1e3)
+    prof = _profile(res, "test-measured")
+    path = prof.save(tmp_path / "p.json")
+    back = load_profile(path)
+    assert back.measured and back.hbm_gbps == 4000.0 and back.pcie_h2d_gbps == 50.0
+    assert back.achieved_bandwidth_fraction["moe"] == pytest.approx(0.9)
+    assert back.achieved_bandwidth_fraction["attention"] == pytest.approx(0.5)
+    # ap efficiency at T=1: 1e6*b bytes in 10*b us = 100 GB/s over 3600 GB/s
+    assert back.ap_kernel_efficiency[3] == pytest.approx(100 / 3600, rel=1e-3)
+    # at 8 bits and T=1 the fused kernel (80 us) loses to fp16 (40 us): the profile keeps the minimum, 1
+    assert back.ap_fused_max_tokens == 1
+
+
+def test_bench_cli_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = subprocess.run([sys.executable, "-m", "pwruntime.cli", "bench", "kernels"], capture_output=True, text=True)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run([sys.executable, "-m", "pwruntime.cli", "bench", "layers"], capture_output=True, text=True)
+    assert r.returncode == 2
