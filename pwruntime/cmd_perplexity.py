@@ -33,8 +33,9 @@ class PerplexityResult:
 
 
 def default_model_dir() -> Path | None:
-    """The bundled demo model, once there is one (issue 4); None until then."""
-    return None
+    """The bundled demo model (pwruntime/demo_model), used when --model is omitted."""
+    path = Path(__file__).resolve().parent / "demo_model"
+    return path if (path / "config.json").is_file() else None
 
 
 def read_text(path: str | Path) -> str:

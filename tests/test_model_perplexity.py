@@ -4,6 +4,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,8 +128,26 @@ def test_bad_data_exit_2(setup, capsys, tmp_path):
     (tmp_path / "one.txt").write_text("ba")
     rc, _, err = run_cli(capsys, "--model", str(path), "--data", str(tmp_path / "one.txt"))
     assert rc == 2 and "at least 2" in err
+
+
+def test_missing_model_without_bundled_default_exit_2(capsys, tmp_path, monkeypatch):
+    import pwruntime.cmd_perplexity as cp
+
+    monkeypatch.setattr(cp, "default_model_dir", lambda: None)
+    (tmp_path / "one.txt").write_text("some text")
     rc, _, err = run_cli(capsys, "--data", str(tmp_path / "one.txt"))
     assert rc == 2 and "--model" in err
+
+
+def test_bundled_demo_model_is_the_default(capsys, tmp_path):
+    import pwruntime.cmd_perplexity as cp
+
+    bundled = cp.default_model_dir()
+    assert bundled is not None and (bundled / "config.json").is_file()
+    (tmp_path / "t.txt").write_text("In the beginning was the word, and the word was with the code.")
+    rc, result, _ = run_cli(capsys, "--data", str(tmp_path / "t.txt"), "--context", "16", "--json")
+    assert rc == 0
+    assert Path(result["model"]).resolve() == bundled.resolve() and result["perplexity"] > 1
 
 
 class _nothing:
