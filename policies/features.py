@@ -73,17 +73,18 @@ class BatchedPromptFeatures:
                              f"down norms {dn.shape}, layers {self.layers}, tokens {int(lens.sum())}")
         if ids.shape[1] == 0:
             return
-        rows = np.array([self._row(s) for s in seq_ids], dtype=np.int64)
+        keep = lens > 0  # sequences with no token in this batch change nothing
+        rows = np.array([self._row(s) for s, k in zip(seq_ids, keep) if k], dtype=np.int64)
+        lens, offs = lens[keep], np.concatenate([[0], np.cumsum(lens)])[:-1][keep]
         single = lens == 1
-        offs = np.concatenate([[0], np.cumsum(lens)])
         if single.all():
             self._update_single(rows, ids, w, gu, dn)
             return
         if single.any():
-            t = offs[:-1][single]  # the one token of each single-token sequence
+            t = offs[single]  # the one token of each single-token sequence
             self._update_single(rows[single], ids[:, t], w[:, t], gu[:, t], dn[:, t])
-        multi = np.flatnonzero(~single & (lens > 0))
-        tok = np.concatenate([np.arange(offs[j], offs[j + 1]) for j in multi])
+        multi = np.flatnonzero(~single)
+        tok = np.concatenate([np.arange(offs[j], offs[j] + lens[j]) for j in multi])
         self._update_multi(rows[multi], lens[multi], ids[:, tok], w[:, tok], gu[:, tok], dn[:, tok])
 
     def _pairs(self, local: np.ndarray, ids, w, gu, dn, stride: int):
@@ -170,12 +171,12 @@ class BatchedPromptFeatures:
 
 def _phi(a: np.ndarray) -> np.ndarray:
     """`[n, 4]` accumulators (sum r, sum r*x, sum r*x^2, max x) -> `[n, 4]` (mean, rms, max, seen)."""
-    seen = a[:, 0] > 0
-    safe = np.where(seen, a[:, 0], 1.0)
-    f = np.empty_like(a)
-    f[:, 0] = a[:, 1] / safe
-    f[:, 1] = np.sqrt(np.maximum(a[:, 2], 0.0) / safe)
-    f[:, 2] = a[:, 3]
-    f[:, 3] = 1.0
-    f[~seen] = 0.0
+    s0 = a[:, 0]
+    seen = s0 > 0
+    f = np.zeros_like(a)
+    np.divide(a[:, 1], s0, out=f[:, 0], where=seen)
+    np.divide(a[:, 2], s0, out=f[:, 1], where=seen)
+    np.sqrt(f[:, 1], out=f[:, 1])
+    np.copyto(f[:, 2], a[:, 3], where=seen)
+    f[:, 3] = seen
     return f

@@ -248,7 +248,12 @@ def _register_planner(targets) -> None:
     p.set_defaults(func=run_planner)
 
 
-_TARGETS = [_register_planner]  # a new target: a function that adds its parser to `targets`
+def _register_sim(targets) -> None:
+    from pwsim.bench_sim import register_target  # the simulator's own benchmark (pwsim/bench_sim.py)
+    register_target(targets)
+
+
+_TARGETS = [_register_planner, _register_sim]  # a new target: a function that adds its parser to `targets`
 
 
 def register(subparsers) -> None:

@@ -1,0 +1,213 @@
+"""`pwsim compare`: every policy at every budget; a table (printed, JSON, CSV) and comparison plots.
+
+With no arguments it runs the bundled default (`pwsim.defaults`). Runs go to `--jobs` worker
+processes; each run is fully determined by its config (seeded), so the table does not depend on
+the number of workers or the order they finish in.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+from pwsim.cmd_run import add_common, config_from_args, parse_policy
+from pwsim.defaults import DEFAULTS
+from pwsim.hardware import parse_size
+from traces.clikit import UserError
+
+GiB = 2**30
+COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
+           "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "e2e_p50_s", "completed", "requests", "preemptions",
+           "stall_s", "budget_violations", "reloaded_gib", "damage_per_token", "predicted_ppl", "wall_s", "note"]
+
+
+def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
+    base = {"policy": cfg.policy + "".join(f",{k}={v}" for k, v in cfg.policy_params), "budget": budget}
+    if summary is None:
+        return {**base, "status": "infeasible", "note": error}
+    m, q = summary["memory"], summary["quality"]
+    return {**base, "status": "ok", "peak_gib": m["peak_bytes"] / GiB, "used_gib": m["peak_used_bytes"] / GiB,
+            "weights_gib": m["peak_weight_bytes"] / GiB,
+            "kv_pool_gib": m["peak_kv_pool_bytes"] / GiB, "mean_bits": summary["mean_committed_bits"],
+            "throughput_tok_s": summary["throughput_tokens_per_s"], "ttft_p50_s": summary["ttft_s"]["p50"],
+            "ttft_p99_s": summary["ttft_s"]["p99"],
+            "tpot_p50_ms": None if summary["tpot_s"]["p50"] is None else summary["tpot_s"]["p50"] * 1e3,
+            "e2e_p50_s": summary["e2e_s"]["p50"], "completed": summary["completed"], "requests": summary["requests"],
+            "preemptions": summary["preemptions"], "stall_s": sum(v["time_s"] for v in summary["stalls"].values()),
+            "budget_violations": m["budget_violations"], "reloaded_gib": summary["page_traffic"]["reload_bytes"] / GiB,
+            "damage_per_token": q.get("mean_damage_per_token"), "predicted_ppl": q.get("predicted_ppl"),
+            "wall_s": summary["wall_s"], "note": ""}
+
+
+def run_one(cfg_json: dict, keep_timeline: bool):
+    """Worker: one run; returns (summary or None, timeline or None, error message or None)."""
+    from pwsim.engine import BudgetError
+    from pwsim.runner import RunConfig, execute
+    cfg = RunConfig.from_json(cfg_json)
+    try:
+        res = execute(cfg)
+    except BudgetError as e:
+        return None, None, str(e)
+    res.plans.clear()
+    return res.summary, (res if keep_timeline else None), None
+
+
+def _fmt(v, nd=2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{nd}f}"
+    return str(v)
+
+
+def table(rows: list[dict]) -> str:
+    q_key = "predicted_ppl" if any(r.get("predicted_ppl") is not None for r in rows) else "damage_per_token"
+    head = ("policy", "budget", "peak GiB", "used GiB", "weights", "KV pool", "bits", "tok/s", "TTFT p50", "TPOT p50 ms",
+            "preempt", "stall s", "viol", "reload GiB", "ppl" if q_key == "predicted_ppl" else "damage/tok")
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append((r["policy"], r["budget"], "infeasible: weights exceed the budget") + ("",) * (len(head) - 3))
+            continue
+        body.append((r["policy"], r["budget"], _fmt(r["peak_gib"]), _fmt(r["used_gib"]), _fmt(r["weights_gib"]),
+                     _fmt(r["kv_pool_gib"]),
+                     _fmt(r["mean_bits"]), _fmt(r["throughput_tok_s"], 0), _fmt(r["ttft_p50_s"], 3),
+                     _fmt(r["tpot_p50_ms"]), _fmt(r["preemptions"]), _fmt(r["stall_s"], 3),
+                     _fmt(r["budget_violations"]), _fmt(r["reloaded_gib"]),
+                     "-" if r.get(q_key) is None else f"{r[q_key]:.4g}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *[b for b in body if not b[2].startswith("infeasible")])]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    for b in body:
+        if b[2].startswith("infeasible"):
+            lines.append("  ".join([b[0].ljust(widths[0]), b[1].ljust(widths[1]), b[2]]))
+        else:
+            lines.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w) for i, (c, w) in enumerate(zip(b, widths))))
+    return "\n".join(lines)
+
+
+def _jobs(requested: int | None, n_runs: int) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(n_runs, requested if requested else cores))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pwsim import output, plots
+
+    t0 = time.perf_counter()
+    policy_names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if not policy_names or not budgets:
+        raise UserError("--policies and --budgets need at least one entry each")
+    for b in budgets:
+        parse_size(b)
+    if args.policy_arg and len(policy_names) > 1:
+        raise UserError("--policy-arg applies to a single policy; compare one policy at a time, or use presets "
+                        "such as pagedweight-no-routing")
+    params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
+    configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
+    _validate(configs[0][2])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
+    if tl_budget not in budgets:
+        raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
+    jobs = _jobs(args.jobs, len(configs))
+    results: dict[int, tuple] = {}
+    from tqdm import tqdm
+    bar = tqdm(total=len(configs), desc="simulations", unit="run", file=sys.stderr, disable=args.no_progress)
+    try:
+        if jobs == 1:
+            for k, (p, b, cfg) in enumerate(configs):
+                results[k] = run_one(cfg.to_json(), b == tl_budget)
+                bar.update(1)
+        else:
+            import multiprocessing as mp
+            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core per worker
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
+                futs = {pool.submit(run_one, cfg.to_json(), b == tl_budget): k for k, (p, b, cfg) in enumerate(configs)}
+                for f in as_completed(futs):
+                    results[futs[f]] = f.result()
+                    bar.update(1)
+    finally:
+        bar.close()
+    rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]
+    first = next((results[k][0] for k in range(len(configs)) if results[k][0] is not None), None)
+    meta = {"command": _command(args, policy_names, budgets), "jobs": jobs, "wall_s": None,
+            "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
+            "quality_note": first["quality"]["note"] if first else None,
+            "hardware": first["hardware"] if first else None, "calibration": first["calibration"] if first else None,
+            "workload": first["workload"] if first else None, "model": first["model"] if first else None}
+    timelines = {cfg.policy: results[k][1] for k, (p, b, cfg) in enumerate(configs)
+                 if b == tl_budget and results[k][1] is not None}
+    output.write_text_atomic(out / "compare.csv", output.csv_text(rows, COLUMNS))
+    plots.compare_quality_memory(rows, out / "quality_vs_memory.png")
+    plots.compare_throughput(rows, budgets, out / "throughput.png")
+    plots.compare_timelines(timelines, out / "timelines.png", f"timelines at {tl_budget}")
+    meta["wall_s"] = time.perf_counter() - t0
+    output.write_text_atomic(out / "compare.json", output.dumps({**meta, "rows": rows,
+                                                                  "configs": [c.to_json() for _, _, c in configs]}))
+    if args.json:
+        print(output.dumps({**meta, "rows": rows}))
+    else:
+        print(table(rows))
+        print(f"\nquality: {meta['quality_note']}")
+        if first and not first["hardware"]["measured"]:
+            print(f"hardware: {first['hardware']['name']} is a roofline profile, not a measurement")
+        if first and first["calibration"]["synthetic"]:
+            print("calibration: synthetic (policies.synthetic), not measured on a model")
+        print(f"wrote {out}/compare.json, compare.csv, quality_vs_memory.png, throughput.png, timelines.png "
+              f"({len(configs)} runs, {jobs} jobs, {meta['wall_s']:.1f} s)")
+        print(f"reproduce: {meta['command']}")
+    return 0
+
+
+def _validate(cfg) -> None:
+    """Fail fast (in this process, with a clear message) on a bad card, profile, calibration or trace."""
+    from pwsim import runner
+    from pwsim.hardware import load_profile
+    runner._card(cfg.model)
+    load_profile(cfg.hardware)
+    runner._calibration(cfg.calibration, cfg.model, cfg.seed)
+    if cfg.quality_fit:
+        from pwsim.quality import load_fit_points
+        load_fit_points(cfg.quality_fit)
+    if cfg.trace != "synthetic":
+        runner.build_workload(cfg)
+
+
+def _command(args, policies, budgets) -> str:
+    parts = ["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
+    for flag in ("trace", "model", "calibration", "hardware", "seed", "requests", "rate", "burstiness",
+                 "prompt_dist", "output_dist", "domains", "quality_fit"):
+        v = getattr(args, flag)
+        if v is not None and v != args._defaults.get(flag):
+            parts.append(f"--{flag.replace('_', '-')} {v}")
+    return " ".join(parts)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("compare", help="compare policies across memory budgets (table and plots)",
+                              description="Run every policy at every budget and print a table; writes "
+                                          "compare.json, compare.csv and plots (quality vs memory, throughput, "
+                                          "timelines). With no arguments: the bundled default setup.")
+    p.add_argument("--policies", default=",".join(DEFAULTS.policies),
+                   help=f"comma-separated policy names (default {','.join(DEFAULTS.policies)})")
+    p.add_argument("--budgets", default=",".join(DEFAULTS.budgets),
+                   help=f"comma-separated memory budgets (default {','.join(DEFAULTS.budgets)})")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",
+                   help="parameter of the (single) policy compared (repeatable)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes (default: available cores)")
+    p.add_argument("--timeline-budget", default=None, help="budget whose timelines are plotted (default: the middle one)")
+    p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    add_common(p)
+    p.set_defaults(func=run, _defaults={})
+
+    def _capture_defaults(parser=p):
+        return {a.dest: a.default for a in parser._actions}
+    p.set_defaults(_defaults=_capture_defaults())

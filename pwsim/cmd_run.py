@@ -1,0 +1,137 @@
+"""`pwsim run`: simulate one policy at one memory budget; write Parquet, JSON and PNG results."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
+from pwsim.hardware import format_size
+from pwsim.runner import RunConfig, SyntheticWorkload, make_config
+from traces.clikit import UserError
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    """Arguments shared by `run` and `compare`: what to simulate (all but policy and budget)."""
+    g = p.add_argument_group("what to simulate (defaults: the bundled default setup)")
+    g.add_argument("--trace", default=DEFAULTS.trace,
+                   help="trace directory (requests.parquet [+ routing.parquet]) or 'synthetic' (default)")
+    g.add_argument("--model", default=DEFAULTS.model, help=f"model card name or JSON path (default {DEFAULTS.model})")
+    g.add_argument("--calibration", default=DEFAULTS.calibration,
+                   help="calibration directory, or 'synthetic[:SEED]' (default; policies.synthetic)")
+    g.add_argument("--hardware", default=DEFAULTS.hardware,
+                   help=f"hardware profile JSON or bundled name (default {DEFAULTS.hardware})")
+    g.add_argument("--quality-fit", default=None, metavar="JSON",
+                   help="runtime (damage, perplexity) points; without it no perplexity is predicted")
+    g.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of synthetic traces and calibration")
+    s = p.add_argument_group("synthetic trace (with --trace synthetic)")
+    s.add_argument("--requests", type=int, default=DEFAULT_WORKLOAD.requests)
+    s.add_argument("--rate", type=float, default=DEFAULT_WORKLOAD.rate, help="requests per second")
+    s.add_argument("--burstiness", type=float, default=DEFAULT_WORKLOAD.burstiness)
+    s.add_argument("--prompt-dist", default=str(DEFAULT_WORKLOAD.prompt), help="e.g. lognormal:384,0.6")
+    s.add_argument("--output-dist", default=str(DEFAULT_WORKLOAD.output), help="e.g. fixed:512")
+    s.add_argument("--domains", default=",".join(DEFAULT_WORKLOAD.domains),
+                   help="comma-separated domain names (match the calibration's per-domain damages)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-batched-tokens", type=int, default=2048)
+    e.add_argument("--timeline-stride", type=int, default=1, help="record every n-th iteration boundary")
+
+
+def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str) -> RunConfig:
+    from traces.generators import LengthDist
+    for flag, spec in (("--prompt-dist", args.prompt_dist), ("--output-dist", args.output_dist)):
+        try:
+            LengthDist.parse(spec)
+        except UserError as err:
+            raise UserError(f"{flag}: {err}") from None
+    if args.trace != SYNTHETIC and not Path(args.trace).is_dir():
+        raise UserError(f"--trace {args.trace}: not a trace directory (make one with `pwsim gen-trace`) "
+                        "and not 'synthetic'")
+    domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
+    if not domains:
+        raise UserError("--domains needs at least one name")
+    if min(args.block_size, args.max_num_seqs, args.max_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
+        raise UserError("--requests, --block-size, --max-num-seqs, --max-batched-tokens and --timeline-stride "
+                        "must be positive")
+    wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
+                           prompt=args.prompt_dist, output=args.output_dist, domains=domains)
+    return make_config(budget, policy=policy, policy_params=policy_params, model=args.model,
+                       calibration=args.calibration, hardware=args.hardware, trace=args.trace, workload=wl,
+                       quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                       timeline_stride=args.timeline_stride)
+
+
+def parse_policy(name: str, args_list: list[str]) -> dict:
+    import policies
+    try:
+        kw = policies.parse_policy_args(name, args_list)
+        policies.get(name, **kw)
+    except policies.PolicyError as e:
+        raise UserError(str(e)) from None
+    return kw
+
+
+def describe(summary: dict) -> str:
+    m, q = summary["memory"], summary["quality"]
+    lines = [
+        f"{summary['label']}: {summary['completed']}/{summary['requests']} requests completed "
+        f"({summary['finish_reasons']}) in {summary['makespan_s']:.2f} simulated s, {summary['iterations']} iterations",
+        f"  throughput {summary['throughput_tokens_per_s']:.0f} output tok/s; TTFT p50 {_ms(summary['ttft_s']['p50'])}, "
+        f"p99 {_ms(summary['ttft_s']['p99'])}; TPOT p50 {_ms(summary['tpot_s']['p50'])}; "
+        f"e2e p50 {summary['e2e_s']['p50'] or 0:.2f} s",
+        f"  memory: peak {format_size(m['peak_bytes'])} of {format_size(m['budget_bytes'])} "
+        f"(weights {format_size(m['peak_weight_bytes'])}, KV pool {format_size(m['peak_kv_pool_bytes'])}); "
+        f"budget violations {m['budget_violations']}",
+        f"  mean committed bits {summary['mean_committed_bits']:.2f}; page traffic "
+        f"{format_size(summary['page_traffic']['reload_bytes'])} reloaded in {summary['page_traffic']['reloads']} "
+        f"transfers; plans {summary['plans']['plans']}; preemptions {summary['preemptions']}; stalls "
+        f"{ {k: v['count'] for k, v in summary['stalls'].items()} or 'none'}",
+    ]
+    if q["available"]:
+        ppl = f"; {q['predicted_ppl_label']}: {q['predicted_ppl']:.3f}" if q.get("predicted_ppl") is not None else ""
+        lines.append(f"  quality: mean damage per token {q['mean_damage_per_token']:.4g}{ppl}")
+    lines.append(f"  quality note: {q['note']}")
+    lines.append(f"  simulated {summary['computed_tokens']:,} tokens in {summary['wall_s']:.1f} wall s "
+                 f"({summary['sim_tokens_per_wall_s']:,.0f} tokens per wall s)")
+    return "\n".join(lines)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f} ms"
+
+
+def run(args: argparse.Namespace) -> int:
+    from pwsim import output, runner
+    params = parse_policy(args.policy, args.policy_arg)
+    cfg = config_from_args(args, args.policy, params, args.budget)
+    out = Path(args.out or f"runs/run-{cfg.policy}-{args.budget}")
+    output.prepare_dir(out, args.force)
+    t0 = time.perf_counter()
+    result = runner.execute(cfg)
+    path = output.write_run(result, cfg.to_json(), out, plots=not args.no_plots, force=args.force)
+    if args.json:
+        print(output.dumps(result.summary))
+    else:
+        print(describe(result.summary))
+        print(f"wrote {path}/ (requests.parquet, timeline.parquet, summary.json, config.json, events.json"
+              f"{', timeline.png, latency.png' if not args.no_plots else ''}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="simulate one policy at one memory budget",
+                              description="Simulate one serving replica running one policy under a GPU memory "
+                                          "budget; writes per-request and timeline Parquet, a JSON summary, the "
+                                          "config that reproduces it, and plots.")
+    p.add_argument("--policy", default="pagedweight", help="policy name (see `pwsim bench planner`; default pagedweight)")
+    p.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="policy parameter (repeatable)")
+    p.add_argument("--budget", default=DEFAULTS.budgets[1], help=f"GPU memory budget (default {DEFAULTS.budgets[1]})")
+    p.add_argument("--out", default=None, help="result directory (default runs/run-POLICY-BUDGET)")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a pwsim result")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_common(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,191 @@
+"""The cost model: how long one engine iteration takes on a hardware profile, per operator.
+
+A roofline per operator (Vidur style): each operator takes `max(bytes / bandwidth, flops / rate)`
+with the profile's achieved bandwidth for its op class and achieved GEMM rate, summed over layers.
+
+* attention: q/k/v/o projection weights (fp16) and their GEMM FLOPs, plus the KV cache each
+  sequence reads (its context and new tokens; sliding-window layers keep at most the window) and
+  the score/value FLOPs (causal within a chunk).
+* moe: the routed experts actually routed to this iteration, each linear-block at its committed
+  bits (`q` planes + LUT_q, policies.apformat). An expert with at most `ap_fused_max_tokens`
+  tokens runs the fused AP kernel at `ap_kernel_efficiency[q]` of the moe bandwidth; one with more
+  is dequantized to fp16 (read AP, write and re-read fp16) and multiplied by a GEMM. With
+  `fp16_experts` the experts are plain fp16 matrices (the fp16 baseline).
+* dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
+* lm_head: the output projection for the sampled rows only.
+* overhead: the profile's per-iteration and per-layer launch costs.
+
+`iteration_cost` is a pure function of (card, profile, batch, committed bits, routed experts);
+`CostModel` is the same with the card- and profile-derived constants computed once (and the
+per-block read times cached for the last committed bits seen: a cache, not state).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from traces.hardware import HardwareProfile
+from traces.model_card import ModelSpec
+
+FP16 = 2
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """What one iteration computes: per scheduled sequence its new tokens and prior context."""
+
+    new_tokens: np.ndarray  # [S] tokens computed this iteration per sequence
+    context: np.ndarray  # [S] tokens already in the KV cache per sequence
+    num_sampled: int  # sequences that sample a token (rows through the LM head)
+
+    @classmethod
+    def of(cls, new_tokens, context, num_sampled: int) -> "BatchShape":
+        return cls(np.asarray(new_tokens, dtype=np.int64), np.asarray(context, dtype=np.int64), int(num_sampled))
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.new_tokens.sum())
+
+
+@dataclass(frozen=True)
+class CostBreakdown:
+    """Seconds per operator class of one iteration (or a sum over iterations)."""
+
+    attention: float = 0.0
+    moe: float = 0.0
+    dense: float = 0.0
+    lm_head: float = 0.0
+    overhead: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.attention + self.moe + self.dense + self.lm_head + self.overhead
+
+    def __add__(self, other: "CostBreakdown") -> "CostBreakdown":
+        return CostBreakdown(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def to_json(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
+
+
+def _roof(nbytes, flops, bw: float, rate: float):
+    return np.maximum(np.asarray(nbytes, dtype=np.float64) / bw, np.asarray(flops, dtype=np.float64) / rate)
+
+
+class CostModel:
+    """`iteration_cost` with the constants of one (card, profile) pair precomputed."""
+
+    def __init__(self, card: ModelSpec, profile: HardwareProfile, fp16_experts: bool = False) -> None:
+        self.card, self.profile, self.fp16_experts = card, profile, fp16_experts
+        c, p = card, profile
+        self.rate = p.flops_per_s
+        self.bw = {k: p.bandwidth(k) for k in p.achieved_bandwidth_fraction}
+        self.L, self.E = c.moe_layers, c.experts
+        # attention: weight bytes (sum over layers) and per-token KV bytes of full / sliding layers
+        attn_params = np.array([c.attention_params(l) for l in range(c.layers)], dtype=np.float64)
+        self.attn_weight_bytes = FP16 * attn_params.sum()
+        self.attn_weight_flops_per_token = 2 * attn_params.sum()
+        kv_tok, qk_dim = np.zeros(c.layers), np.zeros(c.layers)
+        sliding = np.zeros(c.layers, dtype=bool)
+        for l in range(c.layers):
+            hd, kvh, _ = c.attention_geometry(l)
+            kv_tok[l] = 2 * kvh * hd * FP16
+            qk_dim[l] = c.heads * hd
+            sliding[l] = bool(c.sliding_window) and l not in c.global_layers
+        self.kv_full, self.kv_slide = kv_tok[~sliding].sum(), kv_tok[sliding].sum()
+        self.qk_full, self.qk_slide = qk_dim[~sliding].sum(), qk_dim[sliding].sum()
+        self.window = int(c.sliding_window)
+        # dense: everything per layer that is neither attention nor routed experts
+        dense = 0.0
+        for l in range(c.layers):
+            mlp = c.mlp_params(l)
+            if l not in c.dense_layers:
+                mlp -= c.experts * c.expert_params()
+            dense += mlp + c.norms_per_layer * c.hidden
+        self.dense_params = dense
+        self.lm_params = c.vocab * c.hidden
+        # moe: per-block bytes at each bitwidth, fp16 bytes and FLOPs per token
+        shapes = c.block_shapes()
+        self.block_bytes = c.block_byte_table().astype(np.float64)  # [2, 9]
+        self.block_params = (shapes[:, 0] * shapes[:, 1]).astype(np.float64)  # [2]
+        eff = np.ones(9)
+        for b, v in p.ap_kernel_efficiency.items():
+            eff[b] = v
+        self.ap_eff = eff
+        self.fused_max = p.ap_fused_max_tokens
+        self._q_cache: tuple[np.ndarray, tuple] | None = None
+        self._flops_time = (2 * self.block_params / self.rate)[None, :]  # [1, 2] seconds per token
+        self._fp16_time = (FP16 * self.block_params / self.bw["moe"])[None, :]  # [1, 2] seconds to stream fp16
+        self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
+
+    # ------------------------------------------------------------------ parts
+    def attention(self, batch: BatchShape) -> float:
+        n, ctx = batch.new_tokens.astype(np.float64), batch.context.astype(np.float64)
+        total = ctx + n
+        t = n.sum()
+        proj = _roof(self.attn_weight_bytes, self.attn_weight_flops_per_token * t, self.bw["attention"], self.rate)
+        # causal attention: token j of a chunk sees ctx + j + 1 keys -> n*ctx + n(n+1)/2 pairs
+        pairs_full = (n * ctx + n * (n + 1) / 2).sum()
+        kv_full = total.sum()
+        if self.window:
+            w = float(self.window)
+            kv_slide = np.minimum(total, w).sum()
+            pairs_slide = (n * np.minimum(ctx + (n + 1) / 2, w)).sum()
+        else:
+            kv_slide, pairs_slide = kv_full, pairs_full
+        kv_bytes = self.kv_full * kv_full + self.kv_slide * kv_slide
+        flops = 4 * (self.qk_full * pairs_full + self.qk_slide * pairs_slide)
+        return float(proj + _roof(kv_bytes, flops, self.bw["kv"], self.rate))
+
+    def moe(self, q: np.ndarray, expert_tokens: np.ndarray) -> float:
+        """Routed experts: `q` committed bits per block (page-table order), `expert_tokens [L, E]`."""
+        tok = np.asarray(expert_tokens).reshape(self.L, self.E)
+        active = tok > 0
+        n = tok[active].astype(np.float64)[:, None]  # [A, 1] tokens per active expert
+        if not n.size:
+            return 0.0
+        compute = n * self._flops_time  # [A, 2] seconds of GEMM FLOPs per block
+        if self.fp16_experts:
+            return float(np.maximum(self._fp16_time, compute).sum())
+        read_all, read_expert, read_min = self._read_times(q)
+        n_max = float(n.max())
+        if n_max <= self.fused_max and n_max * self._flops_time.max() <= read_min:
+            return float(np.sum(read_expert, where=active))  # all memory bound: the routed experts' read times
+        read_ap = read_all[active]  # [A, 2] seconds to read each block's planes + LUT
+        fused = np.maximum(read_ap, compute)
+        dequant = read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)  # write fp16, GEMM reads it
+        return float(np.where(n <= self.fused_max, fused, dequant).sum())
+
+    def _read_times(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+        """Seconds the AP kernel takes to read each block at its bits (planes + LUT), cached per `q`:
+        `[L, E, 2]` per block, `[L, E]` per expert (both blocks), and the smallest per block."""
+        q = np.asarray(q)
+        if self._q_cache is None or not np.array_equal(self._q_cache[0], q):
+            bits = q.astype(np.int64).reshape(self.L, self.E, 2)
+            t = self.block_bytes[[0, 1], bits] / (self.bw["moe"] * self.ap_eff[bits])
+            self._q_cache = (q.copy(), (t, t.sum(axis=2), float(t.min())))
+        return self._q_cache[1]
+
+    def dense(self, batch: BatchShape) -> float:
+        t = float(batch.new_tokens.sum())
+        return float(_roof(FP16 * self.dense_params + FP16 * t * self.card.hidden, 2 * t * self.dense_params,
+                           self.bw["dense"], self.rate))
+
+    def lm_head(self, batch: BatchShape) -> float:
+        if batch.num_sampled <= 0:
+            return 0.0
+        return float(_roof(FP16 * self.lm_params, 2 * batch.num_sampled * self.lm_params, self.bw["lm_head"], self.rate))
+
+    def iteration(self, batch: BatchShape, q: np.ndarray, expert_tokens: np.ndarray) -> CostBreakdown:
+        """The time of one iteration; an empty batch costs only the overhead."""
+        if batch.num_tokens == 0:
+            return CostBreakdown(overhead=self.overhead)
+        return CostBreakdown(self.attention(batch), self.moe(q, expert_tokens), self.dense(batch),
+                             self.lm_head(batch), self.overhead)
+
+
+def iteration_cost(card: ModelSpec, profile: HardwareProfile, batch: BatchShape, q: np.ndarray,
+                   expert_tokens: np.ndarray, fp16_experts: bool = False) -> CostBreakdown:
+    """Pure function form of `CostModel(card, profile).iteration(...)`."""
+    return CostModel(card, profile, fp16_experts).iteration(batch, q, expert_tokens)

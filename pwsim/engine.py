@@ -1,0 +1,372 @@
+"""The simulated serving replica: SimPy time around the shared scheduler, block pool, page table and plan loop.
+
+Everything that decides is shared with pwruntime (`policies/`): the `Scheduler` over a `BlockPool`,
+the `PageTable`, the observation (`policies.observe`) and the observe -> plan -> move -> commit step
+(`policies.loop.PlanLoop`) that calls the planner exactly as the runtime does. This module adds only
+time and hardware:
+
+* arrivals: a SimPy process adds each request to the scheduler at its arrival time;
+* the engine loop: schedule -> routing of the batch's tokens -> cost model -> (time passes) ->
+  postprocess -> observe -> plan loop step (the iteration boundary) -> KV pool resize;
+* the PCIe link (`LinkMover`): a `simpy.Resource` of capacity 1; a reload's bytes take
+  `bytes / H2D bandwidth` on it, one transfer at a time, and it is committed at the first boundary
+  after it lands; an offload copies nothing and is committed at the boundary after the one that
+  began it (the iteration in between may still be reading the planes);
+* memory under one budget: non-expert fp16 weights + expert weight bytes (the page table's own
+  accounting, or the policy's `weight_bytes`) + the KV pool's backed blocks (`id_limit`). The pool
+  grows into the headroom after every boundary and shrinks over free blocks when a reload needs
+  room (compacting when retired blocks leave holes); every check that finds the budget exceeded is
+  recorded, never hidden;
+* stalls: iterations with unfinished requests but nothing schedulable (memory), and forwards that
+  wait for absent experts (q = 0) to be fetched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+import simpy
+
+from policies.calibration import Calibration
+from policies.apformat import lut_bytes
+from policies.contract import Policy, Transition
+from policies.kv_blocks import BlockPool
+from policies.loop import PlanLoop
+from policies.features import BatchedPromptFeatures
+from policies.observe import RoutingMass, build_observation
+from policies.page_table import DEFAULT_BITS
+from policies.planners.base import StaticPolicy, in_flight_split, plane_bytes_per_block, weight_bytes
+from policies.scheduler import ScheduledBatch, Scheduler
+from policies.sequence import Sequence
+from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
+from pwsim.hardware import format_size
+from pwsim.link import LinkMover, PlanTap
+from pwsim.quality import PerplexityFit, QualityModel
+from pwsim.recorder import Recorder
+from pwsim.routing import RoutingSource
+from traces.clikit import UserError
+from traces.hardware import HardwareProfile
+from traces.model_card import ModelSpec
+
+MiB = 1 << 20
+
+
+class BudgetError(UserError):
+    """The memory budget cannot hold the weights the policy starts with."""
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Engine settings of one simulated replica (everything but model, hardware, workload and policy)."""
+
+    budget_bytes: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    stall_limit: int = 8  # scheduler: consecutive stalls before the blocking request is finished
+    allocator_slack_bytes: int = 64 * MiB  # kept out of the KV pool (LUTs of transitions in flight, fragmentation)
+    free_block_threshold: int | None = None  # None: the calibration's (8 without one)
+    routing_half_life_tokens: float | None = 4096.0
+    prompt_features: bool = True  # feed per-block prompt features when the routing has input norms (never
+    # for static policies, which fix their bits at reset and never read an observation)
+    max_miss_rounds: int = 4  # fetch rounds a forward waits for absent experts before it runs anyway
+    timeline_stride: int = 1  # record every n-th boundary in the timeline
+    check_invariants: bool = False  # pool/table invariants after every boundary (tests)
+    max_iterations: int = 50_000_000
+
+    def __post_init__(self) -> None:
+        if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
+            raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests (index r = row) and the routing of their tokens."""
+
+    arrival_s: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    domains: tuple[str, ...]
+    domain_idx: np.ndarray
+    routing: RoutingSource
+    request_id: np.ndarray | None = None
+    description: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+
+class Simulation:
+    """One run: a policy on a model card and hardware profile, serving a workload under a budget."""
+
+    def __init__(self, card: ModelSpec, profile: HardwareProfile, workload: Workload, policy: Policy,
+                 calibration: Calibration | None, config: SimConfig, quality_fit: PerplexityFit | None = None) -> None:
+        self.card, self.profile, self.workload, self.policy, self.cal, self.cfg = (
+            card, profile, workload, policy, calibration, config)
+        r = workload.routing
+        if (r.layers, r.experts, r.top_k) != (card.moe_layers, card.experts, card.top_k):
+            raise UserError(f"routing has {r.layers} layers x {r.experts} experts top-{r.top_k}, the model card "
+                            f"{card.name} has {card.moe_layers} x {card.experts} top-{card.top_k}")
+        self.table = card.page_table(bits=calibration.bits if calibration is not None else DEFAULT_BITS)
+        self._plane = plane_bytes_per_block(self.table)
+        policy.reset(self.table, calibration)
+        self.full_precision = bool(getattr(policy, "full_precision", False))
+        self._own_bytes = getattr(policy, "weight_bytes", None)
+        self.cost = CostModel(card, profile, fp16_experts=self.full_precision)
+        self.nonexpert_bytes = card.fp16_bytes() - 2 * card.routed_expert_params()
+        self.kv_block_bytes = config.block_size * card.kv_bytes_per_token()
+        self.threshold = (config.free_block_threshold if config.free_block_threshold is not None
+                          else calibration.free_block_threshold if calibration is not None else 8)
+        self._refresh()
+        weights = self._weights
+        room = config.budget_bytes - config.allocator_slack_bytes - weights
+        if room < 0:
+            raise BudgetError(f"budget {format_size(config.budget_bytes)} cannot hold the weights policy "
+                              f"{getattr(policy, 'name', policy)!r} starts with ({format_size(weights)} + "
+                              f"{format_size(config.allocator_slack_bytes)} allocator slack); raise the budget")
+        self.pool = BlockPool(room // self.kv_block_bytes, config.block_size)
+        self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
+        self.env = simpy.Environment()
+        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin)
+        self._tap = PlanTap(policy)
+        self.loop = PlanLoop(self._tap, self.table, self.mover, reserve=self._reserve, release=None)
+        L, E = card.moe_layers, card.experts
+        self.routing_mass = RoutingMass(L, E, config.routing_half_life_tokens)
+        static = isinstance(policy, StaticPolicy)
+        self.features = BatchedPromptFeatures(L, E) if config.prompt_features and not static else None
+        damage = {} if calibration is None else calibration.domain_damage
+        self.quality = QualityModel(damage, L, E, quality_fit, zero_damage=self.full_precision)
+        self._req_dom = np.array([self.quality.domain_index(d) for d in workload.domains], dtype=np.int64)[
+            workload.domain_idx] if len(workload) else np.zeros(0, np.int64)
+        self.rec = Recorder(len(workload), workload.arrival_s, config.timeline_stride, self.kv_block_bytes)
+        self._arrived = 0
+        self._wake: simpy.Event | None = None
+        self._step = 0
+        self._extra_time = 0.0  # KV compaction copies, charged to the next iteration
+        self.in_boundary = False
+        self.total_cost = CostBreakdown()
+
+    # ------------------------------------------------------------------ memory
+    def expert_bytes(self) -> int:
+        """GPU bytes of the routed experts: the policy's own figure, else the page table's accounting
+        (committed planes and LUTs plus transfers in flight, as `PageTable.resident_bytes`)."""
+        off, rel = in_flight_split(self.table, self._plane)
+        self._inflight = off + rel
+        if callable(self._own_bytes):
+            own = self._own_bytes(self.table)
+            if own is not None:
+                return int(own)
+        return self.table.committed_bytes() + off + rel
+
+    def _refresh(self) -> None:
+        """Recompute the weight bytes after the page table changed (only the plan loop changes it)."""
+        self._weights = self.nonexpert_bytes + self.expert_bytes()
+
+    def used_bytes(self) -> tuple[int, int]:
+        """(weights, KV pool) bytes on the GPU now."""
+        return self._weights, self.pool.id_limit * self.kv_block_bytes
+
+    def _headroom(self) -> int:
+        w, kv = self.used_bytes()
+        return self.cfg.budget_bytes - self.cfg.allocator_slack_bytes - w - kv
+
+    def _check_memory(self, where: str) -> None:
+        w, kv = self.used_bytes()
+        self.rec.memory(self.env.now, self._step, w, kv, self.cfg.budget_bytes, where)
+
+    def _check_memory_in_step(self) -> None:
+        if self.cfg.check_invariants:
+            w = self._weights
+            self._refresh()
+            assert w == self._weights, f"incremental weight bytes {w} != recount {self._weights}"
+        self._check_memory("plan begun")
+
+    def _on_begin(self, t: Transition, nbytes: int) -> None:
+        """A transition of the current plan began: its bytes join the weights now (exactly what the
+        page table accounts: a reload holds its planes and new LUT, an offload the new LUT beside the
+        old planes), so memory checks inside the plan step need no full recount."""
+        if callable(self._own_bytes):
+            self._refresh()
+            return
+        if not t.is_offload:
+            self._weights += int(nbytes)
+        elif t.to_bits > 0:  # an eviction to 0 bits holds no new LUT
+            self._weights += lut_bytes(int(self.table.shapes[t.block, 0]), t.to_bits)
+
+    def _reserve(self, nbytes: int) -> bool:
+        """Room for a reload: headroom first, then shrink the KV pool over free blocks (compacting if needed).
+
+        When the pool must shrink, it shrinks once for all reloads still to begin in this plan, so a
+        plan costs at most one compaction (blocks it does not need come back at the boundary)."""
+        head = self._headroom()
+        if head >= nbytes:
+            return True
+        B = self.kv_block_bytes
+        need = -(-(nbytes - head) // B)
+        if need > self.pool.num_free:
+            self.rec.count("reload_refused_no_room")
+            return False
+        plan_need = -(-(self._tap.reload_bytes_left(self.table) - head) // B)
+        need = min(max(need, plan_need), self.pool.num_free)
+        before = self.pool.id_limit
+        self.pool.shrink(need)
+        if before - self.pool.id_limit < need:  # retired blocks left holes inside the id space
+            moves = self.pool.compact()
+            self.rec.count("kv_compactions")
+            self.rec.count("kv_blocks_moved", len(moves))
+            self._extra_time += 2 * len(moves) * B / self.profile.bandwidth("kv")
+        return self._headroom() >= nbytes
+
+    def _grow_pool(self) -> None:
+        head = self._headroom()
+        n = self.pool.hole_blocks + max(0, head // self.kv_block_bytes)
+        if n > 0:
+            self.pool.grow(int(n))
+
+    # ---------------------------------------------------------------- processes
+    def _arrivals(self):
+        wl = self.workload
+        for r in range(len(wl)):
+            delay = float(wl.arrival_s[r]) - self.env.now
+            if delay > 0:
+                yield self.env.timeout(delay)
+            seq = Sequence(r, prompt_len=int(wl.prompt_tokens[r]), max_tokens=int(wl.output_tokens[r]),
+                           arrival_time=float(wl.arrival_s[r]))
+            self.sched.add(seq)
+            self._arrived += 1
+            if self._wake is not None and not self._wake.triggered:
+                self._wake.succeed()
+
+    def _engine(self):
+        n = len(self.workload)
+        while self._step < self.cfg.max_iterations:
+            if not self.sched.has_unfinished():
+                if self._arrived >= n:
+                    return
+                self._wake = self.env.event()
+                yield self._wake
+                continue
+            batch = self.sched.schedule()
+            for s in batch.preempted:
+                self._forget(s)
+            for s in batch.aborted:
+                self._finish(s)
+            if batch.is_empty:
+                dt = self.cost.overhead + self._take_extra()
+                self.rec.stall(self.env.now, dt, "memory")
+                yield self.env.timeout(dt)
+            else:
+                yield from self._iterate(batch)
+            self._boundary()
+
+    def _iterate(self, batch: ScheduledBatch):
+        entries = batch.entries
+        cols = np.array([(e.seq.seq_id, e.start, e.num_new_tokens, e.sample, not e.seq.output_token_ids)
+                         for e in entries], dtype=np.int64).reshape(-1, 5)
+        req, start, new = cols[:, 0], cols[:, 1], cols[:, 2]
+        sample, first = cols[:, 3].astype(bool), cols[:, 4].astype(bool)  # first: its first token is sampled now
+        routing = self.workload.routing.route(req, start, new)
+        L, E = self.card.moe_layers, self.card.experts
+        flat = (np.arange(L)[:, None, None] * E + routing.ids).ravel()
+        expert_tokens = np.bincount(flat, minlength=L * E).reshape(L, E)
+        yield from self._wait_for_absent(expert_tokens > 0)
+        shape = BatchShape(new, start, int(sample.sum()))
+        cost = self.cost.iteration(shape, self.table.q, expert_tokens)
+        dt = cost.total + self._take_extra()
+        self.total_cost = self.total_cost + cost
+        q_now = self.table.q.copy()  # the bits this forward reads (commits happen only at boundaries)
+        yield self.env.timeout(dt)
+        self.rec.iteration(self.env.now, dt, shape.num_tokens, batch.num_decode_tokens, len(entries))
+        # tokens sampled by this forward: the last position of every sampling entry
+        ends = np.cumsum(new)
+        tok_idx = (ends - 1)[sample]
+        self.quality_accrue(q_now, req[sample], routing.ids[:, tok_idx, :])
+        self.sched.postprocess(batch)
+        self.rec.tokens(req[sample], self.env.now, first[sample])
+        self.routing_mass.update(routing.ids, routing.weights)
+        if callable(getattr(self.policy, "touch", None)):
+            self.policy.touch(expert_tokens > 0)
+        if self.features is not None and routing.has_norms:
+            self.features.update_batch(req.tolist(), new, routing.ids, routing.weights, routing.gate_up_norm,
+                                       routing.down_norm)
+        for e in entries:
+            if e.seq.is_finished:
+                self._finish(e.seq)
+
+    def quality_accrue(self, q: np.ndarray, reqs: np.ndarray, ids_lt: np.ndarray) -> None:
+        if len(reqs):
+            dmg = self.quality.accrue(q, self._req_dom[reqs], np.ascontiguousarray(ids_lt.transpose(1, 0, 2)))
+            self.rec.damage(reqs, dmg)
+
+    def _wait_for_absent(self, used: np.ndarray):
+        """A forward that routes to an expert with no GPU-resident planes waits until it is fetched."""
+        q = self.table.q.reshape(-1, 2)
+        for _ in range(self.cfg.max_miss_rounds):
+            absent = used.reshape(-1) & ((q[:, 0] == 0) | (q[:, 1] == 0))
+            if not absent.any():
+                return
+            t0 = self.env.now
+            if callable(getattr(self.policy, "touch", None)):
+                self.policy.touch(used)
+            self._boundary()  # the policy plans the fetch
+            while self.mover.in_flight_reloads:
+                yield self.mover.next_landing()
+            self._boundary()  # commit what landed
+            self.rec.stall(t0, self.env.now - t0, "absent_experts")
+        absent = used.reshape(-1) & ((q[:, 0] == 0) | (q[:, 1] == 0))
+        if absent.any():
+            self.rec.count("forwards_with_absent_experts")
+
+    def _boundary(self):
+        self.mover.boundary()
+        obs = build_observation(step=self._step, time_s=self.env.now, pool=self.pool, scheduler=self.sched,
+                                kv_block_bytes=self.kv_block_bytes, free_block_threshold=self.threshold,
+                                routing=self.routing_mass, features=self.features,
+                                headroom_bytes=max(0, self._headroom()), inflight_bytes=self._inflight)
+        self.in_boundary = True  # the page table changes only inside this call (tests check it)
+        res = self.loop.step(obs)
+        self.in_boundary = False
+        if res.plan is not None or res.committed:
+            self._refresh()  # exact recount after the plan's begins and this boundary's commits
+        self.rec.plan(self.env.now, self._step, res)
+        self._grow_pool()
+        self._check_memory("boundary")
+        if self.cfg.check_invariants:
+            self.pool.check_invariants()
+            self.table.check_invariants()
+            shared = self.nonexpert_bytes + weight_bytes(self.policy, self.table)
+            assert self._weights == shared, f"weight bytes {self._weights} != policies.planners.weight_bytes {shared}"
+        w, kv = self.used_bytes()
+        bits = self._mean_bits()
+        self.rec.timeline(self.env.now, self._step, w, kv, self.pool, self.table, self.sched, self._inflight, bits)
+        self._step += 1
+
+    def _mean_bits(self) -> float:
+        """Mean committed bits over the expert blocks (16 for full-precision weights)."""
+        return 16.0 if self.full_precision else float(self.table.q.mean())
+
+    def _take_extra(self) -> float:
+        dt, self._extra_time = self._extra_time, 0.0
+        return dt
+
+    def _forget(self, seq: Sequence) -> None:
+        if self.features is not None:
+            self.features.drop(seq.seq_id)
+
+    def _finish(self, seq: Sequence) -> None:
+        self._forget(seq)
+        release = getattr(self.workload.routing, "release", None)
+        if callable(release):
+            release(int(seq.seq_id))
+        self.rec.finish(int(seq.seq_id), self.env.now, seq.num_output_tokens, seq.finish_reason,
+                        seq.num_preemptions)
+
+    # --------------------------------------------------------------------- run
+    def run(self):
+        """Simulate to the last request's completion; returns a `pwsim.recorder.SimResult`."""
+        self._check_memory("start")
+        self.rec.start(self._mean_bits())
+        self.env.process(self._arrivals())
+        proc = self.env.process(self._engine())
+        self.env.run(until=proc)
+        return self.rec.result(self)

@@ -1,0 +1,105 @@
+"""The simulator's page mover: the PCIe link as a SimPy resource, and a tap on the policy's plans.
+
+`LinkMover` implements `policies.loop.PageMover` for the simulated replica: a reload's bytes take
+`bytes / H2D bandwidth` on a `simpy.Resource` of capacity 1 (transfers serialize) and the block is
+reported as landed at the first boundary after its copy finished; an offload copies nothing and is
+reported at the boundary after the one that began it. `PlanTap` passes a policy's plans through
+unchanged and remembers the last one, so the engine can size the KV pool for a whole plan at once.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import simpy
+
+from policies.apformat import lut_bytes, plane_bytes
+from policies.contract import Plan, Policy, Transition
+
+
+class LinkMover:
+    """The PCIe link as a simpy.Resource: reloads serialize on it; offloads land one boundary later."""
+
+    def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, on_landed_check: Callable[[], None],
+                 on_begin: Callable[[Transition, int], None] | None = None) -> None:
+        self.env, self.bw = env, float(h2d_bytes_per_s)
+        self.link = simpy.Resource(env, capacity=1)
+        self._offloads_new: list[int] = []
+        self._offloads_due: list[int] = []
+        self._landed: list[int] = []
+        self._check = on_landed_check
+        self._on_begin = on_begin
+        self.transfers: list[tuple[int, float, float, int]] = []  # (block, start, end, bytes) of reloads
+        self.reload_bytes = 0
+        self.offload_bytes = 0
+        self.in_flight_reloads = 0
+        self._waiters: list[simpy.Event] = []
+
+    def start(self, t: Transition, nbytes: int) -> None:
+        if self._on_begin is not None:
+            self._on_begin(t, nbytes)
+        if t.is_offload:
+            self._offloads_new.append(t.block)
+            self.offload_bytes += int(nbytes)
+        else:
+            self.in_flight_reloads += 1
+            self.env.process(self._copy(t.block, int(nbytes)))
+
+    def _copy(self, block: int, nbytes: int):
+        with self.link.request() as req:
+            yield req
+            start = self.env.now
+            yield self.env.timeout(nbytes / self.bw)
+            self.transfers.append((block, start, self.env.now, nbytes))
+        self.reload_bytes += nbytes
+        self.in_flight_reloads -= 1
+        self._landed.append(block)
+        waiters, self._waiters = self._waiters, []
+        for ev in waiters:
+            ev.succeed()
+
+    def boundary(self) -> None:
+        """An iteration ended: offloads begun at the previous boundary may now release their planes."""
+        self._offloads_due.extend(self._offloads_new)
+        self._offloads_new = []
+
+    def landed(self) -> list[int]:
+        self._check()  # the loop calls this after beginning the plan's transitions: memory peaks here
+        out = self._offloads_due + self._landed
+        self._offloads_due, self._landed = [], []
+        return out
+
+    def next_landing(self) -> simpy.Event:
+        """An event that fires when the next reload lands."""
+        ev = self.env.event()
+        self._waiters.append(ev)
+        return ev
+
+
+class PlanTap:
+    """Passes the policy's plans through unchanged, remembering the last one (for the KV pool sizing)."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.name = getattr(policy, "name", "policy")
+        self.last: Plan | None = None
+
+    def reset(self, table, calibration) -> None:
+        self.policy.reset(table, calibration)
+
+    def plan_step(self, table, observation):
+        self.last = self.policy.plan_step(table, observation)
+        return self.last
+
+    def reload_bytes_left(self, table) -> int:
+        """Bytes the plan's reloads not yet begun will need (idle blocks still at their from_bits)."""
+        if self.last is None:
+            return 0
+        total = 0
+        for t in self.last.transitions:
+            i = t.block
+            if t.is_offload or getattr(t, "in_place", False) or t.to_bits <= t.from_bits or not 0 <= i < table.num_blocks:
+                continue
+            if table.target[i] < 0 and table.q[i] == t.from_bits:  # not begun yet: planes from..to-1 + LUT_to
+                out, inp = (int(x) for x in table.shapes[i])
+                total += (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
+        return total

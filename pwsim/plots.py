@@ -1,0 +1,145 @@
+"""Figures of simulation results (matplotlib, Agg backend): one run's timelines and latencies, and the
+comparison plots of `pwsim compare` (quality vs memory like the paper's Figure 5, throughput,
+timelines per policy)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+GiB = 2**30
+
+
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def run_timeline(result, path: Path, title: str = "") -> Path:
+    """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
+    plt = _plt()
+    tl = result.timeline
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    if len(tl.get("time_s", [])):
+        t = tl["time_s"]
+        ax = axes[0]
+        ax.stackplot(t, tl["weight_bytes"] / GiB, tl["kv_pool_bytes"] / GiB, labels=["weights", "KV pool"],
+                     colors=["#4c72b0", "#dd8452"], alpha=0.8)
+        ax.plot(t, tl["kv_used_bytes"] / GiB + tl["weight_bytes"] / GiB, color="k", lw=0.8, label="weights + KV in use")
+        ax.axhline(result.summary["memory"]["budget_bytes"] / GiB, color="r", ls="--", lw=1, label="budget")
+        ax.set_ylabel("GiB")
+        ax.legend(loc="lower right", fontsize=8)
+        axes[1].plot(t, tl["mean_bits"], color="#55a868")
+        axes[1].set_ylabel("mean committed bits")
+        axes[2].plot(t, tl["free_blocks"], color="#8172b3", lw=0.8, label="free KV blocks")
+        axes[2].plot(t, tl["running"], color="#c44e52", lw=0.8, label="running requests")
+        axes[2].legend(loc="upper right", fontsize=8)
+    axes[-1].set_xlabel("simulated time (s)")
+    axes[0].set_title(title or result.summary.get("label", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_latency(result, path: Path, title: str = "") -> Path:
+    """CDFs of TTFT, TPOT and end-to-end latency."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
+    for ax, key, name in zip(axes, ("ttft_s", "tpot_s", "e2e_s"), ("TTFT", "TPOT", "end to end")):
+        v = np.sort(np.asarray(result.requests[key], dtype=float))
+        v = v[np.isfinite(v)]
+        if v.size:
+            ax.plot(v * (1e3 if key == "tpot_s" else 1), np.arange(1, v.size + 1) / v.size)
+        ax.set_xlabel(f"{name} ({'ms' if key == 'tpot_s' else 's'})")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("fraction of requests")
+    fig.suptitle(title or result.summary.get("label", ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _quality_axis(rows: list[dict]) -> tuple[str, str]:
+    if any(r.get("predicted_ppl") is not None for r in rows):
+        return "predicted_ppl", "predicted perplexity (fit on runtime measurements)"
+    return "damage_per_token", "mean damage per generated token (no perplexity fit measured)"
+
+
+def compare_quality_memory(rows: list[dict], path: Path) -> Path:
+    """Quality against peak GPU memory, one series per policy across budgets (Figure 5 style)."""
+    plt = _plt()
+    key, label = _quality_axis(rows)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for pol in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r["used_gib"], r[key]) for r in rows if r["policy"] == pol and r["status"] == "ok"
+                     and r.get(key) is not None)
+        if pts:
+            x, y = zip(*pts)
+            ax.plot(x, y, marker="o", label=pol)
+    ax.set_xlabel("peak GPU memory in use: weights + KV blocks in use (GiB)")
+    ax.set_ylabel(label)
+    if key == "damage_per_token" and any((r.get(key) or 0) > 0 for r in rows):
+        ax.set_yscale("symlog", linthresh=max(1e-9, min((r[key] for r in rows if r.get(key)), default=1.0)))
+    ax.set_title("quality vs memory (lower is better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path:
+    """Output tokens per simulated second per policy and budget (grouped bars; infeasible runs empty)."""
+    plt = _plt()
+    pols = list(dict.fromkeys(r["policy"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(budgets) * max(1, len(pols)) / 3), 4))
+    width = 0.8 / max(1, len(pols))
+    for j, pol in enumerate(pols):
+        ys = []
+        for b in budgets:
+            r = next((r for r in rows if r["policy"] == pol and r["budget"] == b), None)
+            ys.append(r["throughput_tok_s"] if r and r["status"] == "ok" else 0.0)
+        ax.bar(np.arange(len(budgets)) + j * width, ys, width, label=pol)
+    ax.set_xticks(np.arange(len(budgets)) + width * (len(pols) - 1) / 2)
+    ax.set_xticklabels(budgets)
+    ax.set_xlabel("memory budget")
+    ax.set_ylabel("output tokens / simulated s")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def compare_timelines(results: dict[str, object], path: Path, title: str) -> Path:
+    """Memory use, mean committed bits and free KV blocks over time, one line per policy."""
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    for name, res in results.items():
+        tl = res.timeline
+        if not len(tl.get("time_s", [])):
+            continue
+        t = tl["time_s"]
+        line, = axes[0].plot(t, (tl["weight_bytes"] + tl["kv_used_bytes"]) / GiB, lw=0.9, label=name)
+        axes[0].plot(t, tl["weight_bytes"] / GiB, lw=0.9, ls=":", color=line.get_color())
+        axes[1].plot(t, tl["mean_bits"], lw=0.9, label=name)
+        axes[2].plot(t, tl["free_blocks"], lw=0.6, label=name)
+    axes[0].set_ylabel("GiB (solid: weights + KV in use;\ndotted: weights)")
+    axes[1].set_ylabel("mean committed bits")
+    axes[2].set_ylabel("free KV blocks")
+    axes[2].set_xlabel("simulated time (s)")
+    axes[0].set_title(title)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

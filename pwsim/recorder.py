@@ -1,0 +1,216 @@
+"""What a simulation records and what it reports: per-request metrics, timelines, memory checks, stalls.
+
+`Recorder` collects during the run (cheap appends); `SimResult` holds the finished columns
+(numpy arrays) and the JSON summary that `pwsim run` writes and `pwsim compare` tabulates.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pwsim.engine import Simulation
+
+TIMELINE_COLUMNS = ("time_s", "step", "weight_bytes", "kv_pool_bytes", "kv_used_bytes", "memory_bytes",
+                    "free_blocks", "total_blocks", "mean_bits", "running", "waiting", "inflight_bytes",
+                    "iter_s", "batch_tokens")
+
+
+@dataclass
+class SimResult:
+    requests: dict[str, np.ndarray]  # per-request columns
+    timeline: dict[str, np.ndarray]  # per-boundary columns (every `timeline_stride`-th)
+    summary: dict
+    transfers: np.ndarray  # [n, 4] (block, start_s, end_s, bytes) of every reload on the link
+    violations: list[dict] = field(default_factory=list)
+    stalls: list[dict] = field(default_factory=list)
+    plans: list[dict] = field(default_factory=list)  # (step, time, transitions started/rejected/committed)
+
+
+def _pct(a: np.ndarray, p: float) -> float | None:
+    a = a[np.isfinite(a)]
+    return float(np.percentile(a, p)) if a.size else None
+
+
+def _stats(a: np.ndarray) -> dict:
+    a = np.asarray(a, dtype=np.float64)
+    f = a[np.isfinite(a)]
+    return {"mean": float(f.mean()) if f.size else None, "p50": _pct(a, 50), "p90": _pct(a, 90),
+            "p99": _pct(a, 99), "max": float(f.max()) if f.size else None}
+
+
+class Recorder:
+    def __init__(self, n_requests: int, arrival_s: np.ndarray, timeline_stride: int = 1, kv_block_bytes: int = 0) -> None:
+        self.n = n_requests
+        self.kv_block_bytes = kv_block_bytes
+        self.peak_used = 0  # weights + KV blocks in use (not the whole pool), at iteration boundaries
+        self.arrival = np.asarray(arrival_s, dtype=np.float64)
+        self.first = np.full(n_requests, np.nan)
+        self.finish_s = np.full(n_requests, np.nan)
+        self.out_tokens = np.zeros(n_requests, dtype=np.int64)
+        self.preemptions = np.zeros(n_requests, dtype=np.int64)
+        self.reason = np.full(n_requests, "", dtype=object)
+        self.damage_sum = np.zeros(n_requests)
+        self.damage_tokens = np.zeros(n_requests, dtype=np.int64)
+        self.stride = timeline_stride
+        self._tl: list[tuple] = []
+        self._boundaries = 0
+        self._pending_iter = (0.0, 0)
+        self.iterations = 0
+        self.decode_tokens = 0
+        self.computed_tokens = 0
+        self.counters: Counter = Counter()
+        self.stall_list: list[dict] = []
+        self.stall_time: Counter = Counter()
+        self.stall_count: Counter = Counter()
+        self.violations: list[dict] = []
+        self.peak = {"memory_bytes": 0, "weight_bytes": 0, "kv_pool_bytes": 0}
+        self.plan_list: list[dict] = []
+        self.started = Counter()
+        self.rejected = Counter()
+        self.committed = 0
+        self.bits_time = 0.0  # integral of mean committed bits over simulated time, from t = 0
+        self._last_t = 0.0
+        self._last_bits: float | None = None  # set by `start`
+        self.wall_start = time.perf_counter()
+
+    # ------------------------------------------------------------ events
+    def start(self, bits: float) -> None:
+        """The committed bits at simulated time 0."""
+        self._last_t, self._last_bits = 0.0, bits
+
+    def iteration(self, now: float, dt: float, tokens: int, decode_tokens: int, seqs: int) -> None:
+        self.iterations += 1
+        self.computed_tokens += tokens
+        self.decode_tokens += decode_tokens
+        self._pending_iter = (dt, tokens)
+
+    def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
+        self.out_tokens[reqs] += 1
+        f = reqs[first]
+        self.first[f] = np.where(np.isnan(self.first[f]), now, self.first[f])
+
+    def damage(self, reqs: np.ndarray, dmg: np.ndarray) -> None:
+        np.add.at(self.damage_sum, reqs, dmg)
+        np.add.at(self.damage_tokens, reqs, 1)
+
+    def finish(self, r: int, now: float, n_out: int, reason: str | None, preemptions: int) -> None:
+        self.finish_s[r] = now
+        self.out_tokens[r] = n_out
+        self.reason[r] = reason or ""
+        self.preemptions[r] = preemptions
+
+    def stall(self, start: float, duration: float, kind: str) -> None:
+        self.stall_count[kind] += 1
+        self.stall_time[kind] += duration
+        if len(self.stall_list) < 10_000:
+            self.stall_list.append({"time_s": start, "duration_s": duration, "kind": kind})
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.counters[key] += n
+
+    def memory(self, now: float, step: int, weights: int, kv: int, budget: int, where: str) -> None:
+        total = weights + kv
+        if total > self.peak["memory_bytes"]:
+            self.peak = {"memory_bytes": total, "weight_bytes": weights, "kv_pool_bytes": kv}
+        if total > budget:
+            self.counters["budget_violations"] += 1
+            if len(self.violations) < 10_000:
+                self.violations.append({"time_s": now, "step": step, "where": where, "memory_bytes": total,
+                                        "budget_bytes": budget, "excess_bytes": total - budget,
+                                        "weight_bytes": weights, "kv_pool_bytes": kv})
+
+    def plan(self, now: float, step: int, res) -> None:
+        if res.plan is None and not res.committed:
+            return
+        for t in res.started:
+            self.started["in_place" if getattr(t, "in_place", False) else "offload" if t.is_offload else "reload"] += 1
+        for _, why in res.rejected:
+            self.rejected[why.split(":")[0]] += 1
+        self.committed += len(res.committed)
+        if len(self.plan_list) < 100_000:
+            self.plan_list.append({"time_s": now, "step": step, "started": len(res.started),
+                                   "rejected": len(res.rejected), "committed": len(res.committed),
+                                   "released_bytes": int(res.released_bytes), "reserved_bytes": int(res.reserved_bytes),
+                                   "reason": "" if res.plan is None else res.plan.reason})
+
+    def timeline(self, now: float, step: int, weights: int, kv: int, pool, table, sched, inflight: int,
+                 mean_bits: float) -> None:
+        if self._last_bits is not None:
+            self.bits_time += self._last_bits * (now - self._last_t)
+        self._last_t, self._last_bits = now, mean_bits
+        dt, tokens = self._pending_iter
+        self._pending_iter = (0.0, 0)
+        self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
+        self._boundaries += 1
+        if (self._boundaries - 1) % self.stride:
+            return
+        self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
+                         pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,
+                         dt, tokens))
+
+    # ------------------------------------------------------------ result
+    def result(self, sim: "Simulation") -> SimResult:
+        B = sim.kv_block_bytes
+        tl = {c: np.array([row[k] for row in self._tl]) for k, c in enumerate(TIMELINE_COLUMNS)}
+        if len(self._tl):
+            tl["kv_used_bytes"] = tl["kv_used_bytes"].astype(np.int64) * B  # recorded as blocks
+        wl = sim.workload
+        ttft = self.first - self.arrival
+        e2e = self.finish_s - self.arrival
+        with np.errstate(invalid="ignore", divide="ignore"):
+            tpot = np.where(self.out_tokens > 1, (self.finish_s - self.first) / (self.out_tokens - 1), np.nan)
+            dpt = np.where(self.damage_tokens > 0, self.damage_sum / np.maximum(self.damage_tokens, 1), np.nan)
+        requests = {
+            "request": np.arange(self.n), "request_id": np.asarray(wl.request_id if wl.request_id is not None
+                                                                   else np.arange(self.n)),
+            "domain": np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object),
+            "arrival_s": self.arrival, "prompt_tokens": np.asarray(wl.prompt_tokens, dtype=np.int64),
+            "output_tokens": self.out_tokens, "first_token_s": self.first, "finish_s": self.finish_s,
+            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "preemptions": self.preemptions,
+            "finish_reason": self.reason.astype(str), "damage_per_token": dpt,
+        }
+        end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0
+        start = float(self.arrival.min()) if self.n else 0.0
+        span = max(end - start, 1e-12)
+        if self._last_bits is not None and end > self._last_t:
+            self.bits_time += self._last_bits * (end - self._last_t)
+        wall = time.perf_counter() - self.wall_start
+        out_total = int(self.out_tokens.sum())
+        completed = int((self.reason == "length").sum() + (self.reason == "stop").sum())
+        transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
+        cost = sim.total_cost
+        summary = {
+            "requests": self.n, "completed": completed,
+            "finish_reasons": dict(Counter(self.reason.tolist())),
+            "unfinished": int(np.isnan(self.finish_s).sum()),
+            "makespan_s": end - start, "iterations": self.iterations, "boundaries": self._boundaries,
+            "output_tokens": out_total, "computed_tokens": self.computed_tokens,
+            "throughput_tokens_per_s": out_total / span,
+            "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "e2e_s": _stats(e2e),
+            "preemptions": int(sim.sched.num_preemptions),
+            "memory": {"budget_bytes": sim.cfg.budget_bytes, "peak_bytes": self.peak["memory_bytes"],
+                       "peak_used_bytes": self.peak_used,
+                       "peak_weight_bytes": self.peak["weight_bytes"], "peak_kv_pool_bytes": self.peak["kv_pool_bytes"],
+                       "nonexpert_weight_bytes": sim.nonexpert_bytes, "kv_block_bytes": B,
+                       "budget_violations": int(self.counters["budget_violations"]),
+                       "max_excess_bytes": max((v["excess_bytes"] for v in self.violations), default=0)},
+            "mean_committed_bits": self.bits_time / end if end > 0 else self._last_bits,
+            "page_traffic": {"reload_bytes": int(sim.mover.reload_bytes),
+                             "offload_bytes_released": int(sim.mover.offload_bytes), "reloads": int(len(transfers)),
+                             "link_busy_s": float((transfers[:, 2] - transfers[:, 1]).sum())},
+            "plans": {"plans": int(sim.loop.num_plans), "transitions_started": dict(self.started),
+                      "transitions_rejected": dict(self.rejected), "commits": int(self.committed)},
+            "stalls": {k: {"count": int(self.stall_count[k]), "time_s": float(self.stall_time[k])} for k in
+                       sorted(self.stall_count)},
+            "counters": {k: int(v) for k, v in sorted(self.counters.items()) if k != "budget_violations"},
+            "cost_breakdown_s": cost.to_json(),
+            "quality": sim.quality.summary().to_json(),
+            "wall_s": wall, "sim_tokens_per_wall_s": (self.computed_tokens / wall) if wall > 0 else None,
+            "output_tokens_per_wall_s": out_total / wall if wall > 0 else None,
+        }
+        return SimResult(requests, tl, summary, transfers, self.violations, self.stall_list, self.plan_list)

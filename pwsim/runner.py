@@ -1,0 +1,169 @@
+"""One simulation run as a typed, JSON-dumpable config (`RunConfig`) and its execution (`execute`).
+
+`pwsim run`, `pwsim compare` and `pwsim bench sim` all build `RunConfig`s; a config fully
+determines its result (every random choice is seeded), so runs can go to worker processes and a
+config dumped beside a result reproduces it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from functools import lru_cache
+from pathlib import Path
+
+from pwsim.defaults import DEFAULT_ROUTING, DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
+from pwsim.engine import SimConfig, Simulation
+from pwsim.hardware import format_size, load_profile, parse_size
+from pwsim.recorder import SimResult
+from traces.clikit import UserError
+from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class SyntheticWorkload:
+    """The generated workload used when `trace` is "synthetic" (requests, then routing)."""
+
+    requests: int = DEFAULT_WORKLOAD.requests
+    rate: float = DEFAULT_WORKLOAD.rate
+    burstiness: float = DEFAULT_WORKLOAD.burstiness
+    prompt: str = str(DEFAULT_WORKLOAD.prompt)
+    output: str = str(DEFAULT_WORKLOAD.output)
+    domains: tuple[str, ...] = DEFAULT_WORKLOAD.domains
+    skew: float = DEFAULT_ROUTING.skew
+    domain_shift: float = DEFAULT_ROUTING.domain_shift
+    drift: float = DEFAULT_ROUTING.drift
+    features: bool = DEFAULT_ROUTING.features
+
+    def specs(self) -> tuple[WorkloadSpec, RoutingSpec]:
+        w = WorkloadSpec(requests=self.requests, rate=self.rate, burstiness=self.burstiness,
+                         prompt=LengthDist.parse(self.prompt), output=LengthDist.parse(self.output),
+                         domains=tuple(self.domains))
+        r = RoutingSpec(skew=self.skew, domain_shift=self.domain_shift, drift=self.drift, features=self.features)
+        return w, r
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    budget_bytes: int
+    policy: str = "pagedweight"
+    policy_params: tuple[tuple[str, object], ...] = ()
+    model: str = DEFAULTS.model
+    calibration: str = DEFAULTS.calibration  # a directory, or "synthetic" (seeded by `seed`)
+    hardware: str = DEFAULTS.hardware  # a JSON path or a bundled profile name
+    trace: str = DEFAULTS.trace  # a trace directory, or "synthetic" (`workload`, seeded by `seed`)
+    workload: SyntheticWorkload = field(default_factory=SyntheticWorkload)
+    quality_fit: str | None = None  # JSON of runtime (damage, perplexity) points
+    seed: int = DEFAULTS.seed
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    allocator_slack_bytes: int = 64 * MiB
+    timeline_stride: int = 1
+
+    @property
+    def label(self) -> str:
+        args = "".join(f",{k}={v}" for k, v in self.policy_params)
+        return f"{self.policy}{args}@{format_size(self.budget_bytes)}"
+
+    def sim_config(self) -> SimConfig:
+        return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                         max_num_batched_tokens=self.max_num_batched_tokens,
+                         allocator_slack_bytes=self.allocator_slack_bytes, timeline_stride=self.timeline_stride)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["policy_params"] = dict(self.policy_params)
+        d["workload"]["domains"] = list(self.workload.domains)
+        d["budget"] = format_size(self.budget_bytes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunConfig":
+        d = {k: v for k, v in d.items() if k in {f.name for f in fields(cls)}}
+        d["policy_params"] = tuple(sorted(dict(d.get("policy_params") or {}).items()))
+        wl = dict(d.get("workload") or {})
+        wl["domains"] = tuple(wl.get("domains", DEFAULT_WORKLOAD.domains))
+        d["workload"] = SyntheticWorkload(**wl)
+        return cls(**d)
+
+
+def make_config(budget: str | int, **kw) -> RunConfig:
+    """A RunConfig with the budget parsed (`"20GiB"`) and policy parameters given as a dict."""
+    params = kw.pop("policy_params", None) or {}
+    return RunConfig(budget_bytes=parse_size(budget), policy_params=tuple(sorted(params.items())), **kw)
+
+
+# ------------------------------------------------------------------------------------ building
+@lru_cache(maxsize=4)
+def _card(name: str):
+    from traces.model_card import load_card
+    return load_card(name)
+
+
+@lru_cache(maxsize=4)
+def _calibration(source: str, card_name: str, seed: int):
+    card = _card(card_name)
+    if source == SYNTHETIC or source.startswith(SYNTHETIC + ":"):
+        from policies.synthetic import synthetic_calibration
+        _, _, s = source.partition(":")
+        return synthetic_calibration(card, seed=int(s) if s else seed)
+    from policies.calibration import Calibration
+    if not Path(source).is_dir():
+        raise UserError(f"calibration {source!r} is not a directory; pass a calibration directory "
+                        f"(made by `pwruntime calibrate`) or 'synthetic'")
+    return Calibration.load(source, expect_fingerprint=card.fingerprint())
+
+
+def build_workload(cfg: RunConfig):
+    from pwsim import workload
+    card = _card(cfg.model)
+    if cfg.trace == SYNTHETIC:
+        w, r = cfg.workload.specs()
+        return workload.synthetic(card, w, r, cfg.seed)
+    return workload.from_trace_dir(cfg.trace, card, cfg.workload.specs()[1], cfg.seed)
+
+
+def build(cfg: RunConfig) -> Simulation:
+    import policies
+    from pwsim.quality import load_fit_points
+
+    card = _card(cfg.model)
+    profile = load_profile(cfg.hardware)
+    cal = _calibration(cfg.calibration, cfg.model, cfg.seed)
+    try:
+        policy = policies.get(cfg.policy, **dict(cfg.policy_params))
+    except policies.PolicyError as e:
+        raise UserError(str(e)) from None
+    fit = load_fit_points(cfg.quality_fit) if cfg.quality_fit else None
+    if cfg.budget_bytes > profile.gpu_memory_bytes:
+        raise UserError(f"budget {format_size(cfg.budget_bytes)} exceeds the {profile.device}'s "
+                        f"{format_size(profile.gpu_memory_bytes)} (hardware profile {profile.name})")
+    try:
+        return Simulation(card, profile, build_workload(cfg), policy, cal, cfg.sim_config(), fit)
+    except policies.PolicyError as e:
+        raise UserError(str(e)) from None
+
+
+def execute(cfg: RunConfig) -> SimResult:
+    """Build and run one simulation; the result's summary carries the config."""
+    sim = build(cfg)
+    result = sim.run()
+    result.summary["config"] = cfg.to_json()
+    result.summary["label"] = cfg.label
+    result.summary["model"] = sim.card.name
+    result.summary["hardware"] = {"name": sim.profile.name, "measured": sim.profile.measured,
+                                  "note": sim.profile.metadata.get("note", "")}
+    result.summary["calibration"] = {"source": cfg.calibration, "synthetic": bool(sim.cal is not None and
+                                                                               sim.cal.provenance.get("synthetic"))}
+    result.summary["workload"] = sim.workload.description
+    return result
+
+
+def config_json(cfg: RunConfig) -> str:
+    return json.dumps(cfg.to_json(), indent=2, sort_keys=True)
+
+
+def with_budget(cfg: RunConfig, budget: str | int) -> RunConfig:
+    return replace(cfg, budget_bytes=parse_size(budget))

@@ -1,0 +1,51 @@
+"""Workloads for the simulator: requests plus the routing of their tokens, from traces or synthetic.
+
+* `from_trace_dir(path, card)`: a trace directory (`requests.parquet`, optional `routing.parquet`,
+  `traces.io`). With a routing trace the routing is replayed as recorded; without one it is
+  synthetic (`routing_spec`, seeded).
+* `synthetic(card, workload_spec, routing_spec, seed)`: requests from `traces.generators` and the
+  fast synthetic routing source (`pwsim.routing.synthetic_routing`, same popularity model).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from pwsim.engine import Workload
+from pwsim.routing import RoutingSource, TraceRouting, synthetic_routing
+from traces.generators import RoutingSpec, WorkloadSpec, generate_requests
+from traces.io import read_trace_dir
+from traces.model_card import ModelSpec
+from traces.schema import RequestTrace
+
+
+def from_requests(requests: RequestTrace, routing: RoutingSource, description: dict | None = None) -> Workload:
+    return Workload(arrival_s=np.asarray(requests.arrival_s, dtype=np.float64),
+                    prompt_tokens=np.asarray(requests.prompt_tokens, dtype=np.int64),
+                    output_tokens=np.asarray(requests.output_tokens, dtype=np.int64),
+                    domains=tuple(requests.domains), domain_idx=np.asarray(requests.domain_idx, dtype=np.int64),
+                    routing=routing, request_id=np.asarray(requests.request_id),
+                    description=dict(description or {}))
+
+
+def synthetic(card: ModelSpec, workload_spec: WorkloadSpec, routing_spec: RoutingSpec, seed: int) -> Workload:
+    requests = generate_requests(workload_spec, seed)
+    routing = synthetic_routing(requests, card, routing_spec, seed)
+    rspec = {k: getattr(routing_spec, k) for k in routing_spec.__dataclass_fields__}
+    return from_requests(requests, routing, {"kind": "synthetic", "seed": seed, "workload": workload_spec.describe(),
+                                             "routing": rspec})
+
+
+def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: RoutingSpec | None = None,
+                   seed: int = 0) -> Workload:
+    trace = read_trace_dir(path, card)
+    requests = trace.requests
+    if trace.routing is not None:
+        routing: RoutingSource = TraceRouting.from_trace(trace.routing, requests)
+        kind = "recorded routing"
+    else:
+        routing = synthetic_routing(requests, card, routing_spec or RoutingSpec(features=True), seed)
+        kind = "synthetic routing (the trace has no routing.parquet)"
+    return from_requests(requests, routing, {"kind": "trace", "path": str(path), "routing": kind,
+                                             "requests": requests.summary()})

@@ -1,0 +1,85 @@
+"""`pwsim run`, `pwsim compare` and `pwsim bench sim` end to end, on small workloads."""
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from pwsim.cli import main
+from pwsim.runner import RunConfig, execute
+from sim_fixtures import summary_without_wall
+
+SMALL = ["--requests", "10", "--prompt-dist", "fixed:48", "--output-dist", "fixed:24", "--rate", "200"]
+
+
+def test_run_writes_results_and_its_config_reproduces_them(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--policy", "pagedweight", "--budget", "19GiB", "--out", str(out), *SMALL]) == 0
+    text = capsys.readouterr().out
+    assert "10/10 requests completed" in text and "perplexity fit unmeasured" in text
+    for name in ("requests.parquet", "timeline.parquet", "summary.json", "config.json", "events.json",
+                 "timeline.png", "latency.png"):
+        assert (out / name).is_file(), name
+    req = pq.read_table(out / "requests.parquet").to_pydict()
+    assert len(req["request_id"]) == 10 and set(req["finish_reason"]) == {"length"}
+    assert all(t > 0 for t in req["ttft_s"]) and all(o == 24 for o in req["output_tokens"])
+    tl = pq.read_table(out / "timeline.parquet")
+    assert {"time_s", "weight_bytes", "kv_pool_bytes", "mean_bits", "free_blocks"} <= set(tl.column_names)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["memory"]["budget_bytes"] == 19 * 2**30 and summary["hardware"]["measured"] is False
+    again = execute(RunConfig.from_json(json.loads((out / "config.json").read_text())))
+    assert summary_without_wall(json.loads(json.dumps(again.summary, default=float))).keys() == \
+        summary_without_wall(summary).keys()
+    assert again.summary["iterations"] == summary["iterations"]
+    assert again.summary["quality"]["mean_damage_per_token"] == pytest.approx(summary["quality"]["mean_damage_per_token"])
+
+
+def test_compare_table_is_the_same_with_one_or_two_jobs(tmp_path, capsys):
+    args = ["compare", "--policies", "fp16,uniform-4,pagedweight", "--budgets", "19GiB,30GiB", "--json",
+            "--no-progress", *SMALL]
+    assert main([*args, "--jobs", "1", "--out", str(tmp_path / "a")]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main([*args, "--jobs", "2", "--out", str(tmp_path / "b")]) == 0
+    two = json.loads(capsys.readouterr().out)
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "wall_s"} for r in rows]  # noqa: E731
+    assert strip(one["rows"]) == strip(two["rows"]) and len(one["rows"]) == 6
+    status = {(r["policy"], r["budget"]): r["status"] for r in one["rows"]}
+    assert status[("fp16", "19GiB")] == "infeasible" and status[("fp16", "30GiB")] == "ok"
+    ok = [r for r in one["rows"] if r["status"] == "ok"]
+    assert all(r["completed"] == 10 for r in ok)
+    u4 = next(r for r in ok if r["policy"] == "uniform-4")
+    fp = next(r for r in ok if r["policy"] == "fp16")
+    assert u4["weights_gib"] < fp["weights_gib"] and fp["damage_per_token"] == 0 < u4["damage_per_token"]
+    for name in ("compare.json", "compare.csv", "quality_vs_memory.png", "throughput.png", "timelines.png"):
+        assert (tmp_path / "b" / name).is_file(), name
+    csv_lines = (tmp_path / "b" / "compare.csv").read_text().splitlines()
+    assert len(csv_lines) == 7 and csv_lines[0].startswith("policy,budget,status")
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["run", "--budget", "lots"], "cannot read size"),
+    (["run", "--trace", "/no/such/trace"], "not a trace directory"),
+    (["run", "--policy", "nonsense"], "unknown policy"),
+    (["run", "--policy", "pagedweight", "--policy-arg", "alpha"], "KEY=VALUE"),
+    (["run", "--hardware", "no-such-gpu"], "hardware profile"),
+    (["run", "--calibration", "/no/such/dir"], "calibration"),
+    (["run", "--budget", "2GiB", *SMALL], "cannot hold the weights"),
+    (["compare", "--policies", "uniform-4,fp16", "--policy-arg", "bits=3"], "single policy"),
+])
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, needle):
+    argv = [*argv, "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0]
+    assert not (tmp_path / "x" / "summary.json").exists()
+
+
+def test_bench_sim_reports_tokens_per_wall_second(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "sim", "--requests", "12", "--output-dist", "fixed:32", "--no-pin", "--json",
+                 "--out", str(out)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["target"] == "sim" and res["completed"] == 12 and res["output_tokens"] == 12 * 32
+    assert res["sim_tokens_per_wall_s"] > 0 and res["command"].startswith("pwsim bench sim")
+    assert json.loads(out.read_text())["computed_tokens"] == res["computed_tokens"]

@@ -1,0 +1,105 @@
+"""The cost model: per-operator breakdown, roofline anchors, scaling with bits, tokens and context."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pwsim.cost_model import BatchShape, CostModel, iteration_cost
+from traces.hardware import load_profile
+from traces.model_card import load_card
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_card("Qwen1.5-MoE-A2.7B"), load_profile("h200-roofline")
+
+
+def _decode_routing(L, E, active=4):
+    et = np.zeros((L, E))
+    et[:, :active] = 1
+    return et
+
+
+def test_breakdown_sums_to_total_and_empty_batch_costs_only_overhead(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    q = np.full(card.moe_layers * card.experts * 2, 5)
+    b = BatchShape.of([1, 1, 37], [100, 900, 0], 2)
+    et = _decode_routing(card.moe_layers, card.experts, 12)
+    c = cm.iteration(b, q, et)
+    parts = [c.attention, c.moe, c.dense, c.lm_head, c.overhead]
+    assert all(p > 0 for p in parts) and c.total == pytest.approx(sum(parts))
+    assert c.to_json()["total"] == pytest.approx(c.total)
+    empty = cm.iteration(BatchShape.of([], [], 0), q, np.zeros_like(et))
+    overhead = (prof.iteration_overhead_us + card.layers * prof.layer_overhead_us) * 1e-6
+    assert empty.total == empty.overhead == pytest.approx(overhead)
+
+
+def test_moe_matches_the_design_roofline_anchors(qwen):
+    """DESIGN.md: Qwen1.5-MoE, T=1, 4 active experts: fp16 roofline 17.5 us per layer, 3-bit 3.3 us."""
+    card, prof = qwen
+    et = _decode_routing(card.moe_layers, card.experts)
+    q3 = np.full(card.moe_layers * card.experts * 2, 3)
+    fp16 = CostModel(card, prof, fp16_experts=True).moe(q3, et) / card.moe_layers
+    ap3 = CostModel(card, prof).moe(q3, et) / card.moe_layers
+    assert fp16 * 1e6 == pytest.approx(17.5, abs=0.05)
+    assert ap3 * 1e6 == pytest.approx(3.3, abs=0.06)
+
+
+def test_moe_time_scales_with_committed_bits_and_only_routed_experts_count(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    n = card.moe_layers * card.experts * 2
+    et = _decode_routing(card.moe_layers, card.experts)
+    times = [cm.moe(np.full(n, b), et) for b in range(3, 9)]
+    assert all(a < b for a, b in zip(times, times[1:]))
+    # bytes are exact: time = (planes + LUT) bytes / bandwidth for each routed block
+    bt = card.block_byte_table()
+    expect = card.moe_layers * 4 * (bt[0, 5] + bt[1, 5]) / prof.bandwidth("moe")
+    assert cm.moe(np.full(n, 5), et) == pytest.approx(expect, rel=1e-12)
+    # lowering an expert nobody routes to changes nothing; lowering a routed one does
+    q = np.full(n, 8)
+    base = cm.moe(q, et)
+    q_cold = q.copy()
+    q_cold[(0 * card.experts + 10) * 2] = 3
+    assert cm.moe(q_cold, et) == base
+    q_hot = q.copy()
+    q_hot[(0 * card.experts + 1) * 2] = 3
+    assert cm.moe(q_hot, et) < base
+    assert cm.moe(q, et) == base  # the per-bits cache does not leak between calls
+
+
+def test_prefill_is_compute_bound_and_dequantizes(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    n = card.moe_layers * card.experts * 2
+    q3, q8 = np.full(n, 3), np.full(n, 8)
+    big = np.full((card.moe_layers, card.experts), 2048 * 4 / card.experts)
+    small = np.full((card.moe_layers, card.experts), 4.0)
+    # many tokens per expert: the dequantize + GEMM path, nearly independent of bits; few tokens: bytes dominate
+    assert cm.moe(q3, big) / cm.moe(q8, big) > 0.8
+    assert cm.moe(q3, small) / cm.moe(q8, small) < 0.5
+    fp = CostModel(card, prof, fp16_experts=True)
+    assert cm.moe(q8, big) > fp.moe(q8, big)  # dequantizing costs more than reading fp16 once
+
+
+def test_attention_grows_with_context_and_pure_function_agrees(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    a = [cm.attention(BatchShape.of([1] * 8, [ctx] * 8, 8)) for ctx in (128, 1024, 8192)]
+    assert a[0] < a[1] < a[2]
+    a0 = cm.attention(BatchShape.of([1] * 8, [0] * 8, 8))
+    # decode attention is memory bound: 8 sequences read 8192 more cached tokens each
+    assert a[2] - a0 == pytest.approx(card.kv_bytes_per_token() * 8 * 8192 / prof.bandwidth("kv"), rel=1e-9)
+    q = np.full(card.moe_layers * card.experts * 2, 4)
+    b = BatchShape.of([1, 64], [300, 0], 2)
+    et = _decode_routing(card.moe_layers, card.experts, 20)
+    assert iteration_cost(card, prof, b, q, et) == cm.iteration(b, q, et)
+
+
+def test_lm_head_charged_only_for_sampled_rows(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    assert cm.lm_head(BatchShape.of([512], [0], 0)) == 0.0
+    one = cm.lm_head(BatchShape.of([1], [10], 1))
+    assert one == pytest.approx(2 * card.vocab * card.hidden / prof.bandwidth("lm_head"), rel=1e-12)

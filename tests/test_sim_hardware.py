@@ -1,0 +1,56 @@
+"""Hardware profiles (traces.hardware, re-exported by pwsim.hardware) and memory sizes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pwsim.hardware import HardwareProfileError, bundled_profiles, format_size, load_profile, parse_size
+from traces.clikit import UserError
+
+
+def test_bundled_h200_roofline_is_marked_unmeasured_and_uses_the_design_numbers():
+    assert "h200-roofline" in bundled_profiles()
+    p = load_profile("h200-roofline")
+    assert p.measured is False and "roofline" in p.metadata["note"].lower()
+    assert p.pcie_h2d_gbps == 51.0 and p.pcie_d2h_gbps == 55.0
+    assert p.bandwidth("moe") == pytest.approx(3.96e12)  # the measured fp16 GEMV anchor
+    assert set(p.ap_kernel_efficiency) == {3, 4, 5, 6, 7, 8}
+    assert p.gpu_memory_bytes > 140 * 10**9
+
+
+def test_round_trip_and_validation(tmp_path):
+    p = load_profile("h200-roofline")
+    path = p.save(tmp_path / "x.json")
+    assert load_profile(path) == p
+    data = json.loads(path.read_text())
+    for mutate, msg in [
+        (lambda d: d["achieved_bandwidth_fraction"].pop("kv"), "lacks op classes"),
+        (lambda d: d["achieved_bandwidth_fraction"].__setitem__("moe", 1.5), "must be <= 1"),
+        (lambda d: d["ap_kernel_efficiency"].pop("3"), "lacks bitwidths"),
+        (lambda d: d.__setitem__("pcie_h2d_gbps", -1), "pcie_h2d_gbps"),
+        (lambda d: d["metadata"].pop("measured"), "measured"),
+        (lambda d: d.__setitem__("format_version", 9), "format_version"),
+        (lambda d: d.__setitem__("surprise", 1), "unknown field"),
+    ]:
+        bad = json.loads(json.dumps(data))
+        mutate(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(HardwareProfileError, match=msg):
+            load_profile(tmp_path / "bad.json")
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(HardwareProfileError, match="not valid JSON"):
+        load_profile(tmp_path / "broken.json")
+    with pytest.raises(HardwareProfileError, match="bundled profiles"):
+        load_profile("no-such-gpu")
+
+
+def test_sizes():
+    assert parse_size("20GiB") == 20 * 2**30
+    assert parse_size("16 GB") == 16 * 10**9
+    assert parse_size("512MiB") == 512 * 2**20
+    assert parse_size("1.5e9") == 1_500_000_000
+    for bad in ("twenty", "20XB", "-3GiB", "0"):
+        with pytest.raises(UserError):
+            parse_size(bad)
+    assert format_size(20 * 2**30) == "20.00 GiB"

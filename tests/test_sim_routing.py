@@ -1,0 +1,93 @@
+"""Routing sources: synthetic (the generator's popularity model, drawn per request) and recorded traces."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pwsim.routing import PopularityRouting, TraceRouting, _duplicate_slots, synthetic_routing
+from traces.generators import LengthDist, RoutingSpec, WorkloadSpec, generate_requests, generate_routing
+from traces.model_card import load_card
+from traces.schema import TraceError
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return load_card("OLMoE-1B-7B-0924")
+
+
+def test_synthetic_routing_is_a_function_of_request_and_position(olmoe):
+    req = generate_requests(WorkloadSpec(requests=6, rate=10.0), seed=1)
+    a = synthetic_routing(req, olmoe, RoutingSpec(features=True), seed=5)
+    b = synthetic_routing(req, olmoe, RoutingSpec(features=True), seed=5)
+    whole = a.route(np.array([2]), np.array([0]), np.array([9]))
+    parts = [b.route(np.array([2]), np.array([k]), np.array([3])) for k in (0, 3, 6)]
+    assert np.array_equal(whole.ids, np.concatenate([p.ids for p in parts], axis=1))
+    assert np.array_equal(whole.weights, np.concatenate([p.weights for p in parts], axis=1))
+    assert np.array_equal(whole.down_norm, np.concatenate([p.down_norm for p in parts], axis=1))
+    b.release(2)  # a released request is drawn again identically (a recompute after preemption)
+    again = b.route(np.array([2]), np.array([0]), np.array([9]))
+    assert np.array_equal(again.ids, whole.ids)
+    mixed = a.route(np.array([0, 2]), np.array([4, 0]), np.array([1, 9]))
+    assert np.array_equal(mixed.ids[:, 1:], whole.ids)
+    c = synthetic_routing(req, olmoe, RoutingSpec(features=True), seed=6)
+    assert not np.array_equal(c.route(np.array([2]), np.array([0]), np.array([9])).ids, whole.ids)
+
+
+def test_top_k_distinct_weights_normalised_and_frequencies_follow_popularity():
+    rng = np.random.default_rng(0)
+    L, E, K = 3, 16, 4
+    pop = rng.permutation(1.0 / np.arange(1, E + 1) ** 1.2)[None, None, :] * np.ones((1, L, 1))
+    n = 4000
+    src = PopularityRouting(pop, np.zeros(1, np.int64), np.array([n]), K, seed=2)
+    r = src.route(np.array([0]), np.array([0]), np.array([n]))
+    assert r.ids.shape == (L, n, K) and not _duplicate_slots(r.ids).any()
+    assert np.allclose(r.weights.sum(axis=2), 1.0, atol=1e-5)
+    # first slot is a draw from the popularity; compare frequencies (4000 draws per layer)
+    freq = np.bincount(r.ids[:, :, 0].ravel(), minlength=E) / (L * n)
+    assert np.abs(freq - src.p[0, 0]).max() < 0.02
+    # the hottest expert appears in most tokens' top-4 but never twice
+    hot = int(np.argmax(src.p[0, 0]))
+    assert ((r.ids == hot).sum(axis=2) <= 1).all() and (r.ids == hot).any(axis=2).mean() > src.p[0, 0, hot]
+
+
+def test_synthetic_matches_the_generator_popularity_model(olmoe):
+    n, tokens, L, E = 100, 16, olmoe.moe_layers, olmoe.experts
+    req = generate_requests(WorkloadSpec(requests=n, rate=10.0, prompt=LengthDist("fixed", 12),
+                                         output=LengthDist("fixed", 4)), seed=0)
+    spec = RoutingSpec(drift=0.0)
+    gen = generate_routing(req, olmoe, spec, seed=0)
+    src = synthetic_routing(req, olmoe, spec, seed=0)
+    r = src.route(np.arange(n), np.zeros(n, np.int64), np.full(n, tokens))
+    flat = (gen.layer.astype(np.int64)[:, None] * E + gen.expert_ids).ravel()
+    g = np.bincount(flat, minlength=L * E).reshape(L, E) / (n * tokens * olmoe.top_k)  # per layer, sums to 1
+    def freq(ids):
+        return np.bincount((np.arange(L)[:, None, None] * E + ids).ravel(), minlength=L * E).reshape(L, E) / ids[0].size
+    m = freq(r.ids)
+    # same popularity (Plackett-Luce top-k) up to sampling noise; an unrelated popularity is far off
+    assert np.abs(g - m).mean() < 0.003 and np.abs(g - m).max() < 0.03
+    other = synthetic_routing(req, olmoe, spec, seed=1).route(np.arange(n), np.zeros(n, np.int64), np.full(n, tokens))
+    mo = freq(other.ids)
+    assert np.abs(g - mo).mean() > 3 * np.abs(g - m).mean()
+
+
+def test_trace_routing_replays_a_generated_trace(olmoe):
+    req = generate_requests(WorkloadSpec(requests=5, rate=10.0), seed=2)
+    spec = RoutingSpec(features=True)
+    gen = generate_routing(req, olmoe, spec, seed=2)
+    tr = TraceRouting.from_trace(gen, req)
+    r = tr.route(np.array([3, 1]), np.array([2, 0]), np.array([2, 1]))
+    rid = req.request_id
+    for t, (ri, pos) in enumerate([(3, 2), (3, 3), (1, 0)]):
+        rows = (gen.request_id == rid[ri]) & (gen.position == pos)
+        order = np.argsort(gen.layer[rows])
+        assert np.array_equal(r.ids[:, t], gen.expert_ids[rows][order])
+        assert np.allclose(r.weights[:, t], gen.weights[rows][order])
+        assert np.allclose(r.gate_up_norm[:, t], gen.gate_up_in_norm[rows][order])
+    # a gap in a request's positions is refused with a clear error
+    keep = ~((gen.request_id == rid[0]) & (gen.position == 1))
+    from dataclasses import replace
+    holed = replace(gen, request_id=gen.request_id[keep], position=gen.position[keep], layer=gen.layer[keep],
+                    expert_ids=gen.expert_ids[keep], weights=gen.weights[keep],
+                    gate_up_in_norm=gen.gate_up_in_norm[keep], down_in_norm=gen.down_in_norm[keep])
+    with pytest.raises(TraceError, match="gap"):
+        TraceRouting.from_trace(holed, req)
