@@ -5,7 +5,8 @@
 1. `policy.plan_step(table, observation)`.
 2. Each transition of the plan is checked against the table (its `from_bits` must be the block's
    committed bits and the block idle) and begun through the table's protocol: an offload commits
-   the lower bits at once and its surplus planes wait for the mover; a reload first asks the
+   the lower bits at once (after asking the engine for room for their LUT) and its surplus planes
+   wait for the mover; a reload first asks the
    engine for room (`reserve(bytes)`, e.g. by shrinking the KV pool over free blocks) and then
    marks its planes in flight. The mover gets `start(transition, bytes)`. An `in_place` transition
    (planes already resident) is committed at once without the mover. A transition the table
@@ -119,8 +120,18 @@ class PlanLoop:
                 table.commit_in_place(i, t.to_bits)
                 return None, 0
             if t.is_offload:
-                nbytes = table.begin_offload(i, t.to_bits)
-                self._release_on_commit[i] = nbytes  # surplus planes and the old LUT
+                # the lower bits' LUT must be on the GPU before they are committed, while the
+                # surplus planes and the old LUT stay until the commit: ask for the LUT's room first
+                new_lut = lut_bytes(out, t.to_bits) if t.to_bits > 0 else 0
+                if new_lut and self._reserve is not None and not self._reserve(new_lut):
+                    return "no room for the lower bitwidth's LUT", 0
+                try:
+                    nbytes = table.begin_offload(i, t.to_bits)
+                except PageTableError:
+                    if new_lut and self._reserve is not None and self._release is not None:
+                        self._release(new_lut)
+                    raise
+                self._release_on_commit[i] = nbytes + new_lut  # surplus planes and the old LUT
             else:
                 # planes q..to-1 plus LUT_to must fit before the copy starts; LUT_q goes at commit
                 if t.to_bits > MAX_BITS or not table.supported[t.to_bits]:

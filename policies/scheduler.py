@@ -211,14 +211,22 @@ class Scheduler:
 
     # ------------------------------------------------------------------ views
     def pending_blocks(self) -> int:
-        """Blocks the running sequences would newly need in the next step (its token budget applied)."""
-        budget, need = self.max_num_batched_tokens, 0
+        """Blocks the next step would newly need (its token budget applied): the running sequences'
+        growth plus the first chunk of each waiting sequence that the step could admit. Waiting
+        demand is KV pressure too: without it a planner sees free blocks while requests queue."""
+        budget, need, seats = self.max_num_batched_tokens, 0, self.max_num_seqs - len(self.running)
         for seq in self.running:
             if budget <= 0:
                 break
             n = min(seq.num_uncomputed_tokens, budget)
             need += self.pool.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
             budget -= n
+        for seq in self.waiting:
+            if budget <= 0 or seats <= 0:
+                break
+            n = min(seq.num_uncomputed_tokens, budget)
+            need += self.pool.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
+            budget, seats = budget - n, seats - 1
         return need
 
     def block_usage(self) -> dict[Hashable, int]:

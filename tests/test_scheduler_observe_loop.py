@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from policies.apformat import plane_bytes
 import pytest
 
 from policies.contract import Observation, Plan, Transition
@@ -136,7 +138,10 @@ def test_plan_loop_offload_then_reload_with_immediate_mover():
                     reserve=lambda b: asked.append(b) or True, release=released.append)
     r0 = loop.step(_obs(0))
     assert r0.started == (off,) and r0.rejected[0][0] == stale and "stale" in r0.rejected[0][1]
-    assert r0.committed == (0,) and r0.released_bytes == off.delta_bytes == released[0]
+    # the offload first asks for room for LUT_4, then gives back the surplus planes and LUT_8
+    lut4 = int(table.M[0, 4] - 4 * plane_bytes(*table.shapes[0]))
+    assert asked == [lut4]
+    assert r0.committed == (0,) and r0.released_bytes == released[0] == off.delta_bytes + lut4
     assert table.q[0] == 4 and not table.busy.any()
     assert np.all(table.planes[0, 4:] == PlaneState.CPU)
     assert loop.step(_obs(1)).plan is None

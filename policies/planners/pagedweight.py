@@ -23,7 +23,7 @@ One `plan_step`:
 4. If pressure triggered, the best queued plan: the first (most protective) stage whose plan meets
    the target - so floors and depth caps are relaxed only when the tighter ones cannot free enough;
    if none does, the plan freeing the most bytes (the largest safe reduction).
-5. Otherwise, reload: when `F > max(reload_threshold, T_blk + 1 + margin)` (and not within
+5. Otherwise, reload: when no request waits, `F > max(reload_threshold, T_blk + 1 + margin)` (and not within
    `reload_cooldown_steps` of an offload), raise idle blocks below their ceiling by one supported
    bitwidth each, most damage recovered per byte first (ties: lower block), skipping any that do
    not fit the budget `(F - T_blk - 1 - margin) * B_KV (+ headroom) - bytes of reloads in flight`.
@@ -296,7 +296,7 @@ class PagedWeightPolicy:
         p, prm = self._prepared(), self.params
         keep = obs.free_block_threshold + 1 + prm.reload_margin_blocks
         free = obs.free_blocks - obs.pending_kv_blocks
-        if free <= max(p.reload_threshold, keep):
+        if free <= max(p.reload_threshold, keep) or obs.num_waiting > 0:  # requests still queue: no ease
             return None
         if self._last_offload_step is not None and obs.step - self._last_offload_step < prm.reload_cooldown_steps:
             return None
