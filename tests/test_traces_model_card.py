@@ -13,8 +13,19 @@ from traces.model_card import CardError, ModelSpec, available_cards, load_card, 
 CARDS = ("Qwen1.5-MoE-A2.7B", "Mixtral-8x7B-v0.1", "OLMoE-1B-7B-0924", "Qwen3-30B-A3B", "Gemma-4-26B-A4B")
 
 
-def test_the_five_cards_are_bundled():
-    assert sorted(available_cards()) == sorted(CARDS)
+def test_the_five_cards_and_the_demo_card_are_bundled():
+    assert sorted(available_cards()) == sorted([*CARDS, "PagedWeight-demo"])
+
+
+def test_demo_card_matches_the_bundled_model():
+    import json
+
+    from pwruntime.cmd_perplexity import default_model_dir
+
+    config = json.loads((default_model_dir() / "config.json").read_text())
+    card = load_card("PagedWeight-demo")
+    assert card.total_params() == 9_721_088
+    assert card.fingerprint() == ModelSpec.from_hf_config(config).fingerprint()
 
 
 @pytest.mark.parametrize("name, published", [("Qwen1.5-MoE-A2.7B", 14.3e9), ("Mixtral-8x7B-v0.1", 46.7e9)])

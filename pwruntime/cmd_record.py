@@ -1,0 +1,137 @@
+"""`pwruntime record-trace`: serve prompts from text domains through the engine and record the traces.
+
+For each domain (a `<domain>/valid.txt.gz` under --corpus, or NAME=FILE pairs with --data) it cuts
+--requests-per-domain prompts of random length from random places of the text, asks for a random
+number of output tokens (ignoring EOS, so the trace's output lengths are what was asked), gives the
+requests Poisson arrival times at --rate, and runs them through the continuous-batching engine with
+trace recording on. The result is a trace directory (requests.parquet + routing.parquet with the
+per-block input-norm features) whose routing was produced by the real model, for `pwsim run`.
+Deterministic given --seed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from traces.clikit import UserError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("record-trace", help="record request and routing traces of the engine on text domains",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="HuggingFace checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--corpus", help="folder with <domain>/valid.txt.gz (e.g. ../shared/corpus)")
+    p.add_argument("--data", action="append", default=[], metavar="NAME=FILE", help="a domain's text file (repeatable)")
+    p.add_argument("--out", required=True, help="trace directory to write")
+    p.add_argument("--card", default=None,
+                   help="model card named in the routing trace (default: the bundled card of the same architecture)")
+    p.add_argument("--requests-per-domain", type=int, default=16)
+    p.add_argument("--prompt-tokens", default="32,256", help="MIN,MAX prompt tokens (default 32,256)")
+    p.add_argument("--output-tokens", default="16,128", help="MIN,MAX output tokens (default 16,128)")
+    p.add_argument("--rate", type=float, default=4.0, help="request arrivals per second (default 4)")
+    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; 0 = greedy)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--json", action="store_true", help="print a JSON summary")
+    p.set_defaults(func=run)
+
+
+def _range(flag: str, text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} takes MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"{flag} needs 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _domains(args) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    if args.corpus:
+        root = Path(args.corpus)
+        found = sorted(p.parent.name for p in root.glob("*/valid.txt.gz"))
+        if not found:
+            raise UserError(f"no <domain>/valid.txt.gz under {root}; pass --corpus DIR or --data NAME=FILE")
+        files.update({d: root / d / "valid.txt.gz" for d in found})
+    for item in args.data:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UserError(f"--data takes NAME=FILE, got {item!r}")
+        files[name] = Path(path)
+    if not files:
+        raise UserError("give the text to serve: --corpus DIR or --data NAME=FILE")
+    for name, path in files.items():
+        if not path.is_file():
+            raise UserError(f"text file for domain {name!r} not found: {path}")
+    return files
+
+
+def _card_name(spec) -> str:
+    """The bundled card with this architecture (so pwsim can replay the trace), else the spec's own name."""
+    from traces.model_card import available_cards, load_card
+
+    matches = [n for n in available_cards() if load_card(n).fingerprint() == spec.fingerprint()]
+    return matches[0] if matches else spec.name
+
+
+def run(args) -> int:
+    from pwruntime.cmd_perplexity import default_model_dir, read_text
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.model import load_model
+    from pwruntime.sampling import SamplingParams
+    from pwruntime.trace_recorder import TraceRecorder
+    from traces.model_card import ModelSpec
+
+    p_lo, p_hi = _range("--prompt-tokens", args.prompt_tokens)
+    o_lo, o_hi = _range("--output-tokens", args.output_tokens)
+    if args.requests_per_domain < 1 or args.rate <= 0:
+        raise UserError("--requests-per-domain must be >= 1 and --rate > 0")
+    files = _domains(args)
+    model_dir = args.model or default_model_dir()
+    if model_dir is None:
+        raise UserError("no model: pass --model DIR")
+    model = load_model(model_dir)
+    card = args.card or _card_name(ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())))
+    rng = np.random.default_rng(args.seed)
+    jobs = []  # (domain, prompt ids, output tokens)
+    for domain, path in files.items():
+        ids = model.tokenizer.encode(read_text(path), add_special_tokens=False)
+        if len(ids) < p_hi + 1:
+            raise UserError(f"domain {domain!r} has only {len(ids)} tokens; it needs more than {p_hi}")
+        for _ in range(args.requests_per_domain):
+            n = int(rng.integers(p_lo, p_hi + 1))
+            start = int(rng.integers(0, len(ids) - n))
+            jobs.append((domain, ids[start:start + n], int(rng.integers(o_lo, o_hi + 1))))
+    order = rng.permutation(len(jobs))
+    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=len(jobs)))
+    recorder = TraceRecorder(card=card, provenance={"model": str(model_dir), "seed": args.seed,
+                                                     "domains": {d: str(p) for d, p in files.items()}})
+    longest = p_hi + o_hi
+    engine = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, seed=args.seed,
+                                           num_kv_blocks=args.max_num_seqs * (-(-longest // 16) + 1)),
+                       recorder=recorder)
+    t0 = time.perf_counter()
+    for k, j in enumerate(order):
+        domain, prompt, out_tokens = jobs[j]
+        params = SamplingParams(max_tokens=out_tokens, temperature=args.temperature, ignore_eos=True,
+                                seed=args.seed * 100_003 + int(j))
+        engine.add_request(prompt, params, arrival_time=float(arrivals[k]), domain=domain)
+    from tqdm import tqdm
+
+    total = sum(j[2] for j in jobs)
+    with tqdm(total=total, unit="tok", desc="recording", disable=args.json) as bar:
+        while engine.has_unfinished():
+            done = engine.step()
+            bar.update(sum(len(o.token_ids) for o in done))
+    out = recorder.write(args.out)
+    summary = {"out": str(out), "requests": len(jobs), "output_tokens": int(total), "card": card,
+               "domains": sorted(files), "seconds": round(time.perf_counter() - t0, 2)}
+    print(json.dumps(summary) if args.json else
+          f"recorded {len(jobs)} requests ({total} output tokens, {len(files)} domains) into {out} "
+          f"in {summary['seconds']} s")
+    return 0
