@@ -53,7 +53,9 @@ def run_sim(args: argparse.Namespace) -> int:
     params = parse_policy(args.policy, args.policy_arg)
     wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=1.0, prompt=args.prompt_dist,
                            output=args.output_dist, features=not args.no_features)
-    cfg = make_config(args.budget, policy=args.policy, policy_params=params, workload=wl, seed=args.seed)
+    # the setup: the Qwen1.5-MoE-A2.7B card, a synthetic calibration and workload (not the demo default)
+    cfg = make_config(args.budget, policy=args.policy, policy_params=params, workload=wl, seed=args.seed,
+                      model="Qwen1.5-MoE-A2.7B", calibration="synthetic", trace="synthetic", quality_fit=None)
     core = None
     if not args.no_pin and hasattr(os, "sched_getaffinity"):
         allowed = sorted(os.sched_getaffinity(0))

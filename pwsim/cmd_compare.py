@@ -39,7 +39,7 @@ def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
             "preemptions": summary["preemptions"], "stall_s": sum(v["time_s"] for v in summary["stalls"].values()),
             "budget_violations": m["budget_violations"], "reloaded_gib": summary["page_traffic"]["reload_bytes"] / GiB,
             "damage_per_token": q.get("mean_damage_per_token"), "predicted_ppl": q.get("predicted_ppl"),
-            "wall_s": summary["wall_s"], "note": ""}
+            "quality_fit": q.get("fit"), "wall_s": summary["wall_s"], "note": ""}
 
 
 def run_one(cfg_json: dict, keep_timeline: bool):
@@ -65,18 +65,21 @@ def _fmt(v, nd=2) -> str:
 
 def table(rows: list[dict]) -> str:
     q_key = "predicted_ppl" if any(r.get("predicted_ppl") is not None for r in rows) else "damage_per_token"
-    head = ("policy", "budget", "peak GiB", "used GiB", "weights", "KV pool", "bits", "tok/s", "TTFT p50", "TPOT p50 ms",
-            "preempt", "stall s", "viol", "reload GiB", "ppl" if q_key == "predicted_ppl" else "damage/tok")
+    scale, unit = (1024.0, "MiB") if max((r.get("peak_gib") or 0.0) for r in rows) < 1.0 else (1.0, "GiB")
+    relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
+    head = ("policy", "budget", f"peak {unit}", f"used {unit}", "weights", "KV pool", "bits", "tok/s", "TTFT p50",
+            "TPOT p50 ms", "preempt", "stall s", "viol", f"reload {unit}",
+            ("ppl/fp" if relative else "ppl") if q_key == "predicted_ppl" else "damage/tok")
     body = []
     for r in rows:
         if r["status"] != "ok":
             body.append((r["policy"], r["budget"], "infeasible: weights exceed the budget") + ("",) * (len(head) - 3))
             continue
-        body.append((r["policy"], r["budget"], _fmt(r["peak_gib"]), _fmt(r["used_gib"]), _fmt(r["weights_gib"]),
-                     _fmt(r["kv_pool_gib"]),
+        mem = lambda k: _fmt(r[k] * scale)  # noqa: E731
+        body.append((r["policy"], r["budget"], mem("peak_gib"), mem("used_gib"), mem("weights_gib"), mem("kv_pool_gib"),
                      _fmt(r["mean_bits"]), _fmt(r["throughput_tok_s"], 0), _fmt(r["ttft_p50_s"], 3),
                      _fmt(r["tpot_p50_ms"]), _fmt(r["preemptions"]), _fmt(r["stall_s"], 3),
-                     _fmt(r["budget_violations"]), _fmt(r["reloaded_gib"]),
+                     _fmt(r["budget_violations"]), mem("reloaded_gib"),
                      "-" if r.get(q_key) is None else f"{r[q_key]:.4g}"))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *[b for b in body if not b[2].startswith("infeasible")])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -172,7 +175,7 @@ def _validate(cfg) -> None:
     runner._card(cfg.model)
     load_profile(cfg.hardware)
     runner._calibration(cfg.calibration, cfg.model, cfg.seed)
-    if cfg.quality_fit:
+    if cfg.uses_quality_fit:
         from pwsim.quality import load_fit_points
         load_fit_points(cfg.quality_fit)
     if cfg.trace != "synthetic":

@@ -21,8 +21,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="calibration directory, or 'synthetic[:SEED]' (default; policies.synthetic)")
     g.add_argument("--hardware", default=DEFAULTS.hardware,
                    help=f"hardware profile JSON or bundled name (default {DEFAULTS.hardware})")
-    g.add_argument("--quality-fit", default=None, metavar="JSON",
-                   help="runtime (damage, perplexity) points; without it no perplexity is predicted")
+    g.add_argument("--quality-fit", default=DEFAULTS.quality_fit, metavar="JSON",
+                   help="runtime (damage, perplexity) points ('none': predict no perplexity; default: the demo model's)")
     g.add_argument("--seed", type=int, default=DEFAULTS.seed, help="seed of synthetic traces and calibration")
     s = p.add_argument_group("synthetic trace (with --trace synthetic)")
     s.add_argument("--requests", type=int, default=DEFAULT_WORKLOAD.requests)

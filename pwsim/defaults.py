@@ -1,32 +1,37 @@
 """The bundled default setup of `pwsim run` / `pwsim compare` with no arguments: the one place to swap.
 
-Until the demo model, its measured calibration and traces recorded from the runtime exist, the
-default is: the Qwen1.5-MoE-A2.7B card, the synthetic calibration of `policies.synthetic`
-(seeded), a synthetic trace generated from a fixed seed (`DEFAULT_WORKLOAD`, `DEFAULT_ROUTING`),
-and the H200 roofline profile. Budgets are chosen so that the KV cache competes with the weights:
-the 8-bit AP weights take 18.4 GiB and fp16 26.7 GiB, so 20 GiB leaves PagedWeight about 1.5 GiB
-of KV cache to start with and fp16 runs only at the largest budget.
+The default is the project's own demo model end to end: its model card (`PagedWeight-demo`), the
+calibration `pwruntime calibrate` measured on it (traces/bundled/demo-calibration: sensitivities,
+residual heads, buckets and per-domain damages from held-out corpus text), a trace recorded by
+`pwruntime record-trace` from the real engine on the three corpus domains (96 requests, their real
+routing), the (damage, perplexity) points `pwruntime quality-table` measured on it
+(traces/bundled/demo-quality-fit.json), and the H200 roofline profile. The demo model's expert
+weights are 12 MiB in fp16 (6.5 MiB of other weights) and its KV cache 2 KiB per token, so the
+budgets are in MiB; at 24 MiB the KV cache competes hard with the weights.
 
-To switch to the demo model later, change `DEFAULTS` (model card path, calibration directory,
-trace directory with recorded routing) and nothing else.
+`--model Qwen1.5-MoE-A2.7B --calibration synthetic --trace synthetic --budgets 20GiB,24GiB,30GiB`
+gives the large-model setup with a synthetic calibration and workload (`DEFAULT_WORKLOAD`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
 
 SYNTHETIC = "synthetic"  # value of `calibration` / `trace` meaning "generate it from the seed"
+BUNDLED = Path(__file__).resolve().parent.parent / "traces" / "bundled"
 
 
 @dataclass(frozen=True)
 class Defaults:
-    model: str = "Qwen1.5-MoE-A2.7B"
-    calibration: str = SYNTHETIC  # or a calibration directory
-    trace: str = SYNTHETIC  # or a trace directory (requests.parquet [+ routing.parquet])
+    model: str = "PagedWeight-demo"
+    calibration: str = str(BUNDLED / "demo-calibration")  # or a calibration directory, or SYNTHETIC
+    trace: str = str(BUNDLED / "demo-trace")  # or a trace directory (requests.parquet [+ routing.parquet])
+    quality_fit: str | None = str(BUNDLED / "demo-quality-fit.json")  # runtime (damage, perplexity) points
     hardware: str = "h200-roofline"
     policies: tuple[str, ...] = ("fp16", "uniform-4", "static-mixed", "pagedweight")
-    budgets: tuple[str, ...] = ("20GiB", "24GiB", "30GiB")
+    budgets: tuple[str, ...] = ("24MiB", "32MiB", "48MiB")
     seed: int = 0
 
 

@@ -17,6 +17,11 @@ def _plt():
     return plt
 
 
+def _mem_unit(max_bytes: float) -> tuple[float, str]:
+    """GiB for real models, MiB for small ones such as the demo model."""
+    return (float(GiB), "GiB") if max_bytes >= GiB else (float(2**20), "MiB")
+
+
 def run_timeline(result, path: Path, title: str = "") -> Path:
     """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
     plt = _plt()
@@ -25,11 +30,12 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
     if len(tl.get("time_s", [])):
         t = tl["time_s"]
         ax = axes[0]
-        ax.stackplot(t, tl["weight_bytes"] / GiB, tl["kv_pool_bytes"] / GiB, labels=["weights", "KV pool"],
+        div, unit = _mem_unit(result.summary["memory"]["budget_bytes"])
+        ax.stackplot(t, tl["weight_bytes"] / div, tl["kv_pool_bytes"] / div, labels=["weights", "KV pool"],
                      colors=["#4c72b0", "#dd8452"], alpha=0.8)
-        ax.plot(t, tl["kv_used_bytes"] / GiB + tl["weight_bytes"] / GiB, color="k", lw=0.8, label="weights + KV in use")
-        ax.axhline(result.summary["memory"]["budget_bytes"] / GiB, color="r", ls="--", lw=1, label="budget")
-        ax.set_ylabel("GiB")
+        ax.plot(t, (tl["kv_used_bytes"] + tl["weight_bytes"]) / div, color="k", lw=0.8, label="weights + KV in use")
+        ax.axhline(result.summary["memory"]["budget_bytes"] / div, color="r", ls="--", lw=1, label="budget")
+        ax.set_ylabel(unit)
         ax.legend(loc="lower right", fontsize=8)
         axes[1].plot(t, tl["mean_bits"], color="#55a868")
         axes[1].set_ylabel("mean committed bits")
@@ -66,7 +72,9 @@ def run_latency(result, path: Path, title: str = "") -> Path:
 
 def _quality_axis(rows: list[dict]) -> tuple[str, str]:
     if any(r.get("predicted_ppl") is not None for r in rows):
-        return "predicted_ppl", "predicted perplexity (fit on runtime measurements)"
+        relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
+        what = "perplexity / full precision" if relative else "perplexity"
+        return "predicted_ppl", f"predicted {what} (fit on runtime measurements)"
     return "damage_per_token", "mean damage per generated token (no perplexity fit measured)"
 
 
@@ -75,13 +83,14 @@ def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     plt = _plt()
     key, label = _quality_axis(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    scale, unit = (1024.0, "MiB") if max((r.get("used_gib") or 0.0) for r in rows) < 1.0 else (1.0, "GiB")
     for pol in dict.fromkeys(r["policy"] for r in rows):
-        pts = sorted((r["used_gib"], r[key]) for r in rows if r["policy"] == pol and r["status"] == "ok"
+        pts = sorted((r["used_gib"] * scale, r[key]) for r in rows if r["policy"] == pol and r["status"] == "ok"
                      and r.get(key) is not None)
         if pts:
             x, y = zip(*pts)
             ax.plot(x, y, marker="o", label=pol)
-    ax.set_xlabel("peak GPU memory in use: weights + KV blocks in use (GiB)")
+    ax.set_xlabel(f"peak GPU memory in use: weights + KV blocks in use ({unit})")
     ax.set_ylabel(label)
     if key == "damage_per_token" and any((r.get(key) or 0) > 0 for r in rows):
         ax.set_yscale("symlog", linthresh=max(1e-9, min((r[key] for r in rows if r.get(key)), default=1.0)))
@@ -122,16 +131,17 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     """Memory use, mean committed bits and free KV blocks over time, one line per policy."""
     plt = _plt()
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    div, unit = _mem_unit(max((r.summary["memory"]["budget_bytes"] for r in results.values()), default=GiB))
     for name, res in results.items():
         tl = res.timeline
         if not len(tl.get("time_s", [])):
             continue
         t = tl["time_s"]
-        line, = axes[0].plot(t, (tl["weight_bytes"] + tl["kv_used_bytes"]) / GiB, lw=0.9, label=name)
-        axes[0].plot(t, tl["weight_bytes"] / GiB, lw=0.9, ls=":", color=line.get_color())
+        line, = axes[0].plot(t, (tl["weight_bytes"] + tl["kv_used_bytes"]) / div, lw=0.9, label=name)
+        axes[0].plot(t, tl["weight_bytes"] / div, lw=0.9, ls=":", color=line.get_color())
         axes[1].plot(t, tl["mean_bits"], lw=0.9, label=name)
         axes[2].plot(t, tl["free_blocks"], lw=0.6, label=name)
-    axes[0].set_ylabel("GiB (solid: weights + KV in use;\ndotted: weights)")
+    axes[0].set_ylabel(f"{unit} (solid: weights + KV in use;\ndotted: weights)")
     axes[1].set_ylabel("mean committed bits")
     axes[2].set_ylabel("free KV blocks")
     axes[2].set_xlabel("simulated time (s)")

@@ -30,7 +30,11 @@ class QualityError(UserError):
 
 @dataclass(frozen=True)
 class PerplexityFit:
-    """`log ppl = a + b * damage`; `measured` only when fit on runtime measurements."""
+    """`log ppl = a + b * damage`; `measured` only when fit on runtime measurements.
+
+    `relative`: the points carried domains, so the fit is of log(ppl / the domain's least-damaged
+    ppl), and `predict` returns a perplexity ratio to full precision (domains start from different
+    perplexities, so one absolute fit across them would mostly fit the domains, not the damage)."""
 
     a: float
     b: float
@@ -38,22 +42,30 @@ class PerplexityFit:
     n_points: int
     measured: bool
     source: str = ""
+    relative: bool = False
 
     def predict(self, damage: float) -> float:
         return float(math.exp(self.a + self.b * damage))
 
 
-def fit_perplexity(damage: np.ndarray, ppl: np.ndarray, source: str = "") -> PerplexityFit:
-    """Least-squares fit of log ppl on damage; needs at least two distinct damages."""
+def fit_perplexity(damage: np.ndarray, ppl: np.ndarray, source: str = "",
+                   domains: list[str] | None = None) -> PerplexityFit:
+    """Least-squares fit of log ppl on damage; needs at least two distinct damages. With `domains`,
+    each point's ppl is first divided by its domain's least-damaged ppl (a relative fit)."""
     x = np.asarray(damage, dtype=np.float64)
     y = np.log(np.asarray(ppl, dtype=np.float64))
+    if domains is not None:
+        dom = np.asarray(domains)
+        for d in np.unique(dom):
+            sel = dom == d
+            y[sel] -= y[sel][np.argmin(x[sel])]
     if len(x) < 2 or len(np.unique(x)) < 2:
         raise QualityError(f"a perplexity fit needs at least two points with different damage, got {len(x)}")
     b, a = np.polyfit(x, y, 1)
     resid = y - (a + b * x)
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - float((resid ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
-    return PerplexityFit(float(a), float(b), r2, int(len(x)), True, source)
+    return PerplexityFit(float(a), float(b), r2, int(len(x)), True, source, relative=domains is not None)
 
 
 def load_fit_points(path: str | os.PathLike) -> PerplexityFit:
@@ -70,7 +82,8 @@ def load_fit_points(path: str | os.PathLike) -> PerplexityFit:
         raise QualityError(f"{p}: expected {{\"points\": [{{\"damage\": x, \"ppl\": y}}, ...]}} ({e})") from None
     if (y <= 0).any() or not np.isfinite(x).all():
         raise QualityError(f"{p}: perplexities must be positive and damages finite")
-    return fit_perplexity(x, y, source=str(data.get("source", p)))
+    domains = [str(q["domain"]) for q in pts] if all("domain" in q for q in pts) else None
+    return fit_perplexity(x, y, source=str(data.get("source", p)), domains=domains)
 
 
 @dataclass
@@ -155,7 +168,8 @@ class QualityModel:
         if self.fit is not None and self.fit.measured:
             s.fit = asdict(self.fit)
             s.predicted_ppl = self.fit.predict(mean)
-            s.predicted_ppl_label = (f"predicted perplexity from a fit log ppl = {self.fit.a:.4g} + "
+            what = "perplexity / full precision" if self.fit.relative else "perplexity"
+            s.predicted_ppl_label = (f"predicted {what} from a fit log({what}) = {self.fit.a:.4g} + "
                                      f"{self.fit.b:.4g} * damage "
                                      f"(R^2 {self.fit.r2:.3f}, {self.fit.n_points} runtime points)")
             s.note = "damage measured per domain; perplexity predicted by a measured fit"

@@ -54,12 +54,12 @@ class RunConfig:
     hardware: str = DEFAULTS.hardware  # a JSON path or a bundled profile name
     trace: str = DEFAULTS.trace  # a trace directory, or "synthetic" (`workload`, seeded by `seed`)
     workload: SyntheticWorkload = field(default_factory=SyntheticWorkload)
-    quality_fit: str | None = None  # JSON of runtime (damage, perplexity) points
+    quality_fit: str | None = DEFAULTS.quality_fit  # JSON of runtime (damage, perplexity) points
     seed: int = DEFAULTS.seed
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    allocator_slack_bytes: int = 64 * MiB
+    allocator_slack_bytes: int | None = None  # None: 64 MiB, or 1/32 of a budget smaller than 2 GiB
     timeline_stride: int = 1
 
     @property
@@ -67,10 +67,20 @@ class RunConfig:
         args = "".join(f",{k}={v}" for k, v in self.policy_params)
         return f"{self.policy}{args}@{format_size(self.budget_bytes)}"
 
+    @property
+    def uses_quality_fit(self) -> bool:
+        return bool(self.quality_fit) and str(self.quality_fit).lower() != "none"
+
+    @property
+    def slack_bytes(self) -> int:
+        if self.allocator_slack_bytes is not None:
+            return int(self.allocator_slack_bytes)
+        return min(64 * MiB, self.budget_bytes // 32)
+
     def sim_config(self) -> SimConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens,
-                         allocator_slack_bytes=self.allocator_slack_bytes, timeline_stride=self.timeline_stride)
+                         allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -136,7 +146,7 @@ def build(cfg: RunConfig) -> Simulation:
         policy = policies.get(cfg.policy, **dict(cfg.policy_params))
     except policies.PolicyError as e:
         raise UserError(str(e)) from None
-    fit = load_fit_points(cfg.quality_fit) if cfg.quality_fit else None
+    fit = load_fit_points(cfg.quality_fit) if cfg.uses_quality_fit else None
     if cfg.budget_bytes > profile.gpu_memory_bytes:
         raise UserError(f"budget {format_size(cfg.budget_bytes)} exceeds the {profile.device}'s "
                         f"{format_size(profile.gpu_memory_bytes)} (hardware profile {profile.name})")

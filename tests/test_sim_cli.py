@@ -10,7 +10,9 @@ from pwsim.cli import main
 from pwsim.runner import RunConfig, execute
 from sim_fixtures import summary_without_wall
 
-SMALL = ["--requests", "10", "--prompt-dist", "fixed:48", "--output-dist", "fixed:24", "--rate", "200"]
+# the large-model setup with a synthetic calibration and workload (not the bundled demo default)
+SMALL = ["--model", "Qwen1.5-MoE-A2.7B", "--calibration", "synthetic", "--trace", "synthetic", "--quality-fit", "none",
+         "--requests", "10", "--prompt-dist", "fixed:48", "--output-dist", "fixed:24", "--rate", "200"]
 
 
 def test_run_writes_results_and_its_config_reproduces_them(tmp_path, capsys):
