@@ -1,13 +1,13 @@
 """Per-sequence prompt features phi for a whole batch at once: `BatchedPromptFeatures`.
 
-The same quantities as `policies.observe.PromptFeatures` (see its docstring: per sequence and
-linear-block, over the tokens the sequence computed, the routing-weighted mean and RMS of the
-block's input norm and the max norm; merged over running sequences weighted by their KV blocks),
-with the same methods (`update`, `drop`, `sequences`, `sequence_features`, `merged`), plus
-`update_batch` for a whole flattened batch in a handful of numpy calls. Sequences live in rows
+Per sequence and linear-block, over the tokens the sequence computed: the routing-weighted mean
+and RMS of the block's input norm and the max norm; merged over running sequences weighted by their
+KV blocks (see policies.observe). Methods: `update` (one sequence), `update_batch` (a whole
+flattened batch in a handful of numpy calls), `drop`, `sequences`, `sequence_features`, `merged`. Sequences live in rows
 ("slots") of dense arrays, and each sequence's phi is kept up to date at the entries a step
 touched, so `merged` is two matrix-vector products instead of a Python loop over sequences.
-Results equal PromptFeatures' up to floating-point summation order (a test checks 1e-12).
+Results equal a straightforward per-sequence reference up to floating-point summation order
+(tests/test_sim_features.py checks 1e-12).
 """
 from __future__ import annotations
 

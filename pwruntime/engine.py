@@ -28,7 +28,8 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
-from policies.observe import PromptFeatures, RoutingMass, build_observation, split_tokens
+from policies.features import BatchedPromptFeatures
+from policies.observe import RoutingMass, build_observation, split_tokens
 from policies.page_table import PageTable
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
@@ -110,7 +111,7 @@ class LLMEngine:
         self.policy = policy
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release)
         self.routing = RoutingMass(n_moe, mc.experts, cfg.routing_half_life_tokens)
-        self.features = PromptFeatures(n_moe, mc.experts)
+        self.features = BatchedPromptFeatures(n_moe, mc.experts)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:
             self.recorder.set_model(n_moe, mc.experts, mc.top_k)

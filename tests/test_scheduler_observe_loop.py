@@ -11,7 +11,8 @@ import pytest
 from policies.contract import Observation, Plan, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, PlanLoop
-from policies.observe import PromptFeatures, RoutingMass, build_observation, split_tokens
+from policies.features import BatchedPromptFeatures
+from policies.observe import RoutingMass, build_observation, split_tokens
 from policies.page_table import PageTable, PlaneState
 from policies.scheduler import Scheduler
 from policies.sequence import make_sequences
@@ -55,7 +56,7 @@ def test_routing_mass_decays_by_tokens():
 def test_prompt_features_against_direct_computation():
     rng = np.random.default_rng(1)
     layers, experts, k, n = 2, 4, 2, 6
-    pf = PromptFeatures(layers, experts)
+    pf = BatchedPromptFeatures(layers, experts)
     ids, w = _routing(rng, layers, n, experts, k)
     gu = rng.random((layers, n)) + 0.5
     dn = rng.random((layers, n, k)) + 0.5
@@ -76,7 +77,7 @@ def test_prompt_features_against_direct_computation():
 
 
 def test_prompt_features_merge_weighted_by_kv_blocks():
-    pf = PromptFeatures(1, 2)
+    pf = BatchedPromptFeatures(1, 2)
     one = np.ones((1, 1, 1))
     pf.update("a", np.zeros((1, 1, 1), int), one, np.full((1, 1), 2.0), np.full((1, 1, 1), 4.0))
     pf.update("b", np.zeros((1, 1, 1), int), one, np.full((1, 1), 6.0), np.full((1, 1, 1), 8.0))

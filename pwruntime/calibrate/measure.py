@@ -12,7 +12,7 @@ the (token, top-k slot) pairs of one sequence routed to e, with routing weight r
     rel[i, b]  = sum r ||(W_b - W_top) x||^2     (against the top stored bitwidth, 0 at the top)
 
 computed exactly from the recorded inputs (no diagonal approximation). Prompt features phi and the
-routing mass (Eq. 1) of each sequence come from `policies.observe` (`PromptFeatures`,
+routing mass (Eq. 1) of each sequence come from `policies.observe` (`BatchedPromptFeatures`,
 `RoutingMass` without decay) fed with the forward's routing records, exactly as the engine does.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from policies.calibration import NB
-from policies.observe import PromptFeatures, RoutingMass
+from policies.features import BatchedPromptFeatures
+from policies.observe import RoutingMass
 from pwruntime.model.attention import prefill_metadata
 from pwruntime.model.experts import KINDS, DenseExpertStore, grouped_moe
 
@@ -165,7 +166,7 @@ def measure_sequences(model, ap, sequences, bits: tuple[int, ...], *, desc: str 
             store.reset()
             rec = prefill(model, ids).routing
             topk_ids, topk_w = _stack(rec, "topk_ids"), _stack(rec, "topk_weights")
-            feats = PromptFeatures(L, E)
+            feats = BatchedPromptFeatures(L, E)
             feats.update(0, topk_ids, topk_w, _stack(rec, "gate_up_in_norm"), _stack(rec, "down_in_norm"))
             mass = RoutingMass(L, E, half_life_tokens=None)
             mass.update(topk_ids, topk_w)
