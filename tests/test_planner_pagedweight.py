@@ -250,7 +250,7 @@ def test_reload_leaves_the_margin_and_never_triggers_an_offload():
     cap = (eng.budget - eng.table.resident_bytes()) // eng.B
     demand = cap - 26  # 26 free blocks: just above the reload threshold (24)
     reloads = 0
-    for _ in range(30):
+    for _ in range(60):  # longer than the default reload cooldown (32 steps after an offload)
         plan, o = eng.step(demand)
         if kind(plan) == "reload":
             reloads += 1
@@ -294,7 +294,7 @@ def test_cooldown_delays_reload():
 
 def test_reload_respects_budget_and_recovers_most_per_byte():
     table, cal = small()
-    pol = get("pagedweight", reload_margin_blocks=2, reload_threshold=10)
+    pol = get("pagedweight", reload_margin_blocks=2, reload_threshold=10, reload_cooldown_steps=0)
     pol.reset(table, cal)
     apply_plan_now(table, pol.plan_step(table, obs(0, T=8, B=400_000)))
     lowered = int((table.q < np.asarray(cal.initial_bits)).sum())
@@ -307,6 +307,16 @@ def test_reload_respects_budget_and_recovers_most_per_byte():
     assert 0 < cost <= budget
     assert all(t.to_bits == t.from_bits + 1 for t in plan.transitions)  # one bitwidth per block per plan
     assert plan.predicted_damage < 0  # damage recovered
+
+
+def test_no_reload_within_the_cooldown_after_an_offload():
+    table, cal = small()
+    pol = get("pagedweight", reload_margin_blocks=2, reload_threshold=10, reload_cooldown_steps=32)
+    pol.reset(table, cal)
+    apply_plan_now(table, pol.plan_step(table, obs(0, T=8, B=400_000)))
+    assert pol.plan_step(table, obs(20, T=8, B=20_000, step=32)) is None  # offload at step 1: too soon
+    plan = pol.plan_step(table, obs(20, T=8, B=20_000, step=33))
+    assert plan is not None and plan.predicted_damage < 0  # a reload once the cooldown is over
 
 
 def test_reload_to_max_raises_above_the_initial_assignment():

@@ -63,7 +63,7 @@ class PagedWeightParams:
     reload: bool = True
     reload_threshold: int | None = None  # free blocks above which reload may start; None: the calibration's
     reload_margin_blocks: int = 4  # a reload leaves at least T_blk + 1 + margin free blocks
-    reload_cooldown_steps: int = 0  # no reload within this many steps after an offload plan
+    reload_cooldown_steps: int = 32  # no reload within this many steps after an offload plan (anti-thrash)
     reload_to: str = "initial"  # reload ceiling: "initial" assignment or "max" supported bits
     count_headroom: bool = True  # allocator headroom counts toward the byte target and reload budget
 
