@@ -34,8 +34,47 @@ def register(subparsers) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    w = p.add_argument_group("any-precision experts and a planner (pure-torch AP store)")
+    w.add_argument("--ap", default=None, metavar="DIR",
+                   help="serve the routed experts from this AP checkpoint (`pwruntime quantize`) instead of --model")
+    w.add_argument("--policy", default="noop", help="planner that moves expert bits under KV pressure (default noop)")
+    w.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="planner parameter (repeatable)")
+    w.add_argument("--calibration", default=None, metavar="DIR",
+                   help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
+
+
+def _load(args, dtype: str, device: str):
+    """(model, page table or None, policy, calibration or None) for full-precision or AP experts."""
+    import policies
+    from pwruntime.model import load_model
+
+    try:
+        policy = policies.get(args.policy, **policies.parse_policy_args(args.policy, args.policy_arg))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.ap is None:
+        if args.calibration:
+            raise UserError("--calibration needs --ap (the planner moves the bits of AP expert weights)")
+        from pwruntime.cmd_perplexity import default_model_dir
+
+        model_dir = args.model or default_model_dir()
+        if model_dir is None:
+            raise UserError("--model DIR is required (no bundled demo model is installed): pass a HuggingFace "
+                            "MoE checkpoint directory")
+        return load_model(model_dir, dtype=dtype, device=device), None, policy, None
+    from policies.calibration import Calibration
+    from pwruntime.calibrate.inputs import model_fingerprint_of
+    from pwruntime.quant.store import load_ap_model
+
+    model, store = load_ap_model(args.ap, dtype=dtype, device=device)
+    c = model.config
+    table = policies.PageTable(c.num_moe_layers or c.layers, c.experts, c.hidden, c.expert_intermediate,
+                               bits=store.bits)
+    store.attach_table(table)  # the store reads the committed bits q on every call
+    cal = Calibration.load(args.calibration, expect_fingerprint=model_fingerprint_of(args.ap)) if args.calibration else None
+    return model, table, policy, cal
 
 
 def _params(args):
@@ -66,17 +105,14 @@ def run(args) -> int:
 
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.engine import LLMEngine
-    from pwruntime.model import load_model
 
     params, config = _params(args), _engine_config(args)
-    model_dir = args.model or default_model_dir()
-    if model_dir is None:
-        raise UserError("--model DIR is required (no bundled demo model is installed): pass a HuggingFace "
-                        "MoE checkpoint directory")
+    model_dir = args.ap or args.model or default_model_dir()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
-    model = load_model(model_dir, dtype=dtype, device=device)
-    engine = LLMEngine(model, config)
+    model, table, policy, cal = _load(args, dtype, device)
+    engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal)
+    start_bits = engine.table.mean_bits()
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1 and not args.json)
     seconds = time.perf_counter() - start
@@ -89,7 +125,10 @@ def run(args) -> int:
                          "num_preemptions": o.num_preemptions} for o in outputs],
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
-                      "preemptions": engine.scheduler.num_preemptions},
+                      "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
+                      "plans": engine.loop.num_plans, "mean_bits_start": round(start_bits, 4),
+                      "mean_bits_end": round(engine.table.mean_bits(), 4),
+                      "expert_bytes_end": engine.table.resident_bytes() if table is not None else None},
         }, sys.stdout)
         sys.stdout.write("\n")
     else:
