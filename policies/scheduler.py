@@ -212,8 +212,9 @@ class Scheduler:
     # ------------------------------------------------------------------ views
     def pending_blocks(self) -> int:
         """Blocks the next step would newly need (its token budget applied): the running sequences'
-        growth plus the first chunk of each waiting sequence that the step could admit. Waiting
-        demand is KV pressure too: without it a planner sees free blocks while requests queue."""
+        growth plus the first chunk of the next waiting sequence it could admit. Waiting demand is
+        KV pressure too (without it a planner sees free blocks while requests queue), counted one
+        request at a time so that a burst of arrivals does not strip every expert at once."""
         budget, need, seats = self.max_num_batched_tokens, 0, self.max_num_seqs - len(self.running)
         for seq in self.running:
             if budget <= 0:
@@ -221,12 +222,10 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget)
             need += self.pool.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
             budget -= n
-        for seq in self.waiting:
-            if budget <= 0 or seats <= 0:
-                break
+        if self.waiting and budget > 0 and seats > 0:  # the next request to admit (one at a time)
+            seq = self.waiting[0]
             n = min(seq.num_uncomputed_tokens, budget)
             need += self.pool.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
-            budget, seats = budget - n, seats - 1
         return need
 
     def block_usage(self) -> dict[Hashable, int]:
