@@ -18,7 +18,6 @@ from traces.clikit import UserError
 def register(subparsers) -> None:
     p = subparsers.add_parser("generate", help="generate text for one or more prompts",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HuggingFace checkpoint directory (default: the bundled demo model, once installed)")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several prompts")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -27,6 +26,14 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-prompt sampling seed (default: derived from 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def add_engine_args(p) -> None:
+    """The model, engine and planner options `generate` and `serve` share."""
+    p.add_argument("--model", help="HuggingFace checkpoint directory (default: the bundled demo model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="weights/activations dtype (auto: fp32 on cpu, bf16 on cuda)")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: cuda if available)")
@@ -41,8 +48,6 @@ def register(subparsers) -> None:
     w.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="planner parameter (repeatable)")
     w.add_argument("--calibration", default=None, metavar="DIR",
                    help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
 
 
 def _load(args, dtype: str, device: str):
@@ -100,18 +105,25 @@ def _engine_config(args):
                         max_num_batched_tokens=args.max_num_batched_tokens)
 
 
-def run(args) -> int:
+def build_engine(args):
+    """(engine, model path, dtype, device) from the shared options (add_engine_args)."""
     import torch
 
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.engine import LLMEngine
 
-    params, config = _params(args), _engine_config(args)
+    config = _engine_config(args)
     model_dir = args.ap or args.model or default_model_dir()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     model, table, policy, cal = _load(args, dtype, device)
-    engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal)
+    return LLMEngine(model, config, policy=policy, table=table, calibration=cal), model_dir, dtype, device
+
+
+def run(args) -> int:
+    params = _params(args)
+    engine, model_dir, dtype, device = build_engine(args)
+    table, policy = (engine.table if args.ap else None), engine.policy
     start_bits = engine.table.mean_bits()
     start = time.perf_counter()
     outputs = engine.generate(args.prompt, params, use_tqdm=len(args.prompt) > 1 and not args.json)

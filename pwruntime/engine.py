@@ -276,6 +276,11 @@ class LLMEngine:
         req.stop_text = text[:k]
         return "stop"
 
+    def tokens_so_far(self, request_id: int) -> list[int]:
+        """Tokens sampled so far for an unfinished request (what a streaming server sends)."""
+        req = self._requests.get(request_id)
+        return [] if req is None else list(req.seq.output_token_ids)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
         self.features.drop(seq.seq_id)
