@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pwsim.cmd_run import add_common, config_from_args, parse_policy
 from pwsim.defaults import DEFAULTS
-from pwsim.hardware import parse_size
+from pwsim.hardware import memory_unit, parse_size
 from traces.clikit import UserError
 
 GiB = 2**30
@@ -65,7 +65,8 @@ def _fmt(v, nd=2) -> str:
 
 def table(rows: list[dict]) -> str:
     q_key = "predicted_ppl" if any(r.get("predicted_ppl") is not None for r in rows) else "damage_per_token"
-    scale, unit = (1024.0, "MiB") if max((r.get("peak_gib") or 0.0) for r in rows) < 1.0 else (1.0, "GiB")
+    div, unit = memory_unit(max((r.get("peak_gib") or 0.0) for r in rows) * GiB)
+    scale = GiB / div  # rows hold GiB
     relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
     head = ("policy", "budget", f"peak {unit}", f"used {unit}", "weights", "KV pool", "bits", "tok/s", "TTFT p50",
             "TPOT p50 ms", "preempt", "stall s", "viol", f"reload {unit}",

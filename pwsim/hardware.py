@@ -13,7 +13,7 @@ from traces.hardware import (AP_BITS, OP_CLASSES, HardwareProfile, HardwareProfi
                              from_json, load_profile)
 
 __all__ = ["AP_BITS", "OP_CLASSES", "HardwareProfile", "HardwareProfileError", "bundled_profiles", "from_json",
-           "load_profile", "parse_size", "format_size", "DEFAULT_PROFILE"]
+           "load_profile", "parse_size", "format_size", "memory_unit", "DEFAULT_PROFILE"]
 
 DEFAULT_PROFILE = "h200-roofline"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -42,3 +42,8 @@ def format_size(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{int(n)} B"
+
+
+def memory_unit(max_bytes: float) -> tuple[int, str]:
+    """(bytes per unit, unit) for tables and plots: GiB for real models, MiB for small ones (the demo)."""
+    return (2**30, "GiB") if max_bytes >= 2**30 else (2**20, "MiB")

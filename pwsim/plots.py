@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pwsim.hardware import memory_unit
+
 GiB = 2**30
 
 
@@ -17,11 +19,6 @@ def _plt():
     return plt
 
 
-def _mem_unit(max_bytes: float) -> tuple[float, str]:
-    """GiB for real models, MiB for small ones such as the demo model."""
-    return (float(GiB), "GiB") if max_bytes >= GiB else (float(2**20), "MiB")
-
-
 def run_timeline(result, path: Path, title: str = "") -> Path:
     """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
     plt = _plt()
@@ -30,7 +27,7 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
     if len(tl.get("time_s", [])):
         t = tl["time_s"]
         ax = axes[0]
-        div, unit = _mem_unit(result.summary["memory"]["budget_bytes"])
+        div, unit = memory_unit(result.summary["memory"]["budget_bytes"])
         ax.stackplot(t, tl["weight_bytes"] / div, tl["kv_pool_bytes"] / div, labels=["weights", "KV pool"],
                      colors=["#4c72b0", "#dd8452"], alpha=0.8)
         ax.plot(t, (tl["kv_used_bytes"] + tl["weight_bytes"]) / div, color="k", lw=0.8, label="weights + KV in use")
@@ -83,7 +80,8 @@ def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     plt = _plt()
     key, label = _quality_axis(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    scale, unit = (1024.0, "MiB") if max((r.get("used_gib") or 0.0) for r in rows) < 1.0 else (1.0, "GiB")
+    div, unit = memory_unit(max((r.get("used_gib") or 0.0) for r in rows) * GiB)
+    scale = GiB / div  # rows hold GiB
     for pol in dict.fromkeys(r["policy"] for r in rows):
         pts = sorted((r["used_gib"] * scale, r[key]) for r in rows if r["policy"] == pol and r["status"] == "ok"
                      and r.get(key) is not None)
@@ -131,7 +129,7 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     """Memory use, mean committed bits and free KV blocks over time, one line per policy."""
     plt = _plt()
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
-    div, unit = _mem_unit(max((r.summary["memory"]["budget_bytes"] for r in results.values()), default=GiB))
+    div, unit = memory_unit(max((r.summary["memory"]["budget_bytes"] for r in results.values()), default=GiB))
     for name, res in results.items():
         tl = res.timeline
         if not len(tl.get("time_s", [])):
