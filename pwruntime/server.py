@@ -108,13 +108,17 @@ class EngineWorker:
                 if live.stream:
                     toks = eng.tokens_so_far(rid)
                     if len(toks) > live.sent_tokens:
-                        self._emit(live, ("delta", toks[:]))
+                        self._emit(live, ("delta", toks))  # tokens_so_far returns a copy
                         live.sent_tokens = len(toks)
 
 
+def _error_payload(message: str) -> dict:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": "invalid_request_error", "code": None}}
+
+
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "invalid_request_error", "code": None}},
-                             status=status)
+    return web.json_response(_error_payload(message), status=status)
 
 
 def _params(body: dict) -> SamplingParams:
@@ -162,13 +166,12 @@ class Server:
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "the body is not valid JSON",
-                                                                "type": "invalid_request_error"}}),
-                                     content_type="application/json")
+            body = None
+            problem = "the body is not valid JSON"
+        else:
+            problem = "the body must be a JSON object"
         if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text=json.dumps({"error": {"message": "the body must be a JSON object",
-                                                                "type": "invalid_request_error"}}),
-                                     content_type="application/json")
+            raise web.HTTPBadRequest(text=json.dumps(_error_payload(problem)), content_type="application/json")
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -225,7 +228,7 @@ class Server:
         while True:
             kind, payload = await events.get()
             if kind == "error":
-                await self._sse(resp, {"error": {"message": payload, "type": "invalid_request_error"}})
+                await self._sse(resp, _error_payload(payload))
                 break
             if kind == "delta":
                 if params.stop:  # a stop string may still cut the text: send it when finished

@@ -140,3 +140,15 @@ def test_client_leaving_mid_stream_aborts_its_request(client, base_url):
     assert "pagedweight_aborted_total 1" in metrics and "pagedweight_running_requests 0" in metrics
     # the server still answers
     assert client.completions.create(model="demo", prompt="A fool", max_tokens=4, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("raw, message", [(b"not json", "not valid JSON"), (b"[1, 2]", "JSON object")])
+def test_malformed_bodies_get_400(base_url, raw, message):
+    import json
+    import urllib.error
+
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=raw, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(req)
+    assert err.value.code == 400
+    assert message in json.loads(err.value.read())["error"]["message"]
