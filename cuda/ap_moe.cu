@@ -15,10 +15,11 @@
 // launch no matter how many tokens it serves. Decoders:
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
 //   q = 4: two 8-entry register tables selected by the top plane through a prmt sign-replicate mask;
-//   other q: codes assembled a byte at a time (SWAR), LUT in shared memory.
+//   other q: an 8x8 bit transpose per byte lane turns the planes into byte codes; the LUT lives in
+//            shared memory laid out so lanes of different rows never share a bank.
 // Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk of 256 columns, words 2t, 2t+1 of
 // 8 (uint2 loads: the 4 lanes of a row read 32 contiguous bytes per plane). Plane words of the next
-// one or two chunks are in flight while a chunk is decoded (register buffers used in rotation).
+// chunk are in flight while a chunk is decoded (two register buffers used in alternation).
 //
 // Launch 1 (pw_moe_gate_up): m-rows 0..7 are gate rows, 8..15 the matching up rows, so
 // silu(gate) * up is formed in registers and written to act[slot, I] (activation dtype).
@@ -32,6 +33,9 @@
 #endif
 #ifndef PW_NT
 #define PW_NT 1
+#endif
+#ifndef PW_MINB  // CTAs per SM the register allocation must allow (more n-tiles need more accumulators)
+#define PW_MINB (PW_NT <= 2 ? 4 : PW_NT == 4 ? 3 : 2)
 #endif
 
 namespace {
@@ -185,15 +189,47 @@ __device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], 
     }
 }
 
-// any q: byte b of C = code of element i + 8b; LUT row in shared memory (activation dtype)
+// any q: an 8x8 bit transpose inside each byte lane (SWAR over the 4 bytes of a word) turns the q plane
+// words of 32 elements into C[0..7], byte b of C[i] = code of element i + 8b (plane 0 the MSB).
+// Rows are fed MSB-last so row k of the matrix is code bit k; planes q..7 are zero (folded away).
 template <int Q>
-__device__ __forceinline__ void decode_bytes(const u32* w, int i, const u16* lr, u32 (&A)[2]) {
-    u32 c = 0;
+__device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
 #pragma unroll
-    for (int j = 0; j < Q; ++j) c |= shr_rt(w[j], i - (Q - 1 - j)) & (0x01010101u << (Q - 1 - j));
-    const u32 v0 = lr[c & 0xffu], v1 = lr[(c >> 8) & 0xffu], v2 = lr[(c >> 16) & 0xffu], v3 = lr[c >> 24];
-    A[0] = v0 | (v1 << 16);
-    A[1] = v2 | (v3 << 16);
+    for (int k = 0; k < 8; ++k) r[k] = k < Q ? w[Q - 1 - k] : 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
+        r[k + 4] ^= x;
+        r[k] ^= x << 4;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k & 2) continue;
+        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
+        r[k + 2] ^= x;
+        r[k] ^= x << 2;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
+        r[k + 1] ^= x;
+        r[k] ^= x << 1;
+    }
+}
+
+// Shared-memory LUT of one warp (byte path): entry `code` of m-row m at byte code * 32 + (m & 7) * 4 +
+// (m >> 3) * 2, so row g (and g + 8) lives in banks g, g+8, g+16, g+24 only: lanes of different rows never
+// conflict, the 4 lanes of one row at most 4-way (about 2-way on random codes).
+__device__ __forceinline__ int lut_slot(int m, int code) { return code * 16 + (m & 7) * 2 + (m >> 3); }
+
+__device__ __forceinline__ u32 lut_lookup(const char* row_base, u32 C, int b) {
+    const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended
+    return *reinterpret_cast<const u16*>(row_base + code * 32u);
+}
+
+__device__ __forceinline__ void decode_bytes(const u32 C, const char* row_base, u32 (&A)[2]) {
+    A[0] = lut_lookup(row_base, C, 0) | (lut_lookup(row_base, C, 1) << 16);
+    A[1] = lut_lookup(row_base, C, 2) | (lut_lookup(row_base, C, 3) << 16);
 }
 
 // ---------------------------------------------------------------- the m16 x (8 NT) x K tile
@@ -240,17 +276,18 @@ __device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][2], const BlockRef& bl
 }
 
 template <int Q>
-__device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32 (&L)[2][8], const u16* lut_s,
+__device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32 (&L)[2][8], const char* lut_row,
                                               float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
-                                              const int (&xoff)[NT], int cl, int g, int t) {
+                                              const int (&xoff)[NT], int cl, int t) {
     constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
-#pragma unroll
+    // one copy of the decode code for both words (small loop body for the instruction cache)
+#pragma unroll 1
     for (int u = 0; u < 2; ++u) {
         u32 w0[Q], w1[Q];
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
-            w0[j] = P[0][j][u];
-            w1[j] = P[1][j][u];
+            w0[j] = u ? P[0][j][1] : P[0][j][0];
+            w1[j] = u ? P[1][j][1] : P[1][j][0];
         }
         const int base = cl * CHUNK_XBYTES + (2 * t + u) * 8;
         if constexpr (PATH == 0) {
@@ -268,11 +305,14 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32
                 mma_group<1>(acc, nt_act, xs, xoff, base + (2 * i + 1) * 64, A0[2], A1[2], A0[3], A1[3]);
             }
         } else {
+            u32 C0[8], C1[8];
+            transpose_codes<Q>(w0, C0);
+            transpose_codes<Q>(w1, C1);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 u32 A0[2], A1[2];
-                decode_bytes<Q>(w0, i, lut_s + g * (1 << Q), A0);
-                decode_bytes<Q>(w1, i, lut_s + (g + 8) * (1 << Q), A1);
+                decode_bytes(C0[i], lut_row, A0);
+                decode_bytes(C1[i], lut_row + 2, A1);
                 if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
                 else mma_group<0>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
             }
@@ -284,10 +324,10 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32
 template <int Q>
 __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
     constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
-    // NB register buffers of plane words: NB - 1 chunks are in flight while one is decoded. The
-    // buffers are used in rotation through a phase (no register copies: a copy of a register whose
-    // load is still in flight would wait for it and serialize the pipeline).
-    constexpr int NB = (Q <= 4) ? 3 : 2;
+    // Two register buffers of plane words: one chunk is in flight while the other is decoded. They are
+    // used in alternation through a phase (no register copies: a copy of a register whose load is still
+    // in flight would wait for it and serialize the pipeline).
+    constexpr int NB = 2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = mrow(tl, g), r1 = mrow(tl, g + 8);
 
@@ -303,9 +343,8 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     }
 
     const int n_my = tl.nchunks > tl.ks ? (tl.nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
-    u32 P0[2][Q][2], P1[2][Q][2], P2[2][Q][2];
+    u32 P0[2][Q][2], P1[2][Q][2];
     if (n_my > 0) load_chunk<Q>(P0, blk, tl, off0, off1, tl.ks, t);
-    if (NB == 3 && n_my > 1) load_chunk<Q>(P1, blk, tl, off0, off1, tl.ks + tl.ksplit, t);
 
     // ---- LUT: registers (q = 3, 4) or this warp's shared-memory slice
     u32 L[2][8];
@@ -335,11 +374,12 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     } else {
         for (int idx = lane; idx < (16 << Q); idx += 32) {
             const int m = idx >> Q, code = idx & ((1 << Q) - 1);
-            lut_s[idx] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
+            lut_s[lut_slot(m, code)] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
         }
         __syncwarp();
     }
 
+    const char* lut_row = reinterpret_cast<const char*>(lut_s) + g * 4;
     const int nseg = (tl.nchunks + tl.cps - 1) / tl.cps;
     int my = 0, phase = 0;
     for (int seg = 0; seg < nseg; ++seg) {
@@ -352,28 +392,14 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
             const bool ld = nxt < n_my;
             const int cn = tl.ks + nxt * tl.ksplit;
             const int cl = tl.ks + my * tl.ksplit - seg * tl.cps;
-            if constexpr (NB == 3) {
-                if (phase == 0) {
-                    if (ld) load_chunk<Q>(P2, blk, tl, off0, off1, cn, t);
-                    compute_chunk<Q>(P0, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
-                } else if (phase == 1) {
-                    if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
-                    compute_chunk<Q>(P1, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
-                } else {
-                    if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
-                    compute_chunk<Q>(P2, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
-                }
-                phase = phase == 2 ? 0 : phase + 1;
+            if (phase == 0) {
+                if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
+                compute_chunk<Q>(P0, L, lut_row, acc, nt_act, xs, xoff, cl, t);
             } else {
-                if (phase == 0) {
-                    if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
-                    compute_chunk<Q>(P0, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
-                } else {
-                    if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
-                    compute_chunk<Q>(P1, L, lut_s, acc, nt_act, xs, xoff, cl, g, t);
-                }
-                phase ^= 1;
+                if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
+                compute_chunk<Q>(P1, L, lut_row, acc, nt_act, xs, xoff, cl, t);
             }
+            phase ^= 1;
             ++my;
         }
     }
@@ -486,7 +512,7 @@ __device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int 
 //   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
 //   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst).
 // m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features.
-extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_moe(
+extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     int mode, const long long* __restrict__ table, long long block_base, const u16* __restrict__ x, long long ldx,
     int x_vec, const long long* __restrict__ topk_ids, const float* __restrict__ topk_w, int T, int topk, int E,
     int m_rows, int K, int ksplit, int n_tiles, int xs_budget, u16* __restrict__ dst, long long ld_dst,

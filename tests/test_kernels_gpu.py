@@ -107,7 +107,7 @@ def test_fused_moe_mixed_bits_all_token_counts(model):
     m.set_bits(lambda blk: bits[blk])
     layer = max(0, m.table.num_blocks // (2 * m.shape.num_experts) - 1)
     for dtype in (torch.float16, torch.bfloat16):
-        for tokens in ((1, 2, 7, 16, 64) if dtype == torch.float16 else (1, 16, 64)):
+        for tokens in ((1, 2, 7, 16, 20, 33, 64) if dtype == torch.float16 else (1, 16, 64)):
             ids, w = m.routing(tokens)
             x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).to(dtype)
             ws = _workspace(m, tokens, dtype)
@@ -185,7 +185,7 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
     for b in range(1, 9):
         table.commit_bits(1, b, luts[b])
         w = dequantize(planes[:b], luts[b], out_f, in_f)
-        for tokens in (1, 7, 64):
+        for tokens in (1, 7, 20, 64):
             x = torch.randn(tokens, in_f, device="cuda", generator=gen).to(dtype)
             got = ap_linear(table, 1, x, out_f)
             want = x.float() @ w.to(dtype).float().T

@@ -79,8 +79,9 @@ def get_kernel(device: torch.device, name: str, func: str, defines: Sequence[tup
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = torch.cuda.get_device_capability(index)
     fn = _function(index, tuple(cap), name, tuple(defines), func)
-    if dyn_smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < dyn_smem:
-        # one CUfunction serves every launch plan: the limit only ever grows
+    if fn.max_dynamic_shared_size_bytes < dyn_smem:
+        # the default limit is 48 KiB minus the static shared memory; one CUfunction serves every launch
+        # plan, so the limit only ever grows
         with _cupy().cuda.Device(index):
             fn.max_dynamic_shared_size_bytes = int(dyn_smem)
     return fn

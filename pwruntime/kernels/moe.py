@@ -25,7 +25,7 @@ MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
 THREADS = 128
 CHUNK_K = 256
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
-LUT_SMEM = 4 * 16 * 256 * 2
+LUT_SMEM = 4 * 16 * 256 * 2   # per CTA: 4 warps x the byte-path LUT of 16 rows
 SMEM_LIMIT = 227 * 1024
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
@@ -64,14 +64,19 @@ def _sm_count(device: torch.device | None) -> int:
 
 def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_tile: int, max_ctas_per_tile: int,
                 sm_count: int = 132) -> LaunchPlan:
-    """Pick the k-split (warps of a CTA sharing rows) so the expected CTAs fill the GPU a few times over."""
+    """Pick the k-split (warps of a CTA sharing rows) so the expected CTAs fill the GPU.
+
+    One token wants three CTAs per SM in flight; with more tokens each CTA also stages their
+    activations, so fewer, longer CTAs pay off sooner (measured on the H200, see the README).
+    """
     nt = n_tiles_of(tokens)
     nchunks = -(-(-(-k // 32)) // 8)
+    want = 3 * sm_count if tokens == 1 else 3 * sm_count // 2
     ksplit = 1
     for ks in (1, 2, 4):
         ksplit = ks
         tiles = -(-m_rows // (rows_per_warp * (4 // ks)))
-        if tiles * ctas_per_tile >= 3 * sm_count or nchunks // (ks * 2) < 2:
+        if tiles * ctas_per_tile >= want or nchunks // (ks * 2) < 2:
             break
     n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
     xs_budget = max(min(tokens * (nchunks * 512 + 128), XS_CAP), tokens * 640)
