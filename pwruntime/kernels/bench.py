@@ -101,7 +101,7 @@ def _random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, 
 
 # ------------------------------------------------------------------ one linear-block
 def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: int = 8,
-                 tokens: tuple[int, ...] = (1, 8)) -> list[dict]:
+                 tokens: tuple[int, ...] = (1, 8), bits: tuple[int, ...] = BITS) -> list[dict]:
     """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     planes = _random_planes(copies, out, inp, gen)
@@ -117,7 +117,7 @@ def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: in
         g_ap = capture(lambda: [ap_linear(table, c, x, out) for c in range(copies)])
         g_fp = capture(lambda: [F.linear(x, w) for w in dense])
         fp_us = graph_ms(g_fp, cfg) * 1000 / len(dense)
-        for b in BITS:
+        for b in bits:
             for c in range(copies):
                 table.commit_bits(c, b, luts[b][c])
             us = graph_ms(g_ap, cfg) * 1000 / copies
@@ -126,6 +126,20 @@ def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: in
                          "ap_gbps": nbytes / us / 1e3, "fp16_us": fp_us,
                          "fp16_gbps": fp16_bytes(out, inp) / fp_us / 1e3, "speedup_vs_fp16": fp_us / us})
     return rows
+
+
+def single_block_once(bits: tuple[int, ...], tokens: tuple[int, ...], out: int = 14336, inp: int = 4096) -> None:
+    """Each (bits, T) case launched once on fresh data (for a profiler such as ncu)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    planes = _random_planes(1, out, inp, gen)
+    luts = _random_luts(1, out, inp, gen)
+    table = DeviceWeightTable(1, "cuda")
+    table.set_block(0, planes[0], luts[8][0], 8)
+    for t in tokens:
+        x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16)
+        for b in bits:
+            table.commit_bits(0, b, luts[b][0])
+            ap_linear(table, 0, x, out)
 
 
 # ------------------------------------------------------------------ MoE layers
@@ -204,7 +218,8 @@ def _fp16_paths(shape: MoEShape, x, ids, w, wgu, wd):
     return (gathered if gather_bytes <= FP16_GATHER_LIMIT else None), loop
 
 
-def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None,
+               bits: tuple[int, ...] = BITS, baselines: bool = True) -> list[dict]:
     h, i, e, k = ARCHS[name]
     shape = MoEShape(e, h, i, k)
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
@@ -223,13 +238,14 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
         fp16_active = len(active) * (fp16_bytes(2 * i, h) + fp16_bytes(h, i))
         # the graph holds raw pointers: keep its inputs and scratch alive as long as it is replayed
         cases[t] = dict(graph=graph, active=active, fp16_bytes=fp16_active, keep=(ids, w, x, ws),
-                        fp16_loop_us=graph_ms(capture(loop), cfg) * 1000,
-                        fp16_gathered_us=graph_ms(capture(gathered), cfg) * 1000 if gathered else None)
-        progress(f"{name} T={t}: fp16 loop {cases[t]['fp16_loop_us']:.1f} us")
+                        fp16_loop_us=graph_ms(capture(loop), cfg) * 1000 if baselines else None,
+                        fp16_gathered_us=graph_ms(capture(gathered), cfg) * 1000 if gathered and baselines
+                        else None)
+        progress(f"{name} T={t}: fp16 loop {cases[t]['fp16_loop_us']} us")
     rows = []
     mixed_gen = torch.Generator().manual_seed(cfg.seed + 1)
     mixed = torch.randint(3, 9, (layers, e, 2), generator=mixed_gen)
-    for bits in (*BITS, "mixed"):
+    for bits in (*bits, "mixed"):
         ap.set_bits((lambda l, x_, kd: bits) if bits != "mixed" else (lambda l, x_, kd: int(mixed[l, x_, kd])))
         for t, c in cases.items():
             us = graph_ms(c["graph"], cfg) * 1000 / layers

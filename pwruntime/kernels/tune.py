@@ -1,0 +1,85 @@
+"""Kernel tuning harness: time one AP linear-block and whole MoE layers for a few shapes, bits and T.
+
+`python -m pwruntime.kernels.tune` prints a short table (median of CUDA-graph replays, rotated
+copies so the L2 does not hold the weights) for the Mixtral-expert block (14336 x 4096) at T = 1
+and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`). It is the
+quick loop behind kernel changes; `pwruntime bench kernels` is the full benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from pwruntime.kernels import bench as kb
+
+
+def _force_ksplit(ksplit: int) -> None:
+    """Replace the launch planner by one that always splits K `ksplit` ways (this process only)."""
+    import dataclasses
+
+    from pwruntime.kernels import moe
+    plan = moe.plan_launch
+
+    def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132):
+        p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count)
+        n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
+        return dataclasses.replace(p, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile)
+
+    moe.plan_launch = forced
+
+
+def _extra_defines(extra: tuple[tuple[str, int], ...]) -> None:
+    """Compile every kernel with these defines added (this process only)."""
+    from pwruntime.kernels import compile as kc
+    get = kc.get_kernel
+    kc.get_kernel = lambda device, name, func, defines, dyn_smem=0: get(device, name, func,
+                                                                          tuple(defines) + extra, dyn_smem)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bits", default="3,4,5,8")
+    ap.add_argument("--tokens", default="1,8")
+    ap.add_argument("--moe", default="", help="comma-separated model shapes for MoE-layer rows")
+    ap.add_argument("--moe-tokens", default="1,16,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--once", action="store_true", help="run each block case once, untimed (for ncu)")
+    ap.add_argument("--ksplit", type=int, default=None, help="force this k-split in every launch (experiments)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.define:
+        _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
+    if args.ksplit:
+        _force_ksplit(args.ksplit)
+    bits = tuple(int(b) for b in args.bits.split(","))
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    cfg = kb.BenchConfig(reps=args.reps, warmup=3)
+    rows = []
+    if args.once:
+        kb.single_block_once(bits, tokens)
+        torch.cuda.synchronize()
+        return 0
+    for r in kb.single_block(cfg, tokens=tokens, bits=bits):
+        rows.append(r)
+        print(f"block {r['out']}x{r['in']} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us "
+              f"{r['ap_gbps']:6.0f} GB/s   fp16 {r['fp16_us']:6.1f} us", flush=True)
+    for m in filter(None, args.moe.split(",")):
+        mcfg = kb.BenchConfig(models=(m,), tokens=tuple(int(t) for t in args.moe_tokens.split(",")),
+                              reps=args.reps, warmup=3)
+        for r in kb.moe_layers(mcfg, m, bits=bits, baselines=False):
+            rows.append(r)
+            print(f"moe {m} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
+                  f"(active {r['active_experts']})", flush=True)
+        torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
