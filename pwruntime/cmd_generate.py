@@ -41,7 +41,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
-    w = p.add_argument_group("any-precision experts and a planner (pure-torch AP store)")
+    w = p.add_argument_group("any-precision experts and a planner (CUDA: AP kernels, planes paged on a copy "
+                             "stream; CPU: the pure-torch AP store)")
     w.add_argument("--ap", default=None, metavar="DIR",
                    help="serve the routed experts from this AP checkpoint (`pwruntime quantize`) instead of --model")
     w.add_argument("--policy", default="noop", help="planner that moves expert bits under KV pressure (default noop)")
@@ -51,7 +52,11 @@ def add_engine_args(p) -> None:
 
 
 def _load(args, dtype: str, device: str):
-    """(model, page table or None, policy, calibration or None) for full-precision or AP experts."""
+    """(model, page table or None, policy, calibration or None, page mover or None) for full-precision or AP
+    experts. On CUDA, AP experts are served by a DeviceExpertStore (the kernels) paging from a pinned host
+    master through a CudaPageMover; elsewhere by the pure-torch APExpertStore."""
+    import torch
+
     import policies
     from pwruntime.model import load_model
 
@@ -68,18 +73,27 @@ def _load(args, dtype: str, device: str):
         if model_dir is None:
             raise UserError("--model DIR is required (no bundled demo model is installed): pass a HuggingFace "
                             "MoE checkpoint directory")
-        return load_model(model_dir, dtype=dtype, device=device), None, policy, None
+        return load_model(model_dir, dtype=dtype, device=device), None, policy, None, None
     from policies.calibration import Calibration
     from pwruntime.calibrate.inputs import model_fingerprint_of
     from pwruntime.quant.store import load_ap_model
 
-    model, store = load_ap_model(args.ap, dtype=dtype, device=device)
+    cuda = torch.device(device).type == "cuda"
+    model, store = load_ap_model(args.ap, dtype=dtype, device=device, expert_device="cpu" if cuda else None)
     c = model.config
     table = policies.PageTable(c.num_moe_layers or c.layers, c.experts, c.hidden, c.expert_intermediate,
                                bits=store.bits)
-    store.attach_table(table)  # the store reads the committed bits q on every call
+    mover = None
+    if cuda:
+        from pwruntime.device_store import DeviceExpertStore
+        from pwruntime.page_mover import CudaPageMover
+
+        model.experts = DeviceExpertStore.from_ap_store(store, device=model.device, dtype=model.dtype, table=table)
+        mover = CudaPageMover(model.experts)
+    else:
+        store.attach_table(table)  # the store reads the committed bits q on every call
     cal = Calibration.load(args.calibration, expect_fingerprint=model_fingerprint_of(args.ap)) if args.calibration else None
-    return model, table, policy, cal
+    return model, table, policy, cal, mover
 
 
 def _params(args):
@@ -116,8 +130,11 @@ def build_engine(args):
     model_dir = args.ap or args.model or default_model_dir()
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
-    model, table, policy, cal = _load(args, dtype, device)
-    return LLMEngine(model, config, policy=policy, table=table, calibration=cal), model_dir, dtype, device
+    model, table, policy, cal, mover = _load(args, dtype, device)
+    engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover)
+    if mover is not None:
+        mover.store.sync()  # the policy's initial bits (its reset) reach the device before the first request
+    return engine, model_dir, dtype, device
 
 
 def run(args) -> int:
@@ -140,7 +157,8 @@ def run(args) -> int:
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
                       "plans": engine.loop.num_plans, "mean_bits_start": round(start_bits, 4),
                       "mean_bits_end": round(engine.table.mean_bits(), 4),
-                      "expert_bytes_end": engine.table.resident_bytes() if table is not None else None},
+                      "expert_bytes_end": engine.table.resident_bytes() if table is not None else None,
+                      "page_moves": engine.loop.mover.metrics() if hasattr(engine.loop.mover, "metrics") else None},
         }, sys.stdout)
         sys.stdout.write("\n")
     else:

@@ -157,6 +157,8 @@ class Server:
                   "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
                   "mean_committed_bits": eng.table.mean_bits(), "expert_resident_bytes": eng.table.resident_bytes(),
                   "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps}
+        if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
+            gauges.update(eng.loop.mover.metrics())
         for name, value in {**m, **gauges}.items():
             kind = "counter" if name.endswith("_total") else "gauge"
             lines += [f"# TYPE pagedweight_{name} {kind}", f"pagedweight_{name} {value}"]

@@ -172,13 +172,17 @@ class APExpertStore:
 
 
 def load_ap_model(path: str | Path, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                  **store_kw):
-    """(MoEModel, APExpertStore) from an AP checkpoint directory; store_kw go to APExpertStore."""
+                  expert_device: str | torch.device | None = None, **store_kw):
+    """(MoEModel, APExpertStore) from an AP checkpoint directory; store_kw go to APExpertStore.
+
+    The store's planes and LUTs go to `expert_device` (default `device`): "cpu" keeps them on the
+    host for a pwruntime.device_store.DeviceExpertStore to page from."""
     from pwruntime.model import load_model, parse_dtype
 
     ckpt = load_ap_checkpoint(path)
     dt = parse_dtype(dtype)
-    store = APExpertStore.from_checkpoint(ckpt, device=device, dtype=dt, **store_kw)
+    store = APExpertStore.from_checkpoint(ckpt, device=device if expert_device is None else expert_device, dtype=dt,
+                                          **store_kw)
     model = load_model(path, dtype=dt, device=device, experts=store)
     c = model.config
     if (c.experts, c.hidden, c.expert_intermediate, c.num_moe_layers) != \

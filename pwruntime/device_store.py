@@ -1,0 +1,358 @@
+"""DeviceExpertStore: the ExpertStore that serves routed experts from the device weight table and owns their GPU planes.
+
+Memory: the 8-bit master (all planes, all LUTs of every block) stays in host memory, pinned when the
+device is CUDA. On the device, block i holds planes 0..q_i-1, one tensor per plane allocated through
+torch (dropping one really frees device memory), plus `LUT_{q_i}`; its
+`pwruntime.kernels.DeviceWeightTable` row names them. A block that `commit_in_place` holds (dp-llm)
+keeps its leading GPU planes above q. Every row change goes through `_write_row`, which returns the
+tensors the row stopped naming; they are freed only once the compute stream has passed that point
+(`retire`, a `stream_marks.DeferredFree`), because kernels queued earlier may still read them.
+
+Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 64 tokens with one
+`MoEWorkspace` per (token bucket, dtype, top-k) reused across layers (no host sync, no
+data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
+workspace's activations. For T > 64 (prefill) it dequantizes the active experts at their committed
+bits (`dequantize_blocks`, in chunks of at most `prefill_chunk_bytes`) and runs torch GEMMs through
+`grouped_moe`. Off CUDA, or in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives
+no activations, so a `down_in_norm` request takes the grouped path there.
+
+Following the page table: with a `policies.PageTable` attached, `sync()` brings every idle block's
+row to the table's committed bits (and a held block's leading GPU planes). That is how a policy's
+`initialize` and `in_place` commits reach the device; `CudaPageMover.landed()` calls it at every
+iteration boundary, and `moe()`/`weight()` call it when the committed bits differ from the rows
+(never during CUDA-graph capture). Blocks with a transfer in flight belong to the mover
+(`pwruntime.page_mover`), which changes their rows through `lower`, `stage_planes` and `raise_bits`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from policies.apformat import MAX_BITS
+from policies.page_table import block_index
+from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
+from pwruntime.model.experts import grouped_moe
+from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
+from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
+
+DECODE_MAX_TOKENS = 64  # tokens the fused kernel takes in one launch; more is prefill
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
+DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
+
+
+def _kernel_path(x: torch.Tensor) -> bool:
+    """Whether fused_moe runs the CUDA kernel (and fills the workspace) for activations x."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _resolve(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _host_master(blocks: LayerBlocks, pin: bool) -> LayerBlocks:
+    """One kind of one layer on the host (int32 words, fp16 LUTs), pinned if asked."""
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach().to("cpu").contiguous()
+        return t.pin_memory() if pin and not t.is_pinned() else t
+
+    planes = blocks.planes.view(torch.int32) if blocks.planes.dtype == torch.uint32 else blocks.planes
+    return LayerBlocks(host(planes), {int(b): host(lut) for b, lut in blocks.luts.items()})
+
+
+class DeviceExpertStore:
+    """Routed experts in AP form on a device (see the module docstring)."""
+
+    graph_epoch = 0  # pwruntime.cuda_graphs: would change if a tensor a captured forward uses were reallocated
+
+    @property
+    def capturable(self) -> bool:
+        """Decode (T <= 64, fp16/bf16 on CUDA) is stream-ordered device work that a CUDA graph may capture."""
+        return self.device.type == "cuda"
+
+    def __init__(
+        self,
+        layers: Sequence[dict[str, LayerBlocks]],
+        *,
+        experts: int,
+        hidden: int,
+        intermediate: int,
+        bits: Sequence[int],
+        device: str | torch.device,
+        dtype: torch.dtype = torch.float16,
+        moe_layers: Sequence[int] | None = None,
+        initial_bits: int | np.ndarray = MAX_BITS,
+        table=None,
+        prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
+    ) -> None:
+        self.device = _resolve(device)
+        self.experts, self.hidden, self.intermediate = int(experts), int(hidden), int(intermediate)
+        self.bits = tuple(sorted(int(b) for b in bits))
+        self.dtype = dtype
+        self.prefill_chunk_bytes = int(prefill_chunk_bytes)
+        pin = self.device.type == "cuda"
+        self.master = [{kind: _host_master(blocks[kind], pin) for kind in KINDS} for blocks in layers]
+        self.moe_layers = tuple(moe_layers) if moe_layers is not None else tuple(range(len(self.master)))
+        n = self.num_blocks
+        self.table = DeviceWeightTable(n, self.device)
+        self._planes: list[tuple[torch.Tensor, ...]] = [()] * n
+        self._luts: list[torch.Tensor | None] = [None] * n
+        self.row_bits = np.zeros(n, dtype=np.int8)  # committed bits of each device row
+        self.row_planes = np.zeros(n, dtype=np.int8)  # planes each row names
+        self.row_nbytes = np.zeros(n, dtype=np.int64)  # device bytes each row names (planes + LUT)
+        self.deferred = DeferredFree(self.device)
+        self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
+        self._bits = np.zeros(n, dtype=np.int8)
+        self.page_table = None
+        if table is not None:
+            self.attach_table(table)
+        else:
+            self.set_bits(initial_bits)
+
+    @classmethod
+    def from_ap_store(cls, ap, *, device: str | torch.device, dtype: torch.dtype | None = None, table=None,
+                      **kw) -> "DeviceExpertStore":
+        """Build from an `APExpertStore` at its current bits (or `table`'s). The AP store's layers are
+        replaced, one at a time, by the host master (pinned on CUDA) that both stores then share: host
+        memory is not doubled and the AP store's device copies, if any, go."""
+        pin = _resolve(device).type == "cuda"
+        for layer, blocks in enumerate(ap.layers):
+            ap.layers[layer] = {kind: _host_master(blocks[kind], pin) for kind in KINDS}
+        ap.clear_cache()
+        return cls(ap.layers, experts=ap.experts, hidden=ap.hidden, intermediate=ap.intermediate, bits=ap.bits,
+                   moe_layers=ap.moe_layers, device=device, dtype=dtype or ap.dtype, initial_bits=ap.current_bits(),
+                   table=table, **kw)
+
+    # ------------------------------------------------------------ blocks
+    @property
+    def num_layers(self) -> int:
+        return len(self.master)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_layers * self.experts * 2
+
+    def block_index(self, layer: int, expert: int, kind: str | int) -> int:
+        k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
+        if not 0 <= layer < self.num_layers or not 0 <= expert < self.experts:
+            raise ValueError(f"no block L{layer}.E{expert}: the store has {self.num_layers} MoE layers "
+                             f"x {self.experts} experts")
+        return block_index(layer, expert, k, self.experts)
+
+    def shape(self, kind: str | int) -> tuple[int, int]:
+        """(out, in) of a block of this kind."""
+        k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
+        return (2 * self.intermediate, self.hidden) if k == 0 else (self.hidden, self.intermediate)
+
+    def _master_of(self, i: int) -> tuple[LayerBlocks, int]:
+        layer, expert, kind = i // (2 * self.experts), (i // 2) % self.experts, i % 2
+        return self.master[layer][KINDS[kind]], expert
+
+    def master_planes(self, i: int, lo: int, hi: int) -> list[torch.Tensor]:
+        """Host planes lo..hi-1 of block i, each [out, words] int32 (slices of the pinned master)."""
+        m, e = self._master_of(i)
+        return [m.planes[e, j] for j in range(lo, hi)]
+
+    def master_lut(self, i: int, bits: int) -> torch.Tensor:
+        m, e = self._master_of(i)
+        if bits not in m.luts:
+            raise ValueError(f"block {i}: no LUT for {bits} bits in the AP master (it has {sorted(m.luts)})")
+        return m.luts[bits][e]
+
+    # ------------------------------------------------------------ rows
+    def resident_bytes(self) -> int:
+        """Device bytes the rows name (planes + LUTs); transfers in flight and deferred frees not included."""
+        return int(self.row_nbytes.sum())
+
+    def resident(self, i: int) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(planes, LUT) that row i names."""
+        return self._planes[i], self._luts[i]
+
+    def upload(self, src: torch.Tensor) -> torch.Tensor:
+        """A new device tensor holding `src`, copied on the current stream (asynchronously from pinned memory)."""
+        if self.device.type != "cuda":
+            return src.clone()
+        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        dst.copy_(src, non_blocking=True)
+        return dst
+
+    def retire(self, tensors) -> None:
+        """Free `tensors` once the current stream has passed this point."""
+        self.deferred.add(tensors)
+
+    def _write_row(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor | None,
+                   bits: int) -> list[torch.Tensor]:
+        """Point row i at `planes` and `lut`, committing `bits` (stream-ordered); returns what it stopped naming."""
+        old = self._planes[i] + ((self._luts[i],) if self._luts[i] is not None else ())
+        if bits == 0:
+            self.table.clear(i)
+            planes, lut = (), None
+        else:
+            self.table.set_block(i, list(planes), lut, bits)
+        kept = planes + ((lut,) if lut is not None else ())
+        self._planes[i], self._luts[i] = planes, lut
+        self.row_bits[i], self.row_planes[i], self.row_nbytes[i] = bits, len(planes), tensor_bytes(kept)
+        return [t for t in old if not any(t is k for k in kept)]
+
+    def lower(self, i: int, to_bits: int) -> list[torch.Tensor]:
+        """Offload commit on the current stream: LUT_to is uploaded and row i cut to planes 0..to-1.
+
+        Returns the surplus planes and the old LUT: queued kernels may still read them, so the caller
+        frees them after a mark it records now."""
+        if to_bits == 0:
+            return self._write_row(i, (), None, 0)
+        return self._write_row(i, self._planes[i][:to_bits], self.upload(self.master_lut(i, to_bits)), to_bits)
+
+    def stage_planes(self, i: int, to_bits: int, stream=None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Reload copy on `stream`: new device tensors for planes q..to-1 and LUT_to (row i unchanged)."""
+        lo = len(self._planes[i])
+        with on_stream(stream):
+            planes = tuple(self.upload(p) for p in self.master_planes(i, lo, to_bits))
+            return planes, self.upload(self.master_lut(i, to_bits))
+
+    def raise_bits(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor,
+                   to_bits: int) -> list[torch.Tensor]:
+        """Reload commit: row i names its planes plus `planes` and `lut`; returns the old LUT (retire it)."""
+        return self._write_row(i, self._planes[i] + tuple(planes), lut, to_bits)
+
+    # ------------------------------------------------------------ following the bits
+    def attach_table(self, table) -> None:
+        """Follow `table` (a policies.PageTable in this store's block order) from now on; syncs at once."""
+        if len(table.q) != self.num_blocks:
+            raise ValueError(f"page table has {len(table.q)} blocks, store has {self.num_blocks}")
+        missing = sorted(set(table.bits) - set(self.bits))
+        if missing:
+            raise ValueError(f"page table bitwidths {missing} are not stored in the AP master (it has {self.bits})")
+        self.page_table = table
+        self.sync()
+
+    def set_bits(self, bits: int | np.ndarray) -> None:
+        """Serve every block (array [num_blocks]) or all at one bitwidth; detaches any page table."""
+        arr = np.broadcast_to(np.asarray(bits, dtype=np.int64), (self.num_blocks,))
+        bad = sorted(set(arr.tolist()) - set(self.bits) - {0})
+        if bad:
+            raise ValueError(f"bitwidths {bad} are not stored in the AP master (it has {self.bits})")
+        self._bits = arr.astype(np.int8)
+        self.page_table = None
+        self.sync()
+
+    def current_bits(self) -> np.ndarray:
+        return self.row_bits.copy()
+
+    def sync(self) -> int:
+        """Bring every idle block's row to its committed bits; returns the number of rows rewritten."""
+        self.deferred.collect()
+        pt = self.page_table
+        if pt is None:
+            q, keep, idle = self._bits, self._bits, np.ones(self.num_blocks, dtype=bool)
+        else:
+            q = pt.q
+            keep = np.where(pt.held, pt.leading_gpu_planes(), q)
+            idle = ~pt.busy
+        stale = np.flatnonzero(idle & ((self.row_bits != q) | (self.row_planes != keep)))
+        for i in stale.tolist():
+            self.follow(i, int(q[i]), int(keep[i]))
+        return int(stale.size)
+
+    def follow(self, i: int, q: int, keep: int) -> None:
+        """Rewrite row i to `q` bits naming planes 0..keep-1 (uploading what it lacks, retiring the rest)."""
+        if q == 0:
+            self.retire(self._write_row(i, (), None, 0))
+            return
+        have = self._planes[i]
+        planes = have[:keep] + tuple(self.upload(p) for p in self.master_planes(i, len(have), keep))
+        lut = self._luts[i] if self.row_bits[i] == q else self.upload(self.master_lut(i, q))
+        self.retire(self._write_row(i, planes, lut, q))
+
+    def _follow_table(self) -> None:
+        pt = self.page_table
+        if pt is not None and not np.array_equal(self.row_bits, pt.q) and not _capturing(self.device):
+            self.sync()
+
+    # ------------------------------------------------------------ compute
+    def weight(self, layer: int, expert: int, kind: str) -> torch.Tensor:
+        """The block dequantized at its committed bits (zeros at 0 bits): gate_up [2I, H] or down [H, I]."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+        self._follow_table()
+        out_f, in_f = self.shape(kind)
+        return dequantize_blocks(self.table, [self.block_index(layer, expert, kind)], out_f, in_f, self.dtype)[0]
+
+    def moe_shape(self, top_k: int) -> MoEShape:
+        return MoEShape(self.experts, self.hidden, self.intermediate, int(top_k))
+
+    def workspace(self, tokens: int, dtype: torch.dtype, top_k: int) -> MoEWorkspace:
+        """The workspace of `tokens`' bucket (created once, then reused by every layer and step)."""
+        bucket = next(b for b in TOKEN_BUCKETS if b >= tokens)
+        key = (bucket, dtype, int(top_k))
+        ws = self._workspaces.get(key)
+        if ws is None:
+            ws = self._workspaces[key] = MoEWorkspace.create(self.moe_shape(top_k), bucket, dtype, self.device)
+        return ws
+
+    def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+        self._follow_table()
+        tokens, k = topk_ids.shape
+        kernel = _kernel_path(x)
+        if tokens > DECODE_MAX_TOKENS or (down_in_norm is not None and not kernel):
+            return self._grouped_moe(layer, x, topk_ids, topk_weights, down_in_norm)
+        ws = self.workspace(tokens, x.dtype, k) if kernel else None
+        out = fused_moe(self.table, layer, x, topk_ids, topk_weights, self.moe_shape(k), ws)
+        if down_in_norm is not None:
+            down_in_norm.copy_(ws.act[:tokens * k].float().norm(dim=-1).view(tokens, k))
+        return out
+
+    def dequantize_experts(self, layer: int, experts: Sequence[int],
+                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [n, 2I, H], down [n, H, I]) of `experts` at their committed bits."""
+        out = []
+        for kind in (0, 1):
+            out_f, in_f = self.shape(kind)
+            out.append(dequantize_blocks(self.table, [self.block_index(layer, e, kind) for e in experts],
+                                         out_f, in_f, dtype))
+        return out[0], out[1]
+
+    def _grouped_moe(self, layer, x, topk_ids, topk_weights, down_in_norm):
+        active = torch.unique(topk_ids).tolist()  # host sync: prefill only
+        per_expert = 3 * self.hidden * self.intermediate * x.element_size()
+        weights = _ChunkedExperts(self, layer, active, x.dtype, max(1, self.prefill_chunk_bytes // per_expert))
+        inter = self.intermediate
+
+        def expert(e: int, rows: torch.Tensor):
+            gate_up, down = weights.get(e)
+            h = F.linear(rows, gate_up)
+            act = F.silu(h[:, :inter]) * h[:, inter:]
+            return act, F.linear(act, down)
+
+        return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
+
+
+@dataclass
+class _ChunkedExperts:
+    """Active experts' weights, dequantized `chunk` experts at a time in ascending order (grouped_moe's)."""
+    store: DeviceExpertStore
+    layer: int
+    active: list[int]
+    dtype: torch.dtype
+    chunk: int
+    _loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def get(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if e not in self._loaded:
+            start = self.active.index(e)
+            group = self.active[start:start + self.chunk]
+            self._loaded = {}  # the previous chunk goes before the next one is made
+            gate_up, down = self.store.dequantize_experts(self.layer, group, self.dtype)
+            self._loaded = dict(zip(group, zip(gate_up, down)))
+        return self._loaded[e]

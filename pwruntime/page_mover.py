@@ -1,0 +1,187 @@
+"""CudaPageMover: the runtime's PageMover; moves AP bit-planes between the pinned master and a DeviceExpertStore.
+
+The PlanLoop (policies/loop.py) calls `start(transition, nbytes)` for every transition it begins and
+then, at the same iteration boundary, `landed()`, and commits the blocks landed() returns in the
+PageTable (`finish_offload` / `finish_reload`). The device side follows the same order:
+
+* offload b -> b' (the loop has already committed b' in the PageTable): `start` uploads LUT_b' and
+  rewrites the block's DeviceWeightTable row to planes 0..b'-1 + LUT_b' on the compute stream
+  (stream-ordered: kernels queued before read the old row, kernels after the new one), then records
+  a mark (CUDA event) on the compute stream and keeps the surplus planes and the old LUT alive. The
+  block lands once the mark is done, i.e. no queued kernel can still read them; they are dropped
+  then and the loop's `finish_offload` hands their bytes to the KV pool.
+* reload b -> b'': `start` allocates fresh device tensors for planes b..b''-1 and LUT_b'' and copies
+  them from the pinned master on a dedicated copy stream (non_blocking), recording a mark after the
+  copies. The row is not touched, so kernels keep reading b bits. When the mark is done,
+  **`landed()` commits the device row just before returning the block**: the compute stream waits
+  on the copy mark (the only point where it waits on the copy stream), the row gets the new planes,
+  LUT_b'' and bits b'', and the old LUT_b is freed once the compute stream passes that write. The
+  loop's `finish_reload` then raises q in the PageTable at the same boundary, before any kernel runs.
+* in place (dp-llm) and a policy's `initialize`: the loop commits them without the mover;
+  `landed()` first calls `DeviceExpertStore.sync()`, which brings every idle row to `PageTable.q`.
+
+A reload whose device allocation fails is logged and retried at the next boundary (its block stays
+at the lower bits, nothing is lost). Bytes follow policies/loop.py exactly: what is resident on the
+device, `store.resident_bytes() + inflight_bytes()`, equals `PageTable.resident_bytes()`. Off CUDA
+the same code runs with CPU tensors, no copy stream and marks that are done at once, so a transfer
+lands at the boundary it started.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from policies.contract import Transition
+from pwruntime.device_store import DeviceExpertStore
+from pwruntime.stream_marks import Mark, mark, seconds_between, side_stream, tensor_bytes, wait_for
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MoverStats:
+    """Counters for metrics: transfers, bytes and times."""
+    offloads: int = 0
+    reloads: int = 0
+    failed_reloads: int = 0  # allocation failures (each retried at the next boundary)
+    bytes_freed: int = 0  # device bytes landed offloads dropped: surplus planes + old LUT (what the loop releases)
+    bytes_reloaded: int = 0  # host-to-device bytes of landed reloads (planes + LUT)
+    bytes_lut_uploaded: int = 0  # host-to-device bytes of the lower LUTs offloads upload
+    reload_seconds: float = 0.0  # copy time of landed reloads (device time on CUDA)
+    reload_seconds_max: float = 0.0
+    offload_seconds: float = 0.0  # start -> landed of offloads (host time)
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.bytes_reloaded + self.bytes_lut_uploaded
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus-style names: counters end in _total."""
+        d = {f"page_{k}_total": v for k, v in asdict(self).items() if k != "reload_seconds_max"}
+        d["page_bytes_moved_total"] = self.bytes_moved
+        d["page_reload_seconds_max"] = self.reload_seconds_max
+        return d
+
+
+@dataclass
+class _Transfer:
+    block: int
+    to_bits: int
+    nbytes: int  # what the loop passed to start()
+    done: Mark  # the block lands when this is done
+    begun: Mark  # start of the copy (reload) or of the offload
+    tensors: tuple[torch.Tensor, ...] = ()  # offload: surplus planes + old LUT; reload: new planes
+    lut: torch.Tensor | None = None  # reload: LUT_to
+
+    @property
+    def is_offload(self) -> bool:
+        return self.lut is None
+
+    @property
+    def device_bytes(self) -> int:
+        return tensor_bytes(self.tensors) + (tensor_bytes((self.lut,)) if self.lut is not None else 0)
+
+
+@dataclass
+class CudaPageMover:
+    """PageMover over one DeviceExpertStore (see the module docstring for the commit protocol)."""
+    store: DeviceExpertStore
+    stats: MoverStats = field(default_factory=MoverStats)
+    _pending: list[_Transfer] = field(default_factory=list)
+    _retry: list[tuple[Transition, int, int]] = field(default_factory=list)  # (transition, nbytes, failed at boundary)
+    _boundary: int = 0  # landed() calls so far
+
+    def __post_init__(self) -> None:
+        self.device = self.store.device
+        self.copy_stream = side_stream(self.device)
+
+    # ------------------------------------------------------------ PageMover
+    def start(self, transition: Transition, nbytes: int) -> None:
+        i = int(transition.block)
+        if int(self.store.row_bits[i]) != transition.from_bits:  # a commit no boundary has synced yet
+            self.store.follow(i, transition.from_bits, transition.from_bits)
+        if transition.is_offload:
+            self._start_offload(i, transition.to_bits, nbytes)
+        else:
+            self._try_reload(transition, nbytes)
+
+    def landed(self) -> list[int]:
+        self.store.sync()
+        due = [r for r in self._retry if r[2] < self._boundary]  # reloads that failed at an earlier boundary
+        self._retry = [r for r in self._retry if r[2] >= self._boundary]
+        for t, nbytes, _ in due:
+            self._try_reload(t, nbytes)
+        self._boundary += 1
+        out, keep = [], []
+        for tr in self._pending:
+            if tr.done.done():
+                self._finish(tr)
+                out.append(tr.block)
+            else:
+                keep.append(tr)
+        self._pending = keep
+        self.store.deferred.collect()
+        return out
+
+    # ------------------------------------------------------------ views
+    def inflight_bytes(self) -> int:
+        """Device bytes of transfers not landed: offloads' surplus planes + old LUT, reloads' planes + LUT."""
+        return sum(tr.device_bytes for tr in self._pending)
+
+    def device_bytes(self) -> int:
+        """Every device byte of expert weights that the page table accounts for."""
+        return self.store.resident_bytes() + self.inflight_bytes()
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending) + len(self._retry)
+
+    def metrics(self) -> dict[str, float]:
+        return self.stats.metrics()
+
+    def drain(self) -> None:
+        """Block until every transfer begun so far has completed on the device (tests, shutdown)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------ transfers
+    def _start_offload(self, i: int, to_bits: int, nbytes: int) -> None:
+        begun = mark(self.device)
+        surplus = self.store.lower(i, to_bits)
+        if to_bits:
+            self.stats.bytes_lut_uploaded += tensor_bytes(self.store.resident(i)[1:])
+        self._pending.append(_Transfer(i, to_bits, int(nbytes), mark(self.device), begun, tuple(surplus)))
+
+    def _try_reload(self, t: Transition, nbytes: int) -> None:
+        if not self._start_reload(int(t.block), t.to_bits, nbytes):
+            self._retry.append((t, nbytes, self._boundary))
+
+    def _start_reload(self, i: int, to_bits: int, nbytes: int) -> bool:
+        try:
+            begun = mark(self.device, self.copy_stream, timing=True)
+            planes, lut = self.store.stage_planes(i, to_bits, self.copy_stream)
+            done = mark(self.device, self.copy_stream, timing=True)
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            self.stats.failed_reloads += 1
+            log.warning("reload of block %d to %d bits failed (%s); it stays at the lower bits and is retried",
+                        i, to_bits, e)
+            return False
+        self._pending.append(_Transfer(i, to_bits, int(nbytes), done, begun, planes, lut))
+        return True
+
+    def _finish(self, tr: _Transfer) -> None:
+        if tr.is_offload:
+            self.stats.offloads += 1
+            self.stats.bytes_freed += tr.device_bytes
+            self.stats.offload_seconds += time.perf_counter() - tr.begun.host_time
+            return  # dropping `tr` frees the surplus planes and the old LUT
+        wait_for(tr.done, self.device)
+        self.store.retire(self.store.raise_bits(tr.block, tr.tensors, tr.lut, tr.to_bits))
+        seconds = seconds_between(tr.begun, tr.done)
+        self.stats.reloads += 1
+        self.stats.bytes_reloaded += tr.device_bytes
+        self.stats.reload_seconds += seconds
+        self.stats.reload_seconds_max = max(self.stats.reload_seconds_max, seconds)
