@@ -56,6 +56,7 @@ class EngineConfig:
     stall_limit: int = 8
     seed: int = 0  # seeds requests that carry no seed of their own
     record_traces: bool = False
+    cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,9 @@ class LLMEngine:
         self.clock, self.t0 = clock, clock()
         self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype)
         self.pool = BlockPool(self._initial_blocks(), cfg.block_size)
-        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size)
-        self.runner = ModelRunner(model, self.kv)
+        graphs = cfg.cuda_graphs and model.device.type == "cuda"
+        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         n_moe = mc.num_moe_layers or mc.layers
         self.table = table if table is not None else PageTable(n_moe, mc.experts, mc.hidden, mc.expert_intermediate)

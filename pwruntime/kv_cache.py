@@ -3,6 +3,10 @@
 The block pool (policies/kv_blocks.py) decides which block ids a sequence owns; this class only backs
 them with memory. resize() grows the cache, or shrinks it keeping blocks [0, num_blocks) (the pool
 guarantees those above are free), so capacity can follow the memory weight pages release or reclaim.
+
+With `scratch=True` the tensors hold one more block, `scratch_block` (== num_blocks, never a pool id):
+the padded rows of a CUDA-graph decode batch write and read there. `generation` counts the resizes
+that replaced the tensors, so a captured graph (which baked their addresses) can tell it is stale.
 """
 from __future__ import annotations
 
@@ -10,25 +14,32 @@ import torch
 
 
 class KVCache:
-    """Per layer K and V tensors [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per layer K and V tensors [num_blocks (+1 scratch), block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", scratch: bool = False):
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_layers, self.block_size = num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        self.num_blocks = num_blocks
+        self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
         self.k: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
         self.v: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
 
     def _alloc(self, n: int) -> torch.Tensor:
-        return torch.zeros(n, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
+        return torch.zeros(n + self.scratch, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                            device=self.device)
 
+    @property
+    def scratch_block(self) -> int | None:
+        """The block id past the pool's ids that padded graph rows use, or None without scratch."""
+        return self.num_blocks if self.scratch else None
+
     def resize(self, num_blocks: int) -> None:
-        """Grow (new blocks are zero), or shrink keeping blocks [0, num_blocks); frees the old tensors."""
+        """Grow (new blocks are zero), or shrink keeping blocks [0, num_blocks); frees the old tensors.
+
+        The scratch block's contents are not kept (nothing reads what a padded row wrote)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks == self.num_blocks:
@@ -40,11 +51,12 @@ class KVCache:
                 new[:keep].copy_(old[:keep])
                 tensors[i] = new     # the old tensor is released here, layer by layer
         self.num_blocks = num_blocks
+        self.generation += 1
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads,
-                                                      self.head_dim, self.dtype)
+        per_block = self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return (self.num_blocks + self.scratch) * per_block
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,

@@ -3,6 +3,10 @@
 The scheduler's pool already reserved every slot; the runner only reads block tables. It returns the
 logits of the rows that sample (each sampling sequence's last new token) and, when asked, the batch's
 routing as numpy arrays for the shared observation code (policies.observe).
+
+With `cuda_graphs` on a CUDA model, a batch in which every sequence adds exactly one token replays a
+captured graph (pwruntime.cuda_graphs.DecodeGraphs) when the expert store is capturable; everything
+else (prefill, mixed batches, CPU, a store that is not capturable) runs the forward eagerly.
 """
 from __future__ import annotations
 
@@ -13,8 +17,10 @@ import torch
 
 from policies.kv_blocks import BlockPool
 from policies.scheduler import ScheduledBatch
+from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
+from pwruntime.model.moe_model import ForwardOutput
 
 
 @dataclass(frozen=True)
@@ -37,8 +43,9 @@ class StepOutput:
 class ModelRunner:
     """Runs one model over one paged KV cache."""
 
-    def __init__(self, model, kv: KVCache) -> None:
+    def __init__(self, model, kv: KVCache, cuda_graphs: bool = False, max_num_seqs: int = GRAPH_SIZES[-1]) -> None:
         self.model, self.kv = model, kv
+        self.graphs = DecodeGraphs(model, kv, max_num_seqs) if cuda_graphs and model.device.type == "cuda" else None
 
     def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[torch.Tensor, torch.Tensor,
                                                                         AttentionMetadata, list[int]]:
@@ -59,12 +66,24 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, sample_rows)
 
+    def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
+        """The forward through a captured decode graph, or None when this batch runs eagerly."""
+        if self.graphs is None or any(e.num_new_tokens != 1 for e in batch.entries):
+            return None
+        rows = DecodeRows([e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries],
+                          [e.start for e in batch.entries], [pool.block_table(e.seq.seq_id) for e in batch.entries])
+        return self.graphs.forward(rows, record)
+
     def run(self, batch: ScheduledBatch, pool: BlockPool, record: bool = False) -> StepOutput:
         if pool.id_limit > self.kv.num_blocks:
             raise RuntimeError(f"KV cache backs {self.kv.num_blocks} blocks but the pool uses ids up to "
                                f"{pool.id_limit}; resize the cache after changing the pool")
-        input_ids, positions, meta, rows = self.prepare(batch, pool)
-        out = self.model.forward(input_ids, positions, self.kv, meta, record=record)
+        out = self._graph_forward(batch, pool, record)
+        if out is None:
+            input_ids, positions, meta, rows = self.prepare(batch, pool)
+            out = self.model.forward(input_ids, positions, self.kv, meta, record=record)
+        else:  # one row per entry
+            rows = [i for i, e in enumerate(batch.entries) if e.sample]
         logits = self.model.logits(out.hidden[torch.tensor(rows, dtype=torch.long, device=out.hidden.device)])
         routing = None
         if record and out.routing:
@@ -74,7 +93,7 @@ class ModelRunner:
                 torch.stack([x.topk_weights for x in r]).float().cpu().numpy(),
                 torch.stack([x.gate_up_in_norm for x in r]).float().cpu().numpy(),
                 torch.stack([x.down_in_norm for x in r]).float().cpu().numpy(),
-                tuple(meta.query_lens))
+                tuple(e.num_new_tokens for e in batch.entries))
         return StepOutput(logits, routing)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:

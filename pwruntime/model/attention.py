@@ -8,15 +8,23 @@ The reference gathers K/V through the block tables, vectorised over sequences: a
 batch (query length 1) form one group; each multi-token chunk is its own group. A chunk with no cached
 context (plain prefill) uses torch's scaled_dot_product_attention on its own K/V, which is the same
 math. This is the CPU path and the reference a CUDA paged-attention kernel must match.
+
+A pure-decode batch (every sequence adds one token) on CUDA in fp16/bf16 instead runs
+`kernels.attention.paged_attention_decode` over a `DecodeBatch` (block tables and sequence lengths as
+device tensors, nothing read back to the host), so the forward can be captured in a CUDA graph; the
+gather groups are then built only if a sliding-window layer needs them (a window shorter than the
+longest sequence), which cannot happen inside a graph (the graph runner checks).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.layers import Linear, RMSNorm, Rotary
 
@@ -27,6 +35,7 @@ class AttentionMetadata:
     context_lens: list[int]      # tokens already in the cache per sequence before this forward
     block_tables: torch.Tensor   # [num_seqs, max_blocks] int32, padded with -1
     slot_mapping: torch.Tensor   # [T] int64: block_id * block_size + offset of each new token's K/V
+    seq_lens: torch.Tensor | None = None   # pure decode only: [S] int32 device context_len + 1 (static graph input)
 
     @property
     def num_tokens(self) -> int:
@@ -82,14 +91,52 @@ class _GatherGroup:           # sequences whose keys are gathered from the paged
         return self.masks[window]
 
 
+DECODE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """A pure-decode batch as the paged-attention decode kernel reads it (device tensors only)."""
+    block_tables: torch.Tensor   # [S, max_blocks] int32
+    seq_lens: torch.Tensor       # [S] int32: tokens each query attends to (its own K/V included)
+    max_len: int                 # host bound on seq_lens: a sliding window at least this long changes nothing
+
+    def kernel_applies(self, device_type: str, dtype: torch.dtype, window: int | None) -> bool:
+        """Whether the kernel computes this batch's attention (else the gather reference does)."""
+        return (device_type == "cuda" and dtype in DECODE_KERNEL_DTYPES
+                and (window is None or self.max_len <= window))
+
+
 @dataclass
 class AttentionPlan:
-    """Everything derived from AttentionMetadata once per forward and shared by all layers."""
+    """Everything derived from AttentionMetadata once per forward and shared by all layers.
+
+    `decode` is set for pure-decode batches; `groups` (the reference's gather groups) are built at
+    `build` unless the decode kernel will serve the batch, then only on first use."""
     slot_mapping: torch.Tensor
-    groups: list
+    meta: AttentionMetadata
+    block_size: int
+    device: torch.device
+    decode: DecodeBatch | None = None
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> "AttentionPlan":
+    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
+              dtype: torch.dtype | None = None) -> "AttentionPlan":
+        decode = None
+        if meta.query_lens and all(q == 1 for q in meta.query_lens):
+            lens = meta.seq_lens
+            if lens is None:
+                lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32, device=device)
+            decode = DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32),
+                                 lens.to(device=device, dtype=torch.int32), max(meta.context_lens) + 1)
+        plan = cls(meta.slot_mapping.to(device=device, dtype=torch.int64), meta, block_size, device, decode)
+        if decode is None or not decode.kernel_applies(device.type, dtype, None):
+            plan.groups  # build (and validate the block tables) now
+        return plan
+
+    @cached_property
+    def groups(self) -> list:
+        meta, block_size, device = self.meta, self.block_size, self.device
         starts = [0]
         for q in meta.query_lens:
             starts.append(starts[-1] + q)
@@ -99,10 +146,10 @@ class AttentionPlan:
             if q > 1 and meta.context_lens[s] == 0:
                 groups.append(_PrefillGroup(starts[s], starts[s + 1]))
             elif q > 1:
-                groups.append(cls._gather(meta, [s], starts, block_size, device))
+                groups.append(self._gather(meta, [s], starts, block_size, device))
         if decode:
-            groups.append(cls._gather(meta, decode, starts, block_size, device))
-        return cls(meta.slot_mapping.to(device=device, dtype=torch.int64), groups)
+            groups.append(self._gather(meta, decode, starts, block_size, device))
+        return groups
 
     @staticmethod
     def _gather(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
@@ -165,6 +212,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
                     window: int | None = None) -> torch.Tensor:
     """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache)."""
+    d = plan.decode
+    if d is not None and d.kernel_applies(q.device.type, q.dtype, window):
+        return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale)
     out = torch.empty_like(q)
     for g in plan.groups:
         if isinstance(g, _PrefillGroup):

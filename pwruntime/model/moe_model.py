@@ -95,10 +95,11 @@ class MoEModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16) -> KVCache:
-        """An empty paged KV cache for this model (its dtype and device)."""
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False) -> KVCache:
+        """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
+        CUDA-graph decode batches need (see KVCache)."""
         c = self.config
-        return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device)
+        return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device, scratch)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
@@ -108,7 +109,7 @@ class MoEModel(nn.Module):
                              f"{meta.num_tokens} tokens in the metadata")
         dev = self.device
         input_ids, positions = input_ids.to(dev), positions.to(dev)
-        plan = AttentionPlan.build(meta, kv.block_size, dev)
+        plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         records: list[LayerRouting] | None = [] if record else None
         x = F.embedding(input_ids, self.embed)

@@ -1,0 +1,232 @@
+"""DecodeGraphs: MoEModel.forward of pure-decode batches captured in CUDA graphs, one per padded batch size.
+
+As in vLLM's CUDA-graph runner, a decode batch of n sequences (one new token each) is padded to the
+smallest captured size >= n (1, 2, 4, ..., 64, up to max_num_seqs) and replayed from static input
+buffers: input_ids, positions, seq_lens (context + 1), block_tables [size, max_blocks] and
+slot_mapping. Padding rows are harmless: token 0 at position 0, one token long, block table and
+K/V slot in the KV cache's scratch block (KVCache(scratch=True), an id the pool never hands out).
+
+Everything the forward does on that path is stream-ordered device work: the attention plan takes
+the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel), rotary, norms and
+top-k are plain torch, and the expert store must say it is capturable (`store.capturable`; the
+fused AP kernel reads the device page table at run time, so committing new bits between replays
+needs no recapture). Routing records are static outputs of the graph too; callers get views of
+the real rows, valid until the next replay.
+
+A graph bakes the addresses of what it touches, so graphs are dropped and captured again when the
+KV cache replaced its tensors (`KVCache.generation`), when `model.experts` is another object, or
+when the store bumps its `graph_epoch` (a store must do so whenever it reallocates a tensor a
+captured forward uses, e.g. its MoE workspaces). Graphs are captured lazily, on a size's first use
+(`capture_all` warms them all). If a capture fails, graphs are disabled (logged) and the caller
+runs eagerly.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata
+from pwruntime.model.moe_model import ForwardOutput, LayerRouting
+
+log = logging.getLogger(__name__)
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)   # 64 = the fused MoE kernel's tokens per launch
+
+
+def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    """Padded batch sizes to capture: GRAPH_SIZES up to the first that holds max_num_seqs."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    sizes = []
+    for s in GRAPH_SIZES:
+        sizes.append(s)
+        if s >= max_num_seqs:
+            break
+    return tuple(sizes)
+
+
+def padded_size(n: int, sizes: tuple[int, ...]) -> int | None:
+    """The smallest size >= n, or None when n is larger than every size."""
+    return next((s for s in sizes if s >= n), None)
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A decode batch on the host: per sequence its new token, that token's position and its block ids."""
+    token_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def max_len(self) -> int:
+        return max(self.positions) + 1
+
+    @property
+    def max_blocks(self) -> int:
+        return max(len(t) for t in self.block_tables)
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """The graph's inputs, rows padded to a graph size (numpy on the host, or the static device buffers)."""
+    input_ids: np.ndarray | torch.Tensor      # [size] int64
+    positions: np.ndarray | torch.Tensor      # [size] int64
+    seq_lens: np.ndarray | torch.Tensor       # [size] int32: context + 1
+    block_tables: np.ndarray | torch.Tensor   # [size, max_blocks] int32
+    slot_mapping: np.ndarray | torch.Tensor   # [size] int64
+
+    @classmethod
+    def pad(cls, rows: DecodeRows, size: int, max_blocks: int, block_size: int, scratch: int) -> "DecodeInputs":
+        """Real rows first, then padding rows (token 0, position 0, length 1, everything on `scratch`)."""
+        n = len(rows)
+        if n > size or (n and rows.max_blocks > max_blocks):
+            raise ValueError(f"{n} rows of up to {rows.max_blocks if n else 0} blocks do not fit "
+                             f"{size} x {max_blocks}")
+        ids, pos = np.zeros(size, np.int64), np.zeros(size, np.int64)
+        ids[:n], pos[:n] = rows.token_ids, rows.positions
+        tables = np.full((size, max_blocks), scratch, np.int32)
+        slots = np.full(size, scratch * block_size, np.int64)
+        for i, (p, blocks) in enumerate(zip(rows.positions, rows.block_tables)):
+            if len(blocks) * block_size <= p:
+                raise ValueError(f"row {i}: {len(blocks)} blocks of {block_size} cannot hold position {p}")
+            tables[i, :len(blocks)] = blocks
+            slots[i] = blocks[p // block_size] * block_size + p % block_size
+        return cls(ids, pos, (pos + 1).astype(np.int32), tables, slots)
+
+    @classmethod
+    def alloc(cls, size: int, max_blocks: int, device: torch.device) -> "DecodeInputs":
+        z = lambda *shape, dtype: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        return cls(z(size, dtype=torch.long), z(size, dtype=torch.long), z(size, dtype=torch.int32),
+                   z(size, max_blocks, dtype=torch.int32), z(size, dtype=torch.long))
+
+    def fill_from(self, host: "DecodeInputs") -> None:
+        """Copy host arrays into the first rows of these device buffers (stream-ordered; pageable sources
+        are staged by the driver before the call returns, so the arrays may go right away)."""
+        with torch.inference_mode():   # the buffers may be inference tensors if made under inference mode
+            for f in fields(self):
+                src = torch.from_numpy(getattr(host, f.name))
+                getattr(self, f.name)[:src.shape[0]].copy_(src, non_blocking=True)
+
+    def metadata(self, size: int, max_len: int) -> AttentionMetadata:
+        """Metadata over the first `size` rows; `max_len` bounds every sequence length it will be replayed with."""
+        return AttentionMetadata([1] * size, [max_len - 1] * size, self.block_tables[:size],
+                                 self.slot_mapping[:size], self.seq_lens[:size])
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    out: ForwardOutput          # static outputs of the padded batch
+
+
+class DecodeGraphs:
+    """Captured decode forwards of one model over one KV cache (see the module docstring)."""
+
+    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None):
+        self.model, self.kv = model, kv
+        self.sizes = graph_sizes(max_num_seqs)
+        self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
+        self.window = min((w for w in model.config.sliding_windows if w), default=None)
+        self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
+        self.disabled: str | None = None     # why graphs are off (a capture failed)
+        self.captures = self.replays = self.invalidations = 0
+        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._pool = None
+        self._store = None
+        self._key: tuple[int, int] | None = None
+
+    # ------------------------------------------------------------ checks
+    @property
+    def ready(self) -> bool:
+        """Whether this model, store and cache can be captured at all right now."""
+        return (self.disabled is None and self.kv.scratch_block is not None
+                and self.model.dtype in DECODE_KERNEL_DTYPES and bool(getattr(self.model.experts, "capturable", False)))
+
+    def supports(self, rows: DecodeRows) -> bool:
+        """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
+        return (0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
+                and (self.window is None or rows.max_len <= self.window))
+
+    def _drop_stale(self) -> None:
+        """Invalidate when the KV tensors, the store or the store's captured tensors changed since capture."""
+        store = self.model.experts
+        key = (self.kv.generation, getattr(store, "graph_epoch", 0))
+        if store is not self._store or key != self._key:
+            self.invalidate()
+            self._store, self._key = store, key
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (their memory pool goes with them)."""
+        if self._graphs:
+            self.invalidations += 1
+        self._graphs.clear()
+        self._pool = None
+
+    # ------------------------------------------------------------ running
+    def forward(self, rows: DecodeRows, record: bool = False) -> ForwardOutput | None:
+        """The forward of `rows` by graph replay (views of the real rows), or None if it must run eagerly."""
+        self._drop_stale()
+        if not self.supports(rows):
+            return None
+        size = padded_size(len(rows), self.sizes)
+        captured = self._graphs.get((size, record)) or self._capture(size, record)
+        if captured is None:
+            return None
+        self.buffers.fill_from(self._pad(rows, size))
+        captured.graph.replay()
+        self.replays += 1
+        n, out = len(rows), captured.out
+        routing = None
+        if out.routing is not None:
+            routing = [LayerRouting(**{f.name: getattr(r, f.name)[:n] for f in fields(r)}) for r in out.routing]
+        return ForwardOutput(out.hidden[:n], routing)
+
+    def capture_all(self, record: bool = False) -> None:
+        """Capture every size now (instead of on first use); nothing when `ready` is False."""
+        self._drop_stale()
+        for size in self.sizes:
+            if not self.ready:
+                return
+            if (size, record) not in self._graphs:
+                self._capture(size, record)
+
+    def _pad(self, rows: DecodeRows, size: int) -> DecodeInputs:
+        return DecodeInputs.pad(rows, size, self.max_blocks, self.kv.block_size, self.kv.scratch_block)
+
+    def _capture(self, size: int, record: bool) -> _Captured | None:
+        self.buffers.fill_from(self._pad(DecodeRows([], [], []), size))
+        b = self.buffers
+        args = (b.input_ids[:size], b.positions[:size], self.kv, b.metadata(size, self.window or 1))
+        try:
+            captured = self._record(args, record)
+        except Exception as e:  # noqa: BLE001 - any failure means: run this model eagerly
+            self.disabled = f"capturing a decode graph of {size} rows failed: {type(e).__name__}: {e}"
+            log.warning("%s; decode steps run eagerly from now on", self.disabled)
+            self.invalidate()
+            return None
+        self.captures += 1
+        self._graphs[(size, record)] = captured
+        return captured
+
+    def _record(self, args: tuple, record: bool) -> _Captured:
+        """Warm up, then capture model.forward(*args) into this object's shared memory pool."""
+        dev = self.model.device
+        with torch.cuda.device(dev):
+            side = torch.cuda.Stream(dev)
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):   # warm-up outside the capture: kernel compiles, cuBLAS handles
+                self.model.forward(*args, record=record)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self.model.forward(*args, record=record)
+        return _Captured(graph, out)

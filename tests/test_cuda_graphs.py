@@ -1,0 +1,424 @@
+"""Decode steps through captured CUDA graphs (pwruntime.cuda_graphs) and the CUDA decode-attention path.
+
+CPU: bucketing and padding of decode batches, the scratch KV block, when graphs are stale or not
+usable, and the attention decode path selection (the CPU reference is unchanged, and the kernel's
+arguments are wired right: on CPU the kernel function falls back to its reference).
+GPU (`gpu` marker): on the bundled demo model in fp16, with a capturable expert store built here
+(experts quantized to AP bit-planes in a DeviceWeightTable, served by kernels.fused_moe): graph
+replay equals the eager forward (logits and routing), follows `commit_bits` without recapture, and
+KV resizes drop stale graphs; the engine decodes the same tokens with and without graphs, and runs
+eagerly with the (not capturable) dense store.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeInputs, DecodeRows, graph_sizes, padded_size
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.attention import AttentionPlan, DecodeBatch, batch_metadata, paged_attention
+from pwruntime.kernels.reference import paged_attention_decode_ref
+
+
+# ------------------------------------------------------------------ CPU: bucketing and padding
+def test_graph_sizes_and_padding_buckets():
+    assert graph_sizes(1) == (1,)
+    assert graph_sizes(3) == (1, 2, 4)
+    assert graph_sizes(32) == (1, 2, 4, 8, 16, 32)
+    assert graph_sizes(33) == GRAPH_SIZES == graph_sizes(1000)
+    with pytest.raises(ValueError):
+        graph_sizes(0)
+    sizes = graph_sizes(16)
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    assert padded_size(17, sizes) is None
+
+
+def test_pad_puts_padding_rows_on_the_scratch_block():
+    bs, scratch = 4, 9
+    rows = DecodeRows([11, 12, 13], [0, 5, 8], [[3], [7, 2], [1, 4, 6]])
+    assert len(rows) == 3 and rows.max_len == 9 and rows.max_blocks == 3
+    p = DecodeInputs.pad(rows, 4, 5, bs, scratch)
+    assert p.input_ids.tolist() == [11, 12, 13, 0] and p.positions.tolist() == [0, 5, 8, 0]
+    assert p.seq_lens.tolist() == [1, 6, 9, 1] and p.seq_lens.dtype == np.int32
+    assert p.slot_mapping.tolist() == [3 * bs, 2 * bs + 1, 6 * bs, scratch * bs]
+    assert p.block_tables.tolist() == [[3, 9, 9, 9, 9], [7, 2, 9, 9, 9], [1, 4, 6, 9, 9], [9] * 5]
+    empty = DecodeInputs.pad(DecodeRows([], [], []), 2, 3, bs, scratch)
+    assert empty.slot_mapping.tolist() == [scratch * bs] * 2 and empty.seq_lens.tolist() == [1, 1]
+    with pytest.raises(ValueError):
+        DecodeInputs.pad(rows, 2, 5, bs, scratch)           # more rows than the graph size
+    with pytest.raises(ValueError):
+        DecodeInputs.pad(rows, 4, 2, bs, scratch)           # a table wider than the buffer
+    with pytest.raises(ValueError):
+        DecodeInputs.pad(DecodeRows([1], [4], [[3]]), 1, 2, bs, scratch)   # position 4 needs a second block
+
+
+def test_static_buffers_feed_the_plan_without_copies():
+    buf = DecodeInputs.alloc(8, 6, torch.device("cpu"))
+    buf.fill_from(DecodeInputs.pad(DecodeRows([5, 6], [3, 17], [[2], [0, 1, 4]]), 4, 6, 8, 7))
+    meta = buf.metadata(4, 32)
+    assert meta.query_lens == [1] * 4 and meta.num_tokens == 4
+    plan = AttentionPlan.build(meta, 8, torch.device("cpu"), torch.float16)
+    assert plan.decode is not None and plan.decode.max_len == 32
+    for got, static in ((plan.decode.seq_lens, buf.seq_lens), (plan.decode.block_tables, buf.block_tables),
+                        (plan.slot_mapping, buf.slot_mapping)):
+        assert got.data_ptr() == static.data_ptr()      # views of the static buffers, as a graph needs
+    assert plan.decode.seq_lens.tolist() == [4, 18, 1, 1]
+    assert buf.slot_mapping[:4].tolist() == [2 * 8 + 3, 4 * 8 + 1, 7 * 8, 7 * 8]
+
+
+def test_kv_cache_scratch_block_and_generation():
+    kv = KVCache(2, 4, 2, 1, 8, torch.float16, scratch=True)
+    assert kv.scratch_block == 4 and kv.k[0].shape[0] == 5 and kv.generation == 0
+    assert kv.nbytes == 5 * KVCache.bytes_per_block(2, 2, 1, 8, torch.float16)
+    kv.k[1][:4].normal_()
+    before = kv.k[1][:4].clone()
+    kv.resize(7)
+    assert kv.scratch_block == 7 and kv.k[1].shape[0] == 8 and kv.generation == 1
+    assert torch.equal(kv.k[1][:4], before)
+    kv.resize(7)
+    assert kv.generation == 1                               # nothing replaced
+    kv.resize(3)
+    assert kv.scratch_block == 3 and kv.v[0].shape[0] == 4 and kv.generation == 2
+    plain = KVCache(2, 4, 2, 1, 8)
+    assert plain.scratch_block is None and plain.k[0].shape[0] == 4
+
+
+def _fake_model(window=None, dtype=torch.float16, store=None):
+    cfg = SimpleNamespace(max_position=64, sliding_windows=(None, window))
+    return SimpleNamespace(config=cfg, device=torch.device("cpu"), dtype=dtype,
+                           experts=store if store is not None else SimpleNamespace(capturable=True, graph_epoch=0))
+
+
+def test_graphs_usable_only_for_capturable_decode_batches():
+    kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
+    g = DecodeGraphs(_fake_model(), kv, max_num_seqs=6)
+    assert g.sizes == (1, 2, 4, 8) and g.max_blocks == 16 and g.buffers.block_tables.shape == (8, 16)
+    row = lambda n, pos=3: DecodeRows([1] * n, [pos] * n, [[0] * (pos // 4 + 1)] * n)  # noqa: E731
+    assert g.supports(row(1)) and g.supports(row(8))
+    assert not g.supports(row(9)) and not g.supports(row(0))
+    assert not g.supports(DecodeRows([1], [3], [[0] * 17]))         # wider than max_position / block_size
+    assert not DecodeGraphs(_fake_model(store=SimpleNamespace()), kv, 4).supports(row(1))     # store not capturable
+    assert not DecodeGraphs(_fake_model(dtype=torch.float32), kv, 4).supports(row(1))       # fp32: no decode kernel
+    assert not DecodeGraphs(_fake_model(), KVCache(2, 16, 4, 1, 8), 4).supports(row(1))    # no scratch block
+    windowed = DecodeGraphs(_fake_model(window=8), kv, 4)
+    assert windowed.supports(row(2, pos=7)) and not windowed.supports(row(2, pos=8))   # 9 tokens > window 8
+    g.disabled = "capture failed"
+    assert not g.supports(row(1))
+
+
+def test_graphs_dropped_when_cache_or_store_changes():
+    store = SimpleNamespace(capturable=True, graph_epoch=0)
+    model = _fake_model(store=store)
+    kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
+    g = DecodeGraphs(model, kv, 4)
+
+    def captured_then_stale(change) -> bool:
+        g._drop_stale()
+        g._graphs[(1, False)] = object()
+        g._drop_stale()
+        assert g._graphs, "dropped without a change"
+        change()
+        g._drop_stale()
+        return not g._graphs
+
+    assert captured_then_stale(lambda: kv.resize(20))
+    assert captured_then_stale(lambda: kv.resize(8))
+    assert captured_then_stale(lambda: setattr(store, "graph_epoch", 1))
+    assert captured_then_stale(lambda: setattr(model, "experts", SimpleNamespace(capturable=True)))
+    assert g.invalidations == 4
+
+
+# ------------------------------------------------------------------ CPU: attention decode path
+def _decode_batch(seed: int = 0, device: str = "cpu"):
+    """Four decode sequences (contexts 0, 5, 12, 3) over random caches [24 blocks of 4, 2 KV heads, 32]."""
+    g = torch.Generator().manual_seed(seed)
+    bs, kvh, heads, d, nblocks = 4, 2, 4, 32, 24
+    k_cache = torch.randn(nblocks, bs, kvh, d, generator=g).to(device)
+    v_cache = torch.randn(nblocks, bs, kvh, d, generator=g).to(device)
+    perm = torch.randperm(nblocks, generator=g).tolist()
+    seqs, used = [], 0
+    for ctx in (0, 5, 12, 3):
+        n = -(-(ctx + 1) // bs)
+        seqs.append((ctx, 1, perm[used:used + n]))
+        used += n
+    meta = batch_metadata(seqs, bs, device)
+    q = torch.randn(len(seqs), heads, d, generator=g).to(device)
+    new_k, new_v = (torch.randn(len(seqs), kvh, d, generator=g).to(device) for _ in range(2))
+    return q, (new_k, new_v), (k_cache, v_cache), meta
+
+
+def _write_new(plan: AttentionPlan, new, caches) -> None:
+    for t, c in zip(new, caches):
+        c.view(-1, c.shape[2], c.shape[3]).index_copy_(0, plan.slot_mapping, t.to(c.dtype))
+
+
+def test_decode_plan_selection():
+    meta = _decode_batch()[3]
+    plan = AttentionPlan.build(meta, 4, torch.device("cpu"), torch.float32)
+    assert plan.decode is not None and plan.decode.max_len == 13
+    assert plan.decode.seq_lens.tolist() == [1, 6, 13, 4] and plan.decode.seq_lens.dtype == torch.int32
+    assert plan.decode.block_tables.dtype == torch.int32
+    assert "groups" in plan.__dict__                  # CPU: the reference's groups are built (and checked) at once
+    mixed = batch_metadata([(5, 1, [0, 1]), (0, 3, [2])], 4)
+    assert AttentionPlan.build(mixed, 4, torch.device("cpu")).decode is None
+    d = plan.decode
+    assert d.kernel_applies("cuda", torch.float16, None) and d.kernel_applies("cuda", torch.bfloat16, 13)
+    assert not d.kernel_applies("cuda", torch.float16, 12)          # the window cuts the longest sequence
+    assert not d.kernel_applies("cuda", torch.float32, None)
+    assert not d.kernel_applies("cpu", torch.float16, None)
+
+
+def test_cpu_decode_reference_unchanged_and_kernel_wiring(monkeypatch):
+    q, new, caches, meta = _decode_batch(seed=1)
+    plan = AttentionPlan.build(meta, 4, torch.device("cpu"))
+    _write_new(plan, new, caches)
+    scale = 32 ** -0.5
+    ref = paged_attention(q, *new, *caches, plan, scale)
+    want = paged_attention_decode_ref(q, *caches, meta.block_tables, plan.decode.seq_lens, scale)
+    assert torch.allclose(ref, want, atol=1e-5)       # the gather reference == the kernel's own reference
+    calls = []
+    monkeypatch.setattr(DecodeBatch, "kernel_applies", lambda self, dev, dtype, w: calls.append(w) or True)
+    via_kernel_fn = paged_attention(q, *new, *caches, plan, scale)   # on CPU the kernel function falls back
+    assert calls == [None] and torch.allclose(via_kernel_fn, ref, atol=1e-5)
+
+
+def test_engine_on_cpu_has_no_graphs_or_scratch():
+    from pwruntime.cmd_perplexity import default_model_dir
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.model import load_model
+
+    engine = LLMEngine(load_model(default_model_dir()), EngineConfig(num_kv_blocks=8, cuda_graphs=True))
+    assert engine.runner.graphs is None and engine.kv.scratch_block is None
+
+
+# ------------------------------------------------------------------ GPU
+def quantize_uniform(w: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """AP layout of `w` [out, in] with a per-row uniform 8-bit codebook: planes [8, out, words] int32 and
+    LUT_b = the centre of the values whose top b code bits are each b-bit code (fast, deterministic)."""
+    from pwruntime.quant.pack import pack_planes_torch
+
+    w = w.float()
+    lo, hi = w.min(1, keepdim=True).values, w.max(1, keepdim=True).values
+    step = (hi - lo).clamp_min(1e-8) / 255
+    codes = ((w - lo) / step).round().clamp(0, 255).to(torch.uint8)
+    planes = pack_planes_torch(codes).view(torch.int32).contiguous()
+    luts = {}
+    for b in range(1, 9):
+        width = 1 << (8 - b)
+        centre = torch.arange(1 << b, device=w.device) * width + (width - 1) / 2
+        luts[b] = (lo + centre[None, :] * step).half().contiguous()
+    return planes, luts
+
+
+class TableStore:
+    """A capturable ExpertStore for these tests: every routed expert as AP planes in a DeviceWeightTable,
+    served by kernels.fused_moe with one persistent workspace; down_in_norm from the workspace's activations."""
+
+    capturable = True
+    graph_epoch = 0
+
+    def __init__(self, dense, cfg, device: str = "cuda"):
+        from pwruntime.kernels import DeviceWeightTable, MoEShape
+
+        self.shape = MoEShape(cfg.experts, cfg.hidden, cfg.expert_intermediate, cfg.top_k)
+        self.table = DeviceWeightTable(len(dense.gate_up) * cfg.experts * 2, device)
+        self.luts: dict[int, dict[int, torch.Tensor]] = {}
+        for layer in range(len(dense.gate_up)):
+            for e in range(cfg.experts):
+                for kind, w in enumerate((dense.gate_up[layer][e], dense.down[layer][e])):
+                    planes, luts = quantize_uniform(w)
+                    blk = self.shape.block(layer, e, kind)
+                    self.table.set_block(blk, planes, luts[8], 8)
+                    self.luts[blk] = luts
+        self._ws: dict[torch.dtype, object] = {}
+
+    def set_bits(self, bits: int) -> None:
+        for blk, luts in self.luts.items():
+            self.table.commit_bits(blk, bits, luts[bits])
+
+    def moe(self, layer, x, topk_ids, topk_weights, down_in_norm=None):
+        from pwruntime.kernels import MoEWorkspace, fused_moe
+        from pwruntime.kernels.moe import MAX_TOKENS
+
+        if x.dtype not in self._ws:
+            self._ws[x.dtype] = MoEWorkspace.create(self.shape, MAX_TOKENS, x.dtype, x.device)
+        ws, k = self._ws[x.dtype], self.shape.top_k
+        outs = []
+        for s in range(0, x.shape[0], MAX_TOKENS):
+            sl = slice(s, s + MAX_TOKENS)
+            outs.append(fused_moe(self.table, layer, x[sl], topk_ids[sl], topk_weights[sl], self.shape, ws))
+            if down_in_norm is not None:
+                n = outs[-1].shape[0]
+                down_in_norm[sl].copy_(ws.act[:n * k].float().norm(dim=-1).view(n, k))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from pwruntime.cmd_perplexity import default_model_dir
+    from pwruntime.model import load_model
+
+    model = load_model(default_model_dir(), dtype="fp16", device="cuda")
+    dense = model.experts
+    model.experts = TableStore(dense, model.config)
+    yield SimpleNamespace(model=model, store=model.experts, dense=dense)
+    del model
+    torch.cuda.empty_cache()
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert torch.isfinite(a).all() and torch.isfinite(b).all()
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+class Pair:
+    """n sequences prefilled identically into a graph cache (with scratch) and an eager cache; each step
+    decodes the same given tokens through DecodeGraphs and through the eager forward."""
+
+    BS = 16
+
+    def __init__(self, model, n: int, max_num_seqs: int = 8, seed: int = 0):
+        self.model, self.n = model, n
+        gen = torch.Generator().manual_seed(seed)
+        self.lens = [int(x) for x in torch.randint(20, 60, (n,), generator=gen)]
+        per = 8                                   # blocks per sequence: room for 128 tokens
+        self.tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+        self.kv_graph = model.new_kv_cache(n * per, self.BS, scratch=True)
+        self.kv_eager = model.new_kv_cache(n * per, self.BS)
+        self.graphs = DecodeGraphs(model, self.kv_graph, max_num_seqs)
+        self.gen = gen
+        for i in range(n):
+            ids = torch.randint(3, model.config.vocab, (self.lens[i],), generator=gen)
+            meta = batch_metadata([(0, self.lens[i], self.tables[i])], self.BS, model.device)
+            for kv in (self.kv_graph, self.kv_eager):
+                model.forward(ids, torch.arange(self.lens[i]), kv, meta)
+
+    def tokens(self) -> list[int]:
+        return [int(t) for t in torch.randint(3, self.model.config.vocab, (self.n,), generator=self.gen)]
+
+    def rows(self, tokens: list[int]) -> DecodeRows:
+        return DecodeRows(tokens, list(self.lens), self.tables)
+
+    def graph_step(self, tokens: list[int]):
+        out = self.graphs.forward(self.rows(tokens), record=True)
+        assert out is not None, self.graphs.disabled
+        return self.model.logits(out.hidden), out.routing
+
+    def eager_step(self, tokens: list[int], kv=None):
+        meta = batch_metadata([(p, 1, t) for p, t in zip(self.lens, self.tables)], self.BS, self.model.device)
+        out = self.model.forward(torch.tensor(tokens), torch.tensor(self.lens), kv or self.kv_eager, meta, record=True)
+        return self.model.logits(out.hidden), out.routing
+
+    def step(self, tokens: list[int] | None = None):
+        tokens = tokens or self.tokens()
+        g, e = self.graph_step(tokens), self.eager_step(tokens)
+        self.lens = [x + 1 for x in self.lens]
+        return g, e
+
+
+def assert_same_step(graph, eager, tol: float = 5e-3) -> None:
+    (gl, gr), (el, er) = graph, eager
+    assert gl.shape == el.shape and rel(gl, el) < tol
+    assert len(gr) == len(er)
+    for a, b in zip(gr, er):
+        assert a.topk_ids.shape == b.topk_ids.shape
+        assert (a.topk_ids == b.topk_ids).float().mean() > 0.95
+        assert torch.allclose(a.gate_up_in_norm, b.gate_up_in_norm, rtol=1e-2, atol=1e-2)
+        same = (a.topk_ids == b.topk_ids).all(dim=-1)
+        assert torch.allclose(a.topk_weights[same], b.topk_weights[same], rtol=1e-2, atol=1e-3)
+        assert torch.allclose(a.down_in_norm[same], b.down_in_norm[same], rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4, 5, 1])
+def test_graph_decode_equals_eager(demo, n):
+    pair = Pair(demo.model, n)
+    for _ in range(4):
+        assert_same_step(*pair.step())
+    g = pair.graphs
+    assert g.disabled is None and g.replays == 4 and g.captures == 1 and g.invalidations == 0
+
+
+@pytest.mark.gpu
+def test_replay_follows_committed_bits(demo):
+    pair = Pair(demo.model, 3, seed=1)
+    try:
+        assert_same_step(*pair.step())
+        tokens = pair.tokens()
+        at8 = pair.eager_step(tokens, kv=pair.kv_graph)      # the graph cache's slots are rewritten below
+        demo.store.set_bits(3)                               # device table writes only
+        graph, eager = pair.step(tokens)
+        assert_same_step(graph, eager)
+        assert rel(graph[0], at8[0]) > 10 * max(rel(graph[0], eager[0]), 1e-4)   # the bits did change the result
+        assert_same_step(*pair.step())
+        assert pair.graphs.captures == 1 and pair.graphs.invalidations == 0
+    finally:
+        demo.store.set_bits(8)
+
+
+@pytest.mark.gpu
+def test_kv_resize_recaptures(demo):
+    pair = Pair(demo.model, 3, seed=2)
+    assert_same_step(*pair.step())
+    for grow in (8, -8):
+        for kv in (pair.kv_graph, pair.kv_eager):
+            kv.resize(kv.num_blocks + grow)
+        captures = pair.graphs.captures
+        pos = list(pair.lens)
+        assert_same_step(*pair.step())
+        assert pair.graphs.captures == captures + 1
+        for i, p in enumerate(pos):   # the replay wrote this step's K/V into the new tensors
+            blk, off = pair.tables[i][p // Pair.BS], p % Pair.BS
+            for layer in range(demo.model.config.layers):
+                got, want = pair.kv_graph.k[layer][blk, off], pair.kv_eager.k[layer][blk, off]
+                assert want.abs().sum() > 0 and rel(got, want) < 1e-2
+    assert pair.graphs.invalidations == 2
+
+
+@pytest.mark.gpu
+def test_cuda_decode_attention_kernel_matches_reference():
+    q, new, caches, meta = _decode_batch(seed=3, device="cuda")
+    plan = AttentionPlan.build(meta, 4, torch.device("cuda"), torch.float16)
+    assert plan.decode is not None and "groups" not in plan.__dict__   # the kernel path builds no gather groups
+    _write_new(plan, new, caches)
+    scale = 32 ** -0.5
+    want = paged_attention(q, *new, *caches, plan, scale)              # fp32: the gather reference
+    half = [c.half() for c in caches]
+    got = paged_attention(q.half(), *(t.half() for t in new), *half, plan, scale)
+    assert got.dtype == torch.float16 and rel(got.float(), want) < 3e-3
+
+
+def _engine_tokens(model, graphs: bool, grow_at: int | None = None):
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.sampling import SamplingParams
+
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=48, max_num_seqs=4, cuda_graphs=graphs))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in ("And God said", "def main(", "You will", "The")]
+    done, step = {}, 0
+    while engine.has_unfinished():
+        if step == grow_at:
+            engine.grow_kv(8)
+        for out in engine.step():
+            done[out.request_id] = out.token_ids
+        step += 1
+    return [done[i] for i in ids], engine
+
+
+@pytest.mark.gpu
+def test_engine_decodes_through_graphs(demo):
+    eager, e_engine = _engine_tokens(demo.model, graphs=False, grow_at=5)
+    graphed, g_engine = _engine_tokens(demo.model, graphs=True, grow_at=5)
+    assert e_engine.runner.graphs is None and g_engine.kv.scratch_block is not None
+    g = g_engine.runner.graphs
+    assert g.disabled is None and g.replays >= 8 and g.invalidations == 1
+    assert graphed == eager
+    demo.model.experts = demo.dense                      # not capturable: decode runs eagerly
+    try:
+        _, d_engine = _engine_tokens(demo.model, graphs=True)
+        assert d_engine.runner.graphs.replays == 0 and d_engine.runner.graphs.captures == 0
+    finally:
+        demo.model.experts = demo.store
