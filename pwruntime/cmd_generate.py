@@ -41,6 +41,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="run decode steps eagerly on CUDA (default: replay captured graphs when the experts allow)")
     w = p.add_argument_group("any-precision experts and a planner (CUDA: AP kernels, planes paged on a copy "
                              "stream; CPU: the pure-torch AP store)")
     w.add_argument("--ap", default=None, metavar="DIR",
@@ -116,7 +118,7 @@ def _engine_config(args):
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs)
 
 
 def build_engine(args):
@@ -155,6 +157,8 @@ def run(args) -> int:
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
+                      "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
+                      "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
                       "plans": engine.loop.num_plans, "mean_bits_start": round(start_bits, 4),
                       "mean_bits_end": round(engine.table.mean_bits(), 4),
                       "expert_bytes_end": engine.table.resident_bytes() if table is not None else None,
