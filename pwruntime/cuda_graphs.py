@@ -17,8 +17,10 @@ A graph bakes the addresses of what it touches, so graphs are dropped and captur
 KV cache replaced its tensors (`KVCache.generation`), when `model.experts` is another object, or
 when the store bumps its `graph_epoch` (a store must do so whenever it reallocates a tensor a
 captured forward uses, e.g. its MoE workspaces). Graphs are captured lazily, on a size's first use
-(`capture_all` warms them all). If a capture fails, graphs are disabled (logged) and the caller
-runs eagerly.
+(`capture_all` warms them all). After such a change, new captures wait until `settle_steps` decode
+calls passed without another one (they run eagerly meanwhile): under KV pressure a planner grows
+the cache step after step, and capturing after every growth would cost more than it saves. If a
+capture fails, graphs are disabled (logged) and the caller runs eagerly.
 """
 from __future__ import annotations
 
@@ -129,8 +131,11 @@ class _Captured:
 class DecodeGraphs:
     """Captured decode forwards of one model over one KV cache (see the module docstring)."""
 
-    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None):
+    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None,
+                 settle_steps: int = 0):
         self.model, self.kv = model, kv
+        self.settle_steps = int(settle_steps)
+        self._calm = self.settle_steps        # decode calls since the last change (the first capture is at once)
         self.sizes = graph_sizes(max_num_seqs)
         self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
         self.window = min((w for w in model.config.sliding_windows if w), default=None)
@@ -159,8 +164,15 @@ class DecodeGraphs:
         store = self.model.experts
         key = (self.kv.generation, getattr(store, "graph_epoch", 0))
         if store is not self._store or key != self._key:
+            if self._store is not None:
+                self._calm = 0
             self.invalidate()
             self._store, self._key = store, key
+
+    def _settled(self) -> bool:
+        """Count one decode call; whether enough passed since the last change to capture again."""
+        self._calm += 1
+        return self._calm > self.settle_steps
 
     def invalidate(self) -> None:
         """Drop every captured graph (their memory pool goes with them)."""
@@ -176,7 +188,8 @@ class DecodeGraphs:
         if not self.supports(rows):
             return None
         size = padded_size(len(rows), self.sizes)
-        captured = self._graphs.get((size, record)) or self._capture(size, record)
+        settled = self._settled()
+        captured = self._graphs.get((size, record)) or (self._capture(size, record) if settled else None)
         if captured is None:
             return None
         self.buffers.fill_from(self._pad(rows, size))

@@ -57,6 +57,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that carry no seed of their own
     record_traces: bool = False
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
+    graph_settle_steps: int = 8  # after a KV resize, decode steps that run eagerly before graphs are captured again
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,8 @@ class LLMEngine:
         self.pool = BlockPool(self._initial_blocks(), cfg.block_size)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
-        self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
+                                  graph_settle_steps=cfg.graph_settle_steps)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         n_moe = mc.num_moe_layers or mc.layers
         self.table = table if table is not None else PageTable(n_moe, mc.experts, mc.hidden, mc.expert_intermediate)

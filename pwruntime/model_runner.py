@@ -43,9 +43,11 @@ class StepOutput:
 class ModelRunner:
     """Runs one model over one paged KV cache."""
 
-    def __init__(self, model, kv: KVCache, cuda_graphs: bool = False, max_num_seqs: int = GRAPH_SIZES[-1]) -> None:
+    def __init__(self, model, kv: KVCache, cuda_graphs: bool = False, max_num_seqs: int = GRAPH_SIZES[-1],
+                 graph_settle_steps: int = 0) -> None:
         self.model, self.kv = model, kv
-        self.graphs = DecodeGraphs(model, kv, max_num_seqs) if cuda_graphs and model.device.type == "cuda" else None
+        self.graphs = (DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps)
+                       if cuda_graphs and model.device.type == "cuda" else None)
 
     def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[torch.Tensor, torch.Tensor,
                                                                         AttentionMetadata, list[int]]:

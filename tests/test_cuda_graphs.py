@@ -131,6 +131,22 @@ def test_graphs_dropped_when_cache_or_store_changes():
     assert g.invalidations == 4
 
 
+def test_captures_wait_for_the_cache_to_settle_after_a_change():
+    store = SimpleNamespace(capturable=True, graph_epoch=0)
+    kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
+    g = DecodeGraphs(_fake_model(store=store), kv, 4, settle_steps=3)
+    g._drop_stale()
+    assert g._settled()                                # the first capture happens at once
+    kv.resize(20)
+    g._drop_stale()
+    assert [g._settled() for _ in range(4)] == [False, False, False, True]
+    kv.resize(24)                                      # a change while settling starts the count again
+    g._drop_stale()
+    assert [g._settled() for _ in range(4)] == [False, False, False, True]
+    g._drop_stale()                                    # no change: stays settled
+    assert g._settled()
+
+
 # ------------------------------------------------------------------ CPU: attention decode path
 def _decode_batch(seed: int = 0, device: str = "cpu"):
     """Four decode sequences (contexts 0, 5, 12, 3) over random caches [24 blocks of 4, 2 KV heads, 32]."""
@@ -395,7 +411,7 @@ def _engine_tokens(model, graphs: bool, grow_at: int | None = None):
     from pwruntime.engine import EngineConfig, LLMEngine
     from pwruntime.sampling import SamplingParams
 
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=48, max_num_seqs=4, cuda_graphs=graphs))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=48, max_num_seqs=4, cuda_graphs=graphs, graph_settle_steps=2))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in ("And God said", "def main(", "You will", "The")]
     done, step = {}, 0
@@ -414,7 +430,9 @@ def test_engine_decodes_through_graphs(demo):
     graphed, g_engine = _engine_tokens(demo.model, graphs=True, grow_at=5)
     assert e_engine.runner.graphs is None and g_engine.kv.scratch_block is not None
     g = g_engine.runner.graphs
-    assert g.disabled is None and g.replays >= 8 and g.invalidations == 1
+    # decode steps 1-4 replay; the growth before step 5 drops the graph; steps 5-6 run eagerly while the
+    # cache settles; step 7 captures again and steps 7-11 replay
+    assert g.disabled is None and g.invalidations == 1 and g.captures == 2 and g.replays == 4 + 5
     assert graphed == eager
     demo.model.experts = demo.dense                      # not capturable: decode runs eagerly
     try:
