@@ -135,7 +135,14 @@ def build_engine(args):
     model, table, policy, cal, mover = _load(args, dtype, device)
     engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover)
     if mover is not None:
-        mover.store.sync()  # the policy's initial bits (its reset) reach the device before the first request
+        store = mover.store
+        before = store.resident_bytes()
+        store.sync()  # the policy's initial bits (its reset) reach the device before the first request
+        if config.num_kv_blocks is None and before > store.resident_bytes():
+            # the pool was sized while every plane was resident: the planes just dropped become KV blocks
+            torch.cuda.synchronize(store.device)
+            store.deferred.collect()
+            engine.give_weight_bytes(before - store.resident_bytes())
     return engine, model_dir, dtype, device
 
 

@@ -316,6 +316,12 @@ class LLMEngine:
         self.kv.resize(self.pool.id_limit)
         return True
 
+    def give_weight_bytes(self, nbytes: int) -> int:
+        """Expert bytes freed outside the plan loop (the policy's initial bits) grow the KV pool; returns blocks added."""
+        before = self.pool.capacity
+        self._release(nbytes)
+        return self.pool.capacity - before
+
     def _release(self, nbytes: int) -> None:
         self._spare_bytes += int(nbytes)
         n = self._spare_bytes // self.block_bytes

@@ -161,6 +161,14 @@ def test_released_weight_bytes_grow_the_kv_pool(models):
     assert engine._spare_bytes == freed - grown * engine.block_bytes
 
 
+def test_weight_bytes_freed_outside_the_loop_grow_the_kv_pool(models):
+    engine = LLMEngine(models["mixtral"], EngineConfig(num_kv_blocks=8, block_size=4))
+    b = engine.block_bytes
+    assert engine.give_weight_bytes(b // 2) == 0 and engine.pool.capacity == 8   # half a block waits as spare
+    assert engine.give_weight_bytes(b * 2) == 2 and engine.pool.capacity == 10   # 2.5 blocks: two more, half spare
+    assert engine.kv.num_blocks == engine.pool.id_limit and engine._spare_bytes == b // 2
+
+
 def test_trace_recording(models, tmp_path):
     from traces.io import read_trace_dir
     from traces.schema import check_routing_against_requests
