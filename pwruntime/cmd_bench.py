@@ -38,6 +38,8 @@ def register(subparsers) -> None:
                    help="write a measured hardware profile here (default: hardware-profile-<device>.json "
                         "next to --out, or in the current directory)")
     p.add_argument("--profile-name", default=None, help="name field of the written profile")
+    p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
+                   help="draw the figure of an earlier --out result (no GPU needed) and exit")
     p.set_defaults(func=run)
 
 
@@ -50,7 +52,20 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _replot(src: Path) -> int:
+    from pwruntime.kernels.plots import plot_bench
+    try:
+        res = json.loads(src.read_text())
+        png = plot_bench(res, src.with_suffix(".png"))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"--plot-from {src}: not a `pwruntime bench kernels --out` result ({e})") from None
+    print(f"figure: {png}")
+    return 0
+
+
 def run(args) -> int:
+    if args.plot_from is not None:
+        return _replot(args.plot_from)
     import torch
     from tqdm import tqdm
 
@@ -93,6 +108,8 @@ def run(args) -> int:
 
     if args.out:
         _write_json(args.out, res)
+        from pwruntime.kernels.plots import plot_bench
+        plot_bench(res, args.out.with_suffix(".png"))
     profile_path = args.profile_out or (args.out.parent if args.out else Path(".")) / \
         f"hardware-profile-{_slug(res['device'])}.json"
     profile = _profile(res, args.profile_name or f"{_slug(res['device'])}-measured")
@@ -104,7 +121,7 @@ def run(args) -> int:
         _print_tables(res)
     print(f"\nreproduce: {command}")
     if args.out:
-        print(f"results: {args.out}")
+        print(f"results: {args.out} (figure: {args.out.with_suffix('.png')})")
     print(f"hardware profile: {profile_path}")
     return 0
 

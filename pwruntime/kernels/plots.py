@@ -1,0 +1,56 @@
+"""Figure of a `pwruntime bench kernels` result (matplotlib, Agg backend): one block and MoE layers.
+
+Left: the Mixtral-sized linear-block, AP time per bitwidth at each T against torch fp16 (dashed)
+and the issue's 8 us target at 3 bits.
+Right: whole MoE layers at 3 bits, measured time over the roofline per model and T, with the
+issue's 1.5x target as a line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+MODEL_LABELS = {"qwen1.5-moe-a2.7b": "Qwen1.5-MoE", "mixtral-8x7b": "Mixtral", "olmoe-1b-7b": "OLMoE",
+                "qwen3-moe-30b-a3b": "Qwen3-MoE"}
+
+
+def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
+    """Write the figure of `res` (the JSON `pwruntime bench kernels --out` writes) to `path`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    blocks = res.get("single_block", [])
+    for i, t in enumerate(sorted({r["tokens"] for r in blocks})):
+        rows = sorted((r for r in blocks if r["tokens"] == t), key=lambda r: r["bits"])
+        color = f"C{i}"
+        left.plot([r["bits"] for r in rows], [r["ap_us"] for r in rows], "o-", color=color, label=f"AP, T={t}")
+        left.axhline(rows[0]["fp16_us"], color=color, ls="--", lw=1, label=f"torch fp16, T={t}")
+    if blocks:
+        left.set_title(f"one {blocks[0]['out']}x{blocks[0]['in']} block")
+        left.plot([3], [8.0], "rx", ms=9, label="target at 3 bits, T=1")
+    left.set_xlabel("committed bits")
+    left.set_ylabel("us")
+    left.legend(fontsize=8)
+
+    moe = [r for r in res.get("moe", []) if r["bits"] == moe_bits]
+    models = [m for m in MODEL_LABELS if any(r["model"] == m for r in moe)]
+    tokens = sorted({r["tokens"] for r in moe})
+    width = 0.8 / max(1, len(tokens))
+    for j, t in enumerate(tokens):
+        ys = [next((r["vs_roofline"] for r in moe if r["model"] == m and r["tokens"] == t), 0.0) for m in models]
+        right.bar([i + j * width for i in range(len(models))], ys, width, label=f"T={t}")
+    right.axhline(1.5, color="r", ls="--", lw=1, label="target 1.5x")
+    right.set_xticks([i + width * (len(tokens) - 1) / 2 for i in range(len(models))])
+    right.set_xticklabels([MODEL_LABELS[m] for m in models])
+    right.set_ylabel("measured / roofline")
+    right.set_title(f"one MoE layer at {moe_bits} bits")
+    right.legend(fontsize=8)
+
+    fig.suptitle(f"{res.get('device', '')}: fused AP kernels", fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
