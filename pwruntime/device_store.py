@@ -30,12 +30,11 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from policies.apformat import MAX_BITS
 from policies.page_table import block_index
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
-from pwruntime.model.experts import grouped_moe
+from pwruntime.model.experts import expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
@@ -327,15 +326,8 @@ class DeviceExpertStore:
         active = torch.unique(topk_ids).tolist()  # host sync: prefill only
         per_expert = 3 * self.hidden * self.intermediate * x.element_size()
         weights = _ChunkedExperts(self, layer, active, x.dtype, max(1, self.prefill_chunk_bytes // per_expert))
-        inter = self.intermediate
-
-        def expert(e: int, rows: torch.Tensor):
-            gate_up, down = weights.get(e)
-            h = F.linear(rows, gate_up)
-            act = F.silu(h[:, :inter]) * h[:, inter:]
-            return act, F.linear(act, down)
-
-        return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
+        return grouped_moe(x, topk_ids, topk_weights, self.experts,
+                           lambda e, rows: expert_mlp(rows, *weights.get(e)), down_in_norm)
 
 
 @dataclass

@@ -21,14 +21,13 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from policies.calibration import NB
 from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass
 from pwruntime.model.attention import prefill_metadata
-from pwruntime.model.experts import KINDS, DenseExpertStore, grouped_moe
+from pwruntime.model.experts import KINDS, DenseExpertStore, expert_mlp, grouped_moe
 
 DEFAULT_MAX_CACHE_BYTES = 8 << 30
 
@@ -67,7 +66,6 @@ class MeasuringStore:
         self.dense, self.ap = dense, ap
         self.bits = tuple(sorted(bits))
         self.layers, self.experts = dense.num_layers, dense.gate_up[0].shape[0]
-        self.inter = dense.down[0].shape[2]
         n, nb = self.layers * self.experts * 2, len(self.bits)
         dev = dense.gate_up[0].device
         per_expert = sum(int(t[0].numel()) for t in (dense.gate_up[0], dense.down[0])) * 4 * nb
@@ -109,7 +107,7 @@ class MeasuringStore:
 
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
-        gate_up, down, inter = self.dense.gate_up[layer], self.dense.down[layer], self.inter
+        gate_up, down = self.dense.gate_up[layer], self.dense.down[layer]
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # the order grouped_moe hands rows to the experts
         w_sorted = topk_weights.reshape(-1)[order].float()
@@ -118,11 +116,10 @@ class MeasuringStore:
 
         def expert(e: int, rows: torch.Tensor):
             r = w_sorted[starts[e]:starts[e] + rows.shape[0]]
-            h = F.linear(rows, gate_up[e])
-            act = F.silu(h[:, :inter]) * h[:, inter:]
+            act, out = expert_mlp(rows, gate_up[e], down[e])
             self._measure(layer, e, 0, rows, r)
             self._measure(layer, e, 1, act, r)
-            return act, F.linear(act, down[e])
+            return act, out
 
         return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
 

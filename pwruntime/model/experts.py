@@ -32,6 +32,16 @@ class ExpertStore(Protocol):
         ...
 
 
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert on its rows [n, H]: (act = silu(gate rows) * (up rows) [n, I], down act [n, H]).
+
+    gate_up [2I, H] (gate rows first), down [H, I]: the expert_fn body every store hands grouped_moe."""
+    h = F.linear(rows, gate_up)
+    inter = down.shape[-1]
+    act = F.silu(h[:, :inter]) * h[:, inter:]
+    return act, F.linear(act, down)
+
+
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                 expert_fn, down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
     """Shared plain-torch MoE dispatch: sort (token, slot) pairs by expert, run one call per active expert.
@@ -84,11 +94,5 @@ class DenseExpertStore:
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
         gate_up, down = self.gate_up[layer], self.down[layer]
-        inter = down.shape[2]
-
-        def expert(e: int, rows: torch.Tensor):
-            h = F.linear(rows, gate_up[e])
-            act = F.silu(h[:, :inter]) * h[:, inter:]
-            return act, F.linear(act, down[e])
-
-        return grouped_moe(x, topk_ids, topk_weights, gate_up.shape[0], expert, down_in_norm)
+        return grouped_moe(x, topk_ids, topk_weights, gate_up.shape[0],
+                           lambda e, rows: expert_mlp(rows, gate_up[e], down[e]), down_in_norm)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from pwruntime.model.attention import prefill_metadata
-from pwruntime.model.experts import DenseExpertStore, grouped_moe
+from pwruntime.model.experts import DenseExpertStore, expert_mlp, grouped_moe
 from traces.clikit import UserError
 
 MAX_CHARS_PER_FILE = 64 << 20
@@ -79,15 +79,13 @@ class _SecondMoments:
 
     def moe(self, layer, x, topk_ids, topk_weights, down_in_norm=None):
         gate_up, down = self.store.gate_up[layer], self.store.down[layer]
-        inter = down.shape[2]
 
         def expert(e, rows):
-            h = F.linear(rows, gate_up[e])
-            act = F.silu(h[:, :inter]) * h[:, inter:]
+            act, out = expert_mlp(rows, gate_up[e], down[e])
             self.sq["gate_up"][layer, e] += rows.double().pow(2).sum(0).cpu().numpy()
             self.sq["down"][layer, e] += act.double().pow(2).sum(0).cpu().numpy()
             self.count[layer, e] += rows.shape[0]
-            return act, F.linear(act, down[e])
+            return act, out
 
         return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
 

@@ -23,11 +23,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from policies.apformat import MAX_BITS
 from policies.page_table import block_index
-from pwruntime.model.experts import grouped_moe
+from pwruntime.model.experts import expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, APCheckpoint, LayerBlocks, load_ap_checkpoint
 from pwruntime.quant.pack import dequantize
 
@@ -161,12 +160,9 @@ class APExpertStore:
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
         """sum_k w_k * down_e(silu(gate_e x) * up_e x), the DenseExpertStore math on dequantized weights."""
-        inter = self.intermediate
-
         def expert(e: int, rows: torch.Tensor):
-            h = F.linear(rows, self.weight(layer, e, "gate_up").to(rows.dtype))
-            act = F.silu(h[:, :inter]) * h[:, inter:]
-            return act, F.linear(act, self.weight(layer, e, "down").to(rows.dtype))
+            return expert_mlp(rows, self.weight(layer, e, "gate_up").to(rows.dtype),
+                              self.weight(layer, e, "down").to(rows.dtype))
 
         return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
 
