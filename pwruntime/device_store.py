@@ -32,9 +32,8 @@ import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from policies.page_table import block_index
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
-from pwruntime.model.experts import expert_mlp, grouped_moe
+from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
@@ -142,16 +141,11 @@ class DeviceExpertStore:
         return self.num_layers * self.experts * 2
 
     def block_index(self, layer: int, expert: int, kind: str | int) -> int:
-        k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
-        if not 0 <= layer < self.num_layers or not 0 <= expert < self.experts:
-            raise ValueError(f"no block L{layer}.E{expert}: the store has {self.num_layers} MoE layers "
-                             f"x {self.experts} experts")
-        return block_index(layer, expert, k, self.experts)
+        return checked_block_index(layer, expert, kind, self.num_layers, self.experts)
 
     def shape(self, kind: str | int) -> tuple[int, int]:
         """(out, in) of a block of this kind."""
-        k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
-        return (2 * self.intermediate, self.hidden) if k == 0 else (self.hidden, self.intermediate)
+        return block_shape(kind, self.hidden, self.intermediate)
 
     def _master_of(self, i: int) -> tuple[LayerBlocks, int]:
         layer, expert, kind = i // (2 * self.experts), (i // 2) % self.experts, i % 2

@@ -13,7 +13,23 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from policies.page_table import block_index
+
 KINDS = ("gate_up", "down")
+
+
+def block_shape(kind: str | int, hidden: int, intermediate: int) -> tuple[int, int]:
+    """(out, in) of a linear-block: gate_up [2I, H], down [H, I]."""
+    k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
+    return (2 * intermediate, hidden) if k == 0 else (hidden, intermediate)
+
+
+def checked_block_index(layer: int, expert: int, kind: str | int, layers: int, experts: int) -> int:
+    """Page-table row (policies.page_table.block_index) of (MoE layer, expert, kind), after checking it exists."""
+    k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
+    if not 0 <= layer < layers or not 0 <= expert < experts:
+        raise ValueError(f"no block L{layer}.E{expert}: the store has {layers} MoE layers x {experts} experts")
+    return block_index(layer, expert, k, experts)
 
 
 @runtime_checkable

@@ -42,13 +42,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from policies.apformat import LAYOUT_VERSION, MAX_BITS
+from pwruntime.model.experts import KINDS, block_shape
 from traces.clikit import UserError
 
 FORMAT = "pagedweight-ap"
 FORMAT_VERSION = 1
 CONFIG_NAME = "ap_config.json"
 NONEXPERT_FILE = "model.safetensors"  # so pwruntime.model.load_model finds it
-KINDS = ("gate_up", "down")
 # routed-expert weights in HF checkpoints: `...experts.N.w1` (Mixtral), `...experts.N.gate_proj`,
 # fused `...experts.gate_up_proj`; shared experts (`shared_expert.`) do not match
 EXPERT_TENSOR = re.compile(r"\.experts\.")
@@ -199,7 +199,7 @@ class APCheckpoint:
         return len(self.moe_layers)
 
     def shape(self, kind: str) -> tuple[int, int]:
-        return (2 * self.intermediate, self.hidden) if kind == "gate_up" else (self.hidden, self.intermediate)
+        return block_shape(kind, self.hidden, self.intermediate)
 
     def read_layer(self, moe_layer: int, device: str | torch.device = "cpu") -> dict[str, LayerBlocks]:
         """{"gate_up": LayerBlocks, "down": LayerBlocks} of torch tensors (planes torch.uint32)."""

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from policies.page_table import block_index
-from pwruntime.model.experts import expert_mlp, grouped_moe
+from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, APCheckpoint, LayerBlocks, load_ap_checkpoint
 from pwruntime.quant.pack import dequantize
 
@@ -83,11 +82,7 @@ class APExpertStore:
 
     def block_index(self, layer: int, expert: int, kind: str | int) -> int:
         """Page-table row of (MoE layer, expert, kind)."""
-        k = KINDS.index(kind) if isinstance(kind, str) else int(kind)
-        if not 0 <= layer < len(self.layers) or not 0 <= expert < self.experts:
-            raise ValueError(f"no block L{layer}.E{expert}: the store has {len(self.layers)} MoE layers "
-                             f"x {self.experts} experts")
-        return block_index(layer, expert, k, self.experts)
+        return checked_block_index(layer, expert, kind, len(self.layers), self.experts)
 
     def set_bits(self, bits: int | np.ndarray) -> None:
         """Bits per block (array [num_blocks]) or one value for all; detaches any page table."""
@@ -116,7 +111,7 @@ class APExpertStore:
 
     # ------------------------------------------------------------ weights
     def shape(self, kind: str) -> tuple[int, int]:
-        return (2 * self.intermediate, self.hidden) if kind == "gate_up" else (self.hidden, self.intermediate)
+        return block_shape(kind, self.hidden, self.intermediate)
 
     def packed(self, layer: int, expert: int, kind: str, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(planes[:bits] uint32 [bits, out, words], LUT_bits fp16 [out, 2**bits]) of one block."""
