@@ -138,11 +138,12 @@ def build_engine(args):
         store = mover.store
         before = store.resident_bytes()
         store.sync()  # the policy's initial bits (its reset) reach the device before the first request
-        if config.num_kv_blocks is None and before > store.resident_bytes():
+        freed = before - store.resident_bytes()
+        if config.num_kv_blocks is None and freed > 0:
             # the pool was sized while every plane was resident: the planes just dropped become KV blocks
             torch.cuda.synchronize(store.device)
             store.deferred.collect()
-            engine.give_weight_bytes(before - store.resident_bytes())
+            engine.give_weight_bytes(freed)
     return engine, model_dir, dtype, device
 
 
