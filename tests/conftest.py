@@ -12,6 +12,18 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """torch on one thread for a module: tiny models run fastest so (thread wake-ups dominate) and do not
+    fight other test processes for cores. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pytest_collection_modifyitems(config, items):
     if _cuda_available():
         return

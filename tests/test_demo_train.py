@@ -19,12 +19,7 @@ from traces.clikit import UserError  # noqa: E402
 _TIMING = ("tokens_per_s", "elapsed_s")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)   # tiny tensors: thread wake-ups dominate, and results stay reproducible
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tiny tensors; results stay reproducible
 
 
 @pytest.fixture(scope="module")

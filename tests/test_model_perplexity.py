@@ -15,12 +15,7 @@ from pwruntime.cmd_perplexity import window_targets
 from pwruntime.model import load_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_sliding_ppl(hf, ids: list[int], context: int, stride: int) -> tuple[float, int, int]:
