@@ -90,25 +90,31 @@ def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
 
 
 def _random_planes(n: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
-    return torch.randint(-2**31, 2**31 - 1, (n, 8, out, -(-inp // 32)), dtype=torch.int32, device="cuda",
+    return torch.randint(-2**31, 2**31 - 1, (n, 8, out, -(-inp // 32)), dtype=torch.int32, device=gen.device,
                          generator=gen)
 
 
 def _random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
-    return {b: (torch.sort(torch.randn(n, out, 1 << b, device="cuda", generator=gen), dim=-1)[0]
+    return {b: (torch.sort(torch.randn(n, out, 1 << b, device=gen.device, generator=gen), dim=-1)[0]
                 / inp ** 0.5).half() for b in BITS}
 
 
 # ------------------------------------------------------------------ one linear-block
+def _random_table(copies: int, out: int, inp: int, gen: torch.Generator):
+    """(table of `copies` random [out, inp] blocks, all 8 planes resident at 8 bits; their LUTs per bitwidth)."""
+    planes = _random_planes(copies, out, inp, gen)
+    luts = _random_luts(copies, out, inp, gen)
+    table = DeviceWeightTable(copies, gen.device)
+    for c in range(copies):
+        table.set_block(c, planes[c], luts[8][c], 8)
+    return table, luts
+
+
 def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: int = 8,
                  tokens: tuple[int, ...] = (1, 8), bits: tuple[int, ...] = BITS) -> list[dict]:
     """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
-    planes = _random_planes(copies, out, inp, gen)
-    luts = _random_luts(copies, out, inp, gen)
-    table = DeviceWeightTable(copies, "cuda")
-    for c in range(copies):
-        table.set_block(c, planes[c], luts[8][c], 8)
+    table, luts = _random_table(copies, out, inp, gen)
     dense = [torch.randn(out, inp, device="cuda", generator=gen, dtype=torch.float16) / inp ** 0.5
              for _ in range(max(2, copies // 2))]
     rows = []
@@ -131,10 +137,7 @@ def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: in
 def single_block_once(bits: tuple[int, ...], tokens: tuple[int, ...], out: int = 14336, inp: int = 4096) -> None:
     """Each (bits, T) case launched once on fresh data (for a profiler such as ncu)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    planes = _random_planes(1, out, inp, gen)
-    luts = _random_luts(1, out, inp, gen)
-    table = DeviceWeightTable(1, "cuda")
-    table.set_block(0, planes[0], luts[8][0], 8)
+    table, luts = _random_table(1, out, inp, gen)
     for t in tokens:
         x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16)
         for b in bits:
