@@ -44,9 +44,6 @@ constexpr int NT = PW_NT;  // n-tiles of 8 tokens: up to 8 * NT tokens per exper
 constexpr int ACCS = NT == 1 ? 2 : 1;  // with one n-tile, two accumulator sets halve the mma dependency chain
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int CHUNK_WORDS = 8;   // words per row per chunk
-constexpr int CHUNK_K = 256;     // columns per chunk
-constexpr int CHUNK_XBYTES = 512;  // one token's activations for one chunk in shared memory
 constexpr int XS_ROW_PAD = 128;
 constexpr int MAX_TK = 1024;
 constexpr int MAX_EXPERT_WORDS = 32;  // E <= 1024
@@ -54,6 +51,27 @@ constexpr int MAX_TOK = 64;
 constexpr int TABLE_COLS = 10;
 constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
 }  // namespace
+
+#ifndef PW_CW_NIB  // words per row and chunk at q = 3
+#define PW_CW_NIB 16
+#endif
+#ifndef PW_CW_Q4  // at q = 4 (two 16-word chunks do not fit in the registers of a one-n-tile launch)
+#define PW_CW_Q4 (PW_NT <= 2 ? 8 : 16)
+#endif
+
+// Chunk geometry of bits Q: a chunk is CW words (32 CW columns) of each of a warp's 16 m-rows; lane t holds
+// words WPL t .. WPL t + WPL - 1 of its two rows, read with one WPL-word load per plane and row. At q = 3
+// (and q = 4 where registers allow) a lane reads 16 bytes, 64 contiguous bytes a row and plane, which the
+// memory system streams faster than 32 (measured: cuda/NOTES.md); the byte decoder keeps 8-byte loads, as
+// two chunks of its planes would not fit in registers otherwise.
+template <int Q>
+struct Geom {
+    static constexpr int CW = Q == 3 ? PW_CW_NIB : Q == 4 ? PW_CW_Q4 : 8;
+    static constexpr int WPL = CW / 4;
+    static constexpr int CK = 32 * CW;  // columns per chunk
+    static constexpr int XB = 2 * CK;   // one token's activations of one chunk in shared memory, bytes
+    static constexpr int GS = 8 * CW;   // bytes between element groups of a chunk in shared memory
+};
 
 struct BlockRef {
     const u32* planes[8];
@@ -75,7 +93,7 @@ __device__ __forceinline__ BlockRef read_block(const long long* table, long long
 // limits for loads) against n_tok tokens whose activation rows are x + rows[n] / row_div * ldx.
 struct Tile {
     int base0, lim0, base1, lim1;
-    int W, K, nchunks;
+    int W, K;
     int ks, ksplit;
     int n_tok;
     const u16* x;
@@ -83,7 +101,7 @@ struct Tile {
     const int* rows;
     int row_div;
     bool x_vec;
-    int cps;  // chunks per shared-memory segment
+    int xs_budget;  // shared-memory bytes for activations
 };
 
 __device__ __forceinline__ int mrow(const Tile& tl, int m) {
@@ -99,22 +117,36 @@ __device__ __forceinline__ u32 half_of(const u32 (&v)[16], int e) {
 }
 
 // ---------------------------------------------------------------- activations -> shared memory
-// Token n's row starts at n * pitch + swz(n); within a chunk: [group G 0..7][word 0..7][4 halves].
+// Token n's row starts at n * pitch + swz(n); within a chunk: [group G 0..7][word 0..CW-1][4 halves].
 // Path 0 (nibble decoders): group G = 2i + h holds elements i + 16h + 4s, s = 0..3.
 // Path 1 (byte decoder):   group G = i holds elements i + 8s.
-__device__ __forceinline__ int xs_swz(int n) { return ((n & 1) << 3) | (((n >> 1) & 1) << 6); }
+// The swizzle keeps the 16 lanes of a half-warp (tokens g, words WPL t + u) on distinct banks.
+template <int WPL>
+__device__ __forceinline__ int xs_swz(int n) {
+    if constexpr (WPL == 2) return ((n & 1) << 3) | (((n >> 1) & 1) << 6);
+    else return (n & 3) << 3;
+}
 
-template <int PATH>
-__device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch) {
-    const int c0 = seg * tl.cps;
-    const int nch = min(tl.cps, tl.nchunks - c0);
-    const int items = tl.n_tok * nch * CHUNK_WORDS;
+template <int Q>
+__device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {
+    int cps = (xs_budget / (n_tok > 0 ? n_tok : 1) - XS_ROW_PAD) / Geom<Q>::XB;
+    cps = cps < 1 ? 1 : cps;
+    return cps < nchunks ? cps : nchunks;
+}
+
+template <int Q>
+__device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch, int cps, int nchunks) {
+    using G_ = Geom<Q>;
+    constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
+    const int c0 = seg * cps;
+    const int nch = min(cps, nchunks - c0);
+    const int items = tl.n_tok * nch * G_::CW;
     for (int it = threadIdx.x; it < items; it += THREADS) {
-        const int w8 = it & 7;
-        const int rest = it >> 3;
+        const int w8 = it % G_::CW;
+        const int rest = it / G_::CW;
         const int cl = rest % nch;
         const int n = rest / nch;
-        const int k0 = (c0 + cl) * CHUNK_K + w8 * 32;
+        const int k0 = (c0 + cl) * G_::CK + w8 * 32;
         const u16* src = tl.x + (long long)(tl.rows[n] / tl.row_div) * tl.ldx + k0;
         u32 v[16];
         if (tl.x_vec && k0 + 32 <= tl.K) {
@@ -134,7 +166,7 @@ __device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch) {
                 v[e >> 1] = lo | (hi << 16);
             }
         }
-        char* dst = xs + n * pitch + xs_swz(n) + cl * CHUNK_XBYTES + w8 * 8;
+        char* dst = xs + n * pitch + xs_swz<G_::WPL>(n) + cl * G_::XB + w8 * 8;
 #pragma unroll
         for (int G = 0; G < 8; ++G) {
             int e[4];
@@ -146,7 +178,7 @@ __device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch) {
             u32x2 o;
             o.x = half_of(v, e[0]) | (half_of(v, e[1]) << 16);
             o.y = half_of(v, e[2]) | (half_of(v, e[3]) << 16);
-            *reinterpret_cast<u32x2*>(dst + G * 64) = o;
+            *reinterpret_cast<u32x2*>(dst + G * G_::GS) = o;
         }
     }
 }
@@ -249,10 +281,11 @@ __device__ __forceinline__ void mma_group(float (&acc)[NT * ACCS][4], int nt_act
 }
 
 template <int Q>
-__device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][2], const BlockRef& blk, const Tile& tl, long long off0,
-                                           long long off1, int c, int t) {
-    const int w = c * CHUNK_WORDS + 2 * t;
-    const bool vec = (tl.W & 1) == 0;
+__device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][Geom<Q>::WPL], const BlockRef& blk, const Tile& tl,
+                                           long long off0, long long off1, int c, int t) {
+    constexpr int WPL = Geom<Q>::WPL;
+    const int w = c * Geom<Q>::CW + WPL * t;
+    const bool vec = (tl.W % WPL) == 0;  // rows start WPL-word aligned, and a lane's words are all in or all out
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
         const long long off = (rr ? off1 : off0) + w;
@@ -260,36 +293,48 @@ __device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][2], const BlockRef& bl
         for (int j = 0; j < Q; ++j) {
             if (vec) {
                 if (w < tl.W) {
-                    u32x2 v = ldg_nc_v2(blk.planes[j] + off);
-                    P[rr][j][0] = v.x;
-                    P[rr][j][1] = v.y;
+                    if constexpr (WPL == 4) {
+                        const u32x4 v = ldg_plane_v4(blk.planes[j] + off);
+                        P[rr][j][0] = v.x;
+                        P[rr][j][1] = v.y;
+                        P[rr][j][2] = v.z;
+                        P[rr][j][3] = v.w;
+                    } else {
+                        const u32x2 v = ldg_plane_v2(blk.planes[j] + off);
+                        P[rr][j][0] = v.x;
+                        P[rr][j][1] = v.y;
+                    }
                 } else {
-                    P[rr][j][0] = 0u;
-                    P[rr][j][1] = 0u;
+#pragma unroll
+                    for (int u = 0; u < WPL; ++u) P[rr][j][u] = 0u;
                 }
             } else {
-                P[rr][j][0] = (w < tl.W) ? ldg_nc(blk.planes[j] + off) : 0u;
-                P[rr][j][1] = (w + 1 < tl.W) ? ldg_nc(blk.planes[j] + off + 1) : 0u;
+#pragma unroll
+                for (int u = 0; u < WPL; ++u) P[rr][j][u] = (w + u < tl.W) ? ldg_nc(blk.planes[j] + off + u) : 0u;
             }
         }
     }
 }
 
 template <int Q>
-__device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32 (&L)[2][8], const char* lut_row,
-                                              float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
-                                              const int (&xoff)[NT], int cl, int t) {
+__device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL], const u32 (&L)[2][8],
+                                              const char* lut_row, float (&acc)[NT * ACCS][4], int nt_act,
+                                              const char* xs, const int (&xoff)[NT], int cl, int t) {
+    using G_ = Geom<Q>;
     constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
-    // one copy of the decode code for both words (small loop body for the instruction cache)
+    constexpr int UNR = G_::WPL / 2;  // decode copies: the loop below runs twice (small code for the i-cache)
 #pragma unroll 1
-    for (int u = 0; u < 2; ++u) {
+    for (int u2 = 0; u2 < 2; ++u2) {
+#pragma unroll
+    for (int k = 0; k < UNR; ++k) {
+        const int u = u2 * UNR + k;
         u32 w0[Q], w1[Q];
 #pragma unroll
         for (int j = 0; j < Q; ++j) {
-            w0[j] = u ? P[0][j][1] : P[0][j][0];
-            w1[j] = u ? P[1][j][1] : P[1][j][0];
+            w0[j] = u2 ? P[0][j][UNR + k] : P[0][j][k];
+            w1[j] = u2 ? P[1][j][UNR + k] : P[1][j][k];
         }
-        const int base = cl * CHUNK_XBYTES + (2 * t + u) * 8;
+        const int base = cl * G_::XB + (G_::WPL * t + u) * 8;
         if constexpr (PATH == 0) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -301,8 +346,8 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32
                     decode4(w0, i, L[0], A0);
                     decode4(w1, i, L[1], A1);
                 }
-                mma_group<0>(acc, nt_act, xs, xoff, base + (2 * i) * 64, A0[0], A1[0], A0[1], A1[1]);
-                mma_group<1>(acc, nt_act, xs, xoff, base + (2 * i + 1) * 64, A0[2], A1[2], A0[3], A1[3]);
+                mma_group<0>(acc, nt_act, xs, xoff, base + (2 * i) * G_::GS, A0[0], A1[0], A0[1], A1[1]);
+                mma_group<1>(acc, nt_act, xs, xoff, base + (2 * i + 1) * G_::GS, A0[2], A1[2], A0[3], A1[3]);
             }
         } else {
             u32 C0[8], C1[8];
@@ -313,52 +358,116 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][2], const u32
                 u32 A0[2], A1[2];
                 decode_bytes(C0[i], lut_row, A0);
                 decode_bytes(C1[i], lut_row + 2, A1);
-                if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
-                else mma_group<0>(acc, nt_act, xs, xoff, base + i * 64, A0[0], A1[0], A0[1], A1[1]);
+                if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
+                else mma_group<0>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
             }
         }
     }
+    }
+}
+
+// Stage LUT_Q of the warp's 16 m-rows into its shared-memory slice (byte path), converted to the activation
+// dtype. With 2^Q >= 32, lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
+// and m8 + 8 with 16-byte loads, a batch of them in flight at once, and stores each (m8, m8 + 8) pair as one
+// word (lanes of one quarter hit distinct banks; the four quarters share them).
+template <int Q>
+__device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
+    const int lane = threadIdx.x & 31;
+    if constexpr ((1 << Q) < 32) {
+        for (int idx = lane; idx < (16 << Q); idx += 32) {
+            const int m = idx >> Q, code = idx & ((1 << Q) - 1);
+            lut_s[lut_slot(m, code)] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
+        }
+    } else {
+        constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
+        constexpr int LOADS = CODES / 8;             // 16-byte loads per row
+        constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
+        const int m8 = lane & 7, qt = lane >> 3;
+        const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
+        const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
+        u32* dst = reinterpret_cast<u32*>(lut_s);
+#pragma unroll
+        for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
+            u32x4 a[BATCH], b[BATCH];
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                a[i] = ldg_nc_v4(src0 + 8 * (b0 + i));
+                b[i] = ldg_nc_v4(src1 + 8 * (b0 + i));
+            }
+#pragma unroll
+            for (int i = 0; i < BATCH; ++i) {
+                const u32 av[4] = {a[i].x, a[i].y, a[i].z, a[i].w}, bv[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const u32 lo = lut2act<BF>((u16)(e & 1 ? av[e >> 1] >> 16 : av[e >> 1] & 0xffffu));
+                    const u32 hi = lut2act<BF>((u16)(e & 1 ? bv[e >> 1] >> 16 : bv[e >> 1] & 0xffffu));
+                    dst[((qt * CODES + (b0 + i) * 8 + e) * 16 + m8 * 2) >> 1] = lo | (hi << 16);
+                }
+            }
+        }
+    }
+    __syncwarp();
+}
+
+// Two register buffers of plane words, used in alternation through a phase: the next chunk is in flight while
+// one is decoded (no register copies: a copy of a register whose load is still in flight would wait for it
+// and serialize the pipeline). Deeper rotations (3, 4 buffers) were measured and were not faster.
+constexpr int NB = 2;
+
+template <int Q, int PH>
+__device__ __forceinline__ void pipe_step(u32 (&P)[NB][2][Q][Geom<Q>::WPL], bool ld, int cn, int cl, const BlockRef& blk,
+                                          const Tile& tl, long long off0, long long off1, const u32 (&L)[2][8],
+                                          const char* lut_row, float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
+                                          const int (&xoff)[NT], int t) {
+    if (ld) load_chunk<Q>(P[(PH + NB - 1) % NB], blk, tl, off0, off1, cn, t);
+    compute_chunk<Q>(P[PH], L, lut_row, acc, nt_act, xs, xoff, cl, t);
 }
 
 // Accumulate this warp's 16 m-rows x n_tok tokens over its share of K into acc.
 template <int Q>
 __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
     constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
-    // Two register buffers of plane words: one chunk is in flight while the other is decoded. They are
-    // used in alternation through a phase (no register copies: a copy of a register whose load is still
-    // in flight would wait for it and serialize the pipeline).
-    constexpr int NB = 2;
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = mrow(tl, g), r1 = mrow(tl, g + 8);
-
-    // first plane loads go out before the LUT loads
     const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
     const int nt_act = (tl.n_tok + 7) >> 3;
-    const int pitch = tl.cps * CHUNK_XBYTES + XS_ROW_PAD;
+    const int nchunks = (tl.W + Geom<Q>::CW - 1) / Geom<Q>::CW;
+    const int cps = chunks_per_segment<Q>(tl.xs_budget, tl.n_tok, nchunks);
+    const int pitch = cps * Geom<Q>::XB + XS_ROW_PAD;
     int xoff[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int n = nt * 8 + g;
-        xoff[nt] = n < tl.n_tok ? n * pitch + xs_swz(n) : -1;
+        xoff[nt] = n < tl.n_tok ? n * pitch + xs_swz<Geom<Q>::WPL>(n) : -1;
     }
 
-    const int n_my = tl.nchunks > tl.ks ? (tl.nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
-    u32 P0[2][Q][2], P1[2][Q][2];
-    if (n_my > 0) load_chunk<Q>(P0, blk, tl, off0, off1, tl.ks, t);
+    // Prologue, ordered so its latencies overlap: the first chunk's plane loads, then the register LUT's
+    // loads, then the first segment of activations (its loads wait while the others fly), then the LUT.
+    const int n_my = nchunks > tl.ks ? (nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
+    u32 P[NB][2][Q][Geom<Q>::WPL];
+    if (n_my > 0) load_chunk<Q>(P[0], blk, tl, off0, off1, tl.ks, t);
 
-    // ---- LUT: registers (q = 3, 4) or this warp's shared-memory slice
     u32 L[2][8];
+    u32x4 raw[2][2];
+    if constexpr (PATH == 0) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            const u16* lr = blk.lut + (long long)(rr ? r1 : r0) * (1 << Q);
+#pragma unroll
+            for (int half = 0; half < Q - 2; ++half) raw[rr][half] = ldg_nc_v4(lr + 8 * half);  // entries 8*half..
+        }
+    }
+    fill_x<Q>(xs, tl, 0, pitch, cps, nchunks);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
         for (int k = 0; k < 8; ++k) L[rr][k] = 0u;
     if constexpr (PATH == 0) {
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            const u16* lr = blk.lut + (long long)(rr ? r1 : r0) * (1 << Q);
+        for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
-            for (int half = 0; half < Q - 2; ++half) {  // entries 8*half .. 8*half+7
-                u32x4 e = ldg_nc_v4(lr + 8 * half);
+            for (int half = 0; half < Q - 2; ++half) {
+                u32x4 e = raw[rr][half];
                 if constexpr (BF) {
                     e.x = lut2act<BF>(e.x & 0xffffu) | ((u32)lut2act<BF>(e.x >> 16) << 16);
                     e.y = lut2act<BF>(e.y & 0xffffu) | ((u32)lut2act<BF>(e.y >> 16) << 16);
@@ -370,42 +479,35 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
                 L[rr][4 * half + 2] = prmt(e.x, e.y, 0x7531u);  // high bytes of entries 0..3
                 L[rr][4 * half + 3] = prmt(e.z, e.w, 0x7531u);  // high bytes of entries 4..7
             }
-        }
     } else {
-        for (int idx = lane; idx < (16 << Q); idx += 32) {
-            const int m = idx >> Q, code = idx & ((1 << Q) - 1);
-            lut_s[lut_slot(m, code)] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
-        }
-        __syncwarp();
+        stage_lut<Q>(blk, tl, lut_s);
     }
+    __syncthreads();
 
     const char* lut_row = reinterpret_cast<const char*>(lut_s) + g * 4;
-    const int nseg = (tl.nchunks + tl.cps - 1) / tl.cps;
+    const int nseg = (nchunks + cps - 1) / cps;
     int my = 0, phase = 0;
     for (int seg = 0; seg < nseg; ++seg) {
-        __syncthreads();  // the previous segment's activations are no longer read
-        fill_x<PATH>(xs, tl, seg, pitch);
-        __syncthreads();
-        const int cend = min(tl.nchunks, (seg + 1) * tl.cps);
+        if (seg > 0) {
+            __syncthreads();  // the previous segment's activations are no longer read
+            fill_x<Q>(xs, tl, seg, pitch, cps, nchunks);
+            __syncthreads();
+        }
+        const int cend = min(nchunks, (seg + 1) * cps);
         while (my < n_my && tl.ks + my * tl.ksplit < cend) {
             const int nxt = my + NB - 1;
             const bool ld = nxt < n_my;
             const int cn = tl.ks + nxt * tl.ksplit;
-            const int cl = tl.ks + my * tl.ksplit - seg * tl.cps;
-            if (phase == 0) {
-                if (ld) load_chunk<Q>(P1, blk, tl, off0, off1, cn, t);
-                compute_chunk<Q>(P0, L, lut_row, acc, nt_act, xs, xoff, cl, t);
-            } else {
-                if (ld) load_chunk<Q>(P0, blk, tl, off0, off1, cn, t);
-                compute_chunk<Q>(P1, L, lut_row, acc, nt_act, xs, xoff, cl, t);
-            }
+            const int cl = tl.ks + my * tl.ksplit - seg * cps;
+            if (phase == 0) pipe_step<Q, 0>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, acc, nt_act, xs, xoff, t);
+            else pipe_step<Q, 1>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, acc, nt_act, xs, xoff, t);
             phase ^= 1;
             ++my;
         }
     }
 }
 
-__device__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
+__device__ __forceinline__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
     switch (blk.q) {
         case 1: ap_mma<1>(blk, tl, xs, lut_s, acc); break;
         case 2: ap_mma<2>(blk, tl, xs, lut_s, acc); break;
@@ -499,12 +601,6 @@ __device__ void route(const long long* __restrict__ topk_ids, int TK, int E, int
     __syncthreads();
 }
 
-__device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {
-    int cps = (xs_budget / (n_tok > 0 ? n_tok : 1) - XS_ROW_PAD) / CHUNK_XBYTES;
-    cps = cps < 1 ? 1 : cps;
-    return cps < nchunks ? cps : nchunks;
-}
-
 // ---------------------------------------------------------------- the kernel
 // One entry point for the three uses, so the decode loop is compiled once per module:
 //   mode 0, gate_up: grid = max_active * n_tiles; block = block_base + 2e; rows = I (gate) / I + r (up);
@@ -557,7 +653,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     }
     tl.K = K;
     tl.W = (K + 31) >> 5;
-    tl.nchunks = (tl.W + CHUNK_WORDS - 1) / CHUNK_WORDS;
     tl.ks = ks;
     tl.ksplit = ksplit;
     tl.n_tok = n_tok;
@@ -566,11 +661,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     tl.rows = s_slots;
     tl.row_div = mode == 0 ? topk : 1;
     tl.x_vec = x_vec != 0;
-    tl.cps = chunks_per_segment(xs_budget, n_tok, tl.nchunks);
+    tl.xs_budget = xs_budget;
 
     const BlockRef blk = read_block(table, mode == 2 ? block_base : block_base + 2LL * e + (mode == 1 ? 1 : 0));
     const int region0 = max(xs_budget, NT * 2048);
-    u16* lut_s = reinterpret_cast<u16*>(smem + region0 + warp * LUT_WARP_BYTES);
+    // one byte-path LUT slice per row group: the k-split warps of a group stage the same values into it
+    // (before the barrier that ends the prologue), so the launch reserves 4 / ksplit slices
+    u16* lut_s = reinterpret_cast<u16*>(smem + region0 + rg * LUT_WARP_BYTES);
 
     float sets[NT * ACCS][4];
 #pragma unroll

@@ -66,6 +66,33 @@ __device__ __forceinline__ u32x4 ldg_nc_v4(const void* p) {
     asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
+// plane-word loads with an L2 prefetch-size hint (PW_L2PF bytes: 0 = none, 64, 128 or 256): a warp reads
+// 32 or 64 bytes of a row per load and the rest of the row soon after, so a larger L2 fill turns the later
+// reads into L2 hits and the DRAM sees longer bursts
+#ifndef PW_L2PF  // 128 measured a few percent faster than none or 256 on the H200 (cuda/NOTES.md)
+#define PW_L2PF 128
+#endif
+#if PW_L2PF == 0
+#define PW_PF_HINT ""
+#elif PW_L2PF == 64
+#define PW_PF_HINT ".L2::64B"
+#elif PW_L2PF == 128
+#define PW_PF_HINT ".L2::128B"
+#else
+#define PW_PF_HINT ".L2::256B"
+#endif
+__device__ __forceinline__ u32x4 ldg_plane_v4(const u32* p) {
+    u32x4 r;
+    asm("ld.global.nc" PW_PF_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32x2 ldg_plane_v2(const u32* p) {
+    u32x2 r;
+    asm("ld.global.nc" PW_PF_HINT ".v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    return r;
+}
+
 // loads that bypass L1 (data written by other blocks of the same launch): the builtin is an
 // ordinary load to the compiler, so __threadfence/__syncthreads order it and independent ones overlap
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }

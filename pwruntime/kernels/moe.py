@@ -23,9 +23,10 @@ MAX_TOKENS = 64           # tokens per launch (8 mma n-tiles of 8)
 MAX_SLOTS = 1024          # T * top_k the routing prologue holds in shared memory
 MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
 THREADS = 128
-CHUNK_K = 256
+CHUNK_WORDS = 16           # the widest chunk the kernel uses (q = 3, 4; others use 8 words)
+XS_CHUNK = 32 * CHUNK_WORDS * 2 + 128   # one token's activations of one such chunk, with the row pad
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
-LUT_SMEM = 4 * 16 * 256 * 2   # per CTA: 4 warps x the byte-path LUT of 16 rows
+LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
@@ -70,7 +71,8 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     activations, so fewer, longer CTAs pay off sooner (measured on the H200, see the README).
     """
     nt = n_tiles_of(tokens)
-    nchunks = -(-(-(-k // 32)) // 8)
+    words = -(-k // 32)
+    nchunks = -(-words // 8)  # 256-column chunks (the k-split rule was measured with these)
     want = 3 * sm_count if tokens == 1 else 3 * sm_count // 2
     ksplit = 1
     for ks in (1, 2, 4):
@@ -79,8 +81,9 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
         if tiles * ctas_per_tile >= want or nchunks // (ks * 2) < 2:
             break
     n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
-    xs_budget = max(min(tokens * (nchunks * 512 + 128), XS_CAP), tokens * 640)
-    smem = max(xs_budget, nt * 2048) + LUT_SMEM
+    wide = -(-words // CHUNK_WORDS)
+    xs_budget = max(min(tokens * (wide * 64 * CHUNK_WORDS + 128), XS_CAP), tokens * XS_CHUNK)
+    smem = max(xs_budget, nt * 2048) + (4 // ksplit) * LUT_SLICE
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem)

@@ -25,7 +25,8 @@ def _force_ksplit(ksplit: int) -> None:
     def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132):
         p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count)
         n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
-        return dataclasses.replace(p, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile)
+        smem = p.smem + (4 // ksplit - 4 // p.ksplit) * moe.LUT_SLICE  # one LUT slice per row group
+        return dataclasses.replace(p, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile, smem=smem)
 
     moe.plan_launch = forced
 
@@ -49,12 +50,17 @@ def main() -> int:
     ap.add_argument("--ksplit", type=int, default=None, help="force this k-split in every launch (experiments)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
+    ap.add_argument("--xs-cap", type=int, default=None,
+                    help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.define:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit:
         _force_ksplit(args.ksplit)
+    if args.xs_cap:
+        from pwruntime.kernels import moe
+        moe.XS_CAP = args.xs_cap
     bits = tuple(int(b) for b in args.bits.split(","))
     tokens = tuple(int(t) for t in args.tokens.split(","))
     cfg = kb.BenchConfig(reps=args.reps, warmup=3)
