@@ -26,6 +26,8 @@
 // Launch 2 (pw_moe_down): partial[slot, H] = w_slot * down_e(act[slot]); the last CTA to finish a
 // row tile (arrival counter) sums the top-k slots of every token in slot order (deterministic),
 // writes out[T, H] and re-arms the counter, so no memset or extra launch is needed.
+// Launch 2 is a programmatic dependent launch: its CTAs start while launch 1 runs and read their
+// routing, table rows, first plane chunk and LUT before waiting (griddepcontrol) for launch 1's act.
 #include "pw_common.cuh"
 
 #ifndef PW_BF16
@@ -457,6 +459,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
             for (int half = 0; half < Q - 2; ++half) raw[rr][half] = ldg_nc_v4(lr + 8 * half);  // entries 8*half..
         }
     }
+    pdl_wait();  // launch 2 may start while launch 1 writes its activations: everything above overlaps it
     fill_x<Q>(xs, tl, 0, pitch, cps, nchunks);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr)
@@ -619,6 +622,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     __shared__ int s_slots[MAX_TOK];
     __shared__ int s_info[4];
 
+    if (mode == 0) pdl_launch_dependents();  // launch 2's CTAs may be scheduled as soon as every CTA here runs
     const int tile = blockIdx.x % n_tiles;
     int e = 0, n_act = 1, n_tok;
     if (mode == 2) {

@@ -115,4 +115,9 @@ __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, 
     }
 }
 
+// Programmatic dependent launch (sm_90; no-ops when the launch did not ask for it): a kernel lets the next
+// one start early, and the next one waits here before it reads what the first one writes.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }

@@ -17,7 +17,7 @@ import torch
 from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize_blocks, fused_moe
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
-from pwruntime.kernels.moe import MAX_TOKENS, SMEM_LIMIT, moe_plans, plan_launch
+from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, moe_plans, plan_launch
 from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import pack_planes
 
@@ -257,8 +257,20 @@ def test_launch_plans_fit_and_cover(arch, tokens):
         assert p.ksplit in (1, 2, 4) and p.smem <= SMEM_LIMIT
         assert p.n_tiles * rpw * (4 // p.ksplit) >= rows
         assert p.grid == p.n_tiles * min(e, tokens * k)
-        assert p.xs_budget >= tokens * 640 and 8 * p.nt >= tokens
+        assert p.xs_budget >= tokens * XS_CHUNK and 8 * p.nt >= tokens  # a segment holds one 16-word chunk
+        assert p.smem >= p.xs_budget + (4 // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
+
+
+def test_pdl_launch_structs_match_the_driver_abi():
+    # cuLaunchKernelEx reads these by offset: CUlaunchConfig is 56 bytes with hStream at 32, attrs at 40,
+    # numAttrs at 48; CUlaunchAttribute is 72 bytes with its value union at 8
+    import ctypes
+    assert ctypes.sizeof(kc.LaunchConfig) == 56 and ctypes.sizeof(kc.LaunchAttribute) == 72
+    assert (kc.LaunchConfig.stream.offset, kc.LaunchConfig.attrs.offset, kc.LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    assert kc.LaunchAttribute.value.offset == 8
+    # every argument helper's scalar type has a ctypes counterpart for the kernel-parameter array
+    assert {np.asarray(v).dtype for v in (kc.i32(1), kc.i64(1), kc.f32(1.0), kc.ptr(None))} <= set(kc._CTYPE_OF)
 
 
 def test_sources_inline_headers_and_cpu_path_never_imports_cupy():

@@ -13,6 +13,7 @@ several at a time in separate processes, so that the first forward pass does not
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -93,13 +94,66 @@ def _external_stream(device_index: int, handle: int):
 
 
 def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence,
-           shared_mem: int = 0) -> None:
-    """Launch on torch's current stream of `device` (so graph capture and stream order just work)."""
+           shared_mem: int = 0, overlap_previous: bool = False) -> None:
+    """Launch on torch's current stream of `device` (so graph capture and stream order just work).
+
+    `overlap_previous` launches with programmatic stream serialization (PDL): the kernel may start
+    while the previous kernel on the stream runs, and must execute `griddepcontrol.wait` before it
+    reads anything that kernel writes (the previous kernel lets it start with
+    `griddepcontrol.launch_dependents`). Graph capture records this as a programmatic edge.
+    """
     cupy = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     handle = torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index), _external_stream(index, handle):
-        kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
+        if overlap_previous:
+            _launch_overlapping(kernel, grid, block, args, int(shared_mem), handle)
+        else:
+            kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
+
+
+# cuLaunchKernelEx (CUDA driver API): CuPy launches without attributes, so the PDL launch goes through ctypes
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute: an id, padding, then a 64-byte value union (72 bytes)."""
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_ubyte * 4), ("value", ctypes.c_ubyte * 64)]
+
+
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig (56 bytes on 64-bit Linux)."""
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_CTYPE_OF = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
+             np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuLaunchKernelEx.restype = ctypes.c_int
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return lib
+
+
+def _pad3(dims: tuple[int, ...]) -> list[int]:
+    return [int(d) for d in dims] + [1] * (3 - len(dims))
+
+
+def _launch_overlapping(kernel, grid, block, args, shared_mem: int, stream: int) -> None:
+    values = [_CTYPE_OF[np.asarray(a).dtype](a.item()) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
+    cfg = LaunchConfig((ctypes.c_uint * 3)(*_pad3(grid)), (ctypes.c_uint * 3)(*_pad3(block)), shared_mem,
+                       stream, ctypes.pointer(attr), 1)
+    function = kernel.kernel.ptr  # RawKernel -> the loaded cupy.cuda.Function of the current device -> CUfunction
+    err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), function, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
 # argument helpers: the C type each kernel parameter has

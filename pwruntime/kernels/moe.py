@@ -185,7 +185,8 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
-        kc.i32(p2.xs_budget), kc.ptr(out), kc.i64(shape.hidden), kc.ptr(ws.partial), kc.ptr(ws.counters)), p2.smem)
+        kc.i32(p2.xs_budget), kc.ptr(out), kc.i64(shape.hidden), kc.ptr(ws.partial), kc.ptr(ws.counters)), p2.smem,
+        overlap_previous=True)  # routing, table rows, first planes and LUTs load while launch 1 finishes
     return out
 
 
