@@ -17,8 +17,9 @@
 //   q = 4: two 8-entry register tables selected by the top plane through a prmt sign-replicate mask;
 //   other q: an 8x8 bit transpose per byte lane turns the planes into byte codes; the LUT lives in
 //            shared memory laid out so lanes of different rows never share a bank.
-// Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk of 256 columns, words 2t, 2t+1 of
-// 8 (uint2 loads: the 4 lanes of a row read 32 contiguous bytes per plane). Plane words of the next
+// Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk, words WPL t .. WPL t + WPL - 1 of the
+// chunk's CW words (Geom<Q>: 16-word chunks and 16-byte loads at q = 3, so the 4 lanes of a row read
+// 64 contiguous bytes per plane; 8-word chunks and 8-byte loads elsewhere). Plane words of the next
 // chunk are in flight while a chunk is decoded (two register buffers used in alternation).
 //
 // Launch 1 (pw_moe_gate_up): m-rows 0..7 are gate rows, 8..15 the matching up rows, so

@@ -276,6 +276,8 @@ def test_pdl_launch_structs_match_the_driver_abi():
 def test_sources_inline_headers_and_cpu_path_never_imports_cupy():
     src = kc.source("ap_moe.cu")
     assert "mma.sync.aligned.m16n8k16" in src and '#include "pw_common.cuh"' not in src
+    probe = kc.source("load_pattern.cu")  # the load-only microbenchmark of `tune --load-patterns`
+    assert "pw_load_pattern" in probe and "ldg_nc_v4" in probe and '#include' not in probe
     assert kc.options([("PW_NT", 2)]) == ("-std=c++17", "-DPW_NT=2")
     code = ("import sys, torch; from pwruntime.kernels import fused_moe, paged_attention_decode, DeviceWeightTable;"
             "assert 'cupy' not in sys.modules")

@@ -23,9 +23,12 @@ def test_bundled_h200_measured_profile_comes_from_the_kernel_benchmark():
     p = load_profile("h200-measured")
     assert p.measured is True and "pwruntime bench kernels" in p.metadata["command"]
     assert p.pcie_h2d_gbps > 40 and p.hbm_gbps > 3000  # pinned copies and a device copy on the H200
-    # the fused AP kernel reads fewer planes at lower bits but never beats the fp16 GEMV's bandwidth
-    assert all(0 < e <= 1 for e in p.ap_kernel_efficiency.values())
-    assert p.ap_kernel_efficiency[3] > p.ap_kernel_efficiency[8]
+    # the fused AP kernel never beats the fp16 GEMV's bandwidth, and lowering the bits still saves time:
+    # the time of a layer's bytes (b planes) at the measured efficiency falls with b
+    eff = p.ap_kernel_efficiency
+    assert all(0 < e <= 1 for e in eff.values())
+    times = [b / eff[b] for b in sorted(eff)]
+    assert times == sorted(times)
 
 
 def test_round_trip_and_validation(tmp_path):

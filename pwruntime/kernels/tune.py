@@ -2,8 +2,9 @@
 
 `python -m pwruntime.kernels.tune` prints a short table (median of CUDA-graph replays, rotated
 copies so the L2 does not hold the weights) for the Mixtral-expert block (14336 x 4096) at T = 1
-and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`). It is the
-quick loop behind kernel changes; `pwruntime bench kernels` is the full benchmark.
+and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`);
+`--load-patterns` times cuda/load_pattern.cu, the block's 3-bit planes read with no decode. It is
+the quick loop behind kernel changes; `pwruntime bench kernels` is the full benchmark.
 """
 from __future__ import annotations
 
@@ -39,6 +40,30 @@ def _extra_defines(extra: tuple[tuple[str, int], ...]) -> None:
                                                                           tuple(defines) + extra, dyn_smem)
 
 
+def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copies: int = 6) -> list[dict]:
+    """Time cuda/load_pattern.cu: 3 planes of a rows x (32 words) block read in each access pattern and k-split."""
+    from pwruntime.kernels import compile as kc
+    dev = torch.device("cuda")
+    kernel = kc.get_kernel(dev, "load_pattern.cu", "pw_load_pattern", ())
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    planes = [[torch.randint(0, 2 ** 31, (rows * words,), dtype=torch.int32, device="cuda", generator=gen)
+               for _ in range(3)] for _ in range(copies)]
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    nbytes = 3 * rows * words * 4
+    out = []
+    for mode in (0, 1, 2):
+        for ksplit in (1, 2, 4):
+            grid = rows // (16 * (4 // ksplit))
+
+            def launch_all() -> None:
+                for p in planes:
+                    kc.launch(kernel, dev, (grid,), (128,), (kc.ptr(p[0]), kc.ptr(p[1]), kc.ptr(p[2]), kc.i32(words),
+                                                           kc.i32(ksplit), kc.i32(mode), kc.ptr(sink)))
+            us = kb.graph_ms(kb.capture(launch_all), cfg) * 1000 / copies
+            out.append({"mode": mode, "ksplit": ksplit, "us": us, "gbps": nbytes / us / 1e3})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", default="3,4,5,8")
@@ -52,6 +77,8 @@ def main() -> int:
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
     ap.add_argument("--xs-cap", type=int, default=None,
                     help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
+    ap.add_argument("--load-patterns", action="store_true",
+                    help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.define:
@@ -65,6 +92,15 @@ def main() -> int:
     tokens = tuple(int(t) for t in args.tokens.split(","))
     cfg = kb.BenchConfig(reps=args.reps, warmup=3)
     rows = []
+    if args.load_patterns:
+        names = ("8 B a lane (v3)", "tiled 512 B a warp", "16 B a lane (v4, q=3)")
+        for r in load_patterns(cfg):
+            rows.append(r)
+            print(f"load pattern {names[r['mode']]:>22s} ksplit {r['ksplit']}: {r['us']:6.1f} us {r['gbps']:6.0f} GB/s")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     if args.once:
         kb.single_block_once(bits, tokens)
         torch.cuda.synchronize()

@@ -1,0 +1,44 @@
+// Load-only microbenchmark for cuda/NOTES.md: how fast 3 bit-planes of one block stream into registers
+// with the AP kernel's access patterns and CTA shape (128 threads, 16 rows a warp, k-split warps), no
+// decode. mode 0: lane (g, t) reads 8 bytes of rows g and g + 8 per plane (8-word chunks, 32 bytes a row);
+// mode 1: a warp's 16 rows x 8 words are 512 contiguous bytes (a tiled layout); mode 2: 16 bytes a lane
+// (16-word chunks, 64 bytes a row), the layout of today's q = 3 path.
+#include "pw_common.cuh"
+
+extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __restrict__ p0, const u32* __restrict__ p1,
+                                                                 const u32* __restrict__ p2, int W, int ksplit,
+                                                                 int mode, u32* __restrict__ out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int rgs = 4 / ksplit, rg = warp / ksplit, ks = warp % ksplit;
+    const int rbase = (blockIdx.x * rgs + rg) * 16;
+    const u32* planes[3] = {p0, p1, p2};
+    u32 acc = 0;
+    if (mode == 0) {
+#pragma unroll 4
+        for (int c = ks; c < W / 8; c += ksplit)
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+                const u32x2 a = ldg_nc_v2(planes[j] + (long long)(rbase + g) * W + c * 8 + 2 * t);
+                const u32x2 b = ldg_nc_v2(planes[j] + (long long)(rbase + g + 8) * W + c * 8 + 2 * t);
+                acc ^= a.x ^ a.y ^ b.x ^ b.y;
+            }
+    } else if (mode == 1) {
+#pragma unroll 4
+        for (int c = ks; c < W / 8; c += ksplit)
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+                const u32x4 a = ldg_nc_v4(planes[j] + ((long long)(rbase / 16) * (W / 8) + c) * 128 + lane * 4);
+                acc ^= a.x ^ a.y ^ a.z ^ a.w;
+            }
+    } else {
+#pragma unroll 2
+        for (int c = ks; c < W / 16; c += ksplit)
+#pragma unroll
+            for (int j = 0; j < 3; ++j) {
+                const u32x4 a = ldg_nc_v4(planes[j] + (long long)(rbase + g) * W + c * 16 + 4 * t);
+                const u32x4 b = ldg_nc_v4(planes[j] + (long long)(rbase + g + 8) * W + c * 16 + 4 * t);
+                acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+            }
+    }
+    if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads alive; practically never taken
+}
