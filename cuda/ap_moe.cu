@@ -30,6 +30,8 @@
 // Launch 2 is a programmatic dependent launch: its CTAs start while launch 1 runs and read their
 // routing, table rows, first plane chunk and LUT before waiting (griddepcontrol) for launch 1's act.
 #include "pw_common.cuh"
+#include "ap_decode.cuh"
+#include "ap_route.cuh"
 
 #ifndef PW_BF16
 #define PW_BF16 0
@@ -48,9 +50,6 @@ constexpr int ACCS = NT == 1 ? 2 : 1;  // with one n-tile, two accumulator sets 
 constexpr int WARPS = 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int XS_ROW_PAD = 128;
-constexpr int MAX_TK = 1024;
-constexpr int MAX_EXPERT_WORDS = 32;  // E <= 1024
-constexpr int MAX_TOK = 64;
 constexpr int TABLE_COLS = 10;
 constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
 }  // namespace
@@ -112,8 +111,6 @@ __device__ __forceinline__ int mrow(const Tile& tl, int m) {
     int lim = m < 8 ? tl.lim0 : tl.lim1;
     return r < lim ? r : lim - 1;
 }
-
-__device__ __forceinline__ u32 shr_rt(u32 w, int s) { return s >= 0 ? (w >> s) : (w << (-s)); }
 
 __device__ __forceinline__ u32 half_of(const u32 (&v)[16], int e) {
     return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu);
@@ -184,87 +181,6 @@ __device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch, int cps, in
             *reinterpret_cast<u32x2*>(dst + G * G_::GS) = o;
         }
     }
-}
-
-// ---------------------------------------------------------------- decoders
-// nibble codes: element i + 4s of a word -> nibble s (3 bits from the three least significant planes)
-template <int Q>
-__device__ __forceinline__ u32 nib3(const u32* w, int i) {
-    // planes Q-3, Q-2, Q-1 give code bits 2, 1, 0
-    return (shr_rt(w[Q - 3], i - 2) & 0x44444444u) | (shr_rt(w[Q - 2], i - 1) & 0x22222222u) |
-           (shr_rt(w[Q - 1], i) & 0x11111111u);
-}
-
-// q = 3: A[0..1] = pairs (s0,s1), (s2,s3) of elements i + 4s, s = 0..3; A[2..3] the same for s = 4..7
-__device__ __forceinline__ void decode3(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
-    const u32 n = nib3<3>(w, i);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 s = h ? (n >> 16) : n;
-        const u32 lo = prmt(L[0], L[1], s), hi = prmt(L[2], L[3], s);
-        A[2 * h] = prmt(lo, hi, 0x5140u);
-        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
-    }
-}
-
-// q = 4: the top plane selects between the tables of codes 0..7 (L[0..3]) and 8..15 (L[4..7]).
-// P1 = w0 << (7 - i) puts element i + 8b at the sign of byte b, P2 = w0 << (3 - i) element i + 4 + 8b;
-// prmt with sign-replicating selectors turns them into per-byte masks in nibble order.
-__device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
-    const u32 n = nib3<4>(w, i);
-    const u32 p1 = w[0] << (7 - i), p2 = w[0] << (3 - i);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const u32 s = h ? (n >> 16) : n;
-        const u32 m = prmt(p1, p2, h ? 0xFBEAu : 0xD9C8u);
-        const u32 lo = (prmt(L[0], L[1], s) & ~m) | (prmt(L[4], L[5], s) & m);
-        const u32 hi = (prmt(L[2], L[3], s) & ~m) | (prmt(L[6], L[7], s) & m);
-        A[2 * h] = prmt(lo, hi, 0x5140u);
-        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
-    }
-}
-
-// any q: an 8x8 bit transpose inside each byte lane (SWAR over the 4 bytes of a word) turns the q plane
-// words of 32 elements into C[0..7], byte b of C[i] = code of element i + 8b (plane 0 the MSB).
-// Rows are fed MSB-last so row k of the matrix is code bit k; planes q..7 are zero (folded away).
-template <int Q>
-__device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
-#pragma unroll
-    for (int k = 0; k < 8; ++k) r[k] = k < Q ? w[Q - 1 - k] : 0u;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
-        r[k + 4] ^= x;
-        r[k] ^= x << 4;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        if (k & 2) continue;
-        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
-        r[k + 2] ^= x;
-        r[k] ^= x << 2;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
-        r[k + 1] ^= x;
-        r[k] ^= x << 1;
-    }
-}
-
-// Shared-memory LUT of one warp (byte path): entry `code` of m-row m at byte code * 32 + (m & 7) * 4 +
-// (m >> 3) * 2, so row g (and g + 8) lives in banks g, g+8, g+16, g+24 only: lanes of different rows never
-// conflict, the 4 lanes of one row at most 4-way (about 2-way on random codes).
-__device__ __forceinline__ int lut_slot(int m, int code) { return code * 16 + (m & 7) * 2 + (m >> 3); }
-
-__device__ __forceinline__ u32 lut_lookup(const char* row_base, u32 C, int b) {
-    const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended
-    return *reinterpret_cast<const u16*>(row_base + code * 32u);
-}
-
-__device__ __forceinline__ void decode_bytes(const u32 C, const char* row_base, u32 (&A)[2]) {
-    A[0] = lut_lookup(row_base, C, 0) | (lut_lookup(row_base, C, 1) << 16);
-    A[1] = lut_lookup(row_base, C, 2) | (lut_lookup(row_base, C, 3) << 16);
 }
 
 // ---------------------------------------------------------------- the m16 x (8 NT) x K tile
@@ -547,64 +463,6 @@ __device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks,
     }
 }
 
-// ---------------------------------------------------------------- routing prologue
-// Active experts sorted ascending; CTA `a` takes the a-th. Its slots (t * topk + j) in ascending order.
-// info: [0] expert (-1 if a >= number active), [1] number of active experts, [2] tokens of the expert.
-__device__ void route(const long long* __restrict__ topk_ids, int TK, int E, int a, int* s_ids, u32* s_bitmap,
-                      int* s_slots, int* s_info) {
-    const int tid = threadIdx.x;
-    const int nwords = (E + 31) >> 5;
-    for (int i = tid; i < MAX_EXPERT_WORDS; i += THREADS) s_bitmap[i] = 0u;
-    __syncthreads();
-    for (int i = tid; i < TK; i += THREADS) {
-        const int e = static_cast<int>(topk_ids[i]);
-        s_ids[i] = e;
-        if (e >= 0 && e < E) atomicOr(&s_bitmap[e >> 5], 1u << (e & 31));
-    }
-    __syncthreads();
-    if (tid < 32) {
-        const int lane = tid;
-        const u32 w = lane < nwords ? s_bitmap[lane] : 0u;
-        const int pc = __popc(w);
-        int incl = pc;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(PW_FULL_MASK, incl, o);
-            if (lane >= o) incl += v;
-        }
-        const int total = __shfl_sync(PW_FULL_MASK, incl, 31);
-        const int excl = incl - pc;
-        const bool mine = a >= excl && a < incl;
-        int e = -1;
-        if (mine) {
-            u32 ww = w;
-            for (int r = a - excl; r > 0; --r) ww &= ww - 1u;
-            e = lane * 32 + __ffs(ww) - 1;
-        }
-        const u32 who = __ballot_sync(PW_FULL_MASK, mine);
-        e = who ? __shfl_sync(PW_FULL_MASK, e, __ffs(who) - 1) : -1;
-        int cnt = 0;
-        if (e >= 0) {
-            for (int base = 0; base < TK; base += 32) {
-                const int s = base + lane;
-                const bool f = s < TK && s_ids[s] == e;
-                const u32 m = __ballot_sync(PW_FULL_MASK, f);
-                if (f) {
-                    const int pos = cnt + __popc(m & ((1u << lane) - 1u));
-                    if (pos < MAX_TOK) s_slots[pos] = s;
-                }
-                cnt += __popc(m);
-            }
-        }
-        if (lane == 0) {
-            s_info[0] = e;
-            s_info[1] = total;
-            s_info[2] = cnt < MAX_TOK ? cnt : MAX_TOK;
-        }
-    }
-    __syncthreads();
-}
-
 // ---------------------------------------------------------------- the kernel
 // One entry point for the three uses, so the decode loop is compiled once per module:
 //   mode 0, gate_up: grid = max_active * n_tiles; block = block_base + 2e; rows = I (gate) / I + r (up);
@@ -631,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
         __syncthreads();
         n_tok = T < MAX_TOK ? T : MAX_TOK;
     } else {
-        route(topk_ids, T * topk, E, blockIdx.x / n_tiles, s_ids, s_bitmap, s_slots, s_info);
+        route<THREADS>(topk_ids, T * topk, E, blockIdx.x / n_tiles, s_ids, s_bitmap, s_slots, s_info);
         e = s_info[0];
         n_act = s_info[1];
         n_tok = s_info[2];

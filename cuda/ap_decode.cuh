@@ -1,0 +1,87 @@
+// Bit-plane decoders of the AP MoE kernel: plane words -> 16-bit mma A-fragment values (register LUTs
+// looked up with prmt at q = 3, 4; an 8x8 bit transpose to byte codes and a shared-memory LUT otherwise).
+#pragma once
+#include "pw_common.cuh"
+
+__device__ __forceinline__ u32 shr_rt(u32 w, int s) { return s >= 0 ? (w >> s) : (w << (-s)); }
+
+// ---------------------------------------------------------------- decoders
+// nibble codes: element i + 4s of a word -> nibble s (3 bits from the three least significant planes)
+template <int Q>
+__device__ __forceinline__ u32 nib3(const u32* w, int i) {
+    // planes Q-3, Q-2, Q-1 give code bits 2, 1, 0
+    return (shr_rt(w[Q - 3], i - 2) & 0x44444444u) | (shr_rt(w[Q - 2], i - 1) & 0x22222222u) |
+           (shr_rt(w[Q - 1], i) & 0x11111111u);
+}
+
+// q = 3: A[0..1] = pairs (s0,s1), (s2,s3) of elements i + 4s, s = 0..3; A[2..3] the same for s = 4..7
+__device__ __forceinline__ void decode3(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
+    const u32 n = nib3<3>(w, i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 s = h ? (n >> 16) : n;
+        const u32 lo = prmt(L[0], L[1], s), hi = prmt(L[2], L[3], s);
+        A[2 * h] = prmt(lo, hi, 0x5140u);
+        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
+    }
+}
+
+// q = 4: the top plane selects between the tables of codes 0..7 (L[0..3]) and 8..15 (L[4..7]).
+// P1 = w0 << (7 - i) puts element i + 8b at the sign of byte b, P2 = w0 << (3 - i) element i + 4 + 8b;
+// prmt with sign-replicating selectors turns them into per-byte masks in nibble order.
+__device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
+    const u32 n = nib3<4>(w, i);
+    const u32 p1 = w[0] << (7 - i), p2 = w[0] << (3 - i);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u32 s = h ? (n >> 16) : n;
+        const u32 m = prmt(p1, p2, h ? 0xFBEAu : 0xD9C8u);
+        const u32 lo = (prmt(L[0], L[1], s) & ~m) | (prmt(L[4], L[5], s) & m);
+        const u32 hi = (prmt(L[2], L[3], s) & ~m) | (prmt(L[6], L[7], s) & m);
+        A[2 * h] = prmt(lo, hi, 0x5140u);
+        A[2 * h + 1] = prmt(lo, hi, 0x7362u);
+    }
+}
+
+// any q: an 8x8 bit transpose inside each byte lane (SWAR over the 4 bytes of a word) turns the q plane
+// words of 32 elements into C[0..7], byte b of C[i] = code of element i + 8b (plane 0 the MSB).
+// Rows are fed MSB-last so row k of the matrix is code bit k; planes q..7 are zero (folded away).
+template <int Q>
+__device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
+#pragma unroll
+    for (int k = 0; k < 8; ++k) r[k] = k < Q ? w[Q - 1 - k] : 0u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
+        r[k + 4] ^= x;
+        r[k] ^= x << 4;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k & 2) continue;
+        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
+        r[k + 2] ^= x;
+        r[k] ^= x << 2;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
+        r[k + 1] ^= x;
+        r[k] ^= x << 1;
+    }
+}
+
+// Shared-memory LUT of one warp (byte path): entry `code` of m-row m at byte code * 32 + (m & 7) * 4 +
+// (m >> 3) * 2, so row g (and g + 8) lives in banks g, g+8, g+16, g+24 only: lanes of different rows never
+// conflict, the 4 lanes of one row at most 4-way (about 2-way on random codes).
+__device__ __forceinline__ int lut_slot(int m, int code) { return code * 16 + (m & 7) * 2 + (m >> 3); }
+
+__device__ __forceinline__ u32 lut_lookup(const char* row_base, u32 C, int b) {
+    const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended
+    return *reinterpret_cast<const u16*>(row_base + code * 32u);
+}
+
+__device__ __forceinline__ void decode_bytes(const u32 C, const char* row_base, u32 (&A)[2]) {
+    A[0] = lut_lookup(row_base, C, 0) | (lut_lookup(row_base, C, 1) << 16);
+    A[1] = lut_lookup(row_base, C, 2) | (lut_lookup(row_base, C, 3) << 16);
+}
