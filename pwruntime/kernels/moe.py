@@ -4,7 +4,8 @@
 `out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t)` with every block at the bits
 committed in the `DeviceWeightTable`. On CUDA (fp16/bf16 activations) it is two launches of
 cuda/ap_moe.cu on torch's current stream: gate_up + silu*mul into `act[T*k, I]`, then down + the
-weighted top-k sum (see the .cu header). The launch configuration depends only on the shapes, T
+weighted top-k sum (see the .cu header), the second a programmatic dependent launch that starts
+loading its weights while the first finishes. The launch configuration depends only on the shapes, T
 and dtype, never on the bits or the routing, so a decode step is capturable in a CUDA graph and
 replays correctly after `table.commit_bits(...)`. Keep one `MoEWorkspace` per (T, dtype) across
 layers and replays. Elsewhere (CPU, fp32) it runs `reference.fused_moe_ref` on the table's tensors.
