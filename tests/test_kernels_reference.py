@@ -269,8 +269,12 @@ def test_pdl_launch_structs_match_the_driver_abi():
     assert ctypes.sizeof(kc.LaunchConfig) == 56 and ctypes.sizeof(kc.LaunchAttribute) == 72
     assert (kc.LaunchConfig.stream.offset, kc.LaunchConfig.attrs.offset, kc.LaunchConfig.num_attrs.offset) == (32, 40, 48)
     assert kc.LaunchAttribute.value.offset == 8
-    # every argument helper's scalar type has a ctypes counterpart for the kernel-parameter array
-    assert {np.asarray(v).dtype for v in (kc.i32(1), kc.i64(1), kc.f32(1.0), kc.ptr(None))} <= set(kc._CTYPE_OF)
+    # each kernel parameter pointer reads back its argument as the C type the kernel declares
+    args = (kc.i32(-7), kc.i64(1 << 40), kc.f32(1.5), kc.ptr(None), np.uint64(0xDEAD0000BEEF))
+    values, params = kc.kernel_params(args)
+    ctypes_of = (ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint64)
+    back = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(ctypes_of)]
+    assert back == [-7, 1 << 40, 1.5, 0, 0xDEAD0000BEEF] and len(values) == len(args)
 
 
 def test_sources_inline_headers_and_cpu_path_never_imports_cupy():

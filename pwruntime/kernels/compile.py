@@ -127,8 +127,9 @@ class LaunchConfig(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
-_CTYPE_OF = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
-             np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float}
+_CTYPE_OF = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64, np.float32: ctypes.c_float}
+_PDL_ATTRIBUTE = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+_PDL_ATTRIBUTE.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,17 +140,19 @@ def _driver():
     return lib
 
 
-def _pad3(dims: tuple[int, ...]) -> list[int]:
-    return [int(d) for d in dims] + [1] * (3 - len(dims))
+def _pad3(dims: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
+
+
+def kernel_params(args: Sequence) -> tuple[list, ctypes.Array]:
+    """The driver's `void** kernelParams` for numpy-scalar `args`, and the C values it points at (keep them alive)."""
+    values = [_CTYPE_OF[type(a)](a) for a in args]
+    return values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
 
 
 def _launch_overlapping(kernel, grid, block, args, shared_mem: int, stream: int) -> None:
-    values = [_CTYPE_OF[np.asarray(a).dtype](a.item()) for a in args]
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
-    attr.value[0] = 1  # programmaticStreamSerializationAllowed (an int, little-endian)
-    cfg = LaunchConfig((ctypes.c_uint * 3)(*_pad3(grid)), (ctypes.c_uint * 3)(*_pad3(block)), shared_mem,
-                       stream, ctypes.pointer(attr), 1)
+    values, params = kernel_params(args)  # `values` stays alive until the driver has copied it (the call below)
+    cfg = LaunchConfig(_pad3(grid), _pad3(block), shared_mem, stream, ctypes.pointer(_PDL_ATTRIBUTE), 1)
     function = kernel.kernel.ptr  # RawKernel -> the loaded cupy.cuda.Function of the current device -> CUfunction
     err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), function, params, None)
     if err != 0:

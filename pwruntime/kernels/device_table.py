@@ -162,5 +162,10 @@ class DeviceWeightTable:
 
     def _write(self, block: int, row: np.ndarray) -> None:
         self.host[block] = row
-        # a stream-ordered copy into the device row: kernels queued before see the old row, after it the new
-        self.table[block].copy_(torch.from_numpy(row.copy()), non_blocking=False)
+        src = torch.from_numpy(row.copy())
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            src = src.pin_memory()  # torch's caching host allocator keeps it until the copy below has run
+        # a stream-ordered copy into the device row: kernels queued before see the old row, after it the new;
+        # from pinned memory it does not make the host wait for the stream to drain
+        self.table[block].copy_(src, non_blocking=on_gpu)
