@@ -267,7 +267,8 @@ def test_pdl_launch_structs_match_the_driver_abi():
     # numAttrs at 48; CUlaunchAttribute is 72 bytes with its value union at 8
     import ctypes
     assert ctypes.sizeof(kc.LaunchConfig) == 56 and ctypes.sizeof(kc.LaunchAttribute) == 72
-    assert (kc.LaunchConfig.stream.offset, kc.LaunchConfig.attrs.offset, kc.LaunchConfig.num_attrs.offset) == (32, 40, 48)
+    cfg = kc.LaunchConfig
+    assert (cfg.stream.offset, cfg.attrs.offset, cfg.num_attrs.offset) == (32, 40, 48)
     assert kc.LaunchAttribute.value.offset == 8
     # each kernel parameter pointer reads back its argument as the C type the kernel declares
     args = (kc.i32(-7), kc.i64(1 << 40), kc.f32(1.5), kc.ptr(None), np.uint64(0xDEAD0000BEEF))
