@@ -141,24 +141,20 @@ def _slug(name: str) -> str:
 
 def _profile(res: dict, name: str):
     """Measured coefficients in traces.hardware's format; unmeasured fields keep the roofline profile's values."""
+    from pwruntime.device_store import DECODE_MAX_TOKENS
     from traces.hardware import HardwareProfile, load_profile
     base = load_profile("h200-roofline")
     hbm = res["copy"]["d2d_copy_gbps"]
     gemv_frac = min(1.0, res["fp16_gemv_gbps"] / hbm)
     attn_frac = min(1.0, res["paged_attention"]["gbps"] / hbm)
     moe_bw = hbm * gemv_frac
-    eff = {}
-    for b in (3, 4, 5, 6, 7, 8):
-        rows = [r for r in res["moe"] if r["bits"] == b and r["tokens"] == 1]
-        eff[b] = sum(r["ap_gbps"] for r in rows) / len(rows) / moe_bw if rows else 1.0
-    max_tok = 1
-    for t in sorted({r["tokens"] for r in res["moe"]}):
-        rows = [r for r in res["moe"] if r["tokens"] == t and r["bits"] == 8]
-        if rows and all(r["ap_us"] < min(v for v in (r["fp16_loop_us"], r["fp16_gathered_bmm_us"]) if v)
-                        for r in rows):
-            max_tok = t
-        else:
-            break
+    def efficiency(b: int, t: int) -> float | None:  # mean over the models of the layer's GB/s over moe_bw
+        rows = [r for r in res["moe"] if r["bits"] == b and r["tokens"] == t]
+        return sum(r["ap_gbps"] for r in rows) / len(rows) / moe_bw if rows else None
+
+    sizes = sorted({r["tokens"] for r in res["moe"]})
+    eff = {b: efficiency(b, 1) or 1.0 for b in (3, 4, 5, 6, 7, 8)}
+    by_tokens = {b: {t: round(e, 4) for t in sizes if (e := efficiency(b, t))} for b in (3, 4, 5, 6, 7, 8)}
     return HardwareProfile(
         name=name, device=res["device"],
         gpu_memory_bytes=int(res["gpu_memory_bytes"]),
@@ -170,16 +166,17 @@ def _profile(res: dict, name: str):
         achieved_flops_fraction=round(min(1.0, res["fp16_gemm_tflops"] / base.fp16_tflops), 4),
         pcie_h2d_gbps=round(res["copy"]["h2d_pinned_gbps"], 2), pcie_d2h_gbps=round(res["copy"]["d2h_pinned_gbps"], 2),
         iteration_overhead_us=base.iteration_overhead_us, layer_overhead_us=base.layer_overhead_us,
-        ap_kernel_efficiency={b: round(v, 4) for b, v in eff.items()}, ap_fused_max_tokens=max_tok,
+        ap_kernel_efficiency={b: round(v, 4) for b, v in eff.items()}, ap_fused_max_tokens=DECODE_MAX_TOKENS,
+        ap_efficiency_by_tokens={b: t for b, t in by_tokens.items() if t},
         metadata={
             "measured": True,
             "note": ("Measured by `pwruntime bench kernels`. hbm_gbps is a device-to-device copy (bytes read + "
                      "written); moe/dense/lm_head fractions are torch's fp16 GEMV (Mixtral 14336x4096, T=1) over it; "
                      "attention/kv the paged-attention decode kernel; ap_kernel_efficiency[b] is the fused AP MoE "
                      "layer's bandwidth at T=1 and uniform b bits (mean over the benchmarked models) over the moe "
-                     "bandwidth; ap_fused_max_tokens the largest benchmarked T at which the fused kernel at 8 bits "
-                     "beats torch fp16 for every model. iteration/layer overheads and fp16_tflops are not measured "
-                     "here (copied from h200-roofline)."),
+                     "bandwidth, ap_efficiency_by_tokens[b][T] the same at each benchmarked batch size T; "
+                     "ap_fused_max_tokens is the runtime's limit for the fused kernel (larger batches dequantize). "
+                     "iteration/layer overheads and fp16_tflops are not measured here (copied from h200-roofline)."),
             "command": res["command"], "fp16_gemm_tflops_measured": round(res["fp16_gemm_tflops"], 1),
             "fp16_gemv_gbps": round(res["fp16_gemv_gbps"], 1),
         })

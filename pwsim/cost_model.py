@@ -7,10 +7,11 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   sequence reads (its context and new tokens; sliding-window layers keep at most the window) and
   the score/value FLOPs (causal within a chunk).
 * moe: the routed experts actually routed to this iteration, each linear-block at its committed
-  bits (`q` planes + LUT_q, policies.apformat). An expert with at most `ap_fused_max_tokens`
-  tokens runs the fused AP kernel at `ap_kernel_efficiency[q]` of the moe bandwidth; one with more
-  is dequantized to fp16 (read AP, write and re-read fp16) and multiplied by a GEMM. With
-  `fp16_experts` the experts are plain fp16 matrices (the fp16 baseline).
+  bits (`q` planes + LUT_q, policies.apformat). As in the runtime, a batch of at most
+  `ap_fused_max_tokens` tokens runs the fused AP kernel, at `profile.ap_efficiency(q, tokens)` of
+  the moe bandwidth (measured per batch size where the profile has it); a larger batch (prefill)
+  dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
+  GEMM. With `fp16_experts` the experts are plain fp16 matrices (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
 * overhead: the profile's per-iteration and per-layer launch costs.
@@ -25,7 +26,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from traces.hardware import HardwareProfile
+from traces.hardware import AP_BITS, HardwareProfile
 from traces.model_card import ModelSpec
 
 FP16 = 2
@@ -109,12 +110,8 @@ class CostModel:
         shapes = c.block_shapes()
         self.block_bytes = c.block_byte_table().astype(np.float64)  # [2, 9]
         self.block_params = (shapes[:, 0] * shapes[:, 1]).astype(np.float64)  # [2]
-        eff = np.ones(9)
-        for b, v in p.ap_kernel_efficiency.items():
-            eff[b] = v
-        self.ap_eff = eff
         self.fused_max = p.ap_fused_max_tokens
-        self._q_cache: tuple[np.ndarray, tuple] | None = None
+        self._q_cache: tuple[np.ndarray, np.ndarray, np.ndarray, dict] | None = None
         self._flops_time = (2 * self.block_params / self.rate)[None, :]  # [1, 2] seconds per token
         self._fp16_time = (FP16 * self.block_params / self.bw["moe"])[None, :]  # [1, 2] seconds to stream fp16
         self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
@@ -138,8 +135,9 @@ class CostModel:
         flops = 4 * (self.qk_full * pairs_full + self.qk_slide * pairs_slide)
         return float(proj + _roof(kv_bytes, flops, self.bw["kv"], self.rate))
 
-    def moe(self, q: np.ndarray, expert_tokens: np.ndarray) -> float:
-        """Routed experts: `q` committed bits per block (page-table order), `expert_tokens [L, E]`."""
+    def moe(self, q: np.ndarray, expert_tokens: np.ndarray, batch_tokens: int | None = None) -> float:
+        """Routed experts: `q` committed bits per block (page-table order), `expert_tokens [L, E]` and the
+        batch's token count (default: the most tokens routed in a layer / top-k)."""
         tok = np.asarray(expert_tokens).reshape(self.L, self.E)
         active = tok > 0
         n = tok[active].astype(np.float64)[:, None]  # [A, 1] tokens per active expert
@@ -148,24 +146,27 @@ class CostModel:
         compute = n * self._flops_time  # [A, 2] seconds of GEMM FLOPs per block
         if self.fp16_experts:
             return float(np.maximum(self._fp16_time, compute).sum())
-        read_all, read_expert, read_min = self._read_times(q)
-        n_max = float(n.max())
-        if n_max <= self.fused_max and n_max * self._flops_time.max() <= read_min:
-            return float(np.sum(read_expert, where=active))  # all memory bound: the routed experts' read times
-        read_ap = read_all[active]  # [A, 2] seconds to read each block's planes + LUT
-        fused = np.maximum(read_ap, compute)
-        dequant = read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)  # write fp16, GEMM reads it
-        return float(np.where(n <= self.fused_max, fused, dequant).sum())
+        if batch_tokens is None:
+            batch_tokens = int(np.ceil(tok.sum(axis=1).max() / self.card.top_k))
+        if batch_tokens <= self.fused_max:
+            return float(np.maximum(self._read_times(q, batch_tokens)[active], compute).sum())
+        read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
+        return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum())  # write fp16, GEMM
 
-    def _read_times(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """Seconds the AP kernel takes to read each block at its bits (planes + LUT), cached per `q`:
-        `[L, E, 2]` per block, `[L, E]` per expert (both blocks), and the smallest per block."""
+    def _read_times(self, q: np.ndarray, tokens: int) -> np.ndarray:
+        """Seconds the AP kernel takes to read each block at its bits (planes + LUT) in a batch of `tokens`,
+        `[L, E, 2]`; cached for the last `q` seen (a cache, not state)."""
         q = np.asarray(q)
         if self._q_cache is None or not np.array_equal(self._q_cache[0], q):
             bits = q.astype(np.int64).reshape(self.L, self.E, 2)
-            t = self.block_bytes[[0, 1], bits] / (self.bw["moe"] * self.ap_eff[bits])
-            self._q_cache = (q.copy(), (t, t.sum(axis=2), float(t.min())))
-        return self._q_cache[1]
+            self._q_cache = (q.copy(), bits, self.block_bytes[[0, 1], bits], {})
+        _, bits, nbytes, by_tokens = self._q_cache
+        if tokens not in by_tokens:
+            eff = np.ones(9)
+            for b in AP_BITS:
+                eff[b] = self.profile.ap_efficiency(b, tokens)
+            by_tokens[tokens] = nbytes / (self.bw["moe"] * eff[bits])
+        return by_tokens[tokens]
 
     def dense(self, batch: BatchShape) -> float:
         t = float(batch.new_tokens.sum())
@@ -181,7 +182,7 @@ class CostModel:
         """The time of one iteration; an empty batch costs only the overhead."""
         if batch.num_tokens == 0:
             return CostBreakdown(overhead=self.overhead)
-        return CostBreakdown(self.attention(batch), self.moe(q, expert_tokens), self.dense(batch),
+        return CostBreakdown(self.attention(batch), self.moe(q, expert_tokens, batch.num_tokens), self.dense(batch),
                              self.lm_head(batch), self.overhead)
 
 

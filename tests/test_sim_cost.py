@@ -103,3 +103,22 @@ def test_lm_head_charged_only_for_sampled_rows(qwen):
     assert cm.lm_head(BatchShape.of([512], [0], 0)) == 0.0
     one = cm.lm_head(BatchShape.of([1], [10], 1))
     assert one == pytest.approx(2 * card.vocab * card.hidden / prof.bandwidth("lm_head"), rel=1e-12)
+
+
+def test_fused_kernel_or_dequantize_is_decided_by_the_batch_as_in_the_runtime(qwen):
+    import dataclasses
+    card, prof = qwen
+    n = card.moe_layers * card.experts * 2
+    q = np.full(n, 3)
+    et = _decode_routing(card.moe_layers, card.experts, 4)  # one token on each of 4 experts
+    cm = CostModel(card, prof)
+    fused, dequant = cm.moe(q, et, batch_tokens=64), cm.moe(q, et, batch_tokens=65)
+    assert fused == pytest.approx(card.moe_layers * 4 * (card.block_byte_table()[:, 3].sum()) / prof.bandwidth("moe"))
+    assert dequant > 3 * fused  # above the runtime's 64 tokens every active expert is dequantized first
+    assert cm.moe(q, et) == fused  # default: tokens routed per layer / top-k = 1
+    # a profile measured per batch size: the fused time follows the interpolated efficiency
+    measured = dataclasses.replace(prof, ap_efficiency_by_tokens={3: {1: 0.5, 16: 0.25}})
+    cm2 = CostModel(card, measured)
+    assert cm2.moe(q, et, batch_tokens=1) == pytest.approx(fused / 0.5)
+    assert cm2.moe(q, et, batch_tokens=4) == pytest.approx(fused / 0.375)
+    assert cm2.moe(q, et, batch_tokens=64) == pytest.approx(fused / 0.25)

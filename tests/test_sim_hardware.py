@@ -31,6 +31,16 @@ def test_bundled_h200_measured_profile_comes_from_the_kernel_benchmark():
     assert times == sorted(times)
 
 
+def test_ap_efficiency_interpolates_in_log_tokens_and_falls_back_per_bits(tmp_path):
+    import dataclasses
+    p = dataclasses.replace(load_profile("h200-roofline"), ap_efficiency_by_tokens={3: {1: 0.2, 4: 0.4, 16: 0.1}})
+    assert p.ap_efficiency(3, 1) == 0.2 and p.ap_efficiency(3, 4) == 0.4
+    assert p.ap_efficiency(3, 2) == pytest.approx(0.3) and p.ap_efficiency(3, 8) == pytest.approx(0.25)
+    assert p.ap_efficiency(3, 64) == 0.1  # beyond the largest measured size: the nearest
+    assert p.ap_efficiency(5, 7) == p.ap_kernel_efficiency[5]  # bits without a table
+    assert load_profile(p.save(tmp_path / "t.json")) == p
+
+
 def test_round_trip_and_validation(tmp_path):
     p = load_profile("h200-roofline")
     path = p.save(tmp_path / "x.json")
@@ -44,6 +54,9 @@ def test_round_trip_and_validation(tmp_path):
         (lambda d: d["metadata"].pop("measured"), "measured"),
         (lambda d: d.__setitem__("format_version", 9), "format_version"),
         (lambda d: d.__setitem__("surprise", 1), "unknown field"),
+        (lambda d: d.__setitem__("ap_efficiency_by_tokens", {"9": {"1": 0.5}}), "bitwidth 9"),
+        (lambda d: d.__setitem__("ap_efficiency_by_tokens", {"3": {"0": 0.5}}), "batch size 0"),
+        (lambda d: d.__setitem__("ap_efficiency_by_tokens", {"3": {"4": -1}}), r"ap_efficiency_by_tokens\[3\]\[4\]"),
     ]:
         bad = json.loads(json.dumps(data))
         mutate(bad)

@@ -18,8 +18,13 @@ Format (JSON object, `format_version` 1):
     layer_overhead_us                   kernel-launch cost per transformer layer per iteration
     ap_kernel_efficiency                {bits "3".."8": fraction of the moe bandwidth the fused AP kernel
                                         reaches when it reads that many planes}
-    ap_fused_max_tokens                 tokens per expert up to which the fused AP kernel runs; above
-                                        it the expert is dequantized to fp16 and multiplied by a GEMM
+    ap_fused_max_tokens                 a batch of at most this many tokens runs the fused AP kernel (the
+                                        runtime's limit: 64); a larger one (prefill) dequantizes the active
+                                        experts to fp16 and multiplies them with GEMMs
+    ap_efficiency_by_tokens             optional {bits: {tokens: fraction}}: the fused kernel's efficiency
+                                        measured at several batch sizes; between two measured sizes it is
+                                        interpolated in log(tokens), outside them the nearest is used, and
+                                        bits it lacks use ap_kernel_efficiency
     metadata                            {"measured": bool, "note": str, "sources": [...], ...}
 """
 from __future__ import annotations
@@ -58,7 +63,8 @@ class HardwareProfile:
     iteration_overhead_us: float
     layer_overhead_us: float
     ap_kernel_efficiency: dict[int, float]
-    ap_fused_max_tokens: int = 8
+    ap_fused_max_tokens: int = 64
+    ap_efficiency_by_tokens: dict[int, dict[int, float]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -72,6 +78,20 @@ class HardwareProfile:
     def bandwidth(self, op_class: str) -> float:
         """Achieved bytes/s of a kernel of `op_class`."""
         return self.hbm_gbps * 1e9 * self.achieved_bandwidth_fraction[op_class]
+
+    def ap_efficiency(self, bits: int, tokens: int) -> float:
+        """The fused AP kernel's fraction of the moe bandwidth at `bits` for a batch of `tokens`."""
+        table = self.ap_efficiency_by_tokens.get(bits)
+        if not table:
+            return self.ap_kernel_efficiency[bits]
+        sizes = sorted(table)
+        t = min(max(tokens, sizes[0]), sizes[-1])
+        hi = next(s for s in sizes if s >= t)
+        lo = max(s for s in sizes if s <= t)
+        if hi == lo:
+            return table[hi]
+        w = (math.log(t) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return table[lo] + w * (table[hi] - table[lo])
 
     @property
     def flops_per_s(self) -> float:
@@ -89,6 +109,8 @@ class HardwareProfile:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["ap_kernel_efficiency"] = {str(b): v for b, v in sorted(self.ap_kernel_efficiency.items())}
+        d["ap_efficiency_by_tokens"] = {str(b): {str(t): v for t, v in sorted(tv.items())}
+                                        for b, tv in sorted(self.ap_efficiency_by_tokens.items())}
         return {"format_version": FORMAT_VERSION, **d}
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -133,6 +155,13 @@ def validate(p: HardwareProfile) -> None:
         raise HardwareProfileError(f"ap_kernel_efficiency lacks bitwidths {missing_b}; it needs {list(AP_BITS)}")
     for b, v in p.ap_kernel_efficiency.items():
         _positive(f"ap_kernel_efficiency[{b}]", v)
+    for b, table in p.ap_efficiency_by_tokens.items():
+        if b not in AP_BITS:
+            raise HardwareProfileError(f"ap_efficiency_by_tokens has bitwidth {b}; bitwidths are {list(AP_BITS)}")
+        for t, v in table.items():
+            if not isinstance(t, int) or t < 1:
+                raise HardwareProfileError(f"ap_efficiency_by_tokens[{b}] has batch size {t!r}; sizes are integers >= 1")
+            _positive(f"ap_efficiency_by_tokens[{b}][{t}]", v)
     if "measured" not in p.metadata:
         raise HardwareProfileError('hardware profile metadata must say "measured": true or false')
 
@@ -151,6 +180,9 @@ def from_json(data: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
     try:
         eff = kwargs.get("ap_kernel_efficiency", {})
         kwargs["ap_kernel_efficiency"] = {int(b): float(v) for b, v in eff.items()}
+        by_tok = kwargs.get("ap_efficiency_by_tokens", {})
+        kwargs["ap_efficiency_by_tokens"] = {int(b): {int(t): float(v) for t, v in tv.items()}
+                                             for b, tv in by_tok.items()}
         kwargs["achieved_bandwidth_fraction"] = dict(kwargs.get("achieved_bandwidth_fraction", {}))
         return HardwareProfile(**kwargs)
     except HardwareProfileError as e:
