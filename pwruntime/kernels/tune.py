@@ -97,26 +97,23 @@ def main() -> int:
         for r in load_patterns(cfg):
             rows.append(r)
             print(f"load pattern {names[r['mode']]:>22s} ksplit {r['ksplit']}: {r['us']:6.1f} us {r['gbps']:6.0f} GB/s")
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    if args.once:
+    elif args.once:
         kb.single_block_once(bits, tokens)
         torch.cuda.synchronize()
         return 0
-    for r in kb.single_block(cfg, tokens=tokens, bits=bits):
-        rows.append(r)
-        print(f"block {r['out']}x{r['in']} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us "
-              f"{r['ap_gbps']:6.0f} GB/s   fp16 {r['fp16_us']:6.1f} us", flush=True)
-    for m in filter(None, args.moe.split(",")):
-        mcfg = kb.BenchConfig(models=(m,), tokens=tuple(int(t) for t in args.moe_tokens.split(",")),
-                              reps=args.reps, warmup=3)
-        for r in kb.moe_layers(mcfg, m, bits=bits, baselines=False):
+    else:
+        for r in kb.single_block(cfg, tokens=tokens, bits=bits):
             rows.append(r)
-            print(f"moe {m} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
-                  f"(active {r['active_experts']})", flush=True)
-        torch.cuda.empty_cache()
+            print(f"block {r['out']}x{r['in']} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us "
+                  f"{r['ap_gbps']:6.0f} GB/s   fp16 {r['fp16_us']:6.1f} us", flush=True)
+        for m in filter(None, args.moe.split(",")):
+            mcfg = kb.BenchConfig(models=(m,), tokens=tuple(int(t) for t in args.moe_tokens.split(",")),
+                                  reps=args.reps, warmup=3)
+            for r in kb.moe_layers(mcfg, m, bits=bits, baselines=False):
+                rows.append(r)
+                print(f"moe {m} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
+                      f"(active {r['active_experts']})", flush=True)
+            torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
