@@ -33,11 +33,12 @@ import torch
 
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
+from pwruntime.kernels.moe import MAX_TOKENS
 from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
-DECODE_MAX_TOKENS = 64  # tokens the fused kernel takes in one launch; more is prefill
+DECODE_MAX_TOKENS = MAX_TOKENS  # tokens the fused kernel takes in one launch; more is prefill
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
 DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
 

@@ -25,7 +25,8 @@ MAX_SLOTS = 1024          # T * top_k the routing prologue holds in shared memor
 MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
 THREADS = 128
 CHUNK_WORDS = 16           # the widest chunk the kernel uses (q = 3, 4; others use 8 words)
-XS_CHUNK = 32 * CHUNK_WORDS * 2 + 128   # one token's activations of one such chunk, with the row pad
+XS_ROW_PAD = 128           # shared-memory pad after each token's activations (ap_moe.cu)
+XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations of one such chunk, padded
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
@@ -83,7 +84,7 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
             break
     n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
     wide = -(-words // CHUNK_WORDS)
-    xs_budget = max(min(tokens * (wide * 64 * CHUNK_WORDS + 128), XS_CAP), tokens * XS_CHUNK)
+    xs_budget = max(min(tokens * (wide * 2 * 32 * CHUNK_WORDS + XS_ROW_PAD), XS_CAP), tokens * XS_CHUNK)
     smem = max(xs_budget, nt * 2048) + (4 // ksplit) * LUT_SLICE
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
