@@ -11,13 +11,11 @@ the measured coefficients in the simulator's hardware-profile format (traces/har
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_json_atomic
 
 FP16_GEMV_FALLBACK_GBPS = 3960.0
 
@@ -41,15 +39,6 @@ def register(subparsers) -> None:
     p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
                    help="draw the figure of an earlier --out result (no GPU needed) and exit")
     p.set_defaults(func=run)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
 
 
 def _replot(src: Path) -> int:
@@ -107,7 +96,7 @@ def run(args) -> int:
     add_rooflines(res)
 
     if args.out:
-        _write_json(args.out, res)
+        write_json_atomic(args.out, res)
         from pwruntime.kernels.plots import plot_bench
         plot_bench(res, args.out.with_suffix(".png"))
     profile_path = args.profile_out or (args.out.parent if args.out else Path(".")) / \

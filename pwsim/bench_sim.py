@@ -15,9 +15,8 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_json_atomic
 
 LIMIT_S = 60.0
 
@@ -44,7 +43,6 @@ def run_sim(args: argparse.Namespace) -> int:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from pwsim.cmd_bench import _write_json
     from pwsim.cmd_run import parse_policy
     from pwsim.runner import SyntheticWorkload, make_config
 
@@ -86,7 +84,7 @@ def run_sim(args: argparse.Namespace) -> int:
               "output_tokens_per_wall_s": r["output_tokens"] / r["run_wall_s"],
               "limit_s": LIMIT_S, "under_limit": r["total_wall_s"] < LIMIT_S}
     if args.out:
-        _write_json(Path(args.out), result)
+        write_json_atomic(args.out, result)
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)

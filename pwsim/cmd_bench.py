@@ -20,13 +20,11 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_json_atomic
 
 BLOCK_TOKENS = 16
 LIMIT_MS = 2.0  # the acceptance bound at the Gemma-4-26B-A4B size
@@ -160,14 +158,6 @@ def _pin(cpu: int | None) -> int | None:
     return core
 
 
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
-
-
 def _table(rows: list[dict]) -> str:
     head = ("model", "blocks", "plans off/rel", "cpu median ms", "cpu p99 ms", "wall median ms", "wall p99 ms")
     body = [(r["model"], f"{r['blocks']:,}", f"{r['offload_plans']}/{r['reload_plans']}",
@@ -216,7 +206,7 @@ def run_planner(args: argparse.Namespace) -> int:
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
               "numpy": np.__version__, "python": sys.version.split()[0], "limit_ms": LIMIT_MS, "models": rows}
     if args.out:
-        _write_json(Path(args.out), result)
+        write_json_atomic(args.out, result)
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)

@@ -16,7 +16,7 @@ from pathlib import Path
 from pwsim.cmd_run import add_common, config_from_args, parse_policy
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit, parse_size
-from traces.clikit import UserError
+from traces.clikit import UserError, write_text_atomic
 
 GiB = 2**30
 COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
@@ -147,12 +147,12 @@ def run(args: argparse.Namespace) -> int:
             "workload": first["workload"] if first else None, "model": first["model"] if first else None}
     timelines = {cfg.policy: results[k][1] for k, (p, b, cfg) in enumerate(configs)
                  if b == tl_budget and results[k][1] is not None}
-    output.write_text_atomic(out / "compare.csv", output.csv_text(rows, COLUMNS))
+    write_text_atomic(out / "compare.csv", output.csv_text(rows, COLUMNS))
     plots.compare_quality_memory(rows, out / "quality_vs_memory.png")
     plots.compare_throughput(rows, budgets, out / "throughput.png")
     plots.compare_timelines(timelines, out / "timelines.png", f"timelines at {tl_budget}")
     meta["wall_s"] = time.perf_counter() - t0
-    output.write_text_atomic(out / "compare.json", output.dumps({**meta, "rows": rows,
+    write_text_atomic(out / "compare.json", output.dumps({**meta, "rows": rows,
                                                                   "configs": [c.to_json() for _, _, c in configs]}))
     if args.json:
         print(output.dumps({**meta, "rows": rows}))

@@ -79,3 +79,13 @@ def test_sizes():
         with pytest.raises(UserError):
             parse_size(bad)
     assert format_size(20 * 2**30) == "20.00 GiB"
+
+
+def test_atomic_json_write_leaves_nothing_behind_when_it_fails(tmp_path):
+    from traces.clikit import write_json_atomic, write_text_atomic
+    path = write_json_atomic(tmp_path / "sub" / "a.json", {"x": 1})
+    assert json.loads(path.read_text()) == {"x": 1} and path.read_text().endswith("}\n")
+    with pytest.raises(UnicodeEncodeError):  # fails while writing the temporary file: the old file stays
+        write_text_atomic(path, "\ud800")
+    assert json.loads(path.read_text()) == {"x": 1}
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json"]  # no temporary file left

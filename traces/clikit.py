@@ -1,4 +1,4 @@
-"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch.
+"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files.
 
 A command module exposes `register(subparsers)` which adds its parser and sets `func=run`.
 `UserError` (and its subclasses across the project) print one line `error: ...` and exit 2;
@@ -7,8 +7,12 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
-from typing import Callable, Sequence
+import tempfile
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 
 class UserError(Exception):
@@ -44,3 +48,24 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write `text` through a temporary file in the same folder and a rename: a reader never sees a
+    half-written file, and a write that fails leaves nothing behind."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
+    """`obj` as indented JSON with a final newline, written atomically (see `write_text_atomic`)."""
+    return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")

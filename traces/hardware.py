@@ -32,12 +32,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_json_atomic
 
 FORMAT_VERSION = 1
 OP_CLASSES = ("attention", "kv", "moe", "dense", "lm_head")
@@ -115,14 +114,7 @@ class HardwareProfile:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write atomically (temporary file in the same directory, then rename)."""
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_json(), f, indent=2)
-            f.write("\n")
-        os.replace(tmp, out)
-        return out
+        return write_json_atomic(path, self.to_json())
 
 
 def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:

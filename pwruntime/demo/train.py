@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_json_atomic
 
 from .model import ModelSpec
 
@@ -151,12 +151,6 @@ def _save_atomic_torch(obj, path: Path) -> None:
 
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
 
 
@@ -293,7 +287,7 @@ def train(corpus: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
         for p in (ckpt_path, log_path):
             p.unlink(missing_ok=True)
         shutil.rmtree(model_dir, ignore_errors=True)
-    _write_json_atomic(out / "train_config.json", {
+    write_json_atomic(out / "train_config.json", {
         **identity, "export": {"save_dtype": cfg.save_dtype, "max_shard_bytes": cfg.max_shard_bytes},
         "params": params, "counts_per_batch": list(data.counts),
         "train_tokens": data.tokens["train"], "valid_tokens": data.tokens["valid"]})
