@@ -332,3 +332,11 @@ def test_bench_cli_needs_a_gpu():
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run([sys.executable, "-m", "pwruntime.cli", "bench", "layers"], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+def test_tune_harness_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    r = subprocess.run([sys.executable, "-m", "pwruntime.kernels.tune", "--load-patterns"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr

@@ -81,6 +81,8 @@ def main() -> int:
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("the kernel tuning harness needs a CUDA GPU (and CuPy); none is visible here")
     if args.define:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit:
