@@ -207,15 +207,13 @@ def test_dequantize_kernel_is_exact(dtype):
     assert torch.equal(got, torch.stack([want[5], want[0], want[3], want[1]]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_paged_attention_matches_reference(dtype):
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    heads, kv_heads, dim, block_size, num_blocks = 32, 8, 128, 16, 200
-    lens = [1, 17, 300, 64, 129]
+def _attention_case(gen, lens, heads, kv_heads, dim, dtype, block_size=16, spare_blocks=7):
+    """Random caches whose blocks are scattered (a permutation) with -1 padding in the block table."""
+    max_blocks = -(-max(lens) // block_size)
+    num_blocks = sum(-(-n // block_size) for n in lens) + spare_blocks
     kc = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(dtype)
     vc = torch.randn(num_blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(dtype)
     perm = torch.randperm(num_blocks, device="cuda", generator=gen)
-    max_blocks = -(-max(lens) // block_size)
     tables = torch.full((len(lens), max_blocks), -1, dtype=torch.int32, device="cuda")
     used = 0
     for s, n in enumerate(lens):
@@ -224,7 +222,57 @@ def test_paged_attention_matches_reference(dtype):
         used += nb
     cl = torch.tensor(lens, dtype=torch.int32, device="cuda")
     q = torch.randn(len(lens), heads, dim, device="cuda", generator=gen).to(dtype)
+    return q, kc, vc, tables, cl
+
+
+ATTN_TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_paged_attention_matches_reference(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q, kc, vc, tables, cl = _attention_case(gen, [1, 17, 300, 64, 129], 32, 8, 128, dtype)
     got = paged_attention_decode(q, kc, vc, tables, cl)
-    want = paged_attention_decode_ref(q, kc, vc, tables, cl, 1 / math.sqrt(dim))
-    tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
-    assert rel(got, want) < tol
+    want = paged_attention_decode_ref(q, kc, vc, tables, cl, 1 / math.sqrt(128))
+    assert rel(got, want) < ATTN_TOL[dtype]
+
+
+# (lens, heads, kv_heads, dim): groups 1, 2, 4, 5, 6, 8, 16 (sliced into CTAs of up to 4 heads) and every
+# head_dim of the GQA kernel; a head_dim (96) it does not take, served by the generic kernel
+@pytest.mark.parametrize("case", [
+    ([1, 17, 300, 64, 129], 16, 16, 128), ([5, 64, 65, 1000], 16, 2, 64), ([33, 129, 2], 16, 2, 256),
+    ([7, 2048], 32, 8, 128), ([3, 900], 32, 4, 128), ([40, 41], 8, 4, 96), ([50, 3], 32, 2, 64),
+    ([77, 20], 10, 2, 128), ([600, 9], 12, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_every_group_and_head_dim(case, dtype):
+    lens, heads, kv_heads, dim = case
+    gen = torch.Generator(device="cuda").manual_seed(len(lens) * heads + dim)
+    q, kc, vc, tables, cl = _attention_case(gen, lens, heads, kv_heads, dim, dtype)
+    got = paged_attention_decode(q, kc, vc, tables, cl, scale=0.7 / math.sqrt(dim))
+    want = paged_attention_decode_ref(q, kc, vc, tables, cl, 0.7 / math.sqrt(dim))
+    assert rel(got, want) < ATTN_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_context_split_merges_parts(dtype):
+    """One or two sequences over long contexts take the split path; parts past a short context are empty."""
+    from pwruntime.kernels.attention import context_parts, heads_per_cta
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for lens in ([5000], [4100, 3], [1, 4096]):
+        q, kc, vc, tables, cl = _attention_case(gen, lens, 32, 8, 128, dtype)
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        assert context_parts(len(lens) * 8 * 4 // heads_per_cta(4, 128), tables.shape[1] * 16, sms) > 1
+        got = paged_attention_decode(q, kc, vc, tables, cl)
+        want = paged_attention_decode_ref(q, kc, vc, tables, cl, 1 / math.sqrt(128))
+        assert rel(got, want) < ATTN_TOL[dtype], lens
+        # the same shapes in a CUDA graph, replayed after the lengths change
+        cl2 = cl.clone()
+        graph = torch.cuda.CUDAGraph()
+        paged_attention_decode(q, kc, vc, tables, cl2)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = paged_attention_decode(q, kc, vc, tables, cl2)
+        cl2.copy_(torch.clamp(cl - 1000, min=1))
+        graph.replay()
+        want2 = paged_attention_decode_ref(q, kc, vc, tables, cl2, 1 / math.sqrt(128))
+        assert rel(out, want2) < ATTN_TOL[dtype], lens

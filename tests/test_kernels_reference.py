@@ -278,11 +278,30 @@ def test_pdl_launch_structs_match_the_driver_abi():
     assert back == [-7, 1 << 40, 1.5, 0, 0xDEAD0000BEEF] and len(values) == len(args)
 
 
+def test_attention_kernel_choice_and_context_split():
+    from pwruntime.kernels.attention import context_parts, gqa_kernel_applies, heads_per_cta
+    for dim in (64, 128, 256):
+        assert gqa_kernel_applies(torch.float16, dim) and gqa_kernel_applies(torch.bfloat16, dim)
+    assert not gqa_kernel_applies(torch.float32, 128)             # fp32 caches: the generic kernel
+    assert not gqa_kernel_applies(torch.float16, 96)              # a head_dim it has no lane split for
+    # a CTA serves the largest divisor of the group up to 4 heads
+    assert [heads_per_cta(g, 128) for g in (1, 2, 3, 4, 5, 6, 8, 16)] == [1, 2, 3, 4, 1, 3, 4, 4]
+    assert heads_per_cta(8, 256) == 4 and heads_per_cta(8, 64) == 4
+    # enough CTAs or short contexts: no split; few sequences over long contexts: about two CTAs an SM
+    assert context_parts(256, 4096, 132) == 1
+    assert context_parts(8, 400, 132) == 1
+    assert context_parts(8, 4096, 132) == 8                       # capped by 512-token parts
+    assert context_parts(8, 64 * 1024, 132) == 33
+    assert context_parts(64, 64 * 1024, 132) == 5
+
+
 def test_sources_inline_headers_and_cpu_path_never_imports_cupy():
     src = kc.source("ap_moe.cu")
     assert "mma.sync.aligned.m16n8k16" in src and '#include "pw_common.cuh"' not in src
     probe = kc.source("load_pattern.cu")  # the load-only microbenchmark of `tune --load-patterns`
     assert "pw_load_pattern" in probe and "ldg_nc_v4" in probe and '#include' not in probe
+    gqa = kc.source("paged_attention_gqa.cu")
+    assert "pw_paged_attention_gqa" in gqa and "pw_paged_attention_merge" in gqa and "#include" not in gqa
     assert kc.options([("PW_NT", 2)]) == ("-std=c++17", "-DPW_NT=2")
     code = ("import sys, torch; from pwruntime.kernels import fused_moe, paged_attention_decode, DeviceWeightTable;"
             "assert 'cupy' not in sys.modules")

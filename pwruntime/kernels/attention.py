@@ -1,4 +1,10 @@
-"""Paged-attention decode over the KV block table (GQA): CUDA kernel, pure-torch reference elsewhere."""
+"""Paged-attention decode over the KV block table (GQA): CUDA kernels, pure-torch reference elsewhere.
+
+fp16/bf16 caches with head_dim 64, 128 or 256 use cuda/paged_attention_gqa.cu: a CTA serves up to
+GQA_HEADS_PER_CTA query heads of one KV head, so each K/V row is read once per KV head (per slice of a
+larger group), and long contexts over few sequences are split into parts and merged. Other CUDA caches
+(fp32, other head sizes) use the generic cuda/paged_attention.cu.
+"""
 from __future__ import annotations
 
 import math
@@ -8,17 +14,44 @@ import torch
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.reference import paged_attention_decode_ref
 
-THREADS = 128
+THREADS = 128                    # the generic kernel (cuda/paged_attention.cu)
+GQA_THREADS = 256                # cuda/paged_attention_gqa.cu
+GQA_DIMS = (64, 128, 256)
+GQA_HEADS_PER_CTA = 4            # query heads a GQA-kernel CTA keeps in registers (larger groups are sliced)
+PART_MIN_TOKENS = 512            # a context part of the split (flash-decoding) path is at least this long
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def gqa_kernel_applies(dtype: torch.dtype, dim: int) -> bool:
+    """Whether the GQA kernel serves this cache (else the generic kernel does)."""
+    return dtype in (torch.float16, torch.bfloat16) and dim in GQA_DIMS
+
+
+def heads_per_cta(group: int, dim: int) -> int:
+    """The largest divisor of the GQA group that fits a CTA's registers and its 32 KiB merge buffer."""
+    cap = min(GQA_HEADS_PER_CTA, 32768 // (8 * dim * 4))
+    return max(g for g in range(1, cap + 1) if group % g == 0)
+
+
+def context_parts(ctas: int, max_tokens: int, num_sms: int) -> int:
+    """Parts to cut each context into so that `ctas` (sequence, head-slice) CTAs still fill the GPU (1 = no split).
+
+    Decided from shapes only (the block-table width bounds every context), so a captured CUDA graph
+    keeps its launch configuration whatever the sequence lengths are at replay.
+    """
+    if ctas >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // ctas), max_tokens // PART_MIN_TOKENS))
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
+                           scale: float | None = None, generic: bool = False) -> torch.Tensor:
     """One query token per sequence: q [S, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [S, Hq, D].
 
     block_tables [S, max_blocks] int32 (padding -1 is never read), context_lens [S] int32 = tokens each
-    query attends to (its own K/V already in the cache). scale defaults to 1/sqrt(D).
+    query attends to (its own K/V already in the cache). scale defaults to 1/sqrt(D). `generic` forces
+    the generic kernel (for comparisons: `python -m pwruntime.kernels.tune --attention`).
     """
     n_seq, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -34,10 +67,38 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bt = block_tables.to(device=dev, dtype=torch.int32).contiguous()
     cl = context_lens.to(device=dev, dtype=torch.int32).contiguous()
     out = torch.empty_like(q)
+    common = (kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(bt), kc.i32(bt.shape[1]),
+              kc.ptr(cl))
+    if gqa_kernel_applies(q.dtype, dim) and not generic:
+        _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads)
+        return out
     k = kc.get_kernel(dev, "paged_attention.cu", "pw_paged_attention_decode",
                       (("PW_DT", _DT[q.dtype]), ("PW_DPL", dim // 32)))
-    kc.launch(k, dev, (n_seq, heads), (THREADS,), (
-        kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(bt), kc.i32(bt.shape[1]),
-        kc.ptr(cl), kc.i32(heads), kc.i32(kv_heads), kc.i32(k_cache.shape[1]), kc.f32(scale), kc.ptr(out),
-        kc.i64(heads * dim)))
+    kc.launch(k, dev, (n_seq, heads), (THREADS,), common + (
+        kc.i32(heads), kc.i32(kv_heads), kc.i32(k_cache.shape[1]), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim)))
     return out
+
+
+def _gqa(q: torch.Tensor, k_cache: torch.Tensor, bt: torch.Tensor, out: torch.Tensor, common: tuple,
+         scale: float, group: int) -> None:
+    n_seq, heads, dim = q.shape
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    dev = q.device
+    per_cta = heads_per_cta(group, dim)
+    defines = (("PW_DT", _DT[q.dtype]), ("PW_D", dim), ("PW_G", per_cta))
+    max_tokens = bt.shape[1] * block_size
+    slices = kv_heads * (group // per_cta)
+    parts = context_parts(n_seq * slices, max_tokens, torch.cuda.get_device_properties(dev).multi_processor_count)
+    part_tokens = -(-max_tokens // parts)
+    ml = o = None
+    if parts > 1:
+        ml = torch.empty(n_seq, heads, parts, 2, device=dev, dtype=torch.float32)
+        o = torch.empty(n_seq, heads, parts, dim, device=dev, dtype=torch.float32)
+    k = kc.get_kernel(dev, "paged_attention_gqa.cu", "pw_paged_attention_gqa", defines)
+    kc.launch(k, dev, (n_seq, slices, parts), (GQA_THREADS,), common + (
+        kc.i32(kv_heads), kc.i32(group), kc.i32(block_size), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim), kc.i32(part_tokens),
+        kc.ptr(ml), kc.ptr(o)))
+    if parts > 1:
+        merge = kc.get_kernel(dev, "paged_attention_gqa.cu", "pw_paged_attention_merge", defines)
+        kc.launch(merge, dev, (n_seq, heads), (dim,), (kc.ptr(ml), kc.ptr(o), kc.i32(parts), kc.ptr(out),
+                                                        kc.i64(heads * dim)))

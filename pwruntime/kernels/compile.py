@@ -186,6 +186,9 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
         out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
     for dt in (0, 1, 2):
         out.append(("paged_attention.cu", (("PW_DT", dt), ("PW_DPL", 4))))
+    for dt in (0, 1):   # heads a CTA serves: the four architectures' (head_dim 128) and the demo model's (64)
+        for dim, per_cta in ((128, 1), (128, 4), (64, 2)):
+            out.append(("paged_attention_gqa.cu", (("PW_DT", dt), ("PW_D", dim), ("PW_G", per_cta))))
     return out
 
 
