@@ -190,10 +190,7 @@ __device__ __forceinline__ void mma_group(float (&acc)[NT * ACCS][4], int nt_act
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         if (NT == 1 || nt < nt_act) {
-            u32x2 b;
-            b.x = 0u;
-            b.y = 0u;
-            if (xoff[nt] >= 0) b = *reinterpret_cast<const u32x2*>(xs + xoff[nt] + byte_off);
+            const u32x2 b = *reinterpret_cast<const u32x2*>(xs + xoff[nt] + byte_off);
             mma16816<BF>(acc[nt * ACCS + (SET % ACCS)], a0, a1, a2, a3, b.x, b.y);
         }
     }
@@ -356,8 +353,10 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     int xoff[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-        const int n = nt * 8 + g;
-        xoff[nt] = n < tl.n_tok ? n * pitch + xs_swz<Geom<Q>::WPL>(n) : -1;
+        // lanes of a token column past n_tok read the last token's row: a column of C only ever sees its own
+        // B column, so the extra columns are finite and never stored, and the loads need no predicate
+        const int n = max(0, min(nt * 8 + g, tl.n_tok - 1));
+        xoff[nt] = n * pitch + xs_swz<Geom<Q>::WPL>(n);
     }
 
     // Prologue, ordered so its latencies overlap: the first chunk's plane loads, then the register LUT's
