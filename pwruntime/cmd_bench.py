@@ -86,6 +86,7 @@ def run(args) -> int:
     res["single_block"] = kb.single_block(cfg)
     bar.update()
     res["paged_attention"] = kb.attention(cfg)
+    res["paged_attention_long"] = kb.attention(cfg, seqs=1, context=32768)   # the context-split path
     bar.update()
     res["moe"] = []
     for m in models:
@@ -176,9 +177,11 @@ def _print_tables(res: dict) -> None:
     print(f"{res['device']}: pinned H2D {c['h2d_pinned_gbps']:.1f} GB/s, D2H {c['d2h_pinned_gbps']:.1f} GB/s, "
           f"device copy {c['d2d_copy_gbps']:.0f} GB/s, fp16 GEMM {res['fp16_gemm_tflops']:.0f} TFLOP/s, "
           f"fp16 GEMV {res['fp16_gemv_gbps']:.0f} GB/s")
-    a = res["paged_attention"]
-    print(f"paged attention decode ({a['seqs']} seqs x {a['context']} tokens, {a['heads']}/{a['kv_heads']} heads): "
-          f"{a['us']:.1f} us, {a['gbps']:.0f} GB/s of KV")
+    for key in ("paged_attention", "paged_attention_long"):
+        if key in res:
+            a = res[key]
+            print(f"paged attention decode ({a['seqs']} seqs x {a['context']} tokens, {a['heads']}/{a['kv_heads']} "
+                  f"heads): {a['us']:.1f} us, {a['gbps']:.0f} GB/s of KV")
     print("\none linear-block 14336x4096 (us; fp16 = torch F.linear)")
     print(f"{'T':>3} {'bits':>4} {'AP us':>8} {'AP GB/s':>8} {'fp16 us':>8} {'speedup':>7}")
     for r in res["single_block"]:

@@ -3,7 +3,9 @@
 `python -m pwruntime.kernels.tune` prints a short table (median of CUDA-graph replays, rotated
 copies so the L2 does not hold the weights) for the Mixtral-expert block (14336 x 4096) at T = 1
 and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`);
-`--load-patterns` times cuda/load_pattern.cu, the block's 3-bit planes read with no decode. It is
+`--load-patterns` times cuda/load_pattern.cu, the block's 3-bit planes read with no decode;
+`--attention` times paged-attention decode (the GQA kernel against the generic one) on a few batch
+and context shapes. It is
 the quick loop behind kernel changes; `pwruntime bench kernels` is the full benchmark.
 """
 from __future__ import annotations
@@ -64,6 +66,32 @@ def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copi
     return out
 
 
+ATTENTION_SHAPES = ((32, 2048, 32, 8), (1, 32768, 32, 8), (4, 8192, 32, 8), (1, 4096, 16, 16),
+                    (64, 1024, 32, 4), (8, 512, 16, 16))   # (sequences, context, heads, KV heads), head_dim 128
+
+
+def attention_shapes(cfg: kb.BenchConfig) -> list[dict]:
+    from pwruntime.kernels.attention import paged_attention_decode
+    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
+    out = []
+    for seqs, context, heads, kv_heads in ATTENTION_SHAPES:
+        nb = seqs * context // 16
+        k = torch.randn(nb, 16, kv_heads, 128, device="cuda", generator=gen, dtype=torch.float16)
+        v = torch.randn_like(k)
+        tables = torch.randperm(nb, device="cuda", generator=gen).int().view(seqs, -1)
+        lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(seqs, heads, 128, device="cuda", generator=gen, dtype=torch.float16)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        row = {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "kv_bytes": kv_bytes}
+        for name, generic in (("gqa", False), ("generic", True)):
+            us = kb.graph_ms(kb.capture(lambda: paged_attention_decode(q, k, v, tables, lens, generic=generic)),
+                             cfg) * 1000
+            row[f"{name}_us"], row[f"{name}_gbps"] = us, kv_bytes / us / 1e3
+        out.append(row)
+        del k, v
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bits", default="3,4,5,8")
@@ -79,6 +107,8 @@ def main() -> int:
                     help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
     ap.add_argument("--load-patterns", action="store_true",
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
+    ap.add_argument("--attention", action="store_true",
+                    help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -94,7 +124,13 @@ def main() -> int:
     tokens = tuple(int(t) for t in args.tokens.split(","))
     cfg = kb.BenchConfig(reps=args.reps, warmup=3)
     rows = []
-    if args.load_patterns:
+    if args.attention:
+        for r in attention_shapes(cfg):
+            rows.append(r)
+            print(f"attention {r['seqs']:>3} x {r['context']:>5}, {r['heads']}/{r['kv_heads']} heads: "
+                  f"GQA {r['gqa_us']:7.1f} us {r['gqa_gbps']:5.0f} GB/s | generic {r['generic_us']:7.1f} us "
+                  f"{r['generic_gbps']:5.0f} GB/s", flush=True)
+    elif args.load_patterns:
         names = ("8 B a lane (v3)", "tiled 512 B a warp", "16 B a lane (v4, q=3)")
         for r in load_patterns(cfg):
             rows.append(r)
