@@ -88,9 +88,23 @@ def get_kernel(device: torch.device, name: str, func: str, defines: Sequence[tup
     return fn
 
 
+class _StreamHandle:
+    """A raw cudaStream_t (torch's current stream) offered through the CUDA stream protocol."""
+
+    def __init__(self, handle: int) -> None:
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
 @functools.lru_cache(maxsize=64)
 def _external_stream(device_index: int, handle: int):
-    return _cupy().cuda.ExternalStream(handle, device_index)
+    """CuPy's view of torch's stream: `Stream.from_external` where CuPy has it (>= 14), else ExternalStream."""
+    cuda = _cupy().cuda
+    if hasattr(cuda.Stream, "from_external"):
+        return cuda.Stream.from_external(_StreamHandle(handle))
+    return cuda.ExternalStream(handle, device_index)
 
 
 def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence,
