@@ -494,6 +494,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
         n_tok = s_info[2];
         if (e < 0 || n_tok == 0) return;
     }
+    // token group blockIdx.y: the expert's tokens t0 .. t0 + 8 NT - 1 (the launch's NT fits the tokens an
+    // expert usually gets; an expert that gets more is served by the CTAs of further groups)
+    const int t0 = blockIdx.y * 8 * NT;
+    n_tok = min(n_tok - t0, 8 * NT);
+    if (n_tok <= 0 && mode != 1) return;  // down CTAs of empty groups still count below
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int rgs = WARPS / ksplit, rg = warp / ksplit, ks = warp % ksplit;
@@ -520,7 +525,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     tl.n_tok = n_tok;
     tl.x = x;
     tl.ldx = ldx;
-    tl.rows = s_slots;
+    tl.rows = s_slots + t0;
     tl.row_div = mode == 0 ? topk : 1;
     tl.x_vec = x_vec != 0;
     tl.xs_budget = xs_budget;
@@ -531,6 +536,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     // (before the barrier that ends the prologue), so the launch reserves 4 / ksplit slices
     u16* lut_s = reinterpret_cast<u16*>(smem + region0 + rg * LUT_WARP_BYTES);
 
+    if (n_tok > 0) {
     float sets[NT * ACCS][4];
 #pragma unroll
     for (int k = 0; k < NT * ACCS; ++k)
@@ -552,26 +558,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
             for (int cc = 0; cc < 2; ++cc) {
                 const int n = nt * 8 + 2 * t + cc;
                 if (n >= n_tok) continue;
+                const int slot = tl.rows[n];
                 if (mode == 0) {
                     if (ra < m_rows)
-                        dst[(long long)s_slots[n] * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
+                        dst[(long long)slot * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
                 } else if (mode == 1) {
-                    const int slot = s_slots[n];
                     const float wv = topk_w[slot];
                     if (ra < m_rows) partial[(long long)slot * m_rows + ra] = wv * acc[nt][cc];
                     if (rb < m_rows) partial[(long long)slot * m_rows + rb] = wv * acc[nt][2 + cc];
                 } else {
-                    if (ra < m_rows) dst[(long long)n * ld_dst + ra] = f2act<BF>(acc[nt][cc]);
-                    if (rb < m_rows) dst[(long long)n * ld_dst + rb] = f2act<BF>(acc[nt][2 + cc]);
+                    if (ra < m_rows) dst[(long long)slot * ld_dst + ra] = f2act<BF>(acc[nt][cc]);
+                    if (rb < m_rows) dst[(long long)slot * ld_dst + rb] = f2act<BF>(acc[nt][2 + cc]);
                 }
             }
+    }
     }
     if (mode != 1) return;
 
     // down: the last CTA of this row tile sums the top-k slots of every token and re-arms the counter
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_info[3] = (atomicAdd(&counters[tile], 1) == n_act - 1) ? 1 : 0;
+    if (threadIdx.x == 0) s_info[3] = (atomicAdd(&counters[tile], 1) == n_act * (int)gridDim.y - 1) ? 1 : 0;
     __syncthreads();
     if (s_info[3]) {
         __threadfence();

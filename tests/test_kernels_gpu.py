@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_linear, dequantize_blocks, fused_moe
+from pwruntime.kernels.moe import moe_plans
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.reference import fused_moe_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import dequantize
@@ -117,6 +118,27 @@ def test_fused_moe_mixed_bits_all_token_counts(model):
             assert err < TOL[dtype], (dtype, tokens, err)
             again = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
             assert torch.equal(got, again), "non-deterministic result (race?)"
+
+
+def test_fused_moe_experts_beyond_one_token_group(model):
+    """Every token routed to the same top-k experts: each gets more tokens than one CTA's n-tiles hold."""
+    m = model
+    gen = torch.Generator().manual_seed(2)
+    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
+    m.set_bits(lambda blk: bits[blk])
+    s = m.shape
+    for tokens in (33, 64):
+        hot = torch.randperm(s.num_experts, device="cuda", generator=m.gen)[:s.top_k]   # every token's experts
+        ids = torch.stack([hot[torch.randperm(s.top_k, device="cuda", generator=m.gen)] for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, s.top_k, device="cuda", generator=m.gen), dim=-1)
+        p1, _ = moe_plans(s, tokens)
+        per_expert = torch.bincount(ids.flatten(), minlength=s.num_experts).max().item()
+        assert per_expert > 8 * p1.nt, "the case must need more than one token group"
+        x = torch.randn(tokens, s.hidden, device="cuda", generator=m.gen).half()
+        ws = _workspace(m, tokens, torch.float16)
+        got = fused_moe(m.table, 0, x, ids, w, s, ws)
+        assert rel(got, m.ref(0, x, ids, w)) < TOL[torch.float16], tokens
+        assert torch.equal(got, fused_moe(m.table, 0, x, ids, w, s, ws)), "non-deterministic result (race?)"
 
 
 def test_fused_moe_uniform_bits(model):

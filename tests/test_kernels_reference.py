@@ -257,9 +257,17 @@ def test_launch_plans_fit_and_cover(arch, tokens):
         assert p.ksplit in (1, 2, 4) and p.smem <= SMEM_LIMIT
         assert p.n_tiles * rpw * (4 // p.ksplit) >= rows
         assert p.grid == p.n_tiles * min(e, tokens * k)
-        assert p.xs_budget >= tokens * XS_CHUNK and 8 * p.nt >= tokens  # a segment holds one 16-word chunk
+        per_cta = min(tokens, 8 * p.nt)                # tokens one CTA of an expert stages
+        assert p.xs_budget >= per_cta * XS_CHUNK       # a segment holds one 16-word chunk of each
+        assert p.token_groups * 8 * p.nt >= min(tokens, MAX_TOKENS) > (p.token_groups - 1) * 8 * p.nt
         assert p.smem >= p.xs_budget + (4 // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
+    # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles
+    for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)):
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 40)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 32)] == [(4, 1), (4, 1)]
+        assert moe_plans(shape, 33)[0].token_groups == 2 and moe_plans(shape, 33)[0].nt == 4
 
 
 def test_pdl_launch_structs_match_the_driver_abi():

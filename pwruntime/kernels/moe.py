@@ -30,6 +30,7 @@ XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations 
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
+SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of half the n-tiles)
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
 
@@ -53,6 +54,7 @@ class LaunchPlan:
     grid: int
     xs_budget: int
     smem: int
+    token_groups: int = 1   # grid y: an expert's tokens in groups of 8 * nt
 
 
 def n_tiles_of(tokens: int) -> int:
@@ -66,13 +68,18 @@ def _sm_count(device: torch.device | None) -> int:
 
 
 def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_tile: int, max_ctas_per_tile: int,
-                sm_count: int = 132) -> LaunchPlan:
+                sm_count: int = 132, tile_tokens: int | None = None) -> LaunchPlan:
     """Pick the k-split (warps of a CTA sharing rows) so the expected CTAs fill the GPU.
 
     One token wants three CTAs per SM in flight; with more tokens each CTA also stages their
     activations, so fewer, longer CTAs pay off sooner (measured on the H200, see the README).
+    A CTA serves up to `tile_tokens` tokens of its expert (default: all of them); the launch has
+    enough token groups (grid y) for an expert that gets every token.
     """
-    nt = n_tiles_of(tokens)
+    tile_tokens = tokens if tile_tokens is None else max(1, min(tile_tokens, tokens))
+    nt = n_tiles_of(tile_tokens)
+    groups = -(-min(tokens, MAX_TOKENS) // (8 * nt))
+    tokens = min(tokens, 8 * nt)   # the most a CTA stages
     words = -(-k // 32)
     nchunks = -(-words // 8)  # 256-column chunks (the k-split rule was measured with these)
     want = 3 * sm_count if tokens == 1 else 3 * sm_count // 2
@@ -88,15 +95,19 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     smem = max(xs_budget, nt * 2048) + (4 // ksplit) * LUT_SLICE
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem)
+    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups)
 
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
     max_active = min(shape.num_experts, tokens * shape.top_k)
     expect = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
     expect = max(1, min(max_active, round(expect)))
-    p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count)
-    p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count)
+    # 64 tokens in one group need the 8-n-tile kernel (254 registers, 2 CTAs an SM); two groups of 4 n-tiles
+    # were faster for all four architectures on the H200 (cuda/NOTES.md), more groups slower (their mostly
+    # empty CTAs still run the routing prologue)
+    tile = -(-min(tokens, MAX_TOKENS) // 2) if tokens > SPLIT_ABOVE else tokens
+    p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count, tile)
+    p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count, tile)
     return p1, p2
 
 
@@ -177,13 +188,13 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
     k1 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p1.smem)
-    kc.launch(k1, dev, (p1.grid,), (THREADS,), (
+    kc.launch(k1, dev, (p1.grid, p1.token_groups), (THREADS,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
         kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
     k2 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p2.smem)
-    kc.launch(k2, dev, (p2.grid,), (THREADS,), (
+    kc.launch(k2, dev, (p2.grid, p2.token_groups), (THREADS,), (
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
