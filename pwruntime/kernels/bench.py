@@ -263,7 +263,8 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
 
 # ------------------------------------------------------------------ paged attention
 def attention(cfg: BenchConfig, seqs: int = 32, context: int = 2048, heads: int = 32, kv_heads: int = 8,
-              dim: int = 128, block_size: int = 16) -> dict:
+              dim: int = 128, block_size: int = 16, generic: bool = False) -> dict:
+    """Paged-attention decode over random fp16 caches with scattered blocks (`generic`: the generic kernel)."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     nb = seqs * context // block_size
     kc = torch.randn(nb, block_size, kv_heads, dim, device="cuda", generator=gen, dtype=torch.float16)
@@ -271,7 +272,7 @@ def attention(cfg: BenchConfig, seqs: int = 32, context: int = 2048, heads: int 
     tables = torch.randperm(nb, device="cuda", generator=gen).int().view(seqs, -1)
     lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(seqs, heads, dim, device="cuda", generator=gen, dtype=torch.float16)
-    us = graph_ms(capture(lambda: paged_attention_decode(q, kc, vc, tables, lens)), cfg) * 1000
+    us = graph_ms(capture(lambda: paged_attention_decode(q, kc, vc, tables, lens, generic=generic)), cfg) * 1000
     kv_bytes = 2 * kc.numel() * kc.element_size()
     return {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
             "us": us, "kv_bytes": kv_bytes, "gbps": kv_bytes / us / 1e3}

@@ -71,24 +71,14 @@ ATTENTION_SHAPES = ((32, 2048, 32, 8), (1, 32768, 32, 8), (4, 8192, 32, 8), (1, 
 
 
 def attention_shapes(cfg: kb.BenchConfig) -> list[dict]:
-    from pwruntime.kernels.attention import paged_attention_decode
-    gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     out = []
     for seqs, context, heads, kv_heads in ATTENTION_SHAPES:
-        nb = seqs * context // 16
-        k = torch.randn(nb, 16, kv_heads, 128, device="cuda", generator=gen, dtype=torch.float16)
-        v = torch.randn_like(k)
-        tables = torch.randperm(nb, device="cuda", generator=gen).int().view(seqs, -1)
-        lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
-        q = torch.randn(seqs, heads, 128, device="cuda", generator=gen, dtype=torch.float16)
-        kv_bytes = 2 * k.numel() * k.element_size()
-        row = {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "kv_bytes": kv_bytes}
-        for name, generic in (("gqa", False), ("generic", True)):
-            us = kb.graph_ms(kb.capture(lambda: paged_attention_decode(q, k, v, tables, lens, generic=generic)),
-                             cfg) * 1000
-            row[f"{name}_us"], row[f"{name}_gbps"] = us, kv_bytes / us / 1e3
-        out.append(row)
-        del k, v
+        gqa = kb.attention(cfg, seqs, context, heads, kv_heads)
+        generic = kb.attention(cfg, seqs, context, heads, kv_heads, generic=True)
+        out.append({**{k: gqa[k] for k in ("seqs", "context", "heads", "kv_heads", "kv_bytes")},
+                    "gqa_us": gqa["us"], "gqa_gbps": gqa["gbps"],
+                    "generic_us": generic["us"], "generic_gbps": generic["gbps"]})
+        torch.cuda.empty_cache()
     return out
 
 
@@ -107,6 +97,8 @@ def main() -> int:
                     help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
     ap.add_argument("--load-patterns", action="store_true",
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
+    ap.add_argument("--split-above", type=int, default=None,
+                    help="MoE launches of more tokens serve each expert's tokens in two groups (experiments)")
     ap.add_argument("--attention", action="store_true",
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--out", default=None)
@@ -117,6 +109,9 @@ def main() -> int:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit:
         _force_ksplit(args.ksplit)
+    if args.split_above is not None:
+        from pwruntime.kernels import moe
+        moe.SPLIT_ABOVE = args.split_above
     if args.xs_cap:
         from pwruntime.kernels import moe
         moe.XS_CAP = args.xs_cap
