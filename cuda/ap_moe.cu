@@ -468,7 +468,8 @@ __device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks,
 //                    x = hidden [T, H]; dst = act [T * topk, I] = silu(gate x) * (up x).
 //   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
 //   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst).
-// m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features.
+// m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features. gridDim.y: token groups, each
+// CTA serving up to 8 NT of its expert's tokens (1 for mode 2).
 extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     int mode, const long long* __restrict__ table, long long block_base, const u16* __restrict__ x, long long ldx,
     int x_vec, const long long* __restrict__ topk_ids, const float* __restrict__ topk_w, int T, int topk, int E,
@@ -537,41 +538,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     u16* lut_s = reinterpret_cast<u16*>(smem + region0 + rg * LUT_WARP_BYTES);
 
     if (n_tok > 0) {
-    float sets[NT * ACCS][4];
+        float sets[NT * ACCS][4];
 #pragma unroll
-    for (int k = 0; k < NT * ACCS; ++k)
+        for (int k = 0; k < NT * ACCS; ++k)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sets[k][i] = 0.f;
-    ap_mma_any(blk, tl, smem, lut_s, sets);
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] = ACCS == 2 ? sets[2 * nt][i] + sets[2 * nt + 1][i] : sets[nt][i];
-    reduce_ksplit(acc, smem, warp, ks, ksplit);
-
-    if (ks == 0) {
-        const int ra = rbase + g, rb = rbase + 8 + g;
+            for (int i = 0; i < 4; ++i) sets[k][i] = 0.f;
+        ap_mma_any(blk, tl, smem, lut_s, sets);
+        float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-                const int n = nt * 8 + 2 * t + cc;
-                if (n >= n_tok) continue;
-                const int slot = tl.rows[n];
-                if (mode == 0) {
-                    if (ra < m_rows)
-                        dst[(long long)slot * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
-                } else if (mode == 1) {
-                    const float wv = topk_w[slot];
-                    if (ra < m_rows) partial[(long long)slot * m_rows + ra] = wv * acc[nt][cc];
-                    if (rb < m_rows) partial[(long long)slot * m_rows + rb] = wv * acc[nt][2 + cc];
-                } else {
-                    if (ra < m_rows) dst[(long long)slot * ld_dst + ra] = f2act<BF>(acc[nt][cc]);
-                    if (rb < m_rows) dst[(long long)slot * ld_dst + rb] = f2act<BF>(acc[nt][2 + cc]);
+            for (int i = 0; i < 4; ++i) acc[nt][i] = ACCS == 2 ? sets[2 * nt][i] + sets[2 * nt + 1][i] : sets[nt][i];
+        reduce_ksplit(acc, smem, warp, ks, ksplit);
+
+        if (ks == 0) {
+            const int ra = rbase + g, rb = rbase + 8 + g;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int cc = 0; cc < 2; ++cc) {
+                    const int n = nt * 8 + 2 * t + cc;
+                    if (n >= n_tok) continue;
+                    const int slot = tl.rows[n];
+                    if (mode == 0) {
+                        if (ra < m_rows)
+                            dst[(long long)slot * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
+                    } else if (mode == 1) {
+                        const float wv = topk_w[slot];
+                        if (ra < m_rows) partial[(long long)slot * m_rows + ra] = wv * acc[nt][cc];
+                        if (rb < m_rows) partial[(long long)slot * m_rows + rb] = wv * acc[nt][2 + cc];
+                    } else {
+                        if (ra < m_rows) dst[(long long)slot * ld_dst + ra] = f2act<BF>(acc[nt][cc]);
+                        if (rb < m_rows) dst[(long long)slot * ld_dst + rb] = f2act<BF>(acc[nt][2 + cc]);
+                    }
                 }
-            }
-    }
+        }
     }
     if (mode != 1) return;
 
