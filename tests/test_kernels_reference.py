@@ -361,6 +361,17 @@ def test_bench_cli_needs_a_gpu():
     assert r.returncode == 2
 
 
+def test_tune_forced_ksplit_keeps_token_groups(monkeypatch):
+    from pwruntime.kernels import moe, tune
+    monkeypatch.setattr(moe, "plan_launch", moe.plan_launch)   # undone after the test
+    shape = MoEShape(64, 2048, 1024, 8)
+    before = moe_plans(shape, 64)
+    tune.force_ksplit(4)
+    for old, new in zip(before, moe_plans(shape, 64)):
+        assert new.ksplit == 4 and (new.nt, new.token_groups) == (old.nt, old.token_groups) == (4, 2)
+        assert new.smem == old.smem + (1 - 4 // old.ksplit) * LUT_SLICE
+
+
 def test_tune_harness_needs_a_gpu():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")

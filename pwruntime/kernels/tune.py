@@ -5,28 +5,28 @@ copies so the L2 does not hold the weights) for the Mixtral-expert block (14336 
 and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`);
 `--load-patterns` times cuda/load_pattern.cu, the block's 3-bit planes read with no decode;
 `--attention` times paged-attention decode (the GQA kernel against the generic one) on a few batch
-and context shapes. It is
-the quick loop behind kernel changes; `pwruntime bench kernels` is the full benchmark.
+and context shapes. It is the quick loop behind kernel changes; `pwruntime bench kernels` is the
+full benchmark.
 """
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from pwruntime.kernels import bench as kb
+from traces.clikit import write_json_atomic
 
 
-def _force_ksplit(ksplit: int) -> None:
+def force_ksplit(ksplit: int) -> None:
     """Replace the launch planner by one that always splits K `ksplit` ways (this process only)."""
     import dataclasses
 
     from pwruntime.kernels import moe
     plan = moe.plan_launch
 
-    def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132):
-        p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count)
+    def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132, tile_tokens=None):
+        p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count, tile_tokens)
         n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
         smem = p.smem + (4 // ksplit - 4 // p.ksplit) * moe.LUT_SLICE  # one LUT slice per row group
         return dataclasses.replace(p, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile, smem=smem)
@@ -108,7 +108,7 @@ def main() -> int:
     if args.define:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit:
-        _force_ksplit(args.ksplit)
+        force_ksplit(args.ksplit)
     if args.split_above is not None:
         from pwruntime.kernels import moe
         moe.SPLIT_ABOVE = args.split_above
@@ -148,8 +148,7 @@ def main() -> int:
                       f"(active {r['active_experts']})", flush=True)
             torch.cuda.empty_cache()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json_atomic(args.out, rows)
     return 0
 
 
