@@ -15,7 +15,9 @@ from pwruntime.kernels import compile as kc
 from pwruntime.kernels.reference import paged_attention_decode_ref
 
 THREADS = 128                    # the generic kernel (cuda/paged_attention.cu)
-GQA_THREADS = 256                # cuda/paged_attention_gqa.cu
+GQA_WARPS = 8                    # cuda/paged_attention_gqa.cu (WARPS there)
+GQA_THREADS = 32 * GQA_WARPS
+GQA_MERGE_BYTES = 32768          # its shared merge buffer: fp32 [warps][heads a CTA][head_dim] (static_assert there)
 GQA_DIMS = (64, 128, 256)
 GQA_HEADS_PER_CTA = 4            # query heads a GQA-kernel CTA keeps in registers (larger groups are sliced)
 PART_MIN_TOKENS = 512            # a context part of the split (flash-decoding) path is at least this long
@@ -29,7 +31,7 @@ def gqa_kernel_applies(dtype: torch.dtype, dim: int) -> bool:
 
 def heads_per_cta(group: int, dim: int) -> int:
     """The largest divisor of the GQA group that fits a CTA's registers and its 32 KiB merge buffer."""
-    cap = min(GQA_HEADS_PER_CTA, 32768 // (8 * dim * 4))
+    cap = min(GQA_HEADS_PER_CTA, GQA_MERGE_BYTES // (GQA_WARPS * dim * 4))
     return max(g for g in range(1, cap + 1) if group % g == 0)
 
 
