@@ -71,17 +71,27 @@ __device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
     }
 }
 
-// Shared-memory LUT of one warp (byte path): entry `code` of m-row m at byte code * 32 + (m & 7) * 4 +
-// (m >> 3) * 2, so row g (and g + 8) lives in banks g, g+8, g+16, g+24 only: lanes of different rows never
-// conflict, the 4 lanes of one row at most 4-way (about 2-way on random codes).
+// Shared-memory LUT of one warp (byte path): entry `code` of m-row m, replica r, at byte code * 32 R + r * 32 +
+// (m & 7) * 4 + (m >> 3) * 2, so row g (and g + 8) of replica r lives in bank 8 r + g (mod 32) only. Lane (g, t)
+// reads replica t % R: with R = 4 the 32 lanes of a lookup hit 32 distinct banks; with R = 1 the 4 lanes of
+// one row share 4 banks (about 2-way conflicts on random codes). A row group's 8 KiB slice holds 256 / 2^Q
+// replicas at Q bits, so R = 4 up to 6 bits, 2 at 7 and 1 at 8.
+#ifndef PW_LUTREP
+#define PW_LUTREP 1
+#endif
+template <int Q>
+__host__ __device__ constexpr int lut_reps() { return (PW_LUTREP && Q >= 5) ? ((256 >> Q) < 4 ? (256 >> Q) : 4) : 1; }
+
 __device__ __forceinline__ int lut_slot(int m, int code) { return code * 16 + (m & 7) * 2 + (m >> 3); }
 
+template <int R>
 __device__ __forceinline__ u32 lut_lookup(const char* row_base, u32 C, int b) {
     const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended
-    return *reinterpret_cast<const u16*>(row_base + code * 32u);
+    return *reinterpret_cast<const u16*>(row_base + code * (32u * R));
 }
 
+template <int R>
 __device__ __forceinline__ void decode_bytes(const u32 C, const char* row_base, u32 (&A)[2]) {
-    A[0] = lut_lookup(row_base, C, 0) | (lut_lookup(row_base, C, 1) << 16);
-    A[1] = lut_lookup(row_base, C, 2) | (lut_lookup(row_base, C, 3) << 16);
+    A[0] = lut_lookup<R>(row_base, C, 0) | (lut_lookup<R>(row_base, C, 1) << 16);
+    A[1] = lut_lookup<R>(row_base, C, 2) | (lut_lookup<R>(row_base, C, 3) << 16);
 }

@@ -16,7 +16,8 @@
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
 //   q = 4: two 8-entry register tables selected by the top plane through a prmt sign-replicate mask;
 //   other q: an 8x8 bit transpose per byte lane turns the planes into byte codes; the LUT lives in
-//            shared memory laid out so lanes of different rows never share a bank.
+//            shared memory, replicated up to 4 times, laid out so that lookups rarely (q <= 6: never)
+//            share a bank.
 // Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk, words WPL t .. WPL t + WPL - 1 of the
 // chunk's CW words (Geom<Q>: 16-word chunks and 16-byte loads at q = 3, so the 4 lanes of a row read
 // 64 contiguous bytes per plane; 8-word chunks and 8-byte loads elsewhere). Plane words of the next
@@ -53,6 +54,10 @@ constexpr int XS_ROW_PAD = 128;
 constexpr int TABLE_COLS = 10;
 constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
 }  // namespace
+
+#ifndef PW_XSLUT  // q = 3, 4 stage activations into the byte-path LUT slices too (fewer segments)
+#define PW_XSLUT 1
+#endif
 
 #ifndef PW_CW_NIB  // words per row and chunk at q = 3
 #define PW_CW_NIB 16
@@ -272,8 +277,8 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 u32 A0[2], A1[2];
-                decode_bytes(C0[i], lut_row, A0);
-                decode_bytes(C1[i], lut_row + 2, A1);
+                decode_bytes<lut_reps<Q>()>(C0[i], lut_row, A0);
+                decode_bytes<lut_reps<Q>()>(C1[i], lut_row + 2, A1);
                 if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
                 else mma_group<0>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
             }
@@ -285,7 +290,7 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 // Stage LUT_Q of the warp's 16 m-rows into its shared-memory slice (byte path), converted to the activation
 // dtype. With 2^Q >= 32, lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
 // and m8 + 8 with 16-byte loads, a batch of them in flight at once, and stores each (m8, m8 + 8) pair as one
-// word (lanes of one quarter hit distinct banks; the four quarters share them).
+// word into every replica (lanes of one quarter hit distinct banks; the four quarters share them).
 template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
     const int lane = threadIdx.x & 31;
@@ -295,6 +300,7 @@ __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u
             lut_s[lut_slot(m, code)] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
         }
     } else {
+        constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
         constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
         constexpr int LOADS = CODES / 8;             // 16-byte loads per row
         constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
@@ -317,7 +323,9 @@ __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u
                 for (int e = 0; e < 8; ++e) {
                     const u32 lo = lut2act<BF>((u16)(e & 1 ? av[e >> 1] >> 16 : av[e >> 1] & 0xffffu));
                     const u32 hi = lut2act<BF>((u16)(e & 1 ? bv[e >> 1] >> 16 : bv[e >> 1] & 0xffffu));
-                    dst[((qt * CODES + (b0 + i) * 8 + e) * 16 + m8 * 2) >> 1] = lo | (hi << 16);
+                    const int code = qt * CODES + (b0 + i) * 8 + e;
+#pragma unroll
+                    for (int r = 0; r < R; ++r) dst[(code * R + r) * 8 + m8] = lo | (hi << 16);
                 }
             }
         }
@@ -348,7 +356,10 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
     const int nt_act = (tl.n_tok + 7) >> 3;
     const int nchunks = (tl.W + Geom<Q>::CW - 1) / Geom<Q>::CW;
-    const int cps = chunks_per_segment<Q>(tl.xs_budget, tl.n_tok, nchunks);
+    // the register-LUT decoders (q = 3, 4) leave the byte-path LUT slices after the activation region free
+    const int xs_room = PATH == 0 && PW_XSLUT ? max(tl.xs_budget, NT * 2048) + WARPS / tl.ksplit * LUT_WARP_BYTES
+                                              : tl.xs_budget;
+    const int cps = chunks_per_segment<Q>(xs_room, tl.n_tok, nchunks);
     const int pitch = cps * Geom<Q>::XB + XS_ROW_PAD;
     int xoff[NT];
 #pragma unroll
@@ -403,7 +414,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     }
     __syncthreads();
 
-    const char* lut_row = reinterpret_cast<const char*>(lut_s) + g * 4;
+    const char* lut_row = reinterpret_cast<const char*>(lut_s) + g * 4 + (t % lut_reps<Q>()) * 32;
     const int nseg = (nchunks + cps - 1) / cps;
     int my = 0, phase = 0;
     for (int seg = 0; seg < nseg; ++seg) {
