@@ -1,22 +1,31 @@
-// Bit-plane decoders of the AP MoE kernel: plane words -> 16-bit mma A-fragment values (register LUTs
-// looked up with prmt at q = 3, 4; an 8x8 bit transpose to byte codes and a shared-memory LUT otherwise).
+// Bit-plane decoders of the AP MoE kernel: plane words (top three nibble-packed) -> 16-bit mma A-fragment
+// values (register LUTs looked up with prmt at q = 3, 4; byte codes and a shared-memory LUT otherwise).
 #pragma once
 #include "pw_common.cuh"
 
 __device__ __forceinline__ u32 shr_rt(u32 w, int s) { return s >= 0 ? (w >> s) : (w << (-s)); }
 
 // ---------------------------------------------------------------- decoders
-// nibble codes: element i + 4s of a word -> nibble s (3 bits from the three least significant planes)
-template <int Q>
-__device__ __forceinline__ u32 nib3(const u32* w, int i) {
-    // planes Q-3, Q-2, Q-1 give code bits 2, 1, 0
-    return (shr_rt(w[Q - 3], i - 2) & 0x44444444u) | (shr_rt(w[Q - 2], i - 1) & 0x22222222u) |
-           (shr_rt(w[Q - 1], i) & 0x11111111u);
+// Planes 0..2 are nibble-packed on the device (pwruntime/kernels/device_table.py): w[j], j < 3, holds in
+// nibble s the 3-bit top code (plane 0 its MSB) of element j + 4s, and in bit 3 of nibble s plane j's bit of
+// element 3 + 4s. Planes 3..7 are AP plane words (bit e = element e).
+
+// nibble codes of the top three planes: element i + 4s -> nibble s (one AND for three phases of four)
+__device__ __forceinline__ u32 top3(const u32* w, int i) {
+    if (i < 3) return w[i] & 0x77777777u;
+    return ((w[0] >> 1) & 0x44444444u) | ((w[1] >> 2) & 0x22222222u) | ((w[2] >> 3) & 0x11111111u);
+}
+
+// AP plane k (k < 3) of the packed words: element j + 4s from bit 4s + 2 - k of w[j], element 3 + 4s from
+// bit 4s + 3 of w[k] (the inverse of the packing; the dequantize kernel's byte-at-a-time decode uses it)
+__device__ __forceinline__ u32 ap_plane(const u32* w, int k) {
+    return (w[k] & 0x88888888u) | (shr_rt(w[0], 2 - k) & 0x11111111u) | (shr_rt(w[1], 1 - k) & 0x22222222u) |
+           (shr_rt(w[2], -k) & 0x44444444u);
 }
 
 // q = 3: A[0..1] = pairs (s0,s1), (s2,s3) of elements i + 4s, s = 0..3; A[2..3] the same for s = 4..7
 __device__ __forceinline__ void decode3(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
-    const u32 n = nib3<3>(w, i);
+    const u32 n = top3(w, i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 s = h ? (n >> 16) : n;
@@ -26,12 +35,13 @@ __device__ __forceinline__ void decode3(const u32* w, int i, const u32 (&L)[8], 
     }
 }
 
-// q = 4: the top plane selects between the tables of codes 0..7 (L[0..3]) and 8..15 (L[4..7]).
-// P1 = w0 << (7 - i) puts element i + 8b at the sign of byte b, P2 = w0 << (3 - i) element i + 4 + 8b;
+// q = 4: code = 2 * top3 + plane 3, so plane 3 selects between the tables of the even codes (L[0..3], entry c
+// = LUT[2c]) and the odd codes (L[4..7], LUT[2c + 1]), both indexed by the top code.
+// P1 = w3 << (7 - i) puts element i + 8b at the sign of byte b, P2 = w3 << (3 - i) element i + 4 + 8b;
 // prmt with sign-replicating selectors turns them into per-byte masks in nibble order.
 __device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], u32 (&A)[4]) {
-    const u32 n = nib3<4>(w, i);
-    const u32 p1 = w[0] << (7 - i), p2 = w[0] << (3 - i);
+    const u32 n = top3(w, i);
+    const u32 p1 = w[3] << (7 - i), p2 = w[3] << (3 - i);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const u32 s = h ? (n >> 16) : n;
@@ -43,13 +53,15 @@ __device__ __forceinline__ void decode4(const u32* w, int i, const u32 (&L)[8], 
     }
 }
 
-// any q: an 8x8 bit transpose inside each byte lane (SWAR over the 4 bytes of a word) turns the q plane
-// words of 32 elements into C[0..7], byte b of C[i] = code of element i + 8b (plane 0 the MSB).
-// Rows are fed MSB-last so row k of the matrix is code bit k; planes q..7 are zero (folded away).
+// q >= 5: byte b of C[i] = the q-bit code of element i + 8b. The low q - 3 code bits come from an 8x8 bit
+// transpose inside each byte lane (SWAR over the 4 bytes of a word) of planes 3..q-1, fed MSB-last so row k
+// of the matrix is code bit k (rows q-3..7 are zero and fold away); the top three bits come straight from
+// the packed words: element i + 8b sits in nibble 2b + i / 4 of w[i % 4] (bit 3 of the nibbles of w[0..2]
+// when i % 4 == 3).
 template <int Q>
-__device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
+__device__ __forceinline__ void byte_codes(const u32* w, u32 (&r)[8]) {
 #pragma unroll
-    for (int k = 0; k < 8; ++k) r[k] = k < Q ? w[Q - 1 - k] : 0u;
+    for (int k = 0; k < 8; ++k) r[k] = k < Q - 3 ? w[Q - 1 - k] : 0u;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
         const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
@@ -68,6 +80,18 @@ __device__ __forceinline__ void transpose_codes(const u32* w, u32 (&r)[8]) {
         const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
         r[k + 1] ^= x;
         r[k] ^= x << 1;
+    }
+    constexpr int LO = Q - 3;  // the top code's shift inside a byte
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int sh = 4 * (i >> 2) - LO;  // one shift + one AND-OR a term
+        if ((i & 3) < 3) {
+            r[i] |= shr_rt(w[i & 3], sh) & (0x07070707u << LO);
+        } else {
+            r[i] |= shr_rt(w[0], sh + 1) & (0x04040404u << LO);
+            r[i] |= shr_rt(w[1], sh + 2) & (0x02020202u << LO);
+            r[i] |= shr_rt(w[2], sh + 3) & (0x01010101u << LO);
+        }
     }
 }
 

@@ -2,8 +2,10 @@
 //
 // The blocks come from the device page table (int64 rows [plane0..plane7, lut, bits]); one launch
 // handles any number of same-shape blocks (grid.y = block). Each thread decodes one 32-column word
-// of one row: q plane words -> 32 codes -> LUT_q lookups (the LUT row is tiny and L1-resident).
+// of one row: q plane words (the top three unpacked from the device's nibble layout) -> 32 codes ->
+// LUT_q lookups (the LUT row is tiny and L1-resident).
 #include "pw_common.cuh"
+#include "ap_decode.cuh"
 
 #ifndef PW_BF16
 #define PW_BF16 0
@@ -26,7 +28,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_dequant(const long l
     const int q = (int)row[9];
     u16* o = dst + (long long)blockIdx.y * out_rows * K + (long long)r * K + wd * 32;
     const int ncol = min(32, K - wd * 32);
-    if (q < 1 || q > 8) {  // not resident: zeros
+    if (q < 3 || q > 8) {  // not resident (or below the 3-bit floor): zeros
         for (int e = 0; e < ncol; ++e) o[e] = 0;
         return;
     }
@@ -35,6 +37,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_dequant(const long l
 #pragma unroll
     for (int j = 0; j < 8; ++j)
         w[j] = j < q ? ldg_nc(reinterpret_cast<const u32*>(row[j]) + (long long)r * W + wd) : 0u;
+    const u32 packed[3] = {w[0], w[1], w[2]};
+#pragma unroll
+    for (int k = 0; k < 3; ++k) w[k] = ap_plane(packed, k);
     const bool pairs = (K & 1) == 0;
 #pragma unroll 4
     for (int e = 0; e < 32; e += 2) {

@@ -272,8 +272,8 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
             }
         } else {
             u32 C0[8], C1[8];
-            transpose_codes<Q>(w0, C0);
-            transpose_codes<Q>(w1, C1);
+            byte_codes<Q>(w0, C0);
+            byte_codes<Q>(w1, C1);
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 u32 A0[2], A1[2];
@@ -404,11 +404,32 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
                     e.z = lut2act<BF>(e.z & 0xffffu) | ((u32)lut2act<BF>(e.z >> 16) << 16);
                     e.w = lut2act<BF>(e.w & 0xffffu) | ((u32)lut2act<BF>(e.w >> 16) << 16);
                 }
-                L[rr][4 * half + 0] = prmt(e.x, e.y, 0x6420u);  // low bytes of entries 0..3
-                L[rr][4 * half + 1] = prmt(e.z, e.w, 0x6420u);  // low bytes of entries 4..7
-                L[rr][4 * half + 2] = prmt(e.x, e.y, 0x7531u);  // high bytes of entries 0..3
-                L[rr][4 * half + 3] = prmt(e.z, e.w, 0x7531u);  // high bytes of entries 4..7
+                raw[rr][half] = e;
             }
+        if constexpr (Q == 3) {
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                const u32x4 e = raw[rr][0];
+                L[rr][0] = prmt(e.x, e.y, 0x6420u);  // low bytes of entries 0..3
+                L[rr][1] = prmt(e.z, e.w, 0x6420u);  // low bytes of entries 4..7
+                L[rr][2] = prmt(e.x, e.y, 0x7531u);  // high bytes of entries 0..3
+                L[rr][3] = prmt(e.z, e.w, 0x7531u);  // high bytes of entries 4..7
+            }
+        } else {
+            // q = 4: table c of the even codes (LUT[2c]) in L[0..3], of the odd codes (LUT[2c + 1]) in L[4..7];
+            // word u of an entry half holds entries 2u, 2u + 1, so byte sel of each word picks one parity
+            const auto gather = [](const u32x4& e, u32 sel) {
+                return prmt(prmt(e.x, e.y, sel), prmt(e.z, e.w, sel), 0x5410u);
+            };
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+                for (int t4 = 0; t4 < 4; ++t4) {  // even low, even high, odd low, odd high bytes
+                    const u32 sel = 0x0040u + 0x0011u * t4;
+                    L[rr][2 * t4] = gather(raw[rr][0], sel);      // codes of c = 0..3
+                    L[rr][2 * t4 + 1] = gather(raw[rr][1], sel);  // c = 4..7
+                }
+        }
     } else {
         stage_lut<Q>(blk, tl, lut_s);
     }
@@ -439,15 +460,13 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
 
 __device__ __forceinline__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
     switch (blk.q) {
-        case 1: ap_mma<1>(blk, tl, xs, lut_s, acc); break;
-        case 2: ap_mma<2>(blk, tl, xs, lut_s, acc); break;
         case 3: ap_mma<3>(blk, tl, xs, lut_s, acc); break;
         case 4: ap_mma<4>(blk, tl, xs, lut_s, acc); break;
         case 5: ap_mma<5>(blk, tl, xs, lut_s, acc); break;
         case 6: ap_mma<6>(blk, tl, xs, lut_s, acc); break;
         case 7: ap_mma<7>(blk, tl, xs, lut_s, acc); break;
         case 8: ap_mma<8>(blk, tl, xs, lut_s, acc); break;
-        default: break;  // not resident: contributes zero
+        default: break;  // not resident (or below the 3-bit floor): contributes zero
     }
 }
 

@@ -33,6 +33,7 @@ import torch
 
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
+from pwruntime.kernels.device_table import TOP_PLANES, pack_top_planes
 from pwruntime.kernels.moe import MAX_TOKENS
 from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
@@ -180,6 +181,16 @@ class DeviceExpertStore:
         dst.copy_(src, non_blocking=True)
         return dst
 
+    def upload_planes(self, i: int, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
+        """New device tensors for planes lo..hi-1 of block i in the table's layout: planes 0..2 go up
+        together and are nibble-packed on the device (`device_table.pack_top_planes`)."""
+        if 0 < lo < TOP_PLANES or 0 == lo < hi < TOP_PLANES:
+            raise ValueError(f"block {i}: planes 0..{TOP_PLANES - 1} move together, asked for {lo}..{hi - 1}")
+        planes = [self.upload(p) for p in self.master_planes(i, lo, hi)]
+        if lo == 0 and hi > 0:
+            planes[:TOP_PLANES] = pack_top_planes(planes[:TOP_PLANES])
+        return tuple(planes)
+
     def retire(self, tensors) -> None:
         """Free `tensors` once the current stream has passed this point."""
         self.deferred.add(tensors)
@@ -211,8 +222,7 @@ class DeviceExpertStore:
         """Reload copy on `stream`: new device tensors for planes q..to-1 and LUT_to (row i unchanged)."""
         lo = len(self._planes[i])
         with on_stream(stream):
-            planes = tuple(self.upload(p) for p in self.master_planes(i, lo, to_bits))
-            return planes, self.upload(self.master_lut(i, to_bits))
+            return self.upload_planes(i, lo, to_bits), self.upload(self.master_lut(i, to_bits))
 
     def raise_bits(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor,
                    to_bits: int) -> list[torch.Tensor]:
@@ -264,7 +274,7 @@ class DeviceExpertStore:
             self.retire(self._write_row(i, (), None, 0))
             return
         have = self._planes[i]
-        planes = have[:keep] + tuple(self.upload(p) for p in self.master_planes(i, len(have), keep))
+        planes = have[:keep] + (self.upload_planes(i, len(have), keep) if keep > len(have) else ())
         lut = self._luts[i] if self.row_bits[i] == q else self.upload(self.master_lut(i, q))
         self.retire(self._write_row(i, planes, lut, q))
 

@@ -238,6 +238,7 @@ class TableStore:
 
     def __init__(self, dense, cfg, device: str = "cuda"):
         from pwruntime.kernels import DeviceWeightTable, MoEShape
+        from pwruntime.kernels.device_table import device_layout
 
         self.shape = MoEShape(cfg.experts, cfg.hidden, cfg.expert_intermediate, cfg.top_k)
         self.table = DeviceWeightTable(len(dense.gate_up) * cfg.experts * 2, device)
@@ -247,7 +248,7 @@ class TableStore:
                 for kind, w in enumerate((dense.gate_up[layer][e], dense.down[layer][e])):
                     planes, luts = quantize_uniform(w)
                     blk = self.shape.block(layer, e, kind)
-                    self.table.set_block(blk, planes, luts[8], 8)
+                    self.table.set_block(blk, device_layout(planes), luts[8], 8)
                     self.luts[blk] = luts
         self._ws: dict[torch.dtype, object] = {}
 

@@ -24,6 +24,7 @@ from policies.planners.base import make_plan
 from pwruntime import page_mover
 from pwruntime.device_store import DeviceExpertStore
 from pwruntime.engine import EngineConfig, LLMEngine
+from pwruntime.kernels.device_table import device_layout
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 from pwruntime.quant.store import APExpertStore, load_ap_model
@@ -94,15 +95,17 @@ def stores(path: Path, bits, device: str = "cpu", dtype: torch.dtype = torch.flo
 
 def assert_rows_follow(store: DeviceExpertStore, table: PageTable) -> None:
     """Every idle row is at the table's bits and names exactly planes 0..q-1 (the leading planes if held)
-    and LUT_q, bit-identical to the master; the device table agrees."""
+    and LUT_q, bit-identical to the master in the device layout (top three planes packed); the device
+    table agrees."""
     lead = table.leading_gpu_planes()
     for i in np.flatnonzero(~table.busy).tolist():
         q = int(table.q[i])
         planes, lut = store.resident(i)
         assert store.row_bits[i] == q and store.table.bits(i) == q
         assert len(planes) == (int(lead[i]) if table.held[i] else q)
-        for j, p in enumerate(planes):
-            assert p.device == store.device and torch.equal(p.cpu(), store.master_planes(i, j, j + 1)[0])
+        want = device_layout(store.master_planes(i, 0, len(planes))) if planes else []
+        for p, w in zip(planes, want, strict=True):
+            assert p.device == store.device and torch.equal(p.cpu(), w)
         if q:
             assert torch.equal(lut.cpu(), store.master_lut(i, q))
         else:

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_linear, dequantize_blocks, fused_moe
-from pwruntime.kernels.moe import moe_plans
 from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.device_table import device_layout
+from pwruntime.kernels.moe import moe_plans
 from pwruntime.kernels.reference import fused_moe_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import dequantize
 
@@ -57,7 +58,7 @@ class Model:
                     planes, luts = random_block(o, inp, self.gen)
                     blk = self.shape.block(layer, ex, kind)
                     self.blocks[blk] = (planes, luts, o, inp)
-                    self.table.set_block(blk, planes, luts[8], 8)
+                    self.table.set_block(blk, device_layout(planes), luts[8], 8)
         self._cache = {}
 
     def set_bits(self, bits_of) -> None:
@@ -203,8 +204,8 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
     gen = torch.Generator(device="cuda").manual_seed(out_f + in_f)
     planes, luts = random_block(out_f, in_f, gen)
     table = DeviceWeightTable(2, "cuda")
-    table.set_block(1, planes, luts[8], 8)
-    for b in range(1, 9):
+    table.set_block(1, device_layout(planes), luts[8], 8)
+    for b in range(3, 9):
         table.commit_bits(1, b, luts[b])
         w = dequantize(planes[:b], luts[b], out_f, in_f)
         for tokens in (1, 7, 20, 64):
@@ -223,7 +224,7 @@ def test_dequantize_kernel_is_exact(dtype):
     want = []
     for blk, b in zip(range(6), (3, 4, 5, 6, 7, 8)):
         planes, luts = random_block(out_f, in_f, gen)
-        table.set_block(blk, planes, luts[b], b)
+        table.set_block(blk, device_layout(planes), luts[b], b)
         want.append(dequantize(planes[:b], luts[b], out_f, in_f).to(dtype))
     got = dequantize_blocks(table, [5, 0, 3, 1], out_f, in_f, dtype)
     assert torch.equal(got, torch.stack([want[5], want[0], want[3], want[1]]))

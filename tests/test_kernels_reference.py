@@ -17,6 +17,7 @@ import torch
 from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize_blocks, fused_moe
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.device_table import device_layout, unpack_top_planes
 from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, moe_plans, plan_launch
 from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import pack_planes
@@ -42,13 +43,13 @@ def numpy_dequant(planes: np.ndarray, lut: np.ndarray, bits: int, inp: int) -> n
     return np.take_along_axis(lut.astype(np.float64), code, axis=1)
 
 
-@pytest.mark.parametrize("bits", [1, 3, 4, 5, 8])
+@pytest.mark.parametrize("bits", [3, 4, 5, 8])
 @pytest.mark.parametrize("shape", [(5, 70), (3, 64)])
 def test_dequantize_matches_bitwise_numpy(bits, shape):
     rng = np.random.default_rng(bits * 100 + shape[1])
     codes, planes, luts = make_block(rng, *shape)
     table = DeviceWeightTable(4, "cpu")
-    table.set_block(2, planes, luts[bits], bits)
+    table.set_block(2, device_layout(planes), luts[bits], bits)
     got = dequantize_resident(table.resident(2), shape[1], torch.float32).double().numpy()
     want = numpy_dequant(planes.numpy(), luts[bits].numpy(), bits, shape[1])
     np.testing.assert_array_equal(got, want)
@@ -70,7 +71,7 @@ def _moe_setup(seed: int, shape: MoEShape, layers: int, bits):
                 _, planes, luts = make_block(rng, o, i)
                 b = int(bits(layer, e, kind)) if callable(bits) else int(bits)
                 blk = shape.block(layer, e, kind)
-                table.set_block(blk, planes, luts[b], b)
+                table.set_block(blk, device_layout(planes), luts[b], b)
                 store[blk] = (planes, luts, i)
     return table, store
 
@@ -162,7 +163,7 @@ def test_ap_linear_cpu_matches_dense():
     rng = np.random.default_rng(5)
     _, planes, luts = make_block(rng, 9, 100)
     table = DeviceWeightTable(1, "cpu")
-    table.set_block(0, planes, luts[5], 5)
+    table.set_block(0, device_layout(planes), luts[5], 5)
     x = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
     got = ap_linear(table, 0, x, 9)
     want = x.double() @ torch.from_numpy(numpy_dequant(planes.numpy(), luts[5].numpy(), 5, 100)).T
@@ -215,10 +216,31 @@ def test_paged_attention_reference_matches_dense(heads, kv_heads):
     torch.testing.assert_close(via_api, got)
 
 
+def test_nibble_layout_roundtrip_and_codes():
+    """The device layout of planes 0..2 is a bijection, and it holds what the kernels read: word j & 0x7 in
+    nibble s = top code of element j + 4s (j < 3); bit 3 of nibble s of words 0, 1, 2 = element 3 + 4s."""
+    rng = np.random.default_rng(11)
+    codes, planes, _ = make_block(rng, 6, 96)
+    packed = device_layout(planes)
+    assert len(packed) == 8 and all(torch.equal(packed[j], planes[j]) for j in range(3, 8))
+    assert all(torch.equal(a, b) for a, b in zip(unpack_top_planes(packed), planes[:3]))
+    assert not all(torch.equal(packed[j], planes[j]) for j in range(3))
+    words = np.stack([p.numpy().view(np.uint32) for p in packed[:3]])  # [3, out, words]
+    top = (codes >> 5).astype(np.uint32)                                # the 3-bit codes, [out, in]
+    for e in range(32):
+        j, s = e % 4, e // 4
+        if j < 3:
+            got = (words[j] >> np.uint32(4 * s)) & 7
+        else:
+            got = sum(((words[k] >> np.uint32(4 * s + 3)) & 1) << (2 - k) for k in range(3))
+        np.testing.assert_array_equal(got, top[:, e::32])
+
+
 def test_device_table_rows_and_validation():
     rng = np.random.default_rng(7)
     _, planes, luts = make_block(rng, 4, 64)
     t = DeviceWeightTable(3, "cpu")
+    planes = device_layout(planes)
     t.set_block(1, planes, luts[8], 8)
     row = t.host[1]
     assert row[9] == 8 and row[8] == luts[8].data_ptr()
@@ -236,6 +258,10 @@ def test_device_table_rows_and_validation():
         t.set_block(0, planes[:2], luts[3], 3)
     with pytest.raises(ValueError, match="bits must be"):
         t.set_block(0, planes, luts[8], 9)
+    with pytest.raises(ValueError, match="bits must be in 3..8"):
+        t.set_block(0, planes, luts[2], 2)
+    with pytest.raises(ValueError, match="at least planes 0..2"):
+        t.upload(0, torch.stack(planes[:2]), luts[2], 2)
     with pytest.raises(IndexError):
         t.bits(3)
     with pytest.raises(ValueError, match="no resident planes"):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from policies.apformat import ap_block_bytes, fp16_bytes
 from pwruntime.kernels.attention import paged_attention_decode
-from pwruntime.kernels.device_table import DeviceWeightTable
+from pwruntime.kernels.device_table import DeviceWeightTable, device_layout
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, ap_linear, fused_moe
 
 ARCHS: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, top-k
@@ -106,7 +106,7 @@ def _random_table(copies: int, out: int, inp: int, gen: torch.Generator):
     luts = _random_luts(copies, out, inp, gen)
     table = DeviceWeightTable(copies, gen.device)
     for c in range(copies):
-        table.set_block(c, planes[c], luts[8][c], 8)
+        table.set_block(c, device_layout(planes[c]), luts[8][c], 8)
     return table, luts
 
 
@@ -160,7 +160,7 @@ class _APLayers:
             for kind, (o, inp) in enumerate(self.dims):
                 planes, luts = _random_planes(e, o, inp, gen), _random_luts(e, o, inp, gen)
                 for ex in range(e):
-                    self.table.set_block(shape.block(layer, ex, kind), planes[ex], luts[8][ex], 8)
+                    self.table.set_block(shape.block(layer, ex, kind), device_layout(planes[ex]), luts[8][ex], 8)
                 per_kind.append((planes, luts))
             self.data.append(per_kind)
 

@@ -7,6 +7,16 @@ read the row of every block they touch at run time, so committing a new bitwidth
 is a small stream-ordered write into this tensor: no recompilation, no new launch configuration,
 and a captured CUDA graph replays with the new bits.
 
+Device layout of the planes: planes 3..7 are the AP format's plane slabs as they are; the three
+always-resident top planes 0..2 are stored *nibble-packed* (`pack_top_planes`): same three slabs,
+same bytes, but the 96 bits of each word position are rearranged so that word j (j = 0, 1, 2) holds
+in nibble s the 3-bit top code (plane 0 as its MSB) of element j + 4s, and in bit 3 of nibble s the
+plane-j bit of element 3 + 4s. The fused kernel then gets the nibble codes of three of every four
+elements with one AND, instead of shifting and merging three planes. Blocks are therefore never
+below 3 bits (the AP format's floor). Callers holding planes in the AP layout pack them
+(`pack_top_planes`, or `upload`, which does it); `ResidentBlock.stacked()` unpacks for the
+reference.
+
 The table also keeps a reference to every tensor it points at (so nothing it names is freed while
 it is named) and a host mirror of the rows; the pure-torch reference path computes from those
 tensors, which makes the same object usable on CPU.
@@ -25,6 +35,57 @@ TABLE_COLS = 10
 COL_LUT = 8
 COL_BITS = 9
 ALIGN = 16
+TOP_PLANES = 3  # planes 0..2: always resident, nibble-packed on the device
+MIN_BITS = TOP_PLANES
+
+
+def _i32(mask: int) -> int:
+    """A 32-bit mask as the signed value an int32 tensor holds."""
+    return mask - (1 << 32) if mask >= 1 << 31 else mask
+
+
+def _shift(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x << by for by >= 0, x >> -by otherwise (arithmetic; callers mask the bits shifted in)."""
+    return x << by if by >= 0 else x >> -by
+
+
+def pack_top_planes(planes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """AP planes 0..2 (int32 [out, words], bit e = element e) -> the device's nibble-packed words 0..2.
+
+    Word j, nibble s: bits 0..2 = plane 2, 1, 0 bits of element j + 4s (the top code, plane 0 its MSB),
+    bit 3 = plane j's bit of element 3 + 4s. A bijection on the 96 bits of each word position.
+    """
+    p = [_as_i32(t) for t in planes[:TOP_PLANES]]
+    if len(p) != TOP_PLANES:
+        raise ValueError(f"the nibble layout needs planes 0..2, got {len(p)} planes")
+    out = []
+    for j in range(TOP_PLANES):
+        n = (_shift(p[0], 2 - j) & _i32(0x44444444)) | (_shift(p[1], 1 - j) & _i32(0x22222222)) \
+            | (_shift(p[2], -j) & _i32(0x11111111)) | (p[j] & _i32(0x88888888))
+        out.append(n)
+    return out
+
+
+def unpack_top_planes(words: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The inverse of `pack_top_planes`: nibble-packed words 0..2 -> AP planes 0..2."""
+    n = [_as_i32(t) for t in words[:TOP_PLANES]]
+    out = []
+    for k in range(TOP_PLANES):
+        p = n[k] & _i32(0x88888888)
+        for j in range(TOP_PLANES):
+            p = p | (_shift(n[j], j + k - 2) & _i32(0x11111111 << j))
+        out.append(p)
+    return out
+
+
+def device_layout(planes) -> list[torch.Tensor]:
+    """AP planes (a [planes, out, words] tensor or a list, at least 3) in the device layout: top three packed."""
+    plist = [_as_i32(p) for p in _as_plane_list(planes)]
+    return pack_top_planes(plist) + plist[TOP_PLANES:]
+
+
+def _as_i32(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.uint32 else t
 
 
 @dataclass(frozen=True)
@@ -43,8 +104,10 @@ class ResidentBlock:
         return int(self.planes[0].shape[1])
 
     def stacked(self) -> torch.Tensor:
-        """Planes 0..bits-1 as one [bits, out, words] int32 tensor (the reference dequantizer's input)."""
-        return torch.stack([p.view(torch.int32) if p.dtype == torch.uint32 else p for p in self.planes[:self.bits]])
+        """Planes 0..bits-1 in the AP layout (top three unpacked), one [bits, out, words] int32 tensor:
+        the reference dequantizer's input."""
+        planes = unpack_top_planes(self.planes) + [_as_i32(p) for p in self.planes[TOP_PLANES:self.bits]]
+        return torch.stack(planes)
 
 
 def _as_plane_list(planes) -> list[torch.Tensor]:
@@ -83,7 +146,8 @@ class DeviceWeightTable:
 
     # ------------------------------------------------------------ writes
     def set_block(self, block: int, planes, lut: torch.Tensor, bits: int | None = None) -> None:
-        """Point `block` at `planes` (at least `bits` of them, MSB first) and `LUT_bits`, committing `bits`.
+        """Point `block` at `planes` (at least `bits` of them, MSB first, in the device layout: see the
+        module docstring) and `LUT_bits`, committing `bits`.
 
         `bits` defaults to the number of planes given. Planes beyond `bits` are recorded too (they
         are resident, the kernels just do not read them), so `commit_bits` can raise q later.
@@ -116,11 +180,12 @@ class DeviceWeightTable:
 
     def upload(self, block: int, planes: torch.Tensor, lut: torch.Tensor, bits: int,
                planes_resident: int | None = None) -> ResidentBlock:
-        """Copy planes[:planes_resident or bits] and LUT_bits to this table's device and point `block` at them."""
+        """Copy planes[:planes_resident or bits] (AP layout) and LUT_bits to this table's device, in the
+        device layout, and point `block` at them."""
         n = bits if planes_resident is None else int(planes_resident)
-        dev_planes = planes[:n].to(self.device, non_blocking=True).contiguous()
-        if dev_planes.dtype == torch.uint32:
-            dev_planes = dev_planes.view(torch.int32)
+        if n < TOP_PLANES:
+            raise ValueError(f"blocks keep at least planes 0..{TOP_PLANES - 1} resident, got {n} planes")
+        dev_planes = device_layout(planes[:n].to(self.device, non_blocking=True))
         dev_lut = lut.to(self.device, dtype=torch.float16, non_blocking=True).contiguous()
         self.set_block(block, dev_planes, dev_lut, bits)
         return self._blocks[block]
@@ -133,8 +198,8 @@ class DeviceWeightTable:
         return block
 
     def _validate(self, plist: Sequence[torch.Tensor], lut: torch.Tensor, bits: int) -> ResidentBlock:
-        if not 1 <= bits <= MAX_BITS:
-            raise ValueError(f"bits must be in 1..{MAX_BITS}, got {bits}")
+        if not MIN_BITS <= bits <= MAX_BITS:
+            raise ValueError(f"bits must be in {MIN_BITS}..{MAX_BITS} (planes 0..2 are stored together), got {bits}")
         if not bits <= len(plist) <= MAX_BITS:
             raise ValueError(f"{bits} bits need planes 0..{bits - 1}; got {len(plist)} planes")
         if lut.dim() != 2 or lut.shape[1] != 1 << bits:
