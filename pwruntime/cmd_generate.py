@@ -78,13 +78,18 @@ def _load(args, dtype: str, device: str):
         return load_model(model_dir, dtype=dtype, device=device), None, policy, None, None
     from policies.calibration import Calibration
     from pwruntime.calibrate.inputs import model_fingerprint_of
+    from pwruntime.kernels.device_table import MIN_BITS
     from pwruntime.quant.store import load_ap_model
 
     cuda = torch.device(device).type == "cuda"
     model, store = load_ap_model(args.ap, dtype=dtype, device=device, expert_device="cpu" if cuda else None)
     c = model.config
-    table = policies.PageTable(c.num_moe_layers or c.layers, c.experts, c.hidden, c.expert_intermediate,
-                               bits=store.bits)
+    # the GPU kernels keep planes 0..2 of a block together (nibble-packed), so on CUDA blocks stay at >= 3 bits
+    bits = tuple(b for b in store.bits if b >= MIN_BITS) if cuda else store.bits
+    if not bits:
+        raise UserError(f"{args.ap} stores only {store.bits}-bit LUTs; the GPU kernels need 3..8 bits "
+                        "(quantize again with --bits 3..8)")
+    table = policies.PageTable(c.num_moe_layers or c.layers, c.experts, c.hidden, c.expert_intermediate, bits=bits)
     mover = None
     if cuda:
         from pwruntime.device_store import DeviceExpertStore

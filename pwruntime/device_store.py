@@ -33,7 +33,7 @@ import torch
 
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
-from pwruntime.kernels.device_table import TOP_PLANES, pack_top_planes
+from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, pack_top_planes
 from pwruntime.kernels.moe import MAX_TOKENS
 from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
@@ -237,6 +237,9 @@ class DeviceExpertStore:
         missing = sorted(set(table.bits) - set(self.bits))
         if missing:
             raise ValueError(f"page table bitwidths {missing} are not stored in the AP master (it has {self.bits})")
+        if min(table.bits) < MIN_BITS:
+            raise ValueError(f"page table allows {min(table.bits)} bits; device blocks keep planes 0..2 together, "
+                             f"so bitwidths must be {MIN_BITS}..8")
         self.page_table = table
         self.sync()
 
@@ -246,6 +249,9 @@ class DeviceExpertStore:
         bad = sorted(set(arr.tolist()) - set(self.bits) - {0})
         if bad:
             raise ValueError(f"bitwidths {bad} are not stored in the AP master (it has {self.bits})")
+        low = sorted({b for b in arr.tolist() if 0 < b < MIN_BITS})
+        if low:
+            raise ValueError(f"bitwidths {low}: device blocks keep planes 0..2 together, so bits must be {MIN_BITS}..8")
         self._bits = arr.astype(np.int8)
         self.page_table = None
         self.sync()

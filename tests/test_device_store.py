@@ -427,3 +427,23 @@ def test_gpu_generate_cli_uses_the_device_store(demo_ap, capsys):
     assert rc == 0 and out["stats"]["plans"] > 0
     assert out["stats"]["page_moves"]["page_offloads_total"] > 0 and out["stats"]["kv_blocks"] > 12
     assert all(o["finish_reason"] in ("stop", "length") for o in out["outputs"])
+
+
+def test_device_blocks_stay_at_three_bits_or_more(tmp_path):
+    """The top three planes are stored together (nibble-packed), so a device store refuses 1-2-bit commits
+    with a clear error, from a page table or from set_bits, even when the AP master has those LUTs."""
+    src = make_tiny_checkpoint(tmp_path, "qwen2_moe", tokenizer=True, num_experts=4, hidden_size=64,
+                               moe_intermediate_size=32)
+    quantize_checkpoint(src, tmp_path / "ap", QuantizeOptions(bits=(2, 3, 8), weighting="none"), progress=False)
+    ref = APExpertStore.from_checkpoint(tmp_path / "ap")
+    assert ref.bits == (2, 3, 8)
+    table = PageTable(len(ref.layers), ref.experts, ref.hidden, ref.intermediate, bits=ref.bits, initial_bits=3)
+    with pytest.raises(ValueError, match="bitwidths must be 3..8"):
+        DeviceExpertStore.from_ap_store(ref, device="cpu", dtype=torch.float32, table=table)
+    dev = DeviceExpertStore.from_ap_store(APExpertStore.from_checkpoint(tmp_path / "ap"), device="cpu",
+                                          dtype=torch.float32)
+    dev.set_bits(3)
+    with pytest.raises(ValueError, match=r"bitwidths \[2\].*3..8"):
+        dev.set_bits(2)
+    dev.sync()
+    assert (dev.row_bits == 3).all()
