@@ -106,8 +106,6 @@ __device__ __forceinline__ void byte_codes(const u32* w, u32 (&r)[8]) {
 template <int Q>
 __host__ __device__ constexpr int lut_reps() { return (PW_LUTREP && Q >= 5) ? ((256 >> Q) < 4 ? (256 >> Q) : 4) : 1; }
 
-__device__ __forceinline__ int lut_slot(int m, int code) { return code * 16 + (m & 7) * 2 + (m >> 3); }
-
 template <int R>
 __device__ __forceinline__ u32 lut_lookup(const char* row_base, u32 C, int b) {
     const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended

@@ -2,7 +2,8 @@
 //
 // Weights are AP layout v1 (policies/apformat.py): plane j of a block is [out, W] uint32 words,
 // W = ceil(in / 32); bit (k % 32) of word k / 32 of row r is bit (7 - j) of W[r, k]'s 8-bit code;
-// the b-bit code is the top b planes; LUT_b is [out, 2^b] fp16. Every block is read at its own
+// the b-bit code is the top b planes; LUT_b is [out, 2^b] fp16. On the device planes 0..2 are
+// nibble-packed (pwruntime/kernels/device_table.py, ap_decode.cuh), so q >= 3. Every block is read at its own
 // committed bits from the device page table: int64 rows [plane0..plane7, lut, bits] (10 columns),
 // block index (layer * E + expert) * 2 + kind. Nothing here depends on the bits at launch time.
 //
@@ -14,8 +15,10 @@
 // where x is stored permuted to match the decode order. So an expert's planes are read once per
 // launch no matter how many tokens it serves. Decoders:
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
-//   q = 4: two 8-entry register tables selected by the top plane through a prmt sign-replicate mask;
-//   other q: an 8x8 bit transpose per byte lane turns the planes into byte codes; the LUT lives in
+//   q = 4: two 8-entry register tables (even and odd codes) selected by plane 3 through a prmt
+//          sign-replicate mask;
+//   q >= 5: an 8x8 bit transpose per byte lane of planes 3..q-1 plus the packed top code give byte
+//            codes; the LUT lives in
 //            shared memory, replicated up to 4 times, laid out so that lookups rarely (q <= 6: never)
 //            share a bank.
 // Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk, words WPL t .. WPL t + WPL - 1 of the
@@ -288,18 +291,14 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 }
 
 // Stage LUT_Q of the warp's 16 m-rows into its shared-memory slice (byte path), converted to the activation
-// dtype. With 2^Q >= 32, lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
+// dtype. Lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
 // and m8 + 8 with 16-byte loads, a batch of them in flight at once, and stores each (m8, m8 + 8) pair as one
 // word into every replica (lanes of one quarter hit distinct banks; the four quarters share them).
 template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
+    static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
     const int lane = threadIdx.x & 31;
-    if constexpr ((1 << Q) < 32) {
-        for (int idx = lane; idx < (16 << Q); idx += 32) {
-            const int m = idx >> Q, code = idx & ((1 << Q) - 1);
-            lut_s[lut_slot(m, code)] = lut2act<BF>(blk.lut[(long long)mrow(tl, m) * (1 << Q) + code]);
-        }
-    } else {
+    {
         constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
         constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
         constexpr int LOADS = CODES / 8;             // 16-byte loads per row
