@@ -2,7 +2,7 @@
 // with the AP kernel's access patterns and CTA shape (128 threads, 16 rows a warp, k-split warps), no
 // decode. mode 0: lane (g, t) reads 8 bytes of rows g and g + 8 per plane (8-word chunks, 32 bytes a row);
 // mode 1: a warp's 16 rows x 8 words are 512 contiguous bytes (a tiled layout); mode 2: 16 bytes a lane
-// (16-word chunks, 64 bytes a row), the layout of today's q = 3 path.
+// (16-word chunks, 64 bytes a row), the layout of today's q = 3 path. `out` accumulates (XOR) every word read.
 #include "pw_common.cuh"
 
 extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __restrict__ p0, const u32* __restrict__ p1,
@@ -40,5 +40,9 @@ extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __r
                 acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
             }
     }
-    if (acc == 0x9e3779b9u) out[0] = acc;  // keeps the loads alive; practically never taken
+    // every word of the three planes is read exactly once over the grid (any mode, any k-split), so the XOR of
+    // all of them is what the probe computes (pwruntime/kernels/reference.py checks it); one atomic a warp
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, o);
+    if (lane == 0) atomicXor(out, acc);
 }

@@ -15,7 +15,7 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_line
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout
 from pwruntime.kernels.moe import moe_plans
-from pwruntime.kernels.reference import fused_moe_ref, paged_attention_decode_ref
+from pwruntime.kernels.reference import fused_moe_ref, load_pattern_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import dequantize
 
 pytestmark = pytest.mark.gpu
@@ -299,3 +299,21 @@ def test_paged_attention_context_split_merges_parts(dtype):
         graph.replay()
         want2 = paged_attention_decode_ref(q, kc, vc, tables, cl2, 1 / math.sqrt(128))
         assert rel(out, want2) < ATTN_TOL[dtype], lens
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_load_pattern_probe_reads_every_word_once(mode):
+    """The load microbenchmark (cuda/load_pattern.cu) XORs every word it reads: in each access pattern and
+    k-split that equals the XOR of all words of the three planes, so each word is read exactly once."""
+    from pwruntime.kernels.tune import launch_load_pattern
+    gen = torch.Generator(device="cuda").manual_seed(mode)
+    rows, words = 128, 32
+    planes = [torch.randint(-2**31, 2**31 - 1, (rows * words,), dtype=torch.int32, device="cuda", generator=gen)
+              for _ in range(3)]
+    want = load_pattern_ref(planes)
+    for ksplit in (1, 2, 4):
+        sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+        launch_load_pattern(planes, rows, words, ksplit, mode, sink)
+        assert int(sink.item()) & 0xFFFFFFFF == want, (mode, ksplit)
+    planes[1][77] ^= 1  # one flipped bit anywhere changes the result
+    assert load_pattern_ref(planes) == want ^ 1

@@ -19,7 +19,7 @@ from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
 from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, moe_plans, plan_launch
-from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, paged_attention_decode_ref
+from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, load_pattern_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import pack_planes
 
 
@@ -404,3 +404,12 @@ def test_tune_harness_needs_a_gpu():
     r = subprocess.run([sys.executable, "-m", "pwruntime.kernels.tune", "--load-patterns"], capture_output=True,
                        text=True)
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_load_pattern_ref_is_the_xor_of_all_words():
+    rng = np.random.default_rng(3)
+    planes = [torch.from_numpy(rng.integers(-2**31, 2**31, size=(7, 5), dtype=np.int64).astype(np.int32))
+              for _ in range(3)]
+    want = np.bitwise_xor.reduce(np.concatenate([p.numpy().ravel().view(np.uint32) for p in planes]))
+    assert load_pattern_ref(planes) == int(want)
+    assert load_pattern_ref([torch.zeros(4, dtype=torch.int32)] * 3) == 0

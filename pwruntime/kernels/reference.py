@@ -75,3 +75,13 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         p = torch.softmax(scores, dim=-1)
         out[s] = torch.einsum("hn,nhd->hd", p, vv).to(q.dtype)
     return out
+
+
+def load_pattern_ref(planes) -> int:
+    """What cuda/load_pattern.cu leaves in its (zeroed) output word: the XOR of every 32-bit word of the planes."""
+    acc = torch.cat([p.reshape(-1).view(torch.int32) for p in planes])
+    while acc.numel() > 1:
+        if acc.numel() % 2:
+            acc = torch.cat([acc, acc.new_zeros(1)])
+        acc = acc[0::2] ^ acc[1::2]
+    return int(acc.item()) & 0xFFFFFFFF

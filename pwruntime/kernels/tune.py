@@ -42,11 +42,18 @@ def _extra_defines(extra: tuple[tuple[str, int], ...]) -> None:
                                                                           tuple(defines) + extra, dyn_smem)
 
 
+def launch_load_pattern(planes, rows: int, words: int, ksplit: int, mode: int, sink: torch.Tensor) -> None:
+    """One cuda/load_pattern.cu launch over 3 planes of rows x words int32 words (rows a multiple of 64, words
+    of 16); it XORs every word it reads into sink[0] (`reference.load_pattern_ref`)."""
+    from pwruntime.kernels import compile as kc
+    kernel = kc.get_kernel(sink.device, "load_pattern.cu", "pw_load_pattern", ())
+    grid = rows // (16 * (4 // ksplit))
+    kc.launch(kernel, sink.device, (grid,), (128,), (kc.ptr(planes[0]), kc.ptr(planes[1]), kc.ptr(planes[2]),
+                                                      kc.i32(words), kc.i32(ksplit), kc.i32(mode), kc.ptr(sink)))
+
+
 def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copies: int = 6) -> list[dict]:
     """Time cuda/load_pattern.cu: 3 planes of a rows x (32 words) block read in each access pattern and k-split."""
-    from pwruntime.kernels import compile as kc
-    dev = torch.device("cuda")
-    kernel = kc.get_kernel(dev, "load_pattern.cu", "pw_load_pattern", ())
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     planes = [[torch.randint(0, 2 ** 31, (rows * words,), dtype=torch.int32, device="cuda", generator=gen)
                for _ in range(3)] for _ in range(copies)]
@@ -55,12 +62,9 @@ def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copi
     out = []
     for mode in (0, 1, 2):
         for ksplit in (1, 2, 4):
-            grid = rows // (16 * (4 // ksplit))
-
             def launch_all() -> None:
                 for p in planes:
-                    kc.launch(kernel, dev, (grid,), (128,), (kc.ptr(p[0]), kc.ptr(p[1]), kc.ptr(p[2]), kc.i32(words),
-                                                           kc.i32(ksplit), kc.i32(mode), kc.ptr(sink)))
+                    launch_load_pattern(p, rows, words, ksplit, mode, sink)
             us = kb.graph_ms(kb.capture(launch_all), cfg) * 1000 / copies
             out.append({"mode": mode, "ksplit": ksplit, "us": us, "gbps": nbytes / us / 1e3})
     return out
