@@ -33,7 +33,7 @@ import torch
 
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
-from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, pack_top_planes
+from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
 from pwruntime.kernels.moe import MAX_TOKENS
 from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
@@ -66,8 +66,7 @@ def _host_master(blocks: LayerBlocks, pin: bool) -> LayerBlocks:
         t = t.detach().to("cpu").contiguous()
         return t.pin_memory() if pin and not t.is_pinned() else t
 
-    planes = blocks.planes.view(torch.int32) if blocks.planes.dtype == torch.uint32 else blocks.planes
-    return LayerBlocks(host(planes), {int(b): host(lut) for b, lut in blocks.luts.items()})
+    return LayerBlocks(host(as_int32(blocks.planes)), {int(b): host(lut) for b, lut in blocks.luts.items()})
 
 
 class DeviceExpertStore:
@@ -234,24 +233,24 @@ class DeviceExpertStore:
         """Follow `table` (a policies.PageTable in this store's block order) from now on; syncs at once."""
         if len(table.q) != self.num_blocks:
             raise ValueError(f"page table has {len(table.q)} blocks, store has {self.num_blocks}")
-        missing = sorted(set(table.bits) - set(self.bits))
-        if missing:
-            raise ValueError(f"page table bitwidths {missing} are not stored in the AP master (it has {self.bits})")
-        if min(table.bits) < MIN_BITS:
-            raise ValueError(f"page table allows {min(table.bits)} bits; device blocks keep planes 0..2 together, "
-                             f"so bitwidths must be {MIN_BITS}..8")
+        self._check_bitwidths(table.bits, "page table bitwidths")
         self.page_table = table
         self.sync()
+
+    def _check_bitwidths(self, bits, what: str) -> None:
+        """Every bitwidth in `bits` (0 = not resident) has a LUT in the master and keeps planes 0..2 whole."""
+        bits = set(bits) - {0}
+        missing = sorted(bits - set(self.bits))
+        if missing:
+            raise ValueError(f"{what} {missing} are not stored in the AP master (it has {self.bits})")
+        low = sorted(b for b in bits if b < MIN_BITS)
+        if low:
+            raise ValueError(f"{what} {low}: device blocks keep planes 0..2 together, so bitwidths must be {MIN_BITS}..8")
 
     def set_bits(self, bits: int | np.ndarray) -> None:
         """Serve every block (array [num_blocks]) or all at one bitwidth; detaches any page table."""
         arr = np.broadcast_to(np.asarray(bits, dtype=np.int64), (self.num_blocks,))
-        bad = sorted(set(arr.tolist()) - set(self.bits) - {0})
-        if bad:
-            raise ValueError(f"bitwidths {bad} are not stored in the AP master (it has {self.bits})")
-        low = sorted({b for b in arr.tolist() if 0 < b < MIN_BITS})
-        if low:
-            raise ValueError(f"bitwidths {low}: device blocks keep planes 0..2 together, so bits must be {MIN_BITS}..8")
+        self._check_bitwidths(arr.tolist(), "bitwidths")
         self._bits = arr.astype(np.int8)
         self.page_table = None
         self.sync()

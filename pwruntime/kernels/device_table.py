@@ -55,7 +55,7 @@ def pack_top_planes(planes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     Word j, nibble s: bits 0..2 = plane 2, 1, 0 bits of element j + 4s (the top code, plane 0 its MSB),
     bit 3 = plane j's bit of element 3 + 4s. A bijection on the 96 bits of each word position.
     """
-    p = [_as_i32(t) for t in planes[:TOP_PLANES]]
+    p = [as_int32(t) for t in planes[:TOP_PLANES]]
     if len(p) != TOP_PLANES:
         raise ValueError(f"the nibble layout needs planes 0..2, got {len(p)} planes")
     out = []
@@ -68,7 +68,7 @@ def pack_top_planes(planes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def unpack_top_planes(words: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The inverse of `pack_top_planes`: nibble-packed words 0..2 -> AP planes 0..2."""
-    n = [_as_i32(t) for t in words[:TOP_PLANES]]
+    n = [as_int32(t) for t in words[:TOP_PLANES]]
     out = []
     for k in range(TOP_PLANES):
         p = n[k] & _i32(0x88888888)
@@ -80,11 +80,12 @@ def unpack_top_planes(words: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def device_layout(planes) -> list[torch.Tensor]:
     """AP planes (a [planes, out, words] tensor or a list, at least 3) in the device layout: top three packed."""
-    plist = [_as_i32(p) for p in _as_plane_list(planes)]
+    plist = [as_int32(p) for p in _as_plane_list(planes)]
     return pack_top_planes(plist) + plist[TOP_PLANES:]
 
 
-def _as_i32(t: torch.Tensor) -> torch.Tensor:
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    """32-bit words as int32 (a uint32 tensor is viewed, not copied)."""
     return t.view(torch.int32) if t.dtype == torch.uint32 else t
 
 
@@ -106,7 +107,7 @@ class ResidentBlock:
     def stacked(self) -> torch.Tensor:
         """Planes 0..bits-1 in the AP layout (top three unpacked), one [bits, out, words] int32 tensor:
         the reference dequantizer's input."""
-        planes = unpack_top_planes(self.planes) + [_as_i32(p) for p in self.planes[TOP_PLANES:self.bits]]
+        planes = unpack_top_planes(self.planes) + [as_int32(p) for p in self.planes[TOP_PLANES:self.bits]]
         return torch.stack(planes)
 
 
