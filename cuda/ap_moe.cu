@@ -135,6 +135,10 @@ __device__ __forceinline__ int xs_swz(int n) {
     else return (n & 3) << 3;
 }
 
+// Dynamic shared memory: activations (and the k-split reduction) from 0, then one byte-path LUT slice per row
+// group from this offset (the launch's smem, pwruntime/kernels/moe.py plan_launch, matches it).
+__device__ __forceinline__ int lut_region(int xs_budget) { return max(xs_budget, NT * 2048); }
+
 template <int Q>
 __device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {
     int cps = (xs_budget / (n_tok > 0 ? n_tok : 1) - XS_ROW_PAD) / Geom<Q>::XB;
@@ -356,7 +360,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     const int nt_act = (tl.n_tok + 7) >> 3;
     const int nchunks = (tl.W + Geom<Q>::CW - 1) / Geom<Q>::CW;
     // the register-LUT decoders (q = 3, 4) leave the byte-path LUT slices after the activation region free
-    const int xs_room = PATH == 0 && PW_XSLUT ? max(tl.xs_budget, NT * 2048) + WARPS / tl.ksplit * LUT_WARP_BYTES
+    const int xs_room = PATH == 0 && PW_XSLUT ? lut_region(tl.xs_budget) + WARPS / tl.ksplit * LUT_WARP_BYTES
                                               : tl.xs_budget;
     const int cps = chunks_per_segment<Q>(xs_room, tl.n_tok, nchunks);
     const int pitch = cps * Geom<Q>::XB + XS_ROW_PAD;
@@ -561,10 +565,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     tl.xs_budget = xs_budget;
 
     const BlockRef blk = read_block(table, mode == 2 ? block_base : block_base + 2LL * e + (mode == 1 ? 1 : 0));
-    const int region0 = max(xs_budget, NT * 2048);
     // one byte-path LUT slice per row group: the k-split warps of a group stage the same values into it
     // (before the barrier that ends the prologue), so the launch reserves 4 / ksplit slices
-    u16* lut_s = reinterpret_cast<u16*>(smem + region0 + rg * LUT_WARP_BYTES);
+    u16* lut_s = reinterpret_cast<u16*>(smem + lut_region(xs_budget) + rg * LUT_WARP_BYTES);
 
     if (n_tok > 0) {
         float sets[NT * ACCS][4];
