@@ -5,6 +5,31 @@
 // (16-word chunks, 64 bytes a row), the layout of today's q = 3 path. `out` accumulates (XOR) every word read.
 #include "pw_common.cuh"
 
+// modes 0 and 2: lane (g, t) reads WPL words of rows g and g + 8 per plane and chunk of 4 WPL words
+template <int WPL>
+__device__ __forceinline__ u32 xor_row_pairs(const u32* const (&planes)[3], int rbase, int g, int t, int W, int ks,
+                                             int ksplit) {
+    constexpr int CW = 4 * WPL;
+    u32 acc = 0;
+#pragma unroll(8 / WPL)
+    for (int c = ks; c < W / CW; c += ksplit)
+#pragma unroll
+        for (int j = 0; j < 3; ++j) {
+            const u32* r0 = planes[j] + (long long)(rbase + g) * W + c * CW + WPL * t;
+            const u32* r1 = planes[j] + (long long)(rbase + g + 8) * W + c * CW + WPL * t;
+            if constexpr (WPL == 2) {
+                const u32x2 a = ldg_nc_v2(r0);
+                const u32x2 b = ldg_nc_v2(r1);
+                acc ^= a.x ^ a.y ^ b.x ^ b.y;
+            } else {
+                const u32x4 a = ldg_nc_v4(r0);
+                const u32x4 b = ldg_nc_v4(r1);
+                acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
+            }
+        }
+    return acc;
+}
+
 extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __restrict__ p0, const u32* __restrict__ p1,
                                                                  const u32* __restrict__ p2, int W, int ksplit,
                                                                  int mode, u32* __restrict__ out) {
@@ -14,14 +39,7 @@ extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __r
     const u32* planes[3] = {p0, p1, p2};
     u32 acc = 0;
     if (mode == 0) {
-#pragma unroll 4
-        for (int c = ks; c < W / 8; c += ksplit)
-#pragma unroll
-            for (int j = 0; j < 3; ++j) {
-                const u32x2 a = ldg_nc_v2(planes[j] + (long long)(rbase + g) * W + c * 8 + 2 * t);
-                const u32x2 b = ldg_nc_v2(planes[j] + (long long)(rbase + g + 8) * W + c * 8 + 2 * t);
-                acc ^= a.x ^ a.y ^ b.x ^ b.y;
-            }
+        acc = xor_row_pairs<2>(planes, rbase, g, t, W, ks, ksplit);
     } else if (mode == 1) {
 #pragma unroll 4
         for (int c = ks; c < W / 8; c += ksplit)
@@ -31,14 +49,7 @@ extern "C" __global__ void __launch_bounds__(128) pw_load_pattern(const u32* __r
                 acc ^= a.x ^ a.y ^ a.z ^ a.w;
             }
     } else {
-#pragma unroll 2
-        for (int c = ks; c < W / 16; c += ksplit)
-#pragma unroll
-            for (int j = 0; j < 3; ++j) {
-                const u32x4 a = ldg_nc_v4(planes[j] + (long long)(rbase + g) * W + c * 16 + 4 * t);
-                const u32x4 b = ldg_nc_v4(planes[j] + (long long)(rbase + g + 8) * W + c * 16 + 4 * t);
-                acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w;
-            }
+        acc = xor_row_pairs<4>(planes, rbase, g, t, W, ks, ksplit);
     }
     // every word of the three planes is read exactly once over the grid (any mode, any k-split), so the XOR of
     // all of them is what the probe computes (pwruntime/kernels/reference.py checks it); one atomic a warp
