@@ -7,7 +7,8 @@
 // committed bits from the device page table: int64 rows [plane0..plane7, lut, bits] (10 columns),
 // block index (layer * E + expert) * 2 + kind. Nothing here depends on the bits at launch time.
 //
-// Work decomposition. One CTA = 4 warps handles (active expert a, row tile). Each CTA derives the
+// Work decomposition. One CTA = 4 or 8 warps (PW_WARPS) handles (active expert a, row tile): WARPS / ksplit row
+// groups of 16 m-rows, each group's K range split among ksplit warps. Each CTA derives the
 // sorted list of active experts and the (token, slot) pairs routed to its expert from topk_ids
 // (so a CUDA graph can be replayed for any routing). A warp computes one m16 tile of output rows
 // for all tokens of its expert with mma.sync m16n8k16 (fp32 accumulators): the A fragment is
@@ -43,15 +44,18 @@
 #ifndef PW_NT
 #define PW_NT 1
 #endif
+#ifndef PW_WARPS  // warps per CTA
+#define PW_WARPS 4
+#endif
 #ifndef PW_MINB  // CTAs per SM the register allocation must allow (more n-tiles need more accumulators)
-#define PW_MINB (PW_NT <= 2 ? 4 : PW_NT == 4 ? 3 : 2)
+#define PW_MINB ((PW_NT <= 2 ? 16 : PW_NT == 4 ? 12 : 8) / PW_WARPS)
 #endif
 
 namespace {
 constexpr bool BF = PW_BF16 != 0;
 constexpr int NT = PW_NT;  // n-tiles of 8 tokens: up to 8 * NT tokens per expert
 constexpr int ACCS = NT == 1 ? 2 : 1;  // with one n-tile, two accumulator sets halve the mma dependency chain
-constexpr int WARPS = 4;
+constexpr int WARPS = PW_WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr int XS_ROW_PAD = 128;
 constexpr int TABLE_COLS = 10;
@@ -137,7 +141,7 @@ __device__ __forceinline__ int xs_swz(int n) {
 
 // Dynamic shared memory: activations (and the k-split reduction) from 0, then one byte-path LUT slice per row
 // group from this offset (the launch's smem, pwruntime/kernels/moe.py plan_launch, matches it).
-__device__ __forceinline__ int lut_region(int xs_budget) { return max(xs_budget, NT * 2048); }
+__device__ __forceinline__ int lut_region(int xs_budget) { return max(xs_budget, NT * 512 * WARPS); }
 
 template <int Q>
 __device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {

@@ -280,14 +280,31 @@ def test_launch_plans_fit_and_cover(arch, tokens):
     h, i, e, k = ARCHS[arch]
     p1, p2 = moe_plans(MoEShape(e, h, i, k), tokens)
     for p, rows, rpw in ((p1, i, 8), (p2, h, 16)):
-        assert p.ksplit in (1, 2, 4) and p.smem <= SMEM_LIMIT
-        assert p.n_tiles * rpw * (4 // p.ksplit) >= rows
+        assert p.warps in (4, 8) and p.ksplit in (1, 2, 4, 8) and p.warps % p.ksplit == 0 and p.smem <= SMEM_LIMIT
+        assert p.n_tiles * rpw * (p.warps // p.ksplit) >= rows
         assert p.grid == p.n_tiles * min(e, tokens * k)
         per_cta = min(tokens, 8 * p.nt)                # tokens one CTA of an expert stages
         assert p.xs_budget >= per_cta * XS_CHUNK       # a segment holds one 16-word chunk of each
         assert p.token_groups * 8 * p.nt >= min(tokens, MAX_TOKENS) > (p.token_groups - 1) * 8 * p.nt
-        assert p.smem >= p.xs_budget + (4 // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
+        assert p.smem >= p.xs_budget + (p.warps // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
+        assert p.smem >= p.nt * 512 * p.warps                           # the k-split reduction's buffer
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
+
+
+def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
+    # 2..16 tokens and at least 4 chunks of 512 columns a warp: the same CTAs (grid, tiles) with twice the warps,
+    # each row group's K split twice as many ways; never at T = 1, above 16 tokens or for short K
+    for tokens in (2, 8, 16):
+        four = plan_launch(14336, 4096, 1, 16, 1, 1)
+        p = plan_launch(14336, 4096, tokens, 16, 1, 1)
+        assert (p.warps, p.ksplit, p.n_tiles) == (8, 2, 224) and dict(p.defines)["PW_WARPS"] == 8
+        assert p.nt == (1 if tokens <= 8 else 2)
+    assert four.warps == 4 and "PW_WARPS" not in dict(four.defines)
+    assert plan_launch(14336, 4096, 17, 16, 1, 1).warps == 4          # 4 n-tiles: too many registers
+    assert plan_launch(2048, 1024, 8, 16, 1, 1).warps == 4            # 2 chunks a warp
+    for arch, (h, i, e, k) in ARCHS.items():
+        for p in moe_plans(MoEShape(e, h, i, k), 4):
+            assert p.warps == (8 if arch == "mixtral" else 4)
     # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles
     for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)):
         assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]

@@ -23,7 +23,6 @@ from pwruntime.kernels.reference import ap_linear_ref, dequantize_resident, fuse
 MAX_TOKENS = 64           # tokens per launch (8 mma n-tiles of 8)
 MAX_SLOTS = 1024          # T * top_k the routing prologue holds in shared memory
 MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
-THREADS = 128
 CHUNK_WORDS = 16           # the widest chunk the kernel uses (q = 3, 4; others use 8 words)
 XS_ROW_PAD = 128           # shared-memory pad after each token's activations (ap_moe.cu)
 XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations of one such chunk, padded
@@ -31,6 +30,7 @@ XS_CAP = 32 * 1024        # shared memory for activations when the whole K does 
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of half the n-tiles)
+WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
 
@@ -55,6 +55,11 @@ class LaunchPlan:
     xs_budget: int
     smem: int
     token_groups: int = 1   # grid y: an expert's tokens in groups of 8 * nt
+    warps: int = 4          # warps per CTA (row groups of a CTA: warps // ksplit)
+
+    @property
+    def defines(self) -> tuple[tuple[str, int], ...]:
+        return (("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
 
 
 def n_tiles_of(tokens: int) -> int:
@@ -91,11 +96,19 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
             break
     n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
     wide = -(-words // CHUNK_WORDS)
+    # From 2 tokens up to 16, the same CTAs with twice the warps where K is long: each CTA stages the same
+    # activations for the same rows and its warps share a row group's K range twice as many ways. Measured on
+    # the H200 (cuda/NOTES.md): 6-12% faster blocks at T = 2..16 and Mixtral layers at T = 4..16 5-24%; but
+    # 5-28% slower where a warp would be left with 1-2 chunks (the K of 2048 or less of the many-expert
+    # models), and slower at T = 1, where the k-split above already fills the GPU.
+    warps = 4
+    if tokens >= 2 and nt <= 2 and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
+        warps, ksplit = 8, 2 * ksplit
     xs_budget = max(min(tokens * (wide * 2 * 32 * CHUNK_WORDS + XS_ROW_PAD), XS_CAP), tokens * XS_CHUNK)
-    smem = max(xs_budget, nt * 2048) + (4 // ksplit) * LUT_SLICE
+    smem = max(xs_budget, nt * 512 * warps) + (warps // ksplit) * LUT_SLICE
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups)
+    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
 
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
@@ -183,18 +196,18 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     wts = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, shape.hidden, dtype=x.dtype, device=dev)
     bf = int(x.dtype == torch.bfloat16)
-    defines = (("PW_BF16", bf), ("PW_NT", p1.nt))
+    defines = (("PW_BF16", bf),) + p1.defines
     base = layer * shape.num_experts * 2
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
     k1 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p1.smem)
-    kc.launch(k1, dev, (p1.grid, p1.token_groups), (THREADS,), (
+    kc.launch(k1, dev, (p1.grid, p1.token_groups), (32 * p1.warps,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
         kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
-    k2 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p2.smem)
-    kc.launch(k2, dev, (p2.grid, p2.token_groups), (THREADS,), (
+    k2 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", (("PW_BF16", bf),) + p2.defines, p2.smem)
+    kc.launch(k2, dev, (p2.grid, p2.token_groups), (32 * p2.warps,), (
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
@@ -220,9 +233,9 @@ def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_feature
         n = xs.shape[0]
         p = plan_launch(out_features, x.shape[1], n, 16, 1, 1, _sm_count(dev))
         k = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe",
-                          (("PW_BF16", int(x.dtype == torch.bfloat16)), ("PW_NT", p.nt)), p.smem)
+                          (("PW_BF16", int(x.dtype == torch.bfloat16)),) + p.defines, p.smem)
         x_vec = int(xs.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0)
-        kc.launch(k, dev, (p.grid,), (THREADS,), (
+        kc.launch(k, dev, (p.grid,), (32 * p.warps,), (
             kc.i32(_MODE_LINEAR), kc.ptr(table.table), kc.i64(block), kc.ptr(xs), kc.i64(x.shape[1]), kc.i32(x_vec),
             kc.ptr(None), kc.ptr(None), kc.i32(n), kc.i32(1), kc.i32(1), kc.i32(out_features), kc.i32(x.shape[1]),
             kc.i32(p.ksplit), kc.i32(p.n_tiles), kc.i32(p.xs_budget), kc.ptr(ys), kc.i64(out_features),

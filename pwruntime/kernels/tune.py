@@ -18,8 +18,9 @@ from pwruntime.kernels import bench as kb
 from traces.clikit import write_json_atomic
 
 
-def force_ksplit(ksplit: int) -> None:
-    """Replace the launch planner by one that always splits K `ksplit` ways (this process only)."""
+def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
+    """Replace the launch planner by one that always splits K `ksplit` ways (default: the planner's) in CTAs of
+    `warps` warps (this process only)."""
     import dataclasses
 
     from pwruntime.kernels import moe
@@ -27,9 +28,11 @@ def force_ksplit(ksplit: int) -> None:
 
     def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132, tile_tokens=None):
         p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count, tile_tokens)
-        n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
-        smem = p.smem + (4 // ksplit - 4 // p.ksplit) * moe.LUT_SLICE  # one LUT slice per row group
-        return dataclasses.replace(p, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile, smem=smem)
+        ks = ksplit or p.ksplit
+        n_tiles = -(-m_rows // (rows_per_warp * (warps // ks)))
+        smem = (max(p.xs_budget, p.nt * 512 * warps) + (warps // ks) * moe.LUT_SLICE)  # one LUT slice a row group
+        return dataclasses.replace(p, ksplit=ks, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile, smem=smem,
+                                   warps=warps)
 
     moe.plan_launch = forced
 
@@ -95,6 +98,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--once", action="store_true", help="run each block case once, untimed (for ncu)")
     ap.add_argument("--ksplit", type=int, default=None, help="force this k-split in every launch (experiments)")
+    ap.add_argument("--warps", type=int, default=4, help="warps per CTA (experiments; with --ksplit)")
+    ap.add_argument("--wide-min-chunks", type=int, default=None,
+                    help="8-warp CTAs (2..16 tokens) when each warp keeps this many 512-column chunks; a large "
+                         "number turns them off (experiments)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
     ap.add_argument("--xs-cap", type=int, default=None,
@@ -111,11 +118,14 @@ def main() -> int:
         ap.error("the kernel tuning harness needs a CUDA GPU (and CuPy); none is visible here")
     if args.define:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
-    if args.ksplit:
-        force_ksplit(args.ksplit)
+    if args.ksplit or args.warps != 4:
+        force_ksplit(args.ksplit, args.warps)
     if args.split_above is not None:
         from pwruntime.kernels import moe
         moe.SPLIT_ABOVE = args.split_above
+    if args.wide_min_chunks is not None:
+        from pwruntime.kernels import moe
+        moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.xs_cap:
         from pwruntime.kernels import moe
         moe.XS_CAP = args.xs_cap
