@@ -47,7 +47,7 @@
 #ifndef PW_WARPS  // warps per CTA
 #define PW_WARPS 4
 #endif
-#ifndef PW_MINB  // CTAs per SM the register allocation must allow (more n-tiles need more accumulators)
+#ifndef PW_MINB  // CTAs per SM the register allocation must allow: 16, 12 or 8 warps (more n-tiles, more accumulators)
 #define PW_MINB ((PW_NT <= 2 ? 16 : PW_NT == 4 ? 12 : 8) / PW_WARPS)
 #endif
 

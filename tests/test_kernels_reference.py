@@ -289,13 +289,19 @@ def test_launch_plans_fit_and_cover(arch, tokens):
         assert p.smem >= p.xs_budget + (p.warps // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
         assert p.smem >= p.nt * 512 * p.warps                           # the k-split reduction's buffer
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
+    # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles
+    for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)):
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 40)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 32)] == [(4, 1), (4, 1)]
+        assert moe_plans(shape, 33)[0].token_groups == 2 and moe_plans(shape, 33)[0].nt == 4
 
 
 def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
     # 2..16 tokens and at least 4 chunks of 512 columns a warp: the same CTAs (grid, tiles) with twice the warps,
     # each row group's K split twice as many ways; never at T = 1, above 16 tokens or for short K
+    four = plan_launch(14336, 4096, 1, 16, 1, 1)
     for tokens in (2, 8, 16):
-        four = plan_launch(14336, 4096, 1, 16, 1, 1)
         p = plan_launch(14336, 4096, tokens, 16, 1, 1)
         assert (p.warps, p.ksplit, p.n_tiles) == (8, 2, 224) and dict(p.defines)["PW_WARPS"] == 8
         assert p.nt == (1 if tokens <= 8 else 2)
@@ -305,12 +311,6 @@ def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
     for arch, (h, i, e, k) in ARCHS.items():
         for p in moe_plans(MoEShape(e, h, i, k), 4):
             assert p.warps == (8 if arch == "mixtral" else 4)
-    # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles
-    for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)):
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 40)] == [(4, 2), (4, 2)]
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 32)] == [(4, 1), (4, 1)]
-        assert moe_plans(shape, 33)[0].token_groups == 2 and moe_plans(shape, 33)[0].nt == 4
 
 
 def test_pdl_launch_structs_match_the_driver_abi():
