@@ -31,6 +31,7 @@ LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 
 SMEM_LIMIT = 227 * 1024
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of half the n-tiles)
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
+WIDE_MAX_NT = 2           # ... and the launch has at most this many n-tiles
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
 
@@ -102,7 +103,7 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     # 5-28% slower where a warp would be left with 1-2 chunks (the K of 2048 or less of the many-expert
     # models), and slower at T = 1, where the k-split above already fills the GPU.
     warps = 4
-    if tokens >= 2 and nt <= 2 and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
+    if tokens >= 2 and nt <= WIDE_MAX_NT and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
         warps, ksplit = 8, 2 * ksplit
     xs_budget = max(min(tokens * (wide * 2 * 32 * CHUNK_WORDS + XS_ROW_PAD), XS_CAP), tokens * XS_CHUNK)
     smem = max(xs_budget, nt * 512 * warps) + (warps // ksplit) * LUT_SLICE

@@ -102,6 +102,8 @@ def main() -> int:
     ap.add_argument("--wide-min-chunks", type=int, default=None,
                     help="8-warp CTAs (2..16 tokens) when each warp keeps this many 512-column chunks; a large "
                          "number turns them off (experiments)")
+    ap.add_argument("--wide-max-nt", type=int, default=None,
+                    help="8-warp CTAs for launches of up to this many n-tiles (experiments)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
     ap.add_argument("--xs-cap", type=int, default=None,
@@ -126,6 +128,9 @@ def main() -> int:
     if args.wide_min_chunks is not None:
         from pwruntime.kernels import moe
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
+    if args.wide_max_nt is not None:
+        from pwruntime.kernels import moe
+        moe.WIDE_MAX_NT = args.wide_max_nt
     if args.xs_cap:
         from pwruntime.kernels import moe
         moe.XS_CAP = args.xs_cap
