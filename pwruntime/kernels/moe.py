@@ -62,6 +62,11 @@ class LaunchPlan:
     def defines(self) -> tuple[tuple[str, int], ...]:
         return (("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
 
+    def kernel(self, device: torch.device, dtype: torch.dtype):
+        """The compiled cuda/ap_moe.cu variant this launch runs for activations of `dtype`."""
+        return kc.get_kernel(device, "ap_moe.cu", "pw_ap_moe",
+                             (("PW_BF16", int(dtype == torch.bfloat16)),) + self.defines, self.smem)
+
 
 def n_tiles_of(tokens: int) -> int:
     return next(n for n in (1, 2, 4, 8) if 8 * n >= min(tokens, MAX_TOKENS))
@@ -95,7 +100,6 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
         tiles = -(-m_rows // (rows_per_warp * (4 // ks)))
         if tiles * ctas_per_tile >= want or nchunks // (ks * 2) < 2:
             break
-    n_tiles = -(-m_rows // (rows_per_warp * (4 // ksplit)))
     wide = -(-words // CHUNK_WORDS)
     # From 2 tokens up to 16, the same CTAs with twice the warps where K is long: each CTA stages the same
     # activations for the same rows and its warps share a row group's K range twice as many ways. Measured on
@@ -106,10 +110,22 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     if tokens >= 2 and nt <= WIDE_MAX_NT and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
         warps, ksplit = 8, 2 * ksplit
     xs_budget = max(min(tokens * (wide * 2 * 32 * CHUNK_WORDS + XS_ROW_PAD), XS_CAP), tokens * XS_CHUNK)
-    smem = max(xs_budget, nt * 512 * warps) + (warps // ksplit) * LUT_SLICE
+    n_tiles = row_tiles(m_rows, rows_per_warp, warps, ksplit)
+    smem = launch_smem(xs_budget, nt, warps, ksplit)
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
+
+
+def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
+    """Row tiles (CTAs per active expert and token group): a CTA holds warps // ksplit row groups."""
+    return -(-m_rows // (rows_per_warp * (warps // ksplit)))
+
+
+def launch_smem(xs_budget: int, nt: int, warps: int, ksplit: int) -> int:
+    """Dynamic shared memory of a launch: the activation stage (or the k-split reduction's buffer, if larger),
+    then one byte-path LUT slice per row group (ap_moe.cu lut_region)."""
+    return max(xs_budget, nt * 512 * warps) + (warps // ksplit) * LUT_SLICE
 
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
@@ -196,18 +212,16 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     ids = topk_ids.to(torch.int64).contiguous()
     wts = topk_weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, shape.hidden, dtype=x.dtype, device=dev)
-    bf = int(x.dtype == torch.bfloat16)
-    defines = (("PW_BF16", bf),) + p1.defines
     base = layer * shape.num_experts * 2
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
-    k1 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", defines, p1.smem)
+    k1 = p1.kernel(dev, x.dtype)
     kc.launch(k1, dev, (p1.grid, p1.token_groups), (32 * p1.warps,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
         kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
-    k2 = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe", (("PW_BF16", bf),) + p2.defines, p2.smem)
+    k2 = p2.kernel(dev, x.dtype)
     kc.launch(k2, dev, (p2.grid, p2.token_groups), (32 * p2.warps,), (
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
@@ -233,8 +247,7 @@ def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_feature
         xs, ys = x[s:s + MAX_TOKENS], y[s:s + MAX_TOKENS]
         n = xs.shape[0]
         p = plan_launch(out_features, x.shape[1], n, 16, 1, 1, _sm_count(dev))
-        k = kc.get_kernel(dev, "ap_moe.cu", "pw_ap_moe",
-                          (("PW_BF16", int(x.dtype == torch.bfloat16)),) + p.defines, p.smem)
+        k = p.kernel(dev, x.dtype)
         x_vec = int(xs.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0)
         kc.launch(k, dev, (p.grid,), (32 * p.warps,), (
             kc.i32(_MODE_LINEAR), kc.ptr(table.table), kc.i64(block), kc.ptr(xs), kc.i64(x.shape[1]), kc.i32(x_vec),

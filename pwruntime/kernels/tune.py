@@ -29,10 +29,9 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
     def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132, tile_tokens=None):
         p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count, tile_tokens)
         ks = ksplit or p.ksplit
-        n_tiles = -(-m_rows // (rows_per_warp * (warps // ks)))
-        smem = (max(p.xs_budget, p.nt * 512 * warps) + (warps // ks) * moe.LUT_SLICE)  # one LUT slice a row group
-        return dataclasses.replace(p, ksplit=ks, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile, smem=smem,
-                                   warps=warps)
+        n_tiles = moe.row_tiles(m_rows, rows_per_warp, warps, ks)
+        return dataclasses.replace(p, ksplit=ks, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile,
+                                   smem=moe.launch_smem(p.xs_budget, p.nt, warps, ks), warps=warps)
 
     moe.plan_launch = forced
 
@@ -122,17 +121,14 @@ def main() -> int:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit or args.warps != 4:
         force_ksplit(args.ksplit, args.warps)
+    from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
     if args.split_above is not None:
-        from pwruntime.kernels import moe
         moe.SPLIT_ABOVE = args.split_above
     if args.wide_min_chunks is not None:
-        from pwruntime.kernels import moe
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.wide_max_nt is not None:
-        from pwruntime.kernels import moe
         moe.WIDE_MAX_NT = args.wide_max_nt
     if args.xs_cap:
-        from pwruntime.kernels import moe
         moe.XS_CAP = args.xs_cap
     bits = tuple(int(b) for b in args.bits.split(","))
     tokens = tuple(int(t) for t in args.tokens.split(","))
