@@ -19,9 +19,8 @@
 //   q = 4: two 8-entry register tables (even and odd codes) selected by plane 3 through a prmt
 //          sign-replicate mask;
 //   q >= 5: an 8x8 bit transpose per byte lane of planes 3..q-1 plus the packed top code give byte
-//            codes; the LUT lives in
-//            shared memory, replicated up to 4 times, laid out so that lookups rarely (q <= 6: never)
-//            share a bank.
+//            codes; the LUT lives in shared memory, replicated up to 4 times, laid out so that lookups
+//            rarely (q <= 6: never) share a bank.
 // Lane (g, t) of a warp owns m-rows g and g + 8 and, per chunk, words WPL t .. WPL t + WPL - 1 of the
 // chunk's CW words (Geom<Q>: 16-word chunks and 16-byte loads at q = 3, so the 4 lanes of a row read
 // 64 contiguous bytes per plane; 8-word chunks and 8-byte loads elsewhere). Plane words of the next
@@ -306,34 +305,32 @@ template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
     static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
     const int lane = threadIdx.x & 31;
-    {
-        constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
-        constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
-        constexpr int LOADS = CODES / 8;             // 16-byte loads per row
-        constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
-        const int m8 = lane & 7, qt = lane >> 3;
-        const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
-        const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
-        u32* dst = reinterpret_cast<u32*>(lut_s);
+    constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
+    constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
+    constexpr int LOADS = CODES / 8;             // 16-byte loads per row
+    constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
+    const int m8 = lane & 7, qt = lane >> 3;
+    const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
+    const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
+    u32* dst = reinterpret_cast<u32*>(lut_s);
 #pragma unroll
-        for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
-            u32x4 a[BATCH], b[BATCH];
+    for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
+        u32x4 a[BATCH], b[BATCH];
 #pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                a[i] = ldg_nc_v4(src0 + 8 * (b0 + i));
-                b[i] = ldg_nc_v4(src1 + 8 * (b0 + i));
-            }
+        for (int i = 0; i < BATCH; ++i) {
+            a[i] = ldg_nc_v4(src0 + 8 * (b0 + i));
+            b[i] = ldg_nc_v4(src1 + 8 * (b0 + i));
+        }
 #pragma unroll
-            for (int i = 0; i < BATCH; ++i) {
-                const u32 av[4] = {a[i].x, a[i].y, a[i].z, a[i].w}, bv[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
+        for (int i = 0; i < BATCH; ++i) {
+            const u32 av[4] = {a[i].x, a[i].y, a[i].z, a[i].w}, bv[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
 #pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const u32 lo = lut2act<BF>((u16)(e & 1 ? av[e >> 1] >> 16 : av[e >> 1] & 0xffffu));
-                    const u32 hi = lut2act<BF>((u16)(e & 1 ? bv[e >> 1] >> 16 : bv[e >> 1] & 0xffffu));
-                    const int code = qt * CODES + (b0 + i) * 8 + e;
+            for (int e = 0; e < 8; ++e) {
+                const u32 lo = lut2act<BF>((u16)(e & 1 ? av[e >> 1] >> 16 : av[e >> 1] & 0xffffu));
+                const u32 hi = lut2act<BF>((u16)(e & 1 ? bv[e >> 1] >> 16 : bv[e >> 1] & 0xffffu));
+                const int code = qt * CODES + (b0 + i) * 8 + e;
 #pragma unroll
-                    for (int r = 0; r < R; ++r) dst[(code * R + r) * 8 + m8] = lo | (hi << 16);
-                }
+                for (int r = 0; r < R; ++r) dst[(code * R + r) * 8 + m8] = lo | (hi << 16);
             }
         }
     }
@@ -570,7 +567,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
 
     const BlockRef blk = read_block(table, mode == 2 ? block_base : block_base + 2LL * e + (mode == 1 ? 1 : 0));
     // one byte-path LUT slice per row group: the k-split warps of a group stage the same values into it
-    // (before the barrier that ends the prologue), so the launch reserves 4 / ksplit slices
+    // (before the barrier that ends the prologue), so the launch reserves WARPS / ksplit slices
     u16* lut_s = reinterpret_cast<u16*>(smem + lut_region(xs_budget) + rg * LUT_WARP_BYTES);
 
     if (n_tok > 0) {
