@@ -423,6 +423,15 @@ def test_tune_harness_needs_a_gpu():
     assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--ksplit", "8"], "does not divide the 4 warps"), (["--warps", "6"], "invalid choice: 6"),
+    (["--ksplit", "3"], "invalid choice: 3")])
+def test_tune_rejects_launch_shapes_the_kernel_cannot_run(args, message):
+    # checked before the GPU is looked for, so the message is the same with or without one
+    r = subprocess.run([sys.executable, "-m", "pwruntime.kernels.tune", *args], capture_output=True, text=True)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
 def test_load_pattern_ref_is_the_xor_of_all_words():
     rng = np.random.default_rng(3)
     planes = [torch.from_numpy(rng.integers(-2**31, 2**31, size=(7, 5), dtype=np.int64).astype(np.int32))

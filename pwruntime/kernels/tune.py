@@ -96,8 +96,9 @@ def main() -> int:
     ap.add_argument("--moe-tokens", default="1,16,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--once", action="store_true", help="run each block case once, untimed (for ncu)")
-    ap.add_argument("--ksplit", type=int, default=None, help="force this k-split in every launch (experiments)")
-    ap.add_argument("--warps", type=int, default=4, help="warps per CTA (experiments; with --ksplit)")
+    ap.add_argument("--ksplit", type=int, default=None, choices=(1, 2, 4, 8),
+                    help="force this k-split in every launch (experiments)")
+    ap.add_argument("--warps", type=int, default=4, choices=(4, 8), help="warps per CTA (experiments; with --ksplit)")
     ap.add_argument("--wide-min-chunks", type=int, default=None,
                     help="8-warp CTAs (2..16 tokens) when each warp keeps this many 512-column chunks; a large "
                          "number turns them off (experiments)")
@@ -115,6 +116,8 @@ def main() -> int:
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ksplit and args.warps % args.ksplit:
+        ap.error(f"--ksplit {args.ksplit} does not divide the {args.warps} warps of a CTA; use --warps 8 or a smaller k-split")
     if not torch.cuda.is_available():
         ap.error("the kernel tuning harness needs a CUDA GPU (and CuPy); none is visible here")
     if args.define:
