@@ -249,7 +249,7 @@ __device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][Geom<Q>::WPL], const B
 
 template <int Q>
 __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL], const u32 (&L)[2][8],
-                                              const char* lut_row, float (&acc)[NT * ACCS][4], int nt_act,
+                                              u32 lut_row, u32 lut_stride, float (&acc)[NT * ACCS][4], int nt_act,
                                               const char* xs, const int (&xoff)[NT], int cl, int t) {
     using G_ = Geom<Q>;
     constexpr int PATH = (Q == 3 || Q == 4) ? 0 : 1;
@@ -287,8 +287,8 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 u32 A0[2], A1[2];
-                decode_bytes<lut_reps<Q>()>(C0[i], lut_row, A0);
-                decode_bytes<lut_reps<Q>()>(C1[i], lut_row + 2, A1);
+                decode_bytes(C0[i], lut_row, lut_stride, A0);
+                decode_bytes(C1[i], lut_row + 2, lut_stride, A1);
                 if (i & 1) mma_group<1>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
                 else mma_group<0>(acc, nt_act, xs, xoff, base + i * G_::GS, A0[0], A1[0], A0[1], A1[1]);
             }
@@ -345,10 +345,10 @@ constexpr int NB = 2;
 template <int Q, int PH>
 __device__ __forceinline__ void pipe_step(u32 (&P)[NB][2][Q][Geom<Q>::WPL], bool ld, int cn, int cl, const BlockRef& blk,
                                           const Tile& tl, long long off0, long long off1, const u32 (&L)[2][8],
-                                          const char* lut_row, float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
+                                          u32 lut_row, u32 lut_stride, float (&acc)[NT * ACCS][4], int nt_act, const char* xs,
                                           const int (&xoff)[NT], int t) {
     if (ld) load_chunk<Q>(P[(PH + NB - 1) % NB], blk, tl, off0, off1, cn, t);
-    compute_chunk<Q>(P[PH], L, lut_row, acc, nt_act, xs, xoff, cl, t);
+    compute_chunk<Q>(P[PH], L, lut_row, lut_stride, acc, nt_act, xs, xoff, cl, t);
 }
 
 // Accumulate this warp's 16 m-rows x n_tok tokens over its share of K into acc.
@@ -439,7 +439,9 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     }
     __syncthreads();
 
-    const char* lut_row = reinterpret_cast<const char*>(lut_s) + g * 4 + (t % lut_reps<Q>()) * 32;
+    const u32 lut_row = static_cast<u32>(__cvta_generic_to_shared(lut_s)) + g * 4 + (t % lut_reps<Q>()) * 32;
+    // bytes between a row's LUT entries, 32 R; K < 2^30, so the OR adds nothing but keeps the value in a register
+    const u32 lut_stride = (32u * lut_reps<Q>()) | static_cast<u32>(tl.K >> 30);
     const int nseg = (nchunks + cps - 1) / cps;
     int my = 0, phase = 0;
     for (int seg = 0; seg < nseg; ++seg) {
@@ -454,8 +456,8 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
             const bool ld = nxt < n_my;
             const int cn = tl.ks + nxt * tl.ksplit;
             const int cl = tl.ks + my * tl.ksplit - seg * cps;
-            if (phase == 0) pipe_step<Q, 0>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, acc, nt_act, xs, xoff, t);
-            else pipe_step<Q, 1>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, acc, nt_act, xs, xoff, t);
+            if (phase == 0) pipe_step<Q, 0>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, lut_stride, acc, nt_act, xs, xoff, t);
+            else pipe_step<Q, 1>(P, ld, cn, cl, blk, tl, off0, off1, L, lut_row, lut_stride, acc, nt_act, xs, xoff, t);
             phase ^= 1;
             ++my;
         }

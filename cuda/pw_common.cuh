@@ -97,6 +97,14 @@ __device__ __forceinline__ u32x2 ldg_plane_v2(const u32* p) {
 // ordinary load to the compiler, so __threadfence/__syncthreads order it and independent ones overlap
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
 
+// 16-bit shared-memory load at a 32-bit shared-window address, zero-extended (volatile: kept after the
+// barrier that publishes what it reads)
+__device__ __forceinline__ u32 lds_u16(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.u16 %0, [%1];" : "=r"(v) : "r"(addr));
+    return v;
+}
+
 // D = A * B + D, m16n8k16, fp32 accumulators; A row-major (4 regs), B col-major (2 regs)
 template <bool BF>
 __device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {

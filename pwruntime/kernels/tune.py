@@ -98,7 +98,7 @@ def main() -> int:
     ap.add_argument("--once", action="store_true", help="run each block case once, untimed (for ncu)")
     ap.add_argument("--ksplit", type=int, default=None, choices=(1, 2, 4, 8),
                     help="force this k-split in every launch (experiments)")
-    ap.add_argument("--warps", type=int, default=4, choices=(4, 8), help="warps per CTA (experiments; with --ksplit)")
+    ap.add_argument("--warps", type=int, default=4, choices=(2, 4, 8), help="warps per CTA (experiments; with --ksplit)")
     ap.add_argument("--wide-min-chunks", type=int, default=None,
                     help="8-warp CTAs (2..16 tokens) when each warp keeps this many 512-column chunks; a large "
                          "number turns them off (experiments)")
