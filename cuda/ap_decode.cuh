@@ -108,7 +108,7 @@ __host__ __device__ constexpr int lut_reps() { return (PW_LUTREP && Q >= 5) ? ((
 
 // The lookup address is code * stride + row_base: a 32-bit shared-window address and the stride (32 R bytes) in
 // a register the caller keeps opaque to the compiler, so it is one IMAD, where a generic pointer cost a shift
-// and a three-input add with the window base (one instruction fewer a lookup: 5-6 bits 10% faster, NOTES).
+// and a three-input add with the window base (one instruction fewer a lookup: 5-6 bits 7-11% faster, NOTES).
 __device__ __forceinline__ u32 lut_lookup(u32 row_base, u32 stride, u32 C, int b) {
     const u32 code = prmt(C, 0u, 0x4440u | b);  // byte b, zero-extended
     return lds_u16(code * stride + row_base);
