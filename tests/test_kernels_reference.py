@@ -432,6 +432,16 @@ def test_tune_rejects_launch_shapes_the_kernel_cannot_run(args, message):
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
 
 
+def test_forced_plans_keep_the_k_split_within_the_ctas_warps(monkeypatch):
+    from pwruntime.kernels import moe, tune
+    monkeypatch.setattr(moe, "plan_launch", moe.plan_launch)  # force_ksplit replaces it; restored after the test
+    assert moe.plan_launch(2048, 4096, 1, 16, 1, 1).ksplit == 4  # the planner's choice for this shape
+    tune.force_ksplit(None, 2)
+    p = moe.plan_launch(2048, 4096, 1, 16, 1, 1)
+    assert (p.warps, p.ksplit, p.n_tiles) == (2, 2, 2048 // 16)
+    assert p.smem == moe.launch_smem(p.xs_budget, p.nt, 2, 2)
+
+
 def test_load_pattern_ref_is_the_xor_of_all_words():
     rng = np.random.default_rng(3)
     planes = [torch.from_numpy(rng.integers(-2**31, 2**31, size=(7, 5), dtype=np.int64).astype(np.int32))

@@ -19,8 +19,9 @@ from traces.clikit import write_json_atomic
 
 
 def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
-    """Replace the launch planner by one that always splits K `ksplit` ways (default: the planner's) in CTAs of
-    `warps` warps (this process only)."""
+    """Replace the launch planner by one that always splits K `ksplit` ways in CTAs of `warps` warps (this
+    process only). Without `ksplit` it keeps the planner's k-split, at most `warps` (both are powers of two, so
+    the k-split still divides the CTA's warps)."""
     import dataclasses
 
     from pwruntime.kernels import moe
@@ -28,7 +29,7 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
 
     def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132, tile_tokens=None):
         p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count, tile_tokens)
-        ks = ksplit or p.ksplit
+        ks = ksplit or min(p.ksplit, warps)
         n_tiles = moe.row_tiles(m_rows, rows_per_warp, warps, ks)
         return dataclasses.replace(p, ksplit=ks, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile,
                                    smem=moe.launch_smem(p.xs_budget, p.nt, warps, ks), warps=warps)
