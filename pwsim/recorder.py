@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from traces.results import latency_columns, stats
+
 if TYPE_CHECKING:  # pragma: no cover
     from pwsim.engine import Simulation
 
@@ -29,18 +31,6 @@ class SimResult:
     violations: list[dict] = field(default_factory=list)
     stalls: list[dict] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)  # (step, time, transitions started/rejected/committed)
-
-
-def _pct(a: np.ndarray, p: float) -> float | None:
-    a = a[np.isfinite(a)]
-    return float(np.percentile(a, p)) if a.size else None
-
-
-def _stats(a: np.ndarray) -> dict:
-    a = np.asarray(a, dtype=np.float64)
-    f = a[np.isfinite(a)]
-    return {"mean": float(f.mean()) if f.size else None, "p50": _pct(a, 50), "p90": _pct(a, 90),
-            "p99": _pct(a, 99), "max": float(f.max()) if f.size else None}
 
 
 class Recorder:
@@ -160,10 +150,9 @@ class Recorder:
         if len(self._tl):
             tl["kv_used_bytes"] = tl["kv_used_bytes"].astype(np.int64) * B  # recorded as blocks
         wl = sim.workload
-        ttft = self.first - self.arrival
-        e2e = self.finish_s - self.arrival
+        lat = latency_columns(self.arrival, self.first, self.finish_s, self.out_tokens)
+        ttft, tpot, e2e = lat["ttft_s"], lat["tpot_s"], lat["e2e_s"]
         with np.errstate(invalid="ignore", divide="ignore"):
-            tpot = np.where(self.out_tokens > 1, (self.finish_s - self.first) / (self.out_tokens - 1), np.nan)
             dpt = np.where(self.damage_tokens > 0, self.damage_sum / np.maximum(self.damage_tokens, 1), np.nan)
         requests = {
             "request": np.arange(self.n), "request_id": np.asarray(wl.request_id if wl.request_id is not None
@@ -191,7 +180,7 @@ class Recorder:
             "makespan_s": end - start, "iterations": self.iterations, "boundaries": self._boundaries,
             "output_tokens": out_total, "computed_tokens": self.computed_tokens,
             "throughput_tokens_per_s": out_total / span,
-            "ttft_s": _stats(ttft), "tpot_s": _stats(tpot), "e2e_s": _stats(e2e),
+            "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_s": stats(e2e),
             "preemptions": int(sim.sched.num_preemptions),
             "memory": {"budget_bytes": sim.cfg.budget_bytes, "peak_bytes": self.peak["memory_bytes"],
                        "peak_used_bytes": self.peak_used,

@@ -1,0 +1,141 @@
+"""Run results both engines write: per-request latency columns, their statistics, and atomic result directories.
+
+`pwsim run` and `pwruntime replay` describe a served trace the same way, so `pwsim fidelity` can put
+one beside the other: `requests.parquet` (one row per request: request_id, arrival_s, first_token_s,
+finish_s, ttft_s, tpot_s, e2e_s, output_tokens, ...), `timeline.parquet` (one row per iteration
+boundary: time_s, iter_s, batch_tokens, ...), `summary.json` and `config.json`. Times are seconds
+from the start of the trace (its arrival clock).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from collections.abc import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from traces.clikit import UserError
+
+RESULT_MARKER = "summary.json"
+
+
+# ---------------------------------------------------------------- latency metrics
+def latency_columns(arrival_s, first_token_s, finish_s, output_tokens) -> dict[str, np.ndarray]:
+    """TTFT, TPOT and end-to-end latency per request (NaN where a request has no first token or finish;
+    TPOT only for requests of more than one output token: (finish - first) / (tokens - 1))."""
+    arrival, first, finish = (np.asarray(a, dtype=np.float64) for a in (arrival_s, first_token_s, finish_s))
+    out = np.asarray(output_tokens, dtype=np.int64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        tpot = np.where(out > 1, (finish - first) / (out - 1), np.nan)
+    return {"ttft_s": first - arrival, "tpot_s": tpot, "e2e_s": finish - arrival}
+
+
+def percentile(a, p: float) -> float | None:
+    a = np.asarray(a, dtype=np.float64)
+    a = a[np.isfinite(a)]
+    return float(np.percentile(a, p)) if a.size else None
+
+
+def stats(a) -> dict:
+    """mean, p50, p90, p99 and max of the finite values (None when there are none)."""
+    a = np.asarray(a, dtype=np.float64)
+    f = a[np.isfinite(a)]
+    return {"mean": float(f.mean()) if f.size else None, "p50": percentile(f, 50), "p90": percentile(f, 90),
+            "p99": percentile(f, 99), "max": float(f.max()) if f.size else None}
+
+
+# ---------------------------------------------------------------- JSON and Parquet
+def clean(obj):
+    """JSON-safe copy: numpy scalars/arrays to Python, NaN/inf to None."""
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return clean(obj.tolist())
+    if isinstance(obj, np.generic):
+        return clean(obj.item())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def dumps(obj) -> str:
+    return json.dumps(clean(obj), indent=2, sort_keys=False)
+
+
+def columns_table(cols: dict) -> pa.Table:
+    out = {}
+    for k, v in cols.items():
+        a = np.asarray(v)
+        out[k] = pa.array(a.tolist() if a.dtype == object else a)
+    return pa.table(out)
+
+
+def read_columns(path: Path) -> dict[str, np.ndarray]:
+    table = pq.read_table(path)
+    return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
+
+
+# ---------------------------------------------------------------- result directories
+def prepare_dir(out: Path, force: bool, tool: str = "pwsim") -> None:
+    """Refuse to overwrite a directory that is not a previous result unless forced."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
+    if out.exists() and any(out.iterdir()) and not (out / RESULT_MARKER).exists() and not force:
+        raise UserError(f"--out {out} is not empty and holds no previous {tool} result; choose another directory "
+                        "or pass --force")
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    if out.exists():
+        old = out.with_name(f".{out.name}.old")
+        if old.exists():
+            shutil.rmtree(old)
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(out)
+
+
+def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents: dict[str, object],
+                     extra: Callable[[Path], None] | None = None, force: bool = False, tool: str = "pwsim") -> Path:
+    """Write `<name>.parquet` per table (columns) and `<name>.json` per document into `out`, then call
+    `extra(dir)` (plots); all in a temporary sibling renamed into place, so `out` is never half-written."""
+    out = Path(out)
+    prepare_dir(out, force, tool)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        for name, cols in tables.items():
+            pq.write_table(columns_table(cols), tmp / f"{name}.parquet", compression="zstd")
+        for name, doc in documents.items():
+            (tmp / f"{name}.json").write_text(dumps(doc))
+        if extra is not None:
+            extra(tmp)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray], dict]:
+    """(summary, request columns, timeline columns, config) of a result directory; a missing or partial one is a
+    UserError."""
+    path = Path(path)
+    if not (path / RESULT_MARKER).is_file() or not (path / "requests.parquet").is_file():
+        raise UserError(f"{flag} {path} is not a result directory (no summary.json and requests.parquet); give the "
+                        "--out of a `pwsim run` or `pwruntime replay`")
+    summary = json.loads((path / RESULT_MARKER).read_text())
+    timeline = read_columns(path / "timeline.parquet") if (path / "timeline.parquet").is_file() else {}
+    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+    return summary, read_columns(path / "requests.parquet"), timeline, config
