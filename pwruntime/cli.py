@@ -9,7 +9,7 @@ from traces.clikit import build_parser, run_main
 def _registrars():
     # each entry: a module with register(subparsers); imported lazily so --help stays fast
     import importlib
-    names = ["cmd_demo", "cmd_record", "cmd_serve", "cmd_generate", "cmd_perplexity", "cmd_quantize", "cmd_bench", "cmd_calibrate", "cmd_quality"]
+    names = ["cmd_demo", "cmd_record", "cmd_replay", "cmd_serve", "cmd_generate", "cmd_perplexity", "cmd_quantize", "cmd_bench", "cmd_calibrate", "cmd_quality"]
     return [importlib.import_module(f"pwruntime.{n}").register for n in names]
 
 

@@ -131,6 +131,7 @@ class LLMEngine:
         self.num_steps = 0
         self.last_observation: policies.Observation | None = None
         self.last_loop: LoopResult | None = None
+        self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
 
     # ------------------------------------------------------------------ set-up
     def _initial_blocks(self) -> int:
@@ -202,7 +203,7 @@ class LLMEngine:
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it."""
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         for s in batch.preempted:
             self.features.drop(s.seq_id)  # its recompute will observe its tokens again
         finished: list[Sequence] = list(batch.aborted)

@@ -1,0 +1,78 @@
+"""`pwruntime replay`: serve a recorded request trace in real time and write per-request latencies.
+
+The trace's requests arrive at their recorded times (scaled by --time-scale), with their recorded
+prompts and output lengths; the engine (the same options as `generate`: a model or an AP checkpoint
+with a planner) serves them under continuous batching. The result directory has the layout of a
+`pwsim run` result (requests.parquet, timeline.parquet, summary.json, config.json), so
+`pwsim fidelity --sim SIM_RUN --runtime THIS` measures how well the simulator predicts this run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from traces.clikit import UserError
+
+
+def register(subparsers) -> None:
+    from pwruntime.cmd_generate import add_engine_args
+
+    p = subparsers.add_parser("replay", help="serve a recorded request trace in real time; per-request latencies",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="trace directory (or requests.parquet) with prompt token ids")
+    p.add_argument("--out", required=True, help="result directory to write")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1)")
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _requests(path: str, limit: int | None):
+    from traces.io import read_requests
+    from traces.schema import RequestTrace
+
+    src = Path(path)
+    if not src.exists():
+        raise UserError(f"--trace {src} does not exist; give a trace directory recorded by `pwruntime record-trace`")
+    trace = read_requests(src / "requests.parquet" if src.is_dir() else src)
+    if limit is not None:
+        if limit < 1:
+            raise UserError(f"--max-requests must be >= 1, got {limit}")
+        k = min(limit, len(trace))
+        ids = None if trace.token_ids is None else [trace.prompt_ids(i) for i in range(k)]
+        trace = RequestTrace.from_columns(trace.request_id[:k], trace.arrival_s[:k], trace.prompt_tokens[:k],
+                                          trace.output_tokens[:k], trace.domain[:k], prompt_token_ids=ids,
+                                          provenance=trace.provenance, source=trace.source)
+    return trace
+
+
+def run(args) -> int:
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.replay import replay
+    from traces.results import prepare_dir, write_result_dir
+
+    trace = _requests(args.trace, args.max_requests)
+    out = Path(args.out)
+    prepare_dir(out, args.force, tool="replay")
+    engine, model_dir, dtype, device = build_engine(args)
+    start = time.perf_counter()
+    result = replay(engine, trace, time_scale=args.time_scale, progress=not args.json)
+    summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
+               "device": device, "policy": engine.policy.name, "kv_blocks_start": int(args.num_kv_blocks or 0) or None}
+    config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
+    write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
+                     {"summary": summary, "config": config}, force=args.force, tool="replay")
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        t = summary["tpot_s"]["p50"]
+        print(f"replayed {summary['requests']} requests ({summary['output_tokens']} output tokens) in "
+              f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
+              f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
+    return 0

@@ -1,0 +1,115 @@
+"""Trace replay on the runtime: a request trace's arrivals served in real time, timed as `pwsim run` times them.
+
+`replay(engine, trace)` adds each request of a `traces.schema.RequestTrace` (its recorded prompt
+token ids; its recorded output length, forced with ignore_eos) once the wall clock reaches its
+arrival time, steps the engine whenever it has work and sleeps until the next arrival when it has
+none. It records what the simulator records for the same trace: per request the arrival, first-token
+and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
+committed mean bits. `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
+names; `pwruntime replay` writes them as a result directory (`traces.results`) for `pwsim fidelity`.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from traces.clikit import UserError
+from traces.results import latency_columns, stats
+from traces.schema import RequestTrace
+
+
+@dataclass
+class ReplayResult:
+    requests: dict[str, np.ndarray]  # per request, in trace order
+    timeline: dict[str, np.ndarray]  # per engine iteration
+    summary: dict
+
+
+def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, sleep: Callable[[float], None] = time.sleep,
+           progress: bool = False) -> ReplayResult:
+    """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`."""
+    if trace.token_ids is None:
+        raise UserError(f"{trace.source} has no prompt token ids (prompt_token_ids); replay needs the prompts "
+                        "themselves: record the trace with `pwruntime record-trace`")
+    if time_scale <= 0:
+        raise UserError(f"--time-scale must be > 0, got {time_scale}")
+    if engine.has_unfinished():
+        raise ValueError("replay needs an engine with no queued requests")
+    from pwruntime.sampling import SamplingParams
+
+    n = len(trace)
+    arrival = np.asarray(trace.arrival_s, dtype=np.float64) * time_scale
+    outputs: dict[int, object] = {}
+    index: dict[int, int] = {}  # engine request id -> trace row
+    timeline: list[tuple] = []
+    mean_bits = engine.table.mean_bits
+    engine.t0 = engine.clock()  # the engine's clock is the trace's from here on
+    nxt = 0
+    from tqdm import tqdm
+
+    with tqdm(total=int(trace.output_tokens.sum()), unit="tok", desc="replaying", disable=not progress) as bar:
+        while nxt < n or engine.has_unfinished():
+            now = engine.clock() - engine.t0
+            while nxt < n and arrival[nxt] <= now:
+                params = SamplingParams(max_tokens=int(trace.output_tokens[nxt]), ignore_eos=True)
+                rid = engine.add_request(trace.prompt_ids(nxt).tolist(), params, arrival_time=float(arrival[nxt]),
+                                         domain=str(trace.domain[nxt]))
+                index[rid] = nxt
+                nxt += 1
+            if not engine.has_unfinished():
+                sleep(max(0.0, float(arrival[nxt]) - (engine.clock() - engine.t0)))
+                continue
+            start = engine.clock() - engine.t0
+            for out in engine.step():
+                outputs[out.request_id] = out
+                bar.update(len(out.token_ids))
+            end = engine.clock() - engine.t0
+            b = engine.last_batch
+            timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
+                             len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.capacity,
+                             engine.pool.num_free, mean_bits()))
+    return _result(trace, arrival, outputs, index, timeline, engine)
+
+
+TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "running", "waiting", "total_blocks",
+            "free_blocks", "mean_bits")
+
+
+def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
+    n = len(trace)
+    first = np.full(n, np.nan)
+    finish = np.full(n, np.nan)
+    out_tokens = np.zeros(n, dtype=np.int64)
+    preempt = np.zeros(n, dtype=np.int64)
+    reason = np.full(n, "", dtype=object)
+    for rid, o in outputs.items():
+        i = index[rid]
+        first[i] = np.nan if o.first_token_time is None else o.first_token_time
+        finish[i], out_tokens[i], preempt[i], reason[i] = o.finish_time, len(o.token_ids), o.num_preemptions, o.finish_reason
+    lat = latency_columns(arrival, first, finish, out_tokens)
+    requests = {"request": np.arange(n), "request_id": np.asarray(trace.request_id),
+                "domain": np.asarray(trace.domain, dtype=object),
+                "arrival_s": arrival, "prompt_tokens": np.asarray(trace.prompt_tokens, dtype=np.int64),
+                "output_tokens": out_tokens, "first_token_s": first, "finish_s": finish, **lat,
+                "preemptions": preempt, "finish_reason": reason.astype(str)}
+    tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
+    end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
+    span = max(end - (float(arrival.min()) if n else 0.0), 1e-12)
+    iters = np.asarray(tl["iter_s"], dtype=np.float64)
+    decode_only = iters[(np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"]))] if len(iters) else iters
+    summary = {
+        "requests": n, "completed": int(np.isin(reason, ("length", "stop")).sum()),
+        "finish_reasons": dict(Counter(reason.tolist())), "unfinished": int(np.isnan(finish).sum()),
+        "makespan_s": span if n else 0.0, "iterations": len(timeline), "output_tokens": int(out_tokens.sum()),
+        "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
+        "throughput_tokens_per_s": float(out_tokens.sum()) / span,
+        "ttft_s": stats(lat["ttft_s"]), "tpot_s": stats(lat["tpot_s"]), "e2e_s": stats(lat["e2e_s"]),
+        "iteration_s": stats(iters), "decode_iteration_s": stats(decode_only),
+        "preemptions": int(engine.scheduler.num_preemptions),
+        "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
+    }
+    return ReplayResult(requests, tl, summary)
