@@ -7,8 +7,9 @@ from traces.clikit import build_parser, run_main
 
 
 def _registrars():
-    from pwsim import cmd_bench, cmd_compare, cmd_models, cmd_run, cmd_traces
-    return [cmd_models.register, cmd_traces.register, cmd_bench.register, cmd_run.register, cmd_compare.register]
+    from pwsim import cmd_bench, cmd_compare, cmd_fidelity, cmd_models, cmd_run, cmd_traces
+    return [cmd_models.register, cmd_traces.register, cmd_bench.register, cmd_run.register, cmd_compare.register,
+            cmd_fidelity.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -151,3 +151,45 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: dict, path: Path) -> Path:
+    """Per request, simulated against measured TTFT / TPOT / end to end (log-log, y = x dashed); and iteration
+    time against batch tokens for both engines with their fitted lines."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    for ax, (key, name) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end"))):
+        s, r = paired[key]
+        ok = np.isfinite(s) & np.isfinite(r) & (s > 0) & (r > 0)
+        if ok.any():
+            ax.scatter(r[ok], s[ok], s=8, alpha=0.6)
+            lo, hi = min(s[ok].min(), r[ok].min()), max(s[ok].max(), r[ok].max())
+            ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+        m = report["metrics"][key]
+        ratio = "n/a" if m["ratio_p50"] is None else f"{m['ratio_p50']:.2f}"
+        ax.set_title(f"{name}: sim / runtime median {ratio}", fontsize=9)
+        ax.set_xlabel("runtime (s)")
+        ax.set_ylabel("simulated (s)")
+        ax.grid(alpha=0.3, which="both")
+    ax = axes[3]
+    for tl, label, color in ((sim_timeline, "sim", "#4c72b0"), (runtime_timeline, "runtime", "#dd8452")):
+        x = np.asarray(tl.get("batch_tokens", []), dtype=float)
+        t = np.asarray(tl.get("iter_s", []), dtype=float)
+        if x.size:
+            ax.scatter(x, t * 1e3, s=4, alpha=0.3, color=color, label=label)
+        fit = report["iterations"][label]
+        if fit["intercept_s"] is not None and fit["per_token_s"] is not None and x.size:
+            xs = np.array([max(x.min(), 1), x.max()])
+            ax.plot(xs, (fit["intercept_s"] + fit["per_token_s"] * xs) * 1e3, color=color, lw=1.2)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in the iteration")
+    ax.set_ylabel("iteration time (ms)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,85 @@
+"""`pwsim fidelity`: a simulated run against the runtime's replay of the same trace, request by request.
+
+Give the --out of a `pwsim run` (--sim) and of a `pwruntime replay` (--runtime) of one request trace,
+with the same scheduler limits (--max-num-seqs, max batched tokens, block size) and a comparable KV
+pool. It writes `fidelity.json` (per metric the ratio sim / runtime and the median relative error,
+throughput and makespan ratios, the per-iteration overhead each engine pays; pwsim/fidelity.py) and
+`fidelity.png` (simulated against measured latencies per request, iteration time against batch tokens).
+With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
+and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token
+costs: a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from traces.clikit import UserError, write_text_atomic
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("fidelity", help="compare a pwsim run with a pwruntime replay of the same trace",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sim", required=True, metavar="DIR", help="result directory of `pwsim run`")
+    p.add_argument("--runtime", required=True, metavar="DIR", help="result directory of `pwruntime replay`")
+    p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png")
+    p.add_argument("--fit-profile", default=None, metavar="JSON",
+                   help="also write the simulated run's hardware profile with the runtime's per-iteration overhead")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _line(name: str, m: dict) -> str:
+    def f(v, scale=1.0, fmt="{:.3g}"):
+        return "n/a" if v is None else fmt.format(v * scale)
+    return (f"{name:>5}: sim p50 {f(m['sim_p50'], 1e3)} ms, runtime p50 {f(m['runtime_p50'], 1e3)} ms, sim/runtime "
+            f"median {f(m['ratio_p50'], fmt='{:.2f}')} (p10 {f(m['ratio_p10'], fmt='{:.2f}')}, p90 "
+            f"{f(m['ratio_p90'], fmt='{:.2f}')}), median |error| {f(m['median_abs_rel_error'], 100, '{:.0f}')}%")
+
+
+def run(args) -> int:
+    from pwsim import plots
+    from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
+    from traces.results import dumps, read_result_dir
+
+    sim = RunView(*read_result_dir(args.sim, "--sim"))
+    rt = RunView(*read_result_dir(args.runtime, "--runtime"))
+    report = compare(sim, rt)
+    report["inputs"] = {"sim": str(args.sim), "runtime": str(args.runtime)}
+    fitted = None
+    if args.fit_profile:
+        from traces.hardware import load_profile
+        hw = sim.config.get("hardware")
+        if not hw:
+            raise UserError(f"--sim {args.sim} names no hardware profile in its config.json; is it a `pwsim run` result?")
+        fitted = fitted_profile(load_profile(hw), report)
+        report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
+                                    "iteration_overhead_us": fitted.iteration_overhead_us,
+                                    "token_overhead_us": fitted.token_overhead_us}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_png = out / ".fidelity.png.tmp.png"
+    plots.fidelity(paired_columns(sim, rt), sim.timeline, rt.timeline, report, tmp_png)
+    tmp_png.replace(out / "fidelity.png")
+    write_text_atomic(out / "fidelity.json", dumps(report))
+    if fitted is not None:
+        fitted.save(args.fit_profile)
+    if args.json:
+        print(dumps(report))
+        return 0
+    r = report["requests"]
+    print(f"{r['paired']} requests paired ({r['sim']} simulated, {r['runtime']} replayed)")
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        print(_line(name, report["metrics"][key]))
+    it = report["iterations"]
+    tr = report["throughput_ratio"]
+    gap = it["overhead_gap_us"]
+    slope = it["per_token_gap_us"]
+    print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
+          f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
+          " a token against the simulator")
+    print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
+          + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
+             f"{fitted.token_overhead_us:.1f} us a token) to {args.fit_profile}"
+             if fitted is not None else ""))
+    return 0

@@ -1,0 +1,106 @@
+"""Fidelity: how well a simulated run predicts the runtime serving the same trace, request by request.
+
+`compare(sim, runtime)` takes two result directories' contents (`traces.results.read_result_dir`: a
+`pwsim run` and a `pwruntime replay` of one request trace), pairs their requests by request_id and
+reports, per latency metric (TTFT, TPOT, end to end), the ratio sim / runtime (median, p10, p90) and
+the median absolute relative error; the ratios of throughput and makespan; and a least-squares fit
+`iteration seconds = a + b * tokens` on each side: the intercepts are the per-iteration overhead each
+engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
+what a hardware profile's `iteration_overhead_us` and `token_overhead_us` would need added to match
+the runtime (the runtime of a small model is bound by the host, which the cost model's roofline does
+not see); `fitted_profile` adds them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from traces.clikit import UserError
+from traces.results import percentile
+
+METRICS = ("ttft_s", "tpot_s", "e2e_s")
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What fidelity reads of one result directory."""
+    summary: dict
+    requests: dict[str, np.ndarray]
+    timeline: dict[str, np.ndarray]
+    config: dict = field(default_factory=dict)
+
+
+def _pair(sim: RunView, rt: RunView) -> tuple[np.ndarray, np.ndarray]:
+    """Row indices (into sim, into runtime) of the requests both ran, in runtime order."""
+    s_ids, r_ids = np.asarray(sim.requests["request_id"]), np.asarray(rt.requests["request_id"])
+    where = {int(r): k for k, r in enumerate(s_ids)}
+    si = np.array([where.get(int(r), -1) for r in r_ids], dtype=np.int64)
+    keep = si >= 0
+    if not keep.any():
+        raise UserError("the two runs share no request_id: give a `pwsim run` and a `pwruntime replay` of the same "
+                        "trace")
+    return si[keep], np.nonzero(keep)[0]
+
+
+def metric_report(sim_v: np.ndarray, rt_v: np.ndarray) -> dict:
+    ok = np.isfinite(sim_v) & np.isfinite(rt_v) & (rt_v > 0)
+    s, r = sim_v[ok], rt_v[ok]
+    ratio = s / r
+    return {"pairs": int(ok.sum()), "sim_p50": percentile(s, 50), "runtime_p50": percentile(r, 50),
+            "ratio_p50": percentile(ratio, 50), "ratio_p10": percentile(ratio, 10), "ratio_p90": percentile(ratio, 90),
+            "median_abs_rel_error": percentile(np.abs(ratio - 1.0), 50)}
+
+
+def iteration_fit(timeline: dict[str, np.ndarray]) -> dict:
+    """Least squares iter_s = a + b * batch_tokens over a run's iterations."""
+    t = np.asarray(timeline.get("iter_s", []), dtype=np.float64)
+    x = np.asarray(timeline.get("batch_tokens", []), dtype=np.float64)
+    ok = np.isfinite(t) & (x > 0)
+    t, x = t[ok], x[ok]
+    if t.size < 2 or np.ptp(x) == 0:
+        a, b = (float(np.median(t)) if t.size else None), None
+    else:
+        b, a = (float(v) for v in np.polyfit(x, t, 1))
+    return {"iterations": int(t.size), "intercept_s": a, "per_token_s": b, "median_iter_s": percentile(t, 50)}
+
+
+def _ratio(a, b) -> float | None:
+    return float(a) / float(b) if a is not None and b not in (None, 0) else None
+
+
+def compare(sim: RunView, runtime: RunView) -> dict:
+    si, ri = _pair(sim, runtime)
+    per = {m: metric_report(np.asarray(sim.requests[m], dtype=np.float64)[si],
+                            np.asarray(runtime.requests[m], dtype=np.float64)[ri]) for m in METRICS}
+    fit_s, fit_r = iteration_fit(sim.timeline), iteration_fit(runtime.timeline)
+    def gap(key: str) -> float | None:
+        return None if None in (fit_r[key], fit_s[key]) else (fit_r[key] - fit_s[key]) * 1e6
+    return {
+        "requests": {"sim": int(len(sim.requests["request_id"])), "runtime": int(len(runtime.requests["request_id"])),
+                     "paired": int(len(si))},
+        "metrics": per,
+        "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
+                                   runtime.summary.get("throughput_tokens_per_s")),
+        "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
+        "iterations": {"sim": fit_s, "runtime": fit_r, "overhead_gap_us": gap("intercept_s"),
+                       "per_token_gap_us": gap("per_token_s")},
+    }
+
+
+def paired_columns(sim: RunView, runtime: RunView) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(sim, runtime) values of each metric for the paired requests (the plot's scatter)."""
+    si, ri = _pair(sim, runtime)
+    return {m: (np.asarray(sim.requests[m], dtype=np.float64)[si], np.asarray(runtime.requests[m], dtype=np.float64)[ri])
+            for m in METRICS}
+
+
+def fitted_profile(profile, report: dict):
+    """`profile` with the runtime's host costs: iteration_overhead_us plus the gap of the fitted intercepts, and
+    token_overhead_us plus the gap of the fitted per-token slopes (each at least 0)."""
+    it = report["iterations"]
+    gap, slope = it["overhead_gap_us"], it["per_token_gap_us"]
+    if gap is None or slope is None:
+        raise UserError("cannot fit the host costs: a run has fewer than two iterations of different sizes")
+    return replace(profile, name=f"{profile.name}-fit", iteration_overhead_us=max(0.0, profile.iteration_overhead_us + gap),
+                   token_overhead_us=max(0.0, profile.token_overhead_us + slope))
