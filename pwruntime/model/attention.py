@@ -23,6 +23,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.model.config import ModelConfig
@@ -192,6 +193,11 @@ def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out[g.dest].to(q.dtype)
 
 
+# Prefill SDPA backends: not cuDNN's, which on the H200 built a new plan for every new prompt length (about 10 ms
+# a call, most of a mixed step's time in `pwruntime replay` of the demo trace; README, "Sim against runtime").
+_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        window: int | None) -> torch.Tensor:
     """Causal attention among n new tokens; q [n, heads, d], k/v [n, kv_heads, d]."""
@@ -199,12 +205,13 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     qt = q.transpose(0, 1)[None]
     kt = k.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
     vt = v.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
-    if window is None:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
-    else:
-        pos = torch.arange(q.shape[0], device=q.device)
-        mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    with sdpa_kernel(_PREFILL_SDPA):
+        if window is None:
+            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        else:
+            pos = torch.arange(q.shape[0], device=q.device)
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
     return out[0].transpose(0, 1)
 
 
