@@ -61,10 +61,11 @@ def run(args) -> int:
     out = Path(args.out)
     prepare_dir(out, args.force, tool="replay")
     engine, model_dir, dtype, device = build_engine(args)
+    blocks = engine.pool.capacity
     start = time.perf_counter()
     result = replay(engine, trace, time_scale=args.time_scale, progress=not args.json)
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
-               "device": device, "policy": engine.policy.name, "kv_blocks_start": int(args.num_kv_blocks or 0) or None}
+               "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks}
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
                      {"summary": summary, "config": config}, force=args.force, tool="replay")

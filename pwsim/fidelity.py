@@ -77,8 +77,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
     def gap(key: str) -> float | None:
         return None if None in (fit_r[key], fit_s[key]) else (fit_r[key] - fit_s[key]) * 1e6
     return {
-        "requests": {"sim": int(len(sim.requests["request_id"])), "runtime": int(len(runtime.requests["request_id"])),
-                     "paired": int(len(si))},
+        "requests": {"sim": len(sim.requests["request_id"]), "runtime": len(runtime.requests["request_id"]),
+                     "paired": len(si)},
         "metrics": per,
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),

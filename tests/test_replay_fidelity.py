@@ -5,8 +5,8 @@ import json
 
 import numpy as np
 import pytest
-
 from model_fixtures import make_tiny_checkpoint
+
 from pwruntime.cli import main as rt_main
 from pwsim.cli import main as sim_main
 from pwsim.fidelity import RunView, compare, fitted_profile, iteration_fit

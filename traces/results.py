@@ -13,8 +13,8 @@ import math
 import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
