@@ -25,7 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--trace", required=True, help="trace directory (or requests.parquet) with prompt token ids")
     p.add_argument("--out", required=True, help="result directory to write")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1)")
+                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1, which "
+                        "`pwsim fidelity` needs: the simulator replays the recorded times)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
