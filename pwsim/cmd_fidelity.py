@@ -78,6 +78,9 @@ def run(args) -> int:
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
           f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
           " a token against the simulator")
+    pl = report["planner"]
+    print(f"plans: {pl['plans']['sim']} simulated, {pl['plans']['runtime']} on the runtime; preemptions: "
+          f"{pl['preemptions']['sim']} and {pl['preemptions']['runtime']}")
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
              f"{fitted.token_overhead_us:.1f} us a token) to {args.fit_profile}"

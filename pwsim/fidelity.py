@@ -3,7 +3,8 @@
 `compare(sim, runtime)` takes two result directories' contents (`traces.results.read_result_dir`: a
 `pwsim run` and a `pwruntime replay` of one request trace), pairs their requests by request_id and
 reports, per latency metric (TTFT, TPOT, end to end), the ratio sim / runtime (median, p10, p90) and
-the median absolute relative error; the ratios of throughput and makespan; and a least-squares fit
+the median absolute relative error; the ratios of throughput and makespan; the planner's plans and
+the scheduler's preemptions on each side; and a least-squares fit
 `iteration seconds = a + b * tokens` on each side: the intercepts are the per-iteration overhead each
 engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
 what a hardware profile's `iteration_overhead_us` and `token_overhead_us` would need added to match
@@ -65,6 +66,14 @@ def iteration_fit(timeline: dict[str, np.ndarray]) -> dict:
     return {"iterations": int(t.size), "intercept_s": a, "per_token_s": b, "median_iter_s": percentile(t, 50)}
 
 
+def _count(summary: dict, key: str) -> int | None:
+    """A run's count of `key` (plans, preemptions): pwsim nests plans in a dict, the replay does not."""
+    v = summary.get(key)
+    if isinstance(v, dict):
+        v = v.get(key)
+    return None if v is None else int(v)
+
+
 def _ratio(a, b) -> float | None:
     return float(a) / float(b) if a is not None and b not in (None, 0) else None
 
@@ -85,6 +94,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
         "iterations": {"sim": fit_s, "runtime": fit_r, "overhead_gap_us": gap("intercept_s"),
                        "per_token_gap_us": gap("per_token_s")},
+        "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
+                    for k in ("plans", "preemptions")},
     }
 
 

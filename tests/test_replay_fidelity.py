@@ -31,38 +31,56 @@ def _trace(with_ids: bool = True) -> RequestTrace:
                                      ["a", "b", "a"], prompt_token_ids=prompts if with_ids else None)
 
 
-def _engine(ckpt):
+def _engine(ckpt, clock=None):
     from pwruntime.engine import EngineConfig, LLMEngine
     from pwruntime.model import load_model
-    return LLMEngine(load_model(ckpt), EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4))
+    kw = {} if clock is None else {"clock": clock}
+    return LLMEngine(load_model(ckpt), EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=4), **kw)
+
+
+class VirtualClock:
+    """Time that passes only when the replay sleeps: engine steps take no time, so the schedule is exact."""
+
+    def __init__(self) -> None:
+        self.now, self.slept = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
 
 
 def test_replay_serves_each_request_at_its_arrival(ckpt):
     from pwruntime.replay import replay
-    slept = []
-
-    def sleep(s):
-        slept.append(s)
-        import time
-        time.sleep(s)
-
-    res = replay(_engine(ckpt), _trace(), sleep=sleep)
+    clock = VirtualClock()
+    res = replay(_engine(ckpt, clock), _trace(), sleep=clock.sleep)
     r = res.requests
     np.testing.assert_array_equal(r["request_id"], [7, 3, 11])
     np.testing.assert_array_equal(r["output_tokens"], OUTPUTS)
     assert list(r["finish_reason"]) == ["length"] * 3 and list(r["domain"]) == ["a", "b", "a"]
-    # nobody is served before it arrives; the last request arrives after the first two are done, so the
-    # replay waited for it
-    assert np.all(r["first_token_s"] >= r["arrival_s"]) and np.all(r["finish_s"] >= r["first_token_s"])
-    assert r["first_token_s"][2] >= ARRIVALS[2] and slept and max(slept) > 0.05
-    np.testing.assert_allclose(r["ttft_s"], r["first_token_s"] - r["arrival_s"])
-    np.testing.assert_allclose(r["tpot_s"], (r["finish_s"] - r["first_token_s"]) / (np.array(OUTPUTS) - 1))
+    # with steps that take no time, each request is served the moment it arrives, and the replay sleeps exactly
+    # until the next arrival
+    np.testing.assert_allclose(clock.slept, [ARRIVALS[1] - ARRIVALS[0], ARRIVALS[2] - ARRIVALS[1]])
+    np.testing.assert_allclose(r["first_token_s"], ARRIVALS)
+    np.testing.assert_allclose(r["finish_s"], ARRIVALS)
+    np.testing.assert_allclose(r["ttft_s"], 0.0, atol=1e-12)
     tl = res.timeline
     # every prompt token and every output token but the last is computed once (no preemption here)
     assert int(tl["batch_tokens"].sum()) == 5 + 3 + 7 + sum(OUTPUTS) - 3
-    assert np.all(np.diff(tl["time_s"]) >= 0) and np.all(tl["iter_s"] > 0)
+    np.testing.assert_allclose(tl["iter_s"], 0.0)
     s = res.summary
     assert s["completed"] == 3 and s["output_tokens"] == sum(OUTPUTS) and s["iterations"] == len(tl["time_s"])
+
+
+def test_replay_on_the_wall_clock_never_serves_early(ckpt):
+    from pwruntime.replay import replay
+    res = replay(_engine(ckpt), _trace())
+    r = res.requests
+    assert np.all(r["first_token_s"] >= r["arrival_s"]) and np.all(r["finish_s"] >= r["first_token_s"])
+    np.testing.assert_allclose(r["tpot_s"], (r["finish_s"] - r["first_token_s"]) / (np.array(OUTPUTS) - 1))
+    assert np.all(res.timeline["iter_s"] > 0) and np.all(np.diff(res.timeline["time_s"]) >= 0)
 
 
 def test_replay_needs_prompt_ids_and_a_positive_time_scale(ckpt):
@@ -187,6 +205,13 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, runs):
         rt = RunView(*read_result_dir(root / BUNDLED / run))
         good, plain = compare(fit, rt), compare(gpu, rt)
         assert good["requests"]["paired"] == 96
+        # the same planner and scheduler on both sides: the pressure run plans and preempts on both, the other not
+        plans, pre = good["planner"]["plans"], good["planner"]["preemptions"]
+        if budget == "24MiB":
+            assert plans["runtime"] > 0 and 0.5 <= plans["sim"] / plans["runtime"] <= 2
+            assert pre["runtime"] > 0 and 0.5 <= pre["sim"] / pre["runtime"] <= 2
+        else:
+            assert plans == {"sim": 0, "runtime": 0} and pre == {"sim": 0, "runtime": 0}
         assert 0.75 <= good["metrics"]["e2e_s"]["ratio_p50"] <= 1.3, run
         assert 0.75 <= good["throughput_ratio"] <= 1.3, run
         assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.1 and plain["throughput_ratio"] > 8
