@@ -28,6 +28,9 @@ def register(subparsers) -> None:
                    help="multiply the arrival times by this (> 1 spreads the requests out; default 1, which "
                         "`pwsim fidelity` needs: the simulator replays the recorded times)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "
+                        "(first kernel launches, CUDA-graph captures) stay out of the replay (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_engine_args(p)
@@ -64,7 +67,8 @@ def run(args) -> int:
     engine, model_dir, dtype, device = build_engine(args)
     blocks = engine.pool.capacity
     start = time.perf_counter()
-    result = replay(engine, trace, time_scale=args.time_scale, progress=not args.json)
+    result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
+                    progress=not args.json)
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
                "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks}
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}

@@ -3,7 +3,8 @@
 `replay(engine, trace)` adds each request of a `traces.schema.RequestTrace` (its recorded prompt
 token ids; its recorded output length, forced with ignore_eos) once the wall clock reaches its
 arrival time, steps the engine whenever it has work and sleeps until the next arrival when it has
-none. It records what the simulator records for the same trace: per request the arrival, first-token
+none (after an optional untimed warm-up on the trace's first prompts). It records what the simulator
+records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits. `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
 names; `pwruntime replay` writes them as a result directory (`traces.results`) for `pwsim fidelity`.
@@ -29,9 +30,25 @@ class ReplayResult:
     summary: dict
 
 
-def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, sleep: Callable[[float], None] = time.sleep,
-           progress: bool = False) -> ReplayResult:
-    """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`."""
+WARMUP_TOKENS = 16  # output tokens of each warm-up request
+
+
+def warm_up(engine, trace: RequestTrace, requests: int) -> None:
+    """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each: the
+    runtime's one-off costs (first launches of each kernel, CUDA-graph captures) then fall outside the replay."""
+    from pwruntime.sampling import SamplingParams
+
+    k = min(requests, len(trace))
+    if k:
+        engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
+                        [SamplingParams(max_tokens=min(WARMUP_TOKENS, int(trace.output_tokens[i])), ignore_eos=True)
+                         for i in range(k)])
+
+
+def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,
+           sleep: Callable[[float], None] = time.sleep, progress: bool = False) -> ReplayResult:
+    """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`.
+    With `warmup_requests`, `warm_up` runs first (it leaves the engine's routing statistics fed with its tokens)."""
     if trace.token_ids is None:
         raise UserError(f"{trace.source} has no prompt token ids (prompt_token_ids); replay needs the prompts "
                         "themselves: record the trace with `pwruntime record-trace`")
@@ -39,6 +56,10 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, sleep: Calla
         raise UserError(f"--time-scale must be > 0, got {time_scale}")
     if engine.has_unfinished():
         raise ValueError("replay needs an engine with no queued requests")
+    if warmup_requests < 0:
+        raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
+    warm_up(engine, trace, warmup_requests)
+    first_step = engine.num_steps
     from pwruntime.sampling import SamplingParams
 
     n = len(trace)
@@ -72,7 +93,9 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, sleep: Calla
             timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
                              len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.capacity,
                              engine.pool.num_free, mean_bits()))
-    return _result(trace, arrival, outputs, index, timeline, engine)
+    result = _result(trace, arrival, outputs, index, timeline, engine)
+    result.summary["warmup_steps"] = first_step
+    return result
 
 
 TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "running", "waiting", "total_blocks",

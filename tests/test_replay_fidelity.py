@@ -74,6 +74,20 @@ def test_replay_serves_each_request_at_its_arrival(ckpt):
     assert s["completed"] == 3 and s["output_tokens"] == sum(OUTPUTS) and s["iterations"] == len(tl["time_s"])
 
 
+def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
+    from pwruntime.replay import WARMUP_TOKENS, replay
+    clock = VirtualClock()
+    engine = _engine(ckpt, clock)
+    res = replay(engine, _trace(), warmup_requests=2, sleep=clock.sleep)
+    warm = res.summary["warmup_steps"]
+    # two prompts (5 and 3 tokens) prefilled together, then decoded for min(16, their output lengths) - 1 steps
+    assert warm == 1 + max(min(WARMUP_TOKENS, o) for o in OUTPUTS[:2]) - 1
+    assert res.timeline["step"][0] == warm and engine.num_steps == warm + len(res.timeline["step"])
+    np.testing.assert_array_equal(res.requests["output_tokens"], OUTPUTS)  # the trace's own requests, in full
+    np.testing.assert_allclose(res.requests["first_token_s"], ARRIVALS)   # the clock started after the warm-up
+    assert res.summary["iterations"] == len(res.timeline["step"])
+
+
 def test_replay_on_the_wall_clock_never_serves_early(ckpt):
     from pwruntime.replay import replay
     res = replay(_engine(ckpt), _trace())
@@ -89,6 +103,8 @@ def test_replay_needs_prompt_ids_and_a_positive_time_scale(ckpt):
         replay(_engine(ckpt), _trace(with_ids=False))
     with pytest.raises(UserError, match="time-scale"):
         replay(_engine(ckpt), _trace(), time_scale=0)
+    with pytest.raises(UserError, match="warmup-requests"):
+        replay(_engine(ckpt), _trace(), warmup_requests=-1)
 
 
 def test_replay_cli_writes_a_result_directory(ckpt, tmp_path, capsys):
