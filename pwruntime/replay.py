@@ -12,14 +12,14 @@ names; `pwruntime replay` writes them as a result directory (`traces.results`) f
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from traces.clikit import UserError
-from traces.results import latency_columns, stats
+from pwruntime.sampling import SamplingParams
+from traces.results import request_columns, request_summary, stats
 from traces.schema import RequestTrace
 
 
@@ -36,8 +36,6 @@ WARMUP_TOKENS = 16  # output tokens of each warm-up request
 def warm_up(engine, trace: RequestTrace, requests: int) -> None:
     """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each: the
     runtime's one-off costs (first launches of each kernel, CUDA-graph captures) then fall outside the replay."""
-    from pwruntime.sampling import SamplingParams
-
     k = min(requests, len(trace))
     if k:
         engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
@@ -60,7 +58,6 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
         raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
     warm_up(engine, trace, warmup_requests)
     first_step = engine.num_steps
-    from pwruntime.sampling import SamplingParams
 
     n = len(trace)
     arrival = np.asarray(trace.arrival_s, dtype=np.float64) * time_scale
@@ -113,24 +110,14 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         i = index[rid]
         first[i] = np.nan if o.first_token_time is None else o.first_token_time
         finish[i], out_tokens[i], preempt[i], reason[i] = o.finish_time, len(o.token_ids), o.num_preemptions, o.finish_reason
-    lat = latency_columns(arrival, first, finish, out_tokens)
-    requests = {"request": np.arange(n), "request_id": np.asarray(trace.request_id),
-                "domain": np.asarray(trace.domain, dtype=object),
-                "arrival_s": arrival, "prompt_tokens": np.asarray(trace.prompt_tokens, dtype=np.int64),
-                "output_tokens": out_tokens, "first_token_s": first, "finish_s": finish, **lat,
-                "preemptions": preempt, "finish_reason": reason.astype(str)}
+    requests = request_columns(trace.request_id, trace.domain, arrival, trace.prompt_tokens, out_tokens, first, finish,
+                               preempt, reason)
     tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
-    end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
-    span = max(end - (float(arrival.min()) if n else 0.0), 1e-12)
     iters = np.asarray(tl["iter_s"], dtype=np.float64)
     decode_only = iters[(np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"]))] if len(iters) else iters
     summary = {
-        "requests": n, "completed": int(np.isin(reason, ("length", "stop")).sum()),
-        "finish_reasons": dict(Counter(reason.tolist())), "unfinished": int(np.isnan(finish).sum()),
-        "makespan_s": span if n else 0.0, "iterations": len(timeline), "output_tokens": int(out_tokens.sum()),
+        **request_summary(requests), "iterations": len(timeline),
         "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
-        "throughput_tokens_per_s": float(out_tokens.sum()) / span,
-        "ttft_s": stats(lat["ttft_s"]), "tpot_s": stats(lat["tpot_s"]), "e2e_s": stats(lat["e2e_s"]),
         "iteration_s": stats(iters), "decode_iteration_s": stats(decode_only),
         "preemptions": int(engine.scheduler.num_preemptions),
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),

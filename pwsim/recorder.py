@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from traces.results import latency_columns, stats
+from traces.results import request_columns, request_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     from pwsim.engine import Simulation
@@ -150,37 +150,24 @@ class Recorder:
         if len(self._tl):
             tl["kv_used_bytes"] = tl["kv_used_bytes"].astype(np.int64) * B  # recorded as blocks
         wl = sim.workload
-        lat = latency_columns(self.arrival, self.first, self.finish_s, self.out_tokens)
-        ttft, tpot, e2e = lat["ttft_s"], lat["tpot_s"], lat["e2e_s"]
         with np.errstate(invalid="ignore", divide="ignore"):
             dpt = np.where(self.damage_tokens > 0, self.damage_sum / np.maximum(self.damage_tokens, 1), np.nan)
-        requests = {
-            "request": np.arange(self.n), "request_id": np.asarray(wl.request_id if wl.request_id is not None
-                                                                   else np.arange(self.n)),
-            "domain": np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object),
-            "arrival_s": self.arrival, "prompt_tokens": np.asarray(wl.prompt_tokens, dtype=np.int64),
-            "output_tokens": self.out_tokens, "first_token_s": self.first, "finish_s": self.finish_s,
-            "ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e, "preemptions": self.preemptions,
-            "finish_reason": self.reason.astype(str), "damage_per_token": dpt,
-        }
+        requests = request_columns(
+            wl.request_id if wl.request_id is not None else np.arange(self.n),
+            np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object), self.arrival,
+            wl.prompt_tokens, self.out_tokens, self.first, self.finish_s, self.preemptions, self.reason)
+        requests["damage_per_token"] = dpt
+        about = request_summary(requests)
         end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0
-        start = float(self.arrival.min()) if self.n else 0.0
-        span = max(end - start, 1e-12)
         if self._last_bits is not None and end > self._last_t:
             self.bits_time += self._last_bits * (end - self._last_t)
         wall = time.perf_counter() - self.wall_start
-        out_total = int(self.out_tokens.sum())
-        completed = int((self.reason == "length").sum() + (self.reason == "stop").sum())
+        out_total = about["output_tokens"]
         transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
         cost = sim.total_cost
         summary = {
-            "requests": self.n, "completed": completed,
-            "finish_reasons": dict(Counter(self.reason.tolist())),
-            "unfinished": int(np.isnan(self.finish_s).sum()),
-            "makespan_s": end - start, "iterations": self.iterations, "boundaries": self._boundaries,
-            "output_tokens": out_total, "computed_tokens": self.computed_tokens,
-            "throughput_tokens_per_s": out_total / span,
-            "ttft_s": stats(ttft), "tpot_s": stats(tpot), "e2e_s": stats(e2e),
+            **about, "iterations": self.iterations, "boundaries": self._boundaries,
+            "computed_tokens": self.computed_tokens,
             "preemptions": int(sim.sched.num_preemptions),
             "memory": {"budget_bytes": sim.cfg.budget_bytes, "peak_bytes": self.peak["memory_bytes"],
                        "peak_used_bytes": self.peak_used,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 import os
 import shutil
 import tempfile
@@ -48,6 +49,33 @@ def stats(a) -> dict:
     f = a[np.isfinite(a)]
     return {"mean": float(f.mean()) if f.size else None, "p50": percentile(f, 50), "p90": percentile(f, 90),
             "p99": percentile(f, 99), "max": float(f.max()) if f.size else None}
+
+
+def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens, first_token_s, finish_s, preemptions,
+                    finish_reason) -> dict[str, np.ndarray]:
+    """The per-request table of a result directory (`requests.parquet`), latencies included, in trace order."""
+    n = len(arrival_s)
+    return {"request": np.arange(n), "request_id": np.asarray(request_id), "domain": np.asarray(domain, dtype=object),
+            "arrival_s": np.asarray(arrival_s, dtype=np.float64), "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64),
+            "output_tokens": np.asarray(output_tokens, dtype=np.int64), "first_token_s": np.asarray(first_token_s),
+            "finish_s": np.asarray(finish_s),
+            **latency_columns(arrival_s, first_token_s, finish_s, output_tokens),
+            "preemptions": np.asarray(preemptions), "finish_reason": np.asarray(finish_reason).astype(str)}
+
+
+def request_summary(requests: dict[str, np.ndarray]) -> dict:
+    """What a run's summary says about its requests (from `request_columns`): completions, makespan (first arrival
+    to last finish), output throughput over it, and latency statistics."""
+    arrival, finish, reason = requests["arrival_s"], requests["finish_s"], requests["finish_reason"]
+    n = len(arrival)
+    end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
+    start = float(arrival.min()) if n else 0.0
+    out_total = int(requests["output_tokens"].sum())
+    return {"requests": n, "completed": int(np.isin(reason, ("length", "stop")).sum()),
+            "finish_reasons": dict(Counter(reason.tolist())), "unfinished": int(np.isnan(finish).sum()),
+            "makespan_s": end - start, "output_tokens": out_total,
+            "throughput_tokens_per_s": out_total / max(end - start, 1e-12),
+            "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"])}
 
 
 # ---------------------------------------------------------------- JSON and Parquet
