@@ -97,7 +97,7 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     ksplit = 1
     for ks in (1, 2, 4):
         ksplit = ks
-        tiles = -(-m_rows // (rows_per_warp * (4 // ks)))
+        tiles = row_tiles(m_rows, rows_per_warp, 4, ks)
         if tiles * ctas_per_tile >= want or nchunks // (ks * 2) < 2:
             break
     wide = -(-words // CHUNK_WORDS)
