@@ -12,8 +12,8 @@ Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 64 tokens w
 `MoEWorkspace` per (token bucket, dtype, top-k) reused across layers (no host sync, no
 data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
 workspace's activations. For T > 64 (prefill) it dequantizes the active experts at their committed
-bits (`dequantize_blocks`, in chunks of at most `prefill_chunk_bytes`) and runs torch GEMMs through
-`grouped_moe`. Off CUDA, or in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives
+bits (`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
+`padded_moe` (a few batched GEMMs per group of experts, not a set of launches per expert). Off CUDA, or in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives
 no activations, so a `down_in_norm` request takes the grouped path there.
 
 Following the page table: with a `policies.PageTable` attached, `sync()` brings every idle block's
@@ -25,23 +25,36 @@ iteration boundary, and `moe()`/`weight()` call it when the committed bits diffe
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
-from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
+from pwruntime.kernels import (
+    DeviceWeightTable,
+    MoEShape,
+    MoEWorkspace,
+    dequantize_blocks,
+    fused_moe,
+)
+from pwruntime.kernels.device_table import (
+    MIN_BITS,
+    TOP_PLANES,
+    as_int32,
+    pack_top_planes,
+)
 from pwruntime.kernels.moe import MAX_TOKENS
-from pwruntime.model.experts import block_shape, checked_block_index, expert_mlp, grouped_moe
+from pwruntime.model.experts import block_shape, checked_block_index, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
 DECODE_MAX_TOKENS = MAX_TOKENS  # tokens the fused kernel takes in one launch; more is prefill
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
 DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
+# Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 20 us of an H200's
+# dense fp16 rate, less than the host time of the launches another group of experts would cost.
+PAD_FLOPS = 10 ** 10
 
 
 def _kernel_path(x: torch.Tensor) -> bool:
@@ -120,7 +133,7 @@ class DeviceExpertStore:
 
     @classmethod
     def from_ap_store(cls, ap, *, device: str | torch.device, dtype: torch.dtype | None = None, table=None,
-                      **kw) -> "DeviceExpertStore":
+                      **kw) -> DeviceExpertStore:
         """Build from an `APExpertStore` at its current bits (or `table`'s). The AP store's layers are
         replaced, one at a time, by the host master (pinned on CUDA) that both stores then share: host
         memory is not doubled and the AP store's device copies, if any, go."""
@@ -315,7 +328,7 @@ class DeviceExpertStore:
         tokens, k = topk_ids.shape
         kernel = _kernel_path(x)
         if tokens > DECODE_MAX_TOKENS or (down_in_norm is not None and not kernel):
-            return self._grouped_moe(layer, x, topk_ids, topk_weights, down_in_norm)
+            return self._prefill_moe(layer, x, topk_ids, topk_weights, down_in_norm)
         ws = self.workspace(tokens, x.dtype, k) if kernel else None
         out = fused_moe(self.table, layer, x, topk_ids, topk_weights, self.moe_shape(k), ws)
         if down_in_norm is not None:
@@ -332,29 +345,9 @@ class DeviceExpertStore:
                                          out_f, in_f, dtype))
         return out[0], out[1]
 
-    def _grouped_moe(self, layer, x, topk_ids, topk_weights, down_in_norm):
-        active = torch.unique(topk_ids).tolist()  # host sync: prefill only
-        per_expert = 3 * self.hidden * self.intermediate * x.element_size()
-        weights = _ChunkedExperts(self, layer, active, x.dtype, max(1, self.prefill_chunk_bytes // per_expert))
-        return grouped_moe(x, topk_ids, topk_weights, self.experts,
-                           lambda e, rows: expert_mlp(rows, *weights.get(e)), down_in_norm)
-
-
-@dataclass
-class _ChunkedExperts:
-    """Active experts' weights, dequantized `chunk` experts at a time in ascending order (grouped_moe's)."""
-    store: DeviceExpertStore
-    layer: int
-    active: list[int]
-    dtype: torch.dtype
-    chunk: int
-    _loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-
-    def get(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if e not in self._loaded:
-            start = self.active.index(e)
-            group = self.active[start:start + self.chunk]
-            self._loaded = {}  # the previous chunk goes before the next one is made
-            gate_up, down = self.store.dequantize_experts(self.layer, group, self.dtype)
-            self._loaded = dict(zip(group, zip(gate_up, down)))
-        return self._loaded[e]
+    def _prefill_moe(self, layer, x, topk_ids, topk_weights, down_in_norm):
+        per_expert = 3 * self.hidden * self.intermediate
+        return padded_moe(x, topk_ids, topk_weights, self.experts,
+                          lambda group: self.dequantize_experts(layer, group, x.dtype),
+                          max(1, self.prefill_chunk_bytes // (per_expert * x.element_size())),
+                          PAD_FLOPS // (2 * per_expert), down_in_norm)

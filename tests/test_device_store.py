@@ -130,6 +130,12 @@ def moe_pair(ref, dev, layer: int, tokens: int, dtype=torch.float32, device: str
     return out.float().cpu(), want, n_dev.cpu(), n_ref
 
 
+def assert_same_moe(out: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to fp32 rounding: padded_moe batches the GEMMs the reference runs one expert at a time (a block
+    at other bits than the reference's moves outputs by orders of magnitude more)."""
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 def blocks_of(dev: DeviceExpertStore, i: int) -> list:
     planes, lut = dev.resident(i)
     return [weakref.ref(t) for t in planes] + ([weakref.ref(lut)] if lut is not None else [])
@@ -158,9 +164,10 @@ def test_moe_and_weights_equal_the_ap_store(ap_path):
         for e in range(8):
             for kind in ("gate_up", "down"):
                 assert torch.equal(dev.weight(layer, e, kind), ref.weight(layer, e, kind))
-        for tokens in (1, 5, 64, 65, 130):  # the grouped path (down norms asked on CPU, or prefill): exact
+        for tokens in (1, 5, 64, 65, 130):  # padded_moe (down norms asked on CPU, or prefill)
             out, want, n_dev, n_ref = moe_pair(ref, dev, layer, tokens, seed=tokens)
-            assert torch.equal(out, want) and torch.equal(n_dev, n_ref)
+            assert_same_moe(out, want)
+            assert_same_moe(n_dev, n_ref)
         x, ids, w = routing(dev, 7, seed=layer)  # the fused kernel's pure-torch fallback
         torch.testing.assert_close(dev.moe(layer, x, ids, w), ref.moe(layer, x, ids, w), rtol=1e-5, atol=1e-6)
 
@@ -179,7 +186,7 @@ def test_offload_lands_after_the_mark_and_frees_its_planes(ap_path, monkeypatch)
     assert all(alive(r) == len(r) for r in surplus.values())
     assert mover.device_bytes() == table.resident_bytes()
     out, want, _, _ = moe_pair(ref, dev, 0, 80)
-    assert torch.equal(out, want)
+    assert_same_moe(out, want)
     assert loop.step(observation(1)).committed == ()  # the compute stream has not passed the mark
     gate.is_open = True
     res = loop.step(observation(2))
@@ -207,7 +214,7 @@ def test_reload_commits_only_when_landed_and_restores_the_planes(ap_path, monkey
     assert [int(dev.row_bits[i]) for i in (0, 7)] == [3, 3]  # kernels keep reading 3 bits while planes copy
     assert mover.device_bytes() == table.resident_bytes() and mover.inflight_bytes() > 0
     out, want, _, _ = moe_pair(ref, dev, 0, 70)
-    assert torch.equal(out, want)
+    assert_same_moe(out, want)
     gate.is_open = True
     res = loop.step(observation(2))
     assert sorted(res.committed) == [0, 7] and [int(table.q[i]) for i in (0, 7)] == [8, 5]
@@ -217,7 +224,7 @@ def test_reload_commits_only_when_landed_and_restores_the_planes(ap_path, monkey
     assert mover.device_bytes() == dev.resident_bytes() == table.resident_bytes()
     assert mover.stats.reloads == 2 and mover.stats.bytes_reloaded == reserved  # planes + LUT, as the loop counts
     out, want, _, _ = moe_pair(ref, dev, 0, 70)
-    assert torch.equal(out, want)
+    assert_same_moe(out, want)
 
 
 def test_in_place_commits_and_initialize_reach_the_device(ap_path):
@@ -228,10 +235,10 @@ def test_in_place_commits_and_initialize_reach_the_device(ap_path):
     assert table.held[:16].all() and (dev.row_bits[:16] == 4).all() and (dev.row_planes[:16] == 8).all()
     assert_rows_follow(dev, table)
     out, want, _, _ = moe_pair(ref, dev, 0, 9)
-    assert torch.equal(out, want)
+    assert_same_moe(out, want)
     table.initialize(5)  # a policy's reset: the next moe() (or boundary) follows, held planes above 5 go
     out, want, _, _ = moe_pair(ref, dev, 1, 9)
-    assert torch.equal(out, want)
+    assert_same_moe(out, want)
     assert_rows_follow(dev, table)
     assert dev.resident_bytes() == table.resident_bytes()
 

@@ -1,12 +1,14 @@
-"""DenseExpertStore (grouped dispatch) and the routing records of forward(record=True)."""
+"""DenseExpertStore (grouped dispatch), the padded prefill dispatch, and the routing records of forward(record=True)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model_fixtures import load_hf_model, make_tiny_checkpoint
 from pwruntime.model import DenseExpertStore, ExpertStore, load_model, prefill_metadata
+from pwruntime.model.experts import expert_groups, padded_moe
 
 
 def _naive_moe(gate_up, down, x, ids, weights):
@@ -45,6 +47,50 @@ def test_dense_store_matches_naive_definition():
     assert store.weight(1, 5, "down").shape == (h, inter)
     with pytest.raises(ValueError):
         store.weight(0, 0, "up")
+
+
+def test_expert_groups_cover_active_experts_once_within_the_padding_bound():
+    assert expert_groups([0, 100, 10, 10, 0, 9], 8, 10) == [[1], [2, 3, 5]]  # 100 would pad the others by 271 rows
+    assert expert_groups([0, 100, 10, 10, 0, 9], 8, 271) == [[1, 2, 3, 5]]
+    assert expert_groups([5, 5, 5, 5, 5], 2, 0) == [[0, 1], [2, 3], [4]]
+    assert expert_groups([3, 2, 1], 8, 0) == [[0], [1], [2]]
+    assert expert_groups([0, 0], 4, 10) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        counts = rng.integers(0, 60, size=int(rng.integers(1, 40))) * (rng.random(1) < 0.9)
+        cap, pad = int(rng.integers(1, 10)), int(rng.integers(0, 100))
+        groups = expert_groups(counts.tolist(), cap, pad)
+        assert sorted(e for g in groups for e in g) == [e for e, c in enumerate(counts) if c > 0]
+        for g in groups:
+            assert len(g) <= cap and counts[g[0]] == max(counts[g])
+            assert len(g) * counts[g[0]] - counts[g].sum() <= pad
+    with pytest.raises(ValueError, match="max_experts"):
+        expert_groups([1], 0, 0)
+
+
+@pytest.mark.parametrize("tokens,cap,pad", [(1, 4, 0), (23, 1, 100), (23, 3, 5), (150, 6, 40), (150, 6, 10 ** 6)])
+def test_padded_dispatch_equals_the_grouped_one(tokens, cap, pad):
+    g = torch.Generator().manual_seed(tokens)
+    e_n, h, inter, k = 6, 16, 8, 3
+    gate_up, down = torch.randn(e_n, 2 * inter, h, generator=g), torch.randn(e_n, h, inter, generator=g)
+    store = DenseExpertStore([gate_up], [down])
+    x = torch.randn(tokens, h, generator=g)
+    ids = torch.stack([torch.randperm(e_n, generator=g)[:k] for _ in range(tokens)])
+    ids[: tokens // 2, 0] = 4  # a hot expert: groups of very different counts
+    weights = torch.rand(tokens, k, generator=g)
+    asked: list[list[int]] = []
+
+    def weights_of(group):
+        asked.append(list(group))
+        return gate_up[group], down[group]
+
+    norms, want_norms = torch.empty(tokens, k), torch.empty(tokens, k)
+    got = padded_moe(x, ids, weights, e_n, weights_of, cap, pad, down_in_norm=norms)
+    want = store.moe(0, x, ids, weights, down_in_norm=want_norms)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-5)
+    assert sorted(e for grp in asked for e in grp) == sorted(set(ids.flatten().tolist()))  # each expert made once
+    assert all(len(grp) <= cap for grp in asked)
 
 
 def test_routing_records_match_transformers_router(tmp_path):

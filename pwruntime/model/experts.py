@@ -8,8 +8,10 @@ gate_up = [gate; up] of shape [2I, H] and down of shape [H, I].
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +51,34 @@ class ExpertStore(Protocol):
 
 
 def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert on its rows [n, H]: (act = silu(gate rows) * (up rows) [n, I], down act [n, H]).
+    """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = silu(gate rows) *
+    (up rows) [..., n, I], down act [..., n, H]).
 
-    gate_up [2I, H] (gate rows first), down [H, I]: the expert_fn body every store hands grouped_moe."""
-    h = F.linear(rows, gate_up)
+    gate_up [..., 2I, H] (gate rows first), down [..., H, I]: the expert body both dispatchers below run."""
+    h = torch.matmul(rows, gate_up.transpose(-1, -2))
     inter = down.shape[-1]
-    act = F.silu(h[:, :inter]) * h[:, inter:]
-    return act, F.linear(act, down)
+    act = F.silu(h[..., :inter]) * h[..., inter:]
+    return act, torch.matmul(act, down.transpose(-1, -2))
+
+
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(order, token_of, counts): the (token, slot) pairs sorted by expert (stable), the token of each sorted
+    row, and each expert's row count on the host (the one host sync of a dispatch)."""
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return order, order // topk_ids.shape[1], counts
+
+
+def _combine(outputs: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, topk_weights: torch.Tensor,
+             n_tok: int, norms: torch.Tensor | None, down_in_norm: torch.Tensor | None) -> torch.Tensor:
+    """sum over each token's rows of routing weight * expert output, in float32; fills down_in_norm."""
+    weighted = outputs.float() * topk_weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros(n_tok, outputs.shape[1], dtype=torch.float32, device=outputs.device)
+    out.index_add_(0, token_of, weighted)
+    if norms is not None:
+        down_in_norm.view(-1)[order] = norms
+    return out.to(outputs.dtype)
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -64,11 +87,7 @@ def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
     expert_fn(e, rows [n, H]) -> (intermediate act [n, I], output [n, H]). Accumulates in float32.
     """
-    n_tok, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()       # the one host sync per layer
-    token_of = order // k
+    order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
     rows = x[token_of]
     outputs = torch.empty_like(rows)
     norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
@@ -81,11 +100,56 @@ def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
         if norms is not None:
             norms[start:start + c] = act.float().norm(dim=-1)
         start += c
-    weighted = outputs.float() * topk_weights.reshape(-1)[order].float()[:, None]
-    out = torch.zeros(n_tok, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, token_of, weighted)
-    if norms is not None:
-        down_in_norm.view(-1)[order] = norms
-    return out.to(x.dtype)
+    return _combine(outputs, order, token_of, topk_weights, topk_ids.shape[0], norms, down_in_norm)
+
+
+def expert_groups(counts: Sequence[int], max_experts: int, max_pad_rows: int) -> list[list[int]]:
+    """The active experts (count > 0) in padded_moe's groups: by descending count (ties by id), a group closing
+    when it holds `max_experts` or when padding it and the next expert to its first (largest) count would add
+    more than `max_pad_rows` rows that are computed and dropped. An expert alone is never padded."""
+    if max_experts < 1:
+        raise ValueError(f"max_experts must be >= 1, got {max_experts}")
+    groups: list[list[int]] = []
+    group: list[int] = []
+    rows = 0
+    for e in sorted((e for e, c in enumerate(counts) if c > 0), key=lambda e: (-counts[e], e)):
+        if group and (len(group) == max_experts or (len(group) + 1) * counts[group[0]] - rows - counts[e] > max_pad_rows):
+            groups.append(group)
+            group, rows = [], 0
+        group.append(e)
+        rows += counts[e]
+    return groups + [group] if group else groups
+
+
+def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+               weights_of, max_experts: int, max_pad_rows: int,
+               down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """grouped_moe's result with a few launches per group of experts instead of a set per expert (prefill).
+
+    weights_of(experts) -> (gate_up [n, 2I, H], down [n, H, I]) of a list of experts; at most `max_experts` are
+    asked at once (expert_groups, which also bounds a group's padding by `max_pad_rows`). Each group's rows are
+    padded to its largest count (pads repeat a real row and are dropped) and run through expert_mlp as one batch.
+    """
+    order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    rows = x[token_of]
+    outputs = torch.empty_like(rows)
+    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
+    for group in expert_groups(counts, max_experts, max_pad_rows):
+        width = counts[group[0]]
+        count = np.array([counts[e] for e in group])
+        slot = np.arange(width)[None, :]
+        src = (starts[group][:, None] + np.minimum(slot, count[:, None] - 1)).reshape(-1)  # sorted row of each slot
+        keep = np.flatnonzero((slot < count[:, None]).reshape(-1))  # the real slots
+        idx = torch.from_numpy(np.concatenate([src, keep, src[keep]])).to(x.device, non_blocking=True)
+        take, kept, dest = idx.split([len(src), len(keep), len(keep)])
+        gate_up, down = weights_of(group)
+        act, y = expert_mlp(rows[take].view(len(group), width, -1), gate_up, down)
+        del gate_up, down  # the next group's weights are made after these go
+        outputs[dest] = y.reshape(-1, y.shape[-1])[kept]
+        if norms is not None:
+            norms[dest] = act.float().norm(dim=-1).reshape(-1)[kept]
+    return _combine(outputs, order, token_of, topk_weights, topk_ids.shape[0], norms, down_in_norm)
 
 
 class DenseExpertStore:
