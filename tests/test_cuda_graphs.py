@@ -177,9 +177,12 @@ def test_decode_plan_selection():
     assert plan.decode is not None and plan.decode.max_len == 13
     assert plan.decode.seq_lens.tolist() == [1, 6, 13, 4] and plan.decode.seq_lens.dtype == torch.int32
     assert plan.decode.block_tables.dtype == torch.int32
-    assert "groups" in plan.__dict__                  # CPU: the reference's groups are built (and checked) at once
-    mixed = batch_metadata([(5, 1, [0, 1]), (0, 3, [2])], 4)
-    assert AttentionPlan.build(mixed, 4, torch.device("cpu")).decode is None
+    assert "decode_group" in plan.__dict__            # CPU: the reference's groups are built (and checked) at once
+    mixed = batch_metadata([(5, 1, [0, 1]), (0, 3, [2]), (2, 1, [3])], 4)
+    md = AttentionPlan.build(mixed, 4, torch.device("cpu")).decode  # the decode sequences of a mixed batch
+    assert md.rows.tolist() == [0, 4] and md.seq_lens.tolist() == [6, 3] and md.max_len == 6
+    assert md.block_tables.tolist() == [[0, 1], [3, -1]] and md.seq_lens.dtype == torch.int32
+    assert AttentionPlan.build(batch_metadata([(0, 3, [2])], 4), 4, torch.device("cpu")).decode is None
     d = plan.decode
     assert d.kernel_applies("cuda", torch.float16, None) and d.kernel_applies("cuda", torch.bfloat16, 13)
     assert not d.kernel_applies("cuda", torch.float16, 12)          # the window cuts the longest sequence
@@ -199,6 +202,27 @@ def test_cpu_decode_reference_unchanged_and_kernel_wiring(monkeypatch):
     monkeypatch.setattr(DecodeBatch, "kernel_applies", lambda self, dev, dtype, w: calls.append(w) or True)
     via_kernel_fn = paged_attention(q, *new, *caches, plan, scale)   # on CPU the kernel function falls back
     assert calls == [None] and torch.allclose(via_kernel_fn, ref, atol=1e-5)
+
+
+def test_mixed_batch_decode_rows_through_the_kernel_equal_the_reference(monkeypatch):
+    """A batch of decodes, a chunk with context and a plain prefill: the decode rows through the kernel function
+    (its CPU fallback) beside the chunks' groups give what the gather reference gives for every row."""
+    g = torch.Generator().manual_seed(3)
+    bs, kvh, heads, d = 4, 2, 4, 16
+    caches = [torch.randn(24, bs, kvh, d, generator=g) for _ in range(2)]
+    meta = batch_metadata([(5, 1, [0, 1]), (6, 3, [2, 3, 4]), (0, 4, [5]), (9, 1, [6, 7, 8])], bs)
+    plan = AttentionPlan.build(meta, bs, torch.device("cpu"))
+    q = torch.randn(meta.num_tokens, heads, d, generator=g)
+    new = [torch.randn(meta.num_tokens, kvh, d, generator=g) for _ in range(2)]
+    _write_new(plan, new, caches)
+    scale = d ** -0.5
+    ref = paged_attention(q, *new, *caches, plan, scale)
+    calls = []
+    monkeypatch.setattr(DecodeBatch, "kernel_applies", lambda self, dev, dtype, w: calls.append(w) or True)
+    got = paged_attention(q, *new, *caches, plan, scale)
+    assert calls == [None] and plan.decode.rows.tolist() == [0, 8]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[0], got[8])
 
 
 def test_engine_on_cpu_has_no_graphs_or_scratch():
@@ -399,13 +423,30 @@ def test_kv_resize_recaptures(demo):
 def test_cuda_decode_attention_kernel_matches_reference():
     q, new, caches, meta = _decode_batch(seed=3, device="cuda")
     plan = AttentionPlan.build(meta, 4, torch.device("cuda"), torch.float16)
-    assert plan.decode is not None and "groups" not in plan.__dict__   # the kernel path builds no gather groups
+    assert plan.decode is not None and "decode_group" not in plan.__dict__   # the kernel path builds no gather group
     _write_new(plan, new, caches)
     scale = 32 ** -0.5
     want = paged_attention(q, *new, *caches, plan, scale)              # fp32: the gather reference
     half = [c.half() for c in caches]
     got = paged_attention(q.half(), *(t.half() for t in new), *half, plan, scale)
     assert got.dtype == torch.float16 and rel(got.float(), want) < 3e-3
+
+
+@pytest.mark.gpu
+def test_cuda_mixed_batch_decode_rows_through_the_kernel_match_reference():
+    g = torch.Generator().manual_seed(4)
+    bs, kvh, heads, d = 4, 2, 4, 32
+    caches = [torch.randn(24, bs, kvh, d, generator=g).cuda() for _ in range(2)]
+    meta = batch_metadata([(5, 1, [0, 1]), (6, 3, [2, 3, 4]), (0, 4, [5]), (9, 1, [6, 7, 8])], bs, "cuda")
+    plan = AttentionPlan.build(meta, bs, torch.device("cuda"), torch.float16)
+    assert plan.decode.rows.tolist() == [0, 8] and "decode_group" not in plan.__dict__
+    q = torch.randn(meta.num_tokens, heads, d, generator=g).cuda()
+    new = [torch.randn(meta.num_tokens, kvh, d, generator=g).cuda() for _ in range(2)]
+    _write_new(plan, new, caches)
+    scale = d ** -0.5
+    want = paged_attention(q, *new, *caches, plan, scale)              # fp32: the gather reference for every row
+    got = paged_attention(q.half(), *(t.half() for t in new), *[c.half() for c in caches], plan, scale)
+    assert "decode_group" in plan.__dict__ and rel(got.float(), want) < 3e-3
 
 
 def _engine_tokens(model, graphs: bool, grow_at: int | None = None):

@@ -9,17 +9,19 @@ batch (query length 1) form one group; each multi-token chunk is its own group. 
 context (plain prefill) uses torch's scaled_dot_product_attention on its own K/V, which is the same
 math. This is the CPU path and the reference a CUDA paged-attention kernel must match.
 
-A pure-decode batch (every sequence adds one token) on CUDA in fp16/bf16 instead runs
-`kernels.attention.paged_attention_decode` over a `DecodeBatch` (block tables and sequence lengths as
-device tensors, nothing read back to the host), so the forward can be captured in a CUDA graph; the
-gather groups are then built only if a sliding-window layer needs them (a window shorter than the
-longest sequence), which cannot happen inside a graph (the graph runner checks).
+On CUDA in fp16/bf16 the decode sequences instead run `kernels.attention.paged_attention_decode` over a
+`DecodeBatch` (block tables and sequence lengths as device tensors, nothing read back to the host): a
+pure-decode batch entirely, so the forward can be captured in a CUDA graph, and the decode rows of a
+mixed batch beside the chunks' groups. The decode gather group is then built only if a sliding-window
+layer needs it (a window shorter than the longest sequence), which cannot happen inside a graph (the
+graph runner checks). Groups are built on the host and copied to the device (no read-back).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -37,6 +39,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor   # [num_seqs, max_blocks] int32, padded with -1
     slot_mapping: torch.Tensor   # [T] int64: block_id * block_size + offset of each new token's K/V
     seq_lens: torch.Tensor | None = None   # pure decode only: [S] int32 device context_len + 1 (static graph input)
+    host_tables: torch.Tensor | None = None  # block_tables on the host (batch_metadata keeps it: no read-back)
 
     @property
     def num_tokens(self) -> int:
@@ -56,7 +59,7 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + qlen)]
     return AttentionMetadata([q for _, q, _ in seqs], [c for c, _, _ in seqs], table.to(device),
-                             torch.tensor(slots, dtype=torch.int64, device=device))
+                             torch.tensor(slots, dtype=torch.int64, device=device), host_tables=table)
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
@@ -97,13 +100,14 @@ DECODE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """A pure-decode batch as the paged-attention decode kernel reads it (device tensors only)."""
+    """The batch's decode sequences (one new token each) as the paged-attention decode kernel reads them."""
     block_tables: torch.Tensor   # [S, max_blocks] int32
     seq_lens: torch.Tensor       # [S] int32: tokens each query attends to (its own K/V included)
     max_len: int                 # host bound on seq_lens: a sliding window at least this long changes nothing
+    rows: torch.Tensor | None = None  # [S] int64 their rows of the flattened batch; None: every row is a decode row
 
     def kernel_applies(self, device_type: str, dtype: torch.dtype, window: int | None) -> bool:
-        """Whether the kernel computes this batch's attention (else the gather reference does)."""
+        """Whether the kernel computes these sequences' attention (else the gather reference does)."""
         return (device_type == "cuda" and dtype in DECODE_KERNEL_DTYPES
                 and (window is None or self.max_len <= window))
 
@@ -112,8 +116,10 @@ class DecodeBatch:
 class AttentionPlan:
     """Everything derived from AttentionMetadata once per forward and shared by all layers.
 
-    `decode` is set for pure-decode batches; `groups` (the reference's gather groups) are built at
-    `build` unless the decode kernel will serve the batch, then only on first use."""
+    `decode` holds the batch's decode sequences (query length 1), if any, for the decode kernel; the other
+    sequences (prefill chunks) always take the reference's groups (`chunk_groups`), and the decode sequences
+    take `decode_group` where the kernel does not apply. Groups are built at `build` unless the kernel will
+    serve the decode sequences, then only on first use."""
     slot_mapping: torch.Tensor
     meta: AttentionMetadata
     block_size: int
@@ -122,55 +128,75 @@ class AttentionPlan:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
-              dtype: torch.dtype | None = None) -> "AttentionPlan":
-        decode = None
-        if meta.query_lens and all(q == 1 for q in meta.query_lens):
+              dtype: torch.dtype | None = None) -> AttentionPlan:
+        plan = cls(meta.slot_mapping.to(device=device, dtype=torch.int64), meta, block_size, device,
+                   cls._decode_batch(meta, device))
+        plan.chunk_groups  # build (and validate the block tables) now
+        if plan.decode is None or not plan.decode.kernel_applies(device.type, dtype, None):
+            plan.decode_group
+        return plan
+
+    @staticmethod
+    def _decode_batch(meta: AttentionMetadata, device: torch.device) -> DecodeBatch | None:
+        seqs = [s for s, q in enumerate(meta.query_lens) if q == 1]
+        if not seqs:
+            return None
+        max_len = max(meta.context_lens[s] for s in seqs) + 1
+        if len(seqs) == len(meta.query_lens):  # pure decode: every row, the tables as they are
             lens = meta.seq_lens
             if lens is None:
                 lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32, device=device)
-            decode = DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32),
-                                 lens.to(device=device, dtype=torch.int32), max(meta.context_lens) + 1)
-        plan = cls(meta.slot_mapping.to(device=device, dtype=torch.int64), meta, block_size, device, decode)
-        if decode is None or not decode.kernel_applies(device.type, dtype, None):
-            plan.groups  # build (and validate the block tables) now
-        return plan
+            return DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32),
+                               lens.to(device=device, dtype=torch.int32), max_len)
+        starts = np.cumsum([0] + meta.query_lens)
+        host = torch.from_numpy(np.array([seqs, [meta.context_lens[s] + 1 for s in seqs], starts[seqs]], np.int64))
+        index, lens, rows = host.to(device).unbind(0)  # one copy to the device
+        return DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32)[index], lens.to(torch.int32),
+                           max_len, rows)
 
     @cached_property
-    def groups(self) -> list:
-        meta, block_size, device = self.meta, self.block_size, self.device
-        starts = [0]
-        for q in meta.query_lens:
-            starts.append(starts[-1] + q)
-        groups: list = []
+    def chunk_groups(self) -> list:
+        """One group per sequence with more than one new token: plain prefill or gathered from the cache."""
+        meta = self.meta
+        starts = np.cumsum([0] + meta.query_lens).tolist()
+        return [_PrefillGroup(starts[s], starts[s + 1]) if meta.context_lens[s] == 0
+                else self._gather(meta, [s], starts, self.block_size, self.device)
+                for s, q in enumerate(meta.query_lens) if q > 1]
+
+    @cached_property
+    def decode_group(self) -> _GatherGroup | None:
+        meta = self.meta
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
-        for s, q in enumerate(meta.query_lens):
-            if q > 1 and meta.context_lens[s] == 0:
-                groups.append(_PrefillGroup(starts[s], starts[s + 1]))
-            elif q > 1:
-                groups.append(self._gather(meta, [s], starts, block_size, device))
-        if decode:
-            groups.append(self._gather(meta, decode, starts, block_size, device))
-        return groups
+        starts = np.cumsum([0] + meta.query_lens).tolist()
+        return self._gather(meta, decode, starts, self.block_size, self.device) if decode else None
+
+    @property
+    def groups(self) -> list:
+        """Every sequence in the reference's groups."""
+        return self.chunk_groups + ([self.decode_group] if self.decode_group is not None else [])
 
     @staticmethod
     def _gather(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
                 device: torch.device) -> _GatherGroup:
-        q_lens = torch.tensor([meta.query_lens[s] for s in seqs], device=device)
-        ctx = torch.tensor([meta.context_lens[s] for s in seqs], device=device)
-        total, q_max = ctx + q_lens, int(max(meta.query_lens[s] for s in seqs))
-        length = int(max(meta.context_lens[s] + meta.query_lens[s] for s in seqs))
-        table = meta.block_tables.to(device=device, dtype=torch.int64)[torch.tensor(seqs, device=device)]
-        k_pos = torch.arange(length, device=device)
+        """Built on the host (from meta.host_tables when present) and moved to the device: no read-back."""
+        tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
+        q_lens = torch.tensor([meta.query_lens[s] for s in seqs])
+        ctx = torch.tensor([meta.context_lens[s] for s in seqs])
+        total, q_max = ctx + q_lens, int(q_lens.max())
+        length = int(total.max())
+        table = tables.to(torch.int64)[seqs]
+        k_pos = torch.arange(length)
         blocks = table[:, (k_pos // block_size).clamp(max=table.shape[1] - 1)]
         in_seq = k_pos[None, :] < total[:, None]
         if bool((in_seq & ((blocks < 0) | (k_pos[None, :] >= table.shape[1] * block_size))).any()):
             raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
         key_slots = torch.where(in_seq, blocks * block_size + k_pos % block_size, 0)
-        qi = torch.arange(q_max, device=device)
-        token_idx = torch.cat([torch.arange(starts[s], starts[s + 1], device=device) for s in seqs])
-        dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s], device=device) for g, s in enumerate(seqs)])
-        return _GatherGroup(token_idx, dest, key_slots, in_seq, ctx[:, None] + qi[None, :],
-                            qi[None, :] < q_lens[:, None])
+        qi = torch.arange(q_max)
+        token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
+        dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
+        to = lambda t: t.to(device, non_blocking=True)
+        return _GatherGroup(to(token_idx), to(dest), to(key_slots), to(in_seq), to(ctx[:, None] + qi[None, :]),
+                            to(qi[None, :] < q_lens[:, None]))
 
 
 def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
@@ -220,10 +246,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     window: int | None = None) -> torch.Tensor:
     """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache)."""
     d = plan.decode
-    if d is not None and d.kernel_applies(q.device.type, q.dtype, window):
+    kernel = d is not None and d.kernel_applies(q.device.type, q.dtype, window)
+    if kernel and d.rows is None:
         return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale)
     out = torch.empty_like(q)
-    for g in plan.groups:
+    if kernel:
+        out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale)
+    for g in plan.chunk_groups if kernel else plan.groups:
         if isinstance(g, _PrefillGroup):
             out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
                                                     scale, window)
