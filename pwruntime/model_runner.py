@@ -90,12 +90,14 @@ class ModelRunner:
         routing = None
         if record and out.routing:
             r = out.routing
-            routing = RoutingArrays(
-                torch.stack([x.topk_ids for x in r]).cpu().numpy(),
-                torch.stack([x.topk_weights for x in r]).float().cpu().numpy(),
-                torch.stack([x.gate_up_in_norm for x in r]).float().cpu().numpy(),
-                torch.stack([x.down_in_norm for x in r]).float().cpu().numpy(),
-                tuple(e.num_new_tokens for e in batch.entries))
+            ids = torch.stack([x.topk_ids for x in r])
+            parts = [torch.stack([getattr(x, f) for x in r]).float() for f in ("topk_weights", "gate_up_in_norm",
+                                                                               "down_in_norm")]
+            floats = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()  # two copies to the host, not four
+            split = np.cumsum([p.numel() for p in parts])[:-1]
+            weights, gate_up_norm, down_norm = (a.reshape(p.shape) for a, p in zip(np.split(floats, split), parts))
+            routing = RoutingArrays(ids.cpu().numpy(), weights, gate_up_norm, down_norm,
+                                    tuple(e.num_new_tokens for e in batch.entries))
         return StepOutput(logits, routing)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
