@@ -205,11 +205,15 @@ def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
 BUNDLED = "traces/bundled/demo-replay-h200"
 
 
-@pytest.mark.parametrize("budget, runs", [("48MiB", ("kv980-run1", "kv980-run2")), ("24MiB", ("kv236-run1", "kv236-run2"))])
-def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, runs):
-    """The simulator with the bundled fitted profile (h200-demo-runtime, fitted on kv980-run1) against the runtime's
-    replays of the demo trace on the H200: end-to-end latency and throughput within the runtime's own run-to-run
-    spread (the two runs of one setting differ by up to 20%); with the plain GPU profile it is 10-30x off."""
+@pytest.mark.parametrize("budget, warm, cold", [
+    ("48MiB", ("kv980-warmup32-run2", "kv980-warmup32-run3"), ("kv980-run1", "kv980-run2")),
+    ("24MiB", ("kv236-warmup32", "kv236-warmup32-run2", "kv236-warmup32-run3"), ("kv236-run1", "kv236-run2"))])
+def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, cold):
+    """The simulator with the bundled fitted profile (h200-demo-runtime, fitted on kv980-warmup32) against the
+    runtime's other warmed-up replays of the demo trace on the H200: end-to-end latency, TPOT and throughput within
+    the runtime's own spread (up to 30% between runs of one setting on two machines). Cold replays also pay one-off
+    costs (graph captures, first launches) the profile leaves out, so the simulator is faster than them; with the
+    plain GPU profile it is 5-15x off."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     args = ["run", "--policy", "pagedweight", "--budget", budget, "--max-num-seqs", "32", "--max-batched-tokens", "512",
@@ -217,7 +221,7 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, runs):
     assert sim_main([*args, "--hardware", "h200-demo-runtime", "--out", str(tmp_path / "fit")]) == 0
     assert sim_main([*args, "--hardware", "h200-measured", "--out", str(tmp_path / "gpu")]) == 0
     fit, gpu = RunView(*read_result_dir(tmp_path / "fit")), RunView(*read_result_dir(tmp_path / "gpu"))
-    for run in runs:
+    for run in warm + cold:
         rt = RunView(*read_result_dir(root / BUNDLED / run))
         good, plain = compare(fit, rt), compare(gpu, rt)
         assert good["requests"]["paired"] == 96
@@ -228,6 +232,10 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, runs):
             assert pre["runtime"] > 0 and 0.5 <= pre["sim"] / pre["runtime"] <= 2
         else:
             assert plans == {"sim": 0, "runtime": 0} and pre == {"sim": 0, "runtime": 0}
-        assert 0.75 <= good["metrics"]["e2e_s"]["ratio_p50"] <= 1.3, run
-        assert 0.75 <= good["throughput_ratio"] <= 1.3, run
-        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.1 and plain["throughput_ratio"] > 8
+        e2e = good["metrics"]["e2e_s"]["ratio_p50"]
+        if run in warm:
+            assert 0.75 <= e2e <= 1.35 and 0.75 <= good["metrics"]["tpot_s"]["ratio_p50"] <= 1.35, run
+            assert 0.75 <= good["throughput_ratio"] <= 1.35, run
+        else:
+            assert 0.5 <= e2e <= 0.85, run
+        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.1 and plain["throughput_ratio"] > 5
