@@ -1,4 +1,5 @@
-"""`pwruntime bench kernels`: time the AP kernels against torch fp16 and write a measured hardware profile.
+"""`pwruntime bench kernels|prefill`: time the AP kernels against torch fp16 (and write a measured hardware
+profile), or the prefill MoE path against one launch set per expert.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -7,6 +8,9 @@ and mixed) against their roofline (active planes + LUT bytes / fp16 GEMV bandwid
 (per-expert loop, gathered experts + bmm), and paged-attention decode. Prints a table and the command
 that reproduces it; `--json` prints the results as JSON, `--out` writes them, `--profile-out` writes
 the measured coefficients in the simulator's hardware-profile format (traces/hardware.py).
+
+`bench prefill` times one prefill MoE layer per model shape and prompt size (pwruntime/bench_prefill.py):
+the runtime's padded groups against a set of launches per active expert, with a figure next to `--out`.
 """
 from __future__ import annotations
 
@@ -23,11 +27,15 @@ FP16_GEMV_FALLBACK_GBPS = 3960.0
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels"], help="what to benchmark")
+    p.add_argument("target", choices=["kernels", "prefill"],
+                   help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b)")
-    p.add_argument("--tokens", default="1,4,16,64", help="decode batch sizes (tokens per step), comma-separated")
+    p.add_argument("--tokens", default=None,
+                   help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
+                        "prompt tokens above 64, default 128,256,512)")
+    p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -52,28 +60,68 @@ def _replot(src: Path) -> int:
     return 0
 
 
+def _config(args, lo: int, hi: int, default_tokens: str):
+    """(BenchConfig, the command that reproduces the run) from the shared options, checked."""
+    import torch
+
+    from pwruntime.kernels import bench as kb
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(kb.ARCHS)
+    unknown = [m for m in models if m not in kb.ARCHS]
+    if unknown:
+        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.ARCHS)}")
+    text = args.tokens or default_tokens
+    try:
+        tokens = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UserError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if any(not lo <= t <= hi for t in tokens) or args.reps < 1:
+        raise UserError(f"--tokens must lie in {lo}..{hi} for bench {args.target} and --reps must be positive")
+    if not torch.cuda.is_available():
+        raise UserError(f"pwruntime bench {args.target} needs a CUDA GPU (and CuPy); none is visible here")
+    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}"
+    return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed), command
+
+
+def _run_prefill(args) -> int:
+    if not 3 <= args.bits <= 8:
+        raise UserError(f"--bits must lie in 3..8 (the device kernels' range), got {args.bits}")
+    if args.profile_out is not None or args.plot_from is not None:
+        raise UserError("--profile-out and --plot-from belong to `pwruntime bench kernels`")
+    cfg, command = _config(args, 65, 8192, "128,256,512")
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_prefill as bp
+    res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
+                 "bits": args.bits, "reps": args.reps, "rows": []}
+    for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
+        res["rows"] += bp.prefill_layers(cfg, m, args.bits)
+        torch.cuda.empty_cache()
+    if args.out:
+        write_json_atomic(args.out, res)
+        bp.plot(res, args.out.with_suffix(".png"))
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        bp.print_table(res)
+    print(f"\nreproduce: {command}")
+    if args.out:
+        print(f"results: {args.out} (figure: {args.out.with_suffix('.png')})")
+    return 0
+
+
 def run(args) -> int:
+    if args.target == "prefill":
+        return _run_prefill(args)
     if args.plot_from is not None:
         return _replot(args.plot_from)
     import torch
     from tqdm import tqdm
 
     from pwruntime.kernels import bench as kb
-    if not torch.cuda.is_available():
-        raise UserError("pwruntime bench kernels needs a CUDA GPU (and CuPy); none is visible here")
-    models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(kb.ARCHS)
-    unknown = [m for m in models if m not in kb.ARCHS]
-    if unknown:
-        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.ARCHS)}")
-    try:
-        tokens = tuple(int(t) for t in args.tokens.split(","))
-    except ValueError:
-        raise UserError(f"--tokens must be comma-separated integers, got {args.tokens!r}") from None
-    if any(not 1 <= t <= 64 for t in tokens) or args.reps < 1:
-        raise UserError("--tokens must lie in 1..64 and --reps must be positive")
-    cfg = kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed)
-    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        f"pwruntime bench kernels --models {','.join(models)} --tokens {args.tokens} --reps {args.reps}"
+    cfg, command = _config(args, 1, 64, "1,4,16,64")
+    models = cfg.models
 
     steps = 4 + len(models)
     bar = tqdm(total=steps, desc="bench kernels", file=sys.stderr)

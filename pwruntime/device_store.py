@@ -315,29 +315,38 @@ class DeviceExpertStore:
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
         self._follow_table()
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"no MoE layer {layer}: the store has {self.num_layers}")
         tokens, k = topk_ids.shape
         kernel = _kernel_path(x)
         if tokens > DECODE_MAX_TOKENS or (down_in_norm is not None and not kernel):
-            return self._prefill_moe(layer, x, topk_ids, topk_weights, down_in_norm)
+            return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
+                               self.prefill_chunk_bytes, down_in_norm)
         ws = self.workspace(tokens, x.dtype, k) if kernel else None
         out = fused_moe(self.table, layer, x, topk_ids, topk_weights, self.moe_shape(k), ws)
         if down_in_norm is not None:
             down_in_norm.copy_(ws.act[:tokens * k].float().norm(dim=-1).view(tokens, k))
         return out
 
-    def dequantize_experts(self, layer: int, experts: Sequence[int],
-                           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [n, 2I, H], down [n, H, I]) of `experts` at their committed bits."""
-        out = []
-        for kind in (0, 1):
-            out_f, in_f = self.shape(kind)
-            out.append(dequantize_blocks(self.table, [self.block_index(layer, e, kind) for e in experts],
-                                         out_f, in_f, dtype))
-        return out[0], out[1]
 
-    def _prefill_moe(self, layer, x, topk_ids, topk_weights, down_in_norm):
-        per_expert = 3 * self.hidden * self.intermediate
-        return padded_moe(x, topk_ids, topk_weights, self.experts,
-                          lambda group: self.dequantize_experts(layer, group, x.dtype),
-                          max(1, self.prefill_chunk_bytes // (per_expert * x.element_size())),
-                          PAD_FLOPS // (2 * per_expert), down_in_norm)
+def prefill_group_limits(shape: MoEShape, element_size: int,
+                         chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> tuple[int, int]:
+    """(experts, padding rows) a prefill group may hold: `chunk_bytes` of dequantized weights, `PAD_FLOPS`."""
+    per_expert = 3 * shape.hidden * shape.intermediate
+    return max(1, chunk_bytes // (per_expert * element_size)), PAD_FLOPS // (2 * per_expert)
+
+
+def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
+                down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
+    (`dequantize_blocks`) a group at a time (`prefill_group_limits`) and run by `padded_moe`."""
+    h, inter = shape.hidden, shape.intermediate
+
+    def weights_of(group: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        gate_up, down = (dequantize_blocks(table, [shape.block(layer, e, kind) for e in group],
+                                           *block_shape(kind, h, inter), x.dtype) for kind in (0, 1))
+        return gate_up, down
+
+    return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of,
+                      *prefill_group_limits(shape, x.element_size(), chunk_bytes), down_in_norm)

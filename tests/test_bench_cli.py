@@ -1,7 +1,10 @@
-"""`pwruntime bench kernels` off the GPU: redrawing the figure of a saved result, and its errors."""
+"""`pwruntime bench kernels|prefill` off the GPU: figures and tables of saved results, and the errors; on the GPU the
+prefill bench's two paths agree."""
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from pwruntime.cli import main
 
@@ -32,3 +35,43 @@ def test_plot_from_a_wrong_file_is_one_clear_error(tmp_path, capsys):
     assert "not a `pwruntime bench kernels --out` result" in err and "Traceback" not in err
     assert not (tmp_path / "bench.png").exists()
     assert main(["bench", "kernels", "--plot-from", str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "64"], "--tokens must lie in 65..8192 for bench prefill"),
+    (["--tokens", "a,b"], "comma-separated integers"),
+    (["--bits", "2"], "--bits must lie in 3..8"),
+    (["--models", "gpt-5"], "unknown model shape"),
+    (["--profile-out", "p.json"], "belong to `pwruntime bench kernels`"),
+])
+def test_prefill_bench_misuse_is_one_clear_error(tmp_path, capsys, argv, message):
+    out = tmp_path / "prefill.json"
+    assert main(["bench", "prefill", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not out.exists()
+
+
+def test_prefill_bench_table_and_figure(tmp_path, capsys):
+    from pwruntime import bench_prefill as bp
+
+    rows = [{"model": m, "tokens": t, "bits": 4, "active_experts": 8, "padded_groups": 2, "max_rel_diff": 1e-3,
+             "padded_ms": 1.0 + t / 256, "per_expert_ms": 3.0 + t / 128, "speedup": 2.0}
+            for m in ("olmoe-1b-7b", "mixtral-8x7b") for t in (128, 512)]
+    res = {"device": "test GPU", "bits": 4, "reps": 5, "rows": rows}
+    bp.print_table(res)
+    text = capsys.readouterr().out
+    assert "olmoe-1b-7b" in text and "mixtral-8x7b" in text and text.count("\n") == 2 + len(rows)
+    png = bp.plot(res, tmp_path / "prefill.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_bench_paths_agree():
+    from pwruntime import bench_prefill as bp
+    from pwruntime.kernels.bench import BenchConfig
+
+    rows = bp.prefill_layers(BenchConfig(models=("olmoe-1b-7b",), tokens=(80, 200), reps=2, warmup=1), "olmoe-1b-7b", 5)
+    assert [r["tokens"] for r in rows] == [80, 200]
+    for r in rows:
+        assert r["max_rel_diff"] < 1e-2 and r["padded_groups"] >= 1 and r["active_experts"] > 8
+        assert r["padded_ms"] > 0 and r["per_expert_ms"] > 0

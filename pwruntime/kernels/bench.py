@@ -146,7 +146,7 @@ def single_block_once(bits: tuple[int, ...], tokens: tuple[int, ...], out: int =
 
 
 # ------------------------------------------------------------------ MoE layers
-class _APLayers:
+class APLayers:
     """`layers` MoE layers of random AP experts (all 8 planes resident, LUTs for 3..8 bits)."""
 
     def __init__(self, shape: MoEShape, layers: int, gen: torch.Generator):
@@ -177,7 +177,7 @@ class _APLayers:
         return total / self.layers
 
 
-def _routing(shape: MoEShape, tokens: int, gen: torch.Generator):
+def random_routing(shape: MoEShape, tokens: int, gen: torch.Generator):
     ids = torch.stack([torch.randperm(shape.num_experts, device="cuda", generator=gen)[:shape.top_k]
                        for _ in range(tokens)])
     w = torch.softmax(torch.randn(tokens, shape.top_k, device="cuda", generator=gen), dim=-1)
@@ -227,12 +227,12 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
     shape = MoEShape(e, h, i, k)
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     layers = _layers_for(shape)
-    ap = _APLayers(shape, layers, gen)
+    ap = APLayers(shape, layers, gen)
     wgu = torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.float16) / h ** 0.5
     wd = torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.float16) / i ** 0.5
     cases = {}
     for t in cfg.tokens:
-        ids, w = _routing(shape, t, gen)
+        ids, w = random_routing(shape, t, gen)
         x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16)
         ws = MoEWorkspace.create(shape, t, torch.float16, "cuda")
         graph = capture(lambda: [fused_moe(ap.table, layer, x, ids, w, shape, ws) for layer in range(layers)])
