@@ -217,38 +217,23 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_kernel_is_exact(dtype):
+@pytest.mark.parametrize("out_f, in_f", [(96, 333), (100, 352)], ids=["per-thread-stores", "staged-stores"])
+def test_dequantize_kernel_is_exact(dtype, out_f, in_f):
+    """Every element of blocks at 3..8 bits and of a block cleared from the table (zeros). K = 333 takes the
+    per-thread stores; K = 352 (a multiple of 32) the warp's shared-memory stage, and 100 x 11 words leave the
+    last warp of the last CTA partly past the end."""
     gen = torch.Generator(device="cuda").manual_seed(9)
-    table = DeviceWeightTable(6, "cuda")
-    out_f, in_f = 96, 333
-    want = []
-    for blk, b in zip(range(6), (3, 4, 5, 6, 7, 8)):
-        planes, luts = random_block(out_f, in_f, gen)
-        table.set_block(blk, device_layout(planes), luts[b], b)
-        want.append(dequantize(planes[:b], luts[b], out_f, in_f).to(dtype))
-    got = dequantize_blocks(table, [5, 0, 3, 1], out_f, in_f, dtype)
-    assert torch.equal(got, torch.stack([want[5], want[0], want[3], want[1]]))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dequantize_kernel_staged_stores_are_exact(dtype):
-    """K a multiple of 32 (a warp writes its 2 KiB through shared memory), 100 x 11 words (the last warp of the last
-    CTA partly past the end), a block cleared from the table (zeros): every element."""
-    gen = torch.Generator(device="cuda").manual_seed(10)
     table = DeviceWeightTable(7, "cuda")
-    out_f, in_f = 100, 352
     want = []
-    for blk, b in zip(range(6), (3, 4, 5, 6, 7, 8)):
+    for blk, b in zip(range(7), (3, 4, 5, 6, 7, 8, 4)):
         planes, luts = random_block(out_f, in_f, gen)
         table.set_block(blk, device_layout(planes), luts[b], b)
         want.append(dequantize(planes[:b], luts[b], out_f, in_f).to(dtype))
-    planes, luts = random_block(out_f, in_f, gen)
-    table.set_block(6, device_layout(planes), luts[4], 4)
     table.clear(6)
-    got = dequantize_blocks(table, [4, 6, 0, 5, 2, 1, 3], out_f, in_f, dtype)
-    zeros = torch.zeros(out_f, in_f, dtype=dtype, device="cuda")
-    assert torch.equal(got, torch.stack([want[4], zeros, want[0], want[5], want[2], want[1], want[3]]))
+    want[6] = torch.zeros(out_f, in_f, dtype=dtype, device="cuda")
+    order = [4, 6, 0, 5, 2, 1, 3]
+    got = dequantize_blocks(table, order, out_f, in_f, dtype)
+    assert torch.equal(got, torch.stack([want[i] for i in order]))
 
 
 def _attention_case(gen, lens, heads, kv_heads, dim, dtype, block_size=16, spare_blocks=7):
