@@ -41,6 +41,18 @@ from traces.clikit import UserError
 
 
 @dataclass(frozen=True)
+class StepPhases:
+    """Seconds (on the engine's clock) of one step's phases; they add up to the step."""
+    schedule_s: float  # the scheduler's batch (and dropping the preempted sequences' features)
+    forward_s: float  # ModelRunner.run: inputs, the model (a graph replay or eager), logits, routing to the host
+    sample_s: float  # sampling the next tokens
+    observe_s: float  # routing mass and prompt features, postprocess, outputs, the planner's Observation
+    plan_s: float  # PlanLoop.step: the policy's plan, page moves started and landed
+
+    PHASES = ("schedule_s", "forward_s", "sample_s", "observe_s", "plan_s")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from gpu_memory_fraction (CUDA) or cpu_kv_cache_bytes (CPU)
@@ -132,6 +144,7 @@ class LLMEngine:
         self.last_observation: policies.Observation | None = None
         self.last_loop: LoopResult | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
+        self.last_phases: StepPhases | None = None  # how long the last step's phases took
 
     # ------------------------------------------------------------------ set-up
     def _initial_blocks(self) -> int:
@@ -202,15 +215,19 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that finished in it."""
+        """One iteration; returns the requests that finished in it. `last_phases` times its phases."""
+        marks = [self.clock()]
         batch = self.last_batch = self.scheduler.schedule()
         for s in batch.preempted:
             self.features.drop(s.seq_id)  # its recompute will observe its tokens again
         finished: list[Sequence] = list(batch.aborted)
+        marks.append(self.clock())
         if batch.entries:
             out = self.runner.run(batch, self.pool, record=self._record)
+            marks.append(self.clock())
             sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
             tokens = sample(out.logits, [r.params for r in sampling], [r.generator for r in sampling])
+            marks.append(self.clock())
             if out.routing is not None:
                 self._observe_routing(batch, out.routing)
             finished += self.scheduler.postprocess(batch, tokens, stop=self._stop_string)
@@ -218,13 +235,18 @@ class LLMEngine:
             for r in sampling:
                 if r.first_token_time is None:
                     r.first_token_time = now
+        else:
+            marks += marks[-1:] * 2
         outputs = [self._output(s) for s in finished]
         self.last_observation = build_observation(
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
             kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
             routing=self.routing if self._record else None, features=self.features if self._record else None,
             headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
+        marks.append(self.clock())
         self.last_loop = self.loop.step(self.last_observation)
+        marks.append(self.clock())
+        self.last_phases = StepPhases(*np.diff(marks).tolist())
         self.num_steps += 1
         return outputs
 

@@ -6,18 +6,20 @@ arrival time, steps the engine whenever it has work and sleeps until the next ar
 none (after an optional untimed warm-up on the trace's first prompts). It records what the simulator
 records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
-committed mean bits. `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
+committed mean bits, and the engine's own phase times (`StepPhases`: schedule, forward, sample,
+observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`. `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
 names; `pwruntime replay` writes them as a result directory (`traces.results`) for `pwsim fidelity`.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import numpy as np
 
 from traces.clikit import UserError
+from pwruntime.engine import StepPhases
 from pwruntime.sampling import SamplingParams
 from traces.results import request_columns, request_summary, stats
 from traces.schema import RequestTrace
@@ -89,14 +91,14 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
             b = engine.last_batch
             timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
                              len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.capacity,
-                             engine.pool.num_free, mean_bits()))
+                             engine.pool.num_free, mean_bits(), *astuple(engine.last_phases)))
     result = _result(trace, arrival, outputs, index, timeline, engine)
     result.summary["warmup_steps"] = first_step
     return result
 
 
 TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "running", "waiting", "total_blocks",
-            "free_blocks", "mean_bits")
+            "free_blocks", "mean_bits", *StepPhases.PHASES)
 
 
 def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
@@ -114,12 +116,15 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
                                preempt, reason)
     tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
     iters = np.asarray(tl["iter_s"], dtype=np.float64)
-    decode_only = iters[(np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"]))] if len(iters) else iters
+    is_decode = np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"])
+    decode_only = iters[is_decode] if len(iters) else iters
     summary = {
         **request_summary(requests), "iterations": len(timeline),
         "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
         "iteration_s": stats(iters), "decode_iteration_s": stats(decode_only),
         "preemptions": int(engine.scheduler.num_preemptions),
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
+        "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
+                     for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if len(iters) and sel.any()},
     }
     return ReplayResult(requests, tl, summary)

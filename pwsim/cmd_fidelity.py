@@ -81,6 +81,8 @@ def run(args) -> int:
     pl = report["planner"]
     print(f"plans: {pl['plans']['sim']} simulated, {pl['plans']['runtime']} on the runtime; preemptions: "
           f"{pl['preemptions']['sim']} and {pl['preemptions']['runtime']}")
+    for kind, ms in (report["runtime_phase_ms"] or {}).items():
+        print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
              f"{fitted.token_overhead_us:.1f} us a token) to {args.fit_profile}"

@@ -96,6 +96,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                        "per_token_gap_us": gap("per_token_s")},
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
+        "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
     }
 
 

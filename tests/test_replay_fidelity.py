@@ -97,6 +97,23 @@ def test_replay_on_the_wall_clock_never_serves_early(ckpt):
     assert np.all(res.timeline["iter_s"] > 0) and np.all(np.diff(res.timeline["time_s"]) >= 0)
 
 
+def test_replay_times_each_step_s_phases(ckpt):
+    """The engine's phase times (StepPhases) land in the timeline: they cover the step (the replay's own clock reads
+    around it add next to nothing), the forward takes time in every step, and the summary averages them per kind."""
+    from pwruntime.engine import StepPhases
+    from pwruntime.replay import replay
+    res = replay(_engine(ckpt), _trace())
+    tl = res.timeline
+    phases = np.stack([np.asarray(tl[p]) for p in StepPhases.PHASES])
+    assert np.all(phases >= 0) and np.all(phases[1] > 0)
+    total = phases.sum(axis=0)
+    assert np.all(total <= tl["iter_s"] + 1e-9) and np.all(total >= 0.9 * tl["iter_s"])
+    decode = np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"])
+    got = res.summary["phase_ms"]
+    assert set(got) == {"decode", "mixed"} and set(got["decode"]) == {p[:-2] for p in StepPhases.PHASES}
+    assert got["mixed"]["forward"] == pytest.approx(1e3 * np.mean(phases[1][~decode]), abs=1e-3)
+
+
 def test_replay_needs_prompt_ids_and_a_positive_time_scale(ckpt):
     from pwruntime.replay import replay
     with pytest.raises(UserError, match="prompt token ids"):
@@ -178,14 +195,18 @@ def _write_run(path, view, hardware="h200-roofline"):
 def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     tokens = np.array([1, 2, 4, 8])
     _write_run(tmp_path / "sim", _view([1, 2], [0.1, 0.2], [0.01, 0.02], [1, 2], 0.001 + 1e-4 * tokens, tokens))
-    _write_run(tmp_path / "rt", _view([1, 2], [0.2, 0.4], [0.02, 0.04], [2, 4], 0.004 + 1e-4 * tokens, tokens))
+    rt = _view([1, 2], [0.2, 0.4], [0.02, 0.04], [2, 4], 0.004 + 1e-4 * tokens, tokens)
+    rt.summary["phase_ms"] = {"decode": {"schedule": 0.1, "forward": 2.5, "sample": 0.1, "observe": 0.3, "plan": 0.1}}
+    _write_run(tmp_path / "rt", rt)
     out = tmp_path / "fid"
     rc = sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--out", str(out),
                    "--fit-profile", str(tmp_path / "fit.json")])
     assert rc == 0
     text = capsys.readouterr().out
     assert "2 requests paired" in text and "median 0.50" in text
+    assert "runtime decode iterations, mean ms: schedule 0.1, forward 2.5" in text
     rep = json.loads((out / "fidelity.json").read_text())
+    assert rep["runtime_phase_ms"]["decode"]["observe"] == 0.3
     assert rep["metrics"]["tpot_s"]["ratio_p50"] == pytest.approx(0.5)
     assert (out / "fidelity.png").stat().st_size > 10_000
     fit = load_profile(tmp_path / "fit.json")
