@@ -19,11 +19,10 @@ from pathlib import Path
 
 import torch
 
-from pwruntime.device_store import prefill_group_limits, prefill_moe
-from pwruntime.kernels import dequantize_blocks
+from pwruntime.device_store import dequantize_experts, prefill_group_limits, prefill_moe
 from pwruntime.kernels.bench import ARCHS, APLayers, BenchConfig, random_routing
 from pwruntime.kernels.moe import MoEShape
-from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_moe
+from pwruntime.model.experts import expert_groups, expert_mlp, grouped_moe
 
 
 def wall_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -41,8 +40,7 @@ def wall_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
 
 def _per_expert(table, shape: MoEShape, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     active = sorted(set(ids.reshape(-1).tolist()))
-    gate_up, down = (dequantize_blocks(table, [shape.block(0, e, kind) for e in active],
-                                       *block_shape(kind, shape.hidden, shape.intermediate), x.dtype) for kind in (0, 1))
+    gate_up, down = dequantize_experts(table, shape, 0, active, x.dtype)
     slot = {e: j for j, e in enumerate(active)}
     return grouped_moe(x, ids, w, shape.num_experts, lambda e, rows: expert_mlp(rows, gate_up[slot[e]], down[slot[e]]))
 

@@ -336,17 +336,19 @@ def prefill_group_limits(shape: MoEShape, element_size: int,
     return max(1, chunk_bytes // (per_expert * element_size)), PAD_FLOPS // (2 * per_expert)
 
 
+def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits."""
+    gate_up, down = (dequantize_blocks(table, [shape.block(layer, e, kind) for e in experts],
+                                       *block_shape(kind, shape.hidden, shape.intermediate), dtype) for kind in (0, 1))
+    return gate_up, down
+
+
 def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
                 down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
-    (`dequantize_blocks`) a group at a time (`prefill_group_limits`) and run by `padded_moe`."""
-    h, inter = shape.hidden, shape.intermediate
-
-    def weights_of(group: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        gate_up, down = (dequantize_blocks(table, [shape.block(layer, e, kind) for e in group],
-                                           *block_shape(kind, h, inter), x.dtype) for kind in (0, 1))
-        return gate_up, down
-
-    return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of,
+    (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `padded_moe`."""
+    return padded_moe(x, topk_ids, topk_weights, shape.num_experts,
+                      lambda group: dequantize_experts(table, shape, layer, group, x.dtype),
                       *prefill_group_limits(shape, x.element_size(), chunk_bytes), down_in_norm)

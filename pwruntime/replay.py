@@ -117,14 +117,13 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
     tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
     iters = np.asarray(tl["iter_s"], dtype=np.float64)
     is_decode = np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"])
-    decode_only = iters[is_decode] if len(iters) else iters
     summary = {
         **request_summary(requests), "iterations": len(timeline),
         "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
-        "iteration_s": stats(iters), "decode_iteration_s": stats(decode_only),
+        "iteration_s": stats(iters), "decode_iteration_s": stats(iters[is_decode]),
         "preemptions": int(engine.scheduler.num_preemptions),
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
-                     for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if len(iters) and sel.any()},
+                     for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},
     }
     return ReplayResult(requests, tl, summary)
