@@ -16,11 +16,42 @@ __device__ __forceinline__ u32 top3(const u32* w, int i) {
     return ((w[0] >> 1) & 0x44444444u) | ((w[1] >> 2) & 0x22222222u) | ((w[2] >> 3) & 0x11111111u);
 }
 
-// AP plane k (k < 3) of the packed words: element j + 4s from bit 4s + 2 - k of w[j], element 3 + 4s from
-// bit 4s + 3 of w[k] (the inverse of the packing; the dequantize kernel's byte-at-a-time decode uses it)
-__device__ __forceinline__ u32 ap_plane(const u32* w, int k) {
-    return (w[k] & 0x88888888u) | (shr_rt(w[0], 2 - k) & 0x11111111u) | (shr_rt(w[1], 1 - k) & 0x22222222u) |
-           (shr_rt(w[2], -k) & 0x44444444u);
+// The register LUT of one row for decode3 / decode4 from its 2^Q entries (raw[h] = entries 8h..8h+7, Q - 2 of
+// them loaded), each rounded to bf16 first for bf16 activations.
+// q = 3: L[0..1] the low bytes of entries 0..3 and 4..7, L[2..3] their high bytes, L[4..7] unused (zero).
+// q = 4: the table of the even codes (LUT[2c]) in L[0..3] and of the odd codes (LUT[2c + 1]) in L[4..7],
+// each as low bytes of c = 0..3, 4..7 then high bytes; word u of raw[h] holds entries 2u, 2u + 1 of its 8,
+// so byte sel of each word picks one parity.
+template <int Q, bool BF>
+__device__ __forceinline__ void reg_lut(const u32x4 (&raw)[2], u32 (&L)[8]) {
+    static_assert(Q == 3 || Q == 4, "register LUTs serve q = 3 and 4");
+    u32x4 e[2];
+#pragma unroll
+    for (int h = 0; h < Q - 2; ++h) {
+        e[h] = raw[h];
+        if constexpr (BF) {
+            e[h].x = lut2act<BF>(e[h].x & 0xffffu) | ((u32)lut2act<BF>(e[h].x >> 16) << 16);
+            e[h].y = lut2act<BF>(e[h].y & 0xffffu) | ((u32)lut2act<BF>(e[h].y >> 16) << 16);
+            e[h].z = lut2act<BF>(e[h].z & 0xffffu) | ((u32)lut2act<BF>(e[h].z >> 16) << 16);
+            e[h].w = lut2act<BF>(e[h].w & 0xffffu) | ((u32)lut2act<BF>(e[h].w >> 16) << 16);
+        }
+    }
+    if constexpr (Q == 3) {
+        L[0] = prmt(e[0].x, e[0].y, 0x6420u);  // low bytes of entries 0..3
+        L[1] = prmt(e[0].z, e[0].w, 0x6420u);  // low bytes of entries 4..7
+        L[2] = prmt(e[0].x, e[0].y, 0x7531u);  // high bytes of entries 0..3
+        L[3] = prmt(e[0].z, e[0].w, 0x7531u);  // high bytes of entries 4..7
+#pragma unroll
+        for (int k = 4; k < 8; ++k) L[k] = 0u;
+    } else {
+        const auto gather = [](const u32x4& v, u32 sel) { return prmt(prmt(v.x, v.y, sel), prmt(v.z, v.w, sel), 0x5410u); };
+#pragma unroll
+        for (int t4 = 0; t4 < 4; ++t4) {  // even low, even high, odd low, odd high bytes
+            const u32 sel = 0x0040u + 0x0011u * t4;
+            L[2 * t4] = gather(e[0], sel);      // codes of c = 0..3
+            L[2 * t4 + 1] = gather(e[1], sel);  // c = 4..7
+        }
+    }
 }
 
 // q = 3: A[0..1] = pairs (s0,s1), (s2,s3) of elements i + 4s, s = 0..3; A[2..3] the same for s = 4..7

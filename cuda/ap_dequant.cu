@@ -2,11 +2,13 @@
 //
 // The blocks come from the device page table (int64 rows [plane0..plane7, lut, bits]); one launch
 // handles any number of same-shape blocks (grid.y = block). Each thread decodes one 32-column word
-// of one row: q plane words (the top three unpacked from the device's nibble layout) -> 32 codes ->
-// LUT_q lookups (the LUT row is tiny and L1-resident). When K is a multiple of 32 the 32 threads of a
-// warp own 32 consecutive words, i.e. 2 KiB of contiguous output: each thread puts its 64 bytes in a
-// shared-memory stage and the warp writes the 2 KiB with coalesced 16-byte stores (a thread storing its
-// own 64 bytes makes every warp store touch 32 sectors for 128 useful bytes).
+// of one row with the fused MoE kernel's decoders (ap_decode.cuh): a register LUT looked up with prmt
+// at q = 3, 4; byte codes from the bit transpose and one L1 LUT load an element at q >= 5. The values
+// come out in the decoders' mma order and are paired into 16 words of consecutive elements.
+// When K is a multiple of 32 the 32 threads of a warp own 32 consecutive words, i.e. 2 KiB of contiguous
+// output: each thread puts its 64 bytes in a shared-memory stage and the warp writes the 2 KiB with
+// coalesced 16-byte stores (a thread storing its own 64 bytes makes every warp store touch 32 sectors
+// for 128 useful bytes). Other K store per thread.
 #include "pw_common.cuh"
 #include "ap_decode.cuh"
 
@@ -18,6 +20,50 @@ namespace {
 constexpr bool BF = PW_BF16 != 0;
 constexpr int THREADS = 128;
 constexpr int TABLE_COLS = 10;
+
+__device__ __forceinline__ u16 ldg_nc_u16(const u16* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
+
+// Word wd of row r of a block at Q bits -> out[p] = elements 2p (low half) and 2p + 1 of the word.
+template <int Q>
+__device__ __forceinline__ void decode_word(const long long* row, int r, int W, int wd, u32 (&out)[16]) {
+    const long long off = (long long)r * W + wd;
+    const u16* lut = reinterpret_cast<const u16*>(row[8]) + (long long)r * (1 << Q);
+    u32 w[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) w[j] = j < Q ? ldg_nc(reinterpret_cast<const u32*>(row[j]) + off) : 0u;
+    if constexpr (Q <= 4) {
+        u32x4 raw[2];
+#pragma unroll
+        for (int h = 0; h < Q - 2; ++h) raw[h] = ldg_nc_v4(lut + 8 * h);
+        u32 L[8];
+        reg_lut<Q, BF>(raw, L);
+        u32 A[4][4];  // A[i][h]: elements i + 8h (low half) and i + 8h + 4
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (Q == 3) decode3(w, i, L, A[i]);
+            else decode4(w, i, L, A[i]);
+        }
+#pragma unroll
+        for (int i0 = 0; i0 < 4; i0 += 2)
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                out[i0 / 2 + 4 * h] = prmt(A[i0][h], A[i0 + 1][h], 0x5410u);      // elements i0 + 8h, +1
+                out[i0 / 2 + 4 * h + 2] = prmt(A[i0][h], A[i0 + 1][h], 0x7632u);  // elements i0 + 8h + 4, +5
+            }
+    } else {
+        u32 C[8];  // byte b of C[i]: the code of element i + 8b
+        byte_codes<Q>(w, C);
+        const auto look = [lut](u32 c, int b) { return (u32)lut2act<BF>(ldg_nc_u16(lut + ((c >> (8 * b)) & 0xffu))); };
+#pragma unroll
+        for (int i = 0; i < 8; i += 2)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) out[i / 2 + 4 * b] = look(C[i], b) | (look(C[i + 1], b) << 16);
+    }
+}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_dequant(const long long* __restrict__ table,
@@ -35,43 +81,32 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_dequant(const long l
     if (idx < total) {
         const int r = (int)(idx / W), wd = (int)(idx % W);
         const long long* row = table + blocks[blockIdx.y] * TABLE_COLS;
-        const int q = (int)row[9];
-        u16* o = block_dst + (long long)r * K + wd * 32;
-        const int ncol = min(32, K - wd * 32);
-        if (q < 3 || q > 8) {  // not resident (or below the 3-bit floor): zeros
-            if (staged) {
-                for (int e = 0; e < 16; ++e) mine[e] = 0u;
-            } else {
-                for (int e = 0; e < ncol; ++e) o[e] = 0;
-            }
+        u32 out[16];
+        switch ((int)row[9]) {
+            case 3: decode_word<3>(row, r, W, wd, out); break;
+            case 4: decode_word<4>(row, r, W, wd, out); break;
+            case 5: decode_word<5>(row, r, W, wd, out); break;
+            case 6: decode_word<6>(row, r, W, wd, out); break;
+            case 7: decode_word<7>(row, r, W, wd, out); break;
+            case 8: decode_word<8>(row, r, W, wd, out); break;
+            default:  // not resident (or below the 3-bit floor): zeros
+#pragma unroll
+                for (int p = 0; p < 16; ++p) out[p] = 0u;
+        }
+        if (staged) {
+#pragma unroll
+            for (int p = 0; p < 16; p += 4)
+                *reinterpret_cast<u32x4*>(mine + p) = u32x4{out[p], out[p + 1], out[p + 2], out[p + 3]};
         } else {
-            const u16* lut = reinterpret_cast<const u16*>(row[8]) + (long long)r * (1 << q);
-            u32 w[8];
+            u16* o = block_dst + (long long)r * K + wd * 32;
+            const int ncol = min(32, K - wd * 32);
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-                w[j] = j < q ? ldg_nc(reinterpret_cast<const u32*>(row[j]) + (long long)r * W + wd) : 0u;
-            const u32 packed[3] = {w[0], w[1], w[2]};
-#pragma unroll
-            for (int k = 0; k < 3; ++k) w[k] = ap_plane(packed, k);
-            const bool pairs = (K & 1) == 0;
-#pragma unroll 4
-            for (int e = 0; e < 32; e += 2) {
-                u32 c0 = 0, c1 = 0;
-#pragma unroll
-                for (int j = 0; j < 8; ++j) {
-                    if (j < q) {
-                        c0 |= ((w[j] >> e) & 1u) << (q - 1 - j);
-                        c1 |= ((w[j] >> (e + 1)) & 1u) << (q - 1 - j);
-                    }
-                }
-                const u16 v0 = lut2act<BF>(lut[c0]), v1 = lut2act<BF>(lut[c1]);
-                if (staged) {
-                    mine[e >> 1] = (u32)v0 | ((u32)v1 << 16);
-                } else if (pairs && e + 1 < ncol) {
-                    *reinterpret_cast<u32*>(o + e) = (u32)v0 | ((u32)v1 << 16);
+            for (int p = 0; p < 16; ++p) {
+                if (2 * p + 1 < ncol && (K & 1) == 0) {
+                    *reinterpret_cast<u32*>(o + 2 * p) = out[p];
                 } else {
-                    if (e < ncol) o[e] = v0;
-                    if (e + 1 < ncol) o[e + 1] = v1;
+                    if (2 * p < ncol) o[2 * p] = (u16)(out[p] & 0xffffu);
+                    if (2 * p + 1 < ncol) o[2 * p + 1] = (u16)(out[p] >> 16);
                 }
             }
         }

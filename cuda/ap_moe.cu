@@ -398,42 +398,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
         for (int k = 0; k < 8; ++k) L[rr][k] = 0u;
     if constexpr (PATH == 0) {
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-            for (int half = 0; half < Q - 2; ++half) {
-                u32x4 e = raw[rr][half];
-                if constexpr (BF) {
-                    e.x = lut2act<BF>(e.x & 0xffffu) | ((u32)lut2act<BF>(e.x >> 16) << 16);
-                    e.y = lut2act<BF>(e.y & 0xffffu) | ((u32)lut2act<BF>(e.y >> 16) << 16);
-                    e.z = lut2act<BF>(e.z & 0xffffu) | ((u32)lut2act<BF>(e.z >> 16) << 16);
-                    e.w = lut2act<BF>(e.w & 0xffffu) | ((u32)lut2act<BF>(e.w >> 16) << 16);
-                }
-                raw[rr][half] = e;
-            }
-        if constexpr (Q == 3) {
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const u32x4 e = raw[rr][0];
-                L[rr][0] = prmt(e.x, e.y, 0x6420u);  // low bytes of entries 0..3
-                L[rr][1] = prmt(e.z, e.w, 0x6420u);  // low bytes of entries 4..7
-                L[rr][2] = prmt(e.x, e.y, 0x7531u);  // high bytes of entries 0..3
-                L[rr][3] = prmt(e.z, e.w, 0x7531u);  // high bytes of entries 4..7
-            }
-        } else {
-            // q = 4: table c of the even codes (LUT[2c]) in L[0..3], of the odd codes (LUT[2c + 1]) in L[4..7];
-            // word u of an entry half holds entries 2u, 2u + 1, so byte sel of each word picks one parity
-            const auto gather = [](const u32x4& e, u32 sel) {
-                return prmt(prmt(e.x, e.y, sel), prmt(e.z, e.w, sel), 0x5410u);
-            };
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-                for (int t4 = 0; t4 < 4; ++t4) {  // even low, even high, odd low, odd high bytes
-                    const u32 sel = 0x0040u + 0x0011u * t4;
-                    L[rr][2 * t4] = gather(raw[rr][0], sel);      // codes of c = 0..3
-                    L[rr][2 * t4 + 1] = gather(raw[rr][1], sel);  // c = 4..7
-                }
-        }
+        for (int rr = 0; rr < 2; ++rr) reg_lut<Q, BF>(raw[rr], L[rr]);
     } else {
         stage_lut<Q>(blk, tl, lut_s);
     }
