@@ -55,7 +55,8 @@ def test_prefill_bench_table_and_figure(tmp_path, capsys):
     from pwruntime import bench_prefill as bp
 
     rows = [{"model": m, "tokens": t, "bits": 4, "active_experts": 8, "padded_groups": 2, "max_rel_diff": 1e-3,
-             "padded_ms": 1.0 + t / 256, "per_expert_ms": 3.0 + t / 128, "speedup": 2.0}
+             "padded_ms": 1.0 + t / 256, "per_expert_ms": 3.0 + t / 128, "speedup": 2.0, "dequant_ms": 0.7,
+             "dequant_gbps": 2500.0}
             for m in ("olmoe-1b-7b", "mixtral-8x7b") for t in (128, 512)]
     res = {"device": "test GPU", "bits": 4, "reps": 5, "rows": rows}
     bp.print_table(res)
@@ -63,6 +64,16 @@ def test_prefill_bench_table_and_figure(tmp_path, capsys):
     assert "olmoe-1b-7b" in text and "mixtral-8x7b" in text and text.count("\n") == 2 + len(rows)
     png = bp.plot(res, tmp_path / "prefill.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_dequant_bytes_count_planes_luts_and_the_written_weights():
+    from pwruntime import bench_prefill as bp
+    from pwruntime.kernels.moe import MoEShape
+
+    olmoe = MoEShape(64, 2048, 1024, 8)  # gate_up [2048, 2048], down [2048, 1024]
+    per_expert = (4 * 2048 * 64 * 4 + 2048 * 16 * 2 + 2048 * 2048 * 2) + (4 * 2048 * 32 * 4 + 2048 * 16 * 2 + 2048 * 1024 * 2)
+    assert bp.dequant_bytes(olmoe, 3, 4, 2) == 3 * per_expert
+    assert bp.dequant_bytes(olmoe, 1, 8, 2) - bp.dequant_bytes(olmoe, 1, 4, 2) == 4 * 2048 * 96 * 4 + 2 * 2048 * 240 * 2
 
 
 @pytest.mark.gpu
@@ -75,3 +86,4 @@ def test_gpu_prefill_bench_paths_agree():
     for r in rows:
         assert r["max_rel_diff"] < 1e-2 and r["padded_groups"] >= 1 and r["active_experts"] > 8
         assert r["padded_ms"] > 0 and r["per_expert_ms"] > 0
+        assert 0 < r["dequant_ms"] < r["padded_ms"] and r["dequant_gbps"] > 0
