@@ -13,7 +13,9 @@ Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 64 tokens w
 data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
 workspace's activations. For T > 64 (prefill) it dequantizes the active experts at their committed
 bits (`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
-`padded_moe` (two batched GEMMs per group of experts, not a set of launches per expert). Off CUDA, or
+`grouped_mm_moe` (torch's grouped GEMM over the unpadded rows) for experts of up to 4096 intermediate rows
+in bf16 on Hopper, where it is the faster, and `padded_moe` (two batched GEMMs per group of experts)
+otherwise; either way not a set of launches per expert. Off CUDA, or
 in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives no activations, so a
 `down_in_norm` request takes the prefill path there.
 
@@ -35,7 +37,7 @@ from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
 from pwruntime.kernels.moe import MAX_TOKENS
-from pwruntime.model.experts import block_shape, checked_block_index, padded_moe
+from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
@@ -45,6 +47,7 @@ DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at onc
 # Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
 # measured 772 TFLOP/s fp16, less than the host time of the launches another group of experts would cost.
 PAD_FLOPS = 10 ** 10
+GROUPED_MM_MAX_INTERMEDIATE = 4096  # larger experts' prefill is faster as padded batched GEMMs (grouped_mm_prefill)
 
 
 def _kernel_path(x: torch.Tensor) -> bool:
@@ -344,11 +347,27 @@ def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, ex
     return gate_up, down
 
 
+def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
+    """Whether prefill takes `grouped_mm_moe`: bf16 on a CUDA device of compute capability 9.0 or newer, experts
+    of at most `GROUPED_MM_MAX_INTERMEDIATE` intermediate rows, rows of 16-byte multiples. Measured on the H200
+    (torch 2.11, `pwruntime bench prefill`, cuda/NOTES.md session 10): torch's grouped GEMM ran the layers of
+    Qwen1.5-MoE, OLMoE and Qwen3-MoE 5-25% faster than `padded_moe`, Mixtral's (8 experts of 14336) up to 14%
+    slower, and in fp16 every layer 2-3x slower."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
+            and shape.hidden % 8 == 0 and shape.intermediate % 8 == 0)
+
+
 def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
                 down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
-    (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `padded_moe`."""
-    return padded_moe(x, topk_ids, topk_weights, shape.num_experts,
-                      lambda group: dequantize_experts(table, shape, layer, group, x.dtype),
-                      *prefill_group_limits(shape, x.element_size(), chunk_bytes), down_in_norm)
+    (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `grouped_mm_moe` where
+    `grouped_mm_prefill` says so, else by `padded_moe`."""
+    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype)  # noqa: E731
+    max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
+    if grouped_mm_prefill(x, shape):
+        return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm)
+    return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, max_pad_rows,
+                      down_in_norm)

@@ -22,9 +22,10 @@ from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
 from pwruntime import page_mover
-from pwruntime.device_store import DeviceExpertStore
+from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.kernels.device_table import device_layout
+from pwruntime.kernels.moe import MoEShape
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 from pwruntime.quant.store import APExpertStore, load_ap_model
@@ -368,6 +369,25 @@ def test_gpu_moe_matches_the_ap_store(ap_path, dtype):
             assert float((out - want).norm() / want.norm()) < tol
             assert float((n_dev - n_ref).norm() / n_ref.norm()) < tol
     assert {k[0] for k in dev._workspaces} <= {1, 4, 8, 64}  # one workspace per token bucket
+    # the 100-token prefill above took torch's grouped GEMM in bf16 (on Hopper) and the padded batches in fp16
+    x = torch.zeros(100, dev.hidden, device="cuda", dtype=dtype)
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert grouped_mm_prefill(x, dev.moe_shape(2)) == (dtype == torch.bfloat16 and hopper)
+
+
+def test_prefill_takes_the_grouped_gemm_only_in_bf16_on_cuda():
+    shape = MoEShape(8, 128, 64, 2)
+    assert not grouped_mm_prefill(torch.zeros(100, 128, dtype=torch.bfloat16), shape)  # CPU: padded batches
+    assert not grouped_mm_prefill(torch.zeros(100, 128), shape)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_takes_the_grouped_gemm_for_small_experts_in_bf16():
+    x = torch.zeros(100, 4096, dtype=torch.bfloat16, device="cuda")
+    hopper = torch.cuda.get_device_capability() >= (9, 0)
+    assert grouped_mm_prefill(x, MoEShape(64, 4096, 1024, 8)) == hopper
+    assert not grouped_mm_prefill(x, MoEShape(8, 4096, 14336, 2))  # Mixtral's experts: padded batches
+    assert not grouped_mm_prefill(x.half(), MoEShape(64, 4096, 1024, 8))
 
 
 @pytest.mark.gpu

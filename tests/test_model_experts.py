@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from model_fixtures import load_hf_model, make_tiny_checkpoint
 from pwruntime.model import DenseExpertStore, ExpertStore, load_model, prefill_metadata
-from pwruntime.model.experts import expert_groups, padded_moe
+from pwruntime.model.experts import expert_groups, grouped_mm_moe, padded_moe
 
 
 def _naive_moe(gate_up, down, x, ids, weights):
@@ -68,8 +68,11 @@ def test_expert_groups_cover_active_experts_once_within_the_padding_bound():
         expert_groups([1], 0, 0)
 
 
+@pytest.mark.parametrize("dispatch", ["padded", "grouped_mm"])
 @pytest.mark.parametrize("tokens,cap,pad", [(1, 4, 0), (23, 1, 100), (23, 3, 5), (150, 6, 40), (150, 6, 10 ** 6)])
-def test_padded_dispatch_equals_the_grouped_one(tokens, cap, pad):
+def test_batched_dispatches_equal_the_per_expert_one(dispatch, tokens, cap, pad):
+    """padded_moe (groups padded to their largest count) and grouped_mm_moe (torch's grouped GEMM over chunks of
+    experts in id order) give the per-expert dispatch's outputs and down norms, asking each expert's weights once."""
     g = torch.Generator().manual_seed(tokens)
     e_n, h, inter, k = 6, 16, 8, 3
     gate_up, down = torch.randn(e_n, 2 * inter, h, generator=g), torch.randn(e_n, h, inter, generator=g)
@@ -85,7 +88,11 @@ def test_padded_dispatch_equals_the_grouped_one(tokens, cap, pad):
         return gate_up[group], down[group]
 
     norms, want_norms = torch.empty(tokens, k), torch.empty(tokens, k)
-    got = padded_moe(x, ids, weights, e_n, weights_of, cap, pad, down_in_norm=norms)
+    if dispatch == "padded":
+        got = padded_moe(x, ids, weights, e_n, weights_of, cap, pad, down_in_norm=norms)
+    else:
+        got = grouped_mm_moe(x, ids, weights, e_n, weights_of, cap, down_in_norm=norms)
+        assert [e for grp in asked for e in grp] == sorted(set(ids.flatten().tolist()))  # chunks in id order
     want = store.moe(0, x, ids, weights, down_in_norm=want_norms)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-5)
