@@ -1,17 +1,19 @@
-"""Prefill MoE measurements behind `pwruntime bench prefill`: the runtime's batched path against one launch set per expert.
+"""Prefill MoE measurements behind `pwruntime bench prefill`: the runtime's batched paths against one launch set per expert.
 
 Each case is one MoE layer of random AP experts (all planes resident, every block at `bits`) and T prompt
-tokens routed uniformly at random to the model's top-k. Two paths compute the same layer:
-- `padded`: `device_store.prefill_moe`, what the runtime runs above 64 tokens (the active experts
-  dequantized a group at a time, each group two batched GEMMs through `padded_moe`);
-- `per_expert`: the same dequantized weights, then `grouped_moe`'s set of launches per active expert (what
-  the runtime ran before).
-The paths read the experts' row counts back to the host, so they cannot be captured in a CUDA graph: a time
-is the wall-clock median over `reps` calls with the device synchronized around each, launch costs included
-(which is what the batched path saves). Their outputs are compared (`max_rel_diff`).
-`dequant_ms` times the dequantize kernel alone over the layer's active experts (the part of `padded` that
+tokens routed uniformly at random to the model's top-k, in the activation dtype asked (bf16 by default, what
+the runtime serves on CUDA). Three paths compute the same layer on the same dequantized weights:
+- `padded`: `padded_moe`, the active experts in groups of similar row counts, each group two batched GEMMs;
+- `grouped`: `grouped_mm_moe`, torch's grouped GEMM over the unpadded rows (None where torch lacks it);
+- `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
+`runtime_path` is the one `device_store.prefill_moe` takes for this dtype and device (`grouped_mm_prefill`),
+and `runtime_ms` its time. The paths read the experts' row counts back to the host, so they cannot be
+captured in a CUDA graph: a time is the wall-clock median over `reps` calls with the device synchronized
+around each, the dequantize kernel and launch costs included. `max_rel_diff` is the largest difference of a
+batched path's output from the per-expert one, relative to its largest value.
+`dequant_ms` times the dequantize kernel alone over the layer's active experts (the part of every path that
 is not GEMM), and `dequant_gbps` is its effective bandwidth: the AP bytes read (planes and LUTs at `bits`)
-plus the fp16 bytes written, over that time.
+plus the 16-bit weights written, over that time.
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from pwruntime.device_store import dequantize_experts, prefill_group_limits, prefill_moe
+from pwruntime.device_store import dequantize_experts, grouped_mm_prefill, prefill_group_limits
 from pwruntime.kernels.bench import ARCHS, APLayers, BenchConfig, random_routing
 from pwruntime.kernels.moe import MoEShape
-from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_moe
+from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
 from policies.apformat import ap_block_bytes
 
 
@@ -58,7 +60,7 @@ def dequant_bytes(shape: MoEShape, experts: int, bits: int, elem_bytes: int) -> 
     return experts * per_expert
 
 
-def prefill_layers(cfg: BenchConfig, name: str, bits: int) -> list[dict]:
+def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """One row per prompt size in cfg.tokens for model shape `name` (see the module docstring)."""
     h, inter, experts, k = ARCHS[name]
     shape = MoEShape(experts, h, inter, k)
@@ -68,53 +70,67 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int) -> list[dict]:
     rows = []
     for t in cfg.tokens:
         ids, w = random_routing(shape, t, gen)
-        x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16)
-        padded = lambda: prefill_moe(ap.table, shape, 0, x, ids, w)  # noqa: E731
-        per_expert = lambda: _per_expert(ap.table, shape, x, ids, w)  # noqa: E731
-        a, b = padded().float(), per_expert().float()
+        x = torch.randn(t, h, device="cuda", generator=gen).to(dtype)
+        max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size())
+        weights_of = lambda group: dequantize_experts(ap.table, shape, 0, group, dtype)  # noqa: E731
+        paths = {"padded": lambda: padded_moe(x, ids, w, experts, weights_of, max_experts, max_pad_rows),
+                 "per_expert": lambda: _per_expert(ap.table, shape, x, ids, w)}
+        if hasattr(torch, "_grouped_mm"):
+            paths["grouped"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts)
+        want = paths["per_expert"]().float()
+        diff = max(float((paths[p]().float() - want).abs().max() / want.abs().max()) for p in paths if p != "per_expert")
         counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
         active = [e for e, c in enumerate(counts) if c > 0]
-        groups = expert_groups(counts, *prefill_group_limits(shape, x.element_size()))
-        dequant = lambda: dequantize_experts(ap.table, shape, 0, active, x.dtype)  # noqa: E731
-        row = {"model": name, "tokens": t, "bits": bits, "active_experts": len(active),
-               "padded_groups": len(groups), "max_rel_diff": float((a - b).abs().max() / b.abs().max()),
-               "padded_ms": wall_ms(padded, cfg.reps, cfg.warmup),
-               "per_expert_ms": wall_ms(per_expert, cfg.reps, cfg.warmup),
-               "dequant_ms": wall_ms(dequant, cfg.reps, cfg.warmup)}
-        row["speedup"] = row["per_expert_ms"] / row["padded_ms"]
+        row = {"model": name, "tokens": t, "bits": bits, "dtype": str(dtype).removeprefix("torch."),
+               "active_experts": len(active), "padded_groups": len(expert_groups(counts, max_experts, max_pad_rows)),
+               "runtime_path": "grouped" if grouped_mm_prefill(x, shape) else "padded", "max_rel_diff": diff}
+        for p in ("per_expert", "padded", "grouped"):
+            row[f"{p}_ms"] = wall_ms(paths[p], cfg.reps, cfg.warmup) if p in paths else None
+        row["runtime_ms"] = row[f"{row['runtime_path']}_ms"]
+        row["speedup"] = row["per_expert_ms"] / row["runtime_ms"]
+        row["dequant_ms"] = wall_ms(lambda: dequantize_experts(ap.table, shape, 0, active, dtype), cfg.reps, cfg.warmup)
         row["dequant_gbps"] = dequant_bytes(shape, len(active), bits, x.element_size()) / row["dequant_ms"] / 1e6
         rows.append(row)
     return rows
 
 
 def print_table(res: dict) -> None:
-    print(f"{res['device']}: one prefill MoE layer, wall ms (median of {res['reps']}), experts at {res['bits']} bits")
-    print(f"{'model':<20} {'T':>5} {'active':>6} {'groups':>6} {'padded':>8} {'per expert':>10} {'speedup':>7} "
+    def ms(v):
+        return f"{v:>8.2f}" if v is not None else f"{'n/a':>8}"
+
+    print(f"{res['device']}: one prefill MoE layer, wall ms (median of {res['reps']}), experts at {res['bits']} bits, "
+          f"{res.get('dtype', 'float16')} activations; * marks the runtime's path")
+    print(f"{'model':<20} {'T':>5} {'active':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'speedup':>7} "
           f"{'dequant':>8} {'GB/s':>6}")
     for r in res["rows"]:
-        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r['padded_groups']:>6} "
-              f"{r['padded_ms']:>8.2f} {r['per_expert_ms']:>10.2f} {r['speedup']:>7.2f} "
+        star = {p: "*" if r.get("runtime_path", "padded") == p else " " for p in ("padded", "grouped")}
+        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r['per_expert_ms']:>10.2f} "
+              f"{ms(r['padded_ms'])}{star['padded']} {ms(r.get('grouped_ms'))}{star['grouped']} {r['speedup']:>7.2f} "
               f"{r['dequant_ms']:>8.2f} {r['dequant_gbps']:>6.0f}")
 
 
 def plot(res: dict, png: Path) -> Path:
-    """Grouped bars per model and prompt size: the two paths' times."""
+    """Grouped bars per model and prompt size: each path's time, the dequantize kernel's share hatched."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = res["rows"]
     labels = [f"{r['model']}\nT={r['tokens']}" for r in rows]
-    pos = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.6))
-    ax.bar([p - 0.2 for p in pos], [r["per_expert_ms"] for r in rows], 0.4, label="launches per expert")
-    ax.bar([p + 0.2 for p in pos], [r["padded_ms"] for r in rows], 0.4, label="padded groups (runtime)")
-    ax.bar([p + 0.2 for p in pos], [r["dequant_ms"] for r in rows], 0.4, fill=False, hatch="//",
-           label="of which dequantize")
-    ax.set_xticks(list(pos), labels, fontsize=7, rotation=30, ha="right")
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(rows)), 4.6))
+    paths = [("per_expert", "launches per expert"), ("padded", "padded groups"), ("grouped", "grouped GEMM")]
+    paths = [(p, lab) for p, lab in paths if any(r.get(f"{p}_ms") is not None for r in rows)]
+    width = 0.8 / len(paths)
+    for i, (p, lab) in enumerate(paths):
+        xs = [j + (i - (len(paths) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, [r.get(f"{p}_ms") or 0.0 for r in rows], width, label=lab)
+        if p != "per_expert":
+            ax.bar(xs, [r["dequant_ms"] if r.get(f"{p}_ms") is not None else 0.0 for r in rows], width, fill=False,
+                   hatch="//", label="of which dequantize" if i == len(paths) - 1 else None)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("ms per layer (wall, launches included)")
-    ax.set_title(f"Prefill MoE layer, experts at {res['bits']} bits ({res['device']})")
-    ax.legend()
+    ax.set_title(f"Prefill MoE layer, experts at {res['bits']} bits, {res.get('dtype', 'float16')} ({res['device']})")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)

@@ -10,7 +10,8 @@ that reproduces it; `--json` prints the results as JSON, `--out` writes them, `-
 the measured coefficients in the simulator's hardware-profile format (traces/hardware.py).
 
 `bench prefill` times one prefill MoE layer per model shape and prompt size (pwruntime/bench_prefill.py):
-the runtime's padded groups against a set of launches per active expert, with a figure next to `--out`.
+the runtime's batched paths (padded groups, torch's grouped GEMM) against a set of launches per active
+expert, and the dequantize kernel alone, with a figure next to `--out`.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def register(subparsers) -> None:
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512)")
     p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
+                   help="prefill: activation and dequantized-weight dtype (default bf16, what the runtime serves on CUDA)")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -93,10 +96,11 @@ def _run_prefill(args) -> int:
     from tqdm import tqdm
 
     from pwruntime import bench_prefill as bp
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
-                 "bits": args.bits, "reps": args.reps, "rows": []}
+                 "bits": args.bits, "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "rows": []}
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
-        res["rows"] += bp.prefill_layers(cfg, m, args.bits)
+        res["rows"] += bp.prefill_layers(cfg, m, args.bits, dtype)
         torch.cuda.empty_cache()
     if args.out:
         write_json_atomic(args.out, res)
@@ -114,6 +118,8 @@ def _run_prefill(args) -> int:
 def run(args) -> int:
     if args.target == "prefill":
         return _run_prefill(args)
+    if args.dtype is not None:
+        raise UserError("--dtype belongs to `pwruntime bench prefill`; bench kernels times its own cases")
     if args.plot_from is not None:
         return _replot(args.plot_from)
     import torch
