@@ -11,7 +11,9 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   `ap_fused_max_tokens` tokens runs the fused AP kernel, at `profile.ap_efficiency(q, tokens)` of
   the moe bandwidth (measured per batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
-  GEMM. With `fp16_experts` the experts are plain fp16 matrices (the fp16 baseline).
+  GEMM, and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
+  runtime's host work and launches for the layer's expert groups). With `fp16_experts` the experts are
+  plain fp16 matrices (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
 * overhead: the profile's per-iteration and per-layer launch costs, and its host cost per token computed.
@@ -116,6 +118,7 @@ class CostModel:
         self._fp16_time = (FP16 * self.block_params / self.bw["moe"])[None, :]  # [1, 2] seconds to stream fp16
         self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
         self.token_overhead = p.token_overhead_us * 1e-6
+        self.prefill_layer_overhead = p.prefill_layer_overhead_us * 1e-6
 
     # ------------------------------------------------------------------ parts
     def attention(self, batch: BatchShape) -> float:
@@ -152,7 +155,9 @@ class CostModel:
         if batch_tokens <= self.fused_max:
             return float(np.maximum(self._read_times(q, batch_tokens)[active], compute).sum())
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
-        return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum())  # write fp16, GEMM
+        layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
+        return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum()  # write fp16, GEMM
+                     + layers * self.prefill_layer_overhead)
 
     def _read_times(self, q: np.ndarray, tokens: int) -> np.ndarray:
         """Seconds the AP kernel takes to read each block at its bits (planes + LUT) in a batch of `tokens`,

@@ -1,6 +1,6 @@
 """Figures of simulation results (matplotlib, Agg backend): one run's timelines and latencies, and the
 comparison plots of `pwsim compare` (quality vs memory like the paper's Figure 5, throughput,
-timelines per policy)."""
+timelines per policy), and the model-against-measurement plots of `pwsim fidelity` and `pwsim prefill-fit`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -189,6 +189,34 @@ def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: d
     ax.set_ylabel("iteration time (ms)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def prefill_fit(report: dict, path: Path) -> Path:
+    """Per bench row, the modeled prefill MoE layer against the measured one, before and after the fit (y = x)."""
+    plt = _plt()
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6, 5))
+    measured = np.array([r["measured_ms"] for r in rows])
+    before, after = (np.array([r[k] for r in rows]) for k in ("modeled_ms", "fitted_ms"))
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for j, m in enumerate(models):
+        sel = np.array([r["model"] == m for r in rows])
+        color = f"C{j % 10}"
+        ax.scatter(measured[sel], before[sel], s=30, facecolors="none", edgecolors=color, label=f"{m} (before)")
+        ax.scatter(measured[sel], after[sel], s=30, color=color, label=f"{m} (after)")
+    lo, hi = min(measured.min(), before.min(), after.min()), max(measured.max(), before.max(), after.max())
+    ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
+    r, us = report["ratios"], report["fit"]["prefill_layer_overhead_us"]
+    ax.set_title(f"prefill MoE layer on {report['hardware']}: modeled / measured median "
+                 f"{r['before']['median']:.2f} -> {r['after']['median']:.2f}\n(fitted {us:.0f} us a layer)", fontsize=9)
+    ax.set_xlabel("measured (ms, runtime wall clock)")
+    ax.set_ylabel("modeled (ms, cost model)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

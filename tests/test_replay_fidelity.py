@@ -259,4 +259,6 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
             assert 0.75 <= good["throughput_ratio"] <= 1.35, run
         else:
             assert 0.5 <= e2e <= 0.85, run
-        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.1 and plain["throughput_ratio"] > 5
+        # the plain profile has the prefill MoE layer's fixed cost (prefill_layer_overhead_us) but not the
+        # iteration's host costs: end to end still 8-20x too fast, throughput 5-9x too high
+        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.15 and plain["throughput_ratio"] > 5

@@ -19,6 +19,10 @@ Format (JSON object, `format_version` 1):
     token_overhead_us                   optional (default 0): host cost per token an iteration computes (the
                                         runtime's work that grows with the batch; `pwsim fidelity --fit-profile`
                                         measures it)
+    prefill_layer_overhead_us           optional (default 0): fixed cost of one MoE layer of a batch that takes the
+                                        dequantize path (above ap_fused_max_tokens): the runtime's host work and
+                                        launches for the layer's expert groups; `pwsim prefill-fit --fit-profile`
+                                        measures it from `pwruntime bench prefill`
     ap_kernel_efficiency                {bits "3".."8": fraction of the moe bandwidth the fused AP kernel
                                         reaches when it reads that many planes}
     ap_fused_max_tokens                 a batch of at most this many tokens runs the fused AP kernel (the
@@ -69,6 +73,7 @@ class HardwareProfile:
     ap_efficiency_by_tokens: dict[int, dict[int, float]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     token_overhead_us: float = 0.0
+    prefill_layer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -135,7 +140,7 @@ def validate(p: HardwareProfile) -> None:
     for f in ("gpu_memory_bytes", "hbm_gbps", "fp16_tflops", "achieved_flops_fraction", "pcie_h2d_gbps",
               "pcie_d2h_gbps", "ap_fused_max_tokens"):
         _positive(f, getattr(p, f))
-    for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us"):
+    for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "prefill_layer_overhead_us"):
         _positive(f, getattr(p, f), allow_zero=True)
     if p.achieved_flops_fraction > 1:
         raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")

@@ -1,0 +1,103 @@
+"""`pwsim prefill-fit`: the cost model's prefill MoE layer against `pwruntime bench prefill`, and its fixed cost.
+
+For each bench row (one MoE layer on the dequantize path, timed on the runtime's wall clock) it prices
+the same layer with the hardware profile's cost model and fits `prefill_layer_overhead_us`, the fixed
+cost of such a layer (the runtime's host work and launches), as the median gap (pwsim/prefill_fit.py).
+It writes `prefill_fit.json` (rows, ratios modeled / measured before and after the fit, the fitted
+value, inputs) and `prefill_fit.png` (modeled against measured per row, y = x) into --out; with
+--fit-profile also the hardware profile with the fitted value, for `pwsim run --hardware JSON`.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from traces.clikit import UserError, write_text_atomic
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("prefill-fit", help="fit a prefill MoE layer's fixed cost to `pwruntime bench prefill`",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--bench", default=None, metavar="JSON",
+                   help="what `pwruntime bench prefill --out` wrote (default: pwruntime/assets/prefill_bench.json)")
+    p.add_argument("--hardware", default="h200-measured", metavar="NAME_OR_JSON",
+                   help="hardware profile to fit (bundled name or JSON path; default h200-measured)")
+    p.add_argument("--out", default="runs/prefill-fit", help="directory for prefill_fit.json and prefill_fit.png")
+    p.add_argument("--fit-profile", default=None, metavar="JSON",
+                   help="also write the hardware profile with the fitted prefill_layer_overhead_us")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it lies under it (a command one can paste), else absolute."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _table(report: dict) -> str:
+    head = (f"{'model':<20} {'T':>5} {'bits':>4} {'active':>6} {'measured':>9} {'modeled':>8} {'ratio':>6} "
+            f"{'fitted':>7} {'ratio':>6}")
+    lines = [head]
+    for r in report["rows"]:
+        lines.append(f"{r['model']:<20} {r['tokens']:>5} {r['bits']:>4} {r['active_experts']:>6} "
+                     f"{r['measured_ms']:>9.3f} {r['modeled_ms']:>8.3f} {r['ratio']:>6.2f} {r['fitted_ms']:>7.3f} "
+                     f"{r['fitted_ratio']:>6.2f}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from pwsim import plots
+    from pwsim.prefill_fit import DEFAULT_BENCH, fit, fitted_profile, read_bench
+    from traces.hardware import load_profile
+    from traces.results import dumps
+
+    if args.bench is None and not DEFAULT_BENCH.is_file():
+        raise UserError(f"the bundled bench {DEFAULT_BENCH} is not here (an installed package leaves it out); pass "
+                        "--bench FILE written by `pwruntime bench prefill --out FILE`")
+    bench = Path(args.bench) if args.bench is not None else DEFAULT_BENCH
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
+    meta, rows = read_bench(bench)
+    profile = load_profile(args.hardware)
+    report = fit(rows, profile)
+    command = shlex.join(["pwsim", "prefill-fit", "--bench", _shown(bench), "--hardware", args.hardware,
+                          "--out", str(args.out), *(["--fit-profile", args.fit_profile] if args.fit_profile else [])])
+    report["inputs"] = {"bench": _shown(bench), "bench_device": meta.get("device"),
+                        "bench_command": meta.get("command"), "hardware": args.hardware}
+    report["command"] = command
+    fitted = None
+    if args.fit_profile:
+        r = report["ratios"]
+        note = (f"prefill_layer_overhead_us fitted by `{command}`: the median over {len(rows)} rows of "
+                f"`{meta.get('command', 'pwruntime bench prefill')}` ({meta.get('device', 'device not recorded')}) "
+                "of the measured minus the modeled wall time of one prefill MoE layer (the runtime's host work and "
+                f"launches for the layer's expert groups); modeled / measured {r['before']['min']:.2f}-"
+                f"{r['before']['max']:.2f} before, {r['after']['min']:.2f}-{r['after']['max']:.2f} after.")
+        fitted = fitted_profile(profile, report, note)
+        report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
+                                    "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us}
+    out.mkdir(parents=True, exist_ok=True)
+    tmp_png = out / ".prefill_fit.png.tmp.png"
+    plots.prefill_fit(report, tmp_png)
+    tmp_png.replace(out / "prefill_fit.png")
+    write_text_atomic(out / "prefill_fit.json", dumps(report))
+    if fitted is not None:
+        fitted.save(args.fit_profile)
+    if args.json:
+        print(dumps(report))
+        return 0
+    value = report["fit"]
+    print(_table(report))
+    print(f"prefill_layer_overhead_us {value['previous_us']:.1f} -> {value['prefill_layer_overhead_us']:.1f} us on "
+          f"{profile.name}; modeled / measured " + ", ".join(
+              f"{when}: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f}"
+              for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))
+    print(f"wrote {out / 'prefill_fit.json'} and {out / 'prefill_fit.png'}"
+          + (f"; the fitted profile to {args.fit_profile}" if fitted is not None else ""))
+    print(f"reproduce: {command}")
+    return 0

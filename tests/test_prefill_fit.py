@@ -1,0 +1,171 @@
+"""The prefill MoE layer's fixed cost: the profile field, the cost model's use of it, and `pwsim prefill-fit`."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pwsim.cli import main
+from pwsim.cost_model import BatchShape, CostModel
+from pwsim.prefill_fit import BenchRow, card_for, expert_counts, fit, layer_ms, parse_rows
+from traces.hardware import HardwareProfileError, from_json, load_profile
+from traces.model_card import load_card
+
+OVERHEAD_US = 250.0
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_card("Qwen1.5-MoE-A2.7B"), replace(load_profile("h200-roofline"), prefill_layer_overhead_us=OVERHEAD_US)
+
+
+def _routing(card, layers: int, per_expert: int) -> np.ndarray:
+    """`per_expert` tokens on 4 experts of the first `layers` MoE layers, none elsewhere."""
+    et = np.zeros((card.moe_layers, card.experts))
+    et[:layers, :4] = per_expert
+    return et
+
+
+def test_dequantize_path_pays_the_overhead_once_per_active_layer(qwen):
+    card, prof = qwen
+    plain, paid = CostModel(card, replace(prof, prefill_layer_overhead_us=0.0)), CostModel(card, prof)
+    q = np.full(card.moe_layers * card.experts * 2, 4)
+    for layers in (1, 3, card.moe_layers):
+        et = _routing(card, layers, 256)  # 256 tokens > ap_fused_max_tokens: the dequantize path
+        assert paid.moe(q, et, 256) - plain.moe(q, et, 256) == pytest.approx(layers * OVERHEAD_US * 1e-6, rel=1e-9)
+    # in an iteration the cost is the moe operator's, not the per-iteration overhead's
+    batch = BatchShape.of([256], [0], 1)
+    a, b = plain.iteration(batch, q, _routing(card, 3, 256)), paid.iteration(batch, q, _routing(card, 3, 256))
+    assert b.moe - a.moe == pytest.approx(3 * OVERHEAD_US * 1e-6) and b.overhead == a.overhead
+    assert paid.moe(q, np.zeros((card.moe_layers, card.experts)), 256) == 0.0
+
+
+def test_fused_path_and_fp16_experts_pay_nothing(qwen):
+    card, prof = qwen
+    q = np.full(card.moe_layers * card.experts * 2, 4)
+    zero = replace(prof, prefill_layer_overhead_us=0.0)
+    et = _routing(card, 5, 16)
+    assert CostModel(card, prof).moe(q, et, prof.ap_fused_max_tokens) == CostModel(card, zero).moe(q, et, 64)
+    et = _routing(card, 5, 256)
+    assert CostModel(card, prof, True).moe(q, et, 256) == CostModel(card, zero, True).moe(q, et, 256)
+
+
+def test_profile_without_the_field_loads_with_zero_and_a_negative_one_is_rejected(tmp_path):
+    data = load_profile("h200-roofline").to_json()
+    assert "prefill_layer_overhead_us" in data
+    data.pop("prefill_layer_overhead_us")
+    assert from_json(data).prefill_layer_overhead_us == 0.0
+    assert load_profile("h200-demo-runtime").prefill_layer_overhead_us == 0.0  # bundled, written before the field
+    p = replace(from_json(data), prefill_layer_overhead_us=12.5)
+    assert load_profile(p.save(tmp_path / "p.json")).prefill_layer_overhead_us == 12.5
+    with pytest.raises(HardwareProfileError, match="prefill_layer_overhead_us"):
+        from_json({**data, "prefill_layer_overhead_us": -1.0})
+
+
+def test_expert_counts_split_the_routed_slots_evenly():
+    c = expert_counts(130, 4, 60)
+    assert c.sum() == 520 and c.max() - c.min() == 1 and list(c[:40]) == [9] * 40 and list(c[40:]) == [8] * 20
+
+
+def test_the_measurement_is_the_runtime_path_where_the_bench_times_several():
+    row = {"model": "mixtral-8x7b", "tokens": 256, "bits": 4, "active_experts": 8, "padded_ms": 2.5}
+    rows = parse_rows({"rows": [row, {**row, "runtime_ms": 2.0}, {**row, "runtime_ms": None}]}, "bench")
+    assert [r.measured_ms for r in rows] == [2.5, 2.0, 2.5]
+
+
+def _rows(profile, models=("qwen1.5-moe-a2.7b", "mixtral-8x7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b"),
+          extra_ms=(0.0,) * 8) -> list[BenchRow]:
+    """Rows whose "measured" time is the model's own on `profile` plus `extra_ms` (cycled)."""
+    rows, k = [], 0
+    for m in models:
+        card = card_for(m)
+        for t in (128, 512):
+            active = min(card.experts, 40)
+            r = BenchRow(m, t, 3 + k % 6, active, 1.0)
+            rows.append(replace(r, measured_ms=layer_ms(card, profile, r) + extra_ms[k % len(extra_ms)]))
+            k += 1
+    return rows
+
+
+def test_fit_recovers_a_known_constant_robustly_and_refits_to_itself():
+    base = load_profile("h200-measured")
+    zero = replace(base, prefill_layer_overhead_us=0.0)
+    gaps = (0.3, 0.3, 0.3, 0.3, 0.3, 0.3, 5.0, 0.0)  # 0.3 ms a layer, one slow outlier, one row without it
+    rep = fit(_rows(zero, extra_ms=gaps), zero)
+    assert rep["fit"]["prefill_layer_overhead_us"] == pytest.approx(300.0, abs=1e-6)
+    assert rep["ratios"]["before"]["median"] < 1 and rep["ratios"]["after"]["median"] == pytest.approx(1.0)
+    assert [r["fitted_ms"] - r["modeled_ms"] for r in rep["rows"]] == pytest.approx([0.3] * 8)
+    # fitting a profile that already carries some overhead lands on the same value
+    again = fit(_rows(zero, extra_ms=gaps), replace(base, prefill_layer_overhead_us=120.0))
+    assert again["fit"]["previous_us"] == 120.0
+    assert again["fit"]["prefill_layer_overhead_us"] == pytest.approx(300.0, abs=1e-6)
+    # a model slower than the runtime: clipped at 0
+    faster = [replace(r, measured_ms=r.measured_ms * 0.5) for r in _rows(zero)]
+    assert fit(faster, zero)["fit"]["prefill_layer_overhead_us"] == 0.0
+
+
+def _bench(path, rows: list[BenchRow]):
+    data = {"device": "test", "command": "synthetic", "rows": [
+        {"model": r.model, "tokens": r.tokens, "bits": r.bits, "active_experts": r.active_experts,
+         "padded_groups": 1, "padded_ms": r.measured_ms} for r in rows]}
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_cli_writes_the_report_the_plot_and_the_fitted_profile(tmp_path, capsys):
+    prof = replace(load_profile("h200-roofline"), prefill_layer_overhead_us=0.0)
+    bench = _bench(tmp_path / "bench.json", _rows(prof, extra_ms=(0.45,)))
+    out, fitted = tmp_path / "out", tmp_path / "fitted.json"
+    assert main(["prefill-fit", "--bench", str(bench), "--hardware", "h200-roofline", "--out", str(out),
+                 "--fit-profile", str(fitted)]) == 0
+    text = capsys.readouterr().out
+    assert "reproduce: pwsim prefill-fit --bench" in text and "0.0 -> 450.0" in text
+    report = json.loads((out / "prefill_fit.json").read_text())
+    assert len(report["rows"]) == 8 and report["fit"]["prefill_layer_overhead_us"] == pytest.approx(450.0)
+    assert (out / "prefill_fit.png").stat().st_size > 10_000
+    p = load_profile(fitted)
+    assert p.prefill_layer_overhead_us == pytest.approx(450.0) and "pwsim prefill-fit" in p.metadata["prefill_fit"]
+    assert replace(p, prefill_layer_overhead_us=0.0, metadata=prof.metadata) == prof  # nothing else moved
+    assert main(["prefill-fit", "--bench", str(bench), "--hardware", "h200-roofline", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["fit"] == report["fit"]
+
+
+def test_bundled_h200_measured_carries_the_fit_of_the_bundled_bench(tmp_path, capsys):
+    assert main(["prefill-fit", "--out", str(tmp_path), "--json"]) == 0  # defaults: the bundled bench, h200-measured
+    report = json.loads(capsys.readouterr().out)
+    assert report["fit"]["previous_us"] == load_profile("h200-measured").prefill_layer_overhead_us > 0
+    assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(report["fit"]["previous_us"], abs=0.1)
+    assert report["ratios"]["after"]["min"] > 0.75 and report["ratios"]["after"]["max"] < 1.25
+
+
+def _misuse(tmp_path):
+    prof = load_profile("h200-measured")
+    good = {"model": "mixtral-8x7b", "tokens": 256, "bits": 4, "active_experts": 8, "padded_ms": 2.3}
+    (tmp_path / "nojson.json").write_text("{ not json")
+    for name, rows in (("missing", [{k: v for k, v in good.items() if k != "padded_ms"}]),
+                       ("unknown", [{**good, "model": "gpt-5-moe"}]), ("empty", []),
+                       ("fused", [{**good, "tokens": prof.ap_fused_max_tokens}]),
+                       ("badbits", [{**good, "bits": 2}])):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"rows": rows}))
+    return [
+        (["--bench", str(tmp_path / "absent.json")], "not found"),
+        (["--bench", str(tmp_path / "nojson.json")], "not a JSON file"),
+        (["--bench", str(tmp_path / "missing.json")], "row 0 lacks"),
+        (["--bench", str(tmp_path / "unknown.json")], "'gpt-5-moe' has no model card"),
+        (["--bench", str(tmp_path / "empty.json")], "no rows"),
+        (["--bench", str(tmp_path / "fused.json")], "fused path"),
+        (["--bench", str(tmp_path / "badbits.json")], "bad value"),
+        (["--hardware", "no-such-gpu"], "not found"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_misuse_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, case):
+    argv, needle = _misuse(tmp_path)[case]
+    out, fitted = tmp_path / "out", tmp_path / "fitted.json"
+    assert main(["prefill-fit", *argv, "--out", str(out), "--fit-profile", str(fitted)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pwsim prefill-fit: error:") and needle in err[0], err
+    assert not out.exists() and not fitted.exists()
