@@ -61,13 +61,12 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return act, torch.matmul(act, down.transpose(-1, -2))
 
 
-def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order, token_of, counts): the (token, slot) pairs sorted by expert (stable), the token of each sorted
-    row, and each expert's row count on the host (the one host sync of a dispatch)."""
+    row, and each expert's row count, on the device (reading them back is a dispatch's host sync)."""
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    return order, order // topk_ids.shape[1], counts
+    return order, order // topk_ids.shape[1], torch.bincount(flat, minlength=num_experts)
 
 
 def _combine(outputs: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, topk_weights: torch.Tensor,
@@ -92,7 +91,7 @@ def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     outputs = torch.empty_like(rows)
     norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
     start = 0
-    for e, c in enumerate(counts):
+    for e, c in enumerate(counts.tolist()):
         if c == 0:
             continue
         act, y = expert_fn(e, rows[start:start + c])
@@ -131,6 +130,7 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     padded to its largest count (pads repeat a real row and are dropped) and run through expert_mlp as one batch.
     """
     order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
+    counts = counts.tolist()
     starts = np.concatenate([[0], np.cumsum(counts)])
     rows = x[token_of]
     outputs = torch.empty_like(rows)
@@ -156,21 +156,28 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    weights_of, max_experts: int, down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
     """grouped_moe's result with torch's grouped GEMM (`torch._grouped_mm`, prefill in bf16 on Hopper).
 
-    The rows stay sorted by expert and unpadded; the active experts, in id order, are taken `max_experts` at a
-    time (weights_of as in padded_moe), and each chunk is two grouped GEMMs over its contiguous rows with the
-    experts' row offsets on the device: no padding, no gathers, four launches a chunk besides the activation.
+    The rows stay sorted by expert and unpadded; a chunk of experts is two grouped GEMMs over its contiguous
+    rows, with the experts' row offsets on the device (weights_of as in padded_moe). When the layer's experts
+    fit in one chunk (`num_experts <= max_experts`) they are all asked for at once, the experts without rows
+    included, and nothing is read back to the host: the dispatch has no host sync. Otherwise the active
+    experts, in id order, are taken `max_experts` at a time from their counts read back to the host.
     """
     order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
-    starts = np.concatenate([[0], np.cumsum(counts)])
     rows = x[token_of]
     outputs = torch.empty_like(rows)
     norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
-    active = [e for e, c in enumerate(counts) if c > 0]
-    for i in range(0, len(active), max_experts):
-        chunk = active[i:i + max_experts]
-        lo, hi = int(starts[chunk[0]]), int(starts[chunk[-1] + 1])  # experts between them have no rows
-        ends = np.cumsum([counts[e] for e in chunk]).astype(np.int32)
-        offs = torch.from_numpy(ends).to(x.device, non_blocking=True)
+    if num_experts <= max_experts:
+        chunks = [(list(range(num_experts)), 0, rows.shape[0], torch.cumsum(counts, 0).to(torch.int32))]
+    else:
+        host = counts.tolist()
+        starts = np.concatenate([[0], np.cumsum(host)])
+        active = [e for e, c in enumerate(host) if c > 0]
+        chunks = []
+        for i in range(0, len(active), max_experts):
+            chunk = active[i:i + max_experts]  # experts between two of them have no rows
+            ends = torch.from_numpy(np.cumsum([host[e] for e in chunk]).astype(np.int32))
+            chunks.append((chunk, int(starts[chunk[0]]), int(starts[chunk[-1] + 1]), ends.to(x.device, non_blocking=True)))
+    for chunk, lo, hi, offs in chunks:
         gate_up, down = weights_of(chunk)
         h = torch._grouped_mm(rows[lo:hi], gate_up.transpose(1, 2), offs=offs)
         inter = down.shape[-1]
