@@ -7,9 +7,9 @@ the runtime serves on CUDA). Three paths compute the same layer on the same dequ
 - `grouped`: `grouped_mm_moe`, torch's grouped GEMM over the unpadded rows (None where torch lacks it);
 - `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
 `runtime_path` is the one `device_store.prefill_moe` takes for this dtype and device (`grouped_mm_prefill`),
-and `runtime_ms` its time. The paths read the experts' row counts back to the host, so they cannot be
-captured in a CUDA graph: a time is the wall-clock median over `reps` calls with the device synchronized
-around each, the dequantize kernel and launch costs included. `max_rel_diff` is the largest difference of a
+and `runtime_ms` its time. Most paths read the experts' row counts back to the host, so none is captured
+in a CUDA graph: a time is the wall-clock median over `reps` calls with the device synchronized around
+each, the dequantize kernel and launch costs included. `max_rel_diff` is the largest difference of a
 batched path's output from the per-expert one, relative to its largest value.
 `dequant_ms` times the dequantize kernel alone over the layer's active experts (the part of every path that
 is not GEMM), and `dequant_gbps` is its effective bandwidth: the AP bytes read (planes and LUTs at `bits`)
