@@ -12,9 +12,8 @@ costs: a profile of the runtime as it is (host included), for a second `pwsim ru
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from traces.clikit import UserError, write_text_atomic
+from traces.clikit import UserError
 
 
 def register(subparsers) -> None:
@@ -40,6 +39,7 @@ def _line(name: str, m: dict) -> str:
 def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
+    from pwsim.output import write_report
     from traces.results import dumps, read_result_dir
 
     sim = RunView(*read_result_dir(args.sim, "--sim"))
@@ -56,14 +56,9 @@ def run(args) -> int:
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "iteration_overhead_us": fitted.iteration_overhead_us,
                                     "token_overhead_us": fitted.token_overhead_us}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_png = out / ".fidelity.png.tmp.png"
-    plots.fidelity(paired_columns(sim, rt), sim.timeline, rt.timeline, report, tmp_png)
-    tmp_png.replace(out / "fidelity.png")
-    write_text_atomic(out / "fidelity.json", dumps(report))
-    if fitted is not None:
-        fitted.save(args.fit_profile)
+    out = write_report(args.out, "fidelity", report,
+                       lambda png: plots.fidelity(paired_columns(sim, rt), sim.timeline, rt.timeline, report, png),
+                       fitted, args.fit_profile)
     if args.json:
         print(dumps(report))
         return 0

@@ -13,7 +13,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from traces.clikit import UserError, write_text_atomic
+from traces.clikit import UserError
 
 
 def register(subparsers) -> None:
@@ -51,6 +51,7 @@ def _table(report: dict) -> str:
 
 def run(args) -> int:
     from pwsim import plots
+    from pwsim.output import write_report
     from pwsim.prefill_fit import DEFAULT_BENCH, fit, fitted_profile, read_bench
     from traces.hardware import load_profile
     from traces.results import dumps
@@ -81,13 +82,7 @@ def run(args) -> int:
         fitted = fitted_profile(profile, report, note)
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us}
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_png = out / ".prefill_fit.png.tmp.png"
-    plots.prefill_fit(report, tmp_png)
-    tmp_png.replace(out / "prefill_fit.png")
-    write_text_atomic(out / "prefill_fit.json", dumps(report))
-    if fitted is not None:
-        fitted.save(args.fit_profile)
+    write_report(out, "prefill_fit", report, lambda png: plots.prefill_fit(report, png), fitted, args.fit_profile)
     if args.json:
         print(dumps(report))
         return 0

@@ -11,7 +11,10 @@ from __future__ import annotations
 import csv
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+from traces.clikit import write_text_atomic
 
 from traces.results import RESULT_MARKER, clean, dumps, prepare_dir, write_result_dir  # noqa: F401 (re-exported)
 
@@ -38,3 +41,18 @@ def csv_text(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in columns})
     return buf.getvalue()
+
+
+def write_report(out: str | os.PathLike, name: str, report: dict, draw: Callable[[Path], object],
+                 profile=None, profile_path: str | os.PathLike | None = None) -> Path:
+    """`out/<name>.png`, drawn by `draw(path)` under a temporary name and renamed, `out/<name>.json`, and a fitted
+    hardware profile (`traces.hardware.HardwareProfile`) at `profile_path` when one is given."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{name}.png.tmp.png"
+    draw(tmp)
+    tmp.replace(out / f"{name}.png")
+    write_text_atomic(out / f"{name}.json", dumps(report))
+    if profile is not None:
+        profile.save(profile_path)
+    return out

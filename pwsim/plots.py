@@ -19,6 +19,14 @@ def _plt():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write the PNG and close the figure (every plot here ends so)."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _plt().close(fig)
+    return path
+
+
 def run_timeline(result, path: Path, title: str = "") -> Path:
     """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
     plt = _plt()
@@ -41,10 +49,7 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
         axes[2].legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("simulated time (s)")
     axes[0].set_title(title or result.summary.get("label", ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def run_latency(result, path: Path, title: str = "") -> Path:
@@ -61,10 +66,7 @@ def run_latency(result, path: Path, title: str = "") -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     fig.suptitle(title or result.summary.get("label", ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def _quality_axis(rows: list[dict]) -> tuple[str, str]:
@@ -95,10 +97,7 @@ def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     ax.set_title("quality vs memory (lower is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path:
@@ -119,10 +118,7 @@ def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path
     ax.set_ylabel("output tokens / simulated s")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def compare_timelines(results: dict[str, object], path: Path, title: str) -> Path:
@@ -147,10 +143,7 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: dict, path: Path) -> Path:
@@ -189,10 +182,7 @@ def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: d
     ax.set_ylabel("iteration time (ms)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def prefill_fit(report: dict, path: Path) -> Path:
@@ -217,7 +207,4 @@ def prefill_fit(report: dict, path: Path) -> Path:
     ax.set_ylabel("modeled (ms, cost model)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
