@@ -185,7 +185,8 @@ def _slug(name: str) -> str:
 
 def _profile(res: dict, name: str):
     """Measured coefficients in traces.hardware's format; unmeasured fields keep the roofline profile's values."""
-    from pwruntime.device_store import DECODE_MAX_TOKENS
+    from pwruntime.device_store import FUSED_MAX_TOKENS
+    from pwruntime.kernels.moe import MAX_TOKENS
     from traces.hardware import HardwareProfile, load_profile
     base = load_profile("h200-roofline")
     hbm = res["copy"]["d2d_copy_gbps"]
@@ -210,7 +211,8 @@ def _profile(res: dict, name: str):
         achieved_flops_fraction=round(min(1.0, res["fp16_gemm_tflops"] / base.fp16_tflops), 4),
         pcie_h2d_gbps=round(res["copy"]["h2d_pinned_gbps"], 2), pcie_d2h_gbps=round(res["copy"]["d2h_pinned_gbps"], 2),
         iteration_overhead_us=base.iteration_overhead_us, layer_overhead_us=base.layer_overhead_us,
-        ap_kernel_efficiency={b: round(v, 4) for b, v in eff.items()}, ap_fused_max_tokens=DECODE_MAX_TOKENS,
+        ap_kernel_efficiency={b: round(v, 4) for b, v in eff.items()}, ap_fused_max_tokens=FUSED_MAX_TOKENS,
+        ap_fused_launch_tokens=MAX_TOKENS,
         ap_efficiency_by_tokens={b: t for b, t in by_tokens.items() if t},
         metadata={
             "measured": True,

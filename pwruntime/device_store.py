@@ -8,10 +8,10 @@ keeps its leading GPU planes above q. Every row change goes through `_write_row`
 tensors the row stopped naming; they are freed only once the compute stream has passed that point
 (`retire`, a `stream_marks.DeferredFree`), because kernels queued earlier may still read them.
 
-Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 64 tokens with one
-`MoEWorkspace` per (token bucket, dtype, top-k) reused across layers (no host sync, no
-data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
-workspace's activations. For T > 64 (prefill) it dequantizes the active experts at their committed
+Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens (`FUSED_MAX_TOKENS`), a
+launch set per 64 tokens, with one `MoEWorkspace` per (token bucket, dtype, top-k) reused across layers
+(no host sync, no data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
+workspace's activations. For T > 128 (prefill) it dequantizes the active experts at their committed
 bits (`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
 `grouped_mm_moe` (torch's grouped GEMM over the unpadded rows) for experts of up to 4096 intermediate rows
 in bf16 on Hopper, where it is the faster, and `padded_moe` (two batched GEMMs per group of experts)
@@ -41,7 +41,10 @@ from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
-DECODE_MAX_TOKENS = MAX_TOKENS  # tokens the fused kernel takes in one launch; more is prefill
+# Batches of up to this many tokens run the fused kernel, in launches of at most MAX_TOKENS (64); larger ones
+# dequantize (prefill). Two launches of the fused kernel took 0.30-0.65 of the dequantize path's time at 65-128
+# tokens and 3-4 bits, 0.53-1.05 at 8 bits; at 192 tokens 8 bits lose and at 256 every width (cuda/NOTES.md, s. 10).
+FUSED_MAX_TOKENS = 2 * MAX_TOKENS
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
 DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
 # Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
@@ -322,9 +325,22 @@ class DeviceExpertStore:
             raise ValueError(f"no MoE layer {layer}: the store has {self.num_layers}")
         tokens, k = topk_ids.shape
         kernel = _kernel_path(x)
-        if tokens > DECODE_MAX_TOKENS or (down_in_norm is not None and not kernel):
+        if tokens > FUSED_MAX_TOKENS or (down_in_norm is not None and not kernel):
             return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
                                self.prefill_chunk_bytes, down_in_norm)
+        if tokens <= MAX_TOKENS:
+            return self._fused(layer, x, topk_ids, topk_weights, down_in_norm, kernel)
+        out = torch.empty_like(x)
+        for s in range(0, tokens, MAX_TOKENS):  # a launch set per 64 tokens, each in its bucket's workspace
+            sl = slice(s, s + MAX_TOKENS)
+            out[sl] = self._fused(layer, x[sl], topk_ids[sl], topk_weights[sl],
+                                  None if down_in_norm is None else down_in_norm[sl], kernel)
+        return out
+
+    def _fused(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+               down_in_norm: torch.Tensor | None, kernel: bool) -> torch.Tensor:
+        """The fused kernel (or its pure-torch fallback) on at most MAX_TOKENS tokens; down norms from its workspace."""
+        tokens, k = topk_ids.shape
         ws = self.workspace(tokens, x.dtype, k) if kernel else None
         out = fused_moe(self.table, layer, x, topk_ids, topk_weights, self.moe_shape(k), ws)
         if down_in_norm is not None:

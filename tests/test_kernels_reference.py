@@ -391,8 +391,8 @@ def test_bench_profile_is_a_valid_hardware_profile(tmp_path):
     # per batch size too: at T=4 the layer moves the same bytes in a quarter of the time
     assert back.ap_efficiency_by_tokens[3] == pytest.approx({1: 100 / 3600, 4: 400 / 3600}, rel=1e-3)
     assert back.ap_efficiency(3, 2) == pytest.approx(250 / 3600, rel=1e-3)  # halfway in log(T)
-    from pwruntime.device_store import DECODE_MAX_TOKENS
-    assert back.ap_fused_max_tokens == DECODE_MAX_TOKENS  # the runtime's rule, not a judgement of the kernel
+    from pwruntime.device_store import FUSED_MAX_TOKENS
+    assert back.ap_fused_max_tokens == FUSED_MAX_TOKENS  # the runtime's rule, not a judgement of the kernel
 
 
 def test_bench_cli_needs_a_gpu():
