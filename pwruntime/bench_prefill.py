@@ -2,9 +2,12 @@
 
 Each case is one MoE layer of random AP experts (all planes resident, every block at `bits`) and T prompt
 tokens routed uniformly at random to the model's top-k, in the activation dtype asked (bf16 by default, what
-the runtime serves on CUDA). Three paths compute the same layer on the same dequantized weights:
-- `padded`: `padded_moe`, the active experts in groups of similar row counts, each group two batched GEMMs;
-- `grouped`: `grouped_mm_moe`, torch's grouped GEMM over the unpadded rows (None where torch lacks it);
+the runtime serves on CUDA). Four paths compute the same layer:
+- `fused`: the fused AP kernel, a launch set per 64 tokens (`fused_moe`), reading the planes at every launch;
+- `padded`: `padded_moe`, the active experts dequantized and in groups of similar row counts, each group two
+  batched GEMMs;
+- `grouped`: `grouped_mm_moe`, the dequantized experts through torch's grouped GEMM over the unpadded rows
+  (None where torch lacks it);
 - `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
 `runtime_path` is the one `device_store.prefill_moe` takes for this dtype and device (`grouped_mm_prefill`),
 and `runtime_ms` its time. Most paths read the experts' row counts back to the host, so none is captured
@@ -24,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from pwruntime.device_store import dequantize_experts, grouped_mm_prefill, prefill_group_limits
+from pwruntime.device_store import FUSED_MAX_TOKENS, dequantize_experts, grouped_mm_prefill, prefill_group_limits
 from pwruntime.kernels.bench import ARCHS, APLayers, BenchConfig, random_routing
-from pwruntime.kernels.moe import MoEShape
+from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
+from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
 from policies.apformat import ap_block_bytes
 
@@ -60,6 +64,16 @@ def dequant_bytes(shape: MoEShape, experts: int, bits: int, elem_bytes: int) -> 
     return experts * per_expert
 
 
+PATHS = ("per_expert", "padded", "grouped", "fused")
+
+
+def runtime_path(x: torch.Tensor, shape: MoEShape) -> str:
+    """The path `DeviceExpertStore.moe` takes for these activations on CUDA."""
+    if x.shape[0] <= FUSED_MAX_TOKENS:
+        return "fused"
+    return "grouped" if grouped_mm_prefill(x, shape) else "padded"
+
+
 def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """One row per prompt size in cfg.tokens for model shape `name` (see the module docstring)."""
     h, inter, experts, k = ARCHS[name]
@@ -77,14 +91,16 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
                  "per_expert": lambda: _per_expert(ap.table, shape, x, ids, w)}
         if hasattr(torch, "_grouped_mm"):
             paths["grouped"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts)
+        ws = MoEWorkspace.create(shape, min(t, FUSED_LAUNCH_TOKENS), dtype, x.device)
+        paths["fused"] = lambda: fused_moe(ap.table, 0, x, ids, w, shape, ws)
         want = paths["per_expert"]().float()
         diff = max(float((paths[p]().float() - want).abs().max() / want.abs().max()) for p in paths if p != "per_expert")
         counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
         active = [e for e, c in enumerate(counts) if c > 0]
         row = {"model": name, "tokens": t, "bits": bits, "dtype": str(dtype).removeprefix("torch."),
                "active_experts": len(active), "padded_groups": len(expert_groups(counts, max_experts, max_pad_rows)),
-               "runtime_path": "grouped" if grouped_mm_prefill(x, shape) else "padded", "max_rel_diff": diff}
-        for p in ("per_expert", "padded", "grouped"):
+               "runtime_path": runtime_path(x, shape), "max_rel_diff": diff}
+        for p in PATHS:
             row[f"{p}_ms"] = wall_ms(paths[p], cfg.reps, cfg.warmup) if p in paths else None
         row["runtime_ms"] = row[f"{row['runtime_path']}_ms"]
         row["speedup"] = row["per_expert_ms"] / row["runtime_ms"]
@@ -100,13 +116,13 @@ def print_table(res: dict) -> None:
 
     print(f"{res['device']}: one prefill MoE layer, wall ms (median of {res['reps']}), experts at {res['bits']} bits, "
           f"{res.get('dtype', 'float16')} activations; * marks the runtime's path")
-    print(f"{'model':<20} {'T':>5} {'active':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'speedup':>7} "
-          f"{'dequant':>8} {'GB/s':>6}")
+    print(f"{'model':<20} {'T':>5} {'active':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'fused':>9} "
+          f"{'speedup':>7} {'dequant':>8} {'GB/s':>6}")
     for r in res["rows"]:
-        star = {p: "*" if r.get("runtime_path", "padded") == p else " " for p in ("padded", "grouped")}
+        star = {p: "*" if r.get("runtime_path", "padded") == p else " " for p in PATHS}
         print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r['per_expert_ms']:>10.2f} "
-              f"{ms(r['padded_ms'])}{star['padded']} {ms(r.get('grouped_ms'))}{star['grouped']} {r['speedup']:>7.2f} "
-              f"{r['dequant_ms']:>8.2f} {r['dequant_gbps']:>6.0f}")
+              + " ".join(f"{ms(r.get(f'{p}_ms'))}{star[p]}" for p in PATHS[1:])
+              + f" {r['speedup']:>7.2f} {r['dequant_ms']:>8.2f} {r['dequant_gbps']:>6.0f}")
 
 
 def plot(res: dict, png: Path) -> Path:
@@ -118,15 +134,16 @@ def plot(res: dict, png: Path) -> Path:
     rows = res["rows"]
     labels = [f"{r['model']}\nT={r['tokens']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(rows)), 4.6))
-    paths = [("per_expert", "launches per expert"), ("padded", "padded groups"), ("grouped", "grouped GEMM")]
+    paths = [("per_expert", "launches per expert"), ("padded", "padded groups"), ("grouped", "grouped GEMM"),
+             ("fused", "fused kernel, 64 tokens a launch")]
     paths = [(p, lab) for p, lab in paths if any(r.get(f"{p}_ms") is not None for r in rows)]
     width = 0.8 / len(paths)
     for i, (p, lab) in enumerate(paths):
         xs = [j + (i - (len(paths) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, [r.get(f"{p}_ms") or 0.0 for r in rows], width, label=lab)
-        if p != "per_expert":
+        if p in ("padded", "grouped"):
             ax.bar(xs, [r["dequant_ms"] if r.get(f"{p}_ms") is not None else 0.0 for r in rows], width, fill=False,
-                   hatch="//", label="of which dequantize" if i == len(paths) - 1 else None)
+                   hatch="//", label="of which dequantize" if p == "padded" else None)
     ax.set_xticks(range(len(rows)), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("ms per layer (wall, launches included)")
     ax.set_title(f"Prefill MoE layer, experts at {res['bits']} bits, {res.get('dtype', 'float16')} ({res['device']})")
