@@ -74,7 +74,7 @@ def run(args) -> int:
     fitted = None
     if args.fit_profile:
         r = report["ratios"]
-        note = (f"prefill_layer_overhead_us fitted by `{command}`: the median over {len(rows)} rows of "
+        note = (f"prefill_layer_overhead_us fitted by `{command}`: the median over {len(report['rows'])} rows of "
                 f"`{meta.get('command', 'pwruntime bench prefill')}` ({meta.get('device', 'device not recorded')}) "
                 "of the measured minus the modeled wall time of one prefill MoE layer (the runtime's host work and "
                 f"launches for the layer's expert groups); modeled / measured {r['before']['min']:.2f}-"
@@ -92,6 +92,9 @@ def run(args) -> int:
           f"{profile.name}; modeled / measured " + ", ".join(
               f"{when}: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f}"
               for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))
+    if report["skipped_fused_rows"]:
+        print(f"{report['skipped_fused_rows']} rows of at most {profile.ap_fused_max_tokens} tokens ran the fused kernel: "
+              "left out of the fit")
     print(f"wrote {out / 'prefill_fit.json'} and {out / 'prefill_fit.png'}"
           + (f"; the fitted profile to {args.fit_profile}" if fitted is not None else ""))
     print(f"reproduce: {command}")

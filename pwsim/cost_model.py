@@ -8,8 +8,9 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   the score/value FLOPs (causal within a chunk).
 * moe: the routed experts actually routed to this iteration, each linear-block at its committed
   bits (`q` planes + LUT_q, policies.apformat). As in the runtime, a batch of at most
-  `ap_fused_max_tokens` tokens runs the fused AP kernel, at `profile.ap_efficiency(q, tokens)` of
-  the moe bandwidth (measured per batch size where the profile has it); a larger batch (prefill)
+  `ap_fused_max_tokens` tokens runs the fused AP kernel, in launch sets of at most `ap_fused_launch_tokens`
+  that each read the planes, at `profile.ap_efficiency(q, tokens)` of the moe bandwidth (measured per
+  batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
   GEMM, and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
   runtime's host work and launches for the layer's expert groups). With `fp16_experts` the experts are
@@ -112,7 +113,7 @@ class CostModel:
         shapes = c.block_shapes()
         self.block_bytes = c.block_byte_table().astype(np.float64)  # [2, 9]
         self.block_params = (shapes[:, 0] * shapes[:, 1]).astype(np.float64)  # [2]
-        self.fused_max = p.ap_fused_max_tokens
+        self.fused_max, self.launch_tokens = p.ap_fused_max_tokens, p.ap_fused_launch_tokens
         self._q_cache: tuple[np.ndarray, np.ndarray, np.ndarray, dict] | None = None
         self._flops_time = (2 * self.block_params / self.rate)[None, :]  # [1, 2] seconds per token
         self._fp16_time = (FP16 * self.block_params / self.bw["moe"])[None, :]  # [1, 2] seconds to stream fp16
@@ -152,8 +153,10 @@ class CostModel:
             return float(np.maximum(self._fp16_time, compute).sum())
         if batch_tokens is None:
             batch_tokens = int(np.ceil(tok.sum(axis=1).max() / self.card.top_k))
-        if batch_tokens <= self.fused_max:
-            return float(np.maximum(self._read_times(q, batch_tokens)[active], compute).sum())
+        if batch_tokens <= self.fused_max:  # launch sets of at most launch_tokens, each reading the planes
+            launches = -(-batch_tokens // self.launch_tokens)
+            per = -(-batch_tokens // launches)
+            return float(launches * np.maximum(self._read_times(q, per)[active], compute / launches).sum())
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
         layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
         return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum()  # write fp16, GEMM

@@ -129,7 +129,15 @@ def ratio_summary(ratios) -> dict:
 
 
 def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
-    """Per row the modeled and measured ms before and after the fit, the fitted overhead, the ratio summaries."""
+    """Per row the modeled and measured ms before and after the fit, the fitted overhead, the ratio summaries.
+    Rows of at most `ap_fused_max_tokens` tokens ran the fused kernel, not the dequantize path: they are left out
+    (counted as `skipped_fused_rows`)."""
+    fused = profile.ap_fused_max_tokens
+    skipped = sum(r.tokens <= fused for r in rows)
+    rows = [r for r in rows if r.tokens > fused]
+    if not rows:
+        raise UserError(f"every bench row takes the fused path (at most {fused} tokens on {profile.name}); prefill-fit "
+                        f"fits the dequantize path only: bench prompts of more than {fused} tokens (--tokens)")
     cards = {m: card_for(m) for m in dict.fromkeys(r.model for r in rows)}
     before = np.array([layer_ms(cards[r.model], profile, r) for r in rows])
     measured = np.array([r.measured_ms for r in rows])
@@ -140,7 +148,7 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
               "active_experts": r.active_experts, "measured_ms": r.measured_ms, "modeled_ms": float(b),
               "ratio": float(b / r.measured_ms), "fitted_ms": float(a), "fitted_ratio": float(a / r.measured_ms)}
              for r, b, a in zip(rows, before, after)]
-    return {"hardware": profile.name, "routing": ROUTING, "rows": table,
+    return {"hardware": profile.name, "routing": ROUTING, "rows": table, "skipped_fused_rows": skipped,
             "fit": {"prefill_layer_overhead_us": fitted_us, "previous_us": profile.prefill_layer_overhead_us,
                     "method": "previous + median over rows of (measured - modeled), clipped at 0"},
             "ratios": {"before": ratio_summary(before / measured), "after": ratio_summary(after / measured),

@@ -47,7 +47,8 @@ def test_fused_path_and_fp16_experts_pay_nothing(qwen):
     q = np.full(card.moe_layers * card.experts * 2, 4)
     zero = replace(prof, prefill_layer_overhead_us=0.0)
     et = _routing(card, 5, 16)
-    assert CostModel(card, prof).moe(q, et, prof.ap_fused_max_tokens) == CostModel(card, zero).moe(q, et, 64)
+    fused = prof.ap_fused_max_tokens
+    assert CostModel(card, prof).moe(q, et, fused) == CostModel(card, zero).moe(q, et, fused)
     et = _routing(card, 5, 256)
     assert CostModel(card, prof, True).moe(q, et, 256) == CostModel(card, zero, True).moe(q, et, 256)
 
@@ -81,7 +82,7 @@ def _rows(profile, models=("qwen1.5-moe-a2.7b", "mixtral-8x7b", "olmoe-1b-7b", "
     rows, k = [], 0
     for m in models:
         card = card_for(m)
-        for t in (128, 512):
+        for t in (256, 512):
             active = min(card.experts, 40)
             r = BenchRow(m, t, 3 + k % 6, active, 1.0)
             rows.append(replace(r, measured_ms=layer_ms(card, profile, r) + extra_ms[k % len(extra_ms)]))
@@ -104,6 +105,11 @@ def test_fit_recovers_a_known_constant_robustly_and_refits_to_itself():
     # a model slower than the runtime: clipped at 0
     faster = [replace(r, measured_ms=r.measured_ms * 0.5) for r in _rows(zero)]
     assert fit(faster, zero)["fit"]["prefill_layer_overhead_us"] == 0.0
+    # rows the runtime ran on the fused kernel (at most ap_fused_max_tokens) are left out and counted
+    fused_row = BenchRow("olmoe-1b-7b", zero.ap_fused_max_tokens, 4, 60, 0.5)
+    with_fused = fit([fused_row, *_rows(zero, extra_ms=gaps)], zero)
+    assert with_fused["skipped_fused_rows"] == 1 and len(with_fused["rows"]) == 8
+    assert with_fused["fit"] == rep["fit"]
 
 
 def _bench(path, rows: list[BenchRow]):

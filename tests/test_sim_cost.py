@@ -112,9 +112,10 @@ def test_fused_kernel_or_dequantize_is_decided_by_the_batch_as_in_the_runtime(qw
     q = np.full(n, 3)
     et = _decode_routing(card.moe_layers, card.experts, 4)  # one token on each of 4 experts
     cm = CostModel(card, prof)
-    fused, dequant = cm.moe(q, et, batch_tokens=64), cm.moe(q, et, batch_tokens=65)
+    fused, two, dequant = cm.moe(q, et, batch_tokens=64), cm.moe(q, et, batch_tokens=65), cm.moe(q, et, batch_tokens=129)
     assert fused == pytest.approx(card.moe_layers * 4 * (card.block_byte_table()[:, 3].sum()) / prof.bandwidth("moe"))
-    assert dequant > 3 * fused  # above the runtime's 64 tokens every active expert is dequantized first
+    assert two == pytest.approx(2 * fused)  # 65..128 tokens: two launch sets of the fused kernel, each reading the planes
+    assert dequant > 3 * fused  # above the runtime's 128 tokens every active expert is dequantized first
     assert cm.moe(q, et) == fused  # default: tokens routed per layer / top-k = 1
     # a profile measured per batch size: the fused time follows the interpolated efficiency
     measured = dataclasses.replace(prof, ap_efficiency_by_tokens={3: {1: 0.5, 16: 0.25}})
@@ -122,3 +123,7 @@ def test_fused_kernel_or_dequantize_is_decided_by_the_batch_as_in_the_runtime(qw
     assert cm2.moe(q, et, batch_tokens=1) == pytest.approx(fused / 0.5)
     assert cm2.moe(q, et, batch_tokens=4) == pytest.approx(fused / 0.375)
     assert cm2.moe(q, et, batch_tokens=64) == pytest.approx(fused / 0.25)
+    # a batch in launch sets: each set's share of the tokens, at that share's efficiency
+    assert cm2.moe(q, et, batch_tokens=8) == pytest.approx(fused / (0.5 - 0.25 * 3 / 4))  # log2(8) / log2(16)
+    one_set = CostModel(card, dataclasses.replace(measured, ap_fused_launch_tokens=128))
+    assert cm2.moe(q, et, batch_tokens=128) == pytest.approx(2 * one_set.moe(q, et, batch_tokens=64))

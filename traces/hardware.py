@@ -26,8 +26,10 @@ Format (JSON object, `format_version` 1):
     ap_kernel_efficiency                {bits "3".."8": fraction of the moe bandwidth the fused AP kernel
                                         reaches when it reads that many planes}
     ap_fused_max_tokens                 a batch of at most this many tokens runs the fused AP kernel (the
-                                        runtime's limit: 64); a larger one (prefill) dequantizes the active
+                                        runtime's limit: 128); a larger one (prefill) dequantizes the active
                                         experts to fp16 and multiplies them with GEMMs
+    ap_fused_launch_tokens              optional (default 64): tokens one launch set of the fused kernel takes; a
+                                        batch of more runs ceil(T / this) launch sets, each reading the planes
     ap_efficiency_by_tokens             optional {bits: {tokens: fraction}}: the fused kernel's efficiency
                                         measured at several batch sizes; between two measured sizes it is
                                         interpolated in log(tokens), outside them the nearest is used, and
@@ -74,6 +76,7 @@ class HardwareProfile:
     metadata: dict[str, Any] = field(default_factory=dict)
     token_overhead_us: float = 0.0
     prefill_layer_overhead_us: float = 0.0
+    ap_fused_launch_tokens: int = 64
 
     def __post_init__(self) -> None:
         validate(self)
@@ -138,7 +141,7 @@ def validate(p: HardwareProfile) -> None:
     if not p.name:
         raise HardwareProfileError("hardware profile needs a non-empty name")
     for f in ("gpu_memory_bytes", "hbm_gbps", "fp16_tflops", "achieved_flops_fraction", "pcie_h2d_gbps",
-              "pcie_d2h_gbps", "ap_fused_max_tokens"):
+              "pcie_d2h_gbps", "ap_fused_max_tokens", "ap_fused_launch_tokens"):
         _positive(f, getattr(p, f))
     for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "prefill_layer_overhead_us"):
         _positive(f, getattr(p, f), allow_zero=True)
