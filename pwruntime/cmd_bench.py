@@ -10,8 +10,9 @@ that reproduces it; `--json` prints the results as JSON, `--out` writes them, `-
 the measured coefficients in the simulator's hardware-profile format (traces/hardware.py).
 
 `bench prefill` times one prefill MoE layer per model shape and prompt size (pwruntime/bench_prefill.py):
-the runtime's batched paths (padded groups, torch's grouped GEMM) against a set of launches per active
-expert, and the dequantize kernel alone, with a figure next to `--out`.
+the fused kernel in launch sets of 64 tokens and the two dequantize paths (padded groups, torch's grouped
+GEMM) against a set of launches per active expert, and the dequantize kernel alone, with a figure next to
+`--out`.
 """
 from __future__ import annotations
 
