@@ -9,6 +9,7 @@ gate_up = [gate; up] of shape [2I, H] and down of shape [H, I].
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -50,34 +51,58 @@ class ExpertStore(Protocol):
         ...
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = silu(gate rows) *
-    (up rows) [..., n, I], down act [..., n, H]).
+    (up rows) [..., n, I], down act [..., n, H]). With `offs` (int32 [b], each expert's end row), rows [N, H]
+    sorted by expert go through torch's grouped GEMM against the b experts' matrices instead.
 
-    gate_up [..., 2I, H] (gate rows first), down [..., H, I]: the expert body both dispatchers below run."""
-    h = torch.matmul(rows, gate_up.transpose(-1, -2))
+    gate_up [..., 2I, H] (gate rows first), down [..., H, I]: the expert body the dispatchers below run."""
+    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        wt = w.transpose(-1, -2)
+        return torch.matmul(a, wt) if offs is None else torch._grouped_mm(a, wt, offs=offs)
+
+    h = mm(rows, gate_up)
     inter = down.shape[-1]
     act = F.silu(h[..., :inter]) * h[..., inter:]
-    return act, torch.matmul(act, down.transpose(-1, -2))
+    return act, mm(act, down)
 
 
-def _sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order, token_of, counts): the (token, slot) pairs sorted by expert (stable), the token of each sorted
-    row, and each expert's row count, on the device (reading them back is a dispatch's host sync)."""
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    return order, order // topk_ids.shape[1], torch.bincount(flat, minlength=num_experts)
+@dataclass
+class _Dispatch:
+    """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), the token of each sorted row, each
+    expert's row count on the device (reading them back is a dispatch's host sync), the sorted rows, and what a
+    dispatcher fills in: each row's expert output and, when down norms are asked, its activation's norm."""
+    order: torch.Tensor
+    token_of: torch.Tensor
+    counts: torch.Tensor
+    rows: torch.Tensor
+    outputs: torch.Tensor
+    norms: torch.Tensor | None
 
+    @classmethod
+    def of(cls, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, norms: bool) -> _Dispatch:
+        flat = topk_ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // topk_ids.shape[1]
+        rows = x[token_of]
+        return cls(order, token_of, torch.bincount(flat, minlength=num_experts), rows, torch.empty_like(rows),
+                   torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norms else None)
 
-def _combine(outputs: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor, topk_weights: torch.Tensor,
-             n_tok: int, norms: torch.Tensor | None, down_in_norm: torch.Tensor | None) -> torch.Tensor:
-    """sum over each token's rows of routing weight * expert output, in float32; fills down_in_norm."""
-    weighted = outputs.float() * topk_weights.reshape(-1)[order].float()[:, None]
-    out = torch.zeros(n_tok, outputs.shape[1], dtype=torch.float32, device=outputs.device)
-    out.index_add_(0, token_of, weighted)
-    if norms is not None:
-        down_in_norm.view(-1)[order] = norms
-    return out.to(outputs.dtype)
+    def put(self, dest, act: torch.Tensor, y: torch.Tensor) -> None:
+        """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]."""
+        self.outputs[dest] = y
+        if self.norms is not None:
+            self.norms[dest] = act.float().norm(dim=-1)
+
+    def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
+        """sum over each token's rows of routing weight * expert output, in float32; fills down_in_norm."""
+        weighted = self.outputs.float() * topk_weights.reshape(-1)[self.order].float()[:, None]
+        out = torch.zeros(topk_weights.shape[0], self.outputs.shape[1], dtype=torch.float32, device=self.outputs.device)
+        out.index_add_(0, self.token_of, weighted)
+        if self.norms is not None:
+            down_in_norm.view(-1)[self.order] = self.norms
+        return out.to(self.outputs.dtype)
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -86,20 +111,14 @@ def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
 
     expert_fn(e, rows [n, H]) -> (intermediate act [n, I], output [n, H]). Accumulates in float32.
     """
-    order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
-    rows = x[token_of]
-    outputs = torch.empty_like(rows)
-    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
+    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None)
     start = 0
-    for e, c in enumerate(counts.tolist()):
+    for e, c in enumerate(d.counts.tolist()):
         if c == 0:
             continue
-        act, y = expert_fn(e, rows[start:start + c])
-        outputs[start:start + c] = y
-        if norms is not None:
-            norms[start:start + c] = act.float().norm(dim=-1)
+        d.put(slice(start, start + c), *expert_fn(e, d.rows[start:start + c]))
         start += c
-    return _combine(outputs, order, token_of, topk_weights, topk_ids.shape[0], norms, down_in_norm)
+    return d.combine(topk_weights, down_in_norm)
 
 
 def expert_groups(counts: Sequence[int], max_experts: int, max_pad_rows: int) -> list[list[int]]:
@@ -129,12 +148,9 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
     asked at once (expert_groups, which also bounds a group's padding by `max_pad_rows`). Each group's rows are
     padded to its largest count (pads repeat a real row and are dropped) and run through expert_mlp as one batch.
     """
-    order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
-    counts = counts.tolist()
+    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None)
+    counts = d.counts.tolist()
     starts = np.concatenate([[0], np.cumsum(counts)])
-    rows = x[token_of]
-    outputs = torch.empty_like(rows)
-    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
     for group in expert_groups(counts, max_experts, max_pad_rows):
         width = counts[group[0]]
         count = np.array([counts[e] for e in group])
@@ -144,12 +160,10 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         idx = torch.from_numpy(np.concatenate([src, keep, src[keep]])).to(x.device, non_blocking=True)
         take, kept, dest = idx.split([len(src), len(keep), len(keep)])
         gate_up, down = weights_of(group)
-        act, y = expert_mlp(rows[take].view(len(group), width, -1), gate_up, down)
+        act, y = expert_mlp(d.rows[take].view(len(group), width, -1), gate_up, down)
         del gate_up, down  # the next group's weights are made after these go
-        outputs[dest] = y.reshape(-1, y.shape[-1])[kept]
-        if norms is not None:
-            norms[dest] = act.float().norm(dim=-1).reshape(-1)[kept]
-    return _combine(outputs, order, token_of, topk_weights, topk_ids.shape[0], norms, down_in_norm)
+        d.put(dest, act.reshape(-1, act.shape[-1])[kept], y.reshape(-1, y.shape[-1])[kept])
+    return d.combine(topk_weights, down_in_norm)
 
 
 def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -162,14 +176,11 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     included, and nothing is read back to the host: the dispatch has no host sync. Otherwise the active
     experts, in id order, are taken `max_experts` at a time from their counts read back to the host.
     """
-    order, token_of, counts = _sort_by_expert(topk_ids, num_experts)
-    rows = x[token_of]
-    outputs = torch.empty_like(rows)
-    norms = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if down_in_norm is not None else None
+    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None)
     if num_experts <= max_experts:
-        chunks = [(list(range(num_experts)), 0, rows.shape[0], torch.cumsum(counts, 0).to(torch.int32))]
+        chunks = [(list(range(num_experts)), 0, d.rows.shape[0], torch.cumsum(d.counts, 0).to(torch.int32))]
     else:
-        host = counts.tolist()
+        host = d.counts.tolist()
         starts = np.concatenate([[0], np.cumsum(host)])
         active = [e for e, c in enumerate(host) if c > 0]
         chunks = []
@@ -179,14 +190,9 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             chunks.append((chunk, int(starts[chunk[0]]), int(starts[chunk[-1] + 1]), ends.to(x.device, non_blocking=True)))
     for chunk, lo, hi, offs in chunks:
         gate_up, down = weights_of(chunk)
-        h = torch._grouped_mm(rows[lo:hi], gate_up.transpose(1, 2), offs=offs)
-        inter = down.shape[-1]
-        act = F.silu(h[:, :inter]) * h[:, inter:]
-        outputs[lo:hi] = torch._grouped_mm(act, down.transpose(1, 2), offs=offs)
+        d.put(slice(lo, hi), *expert_mlp(d.rows[lo:hi], gate_up, down, offs))
         del gate_up, down  # the next chunk's weights are made after these go
-        if norms is not None:
-            norms[lo:hi] = act.float().norm(dim=-1)
-    return _combine(outputs, order, token_of, topk_weights, topk_ids.shape[0], norms, down_in_norm)
+    return d.combine(topk_weights, down_in_norm)
 
 
 class DenseExpertStore:
