@@ -79,15 +79,14 @@ def _ratio(a, b) -> float | None:
 
 
 def compare(sim: RunView, runtime: RunView) -> dict:
-    si, ri = _pair(sim, runtime)
-    per = {m: metric_report(np.asarray(sim.requests[m], dtype=np.float64)[si],
-                            np.asarray(runtime.requests[m], dtype=np.float64)[ri]) for m in METRICS}
+    paired = paired_columns(sim, runtime)
+    per = {m: metric_report(*paired[m]) for m in METRICS}
     fit_s, fit_r = iteration_fit(sim.timeline), iteration_fit(runtime.timeline)
     def gap(key: str) -> float | None:
         return None if None in (fit_r[key], fit_s[key]) else (fit_r[key] - fit_s[key]) * 1e6
     return {
         "requests": {"sim": len(sim.requests["request_id"]), "runtime": len(runtime.requests["request_id"]),
-                     "paired": len(si)},
+                     "paired": len(paired[METRICS[0]][0])},
         "metrics": per,
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),
