@@ -61,8 +61,6 @@ def run(args) -> int:
                         "--bench FILE written by `pwruntime bench prefill --out FILE`")
     bench = Path(args.bench) if args.bench is not None else DEFAULT_BENCH
     out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory")
     meta, rows = read_bench(bench)
     profile = load_profile(args.hardware)
     report = fit(rows, profile)

@@ -14,9 +14,8 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from traces.clikit import write_text_atomic
-
-from traces.results import RESULT_MARKER, clean, dumps, prepare_dir, write_result_dir  # noqa: F401 (re-exported)
+from traces.clikit import UserError, write_text_atomic
+from traces.results import dumps, prepare_dir, write_result_dir  # noqa: F401 (prepare_dir: re-exported for cmd_run)
 
 
 def write_run(result, config_json: dict, out: str | os.PathLike, plots: bool = True, force: bool = False) -> Path:
@@ -46,8 +45,11 @@ def csv_text(rows: list[dict], columns: list[str]) -> str:
 def write_report(out: str | os.PathLike, name: str, report: dict, draw: Callable[[Path], object],
                  profile=None, profile_path: str | os.PathLike | None = None) -> Path:
     """`out/<name>.png`, drawn by `draw(path)` under a temporary name and renamed, `out/<name>.json`, and a fitted
-    hardware profile (`traces.hardware.HardwareProfile`) at `profile_path` when one is given."""
+    hardware profile (`traces.hardware.HardwareProfile`) at `profile_path` when one is given. An `out` that is a
+    file is a UserError, before anything is written."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f".{name}.png.tmp.png"
     draw(tmp)

@@ -167,6 +167,15 @@ def _misuse(tmp_path):
     ]
 
 
+def test_out_that_is_a_file_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    out, fitted = tmp_path / "out", tmp_path / "fitted.json"
+    out.write_text("keep me")
+    assert main(["prefill-fit", "--out", str(out), "--fit-profile", str(fitted)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file; give a directory" in err[0], err
+    assert out.read_text() == "keep me" and not fitted.exists()
+
+
 @pytest.mark.parametrize("case", range(8))
 def test_misuse_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, case):
     argv, needle = _misuse(tmp_path)[case]

@@ -222,6 +222,19 @@ def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
     assert not (tmp_path / "fid").exists()
 
 
+
+def test_fidelity_cli_out_that_is_a_file_exit_2(tmp_path, capsys):
+    from pathlib import Path
+    runs = Path(__file__).resolve().parents[1] / BUNDLED
+    out = tmp_path / "fid"
+    out.write_text("keep me")
+    assert sim_main(["fidelity", "--sim", str(runs / "kv980-run1"), "--runtime", str(runs / "kv980-run2"),
+                     "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file; give a directory" in err[0], err
+    assert out.read_text() == "keep me"
+
+
 # ---------------------------------------------------------------- the bundled measurement
 BUNDLED = "traces/bundled/demo-replay-h200"
 
