@@ -21,12 +21,6 @@ constexpr bool BF = PW_BF16 != 0;
 constexpr int THREADS = 128;
 constexpr int TABLE_COLS = 10;
 
-__device__ __forceinline__ u16 ldg_nc_u16(const u16* p) {
-    u16 r;
-    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-    return r;
-}
-
 // Word wd of row r of a block at Q bits -> out[p] = elements 2p (low half) and 2p + 1 of the word.
 template <int Q>
 __device__ __forceinline__ void decode_word(const long long* row, int r, int W, int wd, u32 (&out)[16]) {

@@ -56,6 +56,11 @@ __device__ __forceinline__ u32x2 ldg_nc_v2(const u32* p) {
     asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
     return r;
 }
+__device__ __forceinline__ u16 ldg_nc_u16(const u16* p) {
+    u16 r;
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+}
 __device__ __forceinline__ u32 ldg_nc(const u32* p) {
     u32 r;
     asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));

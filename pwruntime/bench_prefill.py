@@ -1,4 +1,4 @@
-"""Prefill MoE measurements behind `pwruntime bench prefill`: the runtime's batched paths against one launch set per expert.
+"""Prefill MoE measurements behind `pwruntime bench prefill`: the runtime's paths against one launch set per expert.
 
 Each case is one MoE layer of random AP experts (all planes resident, every block at `bits`) and T prompt
 tokens routed uniformly at random to the model's top-k, in the activation dtype asked (bf16 by default, what
@@ -9,8 +9,8 @@ the runtime serves on CUDA). Four paths compute the same layer:
 - `grouped`: `grouped_mm_moe`, the dequantized experts through torch's grouped GEMM over the unpadded rows
   (None where torch lacks it);
 - `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
-`runtime_path` is the one `device_store.prefill_moe` takes for this dtype and device (`grouped_mm_prefill`),
-and `runtime_ms` its time. Most paths read the experts' row counts back to the host, so none is captured
+`runtime_path` is the one `DeviceExpertStore.moe` takes for these activations (`runtime_path`: the fused kernel
+up to FUSED_MAX_TOKENS, then `grouped_mm_prefill`'s choice), and `runtime_ms` its time. Most paths read the experts' row counts back to the host, so none is captured
 in a CUDA graph: a time is the wall-clock median over `reps` calls with the device synchronized around
 each, the dequantize kernel and launch costs included. `max_rel_diff` is the largest difference of a
 batched path's output from the per-expert one, relative to its largest value.

@@ -368,7 +368,7 @@ def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
     of at most `GROUPED_MM_MAX_INTERMEDIATE` intermediate rows, rows of 16-byte multiples. Measured on the H200
     (torch 2.11, `pwruntime bench prefill`, cuda/NOTES.md session 10): torch's grouped GEMM ran the layers of
     Qwen1.5-MoE, OLMoE and Qwen3-MoE up to 30% faster than `padded_moe` (one case of nine 2% slower),
-    Mixtral's (8 experts of 14336) 8-16% slower, and in fp16 the others' 2-3x slower."""
+    Mixtral's (8 experts of 14336) 7-20% slower, and in fp16 the others' 2-3x slower."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
             and torch.cuda.get_device_capability(x.device) >= (9, 0)
             and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
