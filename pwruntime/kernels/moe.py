@@ -29,7 +29,8 @@ XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations 
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
-SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of half the n-tiles)
+SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in groups (CTAs of fewer n-tiles)
+TOKEN_GROUPS = 2          # ... this many
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
 WIDE_MAX_NT = 2           # ... and the launch has at most this many n-tiles
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
@@ -135,7 +136,7 @@ def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[Launch
     # 64 tokens in one group need the 8-n-tile kernel (254 registers, 2 CTAs an SM); two groups of 4 n-tiles
     # were faster for all four architectures on the H200 (cuda/NOTES.md), more groups slower (their mostly
     # empty CTAs still run the routing prologue)
-    tile = -(-min(tokens, MAX_TOKENS) // 2) if tokens > SPLIT_ABOVE else tokens
+    tile = -(-min(tokens, MAX_TOKENS) // TOKEN_GROUPS) if tokens > SPLIT_ABOVE else tokens
     p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count, tile)
     p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count, tile)
     return p1, p2

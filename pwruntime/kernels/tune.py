@@ -112,7 +112,9 @@ def main() -> int:
     ap.add_argument("--load-patterns", action="store_true",
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--split-above", type=int, default=None,
-                    help="MoE launches of more tokens serve each expert's tokens in two groups (experiments)")
+                    help="MoE launches of more tokens serve each expert's tokens in groups of fewer n-tiles (experiments)")
+    ap.add_argument("--token-groups", type=int, default=None,
+                    help="with --split-above: this many token groups (default 2; experiments)")
     ap.add_argument("--attention", action="store_true",
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--out", default=None)
@@ -128,6 +130,8 @@ def main() -> int:
     from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
     if args.split_above is not None:
         moe.SPLIT_ABOVE = args.split_above
+    if args.token_groups is not None:
+        moe.TOKEN_GROUPS = args.token_groups
     if args.wide_min_chunks is not None:
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.wide_max_nt is not None:
