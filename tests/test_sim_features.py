@@ -124,3 +124,23 @@ def test_single_sequence_update_api_and_empty_merge():
     gu0 = (0 * 4 + 0) * 2  # layer 0, expert 0, gate_up
     assert np.allclose(m[gu0], [2.0, 2.0, 2.0]) and np.allclose(m[gu0 + 1], [4.0, 4.0, 4.0])
     assert not m[(0 * 4 + 2) * 2].any()  # expert 2 of layer 0 was not routed
+
+
+def test_put_rows_matches_fancy_assignment_and_refuses_a_copy():
+    from policies.features import _put_rows
+    rng = np.random.default_rng(3)
+    dst = rng.random((50, 2, 4))
+    want = dst.copy()
+    rows = np.array([7, 0, 49, 13])
+    values = rng.random((4, 2, 4))
+    want[rows] = values
+    _put_rows(dst, rows, values)
+    assert np.array_equal(dst, want)
+    _put_rows(dst.reshape(-1, 2, 4), rows, values.reshape(4, 8))  # any shape of the same bytes per row
+    assert np.array_equal(dst, want)
+    try:
+        _put_rows(dst[:, :, :2], rows, values[:, :, :2])  # a strided view: writing a copy would be lost
+    except ValueError as e:
+        assert "C-contiguous" in str(e)
+    else:
+        raise AssertionError("a non-contiguous destination must be refused")
