@@ -142,11 +142,15 @@ __device__ __forceinline__ int xs_swz(int n) {
 // group from this offset (the launch's smem, pwruntime/kernels/moe.py plan_launch, matches it).
 __device__ __forceinline__ int lut_region(int xs_budget) { return max(xs_budget, NT * 512 * WARPS); }
 
+// Chunks of K staged at once. When K takes several segments, a multiple of the k-split: warp ks of a row group
+// decodes chunks ks, ks + ksplit, ..., so a segment of 3 chunks split 2 ways left one warp of each pair idle at the
+// segment's barrier while the other decoded its second chunk (ncu at T = 8: barrier stalls 0.1 -> 0.7-1.1 an issue).
 template <int Q>
-__device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks) {
+__device__ __forceinline__ int chunks_per_segment(int xs_budget, int n_tok, int nchunks, int ksplit) {
     int cps = (xs_budget / (n_tok > 0 ? n_tok : 1) - XS_ROW_PAD) / Geom<Q>::XB;
     cps = cps < 1 ? 1 : cps;
-    return cps < nchunks ? cps : nchunks;
+    if (cps >= nchunks) return nchunks;
+    return cps >= ksplit ? cps - cps % ksplit : cps;
 }
 
 template <int Q>
@@ -363,7 +367,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     // the register-LUT decoders (q = 3, 4) leave the byte-path LUT slices after the activation region free
     const int xs_room = PATH == 0 && PW_XSLUT ? lut_region(tl.xs_budget) + WARPS / tl.ksplit * LUT_WARP_BYTES
                                               : tl.xs_budget;
-    const int cps = chunks_per_segment<Q>(xs_room, tl.n_tok, nchunks);
+    const int cps = chunks_per_segment<Q>(xs_room, tl.n_tok, nchunks, tl.ksplit);
     const int pitch = cps * Geom<Q>::XB + XS_ROW_PAD;
     int xoff[NT];
 #pragma unroll
