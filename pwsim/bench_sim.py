@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from traces.clikit import UserError, write_json_atomic
+from traces.clikit import UserError, check_output, write_json_atomic
 
 LIMIT_S = 60.0
 
@@ -48,6 +48,10 @@ def run_sim(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise UserError("--requests must be positive")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.out:
+        check_output(args.out, directory=False)
     params = parse_policy(args.policy, args.policy_arg)
     wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=1.0, prompt=args.prompt_dist,
                            output=args.output_dist, features=not args.no_features)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 
 import numpy as np
 
-from traces.clikit import UserError, write_json_atomic
+from traces.clikit import UserError, check_output, write_json_atomic
 
 BLOCK_TOKENS = 16
 LIMIT_MS = 2.0  # the acceptance bound at the Gemma-4-26B-A4B size
@@ -178,9 +179,19 @@ def run_planner(args: argparse.Namespace) -> int:
     except policies.PolicyError as e:
         raise UserError(str(e)) from None
     names = available_cards() if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    if not names:
+        raise UserError("--models needs at least one card name, or 'all' (see `pwsim models`)")
     specs = [load_card(n) for n in names]
+    for flag, value, least in (("--warmup", args.warmup, 0), ("--max-batch", args.max_batch, 1),
+                               ("--seed", args.seed, 0)):
+        if value < least:
+            raise UserError(f"{flag} must be at least {least}, got {value}")
+    if not math.isfinite(args.initial_mean_bits):
+        raise UserError(f"--initial-mean-bits must be a finite number, got {args.initial_mean_bits}")
     if args.steps <= args.warmup:
         raise UserError(f"--steps must exceed the {args.warmup} warm-up steps")
+    if args.out:
+        check_output(args.out, directory=False)
     core = None if args.no_pin else _pin(args.cpu)
     command = " ".join(["pwsim bench planner", f"--models {','.join(s.name for s in specs)}",
                         f"--policy {args.policy}", *[f"--policy-arg {a}" for a in args.policy_arg],

@@ -16,7 +16,7 @@ from pathlib import Path
 from pwsim.cmd_run import add_common, config_from_args, parse_policy
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit, parse_size
-from traces.clikit import UserError, write_text_atomic
+from traces.clikit import UserError, check_output
 
 GiB = 2**30
 COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
@@ -110,14 +110,15 @@ def run(args: argparse.Namespace) -> int:
     if args.policy_arg and len(policy_names) > 1:
         raise UserError("--policy-arg applies to a single policy; compare one policy at a time, or use presets "
                         "such as pagedweight-no-routing")
+    if args.jobs is not None and args.jobs < 1:
+        raise UserError(f"--jobs must be at least 1, got {args.jobs} (leave it out to use every available core)")
     params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
     configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
-    _validate(configs[0][2])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
     if tl_budget not in budgets:
         raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
+    out = check_output(args.out)  # written only once every run is done (output.write_files)
+    _validate(configs[0][2])
     jobs = _jobs(args.jobs, len(configs))
     results: dict[int, tuple] = {}
     from tqdm import tqdm
@@ -133,9 +134,14 @@ def run(args: argparse.Namespace) -> int:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
             with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
                 futs = {pool.submit(run_one, cfg.to_json(), b == tl_budget): k for k, (p, b, cfg) in enumerate(configs)}
-                for f in as_completed(futs):
-                    results[futs[f]] = f.result()
-                    bar.update(1)
+                try:
+                    for f in as_completed(futs):
+                        results[futs[f]] = f.result()
+                        bar.update(1)
+                except BaseException:  # a run failed (e.g. a user error in a worker): do not start the others
+                    for f in futs:
+                        f.cancel()
+                    raise
     finally:
         bar.close()
     rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]
@@ -147,13 +153,17 @@ def run(args: argparse.Namespace) -> int:
             "workload": first["workload"] if first else None, "model": first["model"] if first else None}
     timelines = {cfg.policy: results[k][1] for k, (p, b, cfg) in enumerate(configs)
                  if b == tl_budget and results[k][1] is not None}
-    write_text_atomic(out / "compare.csv", output.csv_text(rows, COLUMNS))
-    plots.compare_quality_memory(rows, out / "quality_vs_memory.png")
-    plots.compare_throughput(rows, budgets, out / "throughput.png")
-    plots.compare_timelines(timelines, out / "timelines.png", f"timelines at {tl_budget}")
-    meta["wall_s"] = time.perf_counter() - t0
-    write_text_atomic(out / "compare.json", output.dumps({**meta, "rows": rows,
-                                                                  "configs": [c.to_json() for _, _, c in configs]}))
+
+    def write_json(path: Path) -> None:
+        meta["wall_s"] = time.perf_counter() - t0
+        path.write_text(output.dumps({**meta, "rows": rows, "configs": [c.to_json() for _, _, c in configs]}))
+
+    output.write_files(out, {  # all five or none
+        "compare.csv": lambda path: path.write_text(output.csv_text(rows, COLUMNS)),
+        "quality_vs_memory.png": lambda path: plots.compare_quality_memory(rows, path),
+        "throughput.png": lambda path: plots.compare_throughput(rows, budgets, path),
+        "timelines.png": lambda path: plots.compare_timelines(timelines, path, f"timelines at {tl_budget}"),
+        "compare.json": write_json})
     if args.json:
         print(output.dumps({**meta, "rows": rows}))
     else:
@@ -181,6 +191,9 @@ def _validate(cfg) -> None:
         load_fit_points(cfg.quality_fit)
     if cfg.trace != "synthetic":
         runner.build_workload(cfg)
+    else:  # the requests alone (cheap): a bad --rate or --burstiness is refused here, not in every worker
+        from traces.generators import generate_requests
+        generate_requests(cfg.workload.specs()[0], cfg.seed)
 
 
 def _command(args, policies, budgets) -> str:

@@ -55,6 +55,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if min(args.block_size, args.max_num_seqs, args.max_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
         raise UserError("--requests, --block-size, --max-num-seqs, --max-batched-tokens and --timeline-stride "
                         "must be positive")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
     wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
                            prompt=args.prompt_dist, output=args.output_dist, domains=domains)
     return make_config(budget, policy=policy, policy_params=policy_params, model=args.model,

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 from traces.generators import LengthDist, RoutingSpec, WorkloadSpec, generate_requests, generate_routing, parse_domains
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
 from traces.model_card import load_card
@@ -26,6 +26,13 @@ def run_gen(args: argparse.Namespace) -> int:
         raise UserError(f"--out {out} is a file; give a directory for the trace")
     if (out / REQUESTS_FILE).exists() and not args.force:
         raise UserError(f"{out} already holds a trace ({REQUESTS_FILE}); pass --force to overwrite it")
+    check_output(out)
+    if args.requests < 1:
+        raise UserError(f"--requests must be at least 1, got {args.requests}")
+    for flag, value in (("--routing-tokens", args.routing_tokens), ("--token-ids-vocab", args.token_ids_vocab),
+                        ("--seed", args.seed)):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
     names, weights = parse_domains(args.domains)
     workload = WorkloadSpec(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
                             prompt=LengthDist.parse(args.prompt_dist), output=LengthDist.parse(args.output_dist),
@@ -46,7 +53,10 @@ def run_gen(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    write_trace_dir(out, Trace(requests, routing))
+    try:
+        write_trace_dir(out, Trace(requests, routing))
+    except OSError as e:
+        raise UserError(f"cannot write the trace to {out} ({e.strerror or e})") from None
     summary = {"out": str(out), "seconds": round(time.perf_counter() - t0, 3), "requests": requests.summary(),
                "routing": routing.summary() if routing is not None else None}
     if args.json:

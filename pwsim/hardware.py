@@ -6,6 +6,7 @@ may not import pwsim); this module re-exports it for the simulator and adds size
 """
 from __future__ import annotations
 
+import math
 import re
 
 from traces.clikit import UserError
@@ -30,6 +31,9 @@ def parse_size(text: str | int | float) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise UserError(f"cannot read size {text!r}; write a number with a unit such as 20GiB, 16GB or 512MiB")
         value, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(value * _UNITS[unit]):
+        raise UserError(f"size {text!r} is not a finite number of bytes; write a number with a unit such as 20GiB or "
+                        "512MiB")
     size = int(round(value * _UNITS[unit]))
     if size <= 0:
         raise UserError(f"size {text!r} must be positive")

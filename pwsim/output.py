@@ -11,10 +11,12 @@ from __future__ import annotations
 import csv
 import io
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from traces.clikit import UserError, write_text_atomic
+from traces.clikit import UserError, check_output
 from traces.results import dumps, prepare_dir, write_result_dir  # noqa: F401 (prepare_dir: re-exported for cmd_run)
 
 
@@ -42,19 +44,51 @@ def csv_text(rows: list[dict], columns: list[str]) -> str:
     return buf.getvalue()
 
 
+def write_files(out: str | os.PathLike, files: dict[str, Callable[[Path], object]],
+                before_move: Callable[[], object] | None = None) -> Path:
+    """Write each `out/<name>` through `files[name](path)` into a temporary folder inside `out`, call `before_move()`
+    (a file written elsewhere, such as a fitted profile), and only then move them all into place (other files in `out`
+    stay): a failure on the way leaves `out` as it was, and removes it when this call created it. An OSError (a disk
+    that fills up, a folder that cannot be written) is a UserError."""
+    out = Path(out)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".staging.", dir=out))
+        try:
+            for name, write in files.items():
+                write(tmp / name)
+            if before_move is not None:
+                before_move()
+            for name in files:
+                os.replace(tmp / name, out / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise UserError(f"cannot write {out} ({e.strerror or e}); nothing was written") from None
+        raise
+    return out
+
+
 def write_report(out: str | os.PathLike, name: str, report: dict, draw: Callable[[Path], object],
                  profile=None, profile_path: str | os.PathLike | None = None) -> Path:
-    """`out/<name>.png`, drawn by `draw(path)` under a temporary name and renamed, `out/<name>.json`, and a fitted
-    hardware profile (`traces.hardware.HardwareProfile`) at `profile_path` when one is given. An `out` that is a
-    file is a UserError, before anything is written."""
+    """`out/<name>.png`, drawn by `draw(path)`, `out/<name>.json`, and a fitted hardware profile
+    (`traces.hardware.HardwareProfile`) at `profile_path` when one is given, all or nothing (`write_files`). An `out`
+    that is a file, or either path unwritable, is a UserError before anything is written."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".{name}.png.tmp.png"
-    draw(tmp)
-    tmp.replace(out / f"{name}.png")
-    write_text_atomic(out / f"{name}.json", dumps(report))
+    check_output(out)
     if profile is not None:
-        profile.save(profile_path)
-    return out
+        check_output(profile_path, "--fit-profile", directory=False)
+
+    def save_profile() -> None:
+        try:
+            profile.save(profile_path)
+        except OSError as e:
+            raise UserError(f"--fit-profile {profile_path}: cannot write it ({e.strerror or e}); nothing was "
+                            "written") from None
+
+    return write_files(out, {f"{name}.png": draw, f"{name}.json": lambda path: path.write_text(dumps(report))},
+                       save_profile if profile is not None else None)

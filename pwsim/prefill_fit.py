@@ -81,8 +81,8 @@ def read_bench(path: str | Path) -> tuple[dict, list[BenchRow]]:
     """(the bench's metadata: everything but its rows, the rows) of a `pwruntime bench prefill` JSON file."""
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"bench file {str(path)!r} not found; pass --bench FILE written by "
-                        "`pwruntime bench prefill --out FILE`")
+        raise UserError(f"bench file {str(path)!r} {'is a directory' if p.is_dir() else 'not found'}; pass --bench "
+                        "FILE written by `pwruntime bench prefill --out FILE`")
     try:
         data = json.loads(p.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

@@ -78,12 +78,20 @@ def load_fit_points(path: str | os.PathLike) -> PerplexityFit:
         y = np.array([float(q["ppl"]) for q in pts])
     except FileNotFoundError:
         raise QualityError(f"quality fit file {p} not found") from None
+    except IsADirectoryError:
+        raise QualityError(f"quality fit {p} is a directory; pass the JSON file of (damage, perplexity) points, "
+                           "or 'none'") from None
+    except OSError as e:
+        raise QualityError(f"cannot read quality fit file {p} ({e.strerror or e})") from None
     except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise QualityError(f"{p}: expected {{\"points\": [{{\"damage\": x, \"ppl\": y}}, ...]}} ({e})") from None
     if (y <= 0).any() or not np.isfinite(x).all():
         raise QualityError(f"{p}: perplexities must be positive and damages finite")
     domains = [str(q["domain"]) for q in pts] if all("domain" in q for q in pts) else None
-    return fit_perplexity(x, y, source=str(data.get("source", p)), domains=domains)
+    try:
+        return fit_perplexity(x, y, source=str(data.get("source", p)), domains=domains)
+    except QualityError as e:
+        raise QualityError(f"{p}: {e}") from None
 
 
 @dataclass

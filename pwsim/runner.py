@@ -7,6 +7,7 @@ config dumped beside a result reproduces it.
 from __future__ import annotations
 
 import json
+import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -118,12 +119,22 @@ def _calibration(source: str, card_name: str, seed: int):
     if source == SYNTHETIC or source.startswith(SYNTHETIC + ":"):
         from policies.synthetic import synthetic_calibration
         _, _, s = source.partition(":")
+        if s and not (s.isascii() and s.isdigit()):
+            raise UserError(f"calibration {source!r}: the seed after 'synthetic:' must be an integer >= 0, "
+                            "e.g. synthetic:3")
         return synthetic_calibration(card, seed=int(s) if s else seed)
-    from policies.calibration import Calibration
+    from policies.calibration import Calibration, CalibrationError
     if not Path(source).is_dir():
         raise UserError(f"calibration {source!r} is not a directory; pass a calibration directory "
                         f"(made by `pwruntime calibrate`) or 'synthetic'")
-    return Calibration.load(source, expect_fingerprint=card.fingerprint())
+    try:
+        return Calibration.load(source, expect_fingerprint=card.fingerprint())
+    except CalibrationError:
+        raise
+    except (OSError, ValueError, KeyError, AttributeError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        # a truncated arrays.npz, a calibration.json of the wrong shape: Calibration.load names only what it checks
+        raise UserError(f"calibration {source!r} is corrupt or incomplete ({type(e).__name__}: {e}); pass a "
+                        "calibration directory made by `pwruntime calibrate`, or make it again") from None
 
 
 def build_workload(cfg: RunConfig):

@@ -14,6 +14,7 @@ import numpy as np
 
 from pwsim.engine import Workload
 from pwsim.routing import RoutingSource, TraceRouting, synthetic_routing
+from traces.clikit import UserError
 from traces.generators import RoutingSpec, WorkloadSpec, generate_requests
 from traces.io import read_trace_dir
 from traces.model_card import ModelSpec
@@ -41,6 +42,9 @@ def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: Routi
                    seed: int = 0) -> Workload:
     trace = read_trace_dir(path, card)
     requests = trace.requests
+    if len(requests) == 0:
+        raise UserError(f"trace {path} holds no requests; give a trace with at least one (`pwsim gen-trace "
+                        "--requests N`)")
     if trace.routing is not None:
         routing: RoutingSource = TraceRouting.from_trace(trace.routing, requests)
         kind = "recorded routing"

@@ -50,6 +50,27 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         return 130
 
 
+def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool = True) -> Path:
+    """Refuse, before any long work and creating nothing, an output path that cannot be written: a file where a
+    directory is wanted (or a directory where a file is), a path under a file, or a place this process cannot create
+    entries in (probed with a temporary directory, removed at once). One UserError naming `flag`."""
+    p = Path(path)
+    if directory and p.exists() and not p.is_dir():
+        raise UserError(f"{flag} {p} is a file; give a directory")
+    if not directory and p.is_dir():
+        raise UserError(f"{flag} {p} is a directory; give a file name")
+    base = p if directory and p.is_dir() else p.parent
+    while not base.exists() and base != base.parent:
+        base = base.parent
+    if not base.is_dir():
+        raise UserError(f"{flag} {p}: {base} is a file, not a directory; choose another path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".pw-write-check.", dir=base))
+    except OSError as e:
+        raise UserError(f"{flag} {p}: cannot write in {base} ({e.strerror or e}); choose another path") from None
+    return p
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` through a temporary file in the same folder and a rename: a reader never sees a
     half-written file, and a write that fails leaves nothing behind."""

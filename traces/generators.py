@@ -29,6 +29,7 @@ from traces.schema import RequestTrace, RoutingTrace
 LENGTH_KINDS = {"fixed": ("value",), "uniform": ("min", "max"), "lognormal": ("median", "sigma", "min", "max"),
                 "zipf": ("alpha", "min", "max")}
 CHUNK_ROWS = 1 << 16
+MAX_LENGTH = 2**31 - 1  # lengths are int32 in a request trace
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class LengthDist:
     def __post_init__(self) -> None:
         if self.kind not in LENGTH_KINDS:
             raise UserError(f"unknown length distribution {self.kind!r}; use one of {', '.join(LENGTH_KINDS)}")
-        if not 1 <= self.lo <= self.hi:
-            raise UserError(f"{self.kind} lengths need 1 <= min <= max, got min {self.lo}, max {self.hi}")
+        if not 1 <= self.lo <= self.hi <= MAX_LENGTH:
+            raise UserError(f"{self.kind} lengths need 1 <= min <= max <= {MAX_LENGTH}, got min {self.lo}, "
+                            f"max {self.hi}")
         if self.kind in ("fixed", "lognormal") and self.a < 1:
             raise UserError(f"{self.kind} length needs a value/median >= 1, got {self.a}")
         if (self.kind == "lognormal" and self.b < 0) or (self.kind == "zipf" and self.a <= 0):
@@ -66,6 +68,8 @@ class LengthDist:
                 values[key] = float(val if eq else item)
             except ValueError:
                 raise UserError(f"length distribution {spec!r}: {key} must be a number") from None
+            if not math.isfinite(values[key]) or abs(values[key]) > MAX_LENGTH:
+                raise UserError(f"length distribution {spec!r}: {key} must be a finite number of at most {MAX_LENGTH}")
         need = {"fixed": ("value",), "uniform": ("min", "max"), "lognormal": ("median", "sigma"), "zipf": ("alpha",)}
         if any(k not in values for k in need[kind]):
             raise UserError(f"length distribution {spec!r}: {kind} needs {', '.join(need[kind])}")
@@ -81,7 +85,7 @@ class LengthDist:
         elif self.kind == "uniform":
             x = rng.integers(self.lo, self.hi + 1, size=n)
         elif self.kind == "lognormal":
-            x = np.rint(rng.lognormal(math.log(self.a), self.b, size=n)).astype(np.int64)
+            x = np.rint(np.clip(rng.lognormal(math.log(self.a), self.b, size=n), self.lo, self.hi)).astype(np.int64)
         else:  # bounded Zipf: P(x) proportional to x^-alpha on lo..hi
             support = np.arange(self.lo, self.hi + 1, dtype=np.float64)
             p = support ** -self.a
@@ -114,8 +118,8 @@ def parse_domains(spec: str) -> tuple[tuple[str, ...], tuple[float, ...]]:
 
 def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """n arrival times starting at 0; gaps have mean 1/rate and coefficient of variation `burstiness`."""
-    if rate <= 0 or burstiness <= 0:
-        raise UserError(f"rate and burstiness must be positive, got rate {rate}, burstiness {burstiness}")
+    if not (0 < rate < math.inf and 0 < burstiness < math.inf):
+        raise UserError(f"rate and burstiness must be positive and finite, got rate {rate}, burstiness {burstiness}")
     if n == 0:
         return np.zeros(0)
     if burstiness == 1.0:
@@ -146,6 +150,10 @@ class WorkloadSpec:
 def generate_requests(spec: WorkloadSpec, seed: int) -> RequestTrace:
     if spec.requests < 0:
         raise UserError(f"number of requests must be >= 0, got {spec.requests}")
+    if spec.token_ids_vocab < 0:
+        raise UserError(f"token id vocabulary size must be >= 0 (0 = no token ids), got {spec.token_ids_vocab}")
+    if seed < 0:
+        raise UserError(f"seed must be >= 0, got {seed}")
     streams = [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)]
     n = spec.requests
     w = np.full(len(spec.domains), 1.0 / len(spec.domains)) if spec.domain_weights is None else np.asarray(spec.domain_weights)
@@ -174,8 +182,13 @@ class RoutingSpec:
     tokens_per_request: int = 0  # > 0: route only the first this many positions of each request
 
     def __post_init__(self) -> None:
-        if self.skew < 0 or not 0 <= self.domain_shift <= 1 or self.drift < 0 or self.weight_temperature <= 0:
-            raise UserError("routing needs skew >= 0, 0 <= domain_shift <= 1, drift >= 0, weight_temperature > 0")
+        if not (0 <= self.skew < math.inf and 0 <= self.domain_shift <= 1 and 0 <= self.drift < math.inf
+                and 0 < self.weight_temperature < math.inf):
+            raise UserError("routing needs skew >= 0, 0 <= domain_shift <= 1, drift >= 0, weight_temperature > 0 (all "
+                            f"finite), got skew {self.skew}, domain_shift {self.domain_shift}, drift {self.drift}, "
+                            f"weight_temperature {self.weight_temperature}")
+        if self.tokens_per_request < 0:
+            raise UserError(f"routing tokens per request must be >= 0 (0 = all), got {self.tokens_per_request}")
 
 
 def popularity_logits(layers: int, experts: int, n_domains: int, spec: RoutingSpec,

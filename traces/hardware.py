@@ -210,6 +210,8 @@ def load_profile(path_or_name: str | os.PathLike) -> HardwareProfile:
         p = bundled
     try:
         data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise HardwareProfileError(f"{p} is not valid JSON ({e})") from None
+    except OSError as e:
+        raise HardwareProfileError(f"cannot read hardware profile {p} ({e.strerror or e})") from None
     return from_json(data, str(p))

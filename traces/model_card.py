@@ -220,7 +220,7 @@ class ModelSpec:
             raise CardError(f"{where}: missing field(s) {', '.join(missing)}")
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise CardError(f"{where}: {e}") from None
 
     @classmethod

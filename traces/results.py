@@ -21,9 +21,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 
 RESULT_MARKER = "summary.json"
+REQUIRED_REQUEST_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s")  # what `pwsim fidelity` pairs and compares
 
 
 # ---------------------------------------------------------------- latency metrics
@@ -113,10 +114,10 @@ def read_columns(path: Path) -> dict[str, np.ndarray]:
 
 # ---------------------------------------------------------------- result directories
 def prepare_dir(out: Path, force: bool, tool: str = "pwsim") -> None:
-    """Refuse to overwrite a directory that is not a previous result unless forced."""
+    """Refuse to overwrite a directory that is not a previous result unless forced, and an `out` that cannot be
+    written (`check_output`)."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory")
+    check_output(out)
     if out.exists() and any(out.iterdir()) and not (out / RESULT_MARKER).exists() and not force:
         raise UserError(f"--out {out} is not empty and holds no previous {tool} result; choose another directory "
                         "or pass --force")
@@ -150,6 +151,9 @@ def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents:
         if extra is not None:
             extra(tmp)
         _replace_dir(tmp, out)
+    except OSError as e:  # a disk that fills up, a folder that went away: nothing of the result stays
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"cannot write the result to {out} ({e.strerror or e}); nothing was written") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -163,7 +167,29 @@ def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict,
     if not (path / RESULT_MARKER).is_file() or not (path / "requests.parquet").is_file():
         raise UserError(f"{flag} {path} is not a result directory (no summary.json and requests.parquet); give the "
                         "--out of a `pwsim run` or `pwruntime replay`")
-    summary = json.loads((path / RESULT_MARKER).read_text())
-    timeline = read_columns(path / "timeline.parquet") if (path / "timeline.parquet").is_file() else {}
-    config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-    return summary, read_columns(path / "requests.parquet"), timeline, config
+    fix = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
+
+    def document(name: str) -> dict:
+        try:
+            doc = json.loads((path / name).read_text())
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise UserError(f"{flag} {path}: {name} is not readable JSON ({e}); {fix}") from None
+        if not isinstance(doc, dict):
+            raise UserError(f"{flag} {path}: {name} is not a JSON object; {fix}")
+        return doc
+
+    def table(name: str) -> dict[str, np.ndarray]:
+        try:
+            return read_columns(path / name)
+        except (OSError, pa.ArrowException) as e:
+            reason = str(e).splitlines()[0][:160]
+            raise UserError(f"{flag} {path}: {name} is not a readable Parquet file ({reason}); {fix}") from None
+
+    summary = document(RESULT_MARKER)
+    requests = table("requests.parquet")
+    missing = [c for c in REQUIRED_REQUEST_COLUMNS if c not in requests]
+    if missing:
+        raise UserError(f"{flag} {path}: requests.parquet lacks column(s) {', '.join(missing)}; {fix}")
+    timeline = table("timeline.parquet") if (path / "timeline.parquet").is_file() else {}
+    config = document("config.json") if (path / "config.json").is_file() else {}
+    return summary, requests, timeline, config

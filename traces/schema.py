@@ -50,13 +50,16 @@ class TraceError(UserError):
 
     def __init__(self, file: str, problem: str, column: str | None = None, row: int | None = None,
                  fix: str | None = None) -> None:
-        self.file, self.column, self.row, self.problem = str(file), column, row, problem
+        self.file, self.column, self.row, self.problem, self.fix = str(file), column, row, problem, fix
         if column and column.startswith("metadata"):
             label = f": metadata field '{column[9:]}'" if "." in column else ": metadata"
         else:
             label = f": column '{column}'" if column else ""
         where = self.file + label + (f", row {row}" if row is not None else "")
         super().__init__(f"{where}: {problem}" + (f"; {fix}" if fix else ""))
+
+    def __reduce__(self):  # picklable, so an error raised in a worker process (`pwsim compare --jobs`) reaches the CLI
+        return type(self), (self.file, self.problem, self.column, self.row, self.fix)
 
 
 # ---------------------------------------------------------------- metadata

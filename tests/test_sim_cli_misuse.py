@@ -1,0 +1,349 @@
+"""`pwsim` under misuse: every user error is one line `error: ...`, exit code 2, no traceback, and no output left
+behind (an output directory or file is complete or untouched). Each case here once crashed, exited otherwise, or
+left partial output."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pwsim.cli import main
+from traces.results import write_result_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+BUNDLED = ROOT / "traces" / "bundled"
+# the large-model setup of tests/test_sim_cli.py, smaller: a run takes about a second
+SMALL = ["--model", "Qwen1.5-MoE-A2.7B", "--calibration", "synthetic", "--trace", "synthetic", "--quality-fit", "none",
+         "--requests", "5", "--prompt-dist", "fixed:48", "--output-dist", "fixed:24", "--rate", "200"]
+UNWRITABLE = "/proc/pwsim-misuse/out"  # mkdir there fails, as root too
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+
+
+def _misuse(capsys, argv: list[str], needle: str) -> str:
+    """Run `pwsim argv`: exit code 2, exactly one stderr line naming `needle`, no traceback, nothing on stdout."""
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2, err
+    assert "Traceback" not in err and len(lines) == 1, err
+    assert lines[0].startswith("pwsim ") and "error:" in lines[0] and needle in lines[0], lines[0]
+    assert out == ""
+    return lines[0]
+
+
+def _listing(path: Path) -> list[str]:
+    return sorted(p.name for p in path.iterdir())
+
+
+# ---------------------------------------------------------------- gen-trace
+@pytest.mark.parametrize("flags, needle", [
+    (["--requests", "0"], "--requests must be at least 1"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--routing-tokens", "-1"], "--routing-tokens must be >= 0"),
+    (["--token-ids-vocab", "-5"], "--token-ids-vocab must be >= 0"),
+    (["--rate", "nan"], "rate and burstiness must be positive and finite"),
+    (["--rate", "inf"], "rate and burstiness must be positive and finite"),
+    (["--burstiness", "inf"], "rate and burstiness must be positive and finite"),
+    (["--skew", "nan"], "got skew nan"),
+    (["--prompt-dist", "fixed:inf"], "value must be a finite number"),
+    (["--prompt-dist", "uniform:1,inf"], "max must be a finite number"),
+    (["--prompt-dist", "uniform:1,1e30"], "max must be a finite number"),
+    (["--output-dist", "lognormal:nan,1"], "median must be a finite number"),
+])
+def test_gen_trace_bad_numbers(tmp_path, capsys, flags, needle):
+    _misuse(capsys, ["gen-trace", "--out", tmp_path / "trace", "--requests", "3", *flags], needle)
+    assert not (tmp_path / "trace").exists()
+
+
+def test_gen_trace_out_under_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("keep me")
+    line = _misuse(capsys, ["gen-trace", "--out", tmp_path / "afile" / "trace", "--requests", "3"], "is a file")
+    assert str(tmp_path / "afile") in line and (tmp_path / "afile").read_text() == "keep me"
+
+
+@needs_proc
+def test_gen_trace_unwritable_out(capsys):
+    _misuse(capsys, ["gen-trace", "--out", UNWRITABLE, "--requests", "3"], "cannot write in /proc")
+
+
+# ---------------------------------------------------------------- run
+def _corrupt_calibration(tmp_path: Path, how: str) -> Path:
+    cal = tmp_path / f"cal-{how}"
+    shutil.copytree(BUNDLED / "demo-calibration", cal)
+    if how == "truncated-npz":
+        data = (cal / "arrays.npz").read_bytes()
+        (cal / "arrays.npz").write_bytes(data[: len(data) // 3])
+    elif how == "json-list":
+        (cal / "calibration.json").write_text("[1, 2]")
+    elif how == "npz-missing-array":
+        np.savez(cal / "arrays.npz", unrelated=np.zeros(3))
+    return cal
+
+
+@pytest.mark.parametrize("how", ["truncated-npz", "json-list", "npz-missing-array"])
+def test_run_corrupt_calibration(tmp_path, capsys, how):
+    cal = _corrupt_calibration(tmp_path, how)
+    _misuse(capsys, ["run", "--budget", "32MiB", "--calibration", cal, "--out", tmp_path / "run"],
+            "is corrupt or incomplete")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--budget", "1e400"], "is not a finite number of bytes"),
+    (["--calibration", "synthetic:abc"], "the seed after 'synthetic:' must be an integer >= 0"),
+    (["--calibration", "synthetic:-1"], "the seed after 'synthetic:' must be an integer >= 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--rate", "nan"], "rate and burstiness must be positive and finite"),
+    (["--prompt-dist", "fixed:inf"], "--prompt-dist: length distribution"),
+])
+def test_run_bad_values(tmp_path, capsys, flags, needle):
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", *flags, "--out", tmp_path / "run"], needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_bad_input_files(tmp_path, capsys):
+    out = tmp_path / "run"
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--quality-fit", tmp_path, "--out", out], "is a directory")
+    one = tmp_path / "one-point.json"
+    one.write_text(json.dumps({"points": [{"damage": 1.0, "ppl": 2.0}]}))
+    line = _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--quality-fit", one, "--out", out], "two points")
+    assert str(one) in line
+    binary = tmp_path / "profile.json"
+    binary.write_bytes(b"\xff\xfe\x00")
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--hardware", binary, "--out", out], "not valid JSON")
+    card = json.loads((ROOT / "traces" / "cards" / "qwen1.5-moe-a2.7b.json").read_text())
+    card = {k: v for k, v in card.items() if k not in ("hf_config", "notes")}
+    bad_card = tmp_path / "card.json"
+    bad_card.write_text(json.dumps({**card, "dense_layers": "abc"}))
+    line = _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--model", bad_card, "--out", out], "invalid literal")
+    assert str(bad_card) in line
+    assert not out.exists()
+
+
+def test_run_trace_without_requests(tmp_path, capsys):
+    from traces.generators import WorkloadSpec, generate_requests
+    from traces.io import Trace, write_trace_dir
+    write_trace_dir(tmp_path / "trace", Trace(generate_requests(WorkloadSpec(requests=0), 0)))
+    _misuse(capsys, ["run", "--budget", "32MiB", "--trace", tmp_path / "trace", "--out", tmp_path / "run"],
+            "holds no requests")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("where", ["under-a-file", pytest.param("proc", marks=needs_proc)])
+def test_run_unwritable_out_fails_before_simulating(tmp_path, capsys, where):
+    (tmp_path / "afile").write_text("keep me")
+    out = tmp_path / "afile" / "run" if where == "under-a-file" else Path(UNWRITABLE)
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--out", out],
+            "is a file, not a directory" if where == "under-a-file" else "cannot write in /proc")
+    assert (tmp_path / "afile").read_text() == "keep me"
+
+
+# ---------------------------------------------------------------- compare
+def test_compare_out_that_is_a_file(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.write_text("keep me")
+    _misuse(capsys, ["compare", *SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--no-progress",
+                     "--out", out], "is a file; give a directory")
+    assert out.read_text() == "keep me"
+
+
+@needs_proc
+def test_compare_unwritable_out(capsys):
+    _misuse(capsys, ["compare", *SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--no-progress",
+                     "--out", UNWRITABLE], "cannot write in /proc")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--jobs", "0"], "--jobs must be at least 1"),
+    (["--jobs", "-2"], "--jobs must be at least 1"),
+    (["--budgets", "20GiB,30GiB", "--timeline-budget", "40GiB"], "is not one of --budgets"),
+    (["--budgets", "30GiB,2000GiB"], "exceeds"),  # fails in the second run, after the first finished
+    (["--rate", "nan", "--jobs", "2"], "rate and burstiness must be positive and finite"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--calibration", "synthetic:x"], "the seed after 'synthetic:'"),
+])
+def test_compare_misuse_leaves_no_output_directory(tmp_path, capsys, flags, needle):
+    budgets = [] if "--budgets" in flags else ["--budgets", "20GiB"]
+    _misuse(capsys, ["compare", *SMALL, "--policies", "uniform-4,pagedweight", *budgets, "--no-progress",
+                     *flags, "--out", tmp_path / "cmp"], needle)
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_compare_failing_while_writing_keeps_a_previous_result_as_it_was(tmp_path, capsys, monkeypatch):
+    from pwsim import plots
+    out = tmp_path / "cmp"
+    out.mkdir()
+    (out / "compare.csv").write_text("old")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the last plot fails")
+
+    monkeypatch.setattr(plots, "compare_timelines", broken)
+    with pytest.raises(RuntimeError, match="the last plot fails"):  # not a user error: it keeps its traceback
+        main(["compare", *SMALL, "--policies", "uniform-4", "--budgets", "30GiB", "--jobs", "1", "--no-progress",
+              "--out", str(out)])
+    assert _listing(out) == ["compare.csv"] and (out / "compare.csv").read_text() == "old"
+
+
+def test_write_files_is_all_or_nothing(tmp_path):
+    from pwsim.output import write_files
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("old a")
+
+    def fail(path: Path) -> None:
+        raise RuntimeError("plot failed")
+
+    with pytest.raises(RuntimeError):
+        write_files(out, {"a.txt": lambda p: p.write_text("new a"), "b.png": fail})
+    assert _listing(out) == ["a.txt"] and (out / "a.txt").read_text() == "old a"
+    with pytest.raises(RuntimeError):
+        write_files(tmp_path / "new", {"a.txt": lambda p: p.write_text("a"), "b.png": fail})
+    assert not (tmp_path / "new").exists()
+    write_files(out, {"a.txt": lambda p: p.write_text("new a"), "b.png": lambda p: p.write_text("b")})
+    assert _listing(out) == ["a.txt", "b.png"] and (out / "a.txt").read_text() == "new a"
+
+
+# ---------------------------------------------------------------- fidelity
+def _result(path: Path, hardware: str = "h200-roofline") -> Path:
+    tokens = np.array([1, 2, 4, 8])
+    requests = {"request_id": np.array([1, 2]), "ttft_s": np.array([0.1, 0.2]), "tpot_s": np.array([0.01, 0.02]),
+                "e2e_s": np.array([1.0, 2.0])}
+    timeline = {"iter_s": 0.001 + 1e-4 * tokens, "batch_tokens": tokens}
+    return write_result_dir(path, {"requests": requests, "timeline": timeline},
+                            {"summary": {"throughput_tokens_per_s": 100.0, "makespan_s": 2.0},
+                             "config": {"hardware": hardware}})
+
+
+def _break(run: Path, how: str) -> None:
+    import pyarrow.parquet as pq
+    if how == "empty-summary":
+        (run / "summary.json").write_text("")
+    elif how == "summary-list":
+        (run / "summary.json").write_text("[1]")
+    elif how == "junk-requests":
+        (run / "requests.parquet").write_bytes(b"junk")
+    elif how == "junk-timeline":
+        (run / "timeline.parquet").write_bytes(b"junk")
+    elif how == "junk-config":
+        (run / "config.json").write_text("{")
+    elif how == "no-ttft":
+        pq.write_table(pq.read_table(run / "requests.parquet").drop(["ttft_s"]), run / "requests.parquet")
+    elif how == "no-request-id":
+        pq.write_table(pq.read_table(run / "requests.parquet").drop(["request_id"]), run / "requests.parquet")
+
+
+@pytest.mark.parametrize("how, needle", [
+    ("empty-summary", "summary.json is not readable JSON"), ("summary-list", "summary.json is not a JSON object"),
+    ("junk-requests", "requests.parquet is not a readable Parquet file"),
+    ("junk-timeline", "timeline.parquet is not a readable Parquet file"),
+    ("junk-config", "config.json is not readable JSON"), ("no-ttft", "lacks column(s) ttft_s"),
+    ("no-request-id", "lacks column(s) request_id"),
+])
+def test_fidelity_corrupt_result_directory(tmp_path, capsys, how, needle):
+    sim, rt = _result(tmp_path / "sim"), _result(tmp_path / "rt")
+    _break(sim, how)
+    line = _misuse(capsys, ["fidelity", "--sim", sim, "--runtime", rt, "--out", tmp_path / "fid"], needle)
+    assert f"--sim {sim}" in line
+    assert not (tmp_path / "fid").exists()
+
+
+@pytest.mark.parametrize("where", ["directory", "under-a-file", pytest.param("proc", marks=needs_proc)])
+def test_fidelity_bad_fit_profile_writes_no_report(tmp_path, capsys, where):
+    sim, rt = _result(tmp_path / "sim"), _result(tmp_path / "rt")
+    (tmp_path / "afile").write_text("keep me")
+    (tmp_path / "adir").mkdir()
+    fit, needle = {"directory": (tmp_path / "adir", "is a directory; give a file name"),
+                   "under-a-file": (tmp_path / "afile" / "fit.json", "is a file, not a directory"),
+                   "proc": (Path(UNWRITABLE), "cannot write in /proc")}[where]
+    _misuse(capsys, ["fidelity", "--sim", sim, "--runtime", rt, "--out", tmp_path / "fid", "--fit-profile", fit],
+            f"--fit-profile {fit}")
+    assert not (tmp_path / "fid").exists() and _listing(tmp_path / "adir") == []
+
+
+@needs_proc
+def test_fidelity_unwritable_out(tmp_path, capsys):
+    sim, rt = _result(tmp_path / "sim"), _result(tmp_path / "rt")
+    _misuse(capsys, ["fidelity", "--sim", sim, "--runtime", rt, "--out", UNWRITABLE], "cannot write in /proc")
+
+
+# ---------------------------------------------------------------- prefill-fit
+def test_prefill_fit_bad_fit_profile_writes_no_report(tmp_path, capsys):
+    (tmp_path / "adir").mkdir()
+    _misuse(capsys, ["prefill-fit", "--out", tmp_path / "pf", "--fit-profile", tmp_path / "adir"],
+            "is a directory; give a file name")
+    assert not (tmp_path / "pf").exists()
+
+
+@needs_proc
+def test_prefill_fit_unwritable_paths(tmp_path, capsys):
+    _misuse(capsys, ["prefill-fit", "--out", UNWRITABLE], "cannot write in /proc")
+    _misuse(capsys, ["prefill-fit", "--out", tmp_path / "pf", "--fit-profile", UNWRITABLE], "--fit-profile")
+    assert not (tmp_path / "pf").exists()
+
+
+def test_prefill_fit_bench_that_is_a_directory(tmp_path, capsys):
+    _misuse(capsys, ["prefill-fit", "--bench", tmp_path, "--out", tmp_path / "pf"], "is a directory")
+    assert not (tmp_path / "pf").exists()
+
+
+# ---------------------------------------------------------------- bench
+@pytest.mark.parametrize("flags, needle", [
+    (["--models", ","], "--models needs at least one card name"),
+    (["--warmup", "-1"], "--warmup must be at least 0"),
+    (["--max-batch", "0"], "--max-batch must be at least 1"),
+    (["--seed", "-1"], "--seed must be at least 0"),
+    (["--initial-mean-bits", "nan"], "--initial-mean-bits must be a finite number"),
+    (["--out", "{tmp}"], "is a directory; give a file name"),
+    (["--out", "{tmp}/afile/bench.json"], "is a file, not a directory"),
+])
+def test_bench_planner_misuse(tmp_path, capsys, flags, needle):
+    (tmp_path / "afile").write_text("keep me")
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    _misuse(capsys, ["bench", "planner", "--models", "PagedWeight-demo", "--steps", "8", "--no-pin", "--no-progress",
+                     *flags], needle)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--budget", "1e400"], "is not a finite number of bytes"),
+    (["--seed", "-1"], "--seed must be >= 0"),
+    (["--out", "{tmp}"], "is a directory; give a file name"),
+    (["--rate", "nan"], "rate and burstiness must be positive and finite"),  # raised in the worker process
+])
+def test_bench_sim_misuse(tmp_path, capsys, flags, needle):
+    flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
+    _misuse(capsys, ["bench", "sim", "--requests", "3", "--output-dist", "fixed:8", "--no-pin", *flags], needle)
+
+
+@needs_proc
+def test_bench_unwritable_out(capsys):
+    _misuse(capsys, ["bench", "planner", "--models", "PagedWeight-demo", "--steps", "8", "--no-pin", "--no-progress",
+                     "--out", UNWRITABLE + ".json"], "cannot write in /proc")
+
+
+# ---------------------------------------------------------------- the pieces underneath
+def test_trace_errors_survive_a_worker_process():
+    from traces.schema import TraceError
+    e = TraceError("trace/requests.parquet", "arrival time nan must be finite", column="arrival_s", row=3, fix="fix it")
+    again = pickle.loads(pickle.dumps(e))
+    assert type(again) is TraceError and str(again) == str(e) and again.row == 3
+
+
+def test_sizes_and_distributions_refuse_non_finite_values():
+    from pwsim.hardware import parse_size
+    from traces.clikit import UserError
+    from traces.generators import LengthDist, RoutingSpec
+    for bad in ("1e400", "1e300TiB"):
+        with pytest.raises(UserError, match="not a finite number of bytes"):
+            parse_size(bad)
+    for spec in ("fixed:inf", "uniform:1,1e30", "lognormal:nan,1", "zipf:inf"):
+        with pytest.raises(UserError, match="finite number"):
+            LengthDist.parse(spec)
+    for kw in ({"skew": float("nan")}, {"drift": float("inf")}, {"tokens_per_request": -1}):
+        with pytest.raises(UserError):
+            RoutingSpec(**kw)
