@@ -15,9 +15,10 @@ def _registrars():
 
 def main(argv: Sequence[str] | None = None) -> int:
     from policies.calibration import CalibrationError
+    from policies.registry import PolicyError
     parser = build_parser("pwruntime", "PagedWeight runtime: serve MoE models with any-precision expert weights.",
                           _registrars())
-    return run_main(parser, argv, user_errors=(CalibrationError,))
+    return run_main(parser, argv, user_errors=(CalibrationError, PolicyError))
 
 
 if __name__ == "__main__":

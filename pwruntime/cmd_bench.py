@@ -57,6 +57,9 @@ def _replot(src: Path) -> int:
     from pwruntime.kernels.plots import plot_bench
     try:
         res = json.loads(src.read_text())
+        if not isinstance(res, dict) or not isinstance(res.get("single_block"), list) \
+                or not isinstance(res.get("moe"), list):
+            raise ValueError("no single_block and moe rows")  # drawing it would overwrite its PNG with empty axes
         png = plot_bench(res, src.with_suffix(".png"))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"--plot-from {src}: not a `pwruntime bench kernels --out` result ({e})") from None

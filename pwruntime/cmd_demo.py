@@ -4,11 +4,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 
 
 def register(subparsers) -> None:
@@ -114,6 +115,15 @@ def run_train(args) -> int:
     if spec.num_experts_per_tok > spec.num_experts or spec.num_attention_heads % spec.num_key_value_heads \
             or spec.hidden_size % spec.num_attention_heads:
         raise UserError("need top-k <= experts, heads divisible by kv-heads and hidden-size divisible by heads")
+    for flag, value in (("--lr", args.lr), ("--max-minutes", args.max_minutes)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be positive, got {value}")
+    for flag, value in (("--warmup-steps", args.warmup_steps), ("--weight-decay", args.weight_decay),
+                        ("--aux-loss-coef", args.aux_loss_coef)):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0, got {value}")
+    out = check_output(args.out)
+    fresh = not out.exists()
     cfg = TrainConfig(model=spec, domains=_csv(args.domains), domain_mix=args.domain_mix,
                       domain_weights=_csv(args.domain_weights, float),
                       seed=args.seed, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
@@ -124,7 +134,12 @@ def run_train(args) -> int:
                       stop_at=args.stop_at, progress=not args.no_progress, experts_impl=args.experts_impl,
                       compile=args.compile, deterministic=args.deterministic, start_time=t0)
     echo = (lambda s: print(s, file=sys.stderr)) if args.json else print
-    res = train(args.corpus, args.out, cfg, opts, echo=echo)
+    try:
+        res = train(args.corpus, out, cfg, opts, echo=echo)
+    except UserError:
+        if fresh and not (out / "checkpoint.pt").exists():  # refused before training: no half-made run folder
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     if args.json:
         print(json.dumps(dataclasses.asdict(res), indent=2))
     return 0
@@ -154,12 +169,24 @@ def run_stats(args) -> int:
     import os
 
     from pwruntime.demo.stats import evaluate_model, load_hf, plot_grid, plot_layer
+    from pwruntime.demo.tokenizer_train import EOS, load_tokenizer
     from pwruntime.demo.train import resolve_device
 
     mdir = Path(args.model)
     if not (mdir / "config.json").is_file() or not (mdir / "tokenizer.json").is_file():
         raise UserError(f"{mdir} is not a model folder (needs config.json, tokenizer.json and safetensors)")
+    if (mdir / "ap_config.json").is_file():
+        raise UserError(f"{mdir} is an AP checkpoint (`pwruntime quantize` output); demo stats needs the "
+                        "full-precision model folder (e.g. RUN/model of `pwruntime demo train`)")
+    try:
+        eos = load_tokenizer(mdir).token_to_id(EOS)
+    except Exception as e:  # tokenizers raises its own error types for a malformed file
+        raise UserError(f"cannot load {mdir / 'tokenizer.json'}: {e}; restore it from the model folder") from None
+    if eos is None:
+        raise UserError(f"{mdir} is not a demo-format model (its tokenizer has no {EOS} token); demo stats evaluates "
+                        "models written by `pwruntime demo train`")
     device = resolve_device(args.device)
+    out = check_output(args.out)
     model, tok = load_hf(mdir, device)
     stats = evaluate_model(model, tok, args.corpus, seq_len=args.seq_len, max_eval_tokens=args.max_eval_tokens,
                            routing_tokens=args.routing_tokens, device=device, batch_size=args.batch_size,
@@ -168,7 +195,6 @@ def run_stats(args) -> int:
     layer = stats["most_domain_dependent_layer"] if args.layer is None else args.layer
     if not 0 <= layer < n_layers:
         raise UserError(f"--layer {layer} is out of range: the model has {n_layers} MoE layers")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stats["plot_layer"] = layer
     stats["model"] = str(mdir)

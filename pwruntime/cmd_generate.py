@@ -66,9 +66,15 @@ def _load(args, dtype: str, device: str):
         policy = policies.get(args.policy, **policies.parse_policy_args(args.policy, args.policy_arg))
     except ValueError as e:
         raise UserError(str(e)) from None
+    if args.ap is not None and args.model:
+        raise UserError("give --model or --ap, not both: --ap DIR serves that AP checkpoint, which carries its own "
+                        "non-expert weights and tokenizer")
     if args.ap is None:
         if args.calibration:
             raise UserError("--calibration needs --ap (the planner moves the bits of AP expert weights)")
+        if args.policy != "noop":
+            raise UserError(f"--policy {args.policy} needs --ap DIR (the planner moves the bits of AP expert weights; "
+                            "--model's experts are full precision): make one with `pwruntime quantize`")
         from pwruntime.cmd_perplexity import default_model_dir
 
         model_dir = args.model or default_model_dir()

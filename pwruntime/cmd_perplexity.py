@@ -41,7 +41,8 @@ def default_model_dir() -> Path | None:
 def read_text(path: str | Path) -> str:
     p = Path(path)
     if not p.is_file():
-        raise UserError(f"data file {p} does not exist: pass a UTF-8 text file (.txt or .txt.gz) with --data")
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise UserError(f"data file {p} {what}: pass a UTF-8 text file (.txt or .txt.gz) with --data")
     try:
         if p.suffix == ".gz":
             with gzip.open(p, "rt", encoding="utf-8") as f:
@@ -75,7 +76,7 @@ def sliding_window_perplexity(model, ids: list[int], context: int, stride: int, 
 
     windows = window_targets(len(ids), context, stride)
     if not windows:
-        raise UserError(f"the text has {len(ids)} token(s); perplexity needs at least 2")
+        raise UserError(f"the text has {len(ids)} token(s); perplexity needs at least 2: pass a longer text")
     kv = model.new_kv_cache(-(-context // block_size), block_size)
     all_ids = torch.tensor(ids, dtype=torch.int64)
     nll_sum, count = 0.0, 0
@@ -136,6 +137,8 @@ def run(args) -> int:
 
     model_dir, device, dtype = _resolve(args)
     text = read_text(args.data)
+    if not text.strip():
+        raise UserError(f"data file {args.data} holds no text: pass a text file with at least two tokens to --data")
     model = load_model(model_dir, dtype=dtype, device=device)
     context = args.context if args.context is not None else min(2048, model.config.max_position)
     if context > model.config.max_position:

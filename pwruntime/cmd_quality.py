@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output, write_json_atomic
 
 
 def register(subparsers) -> None:
@@ -45,23 +42,25 @@ def run(args: argparse.Namespace) -> int:
     from pwruntime.calibrate.quality import quality_table
     from pwruntime.cmd_quantize import parse_bits
 
-    files = parse_domains(args.data)
+    files = parse_domains(args.data, "--data")
     bits = tuple(sorted(parse_bits(args.bits), reverse=True))
     if args.fit_out and not args.calibration:
         raise UserError("--fit-out needs --calibration DIR (the damages come from the calibration)")
+    if args.fit_out:
+        check_output(args.fit_out, "--fit-out", directory=False)
     if args.max_tokens is not None and args.max_tokens < 2:
         raise UserError(f"--max-tokens must be at least 2, got {args.max_tokens}")
+    if args.context is not None and args.context < 2:
+        raise UserError(f"--context must be at least 2, got {args.context}")
+    if args.stride is not None and args.stride < 1:
+        raise UserError(f"--stride must be at least 1, got {args.stride}")
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device.startswith("cpu") else "bf16")
     result = quality_table(args.model, args.ap, files, bits=bits, context=args.context, stride=args.stride,
                            max_tokens=args.max_tokens, device=device, dtype=dtype, calibration=args.calibration)
     if args.fit_out:
-        out = Path(args.fit_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump({"points": result["fit_points"], "source": f"pwruntime quality-table {args.model}"}, f, indent=2)
-        os.replace(tmp, out)
+        write_json_atomic(args.fit_out, {"points": result["fit_points"],
+                                         "source": f"pwruntime quality-table {args.model}"})
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         print()

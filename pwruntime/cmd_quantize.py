@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 
 WEIGHTINGS = ("auto", "hessian", "fisher", "none")
 
@@ -63,7 +63,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
     for f in args.calib_data:
         if not Path(f).is_file():
-            raise UserError(f"calibration file {f} does not exist; pass existing text files to --calib-data")
+            state = "is a directory" if Path(f).is_dir() else "does not exist"
+            raise UserError(f"calibration file {f} {state}; pass existing text files to --calib-data")
+    check_output(args.out)
+    if Path(args.out).resolve() == Path(args.model).resolve():
+        raise UserError(f"--out {args.out} is the --model directory; write the AP checkpoint to another directory")
     opts = QuantizeOptions(bits=bits, weighting=weighting, calib_files=tuple(args.calib_data),
                            calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, seed=args.seed,
                            overwrite=args.overwrite)

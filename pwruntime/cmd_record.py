@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 
 
 def register(subparsers) -> None:
@@ -67,7 +67,8 @@ def _domains(args) -> dict[str, Path]:
         raise UserError("give the text to serve: --corpus DIR or --data NAME=FILE")
     for name, path in files.items():
         if not path.is_file():
-            raise UserError(f"text file for domain {name!r} not found: {path}")
+            raise UserError(f"text file for domain {name!r} {'is a directory' if path.is_dir() else 'not found'}: "
+                            f"{path}; pass a UTF-8 text file (optionally .gz)")
     return files
 
 
@@ -91,6 +92,17 @@ def run(args) -> int:
     o_lo, o_hi = _range("--output-tokens", args.output_tokens)
     if args.requests_per_domain < 1 or args.rate <= 0:
         raise UserError("--requests-per-domain must be >= 1 and --rate > 0")
+    if args.max_num_seqs < 1:
+        raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.card:
+        from traces.model_card import CardError, load_card
+        try:
+            load_card(args.card)
+        except CardError as e:
+            raise UserError(f"--card: {e}") from None
+    check_output(args.out)
     files = _domains(args)
     model_dir = args.model or default_model_dir()
     if model_dir is None:
@@ -128,7 +140,10 @@ def run(args) -> int:
         while engine.has_unfinished():
             done = engine.step()
             bar.update(sum(len(o.token_ids) for o in done))
-    out = recorder.write(args.out)
+    try:
+        out = recorder.write(args.out)
+    except OSError as e:  # checked up front, but a disk can fill up: the files are each written atomically
+        raise UserError(f"cannot write the trace to {args.out} ({e.strerror or e})") from None
     summary = {"out": str(out), "requests": len(jobs), "output_tokens": int(total), "card": card,
                "domains": sorted(files), "seconds": round(time.perf_counter() - t0, 2)}
     print(json.dumps(summary) if args.json else

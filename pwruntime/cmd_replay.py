@@ -44,6 +44,9 @@ def _requests(path: str, limit: int | None):
     src = Path(path)
     if not src.exists():
         raise UserError(f"--trace {src} does not exist; give a trace directory recorded by `pwruntime record-trace`")
+    if src.is_dir() and not (src / "requests.parquet").is_file():
+        raise UserError(f"--trace {src} holds no requests.parquet; give a trace directory recorded by "
+                        "`pwruntime record-trace`")
     trace = read_requests(src / "requests.parquet" if src.is_dir() else src)
     if limit is not None:
         if limit < 1:

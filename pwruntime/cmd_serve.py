@@ -8,6 +8,8 @@ Listens on 127.0.0.1 by default; stop it with Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 from pathlib import Path
 
 from traces.clikit import UserError
@@ -25,6 +27,27 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _listen_error(host: str, port: int, e: OSError) -> UserError:
+    if e.errno in (errno.EADDRINUSE, errno.EACCES):
+        fix = "choose another --port" + (" (above 1023)" if e.errno == errno.EACCES else "")
+    else:  # a name that does not resolve, an address that is not this machine's
+        fix = "give a --host of this machine (127.0.0.1, or 0.0.0.0 for every interface)"
+    return UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); {fix}")
+
+
+def _check_listen(host: str, port: int) -> None:
+    """Bind (and release) every address the server will listen on, as asyncio does, before the model is loaded."""
+    try:
+        for family, _, _, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE):
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(addr)
+    except OSError as e:
+        raise _listen_error(host, port, e) from None
+
+
 def run(args) -> int:
     from aiohttp import web
 
@@ -33,6 +56,7 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    _check_listen(args.host, args.port)
     engine, model_dir, _, _ = build_engine(args)
     worker = EngineWorker(engine).start()
     server = Server(worker, args.served_model_name or Path(str(model_dir)).name)
@@ -40,7 +64,7 @@ def run(args) -> int:
     try:
         web.run_app(server.app, host=args.host, port=args.port, print=None)
     except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror}); choose another --port") from None
+        raise _listen_error(args.host, args.port, e) from None
     finally:
         worker.stop()
     return 0

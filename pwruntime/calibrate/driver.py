@@ -33,7 +33,7 @@ from pwruntime.calibrate.heads import fit_residual_heads
 from pwruntime.calibrate.inputs import check_files, file_sequences, model_fingerprint_of, split_heldout
 from pwruntime.calibrate.measure import MeasuringStore, SequenceStats, measure_sequences
 from pwruntime.calibrate.search import SearchProblem, reference_rows, search
-from traces.clikit import UserError
+from traces.clikit import UserError, check_output
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,13 @@ def _check(opts: CalibrateOptions) -> None:
     for name, value in sizes:
         if value < 2:
             raise UserError(f"{name} must be at least 2, got {value}")
-    out = Path(opts.out)
-    if out.exists() and not opts.overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"output {out} already exists and is not empty; choose another --out or pass --overwrite")
+    out = check_output(opts.out)
+    if out.exists() and any(out.iterdir()):
+        if not opts.overwrite:
+            raise UserError(f"output {out} already exists and is not empty; choose another --out or pass --overwrite")
+        if not (out / "calibration.json").is_file():
+            raise UserError(f"output {out} is not a calibration directory (no calibration.json); --overwrite replaces "
+                            "only an earlier `pwruntime calibrate` output: choose another --out")
 
 
 def _load(opts: CalibrateOptions):
@@ -140,6 +144,9 @@ def calibrate(opts: CalibrateOptions) -> tuple[Calibration, dict]:
     bits, c = tuple(ckpt.bits), model.config
     if opts.search_bits not in bits:
         raise UserError(f"--search-bits {opts.search_bits} is not stored in {opts.ap} (bits {list(bits)})")
+    if opts.initial_mean_bits < min(bits):
+        raise UserError(f"--initial-mean-bits {opts.initial_mean_bits} is below the lowest bitwidth stored in "
+                        f"{opts.ap} ({min(bits)}); pass a value in {min(bits)}..{max(bits)}")
     L, E = c.num_moe_layers, c.experts
     seq_len = min(opts.seq_len, c.max_position)
     seqs, data_info = file_sequences(model.tokenizer, opts.data, opts.tokens, seq_len)

@@ -23,7 +23,8 @@ CHARS_PER_TOKEN_GUESS = 6
 def check_files(paths: Sequence[str | Path], what: str, flag: str) -> None:
     for p in paths:
         if not Path(p).is_file():
-            raise UserError(f"{what} {p} does not exist; pass UTF-8 text files (optionally .gz) to {flag}")
+            state = "is a directory" if Path(p).is_dir() else "does not exist"
+            raise UserError(f"{what} {p} {state}; pass UTF-8 text files (optionally .gz) to {flag}")
 
 
 def read_text(path: str | Path, flag: str = "--data") -> str:
@@ -37,20 +38,20 @@ def read_text(path: str | Path, flag: str = "--data") -> str:
         raise UserError(f"cannot read {p} given to {flag}: {e}; pass UTF-8 text (optionally .gz)") from None
 
 
-def parse_domains(specs: Sequence[str]) -> dict[str, Path]:
-    """`["name=FILE", ...]` -> {name: Path}; names are unique identifiers."""
+def parse_domains(specs: Sequence[str], flag: str = "--domains") -> dict[str, Path]:
+    """`["name=FILE", ...]` (the values of `flag`) -> {name: Path}; names are unique identifiers."""
     out: dict[str, Path] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         name = name.strip()
         if not sep or not name or not path:
-            raise UserError(f"--domains entry {spec!r} is not NAME=FILE (e.g. scripture=valid.txt.gz)")
+            raise UserError(f"{flag} entry {spec!r} is not NAME=FILE (e.g. scripture=valid.txt.gz)")
         if not name.replace("_", "").replace("-", "").isalnum():
             raise UserError(f"domain name {name!r} must be letters, digits, '-' or '_'")
         if name in out:
-            raise UserError(f"domain {name!r} is given twice in --domains")
+            raise UserError(f"domain {name!r} is given twice in {flag}")
         out[name] = Path(path)
-    check_files(list(out.values()), "domain file", "--domains")
+    check_files(list(out.values()), "domain file", flag)
     return out
 
 

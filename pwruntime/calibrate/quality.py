@@ -81,6 +81,8 @@ def quality_table(model_dir: str | Path, ap_dir: str | Path, files: dict[str, Pa
     if ctx > c.max_position or ctx < 2:
         raise UserError(f"--context {ctx} must be between 2 and the model's {c.max_position} positions")
     st = stride or max(1, ctx // 2)
+    if st > ctx:
+        raise UserError(f"--stride {st} exceeds the context of {ctx} tokens: use a smaller --stride")
     ids = _domain_ids(model.tokenizer, files, max_tokens)
     table = PageTable(c.num_moe_layers, c.experts, c.hidden, c.expert_intermediate, bits=ck.bits)
     rest = nonexpert_fp16_bytes(ap_dir)

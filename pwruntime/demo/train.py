@@ -121,7 +121,10 @@ def resolve_device(name: str):
 
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UserError(f"--device {name}: no CUDA device is available here; use --device cpu")
     return dev

@@ -40,7 +40,8 @@ def _read_json(path: Path) -> dict:
 def find_files(path: str | Path) -> CheckpointFiles:
     root = Path(path).expanduser()
     if not root.is_dir():
-        raise CheckpointError(f"model directory {root} does not exist ({_LAYOUT_HINT})")
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise CheckpointError(f"model directory {root} {what} ({_LAYOUT_HINT})")
     config = root / "config.json"
     if not config.is_file():
         raise CheckpointError(f"{root} has no config.json ({_LAYOUT_HINT})")

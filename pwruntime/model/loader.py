@@ -98,6 +98,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     tensors are not read and that store serves them. Raises CheckpointError (a UserError)."""
     dtype, dev = parse_dtype(dtype), check_device(device)
     files = find_files(path)
+    if experts is None and (files.root / "ap_config.json").is_file():
+        raise CheckpointError(f"{files.root} is an AP checkpoint (`pwruntime quantize` output), not a full-precision "
+                              "model: pass it with --ap, or give the HuggingFace model it was quantized from")
     c = read_config(files)
     tokenizer = Tokenizer(files.tokenizer, files.tokenizer_config, c.eos_token_id)
     r = TensorReader(files, dtype, dev)

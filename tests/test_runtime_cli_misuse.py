@@ -1,0 +1,269 @@
+"""`pwruntime` misuse on a CPU-only machine: one `error:` line, exit 2, no traceback, no output left behind.
+
+Each case here printed a traceback, exited 1, named the wrong flag or fix, or wrote (or destroyed) output
+before the fix it guards.
+"""
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from demo_fixtures import write_corpus
+from model_fixtures import make_text, make_tiny_checkpoint
+from pwruntime.cli import main
+
+DEMO_TRACE = Path(__file__).resolve().parent.parent / "traces" / "bundled" / "demo-trace"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny checkpoint, its AP checkpoint, a text file and a plain file, shared by the module."""
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("misuse")
+    ckpt = make_tiny_checkpoint(root, "qwen2_moe", seed=5)
+    ap = root / "ap"
+    quantize_checkpoint(ckpt, ap, QuantizeOptions(), progress=False)
+    text = root / "text.txt"
+    text.write_text(make_text(400, seed=1))
+    plain = root / "plain.txt"
+    plain.write_text("keep me\n")
+    return {"root": root, "ckpt": str(ckpt), "ap": str(ap), "text": str(text), "plain": plain}
+
+
+def misuse(capsys, argv, *needles) -> str:
+    """Run the CLI; assert exit 2 with one error line that contains every needle; return it."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+def entries(d: Path) -> set[str]:
+    return {p.name for p in d.iterdir()}
+
+
+# ----------------------------------------------------------------------------------------- generate / serve
+def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
+    # PolicyError from the planner's reset used to escape as a traceback (exit 1)
+    misuse(capsys, ["generate", "--ap", env["ap"], "--policy", "pagedweight", "--prompt", "ba", "--max-tokens", "1"],
+           "needs a calibration", "--calibration")
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--policy", "uniform-4"], ["--policy uniform-4 needs --ap"]),      # was: ran, the planner moving nothing
+    (["--ap", "AP"], ["--model or --ap, not both"]),                      # was: --model silently ignored
+])
+def test_generate_incompatible_model_options(env, capsys, extra, needles):
+    extra = [env["ap"] if a == "AP" else a for a in extra]
+    misuse(capsys, ["generate", "--model", env["ckpt"], *extra, "--prompt", "ba", "--max-tokens", "1"], *needles)
+
+
+def test_model_paths_name_the_problem(env, capsys):
+    # an AP checkpoint passed as --model failed on a missing tensor, "use the config.json of these weights"
+    misuse(capsys, ["generate", "--model", env["ap"], "--prompt", "ba", "--max-tokens", "1"],
+           "is an AP checkpoint", "--ap")
+    misuse(capsys, ["perplexity", "--model", env["ap"], "--data", env["text"]], "is an AP checkpoint")
+    # a file given as the model directory was reported as not existing
+    misuse(capsys, ["generate", "--model", env["plain"], "--prompt", "ba"], "is a file, not a directory")
+
+
+def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
+    import pwruntime.cmd_generate as cg
+
+    def no_load(args):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(cg, "build_engine", no_load)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        misuse(capsys, ["serve", "--port", port], "cannot listen", "choose another --port")
+    # an address of another machine: the fix is --host, not --port (TEST-NET-1, no name lookup)
+    err = misuse(capsys, ["serve", "--host", "192.0.2.1", "--port", "0"], "cannot listen", "--host")
+    assert "another --port" not in err
+
+
+# ----------------------------------------------------------------------------------------------- perplexity
+def test_perplexity_data_that_is_a_directory_or_empty(env, capsys, tmp_path):
+    misuse(capsys, ["perplexity", "--model", env["ckpt"], "--data", tmp_path], "is a directory", "--data")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    misuse(capsys, ["perplexity", "--model", env["ckpt"], "--data", empty], "holds no text", "--data")
+
+
+# ------------------------------------------------------------------------------------------------- quantize
+def test_quantize_refuses_unwritable_or_destructive_outputs(env, capsys, tmp_path):
+    plain = env["plain"]
+    # under a file: FileExistsError traceback before
+    misuse(capsys, ["quantize", "--model", env["ckpt"], "--out", plain / "ap", "--weighting", "none"],
+           "--out", "is a file, not a directory")
+    # a file with --overwrite: refused, the file is kept
+    misuse(capsys, ["quantize", "--model", env["ckpt"], "--out", plain, "--weighting", "none", "--overwrite"],
+           "--out", "is a file")
+    assert plain.read_text() == "keep me\n"
+    # --out == --model with --overwrite used to replace the source model by its AP checkpoint
+    before = entries(Path(env["ckpt"]))
+    misuse(capsys, ["quantize", "--model", env["ckpt"], "--out", env["ckpt"], "--weighting", "none", "--overwrite"],
+           "is the --model directory")
+    assert entries(Path(env["ckpt"])) == before
+    assert not any(p.name.startswith(".") for p in Path(env["ckpt"]).parent.iterdir())
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_quantize_out_in_an_unwritable_place(env, capsys):
+    misuse(capsys, ["quantize", "--model", env["ckpt"], "--out", "/proc/pw-misuse/ap", "--weighting", "none"],
+           "--out /proc/pw-misuse/ap", "cannot write")
+
+
+# --------------------------------------------------------------------------------------------- record-trace
+@pytest.mark.parametrize("extra, needles", [
+    (["--temperature", "-1"], ["--temperature"]),                # ValueError traceback before
+    (["--max-num-seqs", "0"], ["--max-num-seqs"]),               # said "num_kv_blocks must be >= 1"
+    (["--card", "no-such-card"], ["--card", "no-such-card"]),   # was accepted and written into the trace
+    (["--out", "PLAIN"], ["--out", "is a file"]),                 # FileExistsError after the whole recording
+])
+def test_record_trace_misuse(env, capsys, tmp_path, extra, needles):
+    out = tmp_path / "trace"
+    extra = [str(env["plain"]) if a == "PLAIN" else a for a in extra]
+    misuse(capsys, ["record-trace", "--model", env["ckpt"], "--data", f"a={env['text']}", "--out", out,
+                    "--requests-per-domain", "1", "--prompt-tokens", "4,8", "--output-tokens", "2,3", *extra],
+           *needles)
+    assert not out.exists() and env["plain"].read_text() == "keep me\n"
+
+
+# --------------------------------------------------------------------------------------------------- replay
+def test_replay_trace_of_another_tokenizer(env, capsys, tmp_path):
+    # the demo trace's token ids do not fit the tiny model's 128-token vocabulary: was "prompt token ids must
+    # lie in 0..127", naming neither the trace nor the fix
+    out = tmp_path / "res"
+    misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--model", env["ckpt"], "--max-requests", "1",
+                    "--num-kv-blocks", "64"], "outside the model's vocabulary", "requests.parquet")
+    assert not out.exists()
+
+
+def test_replay_trace_dir_without_requests_and_planner_without_ap(env, capsys, tmp_path):
+    out = tmp_path / "res"
+    misuse(capsys, ["replay", "--trace", tmp_path, "--out", out], "--trace", "holds no requests.parquet")
+    misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--policy", "pagedweight"],
+           "--policy pagedweight needs --ap")
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------------------ calibrate
+def _calibrate(env, out, *extra):
+    return ["calibrate", "--model", env["ckpt"], "--ap", env["ap"], "--data", env["text"], "--out", out,
+            "--tokens", "200", "--seq-len", "50", *extra]
+
+
+def test_calibrate_overwrite_refuses_what_is_not_a_calibration(env, capsys, tmp_path):
+    plain = env["plain"]
+    # a file with --overwrite: NotADirectoryError after the whole run, the file moved to a hidden .old
+    misuse(capsys, _calibrate(env, plain, "--overwrite"), "--out", "is a file")
+    assert plain.read_text() == "keep me\n" and not (plain.parent / f".{plain.name}.old").exists()
+    # a directory holding a folder: IsADirectoryError, the directory left renamed to .other.old
+    other = tmp_path / "other"
+    (other / "sub").mkdir(parents=True)
+    (other / "keep.txt").write_text("x")
+    misuse(capsys, _calibrate(env, other, "--overwrite"), "not a calibration directory")
+    assert entries(other) == {"sub", "keep.txt"} and entries(tmp_path) == {"other"}
+
+
+def test_calibrate_bad_output_place_and_initial_bits(env, capsys, tmp_path):
+    misuse(capsys, _calibrate(env, env["plain"] / "cal"), "--out", "is a file, not a directory")
+    # below the lowest stored bitwidth: PolicyError traceback before, not naming the flag
+    out = tmp_path / "cal"
+    misuse(capsys, _calibrate(env, out, "--initial-mean-bits", "0"), "--initial-mean-bits")
+    assert not out.exists()
+
+
+# -------------------------------------------------------------------------------------------- quality-table
+@pytest.mark.parametrize("extra, needles", [
+    (["--data", "TEXT"], ["--data entry"]),                       # said "--domains entry"
+    (["--stride", "0"], ["--stride"]),                            # was taken as the default stride
+    (["--context", "0"], ["--context"]),                          # was taken as the default context
+    (["--context", "16", "--stride", "32"], ["--stride 32 exceeds the context"]),  # skipped tokens silently
+    (["--calibration", "CAL", "--fit-out", "DIR"], ["--fit-out", "is a directory"]),  # traceback after the work
+    (["--calibration", "CAL", "--fit-out", "PLAIN/fit.json"], ["--fit-out", "is a file, not a directory"]),
+])
+def test_quality_table_misuse(env, capsys, tmp_path, monkeypatch, extra, needles):
+    import pwruntime.calibrate.quality as q
+
+    def no_work(*a, **k):
+        raise AssertionError("quality_table ran before the arguments were checked")
+
+    if "--fit-out" in extra:
+        monkeypatch.setattr(q, "quality_table", no_work)
+    subs = {"TEXT": env["text"], "CAL": str(tmp_path), "DIR": str(tmp_path),
+            "PLAIN/fit.json": str(env["plain"] / "fit.json")}
+    extra = [subs.get(a, a) for a in extra]
+    data = [] if "--data" in extra else ["--data", f"a={env['text']}"]
+    misuse(capsys, ["quality-table", "--model", env["ckpt"], "--ap", env["ap"], *data, "--bits", "8",
+                    "--max-tokens", "64", *extra], *needles)
+    assert entries(tmp_path) == set()
+
+
+# ----------------------------------------------------------------------------------------------------- demo
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), train_docs=3, valid_docs=2)
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--device", "tpu"], ["--device 'tpu'"]),                   # RuntimeError traceback, OUT left behind
+    (["--lr", "-1"], ["--lr"]),                                   # ValueError traceback from the optimizer
+    (["--max-minutes", "-1"], ["--max-minutes"]),                 # stopped at once, exit 0
+    (["--warmup-steps", "-1"], ["--warmup-steps"]),               # accepted
+    (["--batch-size", "2"], ["batch size 2"]),                    # refused, but the run folder stayed
+])
+def test_demo_train_misuse_leaves_no_run_folder(corpus, capsys, tmp_path, extra, needles):
+    out = tmp_path / "run"
+    misuse(capsys, ["demo", "train", "--corpus", corpus, "--out", out, "--device", "cpu", "--no-progress",
+                    "--vocab-size", "280", *extra], *needles)
+    assert not out.exists()
+
+
+def test_demo_train_out_that_is_a_file(env, corpus, capsys):
+    misuse(capsys, ["demo", "train", "--corpus", corpus, "--out", env["plain"], "--device", "cpu"],
+           "--out", "is a file")
+    assert env["plain"].read_text() == "keep me\n"
+
+
+def test_demo_stats_refuses_models_it_cannot_evaluate(env, corpus, capsys, tmp_path):
+    out = tmp_path / "stats"
+    # an AP checkpoint: its experts were randomly initialised by transformers and the stats written (exit 0)
+    misuse(capsys, ["demo", "stats", "--model", env["ap"], "--corpus", corpus, "--out", out], "AP checkpoint")
+    # a model that is not demo-format: TypeError traceback
+    misuse(capsys, ["demo", "stats", "--model", env["ckpt"], "--corpus", corpus, "--out", out],
+           "not a demo-format model")
+    assert not out.exists()
+
+
+def test_demo_stats_bad_device_or_out(corpus, capsys, env, tmp_path):
+    from pwruntime.cmd_perplexity import default_model_dir
+
+    if default_model_dir() is None:
+        pytest.skip("no bundled demo model")
+    args = ["demo", "stats", "--model", default_model_dir(), "--corpus", corpus]
+    misuse(capsys, [*args, "--out", tmp_path / "stats", "--device", "tpu"], "--device 'tpu'")  # RuntimeError before
+    misuse(capsys, [*args, "--out", env["plain"]], "--out", "is a file")  # FileExistsError after the evaluation
+    assert env["plain"].read_text() == "keep me\n" and entries(tmp_path) == set()
+
+
+# ---------------------------------------------------------------------------------------------------- bench
+def test_bench_plot_from_another_json_keeps_its_figure(capsys, tmp_path):
+    # a `bench prefill` result (or any JSON) was drawn as empty axes over the PNG beside it, exit 0
+    src = tmp_path / "prefill.json"
+    src.write_text(json.dumps({"device": "x", "rows": []}))
+    png = tmp_path / "prefill.png"
+    png.write_bytes(b"the prefill figure")
+    misuse(capsys, ["bench", "kernels", "--plot-from", src], "--plot-from", "not a `pwruntime bench kernels --out`")
+    assert png.read_bytes() == b"the prefill figure"
