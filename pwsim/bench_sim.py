@@ -28,7 +28,10 @@ def _child(cfg_json: dict, core: int | None) -> dict:
     t0, c0 = time.perf_counter(), time.process_time()
     sim = build(RunConfig.from_json(cfg_json))
     t1, c1 = time.perf_counter(), time.process_time()
-    res = sim.run()
+    from tqdm import tqdm
+    with tqdm(total=len(sim.workload), desc="simulating", unit="req", file=sys.stderr, leave=False,
+              disable=None) as bar:  # on a terminal only
+        res = sim.run(on_finish=bar.update)
     t2, c2 = time.perf_counter(), time.process_time()
     s = res.summary
     return {"setup_wall_s": t1 - t0, "run_wall_s": t2 - t1, "run_cpu_s": c2 - c1, "total_wall_s": t2 - t0,

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out or f"runs/run-{cfg.policy}-{args.budget}")
     output.prepare_dir(out, args.force)
     t0 = time.perf_counter()
-    result = runner.execute(cfg)
+    result = runner.execute(cfg, progress=not (args.json or args.no_progress))
     path = output.write_run(result, cfg.to_json(), out, plots=not args.no_plots, force=args.force)
     if args.json:
         print(output.dumps(result.summary))
@@ -134,6 +134,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default=None, help="result directory (default runs/run-POLICY-BUDGET)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a pwsim result")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_common(p)
     p.set_defaults(func=run)

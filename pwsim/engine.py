@@ -22,7 +22,9 @@ time and hardware:
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
 import numpy as np
 import simpy
 
@@ -140,6 +142,7 @@ class Simulation:
             workload.domain_idx] if len(workload) else np.zeros(0, np.int64)
         self.rec = Recorder(len(workload), workload.arrival_s, config.timeline_stride, self.kv_block_bytes)
         self._arrived = 0
+        self._on_finish: Callable[[], object] | None = None
         self._wake: simpy.Event | None = None
         self._step = 0
         self._extra_time = 0.0  # KV compaction copies, charged to the next iteration
@@ -360,10 +363,14 @@ class Simulation:
             release(int(seq.seq_id))
         self.rec.finish(int(seq.seq_id), self.env.now, seq.num_output_tokens, seq.finish_reason,
                         seq.num_preemptions)
+        if self._on_finish is not None:
+            self._on_finish()
 
     # --------------------------------------------------------------------- run
-    def run(self):
-        """Simulate to the last request's completion; returns a `pwsim.recorder.SimResult`."""
+    def run(self, on_finish: Callable[[], object] | None = None):
+        """Simulate to the last request's completion; returns a `pwsim.recorder.SimResult`. `on_finish` is called
+        as each request finishes (a progress bar)."""
+        self._on_finish = on_finish
         self._check_memory("start")
         self.rec.start(self._mean_bits())
         self.env.process(self._arrivals())

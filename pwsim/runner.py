@@ -167,10 +167,19 @@ def build(cfg: RunConfig) -> Simulation:
         raise UserError(str(e)) from None
 
 
-def execute(cfg: RunConfig) -> SimResult:
-    """Build and run one simulation; the result's summary carries the config."""
+def execute(cfg: RunConfig, progress: bool = False) -> SimResult:
+    """Build and run one simulation; the result's summary carries the config. `progress`: a bar of finished requests
+    on stderr (when it is a terminal)."""
     sim = build(cfg)
-    result = sim.run()
+    if progress:
+        import sys
+
+        from tqdm import tqdm
+        with tqdm(total=len(sim.workload), desc="simulating", unit="req", file=sys.stderr, leave=False,
+                  disable=None) as bar:
+            result = sim.run(on_finish=bar.update)
+    else:
+        result = sim.run()
     result.summary["config"] = cfg.to_json()
     result.summary["label"] = cfg.label
     result.summary["model"] = sim.card.name

@@ -21,6 +21,15 @@ def test_every_request_completes(policy):
     assert not sim.sched.has_unfinished() and sim.pool.num_used == 0
 
 
+def test_on_finish_is_called_once_per_finished_request_and_changes_nothing():
+    seen = []
+    sim = tiny_sim("pagedweight", kv_blocks=20, n=30)
+    res = sim.run(on_finish=lambda: seen.append(1))
+    assert len(seen) == 30
+    plain = tiny_sim("pagedweight", kv_blocks=20, n=30).run()
+    assert summary_without_wall(res.summary) == summary_without_wall(plain.summary)
+
+
 def test_kv_blocks_never_exceed_the_pool_and_pool_follows_the_weights():
     sim = tiny_sim("pagedweight", kv_blocks=16, n=30)
     res = sim.run()  # check_invariants=True: pool and table invariants after every boundary
