@@ -107,6 +107,9 @@ class Calibration:
             else:
                 scalars[f.name] = value
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        umask = os.umask(0)  # mkdtemp made the folder private; give it the mode a plain mkdir would
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
         (tmp / "calibration.json").write_text(json.dumps(scalars, indent=2, sort_keys=True))
         np.savez_compressed(tmp / "arrays.npz", **arrays)
         if out.exists():

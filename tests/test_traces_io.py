@@ -264,3 +264,22 @@ def test_routing_must_match_its_requests(tmp_path, small):
     pos[last] = int(req.prompt_tokens[-1] + req.output_tokens[-1])
     _write(_set(base, "position", pa.array(pos)), f)
     _raises(lambda: tio.read_trace_dir(tmp_path), f, "position", last, "past the request")
+
+
+def test_atomic_writes_follow_the_umask_not_tempfiles_private_modes(tmp_path):
+    """Files and result folders written through temporaries get the mode a plain open/mkdir would (tempfile makes
+    them 0600/0700, which other users of a shared results folder could not read)."""
+    import stat
+
+    from traces.clikit import write_json_atomic
+    from traces.results import write_result_dir
+    old = os.umask(0o022)
+    try:
+        f = write_json_atomic(tmp_path / "x.json", {"a": 1})
+        d = tmp_path / "run"
+        write_result_dir(d, {"requests": {"request_id": np.arange(3)}}, {"summary": {"ok": True}})
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(f.stat().st_mode) == 0o644
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755
+    assert {stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()} == {0o644}

@@ -71,6 +71,16 @@ def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool =
     return p
 
 
+def default_mode(path: str | os.PathLike) -> Path:
+    """Give a file or folder made by `tempfile` (private: 0600, 0700) the permissions a plain `open`/`mkdir` would
+    have under this process's umask, before it is moved into place."""
+    umask = os.umask(0)
+    os.umask(umask)
+    p = Path(path)
+    os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~umask)
+    return p
+
+
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write `text` through a temporary file in the same folder and a rename: a reader never sees a
     half-written file, and a write that fails leaves nothing behind."""
@@ -80,6 +90,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        default_mode(tmp)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from traces.clikit import default_mode
 from traces.schema import (META_KEY, REQUEST_COLUMNS, REQUESTS, ROUTING, TOKEN_IDS_TYPE, RequestTrace, RoutingTrace,
                            TraceError, check_routing_against_requests, decode_metadata, encode_metadata,
                            routing_columns)
@@ -263,6 +264,7 @@ def _atomic_replace(tables: dict[Path, pa.Table]) -> list[Path]:
             os.close(fd)
             done.append((tmp, path))
             pq.write_table(table, tmp, compression="snappy")
+            default_mode(tmp)
         for tmp, path in done:
             os.replace(tmp, path)
     finally:

@@ -21,7 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError, check_output, default_mode
 
 RESULT_MARKER = "summary.json"
 REQUIRED_REQUEST_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s")  # what `pwsim fidelity` pairs and compares
@@ -142,7 +142,7 @@ def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents:
     out = Path(out)
     prepare_dir(out, force, tool)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = default_mode(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         for name, cols in tables.items():
             pq.write_table(columns_table(cols), tmp / f"{name}.parquet", compression="zstd")

@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from policies.apformat import LAYOUT_VERSION, MAX_BITS
 from pwruntime.model.experts import KINDS, block_shape
-from traces.clikit import UserError
+from traces.clikit import UserError, default_mode
 
 FORMAT = "pagedweight-ap"
 FORMAT_VERSION = 1
@@ -164,11 +164,9 @@ class APCheckpointWriter:
                 "expert_files": [self.expert_files[i] for i in range(n_layers)],
                 "nonexpert_file": NONEXPERT_FILE if self.has_nonexpert else None}
         (self.tmp / CONFIG_NAME).write_text(json.dumps(full, indent=2, sort_keys=True))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp made it private; files too (safetensors writes 0600)
+        default_mode(self.tmp)  # mkdtemp made it private; files too (safetensors writes 0600)
         for f in self.tmp.iterdir():
-            os.chmod(f, 0o666 & ~umask)
+            default_mode(f)
         if self.out_dir.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{self.out_dir.name}.old-", dir=self.out_dir.parent))
             os.rename(self.out_dir, old / "x")
