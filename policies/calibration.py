@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -116,9 +117,7 @@ class Calibration:
             backup = out.with_name(f".{out.name}.old")
             out.rename(backup)
             tmp.rename(out)
-            for p in backup.iterdir():
-                p.unlink()
-            backup.rmdir()
+            shutil.rmtree(backup)  # the previous calibration, whatever it held
         else:
             tmp.rename(out)
         return out

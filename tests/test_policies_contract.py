@@ -45,6 +45,19 @@ def test_calibration_round_trip(tmp_path):
     assert back.floor_stages == cal.floor_stages and back.provenance == {"seed": 0}
     cal.save(out)  # overwrite in place leaves no stray temp dirs
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+    (out / "notes").mkdir()  # whatever the previous folder held goes with it (a sub-folder used to crash the save)
+    (out / "notes" / "a.txt").write_text("x")
+    cal.save(out)
+    assert sorted(p.name for p in out.iterdir()) == ["arrays.npz", "calibration.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cal"]
+    assert out.stat().st_mode & 0o077 == 0o777 & ~_umask() & 0o077  # not tempfile's private 0700
+
+
+def _umask() -> int:
+    import os
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_calibration_refuses_another_model(tmp_path):
