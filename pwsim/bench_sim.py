@@ -24,14 +24,11 @@ LIMIT_S = 60.0
 def _child(cfg_json: dict, core: int | None) -> dict:
     if core is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {core})
-    from pwsim.runner import RunConfig, build
+    from pwsim.runner import RunConfig, build, run_simulation
     t0, c0 = time.perf_counter(), time.process_time()
     sim = build(RunConfig.from_json(cfg_json))
     t1, c1 = time.perf_counter(), time.process_time()
-    from tqdm import tqdm
-    with tqdm(total=len(sim.workload), desc="simulating", unit="req", file=sys.stderr, leave=False,
-              disable=None) as bar:  # on a terminal only
-        res = sim.run(on_finish=bar.update)
+    res = run_simulation(sim)
     t2, c2 = time.perf_counter(), time.process_time()
     s = res.summary
     return {"setup_wall_s": t1 - t0, "run_wall_s": t2 - t1, "run_cpu_s": c2 - c1, "total_wall_s": t2 - t0,

@@ -7,6 +7,7 @@ config dumped beside a result reproduces it.
 from __future__ import annotations
 
 import json
+import sys
 import zipfile
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
@@ -167,19 +168,21 @@ def build(cfg: RunConfig) -> Simulation:
         raise UserError(str(e)) from None
 
 
+def run_simulation(sim: Simulation, progress: bool = True) -> SimResult:
+    """`sim.run()`; with `progress`, a bar of finished requests on stderr (when it is a terminal)."""
+    if not progress:
+        return sim.run()
+    from tqdm import tqdm
+    with tqdm(total=len(sim.workload), desc="simulating", unit="req", file=sys.stderr, leave=False,
+              disable=None) as bar:
+        return sim.run(on_finish=bar.update)
+
+
 def execute(cfg: RunConfig, progress: bool = False) -> SimResult:
     """Build and run one simulation; the result's summary carries the config. `progress`: a bar of finished requests
     on stderr (when it is a terminal)."""
     sim = build(cfg)
-    if progress:
-        import sys
-
-        from tqdm import tqdm
-        with tqdm(total=len(sim.workload), desc="simulating", unit="req", file=sys.stderr, leave=False,
-                  disable=None) as bar:
-            result = sim.run(on_finish=bar.update)
-    else:
-        result = sim.run()
+    result = run_simulation(sim, progress)
     result.summary["config"] = cfg.to_json()
     result.summary["label"] = cfg.label
     result.summary["model"] = sim.card.name
