@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from pwruntime.calibrate.inputs import check_files
 from traces.clikit import UserError, check_output
 
 WEIGHTINGS = ("auto", "hessian", "fisher", "none")
@@ -61,10 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--weighting {weighting} needs calibration text: pass --calib-data FILE...")
     if args.calib_tokens < 2 or args.calib_seq_len < 2:
         raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
-    for f in args.calib_data:
-        if not Path(f).is_file():
-            state = "is a directory" if Path(f).is_dir() else "does not exist"
-            raise UserError(f"calibration file {f} {state}; pass existing text files to --calib-data")
+    check_files(args.calib_data, "calibration file", "--calib-data")
     check_output(args.out)
     if Path(args.out).resolve() == Path(args.model).resolve():
         raise UserError(f"--out {args.out} is the --model directory; write the AP checkpoint to another directory")
