@@ -39,7 +39,8 @@ def register(subparsers) -> None:
                         "prompt tokens above 64, default 128,256,512)")
     p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
-                   help="prefill: activation and dequantized-weight dtype (default bf16, what the runtime serves on CUDA)")
+                   help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
+                        "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA)")
     p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
@@ -87,7 +88,8 @@ def _config(args, lo: int, hi: int, default_tokens: str):
         raise UserError(f"pwruntime bench {args.target} needs a CUDA GPU (and CuPy); none is visible here")
     command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}"
-    return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed), command
+    dtype = args.dtype or ("fp16" if args.target == "kernels" else "bf16")
+    return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed, dtype=dtype), command
 
 
 def _run_prefill(args) -> int:
@@ -100,7 +102,7 @@ def _run_prefill(args) -> int:
     from tqdm import tqdm
 
     from pwruntime import bench_prefill as bp
-    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    dtype = cfg.act_dtype
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
                  "bits": args.bits, "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "rows": []}
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
@@ -122,8 +124,6 @@ def _run_prefill(args) -> int:
 def run(args) -> int:
     if args.target == "prefill":
         return _run_prefill(args)
-    if args.dtype is not None:
-        raise UserError("--dtype belongs to `pwruntime bench prefill`; bench kernels times its own cases")
     if args.plot_from is not None:
         return _replot(args.plot_from)
     import torch
@@ -136,7 +136,7 @@ def run(args) -> int:
     steps = 4 + len(models)
     bar = tqdm(total=steps, desc="bench kernels", file=sys.stderr)
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
-                 "gpu_memory_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
+                 "dtype": cfg.dtype, "gpu_memory_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
     res["copy"] = kb.copy_bandwidth()
     bar.update()
     res["fp16_gemm_tflops"] = kb.gemm_tflops()
@@ -242,7 +242,8 @@ def _print_tables(res: dict) -> None:
             a = res[key]
             print(f"paged attention decode ({a['seqs']} seqs x {a['context']} tokens, {a['heads']}/{a['kv_heads']} "
                   f"heads): {a['us']:.1f} us, {a['gbps']:.0f} GB/s of KV")
-    print("\none linear-block 14336x4096 (us; fp16 = torch F.linear)")
+    print(f"\none linear-block 14336x4096, {res.get('dtype', 'fp16')} activations (us; the fp16 columns are torch's "
+          f"F.linear in that dtype)")
     print(f"{'T':>3} {'bits':>4} {'AP us':>8} {'AP GB/s':>8} {'fp16 us':>8} {'speedup':>7}")
     for r in res["single_block"]:
         print(f"{r['tokens']:>3} {r['bits']:>4} {r['ap_us']:>8.2f} {r['ap_gbps']:>8.0f} {r['fp16_us']:>8.2f} "

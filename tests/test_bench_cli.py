@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from pwruntime.cli import main
 
@@ -69,10 +70,18 @@ def test_prefill_bench_table_and_figure(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_dtype_belongs_to_bench_prefill(capsys):
-    assert main(["bench", "kernels", "--dtype", "fp16"]) == 2
-    err = capsys.readouterr().err
-    assert "--dtype belongs to `pwruntime bench prefill`" in err and "Traceback" not in err
+def test_bench_kernels_takes_a_dtype(capsys):
+    """--dtype reaches bench kernels' config (bf16 is what the runtime serves); an unknown dtype is refused."""
+    from pwruntime.kernels.bench import BenchConfig
+    assert BenchConfig().act_dtype == torch.float16 and BenchConfig(dtype="bf16").act_dtype == torch.bfloat16
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "kernels", "--dtype", "fp8"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'fp8'" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # parsed and checked up to the GPU
+        assert main(["bench", "kernels", "--dtype", "bf16", "--models", "olmoe-1b-7b"]) == 2
+        err = capsys.readouterr().err
+        assert "needs a CUDA GPU" in err and "Traceback" not in err
 
 
 def test_dequant_bytes_count_planes_luts_and_the_written_weights():

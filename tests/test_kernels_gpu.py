@@ -217,6 +217,31 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ap_linear_wide_dynamic_range(dtype):
+    """Rows whose LUTs span 10^-3..10^1 and tokens whose 512-column chunks span 10^-3..10^3 (one chunk all zero):
+    every row must match the reference as closely as on ordinary inputs (the error is measured with each row
+    divided by its scale, so small rows count), at 3, 4 and 8 bits and T of one n-tile. A decoder that rescales
+    per row or chunk (such as the int8-halves experiment of cuda/NOTES.md, session 12) must pass this too."""
+    out_f, in_f = 256, 4096
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    planes, luts = random_block(out_f, in_f, gen)
+    row_scale = 10.0 ** (torch.rand(out_f, 1, device="cuda", generator=gen) * 4 - 3)  # fp16 outputs stay finite
+    table = DeviceWeightTable(1, "cuda")
+    table.set_block(0, device_layout(planes), (luts[8].float() * row_scale).half(), 8)
+    chunk_scale = torch.tensor([1e3, 1e-3, 0.0, 1.0, 3e2, 1e-2, 5.0, 1e3], device="cuda").repeat_interleave(512)
+    for b in (3, 4, 8):
+        lut = (luts[b].float() * row_scale).half()
+        table.commit_bits(0, b, lut)
+        w = dequantize(planes[:b], lut, out_f, in_f)
+        for tokens in (1, 3, 8):
+            x = (torch.randn(tokens, in_f, device="cuda", generator=gen) * chunk_scale).to(dtype)
+            got = ap_linear(table, 0, x, out_f)
+            want = x.float() @ w.to(dtype).float().T
+            err = rel(got.float() / row_scale.T, want / row_scale.T)  # every row counts, whatever its scale
+            assert err < TOL[dtype] / 2, (b, tokens, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("out_f, in_f", [(96, 333), (100, 352)], ids=["per-thread-stores", "staged-stores"])
 def test_dequantize_kernel_is_exact(dtype, out_f, in_f):
     """Every element of blocks at 3..8 bits and of a block cleared from the table (zeros). K = 333 takes the

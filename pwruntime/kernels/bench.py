@@ -37,6 +37,11 @@ class BenchConfig:
     reps: int = 30
     warmup: int = 5
     seed: int = 0
+    dtype: str = "fp16"   # activations (and the dense baselines, whose result keys keep the name fp16_*): fp16 | bf16
+
+    @property
+    def act_dtype(self) -> torch.dtype:
+        return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
 
 
 def _events_ms(run: Callable[[], None], reps: int, warmup: int) -> float:
@@ -115,11 +120,11 @@ def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: in
     """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     table, luts = _random_table(copies, out, inp, gen)
-    dense = [torch.randn(out, inp, device="cuda", generator=gen, dtype=torch.float16) / inp ** 0.5
+    dense = [(torch.randn(out, inp, device="cuda", generator=gen, dtype=torch.float16) / inp ** 0.5).to(cfg.act_dtype)
              for _ in range(max(2, copies // 2))]
     rows = []
     for t in tokens:
-        x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16)
+        x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype)
         g_ap = capture(lambda: [ap_linear(table, c, x, out) for c in range(copies)])
         g_fp = capture(lambda: [F.linear(x, w) for w in dense])
         fp_us = graph_ms(g_fp, cfg) * 1000 / len(dense)
@@ -128,7 +133,7 @@ def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: in
                 table.commit_bits(c, b, luts[b][c])
             us = graph_ms(g_ap, cfg) * 1000 / copies
             nbytes = ap_block_bytes(out, inp, b)
-            rows.append({"out": out, "in": inp, "tokens": t, "bits": b, "ap_us": us, "ap_bytes": nbytes,
+            rows.append({"out": out, "in": inp, "tokens": t, "bits": b, "dtype": cfg.dtype, "ap_us": us, "ap_bytes": nbytes,
                          "ap_gbps": nbytes / us / 1e3, "fp16_us": fp_us,
                          "fp16_gbps": fp16_bytes(out, inp) / fp_us / 1e3, "speedup_vs_fp16": fp_us / us})
     return rows
@@ -228,13 +233,13 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     layers = _layers_for(shape)
     ap = APLayers(shape, layers, gen)
-    wgu = torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.float16) / h ** 0.5
-    wd = torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.float16) / i ** 0.5
+    wgu = (torch.randn(e, 2 * i, h, device="cuda", generator=gen, dtype=torch.float16) / h ** 0.5).to(cfg.act_dtype)
+    wd = (torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.float16) / i ** 0.5).to(cfg.act_dtype)
     cases = {}
     for t in cfg.tokens:
         ids, w = random_routing(shape, t, gen)
-        x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16)
-        ws = MoEWorkspace.create(shape, t, torch.float16, "cuda")
+        x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype)
+        ws = MoEWorkspace.create(shape, t, cfg.act_dtype, "cuda")
         graph = capture(lambda: [fused_moe(ap.table, layer, x, ids, w, shape, ws) for layer in range(layers)])
         gathered, loop = _fp16_paths(shape, x, ids, w, wgu, wd)
         active = sorted(set(ids.reshape(-1).tolist()))
@@ -253,7 +258,7 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
         for t, c in cases.items():
             us = graph_ms(c["graph"], cfg) * 1000 / layers
             nbytes = ap.bytes_per_layer(c["active"])
-            rows.append({"model": name, "tokens": t, "bits": bits, "active_experts": len(c["active"]),
+            rows.append({"model": name, "tokens": t, "bits": bits, "dtype": cfg.dtype, "active_experts": len(c["active"]),
                          "layers_rotated": layers, "ap_us": us, "ap_bytes": nbytes, "ap_gbps": nbytes / us / 1e3,
                          "fp16_bytes": c["fp16_bytes"], "fp16_loop_us": c["fp16_loop_us"],
                          "fp16_gathered_bmm_us": c["fp16_gathered_us"]})

@@ -117,6 +117,7 @@ def main() -> int:
                     help="with --split-above: this many token groups (default 2; experiments)")
     ap.add_argument("--attention", action="store_true",
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
+    ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="activation dtype of blocks and layers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.ksplit and args.warps % args.ksplit:
@@ -140,7 +141,7 @@ def main() -> int:
         moe.XS_CAP = args.xs_cap
     bits = tuple(int(b) for b in args.bits.split(","))
     tokens = tuple(int(t) for t in args.tokens.split(","))
-    cfg = kb.BenchConfig(reps=args.reps, warmup=3)
+    cfg = kb.BenchConfig(reps=args.reps, warmup=3, dtype=args.dtype)
     rows = []
     if args.attention:
         for r in attention_shapes(cfg):
@@ -160,14 +161,14 @@ def main() -> int:
     else:
         for r in kb.single_block(cfg, tokens=tokens, bits=bits):
             rows.append(r)
-            print(f"block {r['out']}x{r['in']} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us "
+            print(f"block {r['out']}x{r['in']} {args.dtype} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us "
                   f"{r['ap_gbps']:6.0f} GB/s   fp16 {r['fp16_us']:6.1f} us", flush=True)
         for m in filter(None, args.moe.split(",")):
             mcfg = kb.BenchConfig(models=(m,), tokens=tuple(int(t) for t in args.moe_tokens.split(",")),
-                                  reps=args.reps, warmup=3)
+                                  reps=args.reps, warmup=3, dtype=args.dtype)
             for r in kb.moe_layers(mcfg, m, bits=bits, baselines=False):
                 rows.append(r)
-                print(f"moe {m} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
+                print(f"moe {m} {args.dtype} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
                       f"(active {r['active_experts']})", flush=True)
             torch.cuda.empty_cache()
     if args.out:
