@@ -62,7 +62,8 @@ def run(args) -> int:
     server = Server(worker, args.served_model_name or Path(str(model_dir)).name)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
-        web.run_app(server.app, host=args.host, port=args.port, print=None)
+        # handler cancellation: a client that leaves cancels its handler, which aborts its request (pwruntime.server)
+        web.run_app(server.app, host=args.host, port=args.port, print=None, handler_cancellation=True)
     except OSError as e:
         raise _listen_error(args.host, args.port, e) from None
     finally:
