@@ -71,7 +71,14 @@ class RunConfig:
 
     @property
     def uses_quality_fit(self) -> bool:
-        return bool(self.quality_fit) and str(self.quality_fit).lower() != "none"
+        """A fit is given, and, if it is the bundled one (measured on the demo model against the damages of its
+        measured calibration), the run simulates that model with a measured calibration: on another model's or a
+        synthetic calibration's damages it would predict perplexities of 1e90 and more."""
+        if not self.quality_fit or str(self.quality_fit).lower() == "none":
+            return False
+        if str(self.quality_fit) == str(DEFAULTS.quality_fit):
+            return self.model == DEFAULTS.model and self.calibration != SYNTHETIC
+        return True
 
     @property
     def slack_bytes(self) -> int:

@@ -85,3 +85,16 @@ def test_bench_sim_reports_tokens_per_wall_second(tmp_path, capsys):
     assert res["target"] == "sim" and res["completed"] == 12 and res["output_tokens"] == 12 * 32
     assert res["sim_tokens_per_wall_s"] > 0 and res["command"].startswith("pwsim bench sim")
     assert json.loads(out.read_text())["computed_tokens"] == res["computed_tokens"]
+
+
+def test_the_bundled_quality_fit_applies_only_to_the_model_and_calibration_it_was_measured_on(tmp_path):
+    """The demo fit on another model's (or a synthetic calibration's) damages predicted perplexities of 1e90."""
+    from pwsim.defaults import DEFAULTS
+    from pwsim.runner import make_config
+    assert make_config("24MiB").uses_quality_fit
+    assert not make_config("20GiB", model="Qwen1.5-MoE-A2.7B", calibration="synthetic").uses_quality_fit
+    assert not make_config("24MiB", calibration="synthetic").uses_quality_fit
+    assert not make_config("24MiB", quality_fit="none").uses_quality_fit
+    own = tmp_path / "fit.json"  # a fit the user gives is theirs to match
+    own.write_text(open(DEFAULTS.quality_fit).read())
+    assert make_config("20GiB", model="Qwen1.5-MoE-A2.7B", calibration="synthetic", quality_fit=str(own)).uses_quality_fit
