@@ -97,7 +97,8 @@ def sliding_window_perplexity(model, ids: list[int], context: int, stride: int, 
 def register(subparsers) -> None:
     p = subparsers.add_parser("perplexity", help="sliding-window perplexity of a model over a text file",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer.json)")
+    p.add_argument("--model", help="HuggingFace checkpoint directory (config.json, *.safetensors, tokenizer.json; "
+                                   "default: the bundled demo model)")
     p.add_argument("--data", required=True, help="UTF-8 text file, optionally gzip-compressed (.gz)")
     p.add_argument("--context", type=int, default=None,
                    help="window length in tokens (default: 2048, or the model's max positions if smaller)")

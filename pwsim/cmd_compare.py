@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]
     first = next((results[k][0] for k in range(len(configs)) if results[k][0] is not None), None)
+    if first is None:  # nothing to tabulate or plot
+        raise UserError(f"no run is feasible at --budgets {','.join(budgets)}; the first: {rows[0]['note']}")
     meta = {"command": _command(args, policy_names, budgets), "jobs": jobs, "wall_s": None,
             "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
             "quality_note": first["quality"]["note"] if first else None,

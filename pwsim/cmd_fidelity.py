@@ -21,7 +21,7 @@ def register(subparsers) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sim", required=True, metavar="DIR", help="result directory of `pwsim run`")
     p.add_argument("--runtime", required=True, metavar="DIR", help="result directory of `pwruntime replay`")
-    p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png")
+    p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png (default runs/fidelity)")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
                    help="also write the simulated run's hardware profile with the runtime's per-iteration overhead")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

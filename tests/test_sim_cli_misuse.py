@@ -347,3 +347,12 @@ def test_sizes_and_distributions_refuse_non_finite_values():
     for kw in ({"skew": float("nan")}, {"drift": float("inf")}, {"tokens_per_request": -1}):
         with pytest.raises(UserError):
             RoutingSpec(**kw)
+
+
+def test_compare_with_no_feasible_run_is_one_clear_error(tmp_path, capsys):
+    """Every budget below the weights: one error naming why, and no empty table, plots or files."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "--budgets", "1KiB,2KiB", "--out", str(out), "--no-progress", "--jobs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "no run is feasible at --budgets 1KiB,2KiB" in err and "weights" in err and "Traceback" not in err
+    assert not out.exists()
