@@ -90,6 +90,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         check_text(s, "stop")
     try:
         return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                              clip_to_context=max_tokens is None,  # as OpenAI: an explicit length must fit
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                               seed=_integer(body, "seed"), stop=stop)

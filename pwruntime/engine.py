@@ -182,6 +182,9 @@ class LLMEngine:
         if len(ids) >= mc.max_position:
             raise UserError(f"the prompt has {len(ids)} tokens but the model handles at most {mc.max_position} "
                             "positions; shorten the prompt")
+        if not params.clip_to_context and len(ids) + params.max_tokens > mc.max_position:
+            raise UserError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, more than the "
+                            f"model's {mc.max_position} positions; ask for at most {mc.max_position - len(ids)} tokens")
         need = self.pool.blocks_for(len(ids) + 1)
         if need > self.pool.capacity:
             raise UserError(f"the prompt needs {need} KV blocks of {self.pool.block_size} tokens but the pool has "

@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    clip_to_context: bool = True  # False: a prompt + max_tokens beyond the model's positions is refused, not cut
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -270,3 +270,10 @@ def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model):
         assert not engine.has_unfinished()  # the failed request was aborted, its blocks freed
     finally:
         worker.stop()
+
+
+def test_max_tokens_beyond_the_context_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="ask for at most"):
+        client.completions.create(model="demo", prompt=PROMPT, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="ask for at most"):
+        list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=10**6, stream=True))
