@@ -116,7 +116,10 @@ class EngineWorker:
                 traceback.print_exc(file=sys.stderr)
                 for rid, live in self._live.items():
                     self._emit(live, ("error", (500, f"the engine failed while generating ({type(e).__name__}: {e})")))
-                    eng.abort(rid)
+                    try:
+                        eng.abort(rid)
+                    except Exception:  # the engine may be in any state here; the next step will show it
+                        traceback.print_exc(file=sys.stderr)
                 self.metrics["request_errors_total"] += len(self._live)
                 self._live.clear()
 
