@@ -150,9 +150,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no run is feasible at --budgets {','.join(budgets)}; the first: {rows[0]['note']}")
     meta = {"command": _command(args, policy_names, budgets), "jobs": jobs, "wall_s": None,
             "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
-            "quality_note": first["quality"]["note"] if first else None,
-            "hardware": first["hardware"] if first else None, "calibration": first["calibration"] if first else None,
-            "workload": first["workload"] if first else None, "model": first["model"] if first else None}
+            "quality_note": first["quality"]["note"], "hardware": first["hardware"],
+            "calibration": first["calibration"], "workload": first["workload"], "model": first["model"]}
     timelines = {cfg.policy: results[k][1] for k, (p, b, cfg) in enumerate(configs)
                  if b == tl_budget and results[k][1] is not None}
 
@@ -171,9 +170,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(table(rows))
         print(f"\nquality: {meta['quality_note']}")
-        if first and not first["hardware"]["measured"]:
+        if not first["hardware"]["measured"]:
             print(f"hardware: {first['hardware']['name']} is a roofline profile, not a measurement")
-        if first and first["calibration"]["synthetic"]:
+        if first["calibration"]["synthetic"]:
             print("calibration: synthetic (policies.synthetic), not measured on a model")
         print(f"wrote {out}/compare.json, compare.csv, quality_vs_memory.png, throughput.png, timelines.png "
               f"({len(configs)} runs, {jobs} jobs, {meta['wall_s']:.1f} s)")
