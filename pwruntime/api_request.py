@@ -39,14 +39,14 @@ def parse_body(raw: bytes) -> dict:
     return body
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float:
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise RequestError(f"'{key}' must be a number, got {json.dumps(value)}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        raise RequestError(f"'{key}' must lie in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {value:g}")
+    if value < lo or value > hi:
+        raise RequestError(f"'{key}' must lie in [{lo:g}, {hi:g}], got {value:g}")
     return float(value)
 
 
@@ -84,17 +84,15 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         stop = tuple(stop)
     else:
         raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOPS} strings, got {json.dumps(stop)}")
-    if any(not s for s in stop):
-        raise RequestError("'stop' strings must be non-empty")
     for s in stop:
         check_text(s, "stop")
     try:
         return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
                               clip_to_context=max_tokens is None,  # as OpenAI: an explicit length must fit
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                              top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                              top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                               seed=_integer(body, "seed"), stop=stop)
-    except ValueError as e:
+    except ValueError as e:  # what SamplingParams itself refuses: top_p 0, an empty stop string
         raise RequestError(f"bad sampling parameter: {e}") from None
 
 
@@ -117,6 +115,16 @@ def check_unsupported(body: dict) -> None:
 def include_usage(body: dict) -> bool:
     options = body.get("stream_options") or {}
     return flag(options, "include_usage")
+
+
+def completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise RequestError("'prompt' must be a non-empty string")
+    check_text(prompt, "prompt")
+    return prompt
 
 
 def check_text(text: str, field: str) -> None:

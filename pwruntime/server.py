@@ -220,12 +220,7 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            return _error("'prompt' must be a non-empty string")
-        api.check_text(prompt, "prompt")
+        prompt = api.completion_prompt(body)
         return await self._serve(request, body, prompt, api.sampling_params(body, 16), chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
