@@ -33,6 +33,9 @@
 // writes out[T, H] and re-arms the counter, so no memset or extra launch is needed.
 // Launch 2 is a programmatic dependent launch: its CTAs start while launch 1 runs and read their
 // routing, table rows, first plane chunk and LUT before waiting (griddepcontrol) for launch 1's act.
+// Mode 2 (one linear-block) is a programmatic dependent launch too: its table row, first plane chunk and
+// register LUT load while the kernel before it finishes (so that kernel must not write the table, planes or
+// LUTs; copies do, and a copy is not a kernel), and it lets the next launch start at once.
 #include "pw_common.cuh"
 #include "ap_decode.cuh"
 #include "ap_route.cuh"
@@ -394,7 +397,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
             for (int half = 0; half < Q - 2; ++half) raw[rr][half] = ldg_nc_v4(lr + 8 * half);  // entries 8*half..
         }
     }
-    pdl_wait();  // launch 2 may start while launch 1 writes its activations: everything above overlaps it
+    pdl_wait();  // launch 2 (a block) may start while launch 1 (the previous kernel) runs: everything above overlaps it
     fill_x<Q>(xs, tl, 0, pitch, cps, nchunks);
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr)
@@ -486,7 +489,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     __shared__ int s_slots[MAX_TOK];
     __shared__ int s_info[4];
 
-    if (mode == 0) pdl_launch_dependents();  // launch 2's CTAs may be scheduled as soon as every CTA here runs
+    // the next launch (launch 2 after mode 0, another block after mode 2) may be scheduled as soon as every CTA
+    // here runs; its CTAs take the SMs this launch leaves idle and load their weights while it finishes
+    if (mode != 1) pdl_launch_dependents();
     const int tile = blockIdx.x % n_tiles;
     int e = 0, n_act = 1, n_tok;
     if (mode == 2) {

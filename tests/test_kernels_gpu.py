@@ -216,6 +216,48 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
             assert err < TOL[dtype] / 2, (b, tokens, err)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_ap_linear_waits_for_the_kernel_that_writes_its_input(graph):
+    """ap_linear is a programmatic dependent launch that loads its weights before waiting for the kernel before it:
+    a chain of blocks, each reading what the block just before it (or a torch kernel just before it) wrote, must
+    match the same chain computed from dequantized weights, eagerly and replayed from a graph on a new input."""
+    dim, steps = 4096, 6
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    table = DeviceWeightTable(steps, "cuda")
+    weights = []
+    for i in range(steps):
+        planes, luts = random_block(dim, dim, gen)
+        b = 3 + i % 6
+        table.set_block(i, device_layout(planes), luts[8], 8)
+        table.commit_bits(i, b, luts[b])
+        weights.append(dequantize(planes[:b], luts[b], dim, dim).half().float())
+    x = torch.randn(2, dim, device="cuda", generator=gen).half()
+
+    def chain() -> torch.Tensor:
+        h = x
+        for i in range(steps):
+            h = ap_linear(table, i, h * 2.0 if i % 2 else h, dim)  # odd steps read a torch kernel's output
+        return h
+
+    def want() -> torch.Tensor:
+        h = x.float()
+        for i in range(steps):
+            h = (h * 2.0 if i % 2 else h).half().float() @ weights[i].T
+        return h
+
+    if graph:
+        from pwruntime.kernels.bench import capture
+        out = {}
+        g = capture(lambda: out.__setitem__("h", chain()))
+        x.normal_(generator=gen)  # a new input after the capture: the replay must read it
+        g.replay()
+        torch.cuda.synchronize()
+        got = out["h"]
+    else:
+        got = chain()
+    assert rel(got, want()) < 1e-2
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_ap_linear_wide_dynamic_range(dtype):
     """Rows whose LUTs span 10^-3..10^1 and tokens whose 512-column chunks span 10^-3..10^3 (one chunk all zero):

@@ -233,7 +233,12 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
 
 
 def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
-    """y[T, out] = x[T, in] W_q^T for one block at its committed bits (fp32 accumulation)."""
+    """y[T, out] = x[T, in] W_q^T for one block at its committed bits (fp32 accumulation).
+
+    On CUDA a programmatic dependent launch: it reads the block's table row, first planes and LUT before it
+    waits for the kernel launched just before it (x after), so that kernel must not write the table, the
+    planes or the LUT (`DeviceWeightTable` and the page mover write them with copies, which are not kernels).
+    """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, in], got {tuple(x.shape)}")
     if not _cuda_ok(x):
@@ -254,5 +259,6 @@ def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_feature
             kc.i32(_MODE_LINEAR), kc.ptr(table.table), kc.i64(block), kc.ptr(xs), kc.i64(x.shape[1]), kc.i32(x_vec),
             kc.ptr(None), kc.ptr(None), kc.i32(n), kc.i32(1), kc.i32(1), kc.i32(out_features), kc.i32(x.shape[1]),
             kc.i32(p.ksplit), kc.i32(p.n_tiles), kc.i32(p.xs_budget), kc.ptr(ys), kc.i64(out_features),
-            kc.ptr(None), kc.ptr(None)), p.smem)
+            kc.ptr(None), kc.ptr(None)), p.smem,
+            overlap_previous=True)  # table row, first planes and LUT load while the previous kernel finishes
     return y
