@@ -1,18 +1,23 @@
 """What an OpenAI-style request body asks for: its checked fields, or one `RequestError` naming the bad one.
 
 `parse_body` reads the JSON (refusing NaN and Infinity, which JSON does not have), `sampling_params` the sampling
-fields of /v1/completions and /v1/chat/completions, `check_unsupported` the options this server does not serve
-(several choices, echo, log-probabilities), and `check_text` refuses strings that are not valid Unicode (lone
-surrogates), which the tokenizer cannot encode. Each error names the field and what it accepts.
+fields of /v1/completions and /v1/chat/completions (log-probabilities included: completions' `logprobs` N, chat's
+`logprobs` true with `top_logprobs` N), `num_choices` and `choice_params` the `n` choices (choice i of a request
+with `seed` s samples with seed s + i), `check_unsupported` the options this server does not serve (best_of, echo),
+and `check_text` refuses strings that are not valid Unicode (lone surrogates), which the tokenizer cannot encode.
+Each error names the field and what it accepts.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 from pwruntime.sampling import SamplingParams
 
 MAX_STOPS = 4
+MAX_CHOICES = 16  # `n`
+MAX_LOGPROBS = 20  # top log-probabilities per token: vLLM's limit (OpenAI's is 5 for completions, 20 for chat)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -50,14 +55,15 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
-def _integer(body: dict, key: str, lo: int | None = None) -> int | None:
+def _integer(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
+    span = f"an integer in {lo}..{hi}" if hi is not None else None  # hi comes with lo
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(f"'{key}' must be an integer, got {json.dumps(value)}")
-    if lo is not None and value < lo:
-        raise RequestError(f"'{key}' must be at least {lo}, got {value}")
+        raise RequestError(f"'{key}' must be {span or 'an integer'}, got {json.dumps(value)}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise RequestError(f"'{key}' must be {span or f'at least {lo}'}, got {value}")
     return value
 
 
@@ -70,7 +76,7 @@ def flag(body: dict, key: str) -> bool:
     return value
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: int, chat: bool) -> SamplingParams:
     """The sampling fields; `default_max_tokens` when neither max_tokens nor max_completion_tokens is given."""
     max_tokens = _integer(body, "max_tokens", 1)
     if max_tokens is None:
@@ -91,22 +97,52 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
                               clip_to_context=max_tokens is None,  # as OpenAI: an explicit length must fit
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
-                              seed=_integer(body, "seed"), stop=stop)
+                              seed=_integer(body, "seed"), stop=stop,
+                              logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
     except ValueError as e:  # what SamplingParams itself refuses: top_p 0, an empty stop string
         raise RequestError(f"bad sampling parameter: {e}") from None
 
 
+def _completion_logprobs(body: dict) -> int | None:
+    """/v1/completions: `logprobs` N, the N most likely tokens beside each sampled one's log-probability."""
+    if body.get("top_logprobs") is not None:
+        raise RequestError("'top_logprobs' is a chat option; /v1/completions takes 'logprobs': N "
+                           f"(an integer in 0..{MAX_LOGPROBS})")
+    return _integer(body, "logprobs", 0, MAX_LOGPROBS)
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """/v1/chat/completions: `logprobs` true, with `top_logprobs` N (0 when left out) most likely tokens."""
+    top = _integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not flag(body, "logprobs"):
+        if top is not None:
+            raise RequestError("'top_logprobs' needs 'logprobs': true")
+        return None
+    return top or 0
+
+
+def num_choices(body: dict) -> int:
+    """`n`: how many independent choices of the prompt to return."""
+    n = _integer(body, "n", 1, MAX_CHOICES)
+    return 1 if n is None else n
+
+
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of `n` choices: with a seed s, choice i samples with seed s + i (so choice i equals an
+    n = 1 request with seed s + i); without one, each choice gets the engine's seed for its request."""
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+
 def check_unsupported(body: dict) -> None:
     """Options that would change what is returned and that this server does not serve: refused, not ignored."""
-    for key in ("n", "best_of"):
-        n = _integer(body, key, 1)
-        if n is not None and n != 1:
-            raise RequestError(f"'{key}' = {n} is not supported: this server returns one choice; send {key} = 1")
+    best_of = _integer(body, "best_of", 1)
+    if best_of is not None and best_of != 1:
+        raise RequestError(f"'best_of' = {best_of} is not supported: ask for 'n' choices and pick one yourself; "
+                           "send best_of = 1")
     if flag(body, "echo"):
         raise RequestError("'echo' is not supported; send the prompt's text yourself")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise RequestError("log-probabilities ('logprobs', 'top_logprobs') are not supported; leave them out")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, got {json.dumps(options)}")

@@ -3,7 +3,8 @@
 Sampling is greedy unless --temperature > 0. With --seed, every prompt samples from its own
 generator seeded with that value, so a prompt's output does not depend on the other prompts.
 Generation stops at the end-of-sequence token (unless --ignore-eos), at a --stop string (the text
-is cut before it) or after --max-tokens tokens.
+is cut before it) or after --max-tokens tokens. With --logprobs N, the JSON output carries each token's
+log-probability and the N most likely tokens (of the model's raw distribution, before temperature, top-k, top-p).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 
 from traces.clikit import UserError
 
@@ -26,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None, help="per-prompt sampling seed (default: derived from 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: each token's log-probability and those of the N most likely tokens")
     add_engine_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -114,7 +118,8 @@ def _params(args):
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+                              top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                              logprobs=args.logprobs)
     except ValueError as e:
         raise UserError(f"bad sampling option: {e}") from None
 
@@ -159,6 +164,8 @@ def build_engine(args):
 
 
 def run(args) -> int:
+    if args.logprobs is not None and not args.json:
+        raise UserError("--logprobs N is reported in the JSON output: add --json")
     params = _params(args)
     engine, model_dir, dtype, device = build_engine(args)
     table, policy = (engine.table if args.ap else None), engine.policy
@@ -172,7 +179,9 @@ def run(args) -> int:
             "model": str(model_dir), "dtype": dtype, "device": device,
             "outputs": [{"prompt": o.prompt, "text": o.text, "token_ids": o.token_ids,
                          "prompt_tokens": len(o.prompt_token_ids), "finish_reason": o.finish_reason,
-                         "num_preemptions": o.num_preemptions} for o in outputs],
+                         "num_preemptions": o.num_preemptions,
+                         **({"logprobs": [asdict(r) for r in o.logprobs]} if args.logprobs is not None else {})}
+                        for o in outputs],
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,

@@ -13,6 +13,10 @@ offload releases grow the pool (`release`); a reload first takes spare bytes, th
 over free blocks (`reserve`), compacting live blocks downwards when needed so the cache tensors can
 be truncated. Wall time is used only for metrics and `Observation.time_s`.
 
+Log-probabilities: a request whose SamplingParams ask (`logprobs`) gets a TokenLogprob per sampled token,
+kept beside its sequence's output tokens and aligned with them (a preempted sequence keeps its tokens and
+recomputes only their K/V, sampling nothing again, so its records neither repeat nor go missing).
+
 Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
 traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
 """
@@ -35,7 +39,7 @@ from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
 from pwruntime.model_runner import ModelRunner, RoutingArrays
-from pwruntime.sampling import SamplingParams, find_stop, make_generator, sample
+from pwruntime.sampling import SamplingParams, TokenLogprob, find_stop, make_generator, sample, token_logprobs
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 
@@ -84,6 +88,7 @@ class RequestOutput:
     arrival_time: float
     first_token_time: float | None
     finish_time: float
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when SamplingParams.logprobs is set, else empty
 
 
 @dataclass
@@ -97,6 +102,7 @@ class _Request:
     first_token_time: float | None = None
     stop_text: str | None = None  # output text cut before the stop string that ended it
     checked_chars: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
 
 
 class LLMEngine:
@@ -230,6 +236,9 @@ class LLMEngine:
             marks.append(self.clock())
             sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
             tokens = sample(out.logits, [r.params for r in sampling], [r.generator for r in sampling])
+            for r, rec in zip(sampling, token_logprobs(out.logits, [r.params for r in sampling], tokens)):
+                if rec is not None:  # asked for: one record per token postprocess appends
+                    r.logprobs.append(rec)
             marks.append(self.clock())
             if out.routing is not None:
                 self._observe_routing(batch, out.routing)
@@ -306,10 +315,15 @@ class LLMEngine:
         req.stop_text = text[:k]
         return "stop"
 
-    def tokens_so_far(self, request_id: int) -> list[int]:
-        """Tokens sampled so far for an unfinished request (what a streaming server sends)."""
+    def tokens_so_far(self, request_id: int, start: int = 0) -> list[int]:
+        """Tokens sampled so far for an unfinished request, from the `start`th (what a streaming server sends)."""
         req = self._requests.get(request_id)
-        return [] if req is None else list(req.seq.output_token_ids)
+        return [] if req is None else req.seq.output_token_ids[start:]
+
+    def logprobs_so_far(self, request_id: int, start: int = 0) -> list[TokenLogprob]:
+        """The log-probability records of `tokens_so_far` (empty when the request did not ask for them)."""
+        req = self._requests.get(request_id)
+        return [] if req is None else req.logprobs[start:]
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
@@ -324,7 +338,7 @@ class LLMEngine:
             self.recorder.on_finish(seq.seq_id, len(ids))
         return RequestOutput(seq.seq_id, req.prompt, list(seq.prompt_token_ids or []), ids, text,
                              seq.finish_reason or "abort", seq.num_preemptions, req.arrival_time,
-                             req.first_token_time, self._now())
+                             req.first_token_time, self._now(), tuple(req.logprobs))
 
     # ------------------------------------------------------- KV pool capacity
     def grow_kv(self, num_blocks: int) -> None:

@@ -1,4 +1,4 @@
-"""Sampling: SamplingParams and the per-request sampler (greedy, temperature, top-k, top-p, seeds).
+"""Sampling: SamplingParams and the per-request sampler (greedy, temperature, top-k, top-p, seeds), log-probabilities.
 
 Each request owns a `torch.Generator` seeded from its `seed` (or, when unset, from the engine seed
 and the request's index), and draws exactly one random number stream per sampled token from it,
@@ -7,6 +7,10 @@ so its tokens do not depend on which other requests share the batch.
 Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
 scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
 the token ids keep every sampled token, including the one that completed the stop); `max_tokens`.
+
+Log-probabilities (`logprobs` = N, as vLLM): of the model's raw distribution (log_softmax of the fp32
+logits, before temperature, top-k and top-p), for the sampled token and the N most likely tokens,
+most likely first, ties broken by the lower token id. Only the rows that ask pay for them.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     clip_to_context: bool = True  # False: a prompt + max_tokens beyond the model's positions is refused, not cut
+    logprobs: int | None = None  # N: each sampled token's log-probability and the N most likely; None: not computed
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,11 +51,21 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 (or None: not computed), got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         """Temperatures below GREEDY_BELOW sample the argmax: dividing logits by them overflows to inf and NaN."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the `top` (token id, log-probability) pairs, most likely first."""
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -91,6 +106,31 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if all(p.greedy for p in params):
         return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
     return [sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))]
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                   tokens: list[int]) -> list[TokenLogprob | None]:
+    """For each row of `logits` [n, vocab] whose params ask (`logprobs` not None), the log-probability of its
+    sampled token and its `logprobs` most likely tokens; None for the others. One log_softmax (and one sort, when
+    a row asks for top tokens) over the rows that ask; the ranking is that of the logits, by a stable sort: ties
+    go to the lower id, as argmax's."""
+    rows = [j for j, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    raw = logits[torch.tensor(rows, device=logits.device)].float()
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen = logp.gather(1, torch.tensor([[tokens[j]] for j in rows], device=logits.device))[:, 0].tolist()
+    k = min(max(params[j].logprobs for j in rows), raw.shape[-1])
+    if k:
+        top_ids = torch.sort(raw, dim=-1, descending=True, stable=True).indices[:, :k]
+    else:
+        top_ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
+    top = zip(top_ids.tolist(), logp.gather(1, top_ids).tolist())
+    for j, lp, (ids, lps) in zip(rows, chosen, top):
+        n = params[j].logprobs
+        out[j] = TokenLogprob(tokens[j], lp, tuple(zip(ids[:n], lps[:n])))
+    return out
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> int:

@@ -9,6 +9,10 @@ with status 400 (pwruntime.api_request checks the fields), unknown models and ro
 sends can stop the engine thread: a failing step fails the requests in it (status 500) and the thread goes on. A
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
 cancellation) has its request aborted and its KV blocks freed.
+
+A request for `n` choices is n engine requests, added together or not at all; one failing fails the request and
+ends the others, and a client that leaves aborts them all. The request counters of /metrics count engine requests
+(a request for n choices counts n). Choice text and log-probabilities: pwruntime.api_tokens.
 """
 from __future__ import annotations
 
@@ -25,16 +29,25 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from pwruntime import api_request as api
+from pwruntime import api_tokens
 from pwruntime.sampling import SamplingParams
 
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
 
-@dataclass
+@dataclass(eq=False)
 class _Live:
+    """One HTTP request: its event queue (the events of all its choices) and whether it streams."""
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     stream: bool
+
+
+@dataclass
+class _Choice:
+    """One engine request: a choice of an HTTP request."""
+    live: _Live
+    index: int
     sent_tokens: int = 0
 
 
@@ -42,7 +55,7 @@ class _Live:
 class EngineWorker:
     engine: object  # pwruntime.engine.LLMEngine
     _inbox: queue.Queue = field(default_factory=queue.Queue)
-    _live: dict = field(default_factory=dict)  # request id -> _Live
+    _live: dict = field(default_factory=dict)  # engine request id -> _Choice
     _stop: threading.Event = field(default_factory=threading.Event)
     metrics: dict = field(default_factory=lambda: {"requests_total": 0, "generated_tokens_total": 0,
                                                     "request_errors_total": 0, "aborted_total": 0})
@@ -61,16 +74,17 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, prompt, params: SamplingParams, stream: bool) -> _Live:
-        """Queue a request; its `events`: ("delta", token ids), ("done", RequestOutput) or ("error", (status,
-        message))."""
+    async def submit(self, prompt, choices: list[SamplingParams], stream: bool) -> _Live:
+        """Queue one engine request per choice (all or none); the `events`: ("delta", (choice index, token ids,
+        their log-probability records)) while streaming, ("done", (choice index, RequestOutput)) for each choice,
+        or one ("error", (status, message)), after which none of the choices runs any more."""
         live = _Live(asyncio.get_running_loop(), asyncio.Queue(), stream)
-        self._inbox.put((prompt, params, live))
+        self._inbox.put(("add", prompt, choices, live))
         return live
 
     def cancel(self, live: _Live) -> None:
-        """The client went away: abort its request (its KV blocks are freed at the next step)."""
-        self._inbox.put(("abort", None, live))
+        """The client went away: abort its choices (their KV blocks are freed at the next step)."""
+        self._inbox.put(("abort", live))
 
     def _emit(self, live: _Live, event: tuple) -> None:
         live.loop.call_soon_threadsafe(live.events.put_nowait, event)
@@ -89,22 +103,10 @@ class EngineWorker:
             except queue.Empty:
                 item = ()
             while item:
-                prompt, params, live = item
-                if prompt == "abort":
-                    rid = next((r for r, lv in self._live.items() if lv is live), None)
-                    if rid is not None:
-                        self._live.pop(rid)
-                        eng.abort(rid)
-                        self.metrics["aborted_total"] += 1
-                    item = self._next()
-                    continue
-                try:
-                    rid = eng.add_request(prompt, params)
-                    self._live[rid] = live
-                    self.metrics["requests_total"] += 1
-                except Exception as e:  # a prompt the engine refuses (too long, empty ...)
-                    self.metrics["request_errors_total"] += 1
-                    self._emit(live, ("error", (400, str(e))))
+                if item[0] == "abort":
+                    self._abort(item[1])
+                else:
+                    self._add(*item[1:])
                 item = self._next()
             if item is None or self._stop.is_set():
                 break
@@ -114,28 +116,54 @@ class EngineWorker:
                 self._step()
             except Exception as e:  # a bug: fail the requests in flight, keep serving the next ones
                 traceback.print_exc(file=sys.stderr)
-                for rid, live in self._live.items():
-                    self._emit(live, ("error", (500, f"the engine failed while generating ({type(e).__name__}: {e})")))
-                    try:
-                        eng.abort(rid)
-                    except Exception:  # the engine may be in any state here; the next step will show it
-                        traceback.print_exc(file=sys.stderr)
-                self.metrics["request_errors_total"] += len(self._live)
-                self._live.clear()
+                self._fail_all(f"the engine failed while generating ({type(e).__name__}: {e})")
+
+    def _add(self, prompt, choices: list[SamplingParams], live: _Live) -> None:
+        eng, rids = self.engine, []
+        try:
+            for params in choices:
+                rids.append(eng.add_request(prompt, params))
+        except Exception as e:  # a prompt the engine refuses (too long, empty ...)
+            for rid in rids:
+                eng.abort(rid)
+            self.metrics["request_errors_total"] += len(choices)
+            self._emit(live, ("error", (400, str(e))))
+            return
+        self._live.update({rid: _Choice(live, i) for i, rid in enumerate(rids)})
+        self.metrics["requests_total"] += len(rids)
+
+    def _abort(self, live: _Live) -> None:
+        rids = [rid for rid, choice in self._live.items() if choice.live is live]
+        for rid in rids:
+            del self._live[rid]
+            self.engine.abort(rid)
+        self.metrics["aborted_total"] += len(rids)
+
+    def _fail_all(self, message: str) -> None:
+        for live in dict.fromkeys(choice.live for choice in self._live.values()):
+            self._emit(live, ("error", (500, message)))
+        for rid in self._live:
+            try:
+                self.engine.abort(rid)
+            except Exception:  # the engine may be in any state here; the next step will show it
+                traceback.print_exc(file=sys.stderr)
+        self.metrics["request_errors_total"] += len(self._live)
+        self._live.clear()
 
     def _step(self) -> None:
         eng = self.engine
         for out in eng.step():
-            live = self._live.pop(out.request_id, None)
+            choice = self._live.pop(out.request_id, None)
             self.metrics["generated_tokens_total"] += len(out.token_ids)
-            if live is not None:
-                self._emit(live, ("done", out))
-        for rid, live in self._live.items():
-            if live.stream:
-                toks = eng.tokens_so_far(rid)
-                if len(toks) > live.sent_tokens:
-                    self._emit(live, ("delta", toks))  # tokens_so_far returns a copy
-                    live.sent_tokens = len(toks)
+            if choice is not None:
+                self._emit(choice.live, ("done", (choice.index, out)))
+        for rid, choice in self._live.items():
+            if choice.live.stream:
+                start = choice.sent_tokens
+                toks = eng.tokens_so_far(rid, start)
+                if toks:
+                    self._emit(choice.live, ("delta", (choice.index, toks, eng.logprobs_so_far(rid, start))))
+                    choice.sent_tokens += len(toks)
 
 
 COUNTERS = ("requests_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
@@ -165,6 +193,43 @@ async def _json_errors(request: web.Request, handler):
         message = {404: f"no route {request.method} {request.path}",
                    405: f"{request.method} is not allowed on {request.path}"}.get(e.status, e.text or e.reason)
         return _error(message, e.status)
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """What the response (or every chunk) of one request shares."""
+    id: str
+    created: int
+    model: str
+    chat: bool
+    logprobs: bool  # asked for
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def logprobs_of(self, pieces: list, offset: int) -> dict | None:
+        """The `logprobs` of a choice or chunk that carries `pieces` (None when not asked for); `offset`: where
+        their text starts in the choice's text."""
+        if not self.logprobs:
+            return None
+        return api_tokens.chat_logprobs(pieces) if self.chat else api_tokens.completion_logprobs(pieces, offset)
+
+    def chunk(self, index: int, delta, logprobs: dict | None, finish: str | None) -> dict:
+        """A streamed chunk of choice `index`: `delta` is its text (or, in chat, a whole delta object)."""
+        choice = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+        if self.chat:
+            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
+        else:
+            choice["text"] = delta
+        return {**self.head(self.chunk_object), "choices": [choice]}
 
 
 class Server:
@@ -221,95 +286,107 @@ class Server:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         prompt = api.completion_prompt(body)
-        return await self._serve(request, body, prompt, api.sampling_params(body, 16), chat=False)
+        return await self._serve(request, body, prompt, api.sampling_params(body, 16, chat=False), chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         messages = api.chat_messages(body)
+        params = api.sampling_params(body, 1 << 30, chat=True)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception as e:
             return _error(f"cannot apply the chat template to 'messages': {e}")
         # as OpenAI: without max_tokens an answer may run to the end of the context (the engine stops it there)
-        return await self._serve(request, body, ids, api.sampling_params(body, 1 << 30), chat=True)
+        return await self._serve(request, body, ids, params, chat=True)
 
     async def _serve(self, request: web.Request, body: dict, prompt, params: SamplingParams,
                      chat: bool) -> web.StreamResponse:
         stream, usage = api.flag(body, "stream"), api.include_usage(body)
-        live = await self.worker.submit(prompt, params, stream)
+        choices = api.choice_params(params, api.num_choices(body))
+        live = await self.worker.submit(prompt, choices, stream)
         try:
-            kind, payload = await live.events.get()  # the first event: an error is still a plain error response
+            kind, payload = first = await live.events.get()  # an error is still a plain error response
             if kind == "error":
                 return _error(payload[1], payload[0])
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            obj = "chat.completion" if chat else "text_completion"
+            reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
+                           self.model_name, chat, params.logprobs is not None)
             if not stream:
-                return web.json_response(self._final(rid, int(time.time()), obj, payload, chat))
-            return await self._stream(request, live, (kind, payload), params, rid, chat, usage)
-        except asyncio.CancelledError:  # the client left (aiohttp cancels the handler): free its request
+                return await self._whole(live, first, len(choices), reply)
+            return await self._stream(request, live, first, params, len(choices), reply, usage)
+        except asyncio.CancelledError:  # the client left (aiohttp cancels the handler): free its choices
             self.worker.cancel(live)
             raise
 
-    async def _stream(self, request: web.Request, live: _Live, first: tuple, params: SamplingParams, rid: str,
-                      chat: bool, usage: bool) -> web.StreamResponse:
+    async def _whole(self, live: _Live, event: tuple, n: int, reply: _Reply) -> web.Response:
+        """The response once every choice is done (an error fails them all: the worker ended the others)."""
+        outs = [None] * n
+        while True:
+            kind, payload = event
+            if kind == "error":
+                return _error(payload[1], payload[0])
+            outs[payload[0]] = payload[1]
+            if all(out is not None for out in outs):
+                break
+            event = await live.events.get()
+        choices = []
+        for i, out in enumerate(outs):
+            pieces = api_tokens.choice_pieces(self.tokenizer, out) if reply.logprobs else []
+            choice = {"index": i, "finish_reason": FINISH[out.finish_reason], "logprobs": reply.logprobs_of(pieces, 0)}
+            choice.update({"message": {"role": "assistant", "content": out.text}} if reply.chat else {"text": out.text})
+            choices.append(choice)
+        return web.json_response({**reply.head(reply.object), "choices": choices, "usage": _usage(outs)})
+
+    async def _stream(self, request: web.Request, live: _Live, first: tuple, params: SamplingParams, n: int,
+                      reply: _Reply, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            await self._events(resp, live.events, first, params, rid, chat, usage)
-        except ConnectionResetError:  # the client left while an event was written: free its request, no traceback
+            await self._events(resp, live.events, first, params, n, reply, usage)
+        except ConnectionResetError:  # the client left while an event was written: free its choices, no traceback
             self.worker.cancel(live)
         return resp
 
-    async def _events(self, resp: web.StreamResponse, events: asyncio.Queue, first: tuple, params: SamplingParams,
-                      rid: str, chat: bool, usage: bool) -> None:
-        created, sent = int(time.time()), ""
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        # a stop string may still cut the text: hold back as many characters as could begin one
+    async def _events(self, resp: web.StreamResponse, events: asyncio.Queue, event: tuple, params: SamplingParams,
+                      n: int, reply: _Reply, usage: bool) -> None:
+        """The chunks of n choices as their tokens come, interleaved, each choice ending with a chunk that carries
+        its finish reason; then the usage chunk when asked for. A stop string may still cut the text: as many
+        characters as could begin one are held back (pwruntime.api_tokens.TextStream)."""
         hold = max((len(s) for s in params.stop), default=1) - 1
-        if chat:
-            await self._sse(resp, self._chunk(rid, created, chunk_obj, {"role": "assistant", "content": ""}, None, chat))
-        kind, payload = first
+        streams = [api_tokens.TextStream(self.tokenizer, hold) for _ in range(n)]
+        outs = [None] * n
+        if reply.chat:
+            for i in range(n):
+                await _sse(resp, reply.chunk(i, {"role": "assistant", "content": ""}, None, None))
         while True:
+            kind, payload = event
             if kind == "error":
-                await self._sse(resp, _error_payload(payload[1], payload[0]))
+                await _sse(resp, _error_payload(payload[1], payload[0]))
                 break
+            i = payload[0]
+            offset = streams[i].sent_chars
             if kind == "delta":
-                text = self.tokenizer.decode(payload)
-                ready = text[:len(text) - hold] if hold else text
-                if ready.startswith(sent) and len(ready) > len(sent) and not ready.endswith("\ufffd"):
-                    await self._sse(resp, self._chunk(rid, created, chunk_obj, ready[len(sent):], None, chat))
-                    sent = ready
-                kind, payload = await events.get()
-                continue
-            rest = payload.text[len(sent):] if payload.text.startswith(sent) else ""
-            await self._sse(resp, self._chunk(rid, created, chunk_obj, rest, FINISH[payload.finish_reason], chat))
-            if usage:
-                await self._sse(resp, {"id": rid, "object": chunk_obj, "created": created, "model": self.model_name,
-                                       "choices": [], "usage": self._usage(payload)})
-            break
+                text, pieces = streams[i].push(*payload[1:])
+                if text or (reply.logprobs and pieces):
+                    await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), None))
+            else:
+                outs[i] = payload[1]
+                text, pieces = streams[i].finish(outs[i])
+                await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), FINISH[outs[i].finish_reason]))
+                if all(out is not None for out in outs):
+                    if usage:
+                        await _sse(resp, {**reply.head(reply.chunk_object), "choices": [], "usage": _usage(outs)})
+                    break
+            event = await events.get()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
-    def _final(self, rid: str, created: int, obj: str, out, chat: bool) -> dict:
-        choice = {"index": 0, "finish_reason": FINISH[out.finish_reason], "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})
-        return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice],
-                "usage": self._usage(out)}
 
-    @staticmethod
-    def _usage(out) -> dict:
-        return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": len(out.token_ids),
-                "total_tokens": len(out.prompt_token_ids) + len(out.token_ids)}
+def _usage(outs: list) -> dict:
+    """The prompt counted once, the completion tokens of every choice."""
+    prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    def _chunk(self, rid: str, created: int, obj: str, delta, finish: str | None, chat: bool) -> dict:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        if chat:
-            choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-        else:
-            choice["text"] = delta
-        return {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": [choice]}
 
-    @staticmethod
-    async def _sse(resp: web.StreamResponse, data: dict) -> None:
-        await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+async def _sse(resp: web.StreamResponse, data: dict) -> None:
+    await resp.write(f"data: {json.dumps(data)}\n\n".encode())

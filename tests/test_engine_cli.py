@@ -16,12 +16,15 @@ def ckpt(tmp_path_factory):
 
 def test_generate_json(ckpt, capsys):
     rc = main(["generate", "--model", str(ckpt), "--prompt", "ba be bi bo", "--prompt", "ka ke",
-               "--max-tokens", "6", "--ignore-eos", "--block-size", "4", "--num-kv-blocks", "32", "--json"])
+               "--max-tokens", "6", "--ignore-eos", "--block-size", "4", "--num-kv-blocks", "32", "--json",
+               "--logprobs", "2"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert [o["prompt"] for o in out["outputs"]] == ["ba be bi bo", "ka ke"]
     for o in out["outputs"]:
         assert len(o["token_ids"]) == 6 and o["finish_reason"] == "length" and o["text"]
+        assert [r["token_id"] for r in o["logprobs"]] == o["token_ids"]
+        assert all(len(r["top"]) == 2 and r["top"][0][0] == r["token_id"] for r in o["logprobs"])  # greedy
     assert out["stats"]["generated_tokens"] == 12 and out["stats"]["kv_blocks"] == 32
 
     from pwruntime.engine import EngineConfig, LLMEngine
@@ -44,6 +47,8 @@ def test_generate_text_output_and_seed(ckpt, capsys):
 @pytest.mark.parametrize("extra, message", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--model", "CKPT", "--top-p", "0"], "top_p"),
+    (["--model", "CKPT", "--logprobs", "-1", "--json"], "logprobs must be >= 0"),
+    (["--model", "CKPT", "--logprobs", "2"], "add --json"),
     (["--model", "CKPT", "--max-num-seqs", "0"], "--max-num-seqs"),
     (["--model", "CKPT", "--num-kv-blocks", "1", "--block-size", "1"], "KV blocks"),
 ])

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import threading
+import time
 import urllib.request
 
 import openai
 import pytest
 from aiohttp import web
 
+from pwruntime import api_tokens
 from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
 from pwruntime.sampling import SamplingParams
 from pwruntime.server import EngineWorker, Server
+from traces.clikit import UserError
 
 PROMPT = "And God said unto Moses"
 
@@ -59,9 +64,9 @@ def client(base_url):
 
 @pytest.fixture(scope="module")
 def expected(model):
-    """What the engine alone generates for PROMPT, greedy, 24 tokens."""
-    out = LLMEngine(model, EngineConfig(num_kv_blocks=64)).generate([PROMPT], SamplingParams(max_tokens=24))[0]
-    return out
+    """What the engine alone generates for PROMPT, greedy, 24 tokens (with the 5 most likely tokens of each)."""
+    return LLMEngine(model, EngineConfig(num_kv_blocks=64)).generate([PROMPT], SamplingParams(max_tokens=24,
+                                                                                              logprobs=5))[0]
 
 
 def test_completion_equals_the_engine(client, expected):
@@ -100,6 +105,12 @@ def test_concurrent_requests_all_complete(client, expected):
     assert all(r is not None and r.choices[0].text == expected.text for r in results)
 
 
+def test_a_prompt_reading_abort_is_served(client):
+    """The worker's inbox tags its items: a prompt "abort" once read as an abort and was never answered."""
+    r = client.with_options(timeout=20).completions.create(model="demo", prompt="abort", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
 def test_models_health_metrics(client, base_url):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert urllib.request.urlopen(f"{base_url}/health").status == 200
@@ -118,32 +129,26 @@ def test_bad_requests_get_400(client):
         client.chat.completions.create(model="demo", messages=[], max_tokens=4)
 
 
-def test_client_leaving_mid_stream_aborts_its_request(client, base_url):
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_leaving_mid_stream_aborts_its_request(client, base_url, n):
     import http.client
-    import json
-    import time
     from urllib.parse import urlparse
 
     before = _metric(base_url, "aborted_total")
     url = urlparse(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True})
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True, "n": n})
     conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
     conn.close()  # leave after the first event
-    for _ in range(100):
-        if _metric(base_url, "aborted_total") > before and _metric(base_url, "running_requests") == 0:
-            break
-        time.sleep(0.1)
-    assert _metric(base_url, "aborted_total") == before + 1 and _metric(base_url, "running_requests") == 0
+    _expect_aborted(base_url, before, n)
     # the server still answers
     assert client.completions.create(model="demo", prompt="A fool", max_tokens=4, temperature=0).choices[0].text
 
 
 @pytest.mark.parametrize("raw, message", [(b"not json", "not valid JSON"), (b"[1, 2]", "JSON object")])
 def test_malformed_bodies_get_400(base_url, raw, message):
-    import json
     import urllib.error
 
     req = urllib.request.Request(f"{base_url}/v1/completions", data=raw, headers={"Content-Type": "application/json"})
@@ -155,7 +160,6 @@ def test_malformed_bodies_get_400(base_url, raw, message):
 
 def _post(base_url: str, path: str, raw: bytes, content_type: str = "application/json"):
     """(status, parsed JSON body) of a raw POST."""
-    import json
     import urllib.error
 
     req = urllib.request.Request(f"{base_url}{path}", data=raw, headers={"Content-Type": content_type})
@@ -171,6 +175,17 @@ def _metric(base_url: str, name: str) -> float:
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"pagedweight_{name} ")))
 
 
+def _expect_aborted(base_url: str, before: float, n: int) -> None:
+    """`n` engine requests (choices) were aborted since `before`, and nothing runs, waits or holds KV blocks."""
+    for _ in range(100):
+        if _metric(base_url, "aborted_total") >= before + n and _metric(base_url, "running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(base_url, "aborted_total") == before + n
+    assert _metric(base_url, "running_requests") == 0 and _metric(base_url, "waiting_requests") == 0
+    assert _metric(base_url, "kv_blocks_free") == _metric(base_url, "kv_blocks_total")
+
+
 @pytest.mark.parametrize("raw, message", [
     (b'{"prompt": "hi", "temperature": NaN, "max_tokens": 4}', "NaN"),
     (b'{"prompt": "hi", "max_tokens": Infinity}', "Infinity"),
@@ -178,8 +193,15 @@ def _metric(base_url: str, name: str) -> float:
     (b'{"prompt": "hi", "max_tokens": 2.9}', "'max_tokens' must be an integer"),
     (b'{"prompt": "hi", "max_tokens": 4, "stream": "false"}', "'stream' must be true or false"),
     (b'{"prompt": "hi", "max_tokens": 4, "temperature": 3}', "'temperature' must lie in [0, 2]"),
-    (b'{"prompt": "hi", "max_tokens": 4, "n": 2}', "'n' = 2 is not supported"),
-    (b'{"prompt": "hi", "max_tokens": 4, "logprobs": 1}', "log-probabilities"),
+    (b'{"prompt": "hi", "max_tokens": 4, "n": 0}', "'n' must be an integer in 1..16, got 0"),
+    (b'{"prompt": "hi", "max_tokens": 4, "n": 100}', "'n' must be an integer in 1..16, got 100"),
+    (b'{"prompt": "hi", "max_tokens": 4, "n": "3"}', "'n' must be an integer in 1..16, got \"3\""),
+    (b'{"prompt": "hi", "max_tokens": 4, "best_of": 2}', "'best_of' = 2 is not supported"),
+    (b'{"prompt": "hi", "max_tokens": 4, "logprobs": -1}', "'logprobs' must be an integer in 0..20, got -1"),
+    (b'{"prompt": "hi", "max_tokens": 4, "logprobs": 21}', "'logprobs' must be an integer in 0..20, got 21"),
+    (b'{"prompt": "hi", "max_tokens": 4, "logprobs": true}', "'logprobs' must be an integer in 0..20, got true"),
+    (b'{"prompt": "hi", "max_tokens": 4, "logprobs": 2.5}', "'logprobs' must be an integer in 0..20, got 2.5"),
+    (b'{"prompt": "hi", "max_tokens": 4, "top_logprobs": 2}', "'top_logprobs' is a chat option"),
     (b'{"prompt": "hi", "max_tokens": 4, "echo": true}', "'echo' is not supported"),
     (b'{"prompt": "\\ud800", "max_tokens": 4}', "'prompt' is not valid Unicode"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
@@ -230,22 +252,43 @@ def test_stop_strings_still_stream_and_usage_can_be_streamed(client, expected):
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids) and not chunks[-1].choices
 
 
-def test_a_client_timing_out_aborts_its_request(base_url):
-    import time
-
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_timing_out_aborts_its_request(base_url, n):
     before = _metric(base_url, "aborted_total")
     quick = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
-        quick.completions.create(model="demo", prompt=PROMPT, max_tokens=2000, temperature=0)
-    for _ in range(100):
-        if _metric(base_url, "aborted_total") > before and _metric(base_url, "running_requests") == 0:
-            break
-        time.sleep(0.1)
-    assert _metric(base_url, "aborted_total") == before + 1 and _metric(base_url, "running_requests") == 0
+        quick.completions.create(model="demo", prompt=PROMPT, max_tokens=2000, temperature=0, n=n)
+    _expect_aborted(base_url, before, n)
 
 
-def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model):
-    """A bug in a step must not end the engine thread: the requests in flight get an error, the next ones run."""
+def _request_events(worker: EngineWorker, n: int) -> list[tuple]:
+    """The events of a request for n greedy choices of 8 tokens: until each choice is done or an error came, and
+    any that still come within 0.2 s."""
+    async def run():
+        live = await worker.submit(PROMPT, [SamplingParams(max_tokens=8)] * n, stream=False)
+        events = []
+        while len(events) < n and not (events and events[-1][0] == "error"):
+            events.append(await asyncio.wait_for(live.events.get(), 60))
+        await asyncio.sleep(0.2)
+        while not live.events.empty():
+            events.append(live.events.get_nowait())
+        return events
+    return asyncio.run(run())
+
+
+def _serves_on(worker: EngineWorker, n: int) -> None:
+    """The worker still serves requests for n choices, and an idle engine holds no KV blocks."""
+    events = _request_events(worker, n)
+    assert sorted(payload[0] for _, payload in events) == list(range(n)) and worker.alive
+    assert all(kind == "done" and len(payload[1].token_ids) == 8 for kind, payload in events)
+    engine = worker.engine
+    assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model, n):
+    """A bug in a step must not end the engine thread: the requests in flight get an error (one per request, for
+    all its choices), the next ones run."""
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=32))
     real_step, calls = engine.step, {"n": 0}
 
@@ -257,17 +300,32 @@ def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model):
 
     engine.step = step
     worker = EngineWorker(engine).start()
-
-    async def one():
-        live = await worker.submit(PROMPT, SamplingParams(max_tokens=8), stream=False)
-        return await asyncio.wait_for(live.events.get(), 60)
-
     try:
-        kind, payload = asyncio.run(one())
-        assert kind == "error" and payload[0] == 500 and "injected failure" in payload[1]
-        kind, out = asyncio.run(one())
-        assert kind == "done" and len(out.token_ids) == 8 and worker.alive
-        assert not engine.has_unfinished()  # the failed request was aborted, its blocks freed
+        (event,) = _request_events(worker, n)
+        assert event[0] == "error" and event[1][0] == 500 and "injected failure" in event[1][1]
+        assert not engine.has_unfinished()  # every choice of the failed request was aborted, its blocks freed
+        _serves_on(worker, n)
+    finally:
+        worker.stop()
+
+
+def test_a_choice_the_engine_refuses_fails_the_request_and_ends_the_others(model):
+    """Choices are added all or none: when the engine refuses the second, the first is aborted at once."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=32))
+    real_add, calls = engine.add_request, {"n": 0}
+
+    def add_request(prompt, params):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise UserError("injected refusal")
+        return real_add(prompt, params)
+
+    engine.add_request = add_request
+    worker = EngineWorker(engine).start()
+    try:
+        assert _request_events(worker, 3) == [("error", (400, "injected refusal"))]
+        assert not engine.has_unfinished() and worker.metrics["requests_total"] == 0
+        _serves_on(worker, 3)
     finally:
         worker.stop()
 
@@ -277,3 +335,150 @@ def test_max_tokens_beyond_the_context_is_a_400(client):
         client.completions.create(model="demo", prompt=PROMPT, max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="ask for at most"):
         list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=10**6, stream=True))
+
+
+# ------------------------------------------------------------------------------------------ log-probabilities
+LOGPROB_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+
+
+def test_completion_logprobs_of_a_greedy_answer(client, expected):
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=5)
+    text, lp = r.choices[0].text, r.choices[0].logprobs
+    assert text == expected.text and "".join(lp.tokens) == text
+    n = len(expected.token_ids)  # no stop string: every token is reported
+    assert [len(getattr(lp, key)) for key in LOGPROB_LISTS] == [n] * 4
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(n)]
+    for token, chosen, top, rec in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, expected.logprobs):
+        values = list(top.values())
+        assert len(top) == 5 and values == sorted(values, reverse=True)
+        assert chosen == values[0] == top[token]  # greedy: the answer's token is the most likely
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-6
+        assert chosen == pytest.approx(rec.logprob, abs=1e-5)  # the engine's own records (checked against a
+        assert values == pytest.approx([v for _, v in rec.top], abs=1e-5)  # forward pass in test_logprobs.py)
+    bare = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=0)
+    assert bare.choices[0].logprobs.tokens == lp.tokens and bare.choices[0].logprobs.top_logprobs == [{}] * n
+    assert bare.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs, abs=1e-6)
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def _stop_inside_a_token(tokenizer, out) -> tuple[str, int, int]:
+    """(a stop string of 3 characters that first occurs inside a token of `out`, where it cuts the text, that
+    token's index)."""
+    at = 0
+    for i, piece in enumerate(api_tokens.choice_pieces(tokenizer, out)):
+        for j in range(1, len(piece.text)):
+            stop = out.text[at + j:at + j + 3]
+            if i >= 5 and len(stop) == 3 and out.text.find(stop) == at + j:
+                return stop, at + j, i
+        at += len(piece.text)
+    raise AssertionError("no token to cut inside")
+
+
+def _joined(chunks, index: int = 0) -> tuple[str, dict]:
+    """The text and the completions log-probability lists of choice `index`, joined over the streamed chunks;
+    each chunk's tokens join to its text."""
+    mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+    for choice in mine:
+        assert "".join(choice.logprobs.tokens) == choice.text
+    return "".join(c.text for c in mine), {key: sum((getattr(c.logprobs, key) for c in mine), []) for key in LOGPROB_LISTS}
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_streamed_logprobs_join_to_the_whole_ones(client, model, expected, cut):
+    """With a stop string, the tokens after the one it cuts into are not reported, and that one's text is cut."""
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=3)
+    if cut:
+        stop, at, straddler = _stop_inside_a_token(model.tokenizer, expected)
+        kw["stop"] = stop
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert len(chunks) >= 3 and _joined(chunks) == (whole.text, whole.logprobs.model_dump())
+    assert "".join(whole.logprobs.tokens) == whole.text
+    if cut:
+        assert whole.text == expected.text[:at] and whole.finish_reason == "stop"
+        assert len(whole.logprobs.tokens) == straddler + 1
+        assert expected.text[whole.logprobs.text_offset[-1]:].startswith(whole.logprobs.tokens[-1] + stop)
+
+
+def test_chat_logprobs_parsed_by_the_client(client):
+    kw = dict(model="demo", messages=[{"role": "user", "content": "Who wrote the book of Psalms?"}], max_tokens=12,
+              temperature=0)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(c.token for c in content) == r.choices[0].message.content
+    for c in content:
+        values = [t.logprob for t in c.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert (c.token, c.logprob) == (c.top_logprobs[0].token, values[0])  # greedy
+        assert c.bytes == list(c.token.encode()) and all(t.bytes == list(t.token.encode()) for t in c.top_logprobs)
+    bare = client.chat.completions.create(logprobs=True, **kw).choices[0].logprobs.content
+    assert [(c.token, c.top_logprobs) for c in bare] == [(c.token, []) for c in content]
+    chunks = list(client.chat.completions.create(logprobs=True, top_logprobs=3, stream=True, **kw))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert streamed == content
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+
+
+def _flat(content) -> tuple[list[str], list[float]]:
+    """The tokens and the log-probabilities (chosen, then top) of chat logprobs content."""
+    return ([t for c in content for t in [c.token] + [t.token for t in c.top_logprobs]],
+            [v for c in content for v in [c.logprob] + [t.logprob for t in c.top_logprobs]])
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"logprobs": 3}, "'logprobs' must be true or false, got 3"),
+    ({"top_logprobs": 2}, "'top_logprobs' needs 'logprobs': true"),
+    ({"logprobs": False, "top_logprobs": 0}, "'top_logprobs' needs 'logprobs': true"),
+    ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be an integer in 0..20, got 21"),
+    ({"logprobs": True, "top_logprobs": "2"}, "'top_logprobs' must be an integer in 0..20, got \"2\""),
+    ({"n": 17}, "'n' must be an integer in 1..16, got 17"),
+])
+def test_bad_chat_logprobs_and_n_get_one_clear_400(base_url, fields, message):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+    status, out = _post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and message in out["error"]["message"], out
+
+
+# ----------------------------------------------------------------------------------------------- n choices
+def test_n_choices_with_a_seed(client):
+    """Choice i samples with seed + i: it equals an n = 1 request with that seed; streamed, the choices interleave
+    and join to the same texts."""
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=7)
+    r = client.completions.create(n=3, **kw)
+    texts = [c.text for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert [c.text for c in client.completions.create(n=3, **kw).choices] == texts
+    singles = [client.completions.create(**{**kw, "seed": 7 + i}) for i in range(3)]
+    assert [s.choices[0].text for s in singles] == texts
+    assert r.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert r.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    chunks = list(client.completions.create(n=3, stream=True, stream_options={"include_usage": True}, **kw))
+    order = [c.choices[0].index for c in chunks if c.choices]
+    assert order != sorted(order)  # interleaved
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i)
+            for i in range(3)] == texts
+    assert sorted(c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason) == [0, 1, 2]
+    assert not chunks[-1].choices and chunks[-1].usage == r.usage
+
+
+def test_n_greedy_chat_choices_are_identical_with_logprobs_streamed_or_not(client):
+    kw = dict(model="demo", messages=[{"role": "user", "content": "Who wrote the book of Psalms?"}], max_tokens=8,
+              temperature=0, n=2, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].message == r.choices[1].message
+    first, second = (_flat(c.logprobs.content) for c in r.choices)  # two rows of a batch: equal up to rounding
+    assert first[0] == second[0] and first[1] == pytest.approx(second[1], abs=1e-4)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == r.choices[i].message.content
+        assert [e for c in mine if c.logprobs for e in c.logprobs.content] == r.choices[i].logprobs.content
+
+
+def test_n_completion_choices_with_logprobs_stream_like_the_whole_ones(client):
+    kw = dict(model="demo", prompt=PROMPT, max_tokens=10, temperature=0.8, seed=3, n=2, logprobs=2)
+    whole = client.completions.create(**kw).choices
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert [_joined(chunks, i) for i in range(2)] == [(c.text, c.logprobs.model_dump()) for c in whole]

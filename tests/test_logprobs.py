@@ -1,0 +1,159 @@
+"""Log-probabilities: the sampler's records, token texts and the stop-string rule, the engine against a forward pass
+and under preemption. (The server's shapes, streamed and not: test_server.py.)"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model_fixtures import make_text, make_tiny_checkpoint
+from pwruntime.api_tokens import Piece, TextStream, TokenTexts, choice_pieces, reported
+from pwruntime.cmd_perplexity import default_model_dir
+from pwruntime.engine import EngineConfig, LLMEngine
+from pwruntime.model import load_model
+from pwruntime.model.attention import prefill_metadata
+from pwruntime.sampling import SamplingParams, TokenLogprob, token_logprobs
+
+
+# ------------------------------------------------------------------------------------------------- the sampler
+def test_records_rank_the_raw_logits_with_ties_to_the_lower_id():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 5.0], [2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(logprobs=2, temperature=0.3, top_k=1), SamplingParams(),
+              SamplingParams(logprobs=9, temperature=1.5, top_p=0.1)]  # sampling settings do not change them
+    first, skipped, last = token_logprobs(logits, params, [2, 3, 3])
+    ref = torch.log_softmax(logits.double(), dim=-1)
+    assert skipped is None
+    assert first.token_id == 2 and first.logprob == pytest.approx(ref[0, 2].item(), abs=1e-6)
+    assert [i for i, _ in first.top] == [1, 2]  # a tie: the lower id first, as argmax
+    assert [i for i, _ in last.top] == [0, 1, 2, 3]  # N beyond the vocabulary: all of it
+    assert [v for _, v in last.top] == pytest.approx(ref[2].tolist(), abs=1e-6)
+    assert last.logprob == pytest.approx(ref[2, 3].item(), abs=1e-6)  # a token outside any top-p set still has one
+    assert token_logprobs(logits, [SamplingParams(logprobs=0)] * 3, [0, 0, 0])[1].top == ()
+    assert token_logprobs(logits, [SamplingParams()] * 3, [0, 0, 0]) == [None] * 3
+    with pytest.raises(ValueError, match="logprobs must be >= 0"):
+        SamplingParams(logprobs=-1)
+
+
+# ------------------------------------------------------------------------------------------------- token texts
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    return load_model(default_model_dir()).tokenizer  # byte-level BPE: some characters span several tokens
+
+
+def test_a_token_ending_inside_a_character_adds_nothing_until_one_completes_it(demo_tokenizer):
+    tok = demo_tokenizer
+    ids = tok.encode("naïve café — 日本語 ok", add_special_tokens=False)
+    texts = TokenTexts(tok)
+    for i in ids:  # one at a time, as a stream gets them
+        texts.add([i])
+    pieces = [p.text for p in texts.pieces]
+    assert "".join(pieces) == tok.decode(ids) and "" in pieces and "\ufffd" not in "".join(pieces)
+    assert pieces[pieces.index("") + 1] == "ï"  # the token that completes a character carries all of it
+    whole = TokenTexts(tok)
+    whole.add(ids)
+    assert [p.text for p in whole.pieces] == pieces
+    cut = TokenTexts(tok)  # ends inside "ï": flush gives what is left to the last token
+    cut.add(ids[:2])
+    cut.flush()
+    assert [p.text for p in cut.pieces] == ["na", "\ufffd"] == ["na", tok.decode(ids[:2])[2:]]
+    alt = TokenTexts(tok)  # alternatives read as they would in the same place
+    alt.add(ids[:1])
+    alt.add(ids[1:2], [TokenLogprob(ids[1], -1.0, ((ids[4], -1.0), (ids[1], -2.0)))])
+    assert alt.pieces[1].top_texts == (" ca", "\ufffd")
+
+
+def _pieces(*texts: str) -> list[Piece]:
+    return [Piece(t) for t in texts]
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("abcdef", ["ab", "cd", "", "ef", ""]),  # no cut: every token, the final one that adds nothing (EOS) included
+    ("abc", ["ab", "c"]),  # the token the cut falls inside is reported, its text cut; none after it
+    ("abcd", ["ab", "cd", ""]),  # a token that adds nothing ends where it stands: at the cut
+    ("", []),
+])
+def test_reported_tokens_join_to_the_returned_text(text, expect):
+    assert [p.text for p in reported(_pieces("ab", "cd", "", "ef", ""), text)] == expect
+
+
+def test_a_stream_releases_whole_tokens_no_stop_string_can_cut(demo_tokenizer):
+    tok = demo_tokenizer
+    ids = tok.encode(" And God said unto Moses, Go and tell", add_special_tokens=False)
+    assert tok.decode(ids[-1:]) == " tell"  # completes the stop string "ell": the engine's last token
+    out = SimpleNamespace(token_ids=ids, logprobs=(), text=" And God said unto Moses, Go and t")
+    stream, texts = TextStream(tok, hold=2), []
+    for i in ids[:-1]:  # the last token comes with the output
+        text, pieces = stream.push([i], ())
+        assert text == "".join(p.text for p in pieces) and stream.sent_chars <= stream.texts.chars - 2
+        texts.append(text)
+    text, pieces = stream.finish(out)
+    assert "".join(texts) + text == out.text and sum(1 for t in texts if t) >= 5
+    assert [p.text for p in pieces][-1] == " t"
+    assert stream.sent == len(choice_pieces(tok, out)) == len(tok.encode(out.text, add_special_tokens=False))
+
+
+# ------------------------------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("logprobs"), "qwen3_moe", seed=2))
+
+
+def _forward_logprobs(model, prompt: list[int], tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, float64 log-probabilities) before each of `tokens`, by one prefill of the prompt and tokens."""
+    ids = torch.tensor(prompt + tokens[:-1])
+    kv = model.new_kv_cache(-(-len(ids) // 4), 4)
+    hidden = model.forward(ids, torch.arange(len(ids)), kv, prefill_metadata(len(ids), 4)).hidden
+    logits = model.logits(hidden[len(prompt) - 1:])
+    return logits, torch.log_softmax(logits.double(), dim=-1)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, ignore_eos=True, logprobs=4),
+    SamplingParams(max_tokens=10, ignore_eos=True, logprobs=4, temperature=0.7, top_k=5, seed=1),
+])
+def test_engine_logprobs_equal_a_forward_pass(tiny, params):
+    """Of the raw distribution, whatever the temperature and top-k: what one prefill over the answer gives."""
+    prompt = tiny.tokenizer.encode(" ".join(make_text(40, seed=5).split()[:9]))
+    out = LLMEngine(tiny, EngineConfig(num_kv_blocks=64, block_size=4)).generate([prompt], params)[0]
+    assert [r.token_id for r in out.logprobs] == out.token_ids
+    logits, ref = _forward_logprobs(tiny, prompt, out.token_ids)
+    for row, (token, rec) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert rec.logprob == pytest.approx(ref[row, token].item(), abs=1e-4)
+        order = torch.sort(logits[row], descending=True, stable=True).indices[:4].tolist()
+        assert [i for i, _ in rec.top] == order
+        assert [v for _, v in rec.top] == pytest.approx(ref[row, order].tolist(), abs=1e-4)
+        if params.greedy:
+            assert rec.top[0] == (token, rec.logprob)
+
+
+def test_logprobs_are_computed_only_when_asked_and_kept_while_running(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_kv_blocks=64, block_size=4))
+    asked = engine.add_request("ba be bi", SamplingParams(max_tokens=6, ignore_eos=True, logprobs=1))
+    plain = engine.add_request("ba be bi", SamplingParams(max_tokens=6, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    tokens = engine.tokens_so_far(asked)
+    assert tokens and [r.token_id for r in engine.logprobs_so_far(asked)] == tokens
+    assert [r.token_id for r in engine.logprobs_so_far(asked, 1)] == engine.tokens_so_far(asked, 1) == tokens[1:]
+    assert engine.tokens_so_far(plain) and engine.logprobs_so_far(plain) == []
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert len(outs[asked].logprobs) == 6 and outs[plain].logprobs == ()
+
+
+def test_preempted_requests_keep_one_record_per_token(tmp_path_factory):
+    """Preemption recomputes a sequence's K/V and keeps its tokens: the records neither repeat nor go missing."""
+    model = load_model(make_tiny_checkpoint(tmp_path_factory.mktemp("preempt"), "qwen2_moe", seed=1))
+    words = make_text(200, seed=7).split()
+    prompts = [model.tokenizer.encode(" ".join(words[i * 5: i * 5 + n])) for i, n in enumerate((3, 29, 11, 6))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    # 12 blocks of 4 tokens: each request alone fits, all four together do not
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64))
+    outs = engine.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > 0 and any(o.num_preemptions for o in outs)
+    for prompt, out in zip(prompts, outs):
+        alone = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4)).generate([prompt], params)[0]
+        assert [r.token_id for r in out.logprobs] == out.token_ids == alone.token_ids
+        assert [r.logprob for r in out.logprobs] == pytest.approx([r.logprob for r in alone.logprobs], abs=1e-4)
