@@ -37,7 +37,7 @@ from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
 from pwruntime.kernels.moe import MAX_TOKENS
-from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, padded_moe
+from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
 
@@ -369,10 +369,7 @@ def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
     (torch 2.11, `pwruntime bench prefill`, cuda/NOTES.md session 10): torch's grouped GEMM ran the layers of
     Qwen1.5-MoE, OLMoE and Qwen3-MoE up to 30% faster than `padded_moe` (one case of nine 2% slower),
     Mixtral's (8 experts of 14336) 7-20% slower, and in fp16 the others' 2-3x slower."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) >= (9, 0)
-            and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
-            and shape.hidden % 8 == 0 and shape.intermediate % 8 == 0)
+    return grouped_mm_ok(x, shape.hidden, shape.intermediate) and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
 
 
 def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,

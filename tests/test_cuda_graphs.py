@@ -482,3 +482,30 @@ def test_engine_decodes_through_graphs(demo):
         assert d_engine.runner.graphs.replays == 0 and d_engine.runner.graphs.captures == 0
     finally:
         demo.model.experts = demo.store
+
+
+@pytest.mark.gpu
+def test_dense_store_decodes_through_graphs():
+    """The plain (bf16) model's experts run as grouped GEMMs with no host sync: its decode steps replay graphs, the
+    layer equals the per-expert loop, and graph and eager steps agree."""
+    from pwruntime.cmd_perplexity import default_model_dir
+    from pwruntime.model import load_model
+    from pwruntime.model.experts import expert_mlp, grouped_moe
+
+    model = load_model(default_model_dir(), dtype="bf16", device="cuda")
+    store = model.experts
+    assert store.capturable
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cfg = model.config
+    x = torch.randn(13, cfg.hidden, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, cfg.experts, (13, cfg.top_k), device="cuda", generator=g)
+    wts = torch.rand(13, cfg.top_k, device="cuda", generator=g)
+    norms, want_norms = (torch.zeros(13, cfg.top_k, device="cuda") for _ in range(2))
+    got = store.moe(1, x, ids, wts, norms)
+    gu, dn = store.gate_up[1], store.down[1]
+    want = grouped_moe(x, ids, wts, cfg.experts, lambda e, rows: expert_mlp(rows, gu[e], dn[e]), want_norms)
+    assert rel(got.float(), want.float()) < 1e-2 and rel(norms, want_norms) < 1e-2
+    pair = Pair(model, 5)
+    for _ in range(3):
+        assert_same_step(*pair.step(), tol=1e-2)
+    assert pair.graphs.disabled is None and pair.graphs.replays == 3 and pair.graphs.captures == 1

@@ -86,7 +86,9 @@ class _Dispatch:
         order = torch.argsort(flat, stable=True)
         token_of = order // topk_ids.shape[1]
         rows = x[token_of]
-        return cls(order, token_of, torch.bincount(flat, minlength=num_experts), rows, torch.empty_like(rows),
+        # counted by index_add_ into a fixed size, not bincount, which reads the largest id back to the host
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
+        return cls(order, token_of, counts, rows, torch.empty_like(rows),
                    torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norms else None)
 
     def put(self, dest, act: torch.Tensor, y: torch.Tensor) -> None:
@@ -96,13 +98,14 @@ class _Dispatch:
             self.norms[dest] = act.float().norm(dim=-1)
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
-        """sum over each token's rows of routing weight * expert output, in float32; fills down_in_norm."""
+        """sum over each token's rows of routing weight * expert output, in float32, in slot order (deterministic:
+        no atomics); fills down_in_norm."""
         weighted = self.outputs.float() * topk_weights.reshape(-1)[self.order].float()[:, None]
-        out = torch.zeros(topk_weights.shape[0], self.outputs.shape[1], dtype=torch.float32, device=self.outputs.device)
-        out.index_add_(0, self.token_of, weighted)
+        by_slot = torch.empty_like(weighted)
+        by_slot[self.order] = weighted
         if self.norms is not None:
             down_in_norm.view(-1)[self.order] = self.norms
-        return out.to(self.outputs.dtype)
+        return by_slot.view(*topk_weights.shape, -1).sum(dim=1).to(self.outputs.dtype)
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -195,8 +198,19 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return d.combine(topk_weights, down_in_norm)
 
 
+def grouped_mm_ok(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
+    """Whether torch's grouped GEMM (`torch._grouped_mm`) serves activations x: bf16 on a CUDA device of compute
+    capability 9.0 or newer, rows of 16-byte multiples."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0) and hidden % 8 == 0 and intermediate % 8 == 0)
+
+
 class DenseExpertStore:
-    """Full-precision expert weights: per MoE layer a gate_up [E, 2I, H] and a down [E, H, I] tensor."""
+    """Full-precision expert weights: per MoE layer a gate_up [E, 2I, H] and a down [E, H, I] tensor.
+
+    In bf16 on Hopper a layer is two grouped GEMMs over all its experts (`grouped_mm_moe`, rows sorted by expert,
+    the experts' offsets on the device): no host sync and no data-dependent allocation, so decode steps run from
+    CUDA graphs (`capturable`). Elsewhere one set of launches per active expert (`grouped_moe`)."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
         if len(gate_up) != len(down):
@@ -214,8 +228,16 @@ class DenseExpertStore:
             return self.down[layer][expert]
         raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
 
+    @property
+    def capturable(self) -> bool:
+        w = self.gate_up[0]
+        return grouped_mm_ok(w, w.shape[2], w.shape[1] // 2)
+
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
         gate_up, down = self.gate_up[layer], self.down[layer]
-        return grouped_moe(x, topk_ids, topk_weights, gate_up.shape[0],
+        experts = gate_up.shape[0]
+        if grouped_mm_ok(x, gate_up.shape[2], down.shape[2]):
+            return grouped_mm_moe(x, topk_ids, topk_weights, experts, lambda _: (gate_up, down), experts, down_in_norm)
+        return grouped_moe(x, topk_ids, topk_weights, experts,
                            lambda e, rows: expert_mlp(rows, gate_up[e], down[e]), down_in_norm)
