@@ -2,10 +2,13 @@
 
 `parse_body` reads the JSON (refusing NaN and Infinity, which JSON does not have), `sampling_params` the sampling
 fields of /v1/completions and /v1/chat/completions (log-probabilities included: completions' `logprobs` N, chat's
-`logprobs` true with `top_logprobs` N), `num_choices` and `choice_params` the `n` choices (choice i of a request
-with `seed` s samples with seed s + i), `check_unsupported` the options this server does not serve (best_of, echo),
-and `check_text` refuses strings that are not valid Unicode (lone surrogates), which the tokenizer cannot encode.
-Each error names the field and what it accepts.
+`logprobs` true with `top_logprobs` N; and vLLM's extra fields `top_k`, `min_tokens`, `ignore_eos`,
+`stop_token_ids`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`), `completion_prompts` the prompts of
+/v1/completions in each OpenAI form (a string, a list of strings, a list of token ids, a list of token-id lists),
+`num_choices` and `engine_requests` the engine requests of a body: each prompt's `n` choices, prompt-major (choice
+i of a request with `seed` s samples with seed s + i), `check_unsupported` the options this server does not serve
+(best_of, echo), and `check_text` refuses strings that are not valid Unicode (lone surrogates), which the tokenizer
+cannot encode. Each error names the field and what it accepts.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pwruntime.sampling import SamplingParams
 
 MAX_STOPS = 4
 MAX_CHOICES = 16  # `n`
+MAX_ENGINE_REQUESTS = 64  # prompts x n of one request
 MAX_LOGPROBS = 20  # top log-probabilities per token: vLLM's limit (OpenAI's is 5 for completions, 20 for chat)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -76,8 +80,32 @@ def flag(body: dict, key: str) -> bool:
     return value
 
 
-def sampling_params(body: dict, default_max_tokens: int, chat: bool) -> SamplingParams:
-    """The sampling fields; `default_max_tokens` when neither max_tokens nor max_completion_tokens is given."""
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token(value, vocab: int) -> bool:
+    return _is_int(value) and 0 <= value < vocab
+
+
+def _brief(value) -> str:
+    """A value as JSON, cut short: an error message does not echo a whole prompt."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _token_ids(body: dict, key: str, vocab: int) -> tuple[int, ...]:
+    value = body.get(key)
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(_is_token(t, vocab) for t in value):
+        raise RequestError(f"'{key}' must be a list of token ids (integers in 0..{vocab - 1}), got {_brief(value)}")
+    return tuple(value)
+
+
+def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int) -> SamplingParams:
+    """The sampling fields; `default_max_tokens` when neither max_tokens nor max_completion_tokens is given; token
+    ids lie in 0..vocab - 1. `top_k` -1 or 0 is no cut, as vLLM's -1."""
     max_tokens = _integer(body, "max_tokens", 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1)
@@ -97,9 +125,16 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool) -> Sampling
                               clip_to_context=max_tokens is None,  # as OpenAI: an explicit length must fit
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+                              top_k=max(_integer(body, "top_k", -1) or 0, 0),
                               seed=_integer(body, "seed"), stop=stop,
+                              stop_token_ids=_token_ids(body, "stop_token_ids", vocab),
+                              ignore_eos=flag(body, "ignore_eos"),
+                              min_tokens=_integer(body, "min_tokens", 0) or 0,
+                              presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                              frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                              repetition_penalty=_number(body, "repetition_penalty", 1.0, -math.inf, math.inf),
                               logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
-    except ValueError as e:  # what SamplingParams itself refuses: top_p 0, an empty stop string
+    except ValueError as e:  # what SamplingParams refuses: top_p 0, an empty stop string, min_tokens > max_tokens ...
         raise RequestError(f"bad sampling parameter: {e}") from None
 
 
@@ -135,6 +170,16 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
+def engine_requests(prompts: list, params: SamplingParams, n: int) -> list[tuple[str | list[int], SamplingParams]]:
+    """The (prompt, params) of each engine request: `n` choices of each prompt, prompt-major (choice j of prompt i
+    is the response's choice i * n + j, and samples as choice j of a request for that prompt alone)."""
+    if len(prompts) * n > MAX_ENGINE_REQUESTS:
+        raise RequestError(f"'prompt' holds {len(prompts)} prompts and 'n' is {n}: a request may ask for at most "
+                           f"{MAX_ENGINE_REQUESTS} choices in all (prompts x n)")
+    choices = choice_params(params, n)
+    return [(prompt, p) for prompt in prompts for p in choices]
+
+
 def check_unsupported(body: dict) -> None:
     """Options that would change what is returned and that this server does not serve: refused, not ignored."""
     best_of = _integer(body, "best_of", 1)
@@ -153,14 +198,27 @@ def include_usage(body: dict) -> bool:
     return flag(options, "include_usage")
 
 
-def completion_prompt(body: dict) -> str:
+def completion_prompts(body: dict, vocab: int) -> list[str | list[int]]:
+    """`prompt` in any of OpenAI's forms: the prompts in order, each a string or a list of token ids."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1:
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise RequestError("'prompt' must be a non-empty string")
-    check_text(prompt, "prompt")
-    return prompt
+    forms = ("'prompt' must be a non-empty string, a list of non-empty strings, a list of token ids or a list of "
+             f"non-empty token-id lists (token ids are integers in 0..{vocab - 1})")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompts, names = [prompt], ["prompt"]
+    elif isinstance(prompt, list) and prompt and any(all(isinstance(p, kind) for p in prompt) for kind in (str, list)):
+        prompts, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
+    else:
+        raise RequestError(f"{forms}, got {_brief(prompt)}")
+    for p, name in zip(prompts, names):
+        if not p:
+            raise RequestError(f"{forms}; {name} is empty")
+        if isinstance(p, str):
+            check_text(p, name)
+            continue
+        bad = next((k for k, t in enumerate(p) if not _is_token(t, vocab)), None)
+        if bad is not None:
+            raise RequestError(f"{forms}; {name}[{bad}] is {_brief(p[bad])}")
+    return prompts
 
 
 def check_text(text: str, field: str) -> None:

@@ -15,7 +15,10 @@ be truncated. Wall time is used only for metrics and `Observation.time_s`.
 
 Log-probabilities: a request whose SamplingParams ask (`logprobs`) gets a TokenLogprob per sampled token,
 kept beside its sequence's output tokens and aligned with them (a preempted sequence keeps its tokens and
-recomputes only their K/V, sampling nothing again, so its records neither repeat nor go missing).
+recomputes only their K/V, sampling nothing again, so its records neither repeat nor go missing). They are of the
+raw logits: the logits processing a request may ask for (`min_tokens`, the penalties: pwruntime.sampling) changes
+what it samples, from its prompt, its output so far and its stop tokens, and only requests that ask pay for it;
+stop strings, too, are looked for only once a request has more than `min_tokens` output tokens, as vLLM's.
 
 Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
 traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
@@ -39,7 +42,8 @@ from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
 from pwruntime.model_runner import ModelRunner, RoutingArrays
-from pwruntime.sampling import SamplingParams, TokenLogprob, find_stop, make_generator, sample, token_logprobs
+from pwruntime.sampling import (History, SamplingParams, TokenLogprob, adjust_logits, find_stop, make_generator, sample,
+                                token_logprobs)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 
@@ -235,8 +239,9 @@ class LLMEngine:
             out = self.runner.run(batch, self.pool, record=self._record)
             marks.append(self.clock())
             sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
-            tokens = sample(out.logits, [r.params for r in sampling], [r.generator for r in sampling])
-            for r, rec in zip(sampling, token_logprobs(out.logits, [r.params for r in sampling], tokens)):
+            params = [r.params for r in sampling]
+            tokens = sample(self._adjusted(out.logits, sampling), params, [r.generator for r in sampling])
+            for r, rec in zip(sampling, token_logprobs(out.logits, params, tokens)):
                 if rec is not None:  # asked for: one record per token postprocess appends
                     r.logprobs.append(rec)
             marks.append(self.clock())
@@ -302,6 +307,14 @@ class LLMEngine:
         if self.recorder is not None:
             self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
 
+    def _adjusted(self, logits: torch.Tensor, sampling: list[_Request]) -> torch.Tensor:
+        """The logits the requests sample from (pwruntime.sampling.adjust_logits); the histories are built only
+        when a request asks for the processing."""
+        if not any(r.params.adjusts_logits for r in sampling):
+            return logits
+        return adjust_logits(logits, [r.params for r in sampling],
+                             [History(r.seq.prompt_token_ids, r.seq.output_token_ids, r.stop_ids) for r in sampling])
+
     def _stop_string(self, seq: Sequence) -> str | None:
         req = self._requests[seq.seq_id]
         stops = req.params.stop
@@ -310,7 +323,7 @@ class LLMEngine:
         text = self.tokenizer.decode(seq.output_token_ids)
         k = find_stop(text, stops, req.checked_chars - max(len(s) for s in stops) + 1)
         req.checked_chars = len(text)
-        if k < 0:
+        if k < 0 or len(seq.output_token_ids) <= req.params.min_tokens:  # as vLLM: none before min_tokens + 1
             return None
         req.stop_text = text[:k]
         return "stop"

@@ -1,4 +1,5 @@
-"""Sampling: SamplingParams and the per-request sampler (greedy, temperature, top-k, top-p, seeds), log-probabilities.
+"""Sampling: SamplingParams and the per-request sampler (logits processing, greedy, temperature, top-k, top-p, seeds),
+log-probabilities.
 
 Each request owns a `torch.Generator` seeded from its `seed` (or, when unset, from the engine seed
 and the request's index), and draws exactly one random number stream per sampled token from it,
@@ -8,13 +9,21 @@ Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` 
 scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
 the token ids keep every sampled token, including the one that completed the stop); `max_tokens`.
 
+Logits processing (`adjust_logits`, as vLLM's, before sampling and before greedy's argmax too), for the rows that
+ask: while a request has fewer than `min_tokens` output tokens, the tokens that would stop it (EOS unless
+`ignore_eos`, `stop_token_ids`) are masked, so none can end it early; then the repetition penalty p scales the
+logit of every token seen in the prompt or the output (divided by p where positive, multiplied by p otherwise),
+and each token of the output loses `frequency_penalty` times its count there plus `presence_penalty` once.
+
 Log-probabilities (`logprobs` = N, as vLLM): of the model's raw distribution (log_softmax of the fp32
-logits, before temperature, top-k and top-p), for the sampled token and the N most likely tokens,
-most likely first, ties broken by the lower token id. Only the rows that ask pay for them.
+logits, before the logits processing, temperature, top-k and top-p), for the sampled token and the N
+most likely tokens, most likely first, ties broken by the lower token id. Only the rows that ask pay for them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Collection, Sequence as Seq
 
 import torch
 
@@ -34,6 +43,10 @@ class SamplingParams:
     ignore_eos: bool = False
     clip_to_context: bool = True  # False: a prompt + max_tokens beyond the model's positions is refused, not cut
     logprobs: int | None = None  # N: each sampled token's log-probability and the N most likely; None: not computed
+    min_tokens: int = 0  # output tokens before a stop token may be sampled
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: none
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,11 +66,24 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (or None: not computed), got {self.logprobs}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must lie in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # also refuses NaN
+                raise ValueError(f"{name} must lie in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
 
     @property
     def greedy(self) -> bool:
         """Temperatures below GREEDY_BELOW sample the argmax: dividing logits by them overflows to inf and NaN."""
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes this request's logits."""
+        return (self.min_tokens > 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 @dataclass(frozen=True)
@@ -66,6 +92,15 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class History:
+    """What the logits processing of a request reads: its prompt and output token ids so far, and the tokens that
+    would stop it (held back until it has `min_tokens` output tokens)."""
+    prompt_ids: Seq[int]
+    output_ids: Seq[int]
+    stop_ids: Collection[int] = ()
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -87,6 +122,31 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: Seq[History]) -> torch.Tensor:
+    """The logits of rows [n, vocab] after the processing in the module docstring, for the rows whose params
+    `adjusts_logits` (an fp32 copy); `logits` itself when no row does."""
+    rows = [j for j, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    out = logits.to(torch.float32, copy=True)
+    for j in rows:
+        p, h, row = params[j], histories[j], out[j]
+        if len(h.output_ids) < p.min_tokens and h.stop_ids:
+            row[_ids(h.stop_ids, row)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = _ids(set(h.prompt_ids).union(h.output_ids), row)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if h.output_ids and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = torch.unique(_ids(h.output_ids, row), return_counts=True)
+            row[ids] -= p.frequency_penalty * counts + p.presence_penalty
+    return out
+
+
+def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -10,9 +10,10 @@ sends can stop the engine thread: a failing step fails the requests in it (statu
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
 cancellation) has its request aborted and its KV blocks freed.
 
-A request for `n` choices is n engine requests, added together or not at all; one failing fails the request and
-ends the others, and a client that leaves aborts them all. The request counters of /metrics count engine requests
-(a request for n choices counts n). Choice text and log-probabilities: pwruntime.api_tokens.
+A request is a list of engine requests (its prompts' `n` choices each, prompt-major: pwruntime.api_request),
+added together or not at all; one failing fails the request and ends the others, and a client that leaves aborts
+them all. The request counters and histograms of /metrics count engine requests (a request for n choices of k
+prompts counts k x n; the histograms: pwruntime.metrics). Choice text and log-probabilities: pwruntime.api_tokens.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from aiohttp import web
 
 from pwruntime import api_request as api
 from pwruntime import api_tokens
+from pwruntime.metrics import RequestMetrics, scalar
 from pwruntime.sampling import SamplingParams
 
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
@@ -45,7 +47,7 @@ class _Live:
 
 @dataclass
 class _Choice:
-    """One engine request: a choice of an HTTP request."""
+    """One engine request: a choice of an HTTP request (its index in the response)."""
     live: _Live
     index: int
     sent_tokens: int = 0
@@ -59,6 +61,9 @@ class EngineWorker:
     _stop: threading.Event = field(default_factory=threading.Event)
     metrics: dict = field(default_factory=lambda: {"requests_total": 0, "generated_tokens_total": 0,
                                                     "request_errors_total": 0, "aborted_total": 0})
+
+    def __post_init__(self) -> None:
+        self.request_metrics = RequestMetrics(self.engine.model.config.max_position)
 
     def start(self) -> "EngineWorker":
         self._thread = threading.Thread(target=self._run, name="pagedweight-engine", daemon=True)
@@ -74,12 +79,13 @@ class EngineWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    async def submit(self, prompt, choices: list[SamplingParams], stream: bool) -> _Live:
-        """Queue one engine request per choice (all or none); the `events`: ("delta", (choice index, token ids,
-        their log-probability records)) while streaming, ("done", (choice index, RequestOutput)) for each choice,
-        or one ("error", (status, message)), after which none of the choices runs any more."""
+    async def submit(self, requests: list[tuple[str | list[int], SamplingParams]], stream: bool) -> _Live:
+        """Queue one engine request per (prompt, params), all or none: choice i of the response is requests[i]. The
+        `events`: ("delta", (choice index, token ids, their log-probability records)) while streaming, ("done",
+        (choice index, RequestOutput)) for each choice, or one ("error", (status, message)), after which none of the
+        choices runs any more."""
         live = _Live(asyncio.get_running_loop(), asyncio.Queue(), stream)
-        self._inbox.put(("add", prompt, choices, live))
+        self._inbox.put(("add", requests, live))
         return live
 
     def cancel(self, live: _Live) -> None:
@@ -118,15 +124,15 @@ class EngineWorker:
                 traceback.print_exc(file=sys.stderr)
                 self._fail_all(f"the engine failed while generating ({type(e).__name__}: {e})")
 
-    def _add(self, prompt, choices: list[SamplingParams], live: _Live) -> None:
+    def _add(self, requests: list[tuple[str | list[int], SamplingParams]], live: _Live) -> None:
         eng, rids = self.engine, []
         try:
-            for params in choices:
+            for prompt, params in requests:
                 rids.append(eng.add_request(prompt, params))
         except Exception as e:  # a prompt the engine refuses (too long, empty ...)
             for rid in rids:
                 eng.abort(rid)
-            self.metrics["request_errors_total"] += len(choices)
+            self.metrics["request_errors_total"] += len(requests)
             self._emit(live, ("error", (400, str(e))))
             return
         self._live.update({rid: _Choice(live, i) for i, rid in enumerate(rids)})
@@ -155,6 +161,7 @@ class EngineWorker:
         for out in eng.step():
             choice = self._live.pop(out.request_id, None)
             self.metrics["generated_tokens_total"] += len(out.token_ids)
+            self.request_metrics.observe(out)
             if choice is not None:
                 self._emit(choice.live, ("done", (choice.index, out)))
         for rid, choice in self._live.items():
@@ -203,6 +210,7 @@ class _Reply:
     model: str
     chat: bool
     logprobs: bool  # asked for
+    n: int  # choices per prompt: choice i is of prompt i // n
 
     @property
     def object(self) -> str:
@@ -238,6 +246,7 @@ class Server:
     def __init__(self, worker: EngineWorker, model_name: str) -> None:
         self.worker, self.model_name = worker, model_name
         self.tokenizer = worker.engine.tokenizer
+        self.vocab = worker.engine.model.config.vocab
         self.app = web.Application(middlewares=[_json_errors])
         self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
@@ -273,8 +282,8 @@ class Server:
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
         for name, value in {**m, **gauges}.items():
-            kind = "counter" if name in COUNTERS else "gauge"
-            lines += [f"# TYPE pagedweight_{name} {kind}", f"pagedweight_{name} {value}"]
+            lines += scalar(name, "counter" if name in COUNTERS else "gauge", value)
+        lines += self.worker.request_metrics.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _body(self, request: web.Request) -> dict:
@@ -285,42 +294,45 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
-        prompt = api.completion_prompt(body)
-        return await self._serve(request, body, prompt, api.sampling_params(body, 16, chat=False), chat=False)
+        prompts = api.completion_prompts(body, self.vocab)
+        params = api.sampling_params(body, 16, chat=False, vocab=self.vocab)
+        return await self._serve(request, body, prompts, params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
         messages = api.chat_messages(body)
-        params = api.sampling_params(body, 1 << 30, chat=True)
+        params = api.sampling_params(body, 1 << 30, chat=True, vocab=self.vocab)
         try:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
         except Exception as e:
             return _error(f"cannot apply the chat template to 'messages': {e}")
         # as OpenAI: without max_tokens an answer may run to the end of the context (the engine stops it there)
-        return await self._serve(request, body, ids, params, chat=True)
+        return await self._serve(request, body, [ids], params, chat=True)
 
-    async def _serve(self, request: web.Request, body: dict, prompt, params: SamplingParams,
+    async def _serve(self, request: web.Request, body: dict, prompts: list, params: SamplingParams,
                      chat: bool) -> web.StreamResponse:
         stream, usage = api.flag(body, "stream"), api.include_usage(body)
-        choices = api.choice_params(params, api.num_choices(body))
-        live = await self.worker.submit(prompt, choices, stream)
+        n = api.num_choices(body)
+        requests = api.engine_requests(prompts, params, n)
+        live = await self.worker.submit(requests, stream)
         try:
             kind, payload = first = await live.events.get()  # an error is still a plain error response
             if kind == "error":
                 return _error(payload[1], payload[0])
             reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
-                           self.model_name, chat, params.logprobs is not None)
+                           self.model_name, chat, params.logprobs is not None, n)
             if not stream:
-                return await self._whole(live, first, len(choices), reply)
-            return await self._stream(request, live, first, params, len(choices), reply, usage)
+                return await self._whole(live, first, len(requests), reply)
+            return await self._stream(request, live, first, params, len(requests), reply, usage)
         except asyncio.CancelledError:  # the client left (aiohttp cancels the handler): free its choices
             self.worker.cancel(live)
             raise
 
-    async def _whole(self, live: _Live, event: tuple, n: int, reply: _Reply) -> web.Response:
-        """The response once every choice is done (an error fails them all: the worker ended the others)."""
-        outs = [None] * n
+    async def _whole(self, live: _Live, event: tuple, total: int, reply: _Reply) -> web.Response:
+        """The response once each of its `total` choices is done (an error fails them all: the worker ended the
+        others)."""
+        outs = [None] * total
         while True:
             kind, payload = event
             if kind == "error":
@@ -335,28 +347,28 @@ class Server:
             choice = {"index": i, "finish_reason": FINISH[out.finish_reason], "logprobs": reply.logprobs_of(pieces, 0)}
             choice.update({"message": {"role": "assistant", "content": out.text}} if reply.chat else {"text": out.text})
             choices.append(choice)
-        return web.json_response({**reply.head(reply.object), "choices": choices, "usage": _usage(outs)})
+        return web.json_response({**reply.head(reply.object), "choices": choices, "usage": _usage(outs, reply.n)})
 
-    async def _stream(self, request: web.Request, live: _Live, first: tuple, params: SamplingParams, n: int,
-                      reply: _Reply, usage: bool) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, live: _Live, first: tuple, params: SamplingParams,
+                      total: int, reply: _Reply, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            await self._events(resp, live.events, first, params, n, reply, usage)
+            await self._events(resp, live.events, first, params, total, reply, usage)
         except ConnectionResetError:  # the client left while an event was written: free its choices, no traceback
             self.worker.cancel(live)
         return resp
 
     async def _events(self, resp: web.StreamResponse, events: asyncio.Queue, event: tuple, params: SamplingParams,
-                      n: int, reply: _Reply, usage: bool) -> None:
-        """The chunks of n choices as their tokens come, interleaved, each choice ending with a chunk that carries
-        its finish reason; then the usage chunk when asked for. A stop string may still cut the text: as many
+                      total: int, reply: _Reply, usage: bool) -> None:
+        """The chunks of the `total` choices as their tokens come, interleaved, each choice ending with a chunk that
+        carries its finish reason; then the usage chunk when asked for. A stop string may still cut the text: as many
         characters as could begin one are held back (pwruntime.api_tokens.TextStream)."""
         hold = max((len(s) for s in params.stop), default=1) - 1
-        streams = [api_tokens.TextStream(self.tokenizer, hold) for _ in range(n)]
-        outs = [None] * n
+        streams = [api_tokens.TextStream(self.tokenizer, hold) for _ in range(total)]
+        outs = [None] * total
         if reply.chat:
-            for i in range(n):
+            for i in range(total):
                 await _sse(resp, reply.chunk(i, {"role": "assistant", "content": ""}, None, None))
         while True:
             kind, payload = event
@@ -375,16 +387,18 @@ class Server:
                 await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), FINISH[outs[i].finish_reason]))
                 if all(out is not None for out in outs):
                     if usage:
-                        await _sse(resp, {**reply.head(reply.chunk_object), "choices": [], "usage": _usage(outs)})
+                        usage_chunk = {**reply.head(reply.chunk_object), "choices": [], "usage": _usage(outs, reply.n)}
+                        await _sse(resp, usage_chunk)
                     break
             event = await events.get()
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
 
 
-def _usage(outs: list) -> dict:
-    """The prompt counted once, the completion tokens of every choice."""
-    prompt, completion = len(outs[0].prompt_token_ids), sum(len(out.token_ids) for out in outs)
+def _usage(outs: list, n: int) -> dict:
+    """Each prompt counted once (its choices are outs[i * n: (i + 1) * n]), the completion tokens of every choice."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
+    completion = sum(len(out.token_ids) for out in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

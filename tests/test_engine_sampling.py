@@ -1,5 +1,8 @@
-"""Sampling: filters, seeds independent of batch composition, stop strings, EOS, max tokens."""
+"""Sampling: filters, logits processing (min_tokens, penalties), seeds independent of batch composition, stop
+strings, EOS, max tokens."""
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -7,7 +10,7 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import SamplingParams, filter_logits, find_stop, make_generator, sample
+from pwruntime.sampling import History, SamplingParams, adjust_logits, filter_logits, find_stop, make_generator, sample
 
 
 def test_filter_top_k_and_top_p():
@@ -31,6 +34,37 @@ def test_params_validation_and_stop_search():
     assert SamplingParams(temperature=0.7, top_k=1).greedy
     assert find_stop("abcabd", ("bd", "ca")) == 2 and find_stop("abc", ("z",)) == -1
     assert find_stop("abcabd", ("ab",), search_from=1) == 3
+
+
+def test_adjust_logits_follows_vllms_formulas():
+    """Repetition p over prompt and output tokens (positive logits / p, others * p), then each output token loses
+    frequency x its count and presence once; min_tokens masks the stop tokens until the output is long enough."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 3)
+    history = History(prompt_ids=[0, 1], output_ids=[3, 3, 2], stop_ids={4, 5})
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(temperature=0.8), SamplingParams(min_tokens=4)]
+    out = adjust_logits(logits, params, [history] * 3)
+    # 0, 1, 2, 3 seen: 2/2, -1*2, 0.5/2, 3/2; output 3 (twice): -0.25*2 - 0.5; output 2 (once): -0.25 - 0.5
+    assert out[0].tolist() == [1.0, -2.0, -0.5, 0.5, -2.0, 0.0]
+    assert torch.equal(out[1], logits[1])  # a row that does not ask is left alone
+    assert out[2].tolist() == [2.0, -1.0, 0.5, 3.0, float("-inf"), float("-inf")]  # 3 outputs < min_tokens 4
+    longer = History([0, 1], [3, 3, 2, 1], {4, 5})
+    assert torch.equal(adjust_logits(logits[:1], [params[2]], [longer]), logits[:1])  # 4 outputs: stops allowed
+    assert adjust_logits(logits, [SamplingParams()] * 3, [history] * 3) is logits
+    assert logits[0, 0] == 2.0  # the input is not changed
+    assert params[0].greedy and sample(logits[:1], params[:1], [None]) == [3]
+    assert sample(out[:1], params[:1], [None]) == [0]  # greedy takes the argmax of the processed logits
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(min_tokens=-1), "min_tokens must lie in 0..max_tokens"), (dict(min_tokens=17), "min_tokens must lie in"),
+    (dict(presence_penalty=2.5), "presence_penalty must lie in [-2, 2]"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty must lie in [-2, 2]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+])
+def test_logits_processing_params_are_checked(kw, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(**kw)
 
 
 def test_seeded_sampling_follows_the_distribution_and_repeats():

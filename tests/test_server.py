@@ -10,56 +10,15 @@ import urllib.request
 
 import openai
 import pytest
-from aiohttp import web
 
 from pwruntime import api_tokens
-from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.engine import EngineConfig, LLMEngine
-from pwruntime.model import load_model
 from pwruntime.sampling import SamplingParams
-from pwruntime.server import EngineWorker, Server
+from pwruntime.server import EngineWorker
+from server_fixtures import assert_idle, base_url, client, metric, model, post  # noqa: F401 (fixtures)
 from traces.clikit import UserError
 
 PROMPT = "And God said unto Moses"
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_model(default_model_dir())
-
-
-@pytest.fixture(scope="module")
-def base_url(model):
-    worker = EngineWorker(LLMEngine(model, EngineConfig(num_kv_blocks=256))).start()
-    server = Server(worker, "demo")
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    box = {}
-
-    def serve():
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(server.app, handler_cancellation=True)  # as `pwruntime serve` runs it
-        loop.run_until_complete(runner.setup())
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        loop.run_until_complete(site.start())
-        box["port"] = site._server.sockets[0].getsockname()[1]
-        box["runner"] = runner
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    assert started.wait(30)
-    yield f"http://127.0.0.1:{box['port']}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    worker.stop()
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +93,7 @@ def test_client_leaving_mid_stream_aborts_its_request(client, base_url, n):
     import http.client
     from urllib.parse import urlparse
 
-    before = _metric(base_url, "aborted_total")
+    before = metric(base_url, "aborted_total")
     url = urlparse(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     body = json.dumps({"prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True, "n": n})
@@ -158,32 +117,14 @@ def test_malformed_bodies_get_400(base_url, raw, message):
     assert message in json.loads(err.value.read())["error"]["message"]
 
 
-def _post(base_url: str, path: str, raw: bytes, content_type: str = "application/json"):
-    """(status, parsed JSON body) of a raw POST."""
-    import urllib.error
-
-    req = urllib.request.Request(f"{base_url}{path}", data=raw, headers={"Content-Type": content_type})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _metric(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base_url}/metrics").read().decode()
-    return float(next(line.split()[1] for line in text.splitlines() if line.startswith(f"pagedweight_{name} ")))
-
-
 def _expect_aborted(base_url: str, before: float, n: int) -> None:
     """`n` engine requests (choices) were aborted since `before`, and nothing runs, waits or holds KV blocks."""
     for _ in range(100):
-        if _metric(base_url, "aborted_total") >= before + n and _metric(base_url, "running_requests") == 0:
+        if metric(base_url, "aborted_total") >= before + n and metric(base_url, "running_requests") == 0:
             break
         time.sleep(0.1)
-    assert _metric(base_url, "aborted_total") == before + n
-    assert _metric(base_url, "running_requests") == 0 and _metric(base_url, "waiting_requests") == 0
-    assert _metric(base_url, "kv_blocks_free") == _metric(base_url, "kv_blocks_total")
+    assert metric(base_url, "aborted_total") == before + n
+    assert_idle(base_url)
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -207,7 +148,7 @@ def _expect_aborted(base_url: str, before: float, n: int) -> None:
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
 ])
 def test_bad_fields_get_one_clear_400_and_the_engine_keeps_serving(base_url, client, raw, message):
-    status, body = _post(base_url, "/v1/completions", raw)
+    status, body = post(base_url, "/v1/completions", raw)
     assert status == 400 and message in body["error"]["message"], body
     assert urllib.request.urlopen(f"{base_url}/health").status == 200
     assert client.completions.create(model="demo", prompt="A fool", max_tokens=2, temperature=0).choices[0].text
@@ -215,16 +156,16 @@ def test_bad_fields_get_one_clear_400_and_the_engine_keeps_serving(base_url, cli
 
 def test_chat_and_transport_misuse_get_json_errors(base_url):
     bad_role = b'{"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}'
-    status, body = _post(base_url, "/v1/chat/completions", bad_role)
+    status, body = post(base_url, "/v1/chat/completions", bad_role)
     assert status == 400 and "messages[0].role must be one of" in body["error"]["message"]
-    status, body = _post(base_url, "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
+    status, body = post(base_url, "/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}')
     assert status == 400 and "messages[0].content" in body["error"]["message"]
     # JSON is UTF-8 (RFC 8259): an unknown charset label is ignored, not a 500
-    status, body = _post(base_url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', "application/json; charset=foo")
+    status, body = post(base_url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}', "application/json; charset=foo")
     assert status == 200 and body["usage"]["completion_tokens"] == 2
-    status, body = _post(base_url, "/v1/nowhere", b"{}")
+    status, body = post(base_url, "/v1/nowhere", b"{}")
     assert status == 404 and "no route POST /v1/nowhere" in body["error"]["message"]
-    status, body = _post(base_url, "/v1/models", b"{}")
+    status, body = post(base_url, "/v1/models", b"{}")
     assert status == 405 and "POST is not allowed" in body["error"]["message"]
 
 
@@ -254,7 +195,7 @@ def test_stop_strings_still_stream_and_usage_can_be_streamed(client, expected):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_a_client_timing_out_aborts_its_request(base_url, n):
-    before = _metric(base_url, "aborted_total")
+    before = metric(base_url, "aborted_total")
     quick = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=0.5)
     with pytest.raises(openai.APITimeoutError):
         quick.completions.create(model="demo", prompt=PROMPT, max_tokens=2000, temperature=0, n=n)
@@ -265,7 +206,7 @@ def _request_events(worker: EngineWorker, n: int) -> list[tuple]:
     """The events of a request for n greedy choices of 8 tokens: until each choice is done or an error came, and
     any that still come within 0.2 s."""
     async def run():
-        live = await worker.submit(PROMPT, [SamplingParams(max_tokens=8)] * n, stream=False)
+        live = await worker.submit([(PROMPT, SamplingParams(max_tokens=8))] * n, stream=False)
         events = []
         while len(events) < n and not (events and events[-1][0] == "error"):
             events.append(await asyncio.wait_for(live.events.get(), 60))
@@ -436,7 +377,7 @@ def _flat(content) -> tuple[list[str], list[float]]:
 ])
 def test_bad_chat_logprobs_and_n_get_one_clear_400(base_url, fields, message):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
-    status, out = _post(base_url, "/v1/chat/completions", json.dumps(body).encode())
+    status, out = post(base_url, "/v1/chat/completions", json.dumps(body).encode())
     assert status == 400 and message in out["error"]["message"], out
 
 

@@ -1,0 +1,95 @@
+"""vLLM's extra sampling fields on both endpoints: top_k, ignore_eos, stop_token_ids, min_tokens and the presence,
+frequency and repetition penalties; each bad value one 400 naming the field."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from pwruntime.engine import EngineConfig, LLMEngine
+from pwruntime.sampling import SamplingParams
+from server_fixtures import base_url, client, model, post  # noqa: F401 (fixtures)
+
+PROMPT = "And God said unto Moses"
+EOS_SOON = "hi"  # greedy, the demo model ends it with EOS after 12 tokens
+EOS_FIRST = "Who wrote the book of Psalms?"  # greedy, its first token is EOS
+REPEATS = "Hello."  # greedy, it repeats "  I have a" over and over
+
+
+def _complete(client, prompt=PROMPT, **kw):
+    return client.completions.create(model="demo", prompt=prompt, **{"max_tokens": 24, "temperature": 0, **kw})
+
+
+def test_top_k_one_is_greedy_and_minus_one_or_zero_no_cut(client):
+    greedy = _complete(client).choices[0].text
+    assert _complete(client, temperature=1.0, extra_body={"top_k": 1}).choices[0].text == greedy
+    sampled = [_complete(client, temperature=1.0, seed=5, extra_body=extra).choices[0].text
+               for extra in ({}, {"top_k": -1}, {"top_k": 0})]
+    assert sampled[0] != greedy and sampled == [sampled[0]] * 3
+    chat = dict(model="demo", messages=[{"role": "user", "content": "Who wrote Psalms?"}], max_tokens=8)
+    assert (client.chat.completions.create(temperature=1.0, extra_body={"top_k": 1}, **chat).choices[0].message ==
+            client.chat.completions.create(temperature=0, **chat).choices[0].message)
+
+
+def test_ignore_eos_runs_to_max_tokens(client):
+    stopped = _complete(client, EOS_SOON, max_tokens=20)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 20
+    run_on = _complete(client, EOS_SOON, max_tokens=20, extra_body={"ignore_eos": True})
+    assert run_on.choices[0].finish_reason == "length" and run_on.usage.completion_tokens == 20
+    assert run_on.choices[0].text.startswith(stopped.choices[0].text)
+
+
+def test_stop_token_ids_end_a_choice_at_that_token(client, model):
+    greedy = LLMEngine(model, EngineConfig(num_kv_blocks=64)).generate([PROMPT], SamplingParams(max_tokens=24))[0]
+    stop = greedy.token_ids[5]
+    at = greedy.token_ids.index(stop)
+    cut = _complete(client, extra_body={"stop_token_ids": [stop]})
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1  # the stop token counts
+    assert cut.choices[0].text == model.tokenizer.decode(greedy.token_ids[:at])  # and is not shown
+
+
+def test_min_tokens_holds_back_eos_and_stop_strings(client):
+    assert _complete(client, EOS_FIRST).usage.completion_tokens == 1
+    held = _complete(client, EOS_FIRST, extra_body={"min_tokens": 5})
+    assert held.usage.completion_tokens > 5 and held.choices[0].text
+    whole = _complete(client).choices[0].text
+    assert whole.startswith(",") and _complete(client, stop=",").choices[0].text == ""
+    later = _complete(client, stop=",", extra_body={"min_tokens": 3}).choices[0]
+    assert later.finish_reason == "stop" and later.text == whole[:whole.index(",", 1)]
+
+
+@pytest.mark.parametrize("penalty", [{"frequency_penalty": 2.0}, {"presence_penalty": 2.0},
+                                     {"repetition_penalty": 1.5}])
+def test_penalties_break_a_greedy_repetition(client, model, penalty):
+    def most_repeated(r) -> int:
+        return Counter(model.tokenizer.encode(r.choices[0].text, add_special_tokens=False)).most_common(1)[0][1]
+
+    plain = _complete(client, REPEATS, max_tokens=48)
+    assert most_repeated(plain) >= 4
+    penalized = _complete(client, REPEATS, max_tokens=48, extra_body=penalty)
+    assert penalized.choices[0].text != plain.choices[0].text and most_repeated(penalized) <= 2
+    streamed = list(_complete(client, REPEATS, max_tokens=48, stream=True, extra_body=penalty))
+    assert "".join(c.choices[0].text for c in streamed) == penalized.choices[0].text
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"top_k": -2}, "'top_k' must be at least -1, got -2"), ({"top_k": 1.5}, "'top_k' must be an integer"),
+    ({"ignore_eos": "yes"}, "'ignore_eos' must be true or false"),
+    ({"stop_token_ids": [4096]}, "'stop_token_ids' must be a list of token ids (integers in 0..4095), got [4096]"),
+    ({"stop_token_ids": [-1]}, "'stop_token_ids' must be a list of token ids"),
+    ({"stop_token_ids": 3}, "'stop_token_ids' must be a list of token ids"),
+    ({"stop_token_ids": [True]}, "'stop_token_ids' must be a list of token ids"),
+    ({"min_tokens": -1}, "'min_tokens' must be at least 0, got -1"),
+    ({"min_tokens": 3, "max_tokens": 2}, "min_tokens must lie in 0..max_tokens (2), got 3"),
+    ({"presence_penalty": 2.5}, "'presence_penalty' must lie in [-2, 2], got 2.5"),
+    ({"frequency_penalty": "1"}, "'frequency_penalty' must be a number"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0, got 0.0"),
+    ({"repetition_penalty": -1.5}, "repetition_penalty must be a finite number > 0, got -1.5"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_extra_fields_get_one_400_naming_them(base_url, path, fields, message):
+    body = {"max_tokens": 2, **fields}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    status, out = post(base_url, path, json.dumps(body).encode())
+    assert status == 400 and message in out["error"]["message"], out
