@@ -121,7 +121,9 @@ class PageTable:
 
     def in_flight_bytes(self) -> np.ndarray:
         """Per block: bytes held on the GPU beyond M[i, q_i] because of a transfer."""
-        moving = np.isin(self.planes, (PlaneState.TO_GPU, PlaneState.TO_CPU)).sum(axis=1)
+        if not self.busy.any():  # the common step: nothing moves
+            return np.zeros(self.num_blocks, dtype=np.int64)
+        moving = ((self.planes == PlaneState.TO_GPU) | (self.planes == PlaneState.TO_CPU)).sum(axis=1)
         extra_lut = np.zeros(self.num_blocks, dtype=np.int64)
         for i in np.flatnonzero(self.busy):
             # offload holds the old LUT (b = old q > q); reload holds the new one (target > q)
