@@ -1,4 +1,5 @@
-"""The KV block pool: which KV-cache block ids exist, which are free, and each sequence's block table.
+"""The KV block pool: which KV-cache block ids exist, which are free, each sequence's block table, and
+(with prefix caching) which full blocks are cached under the hash of their tokens.
 
 Shared by pwsim and pwruntime (pure python, no tensors). A block holds `block_size` tokens; a
 sequence's block table lists its blocks in token order, so token position `p` lives in slot
@@ -15,16 +16,37 @@ Capacity changes at run time (weight planes give memory to the KV cache and take
   id that is not retired. Retired ids below that are *holes*: invalid (never allocated) but still
   inside the runtime's tensor, so they cost memory until `grow` reuses them (`hole_blocks`).
   `compact()` removes holes by moving live blocks from the top of the id space into the lowest
-  free/hole ids; it returns the `(src, dst)` copies a runtime must make before the next forward.
+  free/hole ids (uncached ones); it returns the `(src, dst)` copies a runtime must make before the
+  next forward.
 * `grow(n)` first revives holes (lowest first), then appends new ids at the top.
 
 Every id in use is valid until its sequence frees it; `shrink` and `grow` never renumber a block in
 use (only `compact` does, and it rewrites the block tables and reports each move).
+
+Prefix caching (`prefix_caching=True`, as vLLM's automatic prefix caching; off by default):
+
+* A *full* block (block_size tokens, all computed) is *registered* (`register`) under a chained hash:
+  sha256 of its parent block's hash (32 zero bytes for a sequence's first block) and its token ids as
+  int64 bytes, so a hash names the block's tokens and every token before them, identically in every run.
+  A hash already held by another block is not registered twice (the sequence keeps its own copy).
+* `match_prefix(token_ids)` returns the longest chain of registered blocks that prefixes the tokens;
+  `allocate(seq, n, prefix)` starts a new sequence's table with them. Blocks are reference-counted: a
+  block shared by k tables has k references, and returns to the free list when the last one is freed,
+  keeping its registration (a *cached free* block, still matchable). Free blocks are all reusable:
+  `num_free` counts cached free ones.
+* Eviction: `allocate` still hands out the lowest free ids, and a cached free block it hands out as a
+  new block loses its registration; so do the cached free blocks `shrink` retires and those `compact`
+  cuts off (it never moves a block into a cached one). `compact` moves a shared live block once,
+  rewrites every table holding it and moves its registration with it.
 """
 from __future__ import annotations
 
 import bisect
-from typing import Hashable
+import hashlib
+from array import array
+from typing import Hashable, Sequence
+
+_ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
 
 
 class BlockPoolError(RuntimeError):
@@ -32,9 +54,9 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    """A fixed-block-size pool with a run-time capacity and per-sequence block tables."""
+    """A fixed-block-size pool with a run-time capacity, per-sequence block tables and optional prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = False) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if num_blocks < 0:
@@ -45,6 +67,11 @@ class BlockPool:
         self._holes: list[int] = []  # retired ids below id_limit, sorted ascending
         self._tables: dict[Hashable, list[int]] = {}
         self._tokens: dict[Hashable, int] = {}  # slots reserved per sequence
+        self._refs: dict[int, int] = {}  # block id in use -> tables holding it
+        self.prefix_caching = bool(prefix_caching)
+        self._hash_of: dict[int, bytes] = {}  # registered block id -> its chained hash
+        self._block_of: dict[bytes, int] = {}  # chained hash -> registered block id
+        self._chain: dict[Hashable, list[bytes]] = {}  # per sequence: the hashes of its leading full blocks
 
     # ----------------------------------------------------------------- views
     @property
@@ -63,7 +90,13 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
+        """Free blocks, cached free ones included (an allocation may evict them)."""
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Registered blocks (in use or cached free)."""
+        return len(self._hash_of)
 
     @property
     def num_used(self) -> int:
@@ -87,13 +120,21 @@ class BlockPool:
     def num_blocks_of(self, seq_id: Hashable) -> int:
         return len(self._tables.get(seq_id, ()))
 
+    def ref_count(self, block_id: int) -> int:
+        """Block tables holding the block (0: free, a hole or out of range)."""
+        return self._refs.get(block_id, 0)
+
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """Additional blocks the sequence needs to hold `num_tokens` tokens in total."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_of(seq_id))
 
-    def can_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """Whether the sequence can grow to `num_tokens` tokens in total with the free blocks."""
-        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+    def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        """Whether the sequence can grow to `num_tokens` tokens in total with the free blocks (a new sequence
+        starting with the matched `prefix` blocks: those that are cached free leave the free list too)."""
+        need = self.blocks_needed(seq_id, num_tokens)
+        if prefix:
+            need += sum(b not in self._refs for b in prefix) - len(prefix)
+        return need <= len(self._free)
 
     def slot(self, seq_id: Hashable, position: int) -> int:
         """The flat slot (block_id * block_size + offset) of a reserved token position."""
@@ -103,19 +144,39 @@ class BlockPool:
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
     # ------------------------------------------------------------ allocation
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+    def allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> list[int]:
         """Reserve slots so the sequence holds `num_tokens` tokens in total; returns the new block ids.
 
         Works for a new sequence and for growing one (prefill chunks, decode). Never shrinks a
-        sequence. Raises BlockPoolError (pool unchanged) when free blocks do not suffice.
+        sequence. `prefix`: registered blocks (`match_prefix`) a new sequence's table starts with, shared
+        with whoever holds them. Raises BlockPoolError (pool unchanged) when free blocks do not suffice.
         """
         need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self._free):
-            raise BlockPoolError(
-                f"sequence {seq_id!r} needs {need} more blocks for {num_tokens} tokens; {len(self._free)} free")
+        cached_free: list[int] = []  # prefix blocks nobody holds: they leave the free list
+        if prefix:
+            if seq_id in self._tables:
+                raise BlockPoolError(f"sequence {seq_id!r} already holds blocks; only a new one takes a prefix")
+            if any(b not in self._hash_of for b in prefix) or len(prefix) > need:
+                raise BlockPoolError(f"prefix {list(prefix)} is not a matched prefix of {num_tokens} tokens")
+            need -= len(prefix)
+            cached_free = [b for b in prefix if b not in self._refs]
+        if need + len(cached_free) > len(self._free):
+            raise BlockPoolError(f"sequence {seq_id!r} needs {need + len(cached_free)} more blocks for {num_tokens} "
+                                 f"tokens; {len(self._free)} free")
+        for b in cached_free:
+            del self._free[bisect.bisect_left(self._free, b)]
+        for b in prefix:
+            self._refs[b] = self._refs.get(b, 0) + 1
+        if prefix:
+            self._chain[seq_id] = [self._hash_of[b] for b in prefix]
         new = self._free[:need]
         del self._free[:need]
-        self._tables.setdefault(seq_id, []).extend(new)
+        for b in new:
+            self._uncache(b)
+            self._refs[b] = 1
+        table = self._tables.setdefault(seq_id, [])
+        table += prefix
+        table += new
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
         return new
 
@@ -126,12 +187,64 @@ class BlockPool:
         return self.slot(seq_id, n - 1)
 
     def free(self, seq_id: Hashable) -> int:
-        """Return all of the sequence's blocks to the pool; returns how many (0 if it held none)."""
+        """Drop the sequence's references to its blocks; returns how many it held (0 if none).
+
+        A block nobody else holds returns to the free list (keeping its registration, if any)."""
         table = self._tables.pop(seq_id, [])
         self._tokens.pop(seq_id, None)
+        self._chain.pop(seq_id, None)
         for b in table:
-            bisect.insort(self._free, b)
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                del self._refs[b]
+                bisect.insort(self._free, b)
         return len(table)
+
+    # --------------------------------------------------------- prefix caching
+    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """The registered blocks of the longest chain of full blocks that prefixes `token_ids` ([] when off)."""
+        matched: list[int] = []
+        if not self.prefix_caching:
+            return matched
+        parent = _ROOT_HASH
+        for j in range(len(token_ids) // self.block_size):
+            parent = self._hash(parent, token_ids, j)
+            b = self._block_of.get(parent)
+            if b is None:
+                break
+            matched.append(b)
+        return matched
+
+    def register(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+        """Register the sequence's full blocks whose tokens (`token_ids`, from position 0) are all computed and
+        not yet hashed; returns how many blocks became matchable (0 when prefix caching is off).
+
+        A block whose hash another block already holds is not registered (that one stays the cached copy)."""
+        table = self._tables.get(seq_id)
+        if not self.prefix_caching or not table:
+            return 0
+        full = min(int(num_computed_tokens), len(token_ids)) // self.block_size
+        chain = self._chain.setdefault(seq_id, [])
+        added = 0
+        for j in range(len(chain), min(full, len(table))):
+            h = self._hash(chain[-1] if chain else _ROOT_HASH, token_ids, j)
+            chain.append(h)
+            if h not in self._block_of:
+                self._hash_of[table[j]] = h
+                self._block_of[h] = table[j]
+                added += 1
+        return added
+
+    def _hash(self, parent: bytes, token_ids: Sequence[int], j: int) -> bytes:
+        """The chained hash of block `j` of `token_ids` under its parent block's hash."""
+        block = token_ids[j * self.block_size:(j + 1) * self.block_size]
+        return hashlib.sha256(parent + array("q", block).tobytes()).digest()
+
+    def _uncache(self, b: int) -> None:
+        """Drop block b's registration (it is evicted, retired or overwritten)."""
+        h = self._hash_of.pop(b, None)
+        if h is not None:
+            del self._block_of[h]
 
     # -------------------------------------------------------------- capacity
     def grow(self, n: int) -> None:
@@ -160,6 +273,7 @@ class BlockPool:
         retired = self._free[-n:]
         del self._free[-n:]
         for b in retired:
+            self._uncache(b)
             bisect.insort(self._holes, b)
         self._trim()
         return self._id_limit
@@ -168,22 +282,34 @@ class BlockPool:
         """Move live blocks from the top of the id space into lower free/hole ids until no hole remains.
 
         Returns the `(src, dst)` block copies made (a runtime copies K/V of block src into dst
-        before the next forward). Block tables are rewritten; `id_limit` drops to `capacity`.
+        before the next forward). Block tables are rewritten (a shared block moves once, every table
+        holding it follows, and so does its registration); `id_limit` drops to `capacity`. Destinations
+        are the lowest holes and uncached free ids below `capacity`, of which there are always enough (as
+        many holes lie below it as live and free blocks above it), so cached free blocks below `capacity`
+        keep their registration; those at or above it are cut off and evicted.
         """
         moves: list[tuple[int, int]] = []
         if not self._holes:
             return moves
         target = self.capacity  # after compaction every id < target is usable, none above
-        owner = {b: (sid, j) for sid, t in self._tables.items() for j, b in enumerate(t) if b >= target}
-        low_free = [b for b in self._free if b < target] + [b for b in self._holes if b < target]
-        low_free.sort()
-        for src in sorted(owner):
-            dst = low_free.pop(0)
-            sid, j = owner[src]
-            self._tables[sid][j] = dst
+        holders: dict[int, list[tuple[Hashable, int]]] = {}
+        for sid, t in self._tables.items():
+            for j, b in enumerate(t):
+                if b >= target:
+                    holders.setdefault(b, []).append((sid, j))
+        low = sorted(b for b in self._free + self._holes if b < target and b not in self._hash_of)
+        for src, dst in zip(sorted(holders), low):
+            for sid, j in holders[src]:
+                self._tables[sid][j] = dst
+            self._refs[dst] = self._refs.pop(src)
+            h = self._hash_of.pop(src, None)
+            if h is not None:
+                self._hash_of[dst], self._block_of[h] = h, dst
             moves.append((src, dst))
-        used = {b for t in self._tables.values() for b in t}
-        self._free = [b for b in range(target) if b not in used]
+        for b in self._free:
+            if b >= target:
+                self._uncache(b)
+        self._free = [b for b in range(target) if b not in self._refs]
         self._holes = []
         self._id_limit = target
         return moves
@@ -195,9 +321,18 @@ class BlockPool:
 
     # ------------------------------------------------------------ invariants
     def check_invariants(self) -> None:
-        """Raise BlockPoolError if ids are double-booked or out of range (tests and debug runs)."""
-        used = [b for t in self._tables.values() for b in t]
-        everything = used + self._free + self._holes
+        """Raise BlockPoolError if ids are double-booked, out of range or miscounted (tests and debug runs)."""
+        holders: dict[int, int] = {}
+        for t in self._tables.values():
+            if len(set(t)) != len(t):
+                raise BlockPoolError("a block table holds a block twice")
+            for b in t:
+                holders[b] = holders.get(b, 0) + 1
+        if holders != self._refs:
+            raise BlockPoolError("reference counts differ from the tables holding each block")
+        if not self.prefix_caching and any(n > 1 for n in holders.values()):
+            raise BlockPoolError("a block is shared without prefix caching")
+        everything = list(holders) + self._free + self._holes
         if len(set(everything)) != len(everything):
             raise BlockPoolError("a block id is in two places (double allocation)")
         if sorted(everything) != list(range(self._id_limit)):
@@ -207,3 +342,9 @@ class BlockPool:
         for sid, t in self._tables.items():
             if len(t) != self.blocks_for(self._tokens.get(sid, 0)):
                 raise BlockPoolError(f"sequence {sid!r}: {len(t)} blocks for {self._tokens.get(sid, 0)} tokens")
+        if {h: b for b, h in self._hash_of.items()} != self._block_of:
+            raise BlockPoolError("the hash -> block map is not the inverse of block -> hash")
+        if not set(self._hash_of) <= set(holders) | set(self._free):
+            raise BlockPoolError("a registered block is a hole or out of range")
+        if any(len(self._chain[sid]) > len(t) for sid, t in self._tables.items() if sid in self._chain):
+            raise BlockPoolError("a sequence hashed more blocks than it holds")

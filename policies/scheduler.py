@@ -14,6 +14,10 @@ Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
 2. If nobody was preempted this step, waiting sequences are admitted first-come first-served
    while there is budget, fewer than `max_num_seqs` run, and the pool can hold the head's first
    chunk (`min(uncomputed, budget left)` tokens). The head blocks the queue (no overtaking).
+   With a prefix-caching pool, a sequence with token ids (a simulator's have none) first shares
+   the cached full blocks that prefix its tokens (prompt and outputs so far, for a re-admitted one),
+   but at least its last token is computed (the step that samples needs its logits): its chunk
+   starts after them, and only the blocks it takes from the free list count against the pool.
 3. A step that schedules nothing while requests are unfinished is a *stall* (the pool is too
    small for the oldest request on its own). An engine keeps calling (its planner may grow the
    pool meanwhile); after `stall_limit` consecutive stalls the blocking request is finished with
@@ -22,6 +26,8 @@ Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
 `postprocess(batch, sampled)` advances `num_computed_tokens`, appends the sampled tokens
 (`None` for a simulator: `UNKNOWN_TOKEN` each), applies the stops (EOS, stop tokens, max tokens,
 then the engine's optional `stop(seq)` callback, e.g. for stop strings), and frees finished blocks.
+With a prefix-caching pool it first registers each entry's newly full computed blocks, so even a
+sequence that finishes in this step leaves them cached.
 """
 from __future__ import annotations
 
@@ -87,6 +93,7 @@ class Scheduler:
     running: list = field(default_factory=list)  # admission order, oldest first
     num_steps: int = 0
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # tokens admissions skipped because their blocks were cached (prefix caching)
     _stalls: int = 0
 
     def __post_init__(self) -> None:
@@ -149,14 +156,18 @@ class Scheduler:
         if not preempted and not blocked:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
-                n = min(seq.num_uncomputed_tokens, budget)
-                if not self.pool.can_allocate(seq.seq_id, n):
+                prefix = self._cached_prefix(seq)
+                start = len(prefix) * self.pool.block_size
+                n = min(seq.num_tokens - start, budget)
+                if not self.pool.can_allocate(seq.seq_id, start + n, prefix):
                     break
                 self.waiting.popleft()
-                self.pool.allocate(seq.seq_id, n)
+                self.pool.allocate(seq.seq_id, start + n, prefix)
+                seq.num_computed_tokens = start
+                self.num_cached_tokens += start
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                entries.append(ScheduledSeq(seq, n, 0, n == seq.num_tokens))
+                entries.append(ScheduledSeq(seq, n, start, start + n == seq.num_tokens))
                 budget -= n
         aborted: list[Sequence] = []
         stalled = not entries and self.has_unfinished()
@@ -169,6 +180,12 @@ class Scheduler:
         self.num_steps += 1
         return ScheduledBatch(self.num_steps - 1, tuple(entries), tuple(preempted), tuple(aborted), stalled,
                               len(self.running), len(self.waiting))
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks a waiting sequence can share: full blocks of all its tokens but the last one."""
+        if not self.pool.prefix_caching or seq.prompt_token_ids is None:
+            return []
+        return self.pool.match_prefix(seq.token_ids(0, seq.num_tokens - 1))
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.running.remove(seq)
@@ -197,6 +214,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 raise ValueError(f"sequence {seq.seq_id!r} is no longer running; postprocess each batch once")
             seq.num_computed_tokens = e.start + e.num_new_tokens
+            if self.pool.prefix_caching and seq.prompt_token_ids is not None:
+                self._register(e)
             if not e.sample:
                 continue
             token = int(next(tokens))
@@ -208,6 +227,12 @@ class Scheduler:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _register(self, e: ScheduledSeq) -> None:
+        """Register the entry's blocks that this step filled (the token ids are read only then)."""
+        size, end = self.pool.block_size, e.start + e.num_new_tokens
+        if end // size > e.start // size:
+            self.pool.register(e.seq.seq_id, e.seq.token_ids(0, end // size * size), end)
 
     # ------------------------------------------------------------------ views
     def pending_blocks(self) -> int:

@@ -36,7 +36,7 @@ def register(subparsers) -> None:
 
 
 def add_engine_args(p) -> None:
-    """The model, engine and planner options `generate` and `serve` share."""
+    """The model, engine and planner options `generate`, `serve` and `replay` share."""
     p.add_argument("--model", help="HuggingFace checkpoint directory (default: the bundled demo model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "fp32", "fp16", "bf16"],
                    help="weights/activations dtype (auto: fp32 on cpu, bf16 on cuda)")
@@ -45,6 +45,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the cached KV blocks of a common prompt prefix between requests (default off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run decode steps eagerly on CUDA (default: replay captured graphs when the experts allow)")
     w = p.add_argument_group("any-precision experts and a planner (CUDA: AP kernels, planes paged on a copy "
@@ -134,7 +136,8 @@ def _engine_config(args):
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs)
+                        max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
+                        prefix_caching=args.enable_prefix_caching)
 
 
 def build_engine(args):
@@ -185,6 +188,7 @@ def run(args) -> int:
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
+                      "prefix_cache_hit_tokens": engine.scheduler.num_cached_tokens,
                       "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
                       "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
                       "plans": engine.loop.num_plans, "mean_bits_start": round(start_bits, 4),

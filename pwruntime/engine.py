@@ -22,6 +22,12 @@ stop strings, too, are looked for only once a request has more than `min_tokens`
 
 Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
 traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
+
+Prefix caching (`prefix_caching`, off by default; policies.kv_blocks): a request admitted while full KV blocks
+holding its leading tokens are cached shares them and computes only the rest (at least its last token), so the
+routing observation (routing mass, prompt features) sees only the tokens computed: cached tokens are not observed
+again. A routing trace needs every position's routing, so trace recording refuses prefix caching. Resizes
+(`grow_kv`, `shrink_kv` and its compaction) keep cached and shared blocks: the pool reports each move once.
 """
 from __future__ import annotations
 
@@ -78,6 +84,7 @@ class EngineConfig:
     record_traces: bool = False
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
     graph_settle_steps: int = 8  # after a KV resize, decode steps that run eagerly before graphs are captured again
+    prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,10 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.clock, self.t0 = clock, clock()
         self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype)
-        self.pool = BlockPool(self._initial_blocks(), cfg.block_size)
+        if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
+            raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
+                            "record traces without prefix caching")
+        self.pool = BlockPool(self._initial_blocks(), cfg.block_size, prefix_caching=cfg.prefix_caching)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,

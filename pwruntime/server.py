@@ -174,7 +174,7 @@ class EngineWorker:
 
 
 COUNTERS = ("requests_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
-            "steps_total")
+            "steps_total", "prefix_cache_hit_tokens_total")
 
 
 def _error_payload(message: str, status: int = 400, code: str | None = None) -> dict:
@@ -278,7 +278,8 @@ class Server:
         gauges = {"running_requests": len(eng.scheduler.running), "waiting_requests": len(eng.scheduler.waiting),
                   "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
                   "mean_committed_bits": eng.table.mean_bits(), "expert_resident_bytes": eng.table.resident_bytes(),
-                  "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps}
+                  "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps,
+                  "prefix_cache_hit_tokens_total": eng.scheduler.num_cached_tokens}
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
         for name, value in {**m, **gauges}.items():

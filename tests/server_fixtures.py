@@ -1,12 +1,15 @@
 """The server fixtures shared by the server tests: the demo model, a running `Server` over an `EngineWorker` on
-loopback and the official `openai` client of it, and helpers that read raw responses and /metrics."""
+loopback (`serving` runs one over any engine) and the official `openai` client of it, and helpers that read raw
+responses and /metrics."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -25,7 +28,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def base_url(model):
-    worker = EngineWorker(LLMEngine(model, EngineConfig(num_kv_blocks=256))).start()
+    with serving(LLMEngine(model, EngineConfig(num_kv_blocks=256))) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(engine: LLMEngine) -> Iterator[str]:
+    """The base URL of a `Server` named "demo" over `engine`, on loopback until the block ends."""
+    worker = EngineWorker(engine).start()
     server = Server(worker, "demo")
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -46,10 +56,12 @@ def base_url(model):
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     assert started.wait(30)
-    yield f"http://127.0.0.1:{box['port']}"
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(10)
-    worker.stop()
+    try:
+        yield f"http://127.0.0.1:{box['port']}"
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        worker.stop()
 
 
 @pytest.fixture(scope="module")

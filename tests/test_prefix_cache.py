@@ -1,0 +1,453 @@
+"""Prefix caching: the pool's chained-hash registry, reference counts and cached free blocks (eviction, shrink,
+compaction), the scheduler's admission over cached blocks, and the runtime's outputs, CLI stats and /metrics with
+it on (greedy outputs equal to prefix caching off)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from policies.kv_blocks import BlockPool, BlockPoolError
+from policies.scheduler import Scheduler
+from policies.sequence import Sequence
+from pwruntime.cli import main
+from pwruntime.engine import EngineConfig, LLMEngine
+from pwruntime.sampling import SamplingParams
+from server_fixtures import metric, metrics_text, model, post, serving  # noqa: F401 (fixtures)
+from traces.clikit import UserError
+
+# ------------------------------------------------------------------ the pool
+
+
+def test_register_and_match_a_chain():
+    pool = BlockPool(8, block_size=4, prefix_caching=True)
+    toks = list(range(10, 20))  # two full blocks and a partial one
+    assert pool.allocate("a", 10) == [0, 1, 2]
+    assert pool.match_prefix(toks) == []  # nothing registered yet
+    assert pool.register("a", toks, 7) == 1  # only the first block is full and computed
+    assert pool.match_prefix(toks) == [0]
+    assert pool.register("a", toks, 10) == 1 and pool.register("a", toks, 10) == 0  # never the partial block
+    assert pool.match_prefix(toks) == [0, 1]
+    assert pool.match_prefix(toks[:7]) == [0]  # full blocks only
+    assert pool.match_prefix(toks[:5] + [99] + toks[6:]) == [0]  # stops at the first miss
+    assert pool.match_prefix([99] + toks[1:]) == []
+    assert pool.match_prefix(toks[4:8] + toks[:4]) == []  # chained: block 1's tokens at position 0 are not block 1
+    assert pool.num_cached_blocks == 2
+    pool.check_invariants()
+
+
+def test_shared_blocks_are_reference_counted_and_stay_cached_when_free():
+    pool = BlockPool(8, block_size=4, prefix_caching=True)
+    toks = list(range(10, 20))
+    pool.allocate("a", 10)
+    pool.register("a", toks, 10)
+    prefix = pool.match_prefix(toks[:9])
+    assert prefix == [0, 1]
+    assert pool.allocate("b", 10, prefix) == [3]  # the new block only
+    assert pool.block_table("b") == [0, 1, 3]
+    assert [pool.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert pool.num_used == 4 and pool.num_free == 4
+    pool.check_invariants()
+    assert pool.free("a") == 3
+    assert pool.block_table("b") == [0, 1, 3] and [pool.ref_count(b) for b in range(4)] == [1, 1, 0, 1]
+    assert pool.num_free == 5  # only a's own block came back
+    pool.check_invariants()
+    pool.free("b")
+    assert pool.num_free == pool.capacity == 8 and pool.num_used == 0
+    assert pool.match_prefix(toks) == [0, 1] and pool.num_cached_blocks == 2  # cached free
+    pool.check_invariants()
+    assert pool.allocate("c", 10, [0, 1]) == [2]  # the cached free prefix leaves the free list, then the lowest
+    assert pool.block_table("c") == [0, 1, 2] and pool.num_free == 5
+    pool.check_invariants()
+
+
+def test_admission_counts_only_the_blocks_it_takes_from_the_free_list():
+    pool = BlockPool(4, block_size=4, prefix_caching=True)
+    toks = list(range(12))
+    pool.allocate("a", 12)
+    pool.register("a", toks, 12)
+    prefix = pool.match_prefix(toks[:11])
+    assert prefix == [0, 1] and pool.num_free == 1
+    assert pool.can_allocate("b", 12, prefix) and not pool.can_allocate("b", 13, prefix)
+    assert not pool.can_allocate("b", 12)
+    pool.free("a")
+    assert pool.can_allocate("c", 16, prefix) and not pool.can_allocate("c", 17, prefix)  # 2 cached + new ones
+    with pytest.raises(BlockPoolError):
+        pool.allocate("c", 17, prefix)
+    assert not pool.has("c") and pool.num_free == 4 and pool.num_cached_blocks == 3  # unchanged
+    with pytest.raises(BlockPoolError, match="matched prefix"):
+        pool.allocate("c", 8, [3])  # not registered
+    pool.allocate("c", 16, prefix)
+    with pytest.raises(BlockPoolError, match="new one"):
+        pool.allocate("c", 16, prefix)
+    pool.check_invariants()
+
+
+def test_new_blocks_evict_the_lowest_cached_free_block_only():
+    pool = BlockPool(6, block_size=2, prefix_caching=True)
+    x, y = [1, 2, 3, 4], [5, 6, 7, 8]
+    for sid, toks in (("x", x), ("y", y)):
+        pool.allocate(sid, 4)
+        pool.register(sid, toks, 4)
+    pool.free("y")
+    pool.free("x")
+    assert pool.num_cached_blocks == 4 and pool.num_free == 6
+    assert pool.allocate("z", 1) == [0]
+    assert pool.num_cached_blocks == 3
+    assert pool.match_prefix(x) == []  # its first block is gone, so is its chain
+    assert pool.match_prefix(y) == [2, 3]
+    pool.check_invariants()
+    pool.allocate("z", 2)
+    assert pool.register("z", [9, 9], 2) == 1  # block 0 now caches z's tokens
+    assert pool.match_prefix([9, 9]) == [0] and pool.match_prefix(x) == []
+    pool.check_invariants()
+
+
+def test_a_duplicate_block_keeps_the_registered_copy_and_its_chain_goes_on():
+    pool = BlockPool(4, block_size=2, prefix_caching=True)
+    pool.allocate("a", 3)
+    pool.allocate("b", 3)  # the same tokens computed twice, side by side
+    assert pool.register("a", [1, 2, 3], 3) == 1
+    assert pool.register("b", [1, 2, 3], 3) == 0
+    assert pool.match_prefix([1, 2, 3]) == [0] and pool.num_cached_blocks == 1
+    pool.allocate("b", 4)
+    assert pool.register("b", [1, 2, 3, 4], 4) == 1  # b's second block chains on the hash b's copy shares
+    assert pool.match_prefix([1, 2, 3, 4]) == [0, 3]
+    pool.check_invariants()
+
+
+def test_shrink_drops_the_registrations_of_retired_blocks():
+    pool = BlockPool(4, block_size=1, prefix_caching=True)
+    pool.allocate("a", 3)
+    pool.register("a", [5, 6, 7], 3)
+    pool.allocate("b", 1)  # block 3 stays live
+    pool.free("a")
+    assert pool.shrink(2) == 4  # retires 2 and 1: holes under block 3
+    assert pool.hole_blocks == 2 and pool.num_cached_blocks == 1 and pool.match_prefix([5, 6, 7]) == [0]
+    pool.check_invariants()
+    pool.grow(2)  # the revived holes hold nothing matchable
+    assert pool.match_prefix([5, 6, 7]) == [0]
+    pool.check_invariants()
+    pool.free("b")
+    pool.shrink(4)
+    assert pool.num_cached_blocks == 0 and pool.match_prefix([5, 6, 7]) == []
+    pool.check_invariants()
+
+
+def test_compact_moves_a_shared_block_once():
+    pool = BlockPool(8, block_size=2, prefix_caching=True)
+    pool.allocate("filler", 8)  # 0..3
+    t = [1, 2, 3, 4]
+    pool.allocate("a", 4)  # 4, 5
+    pool.register("a", t, 4)
+    assert pool.allocate("b", 5, pool.match_prefix(t)) == [6]
+    pool.free("filler")
+    assert pool.shrink(3) == 7  # retires 7, 3, 2: holes under the live blocks
+    assert pool.hole_blocks == 2 and pool.capacity == 5
+    moves = pool.compact()
+    assert moves == [(5, 0), (6, 1)]  # block 5, held by a and b, moves once
+    assert pool.block_table("a") == [4, 0] and pool.block_table("b") == [4, 0, 1]
+    assert pool.ref_count(0) == 2 and pool.ref_count(5) == 0
+    assert pool.match_prefix(t) == [4, 0]  # the registration moved with it
+    pool.check_invariants()
+
+
+def test_compact_keeps_cached_free_blocks_below_the_target_and_moves_into_uncached_ids_first():
+    pool = BlockPool(5, block_size=1, prefix_caching=True)
+    for i in range(5):  # sequence i holds block i, caching [10 * i]
+        pool.allocate(i, 1)
+        pool.register(i, [10 * i], 1)
+    pool.free(0)
+    pool.free(1)
+    pool.shrink(1)  # retires 1: a hole under live blocks, capacity 4
+    pool.free(3)
+    assert pool.capacity == 4 and pool.id_limit == 5
+    assert pool.compact() == [(4, 1)]  # into the hole, not the lower cached free block 0
+    assert pool.block_table(4) == [1]
+    assert [pool.match_prefix([10 * i]) for i in range(5)] == [[0], [], [2], [3], [1]]
+    pool.check_invariants()
+
+
+def test_compact_evicts_cached_free_blocks_it_cuts_off():
+    pool = BlockPool(4, block_size=1, prefix_caching=True)
+    for i in range(4):
+        pool.allocate(i, 1)
+        pool.register(i, [10 * i], 1)
+    pool.free(0)
+    pool.free(1)
+    pool.shrink(1)  # hole 1, capacity 3
+    pool.free(3)
+    pool.free(2)
+    assert pool.compact() == [] and pool.id_limit == 3
+    assert [pool.match_prefix([10 * i]) for i in range(4)] == [[0], [], [2], []]
+    pool.check_invariants()
+
+
+_pool_ops = st.lists(st.tuples(
+    st.sampled_from(["alloc", "append", "free", "grow", "shrink", "compact", "register"]),
+    st.integers(0, 3), st.integers(0, 12)), max_size=50)
+
+
+@settings(max_examples=100, deadline=None)
+@given(initial=st.integers(0, 10), block_size=st.integers(1, 4), ops=_pool_ops)
+def test_without_prefix_caching_nothing_is_shared_or_matched(initial, block_size, ops):
+    """A pool with prefix caching off, told to register, behaves as a caching pool that registers nothing."""
+    off = BlockPool(initial, block_size)
+    inert = BlockPool(initial, block_size, prefix_caching=True)
+    for op, seq, n in ops:
+        tokens = list(range(n))
+        results = []
+        for pool in (off, inert):
+            if op == "alloc":
+                want = pool.num_tokens(seq) + n
+                results.append(pool.allocate(seq, want) if pool.can_allocate(seq, want) else None)
+            elif op == "append":
+                results.append(pool.append_slot(seq) if pool.can_allocate(seq, pool.num_tokens(seq) + 1) else None)
+            elif op == "free":
+                results.append(pool.free(seq))
+            elif op == "grow":
+                results.append(pool.grow(n))
+            elif op == "shrink":
+                results.append(pool.shrink(n) if n <= pool.num_free else None)
+            elif op == "compact":
+                results.append(pool.compact())
+            elif pool is off:
+                results.append(pool.register(seq, tokens, n))
+            else:
+                results.append(0)
+        assert results[0] == results[1]
+        assert off.match_prefix(tokens) == [] == inert.match_prefix(tokens)
+        assert off.num_cached_blocks == 0
+        for attr in ("id_limit", "capacity", "num_free", "hole_blocks"):
+            assert getattr(off, attr) == getattr(inert, attr)
+        assert [off.block_table(s) for s in range(4)] == [inert.block_table(s) for s in range(4)]
+        off.check_invariants()
+
+
+_SEQS = 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_size=st.integers(1, 3), initial=st.integers(2, 10),
+       prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=9), min_size=_SEQS, max_size=_SEQS),
+       ops=st.lists(st.tuples(st.sampled_from(["run", "free", "shrink", "grow", "compact"]),
+                              st.integers(0, _SEQS - 1), st.integers(0, 4)), max_size=40))
+def test_random_operations_share_only_blocks_that_hold_the_same_tokens(block_size, initial, prompts, ops):
+    """Sequences admitted as the scheduler admits them (over their cached prefix, computing the rest and
+    registering it), freed, the pool resized and compacted: every block a match returns holds the matched tokens
+    (tracked as a runtime's K/V would be: written by the sequence computing it, copied by compaction, lost above
+    `id_limit`), and no sequence writes a block another one holds."""
+    pool = BlockPool(initial, block_size, prefix_caching=True)
+    content: dict[int, tuple] = {}
+
+    def check(tokens: list[int], matched: list[int]) -> None:
+        for j, b in enumerate(matched):
+            assert content.get(b) == tuple(tokens[j * block_size:(j + 1) * block_size])
+
+    for op, s, n in ops:
+        tokens = prompts[s]
+        if op == "run" and not pool.has(s):
+            prefix = pool.match_prefix(tokens[:-1])
+            check(tokens, prefix)
+            if pool.can_allocate(s, len(tokens), prefix):
+                pool.allocate(s, len(tokens), prefix)
+                table = pool.block_table(s)
+                for j in range(len(prefix), len(table)):
+                    assert pool.ref_count(table[j]) == 1
+                    content[table[j]] = tuple(tokens[j * block_size:(j + 1) * block_size])
+                pool.register(s, tokens, len(tokens))
+            else:
+                with pytest.raises(BlockPoolError):
+                    pool.allocate(s, len(tokens), prefix)
+        elif op == "free":
+            pool.free(s)
+        elif op == "shrink" and n <= pool.num_free:
+            pool.shrink(n)
+        elif op == "grow":
+            pool.grow(n)
+        elif op == "compact":
+            before = dict(content)
+            for src, dst in pool.compact():
+                content[dst] = before.get(src)
+        for b in [b for b in content if b >= pool.id_limit]:  # a runtime's cache is cut there
+            del content[b]
+        pool.check_invariants()
+    for tokens in prompts:
+        check(tokens, pool.match_prefix(tokens))
+
+
+# ------------------------------------------------------------- the scheduler
+
+
+def _step(scheduler: Scheduler, token: int = 7):
+    batch = scheduler.schedule()
+    scheduler.postprocess(batch, [token] * batch.num_sampled)
+    return batch
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_second_request_with_the_same_prompt_shares_its_full_blocks(caching):
+    pool = BlockPool(4, block_size=16, prefix_caching=caching)
+    scheduler = Scheduler(pool)
+    a = Sequence("a", list(range(40)), max_tokens=4)
+    scheduler.add(a)
+    _step(scheduler)
+    b = Sequence("b", list(range(40)), max_tokens=4)
+    scheduler.add(b)
+    batch = scheduler.schedule()
+    if not caching:  # b needs 3 blocks, 1 is free
+        assert [e.seq for e in batch.entries] == [a] and scheduler.num_cached_tokens == 0
+        return
+    entry = batch.entries[-1]
+    assert entry.seq is b and entry.start == 32 and entry.num_new_tokens == 8 and entry.sample
+    assert b.num_computed_tokens == 32 and scheduler.num_cached_tokens == 32
+    assert pool.block_table("b")[:2] == pool.block_table("a")[:2]
+    assert [pool.ref_count(x) for x in pool.block_table("b")] == [2, 2, 1]
+    scheduler.postprocess(batch, [7, 7])
+    assert b.num_computed_tokens == 40 and b.output_token_ids == [7]
+    pool.check_invariants()
+
+
+def test_a_prompt_of_whole_blocks_still_computes_its_last_token():
+    pool = BlockPool(8, block_size=16, prefix_caching=True)
+    scheduler = Scheduler(pool)
+    scheduler.add(Sequence("a", list(range(32)), max_tokens=1))
+    _step(scheduler)  # a finishes at once: its two blocks stay cached
+    assert pool.num_used == 0 and pool.num_cached_blocks == 2
+    b = Sequence("b", list(range(32)), max_tokens=1)
+    scheduler.add(b)
+    (entry,) = _step(scheduler).entries
+    assert entry.start == 16 and entry.num_new_tokens == 16 and entry.sample
+    assert scheduler.num_cached_tokens == 16 and b.is_finished
+
+
+def test_sequences_without_token_ids_are_never_matched():
+    pool = BlockPool(8, block_size=4, prefix_caching=True)
+    scheduler = Scheduler(pool)
+    for sid in ("a", "b"):
+        scheduler.add(Sequence(sid, prompt_len=12, max_tokens=2))
+        _step(scheduler)
+    assert scheduler.num_cached_tokens == 0 and pool.num_cached_blocks == 0
+
+
+def test_a_preempted_sequence_is_readmitted_over_its_own_cached_blocks():
+    pool = BlockPool(3, block_size=4, prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_batched_tokens=64)
+    a = Sequence("a", [100], max_tokens=5)
+    b = Sequence("b", [200], max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    held, readmitted = None, None
+    for step in range(30):
+        tables = {s.seq_id: pool.block_table(s.seq_id) for s in scheduler.running}
+        batch = _step(scheduler, 50 + step)
+        if b in batch.preempted:
+            held = tables["b"]
+        elif held is not None and readmitted is None and any(e.seq is b for e in batch.entries):
+            readmitted = next(e for e in batch.entries if e.seq is b)
+            assert pool.block_table("b")[:1] == held[:1]
+        pool.check_invariants()
+    assert held == [1] and b.num_preemptions == 1
+    assert readmitted.start == 4 and readmitted.num_new_tokens == 1 and scheduler.num_cached_tokens == 4
+    assert a.is_finished and b.is_finished and len(b.output_token_ids) == 8
+
+
+# ---------------------------------------------------------------- the runtime
+
+PREFIX = ("And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say unto the children of Israel, "
+          "I AM hath sent me unto you.")
+PROMPTS = [PREFIX + s for s in (" And Moses", " The king of", " Behold, the", " Then said")]
+
+
+def _greedy(max_tokens: int = 16) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens)
+
+
+def _engine(model, **config) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(**config))
+
+
+def test_the_prompts_share_a_long_prefix(model):
+    ids = [model.tokenizer.encode(p) for p in PROMPTS]
+    common = next(i for i in range(len(ids[0])) if len({tuple(x[:i + 1]) for x in ids}) > 1)
+    assert common >= 32  # two blocks of 16
+
+
+@pytest.mark.parametrize("config", [{"num_kv_blocks": 64}, {"num_kv_blocks": 24, "block_size": 4}],
+                         ids=["roomy", "preempting"])
+def test_greedy_outputs_equal_with_prefix_caching_off(model, config):
+    outs = {}
+    for caching in (False, True):
+        engine = _engine(model, prefix_caching=caching, **config)
+        outs[caching] = [[o.token_ids for o in engine.generate(PROMPTS, _greedy())] for _ in range(2)]
+        assert (engine.scheduler.num_cached_tokens > 0) == caching
+        assert engine.pool.num_free == engine.pool.capacity
+        if config["num_kv_blocks"] == 24:
+            assert engine.scheduler.num_preemptions > 0
+    assert outs[True] == outs[False]
+    assert len({tuple(o) for o in outs[False][0]}) > 1  # not degenerate
+
+
+def test_outputs_survive_shrink_with_compaction_and_grow_over_shared_blocks(model):
+    """A shared live block above the retired ids moves once (both tables follow); cached blocks that survive the
+    resize are hit by the next round; the outputs stay those of an engine without prefix caching."""
+    filler = model.tokenizer.encode("A fool uttereth all his mind: but a wise man keepeth it in till afterwards. " * 3)
+    first, second = (model.tokenizer.encode(p) for p in PROMPTS[:2])
+    outs, moved = {}, {}
+    for caching in (False, True):
+        engine = _engine(model, prefix_caching=caching, num_kv_blocks=64, block_size=4)
+        done = []
+        # the filler takes the lowest blocks and finishes at once; once the second prompt has taken one of them,
+        # the shrink retires the others: holes under the first prompt's blocks, shared ones among them
+        engine.add_request(filler[:40], _greedy(1))
+        r1 = engine.add_request(first, _greedy())
+        done += engine.step()
+        r2 = engine.add_request(second, _greedy())
+        done += engine.step()
+        before = engine.pool.block_table(r1), engine.pool.block_table(r2)
+        assert engine.shrink_kv(engine.pool.num_free)
+        after = engine.pool.block_table(r1), engine.pool.block_table(r2)
+        assert engine.pool.id_limit == engine.kv.num_blocks == engine.pool.capacity
+        moved[caching] = before, after
+        engine.grow_kv(40)
+        while engine.has_unfinished():
+            done += engine.step()
+        hits = engine.scheduler.num_cached_tokens
+        again = [o.token_ids for o in engine.generate(PROMPTS, _greedy())]
+        assert (hits > 0) == caching and (engine.scheduler.num_cached_tokens > hits) == caching
+        outs[caching] = [[o.token_ids for o in sorted(done, key=lambda o: o.request_id)], again]
+    (b1, b2), (a1, a2) = moved[True]
+    assert b1[:8] == b2[:8] and a1[:8] == a2[:8]  # 8 shared blocks (32 tokens) before and after
+    assert any(x != y for x, y in zip(b1[:8], a1[:8]))  # a shared block moved
+    assert outs[True] == outs[False]
+
+
+def test_trace_recording_refuses_prefix_caching(model):
+    with pytest.raises(UserError, match="prefix caching"):
+        _engine(model, prefix_caching=True, record_traces=True)
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_generate_json_reports_prefix_cache_hits(capsys, flag):
+    args = ["generate", "--prompt", PROMPTS[0], "--prompt", PROMPTS[0], "--max-tokens", "4", "--max-num-seqs", "1",
+            "--num-kv-blocks", "32", "--device", "cpu", "--json"]
+    assert main(args + ["--enable-prefix-caching"] * flag) == 0
+    out = json.loads(capsys.readouterr().out)
+    hits = out["stats"]["prefix_cache_hit_tokens"]
+    assert hits >= 32 if flag else hits == 0
+    first, second = out["outputs"]
+    assert first["token_ids"] == second["token_ids"]
+
+
+def test_metrics_count_prefix_cache_hit_tokens(model):
+    with serving(_engine(model, num_kv_blocks=256, prefix_caching=True)) as url:
+        name = "prefix_cache_hit_tokens_total"
+        assert f"# TYPE pagedweight_{name} counter" in metrics_text(url) and metric(url, name) == 0
+        body = json.dumps({"model": "demo", "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}).encode()
+        status, first = post(url, "/v1/completions", body)
+        assert status == 200 and metric(url, name) == 0
+        status, second = post(url, "/v1/completions", body)
+        assert status == 200 and second["choices"][0]["text"] == first["choices"][0]["text"]
+        assert metric(url, name) >= 32
