@@ -59,12 +59,16 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
     return float(value)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _integer(body: dict, key: str, lo: int | None = None, hi: int | None = None) -> int | None:
     value = body.get(key)
     if value is None:
         return None
     span = f"an integer in {lo}..{hi}" if hi is not None else None  # hi comes with lo
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not _is_int(value):
         raise RequestError(f"'{key}' must be {span or 'an integer'}, got {json.dumps(value)}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         raise RequestError(f"'{key}' must be {span or f'at least {lo}'}, got {value}")
@@ -78,10 +82,6 @@ def flag(body: dict, key: str) -> bool:
     if not isinstance(value, bool):
         raise RequestError(f"'{key}' must be true or false, got {json.dumps(value)}")
     return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_token(value, vocab: int) -> bool:

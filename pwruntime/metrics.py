@@ -45,10 +45,9 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def scalar(name: str, kind: str, value: float, help: str | None = None) -> list[str]:
+def scalar(name: str, kind: str, value: float) -> list[str]:
     """The lines of a counter or gauge `pagedweight_<name>`."""
-    head = [f"# HELP {PREFIX}{name} {help}"] if help else []
-    return head + [f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {_number(value)}"]
+    return [f"# TYPE {PREFIX}{name} {kind}", f"{PREFIX}{name} {_number(value)}"]
 
 
 class Histogram:
