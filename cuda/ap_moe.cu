@@ -475,7 +475,8 @@ __device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks,
 //   mode 0, gate_up: grid = max_active * n_tiles; block = block_base + 2e; rows = I (gate) / I + r (up);
 //                    x = hidden [T, H]; dst = act [T * topk, I] = silu(gate x) * (up x).
 //   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
-//   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst).
+//   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst). Row group rg of CTA c
+//                    is 16-row group c + rg * gridDim.x (moe.linear_grid: one full wave where that is more CTAs).
 // m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features. gridDim.y: token groups, each
 // CTA serving up to 8 NT of its expert's tokens (1 for mode 2).
 extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
@@ -515,7 +516,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     const int rgs = WARPS / ksplit, rg = warp / ksplit, ks = warp % ksplit;
     const int rows_per_warp = mode == 0 ? 8 : 16;
     const int tile_rows = rows_per_warp * rgs;
-    const int rbase = tile * tile_rows + rg * rows_per_warp;
+    // mode 2: row group rg of CTA c is row group c + rg * gridDim.x, so any grid of at least n_tiles CTAs covers every
+    // row, and a grid of one full wave (more CTAs, some with idle warps) spreads the row groups evenly over the SMs
+    const int rbase = mode == 2 ? (blockIdx.x + rg * gridDim.x) * 16 : tile * tile_rows + rg * rows_per_warp;
+    const bool idle = rbase >= m_rows;  // a warp past the last row: no chunks of K (it still stages and syncs)
 
     Tile tl;
     if (mode == 0) {
@@ -531,7 +535,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     }
     tl.K = K;
     tl.W = (K + 31) >> 5;
-    tl.ks = ks;
+    tl.ks = idle ? (1 << 24) : ks;  // an idle warp owns no chunk of K
     tl.ksplit = ksplit;
     tl.n_tok = n_tok;
     tl.x = x;

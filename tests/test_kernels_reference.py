@@ -18,7 +18,7 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
-from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, moe_plans, plan_launch
+from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch
 from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, load_pattern_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import pack_planes
 
@@ -311,6 +311,17 @@ def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
     for arch, (h, i, e, k) in ARCHS.items():
         for p in moe_plans(MoEShape(e, h, i, k), 4):
             assert p.warps == (8 if arch == "mixtral" else 4)
+
+
+def test_single_block_grid_fills_one_wave_of_row_groups():
+    # the kernel gives CTA c the 16-row groups c, c + grid, ...: a grid of one full wave spreads the 896 groups of
+    # the 14336-row block evenly; never fewer CTAs than the plan's tiles (every row covered), never more than groups
+    t1, t8 = plan_launch(14336, 4096, 1, 16, 1, 1), plan_launch(14336, 4096, 8, 16, 1, 1)
+    assert (t1.grid, t8.grid) == (448, 224)
+    assert linear_grid(t1, 14336, 4 * 132) == 528 and linear_grid(t8, 14336, 2 * 132) == 264
+    assert linear_grid(t1, 14336, 300) == 448                           # a smaller GPU: the plan's tiles
+    small = plan_launch(200, 1000, 1, 16, 1, 1)
+    assert linear_grid(small, 200, 528) == 13                           # 13 row groups, one a CTA
 
 
 def test_pdl_launch_structs_match_the_driver_abi():

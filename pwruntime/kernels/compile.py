@@ -154,6 +154,22 @@ def _driver():
     return lib
 
 
+def ctas_per_sm(kernel, threads: int, shared_mem: int) -> int:
+    """CTAs of `threads` threads and `shared_mem` dynamic bytes that fit on one SM at once (the driver's
+    occupancy calculator: registers, shared memory and the CTA limit)."""
+    return _ctas_per_sm(kernel.kernel.ptr, int(threads), int(shared_mem))
+
+
+@functools.lru_cache(maxsize=256)
+def _ctas_per_sm(function: int, threads: int, shared_mem: int) -> int:
+    n = ctypes.c_int(0)
+    err = _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), ctypes.c_void_p(function),
+                                                                ctypes.c_int(threads), ctypes.c_size_t(shared_mem))
+    if err != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed with CUresult {err}")
+    return int(n.value)
+
+
 def _pad3(dims: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
 

@@ -232,6 +232,16 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     return out
 
 
+def linear_grid(plan: LaunchPlan, out_features: int, wave: int) -> int:
+    """CTAs of a single-block launch: one full wave (`wave` CTAs fit on the GPU at once) where that is more than
+    the plan's row tiles, at most one per 16-row group. The kernel gives CTA c the row groups c, c + grid, ...,
+    so the row groups spread evenly over the SMs instead of whole tiles of `warps // ksplit` groups: the 448
+    tiles of the 14336-row block at T = 1 put four CTAs on 52 SMs and three on the other 80, and the 224 at T = 8
+    two 8-warp CTAs on 92 SMs and one on 40. Measured on the H200 (cuda/NOTES.md, session 14): T = 8 4-9%
+    faster at 5-8 bits, T = 1 3-4% at 5-6 bits, 3-4 bits unchanged."""
+    return max(plan.grid, min(wave, -(-out_features // 16)))
+
+
 def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_features: int) -> torch.Tensor:
     """y[T, out] = x[T, in] W_q^T for one block at its committed bits (fp32 accumulation).
 
@@ -254,8 +264,9 @@ def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_feature
         n = xs.shape[0]
         p = plan_launch(out_features, x.shape[1], n, 16, 1, 1, _sm_count(dev))
         k = p.kernel(dev, x.dtype)
+        grid = linear_grid(p, out_features, kc.ctas_per_sm(k, 32 * p.warps, p.smem) * _sm_count(dev))
         x_vec = int(xs.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0)
-        kc.launch(k, dev, (p.grid,), (32 * p.warps,), (
+        kc.launch(k, dev, (grid,), (32 * p.warps,), (
             kc.i32(_MODE_LINEAR), kc.ptr(table.table), kc.i64(block), kc.ptr(xs), kc.i64(x.shape[1]), kc.i32(x_vec),
             kc.ptr(None), kc.ptr(None), kc.i32(n), kc.i32(1), kc.i32(1), kc.i32(out_features), kc.i32(x.shape[1]),
             kc.i32(p.ksplit), kc.i32(p.n_tiles), kc.i32(p.xs_budget), kc.ptr(ys), kc.i64(out_features),
