@@ -9,8 +9,8 @@ Capacity changes at run time (weight planes give memory to the KV cache and take
 
 * Block ids live in the *id space* `[0, id_limit)`. A runtime backs exactly `id_limit` blocks with
   tensors (`KVCache.resize(pool.id_limit)` after every resize).
-* `allocate` hands out the lowest-numbered free ids, so live blocks cluster at the bottom and the
-  top of the id space tends to stay free.
+* `allocate` hands out the lowest-numbered free ids (uncached ones before cached ones: see Eviction), so
+  live blocks cluster at the bottom and the top of the id space tends to stay free.
 * `shrink(n)` retires the `n` highest-numbered *free* blocks (it never touches a block in use).
   Retired ids at the top of the id space are cut off: `id_limit` drops to one past the highest
   id that is not retired. Retired ids below that are *holes*: invalid (never allocated) but still
@@ -34,16 +34,21 @@ Prefix caching (`prefix_caching=True`, as vLLM's automatic prefix caching; off b
   block shared by k tables has k references, and returns to the free list when the last one is freed,
   keeping its registration (a *cached free* block, still matchable). Free blocks are all reusable:
   `num_free` counts cached free ones.
-* Eviction: `allocate` still hands out the lowest free ids, and a cached free block it hands out as a
-  new block loses its registration; so do the cached free blocks `shrink` retires and those `compact`
-  cuts off (it never moves a block into a cached one). `compact` moves a shared live block once,
-  rewrites every table holding it and moves its registration with it.
+* Eviction (vLLM's order): `allocate` hands out uncached free blocks first, lowest id first; only when
+  none is left does it evict cached free blocks, least recently freed first. `free` releases a table's
+  blocks tail first, so a chain's tail is evicted before its head and what survives is still matchable
+  from its head. A cached free block a prefix match takes leaves the eviction order; freed again, it is
+  the most recent. An evicted block loses its registration; so do the cached free blocks `shrink` retires
+  (the highest free ids, cached or not) and those `compact` cuts off (it never moves a block into a cached
+  one). `compact` moves a shared live block once, rewrites every table holding it and moves its
+  registration with it.
 """
 from __future__ import annotations
 
 import bisect
 import hashlib
 from array import array
+from collections import OrderedDict
 from typing import Hashable, Sequence
 
 _ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
@@ -63,7 +68,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be non-negative, got {num_blocks}")
         self.block_size = int(block_size)
         self._id_limit = int(num_blocks)
-        self._free: list[int] = list(range(num_blocks))  # sorted ascending
+        self._uncached: list[int] = list(range(num_blocks))  # free, unregistered ids, sorted ascending
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free ids, least recently freed first
         self._holes: list[int] = []  # retired ids below id_limit, sorted ascending
         self._tables: dict[Hashable, list[int]] = {}
         self._tokens: dict[Hashable, int] = {}  # slots reserved per sequence
@@ -91,7 +97,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Free blocks, cached free ones included (an allocation may evict them)."""
-        return len(self._free)
+        return len(self._uncached) + len(self._evictable)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -100,7 +106,7 @@ class BlockPool:
 
     @property
     def num_used(self) -> int:
-        return self.capacity - len(self._free)
+        return self.capacity - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -124,6 +130,10 @@ class BlockPool:
         """Block tables holding the block (0: free, a hole or out of range)."""
         return self._refs.get(block_id, 0)
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block is registered (matchable), in use or cached free."""
+        return block_id in self._hash_of
+
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """Additional blocks the sequence needs to hold `num_tokens` tokens in total."""
         return max(0, self.blocks_for(num_tokens) - self.num_blocks_of(seq_id))
@@ -134,7 +144,7 @@ class BlockPool:
         need = self.blocks_needed(seq_id, num_tokens)
         if prefix:
             need += sum(b not in self._refs for b in prefix) - len(prefix)
-        return need <= len(self._free)
+        return need <= self.num_free
 
     def slot(self, seq_id: Hashable, position: int) -> int:
         """The flat slot (block_id * block_size + offset) of a reserved token position."""
@@ -160,25 +170,41 @@ class BlockPool:
                 raise BlockPoolError(f"prefix {list(prefix)} is not a matched prefix of {num_tokens} tokens")
             need -= len(prefix)
             cached_free = [b for b in prefix if b not in self._refs]
-        if need + len(cached_free) > len(self._free):
+        if need + len(cached_free) > self.num_free:
             raise BlockPoolError(f"sequence {seq_id!r} needs {need + len(cached_free)} more blocks for {num_tokens} "
-                                 f"tokens; {len(self._free)} free")
+                                 f"tokens; {self.num_free} free")
         for b in cached_free:
-            del self._free[bisect.bisect_left(self._free, b)]
+            del self._evictable[b]  # reused: it leaves the eviction order
         for b in prefix:
             self._refs[b] = self._refs.get(b, 0) + 1
         if prefix:
             self._chain[seq_id] = [self._hash_of[b] for b in prefix]
-        new = self._free[:need]
-        del self._free[:need]
+        new = self._take_free(need)
         for b in new:
-            self._uncache(b)
             self._refs[b] = 1
         table = self._tables.setdefault(seq_id, [])
         table += prefix
         table += new
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
         return new
+
+    def _take_free(self, n: int) -> list[int]:
+        """Remove `n` free blocks (the caller checked there are enough): the lowest uncached ids, then cached ones
+        evicted least recently freed first (each losing its registration)."""
+        taken = self._uncached[:n]
+        del self._uncached[:n]
+        while len(taken) < n:
+            b, _ = self._evictable.popitem(last=False)
+            self._uncache(b)
+            taken.append(b)
+        return taken
+
+    def _release(self, b: int) -> None:
+        """Return block b (no longer referenced) to the free blocks: a cached one becomes the most recently freed."""
+        if b in self._hash_of:
+            self._evictable[b] = None
+        else:
+            bisect.insort(self._uncached, b)
 
     def append_slot(self, seq_id: Hashable) -> int:
         """Reserve one more token slot (a decode step); returns that slot."""
@@ -189,15 +215,16 @@ class BlockPool:
     def free(self, seq_id: Hashable) -> int:
         """Drop the sequence's references to its blocks; returns how many it held (0 if none).
 
-        A block nobody else holds returns to the free list (keeping its registration, if any)."""
+        A block nobody else holds returns to the free blocks (keeping its registration, if any). Blocks are
+        released tail first, so a cached chain's tail is evicted before its head (as vLLM's free-block queue)."""
         table = self._tables.pop(seq_id, [])
         self._tokens.pop(seq_id, None)
         self._chain.pop(seq_id, None)
-        for b in table:
+        for b in reversed(table):
             self._refs[b] -= 1
             if not self._refs[b]:
                 del self._refs[b]
-                bisect.insort(self._free, b)
+                self._release(b)
         return len(table)
 
     # --------------------------------------------------------- prefix caching
@@ -253,30 +280,36 @@ class BlockPool:
             raise ValueError(f"grow needs n >= 0, got {n}")
         revive = self._holes[:n]
         del self._holes[:n]
-        for b in revive:
-            bisect.insort(self._free, b)
+        for b in revive:  # holes hold no registration
+            bisect.insort(self._uncached, b)
         extra = n - len(revive)
-        self._free.extend(range(self._id_limit, self._id_limit + extra))  # all above any existing id
+        self._uncached.extend(range(self._id_limit, self._id_limit + extra))  # all above any existing id
         self._id_limit += extra
 
     def shrink(self, n: int) -> int:
-        """Retire the `n` highest-numbered free blocks; returns the new `id_limit`.
+        """Retire the `n` highest-numbered free blocks, cached or not; returns the new `id_limit`.
 
         Raises BlockPoolError (pool unchanged) if fewer than `n` blocks are free.
         """
         if n < 0:
             raise ValueError(f"shrink needs n >= 0, got {n}")
-        if n > len(self._free):
-            raise BlockPoolError(f"cannot shrink by {n} blocks: only {len(self._free)} free")
+        if n > self.num_free:
+            raise BlockPoolError(f"cannot shrink by {n} blocks: only {self.num_free} free")
         if n == 0:
             return self._id_limit
-        retired = self._free[-n:]
-        del self._free[-n:]
-        for b in retired:
-            self._uncache(b)
+        for b in self._highest_free(n):
+            if b in self._evictable:
+                del self._evictable[b]
+                self._uncache(b)
+            else:
+                self._uncached.pop()  # b is the highest uncached id left (they are retired highest first)
             bisect.insort(self._holes, b)
         self._trim()
         return self._id_limit
+
+    def _highest_free(self, n: int) -> list[int]:
+        """The `n` highest free ids, cached or not, highest first."""
+        return sorted(self._uncached[-n:] + sorted(self._evictable)[-n:], reverse=True)[:n]
 
     def compact(self) -> list[tuple[int, int]]:
         """Move live blocks from the top of the id space into lower free/hole ids until no hole remains.
@@ -297,7 +330,7 @@ class BlockPool:
             for j, b in enumerate(t):
                 if b >= target:
                     holders.setdefault(b, []).append((sid, j))
-        low = sorted(b for b in self._free + self._holes if b < target and b not in self._hash_of)
+        low = sorted(b for b in self._uncached + self._holes if b < target)
         for src, dst in zip(sorted(holders), low):
             for sid, j in holders[src]:
                 self._tables[sid][j] = dst
@@ -306,10 +339,12 @@ class BlockPool:
             if h is not None:
                 self._hash_of[dst], self._block_of[h] = h, dst
             moves.append((src, dst))
-        for b in self._free:
+        for b in self._evictable:
             if b >= target:
                 self._uncache(b)
-        self._free = [b for b in range(target) if b not in self._refs]
+        # cached free blocks below target were no destination: they stay, in their eviction order
+        self._evictable = OrderedDict((b, None) for b in self._evictable if b < target)
+        self._uncached = [b for b in range(target) if b not in self._refs and b not in self._evictable]
         self._holes = []
         self._id_limit = target
         return moves
@@ -332,19 +367,23 @@ class BlockPool:
             raise BlockPoolError("reference counts differ from the tables holding each block")
         if not self.prefix_caching and any(n > 1 for n in holders.values()):
             raise BlockPoolError("a block is shared without prefix caching")
-        everything = list(holders) + self._free + self._holes
+        everything = list(holders) + self._uncached + list(self._evictable) + self._holes
         if len(set(everything)) != len(everything):
             raise BlockPoolError("a block id is in two places (double allocation)")
         if sorted(everything) != list(range(self._id_limit)):
             raise BlockPoolError(f"block ids do not partition [0, {self._id_limit})")
-        if self._free != sorted(self._free) or self._holes != sorted(self._holes):
-            raise BlockPoolError("free or hole list not sorted")
+        if self._uncached != sorted(self._uncached) or self._holes != sorted(self._holes):
+            raise BlockPoolError("uncached free or hole list not sorted")
+        if any(b in self._hash_of for b in self._uncached):
+            raise BlockPoolError("a registered free block is missing from the eviction order")
+        if any(b not in self._hash_of for b in self._evictable):
+            raise BlockPoolError("the eviction order holds an unregistered block")
         for sid, t in self._tables.items():
             if len(t) != self.blocks_for(self._tokens.get(sid, 0)):
                 raise BlockPoolError(f"sequence {sid!r}: {len(t)} blocks for {self._tokens.get(sid, 0)} tokens")
         if {h: b for b, h in self._hash_of.items()} != self._block_of:
             raise BlockPoolError("the hash -> block map is not the inverse of block -> hash")
-        if not set(self._hash_of) <= set(holders) | set(self._free):
+        if not set(self._hash_of) <= set(holders) | set(self._evictable):
             raise BlockPoolError("a registered block is a hole or out of range")
         if any(len(self._chain[sid]) > len(t) for sid, t in self._tables.items() if sid in self._chain):
             raise BlockPoolError("a sequence hashed more blocks than it holds")

@@ -4,6 +4,7 @@ it on (greedy outputs equal to prefix caching off)."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -85,24 +86,223 @@ def test_admission_counts_only_the_blocks_it_takes_from_the_free_list():
     pool.check_invariants()
 
 
-def test_new_blocks_evict_the_lowest_cached_free_block_only():
+def _cached_chain(pool: BlockPool, seq_id, tokens: list[int]) -> list[int]:
+    """Allocate a sequence for `tokens` (all computed) and register its full blocks; returns its table."""
+    pool.allocate(seq_id, len(tokens))
+    pool.register(seq_id, tokens, len(tokens))
+    return pool.block_table(seq_id)
+
+
+def test_new_blocks_use_uncached_free_blocks_before_evicting_cached_ones():
     pool = BlockPool(6, block_size=2, prefix_caching=True)
     x, y = [1, 2, 3, 4], [5, 6, 7, 8]
-    for sid, toks in (("x", x), ("y", y)):
-        pool.allocate(sid, 4)
-        pool.register(sid, toks, 4)
+    assert _cached_chain(pool, "x", x) == [0, 1] and _cached_chain(pool, "y", y) == [2, 3]
     pool.free("y")
     pool.free("x")
     assert pool.num_cached_blocks == 4 and pool.num_free == 6
-    assert pool.allocate("z", 1) == [0]
-    assert pool.num_cached_blocks == 3
-    assert pool.match_prefix(x) == []  # its first block is gone, so is its chain
-    assert pool.match_prefix(y) == [2, 3]
+    assert pool.allocate("z", 4) == [4, 5]  # the uncached ones, above the cached ones
+    assert pool.num_cached_blocks == 4 and pool.match_prefix(x) == [0, 1] and pool.match_prefix(y) == [2, 3]
     pool.check_invariants()
-    pool.allocate("z", 2)
-    assert pool.register("z", [9, 9], 2) == 1  # block 0 now caches z's tokens
-    assert pool.match_prefix([9, 9]) == [0] and pool.match_prefix(x) == []
+    assert pool.allocate("z", 6) == [3]  # now an eviction: y, freed first, its tail first
+    assert pool.num_cached_blocks == 3 and pool.match_prefix(y) == [2] and pool.match_prefix(x) == [0, 1]
+    assert pool.allocate("z", 8) == [2]
+    assert pool.match_prefix(y) == [] and pool.match_prefix(x) == [0, 1]
+    assert pool.register("z", [9] * 8, 8) == 4  # an evicted block caches z's tokens now
+    assert pool.match_prefix([9] * 8) == [4, 5, 3, 2] and pool.is_cached(3) and pool.is_cached(0)
     pool.check_invariants()
+
+
+def test_a_finished_chain_is_evicted_tail_first_so_its_head_still_matches():
+    pool = BlockPool(6, block_size=2, prefix_caching=True)
+    toks = list(range(100, 110))  # five full blocks
+    assert _cached_chain(pool, "a", toks) == [0, 1, 2, 3, 4]
+    pool.allocate("live", 2)  # block 5: no uncached block is left once a is freed
+    pool.free("a")
+    assert pool.match_prefix(toks) == [0, 1, 2, 3, 4]
+    assert pool.allocate("b", 4) == [4, 3]  # lowest ids first would take the head, 0, and strand the chain
+    assert pool.match_prefix(toks) == [0, 1, 2]
+    assert pool.allocate("c", 2) == [2]
+    assert pool.match_prefix(toks) == [0, 1] and not pool.is_cached(2)
+    pool.check_invariants()
+
+
+def test_cached_free_blocks_are_evicted_least_recently_freed_first_across_sequences():
+    pool = BlockPool(4, block_size=2, prefix_caching=True)
+    b, a = [5, 6, 7, 8], [1, 2, 3, 4]
+    assert _cached_chain(pool, "b", b) == [0, 1] and _cached_chain(pool, "a", a) == [2, 3]
+    pool.free("a")  # a first, though its ids are higher: lowest ids first would evict b
+    pool.free("b")
+    assert pool.allocate("c", 4) == [3, 2]
+    assert pool.match_prefix(a) == [] and pool.match_prefix(b) == [0, 1]
+    assert pool.allocate("c", 6) == [1]
+    assert pool.match_prefix(b) == [0]
+    pool.check_invariants()
+
+
+def test_a_prefix_hit_leaves_the_eviction_order_and_is_most_recent_once_freed_again():
+    pool = BlockPool(6, block_size=2, prefix_caching=True)
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    for sid, toks in (("a", a), ("b", b), ("c", c)):
+        _cached_chain(pool, sid, toks)
+    for sid in ("a", "b", "c"):
+        pool.free(sid)  # eviction order: 1 0 3 2 5 4
+    prefix = pool.match_prefix(a + [0])
+    assert prefix == [0, 1]
+    assert pool.allocate("d", 5, prefix) == [3]  # a's blocks, the oldest, are in use: b's tail goes
+    assert pool.block_table("d") == [0, 1, 3] and pool.ref_count(0) == 1 and pool.num_free == 3
+    pool.check_invariants()
+    pool.free("d")  # block 3 lost its registration (uncached); a's blocks are the most recent now
+    assert pool.num_free == 6 and pool.match_prefix(a) == [0, 1]
+    assert pool.allocate("e", 8) == [3, 2, 5, 4]  # the uncached block, then b and c, the older ones
+    assert pool.match_prefix(a) == [0, 1] and pool.match_prefix(b) == [] and pool.match_prefix(c) == []
+    assert pool.allocate("e", 10) == [1]
+    assert pool.match_prefix(a) == [0]
+    pool.check_invariants()
+
+
+def test_shrink_retires_the_highest_free_ids_cached_or_not_and_they_leave_the_eviction_order():
+    pool = BlockPool(6, block_size=1, prefix_caching=True)
+    for i in range(4):  # sequence i holds block i, caching [10 * i]
+        _cached_chain(pool, i, [10 * i])
+    for i in (3, 0, 1, 2):
+        pool.free(i)  # eviction order: 3 0 1 2; uncached free: 4 5
+    assert pool.shrink(3) == 3  # retires 5, 4 and the cached 3
+    assert [pool.match_prefix([10 * i]) for i in range(4)] == [[0], [1], [2], []]
+    assert pool.allocate("x", 2) == [0, 1]  # the oldest cached ones that are left
+    assert [pool.match_prefix([10 * i]) for i in range(4)] == [[], [], [2], []]
+    pool.check_invariants()
+
+
+@pytest.mark.parametrize("corrupt", ["cached block among the uncached", "uncached block in the eviction order",
+                                     "uncached list unsorted", "free block lost"])
+def test_check_invariants_catches_a_corrupt_free_list(corrupt):
+    pool = BlockPool(4, block_size=1, prefix_caching=True)
+    _cached_chain(pool, "a", [1, 2])
+    pool.free("a")  # uncached free 2 3, eviction order 1 0
+    pool.check_invariants()
+    if corrupt == "cached block among the uncached":
+        del pool._evictable[0]
+        pool._uncached.insert(0, 0)
+    elif corrupt == "uncached block in the eviction order":
+        pool._evictable[pool._uncached.pop()] = None
+    elif corrupt == "uncached list unsorted":
+        pool._uncached.reverse()
+    else:
+        pool._evictable.popitem(last=False)
+    with pytest.raises(BlockPoolError):
+        pool.check_invariants()
+
+
+_MODEL_OPS = ["alloc", "alloc", "free", "grow", "shrink", "compact"]
+
+
+def _lowest_id_model_run(seed: int) -> None:
+    """Random operations on a pool with prefix caching off, checked against a model that hands out the
+    lowest free ids (the pool's order before the eviction order changed; the simulator depends on it)."""
+    rng = random.Random(seed)
+    pool = BlockPool(rng.randint(0, 12), block_size=rng.randint(1, 3))
+    free, holes, limit = set(range(pool.id_limit)), set(), pool.id_limit
+    tables: dict[int, list[int]] = {}
+    for _ in range(200):
+        op, seq, n = rng.choice(_MODEL_OPS), rng.randrange(4), rng.randint(0, 6)
+        if op == "alloc":
+            want = pool.num_tokens(seq) + n
+            if not pool.can_allocate(seq, want):
+                continue
+            new = pool.allocate(seq, want)
+            assert new == sorted(free)[:len(new)]
+            free -= set(new)
+            tables.setdefault(seq, []).extend(new)
+        elif op == "free":
+            pool.free(seq)
+            free |= set(tables.pop(seq, []))
+        elif op == "grow":
+            pool.grow(n)
+            revived = sorted(holes)[:n]
+            holes -= set(revived)
+            free |= set(revived) | set(range(limit, limit + n - len(revived)))
+            limit += n - len(revived)
+        elif op == "shrink" and n <= len(free):
+            retired = sorted(free)[len(free) - n:]
+            free -= set(retired)
+            holes |= set(retired)
+            while limit - 1 in holes:
+                holes.remove(limit - 1)
+                limit -= 1
+            assert pool.shrink(n) == limit
+        elif op == "compact" and holes:
+            target = limit - len(holes)
+            srcs = sorted(b for t in tables.values() for b in t if b >= target)
+            dsts = sorted(b for b in free | holes if b < target)[:len(srcs)]
+            assert pool.compact() == list(zip(srcs, dsts))
+            moved = dict(zip(srcs, dsts))
+            tables = {s: [moved.get(b, b) for b in t] for s, t in tables.items()}
+            limit, holes = target, set()
+            free = set(range(limit)) - {b for t in tables.values() for b in t}
+        pool.check_invariants()
+        assert pool.id_limit == limit and pool.num_free == len(free) and pool.hole_blocks == len(holes)
+        assert all(pool.block_table(s) == t for s, t in tables.items())
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_without_prefix_caching_allocation_hands_out_the_lowest_free_ids(seed):
+    _lowest_id_model_run(seed)
+
+
+_PROMPTS = ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9], [1, 2, 7, 7, 7, 7, 7, 7], [5] * 10)  # shared prefixes
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_operations_keep_the_invariants_and_evict_in_lru_tail_first_order(seed):
+    """Random allocate/append/free/register/match/shrink/grow/compact operations with prefix caching on:
+    the invariants hold after each one, and every allocation hands out uncached free blocks (ascending) before
+    any cached one, then evicts the cached free blocks released longest ago (a table's tail released first)."""
+    rng = random.Random(seed)
+    pool = BlockPool(rng.randint(2, 14), block_size=rng.randint(1, 3), prefix_caching=True)
+    released: dict[int, int] = {}  # block id -> when it last became free (a clock over released blocks)
+    clock = 0
+    ops = ["admit", "admit", "append", "free", "register", "shrink", "grow", "compact"]
+    for _ in range(250):
+        op, seq, n = rng.choice(ops), rng.randrange(5), rng.randint(0, 4)
+        tokens = _PROMPTS[seq % len(_PROMPTS)]
+        cached_free = [b for b in range(pool.id_limit) if pool.is_cached(b) and pool.ref_count(b) == 0]
+        free_before = pool.num_free
+        new: list[int] | None = None
+        prefix: list[int] = []
+        if op == "admit" and not pool.has(seq):
+            prefix = pool.match_prefix(tokens[:-1])
+            if pool.can_allocate(seq, len(tokens), prefix):
+                new = pool.allocate(seq, len(tokens), prefix)
+                assert pool.block_table(seq) == prefix + new
+        elif op == "append" and pool.has(seq) and pool.can_allocate(seq, pool.num_tokens(seq) + 1):
+            before = pool.num_blocks_of(seq)
+            pool.append_slot(seq)
+            new = pool.block_table(seq)[before:]
+        elif op == "free":
+            table = pool.block_table(seq)
+            pool.free(seq)
+            for b in reversed(table):
+                if pool.ref_count(b) == 0:
+                    released[b], clock = clock, clock + 1
+        elif op == "register" and pool.has(seq):
+            pool.register(seq, tokens, min(len(tokens), pool.num_tokens(seq)))
+        elif op == "shrink" and n <= pool.num_free:
+            pool.shrink(n)
+        elif op == "grow":
+            pool.grow(n)
+        elif op == "compact":
+            pool.compact()
+        pool.check_invariants()
+        if new is None:
+            continue
+        evictable = [b for b in cached_free if b not in prefix]
+        evicted = [b for b in new if b in evictable]
+        fresh = new[:len(new) - len(evicted)]
+        assert new[len(fresh):] == evicted and fresh == sorted(fresh)
+        assert not any(pool.is_cached(b) for b in new)
+        if evicted:  # every uncached free block went first
+            assert len(fresh) == free_before - len(cached_free)
+        assert evicted == sorted(evictable, key=released.__getitem__)[:len(evicted)]
 
 
 def test_a_duplicate_block_keeps_the_registered_copy_and_its_chain_goes_on():
