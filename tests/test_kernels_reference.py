@@ -313,6 +313,17 @@ def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
             assert p.warps == (8 if arch == "mixtral" else 4)
 
 
+def test_one_token_k_split_aims_for_two_ctas_an_sm():
+    # Qwen1.5-MoE and Qwen3-MoE gate_up at T = 1: k-split 2 (88 and 48 tiles for 4 and 8 experts: 2.7 and 2.9 CTAs
+    # an SM), not 4, which left each warp one 512-column chunk; the other launches as before
+    qwen15, qwen3 = MoEShape(60, 2048, 1408, 4), MoEShape(128, 2048, 768, 8)
+    assert [(p.ksplit, p.n_tiles) for p in moe_plans(qwen15, 1)] == [(2, 88), (2, 64)]
+    assert [(p.ksplit, p.n_tiles) for p in moe_plans(qwen3, 1)] == [(2, 48), (1, 32)]
+    assert [p.ksplit for p in moe_plans(MoEShape(8, 4096, 14336, 2), 1)] == [1, 4]
+    assert [p.ksplit for p in moe_plans(MoEShape(64, 2048, 1024, 8), 1)] == [2, 2]
+    assert plan_launch(14336, 4096, 1, 16, 1, 1).ksplit == 2
+
+
 def test_single_block_grid_fills_one_wave_of_row_groups():
     # the kernel gives CTA c the 16-row groups c, c + grid, ...: a grid of one full wave spreads the 896 groups of
     # the 14336-row block evenly; never fewer CTAs than the plan's tiles (every row covered), never more than groups

@@ -33,6 +33,8 @@ SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens
 TOKEN_GROUPS = 2          # ... this many
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
 WIDE_MAX_NT = 2           # ... and the launch has at most this many n-tiles
+WANT_CTAS_PER_SM = 2      # the k-split grows until a launch of one token expects this many CTAs an SM
+WANT_CTAS_PER_SM_MANY = 1.5   # ... of more tokens (each CTA also stages their activations)
 _MODE_GATE_UP, _MODE_DOWN, _MODE_LINEAR = 0, 1, 2
 
 
@@ -83,8 +85,9 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
                 sm_count: int = 132, tile_tokens: int | None = None) -> LaunchPlan:
     """Pick the k-split (warps of a CTA sharing rows) so the expected CTAs fill the GPU.
 
-    One token wants three CTAs per SM in flight; with more tokens each CTA also stages their
-    activations, so fewer, longer CTAs pay off sooner (measured on the H200, see the README).
+    One token wants two CTAs per SM in flight, more tokens 1.5, since each CTA also stages their
+    activations (measured on the H200, cuda/NOTES.md: aiming for three at one token split the gate_up K of
+    Qwen1.5-MoE and Qwen3-MoE four ways, one 512-column chunk a warp, and their layers were 8-18% slower).
     A CTA serves up to `tile_tokens` tokens of its expert (default: all of them); the launch has
     enough token groups (grid y) for an expert that gets every token.
     """
@@ -94,7 +97,7 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     tokens = min(tokens, 8 * nt)   # the most a CTA stages
     words = -(-k // 32)
     nchunks = -(-words // 8)  # 256-column chunks (the k-split rule was measured with these)
-    want = 3 * sm_count if tokens == 1 else 3 * sm_count // 2
+    want = int((WANT_CTAS_PER_SM if tokens == 1 else WANT_CTAS_PER_SM_MANY) * sm_count)
     ksplit = 1
     for ks in (1, 2, 4):
         ksplit = ks

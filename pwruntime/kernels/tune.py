@@ -107,6 +107,8 @@ def main() -> int:
                     help="8-warp CTAs for launches of up to this many n-tiles (experiments)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
+    ap.add_argument("--want", type=float, default=None,
+                    help="CTAs an SM the k-split rule aims for at one token (default 2; experiments)")
     ap.add_argument("--xs-cap", type=int, default=None,
                     help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
     ap.add_argument("--load-patterns", action="store_true",
@@ -137,6 +139,8 @@ def main() -> int:
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.wide_max_nt is not None:
         moe.WIDE_MAX_NT = args.wide_max_nt
+    if args.want is not None:
+        moe.WANT_CTAS_PER_SM = args.want
     if args.xs_cap:
         moe.XS_CAP = args.xs_cap
     bits = tuple(int(b) for b in args.bits.split(","))
