@@ -485,6 +485,33 @@ def test_engine_decodes_through_graphs(demo):
 
 
 @pytest.mark.gpu
+def test_prefix_caching_on_cuda_decodes_the_tokens_an_engine_without_it_decodes(demo):
+    """Prefix caching on CUDA (AP experts, graphs): a second round of prompts that share a prefix of several blocks
+    starts over the cached KV blocks (its prompt chunk attends to K/V already in the cache) and decodes the tokens,
+    with the log-probabilities, of an engine without prefix caching."""
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.sampling import SamplingParams
+
+    prefix = ("And God said unto Moses, I AM THAT I AM: and he said, Thus shalt thou say unto the children of "
+              "Israel, I AM hath sent me unto you.")
+    prompts = [prefix + s for s in (" And Moses", " The king of", " Behold, the", " Then said")]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+    outs, hits = {}, {}
+    for caching in (False, True):
+        engine = LLMEngine(demo.model, EngineConfig(num_kv_blocks=64, block_size=8, max_num_seqs=4,
+                                                    prefix_caching=caching))
+        outs[caching] = [engine.generate(prompts, params) for _ in range(2)]
+        hits[caching] = engine.scheduler.num_cached_tokens
+        assert engine.pool.num_free == engine.pool.capacity
+    assert hits[False] == 0 and hits[True] >= 4 * 24      # the second round: at least three 8-token blocks each
+    for r in range(2):
+        for off, on in zip(outs[False][r], outs[True][r]):
+            assert on.token_ids == off.token_ids, (r, off.token_ids, on.token_ids)
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(off.logprobs, on.logprobs)) < 2e-2
+    assert len({tuple(o.token_ids) for o in outs[False][0]}) > 1  # not degenerate
+
+
+@pytest.mark.gpu
 def test_dense_store_decodes_through_graphs():
     """The plain (bf16) model's experts run as grouped GEMMs with no host sync: its decode steps replay graphs, the
     layer equals the per-expert loop, and graph and eager steps agree."""

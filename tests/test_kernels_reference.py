@@ -18,7 +18,8 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
-from pwruntime.kernels.moe import LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch
+from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch,
+                                   single_block_plan)
 from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, load_pattern_ref, paged_attention_decode_ref
 from pwruntime.quant.pack import pack_planes
 
@@ -322,6 +323,16 @@ def test_one_token_k_split_aims_for_two_ctas_an_sm():
     assert [p.ksplit for p in moe_plans(MoEShape(8, 4096, 14336, 2), 1)] == [1, 4]
     assert [p.ksplit for p in moe_plans(MoEShape(64, 2048, 1024, 8), 1)] == [2, 2]
     assert plan_launch(14336, 4096, 1, 16, 1, 1).ksplit == 2
+
+
+def test_a_single_block_takes_16_warp_ctas_where_the_moe_planner_takes_8():
+    for tokens in (2, 8, 16):
+        moe_plan, p = plan_launch(14336, 4096, tokens, 16, 1, 1), single_block_plan(14336, 4096, tokens)
+        assert (moe_plan.warps, p.warps, p.ksplit, p.n_tiles) == (8, 16, moe_plan.ksplit, moe_plan.n_tiles // 2)
+        assert dict(p.defines)["PW_WARPS"] == 16 and p.smem <= SMEM_LIMIT
+    for tokens in (1, 17, 64):
+        assert single_block_plan(14336, 4096, tokens) == plan_launch(14336, 4096, tokens, 16, 1, 1)
+    assert single_block_plan(2048, 1024, 8).warps == 4                   # short K: 4 warps, as the MoE planner
 
 
 def test_single_block_grid_fills_one_wave_of_row_groups():

@@ -12,6 +12,7 @@ layers and replays. Elsewhere (CPU, fp32) it runs `reference.fused_moe_ref` on t
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -235,6 +236,20 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     return out
 
 
+def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count: int = 132) -> LaunchPlan:
+    """The launch of one block (`ap_linear`): the MoE planner's, except that where it picks 8-warp CTAs (2-16
+    tokens, long K) a single block takes 16-warp CTAs with the same k-split, twice the row groups a CTA: one CTA an
+    SM in one wave, each staging the activations once for its SM. On the H200 (cuda/NOTES.md, session 14) the
+    14336x4096 block got 4-8% faster at T = 8 and 2-11% at T = 16 (T = 2: -4% to +1%); MoE layers, many waves of
+    CTAs, lost 2-13% with them, so they keep 8."""
+    plan = plan_launch(out_features, in_features, tokens, 16, 1, 1, sm_count)
+    if plan.warps != 8:
+        return plan
+    n_tiles = row_tiles(out_features, 16, 16, plan.ksplit)
+    return dataclasses.replace(plan, warps=16, n_tiles=n_tiles, grid=n_tiles,
+                               smem=launch_smem(plan.xs_budget, plan.nt, 16, plan.ksplit))
+
+
 def linear_grid(plan: LaunchPlan, out_features: int, wave: int) -> int:
     """CTAs of a single-block launch: one full wave (`wave` CTAs fit on the GPU at once) where that is more than
     the plan's row tiles, at most one per 16-row group. The kernel gives CTA c the row groups c, c + grid, ...,
@@ -265,7 +280,7 @@ def ap_linear(table: DeviceWeightTable, block: int, x: torch.Tensor, out_feature
     for s in range(0, x.shape[0], MAX_TOKENS):
         xs, ys = x[s:s + MAX_TOKENS], y[s:s + MAX_TOKENS]
         n = xs.shape[0]
-        p = plan_launch(out_features, x.shape[1], n, 16, 1, 1, _sm_count(dev))
+        p = single_block_plan(out_features, x.shape[1], n, _sm_count(dev))
         k = p.kernel(dev, x.dtype)
         grid = linear_grid(p, out_features, kc.ctas_per_sm(k, 32 * p.warps, p.smem) * _sm_count(dev))
         x_vec = int(xs.data_ptr() % 16 == 0 and x.shape[1] % 8 == 0)

@@ -19,9 +19,9 @@ from traces.clikit import write_json_atomic
 
 
 def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
-    """Replace the launch planner by one that always splits K `ksplit` ways in CTAs of `warps` warps (this
-    process only). Without `ksplit` it keeps the planner's k-split, at most `warps` (both are powers of two, so
-    the k-split still divides the CTA's warps)."""
+    """Replace the launch planner (MoE launches and the single block alike) by one that always splits K `ksplit`
+    ways in CTAs of `warps` warps (this process only). Without `ksplit` it keeps the planner's k-split, at most
+    `warps` (both are powers of two, so the k-split still divides the CTA's warps)."""
     import dataclasses
 
     from pwruntime.kernels import moe
@@ -35,6 +35,7 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
                                    smem=moe.launch_smem(p.xs_budget, p.nt, warps, ks), warps=warps)
 
     moe.plan_launch = forced
+    moe.single_block_plan = lambda out_f, in_f, tokens, sm_count=132: forced(out_f, in_f, tokens, 16, 1, 1, sm_count)
 
 
 def _extra_defines(extra: tuple[tuple[str, int], ...]) -> None:
@@ -99,7 +100,7 @@ def main() -> int:
     ap.add_argument("--once", action="store_true", help="run each block case once, untimed (for ncu)")
     ap.add_argument("--ksplit", type=int, default=None, choices=(1, 2, 4, 8),
                     help="force this k-split in every launch (experiments)")
-    ap.add_argument("--warps", type=int, default=4, choices=(2, 4, 8), help="warps per CTA (experiments; with --ksplit)")
+    ap.add_argument("--warps", type=int, default=4, choices=(2, 4, 8, 16), help="warps per CTA (experiments; with --ksplit)")
     ap.add_argument("--wide-min-chunks", type=int, default=None,
                     help="8-warp CTAs (2..16 tokens) when each warp keeps this many 512-column chunks; a large "
                          "number turns them off (experiments)")
