@@ -14,10 +14,12 @@ Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
 2. If nobody was preempted this step, waiting sequences are admitted first-come first-served
    while there is budget, fewer than `max_num_seqs` run, and the pool can hold the head's first
    chunk (`min(uncomputed, budget left)` tokens). The head blocks the queue (no overtaking).
-   With a prefix-caching pool, a sequence with token ids (a simulator's have none) first shares
-   the cached full blocks that prefix its tokens (prompt and outputs so far, for a re-admitted one),
-   but at least its last token is computed (the step that samples needs its logits): its chunk
-   starts after them, and only the blocks it takes from the free list count against the pool.
+   With a prefix-caching pool, a sequence with token ids (a length-only one has none) first shares
+   the cached full blocks that prefix its known tokens (`Sequence.num_known_tokens`: prompt and
+   outputs so far for a re-admitted runtime sequence, the prompt alone for a simulated one, whose
+   outputs are `UNKNOWN_TOKEN`), but at least its last token is computed (the step that samples
+   needs its logits): its chunk starts after them, and only the blocks it takes from the free list
+   count against the pool.
 3. A step that schedules nothing while requests are unfinished is a *stall* (the pool is too
    small for the oldest request on its own). An engine keeps calling (its planner may grow the
    pool meanwhile); after `stall_limit` consecutive stalls the blocking request is finished with
@@ -26,8 +28,9 @@ Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
 `postprocess(batch, sampled)` advances `num_computed_tokens`, appends the sampled tokens
 (`None` for a simulator: `UNKNOWN_TOKEN` each), applies the stops (EOS, stop tokens, max tokens,
 then the engine's optional `stop(seq)` callback, e.g. for stop strings), and frees finished blocks.
-With a prefix-caching pool it first registers each entry's newly full computed blocks, so even a
-sequence that finishes in this step leaves them cached.
+With a prefix-caching pool it first registers each entry's newly full computed blocks that hold only
+known tokens (a block holding an unknown output is never cached), so even a sequence that finishes in
+this step leaves them cached.
 """
 from __future__ import annotations
 
@@ -182,10 +185,10 @@ class Scheduler:
                               len(self.running), len(self.waiting))
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks a waiting sequence can share: full blocks of all its tokens but the last one."""
+        """The cached blocks a waiting sequence can share: full blocks of its known tokens, all but its last token."""
         if not self.pool.prefix_caching or seq.prompt_token_ids is None:
             return []
-        return self.pool.match_prefix(seq.token_ids(0, seq.num_tokens - 1))
+        return self.pool.match_prefix(seq.token_ids(0, min(seq.num_tokens - 1, seq.num_known_tokens)))
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.running.remove(seq)
@@ -229,10 +232,13 @@ class Scheduler:
         return finished
 
     def _register(self, e: ScheduledSeq) -> None:
-        """Register the entry's blocks that this step filled (the token ids are read only then)."""
+        """Register the entry's blocks that this step filled, those inside the known tokens (the ids are read only
+        then)."""
         size, end = self.pool.block_size, e.start + e.num_new_tokens
         if end // size > e.start // size:
-            self.pool.register(e.seq.seq_id, e.seq.token_ids(0, end // size * size), end)
+            known = min(end, e.seq.num_known_tokens) // size * size
+            if known:
+                self.pool.register(e.seq.seq_id, e.seq.token_ids(0, known), known)
 
     # ------------------------------------------------------------------ views
     def pending_blocks(self) -> int:

@@ -8,6 +8,10 @@ token; only counts matter to the scheduler and the block pool. The runtime passe
 cache. A sequence samples its next token in a step that brings `num_computed_tokens` up to
 `num_tokens`. Preemption by recompute sets `num_computed_tokens` back to 0 and keeps the
 generated tokens, so the next prefill recomputes prompt and outputs together.
+
+`num_known_tokens` counts the leading tokens whose ids are known: none without prompt ids, the
+prompt when the outputs are `UNKNOWN_TOKEN` (a simulator that has prompt ids), every token in the
+runtime. Prefix caching hashes and matches only known tokens (policies.scheduler).
 """
 from __future__ import annotations
 
@@ -60,6 +64,17 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Leading tokens with known ids: 0 without prompt ids, else the prompt and the outputs before the first
+        `UNKNOWN_TOKEN` (a simulator's outputs are all unknown, the runtime's all known)."""
+        if self.prompt_token_ids is None:
+            return 0
+        try:
+            return self.prompt_len + self.output_token_ids.index(UNKNOWN_TOKEN)
+        except ValueError:
+            return self.num_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -200,10 +200,13 @@ def _validate(cfg) -> None:
 def _command(args, policies, budgets) -> str:
     parts = ["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
     for flag in ("trace", "model", "calibration", "hardware", "seed", "requests", "rate", "burstiness",
-                 "prompt_dist", "output_dist", "domains", "quality_fit"):
+                 "prompt_dist", "output_dist", "domains", "token_ids_vocab", "shared_prefix_tokens", "prefix_groups",
+                 "quality_fit"):
         v = getattr(args, flag)
         if v is not None and v != args._defaults.get(flag):
             parts.append(f"--{flag.replace('_', '-')} {v}")
+    if args.enable_prefix_caching:
+        parts.append("--enable-prefix-caching")
     return " ".join(parts)
 
 

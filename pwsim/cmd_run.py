@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size
+from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
 from pwsim.runner import RunConfig, SyntheticWorkload, make_config
 from traces.clikit import UserError
 
@@ -32,11 +33,18 @@ def add_common(p: argparse.ArgumentParser) -> None:
     s.add_argument("--output-dist", default=str(DEFAULT_WORKLOAD.output), help="e.g. fixed:512")
     s.add_argument("--domains", default=",".join(DEFAULT_WORKLOAD.domains),
                    help="comma-separated domain names (match the calibration's per-domain damages)")
+    s.add_argument("--token-ids-vocab", type=int, default=0, metavar="V",
+                   help="also draw prompt token ids below V (what --enable-prefix-caching matches; default 0 = none)")
+    add_prefix_flags(s)
     e = p.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=256)
     e.add_argument("--max-batched-tokens", type=int, default=2048)
     e.add_argument("--timeline-stride", type=int, default=1, help="record every n-th iteration boundary")
+    e.add_argument("--enable-prefix-caching", action="store_true",
+                   help="share the cached KV blocks of common prompt prefixes between requests, as the runtime's "
+                        "--enable-prefix-caching (needs prompt token ids: a trace with them, or --token-ids-vocab); "
+                        "the summary reports prefix_cache_hit_tokens")
 
 
 def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str) -> RunConfig:
@@ -57,13 +65,19 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                         "must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+    check_prefix_flags(args)
+    if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
+        raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
+                        "(and --shared-prefix-tokens N for prompts that share a prefix)")
     wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
-                           prompt=args.prompt_dist, output=args.output_dist, domains=domains)
+                           prompt=args.prompt_dist, output=args.output_dist, domains=domains,
+                           token_ids_vocab=args.token_ids_vocab, shared_prefix_tokens=args.shared_prefix_tokens,
+                           prefix_groups=args.prefix_groups)
     return make_config(budget, policy=policy, policy_params=policy_params, model=args.model,
                        calibration=args.calibration, hardware=args.hardware, trace=args.trace, workload=wl,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                       timeline_stride=args.timeline_stride)
+                       timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching)
 
 
 def parse_policy(name: str, args_list: list[str]) -> dict:
@@ -92,6 +106,8 @@ def describe(summary: dict) -> str:
         f"transfers; plans {summary['plans']['plans']}; preemptions {summary['preemptions']}; stalls "
         f"{ {k: v['count'] for k, v in summary['stalls'].items()} or 'none'}",
     ]
+    if (summary.get("config") or {}).get("prefix_caching"):
+        lines.append(f"  prefix caching: {summary['prefix_cache_hit_tokens']:,} prompt tokens reused from cached blocks")
     if q["available"]:
         ppl = f"; {q['predicted_ppl_label']}: {q['predicted_ppl']:.3f}" if q.get("predicted_ppl") is not None else ""
         lines.append(f"  quality: mean damage per token {q['mean_damage_per_token']:.4g}{ppl}")

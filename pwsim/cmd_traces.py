@@ -29,14 +29,15 @@ def run_gen(args: argparse.Namespace) -> int:
     check_output(out)
     if args.requests < 1:
         raise UserError(f"--requests must be at least 1, got {args.requests}")
-    for flag, value in (("--routing-tokens", args.routing_tokens), ("--token-ids-vocab", args.token_ids_vocab),
-                        ("--seed", args.seed)):
+    for flag, value in (("--routing-tokens", args.routing_tokens), ("--seed", args.seed)):
         if value < 0:
             raise UserError(f"{flag} must be >= 0, got {value}")
+    check_prefix_flags(args)
     names, weights = parse_domains(args.domains)
     workload = WorkloadSpec(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
                             prompt=LengthDist.parse(args.prompt_dist), output=LengthDist.parse(args.output_dist),
-                            domains=names, domain_weights=weights, token_ids_vocab=args.token_ids_vocab)
+                            domains=names, domain_weights=weights, token_ids_vocab=args.token_ids_vocab,
+                            shared_prefix_tokens=args.shared_prefix_tokens, prefix_groups=args.prefix_groups)
     t0 = time.perf_counter()
     requests = generate_requests(workload, args.seed)
     routing = None
@@ -71,6 +72,37 @@ def run_gen(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_prefix_flags(args: argparse.Namespace) -> None:
+    """The synthetic token-id flags (`gen-trace`, and `run`/`compare` with `--trace synthetic`), one error each."""
+    if args.token_ids_vocab < 0:
+        raise UserError(f"--token-ids-vocab must be >= 0 (0 = no token ids), got {args.token_ids_vocab}")
+    if args.shared_prefix_tokens < 0:
+        raise UserError(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
+    if args.prefix_groups < 1:
+        raise UserError(f"--prefix-groups must be at least 1, got {args.prefix_groups}")
+    if args.shared_prefix_tokens > 0 and args.token_ids_vocab == 0:
+        raise UserError("--shared-prefix-tokens needs prompt token ids: add --token-ids-vocab V (e.g. 32000)")
+
+
+def add_prefix_flags(g) -> None:
+    """`--shared-prefix-tokens` and `--prefix-groups` on a parser or argument group."""
+    g.add_argument("--shared-prefix-tokens", type=int, default=0, metavar="N",
+                   help="prompts start with a shared prefix of N token ids (all but the last token of a shorter "
+                        "prompt), one per prefix group; needs --token-ids-vocab (default 0 = none)")
+    g.add_argument("--prefix-groups", type=int, default=1, metavar="G",
+                   help="distinct shared prefixes; each request takes one uniformly at random (default 1)")
+
+
+def _shared_prefix_note(trace: Trace) -> str:
+    """", shared prefixes of N tokens (G groups)" when the generator that wrote the trace made them."""
+    w = (trace.requests.provenance.get("workload") or {}) if trace.requests is not None else {}
+    n = w.get("shared_prefix_tokens") if isinstance(w, dict) else None
+    if not isinstance(n, int) or n <= 0:
+        return ""
+    g = w.get("prefix_groups", 1)
+    return f", shared prefixes of {n} tokens ({g} group{'' if g == 1 else 's'})"
+
+
 def _format_info(path: str, trace: Trace) -> str:
     lines = [f"{path}: valid trace"]
     if trace.requests is not None:
@@ -80,7 +112,7 @@ def _format_info(path: str, trace: Trace) -> str:
                   f"  prompt tokens mean {p['mean']:.0f}, p50 {p['p50']:.0f}, p99 {p['p99']:.0f}, max {p['max']}",
                   f"  output tokens mean {o['mean']:.0f}, p50 {o['p50']:.0f}, p99 {o['p99']:.0f}, max {o['max']}",
                   f"  domains       " + ", ".join(f"{d} {c}" for d, c in s["domains"].items()),
-                  f"  token ids     {'yes' if s['prompt_token_ids'] else 'no'}"]
+                  f"  token ids     {'yes' if s['prompt_token_ids'] else 'no'}{_shared_prefix_note(trace)}"]
     if trace.routing is not None:
         s = trace.routing.summary()
         lines += [f"  routing       {s['rows']:,} rows, {s['requests']} requests, model card {s['card']}",
@@ -117,6 +149,7 @@ def register(subparsers) -> None:
     g.add_argument("--output-dist", default="lognormal:128,0.8,8,1024", help="output lengths, same forms")
     g.add_argument("--domains", default="chat,code,math", help="domain mix: a,b,c or a:0.5,b:0.3,c:0.2")
     g.add_argument("--token-ids-vocab", type=int, default=0, help="also draw prompt token ids below this vocab size")
+    add_prefix_flags(g)
     g.add_argument("--card", default="Qwen1.5-MoE-A2.7B", help="model card for the routing trace (see `pwsim models`)")
     g.add_argument("--routing", action=argparse.BooleanOptionalAction, default=True,
                    help="also write routing.parquet (default yes)")

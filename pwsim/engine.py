@@ -18,7 +18,11 @@ time and hardware:
   room (compacting when retired blocks leave holes); every check that finds the budget exceeded is
   recorded, never hidden;
 * stalls: iterations with unfinished requests but nothing schedulable (memory), and forwards that
-  wait for absent experts (q = 0) to be fetched.
+  wait for absent experts (q = 0) to be fetched;
+* prefix caching (`SimConfig.prefix_caching`, off by default): each request's `Sequence` carries its
+  prompt token ids and the pool caches full blocks as the runtime's does. Generated tokens are
+  `UNKNOWN_TOKEN`, so only prompt blocks are cached and matched (`Sequence.num_known_tokens`); a first
+  chunk that starts after cached tokens costs only its new tokens, attending over the whole context.
 """
 from __future__ import annotations
 
@@ -74,6 +78,7 @@ class SimConfig:
     timeline_stride: int = 1  # record every n-th boundary in the timeline
     check_invariants: bool = False  # pool/table invariants after every boundary (tests)
     max_iterations: int = 50_000_000
+    prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
@@ -92,9 +97,19 @@ class Workload:
     routing: RoutingSource
     request_id: np.ndarray | None = None
     description: dict = field(default_factory=dict)
+    token_offsets: np.ndarray | None = None  # int64 [n+1]: prompt ids of request r are token_ids[o[r]:o[r+1]]
+    token_ids: np.ndarray | None = None  # int32 prompt token ids (None: lengths only)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
+
+    @property
+    def has_token_ids(self) -> bool:
+        return self.token_ids is not None and self.token_offsets is not None
+
+    def prompt_ids(self, r: int) -> list[int]:
+        """Request r's prompt token ids (the workload must have them)."""
+        return self.token_ids[self.token_offsets[r]:self.token_offsets[r + 1]].tolist()
 
 
 class Simulation:
@@ -125,7 +140,11 @@ class Simulation:
             raise BudgetError(f"budget {format_size(config.budget_bytes)} cannot hold the weights policy "
                               f"{getattr(policy, 'name', policy)!r} starts with ({format_size(weights)} + "
                               f"{format_size(config.allocator_slack_bytes)} allocator slack); raise the budget")
-        self.pool = BlockPool(room // self.kv_block_bytes, config.block_size)
+        if config.prefix_caching and not workload.has_token_ids:
+            raise UserError("prefix caching needs the prompt token ids of every request, and this trace has none; "
+                            "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
+                            "`--shared-prefix-tokens N`; or `--trace synthetic --token-ids-vocab V`)")
+        self.pool = BlockPool(room // self.kv_block_bytes, config.block_size, prefix_caching=config.prefix_caching)
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
@@ -233,8 +252,9 @@ class Simulation:
             delay = float(wl.arrival_s[r]) - self.env.now
             if delay > 0:
                 yield self.env.timeout(delay)
-            seq = Sequence(r, prompt_len=int(wl.prompt_tokens[r]), max_tokens=int(wl.output_tokens[r]),
-                           arrival_time=float(wl.arrival_s[r]))
+            ids = wl.prompt_ids(r) if self.cfg.prefix_caching else None  # unknown outputs: prompts only are cached
+            seq = Sequence(r, prompt_token_ids=ids, prompt_len=int(wl.prompt_tokens[r]),
+                           max_tokens=int(wl.output_tokens[r]), arrival_time=float(wl.arrival_s[r]))
             self.sched.add(seq)
             self._arrived += 1
             if self._wake is not None and not self._wake.triggered:

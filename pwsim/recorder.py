@@ -169,6 +169,7 @@ class Recorder:
             **about, "iterations": self.iterations, "boundaries": self._boundaries,
             "computed_tokens": self.computed_tokens,
             "preemptions": int(sim.sched.num_preemptions),
+            "prefix_cache_hit_tokens": int(sim.sched.num_cached_tokens),  # prompt tokens skipped (prefix caching)
             "memory": {"budget_bytes": sim.cfg.budget_bytes, "peak_bytes": self.peak["memory_bytes"],
                        "peak_used_bytes": self.peak_used,
                        "peak_weight_bytes": self.peak["weight_bytes"], "peak_kv_pool_bytes": self.peak["kv_pool_bytes"],

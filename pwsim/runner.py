@@ -37,11 +37,15 @@ class SyntheticWorkload:
     domain_shift: float = DEFAULT_ROUTING.domain_shift
     drift: float = DEFAULT_ROUTING.drift
     features: bool = DEFAULT_ROUTING.features
+    token_ids_vocab: int = 0  # > 0: prompt token ids (what prefix caching matches)
+    shared_prefix_tokens: int = 0  # prompts start with one of `prefix_groups` shared prefixes of this many ids
+    prefix_groups: int = 1
 
     def specs(self) -> tuple[WorkloadSpec, RoutingSpec]:
         w = WorkloadSpec(requests=self.requests, rate=self.rate, burstiness=self.burstiness,
                          prompt=LengthDist.parse(self.prompt), output=LengthDist.parse(self.output),
-                         domains=tuple(self.domains))
+                         domains=tuple(self.domains), token_ids_vocab=self.token_ids_vocab,
+                         shared_prefix_tokens=self.shared_prefix_tokens, prefix_groups=self.prefix_groups)
         r = RoutingSpec(skew=self.skew, domain_shift=self.domain_shift, drift=self.drift, features=self.features)
         return w, r
 
@@ -63,6 +67,7 @@ class RunConfig:
     max_num_batched_tokens: int = 2048
     allocator_slack_bytes: int | None = None  # None: 64 MiB, or 1/32 of a budget smaller than 2 GiB
     timeline_stride: int = 1
+    prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
 
     @property
     def label(self) -> str:
@@ -89,7 +94,8 @@ class RunConfig:
     def sim_config(self) -> SimConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens,
-                         allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride)
+                         allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
+                         prefix_caching=self.prefix_caching)
 
     def to_json(self) -> dict:
         d = asdict(self)

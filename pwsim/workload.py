@@ -5,6 +5,9 @@
   synthetic (`routing_spec`, seeded).
 * `synthetic(card, workload_spec, routing_spec, seed)`: requests from `traces.generators` and the
   fast synthetic routing source (`pwsim.routing.synthetic_routing`, same popularity model).
+
+Prompt token ids travel with the requests when the trace has them (`Workload.token_ids`); only a
+prefix-caching simulation reads them.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ def from_requests(requests: RequestTrace, routing: RoutingSource, description: d
                     output_tokens=np.asarray(requests.output_tokens, dtype=np.int64),
                     domains=tuple(requests.domains), domain_idx=np.asarray(requests.domain_idx, dtype=np.int64),
                     routing=routing, request_id=np.asarray(requests.request_id),
-                    description=dict(description or {}))
+                    description=dict(description or {}), token_offsets=requests.token_offsets,
+                    token_ids=requests.token_ids)
 
 
 def synthetic(card: ModelSpec, workload_spec: WorkloadSpec, routing_spec: RoutingSpec, seed: int) -> Workload:

@@ -2,7 +2,10 @@
 
 Requests: Poisson arrivals (burstiness 1) or gamma inter-arrival gaps with coefficient of
 variation `burstiness`; prompt and output lengths from a fixed, uniform, lognormal or bounded Zipf
-distribution, clipped to [min, max]; a domain per request from a weighted mix.
+distribution, clipped to [min, max]; a domain per request from a weighted mix. Optional prompt
+token ids (`token_ids_vocab`), uniform below the vocab size; with `shared_prefix_tokens` each request
+draws one of `prefix_groups` groups uniformly and its prompt starts with that group's fixed ids (all
+but its last token when the prompt is shorter), so a prefix cache has something to share.
 
 Routing: in every layer expert popularity follows a Zipf law over a random ranking of the
 experts (popularity logit of rank r = -skew * log(1 + r)). Each domain reshuffles a fraction
@@ -140,6 +143,8 @@ class WorkloadSpec:
     domains: tuple[str, ...] = ("chat", "code", "math")
     domain_weights: tuple[float, ...] | None = None  # None: equal mix
     token_ids_vocab: int = 0  # > 0: also draw synthetic prompt token ids below this vocab size
+    shared_prefix_tokens: int = 0  # > 0 (needs token ids): prompts start with their group's fixed ids
+    prefix_groups: int = 1  # groups of shared prefixes, each request in one drawn uniformly
 
     def describe(self) -> dict:
         d = asdict(self)
@@ -147,14 +152,50 @@ class WorkloadSpec:
         return json.loads(json.dumps(d))  # JSON types (lists, not tuples), as it reads back from a file
 
 
-def generate_requests(spec: WorkloadSpec, seed: int) -> RequestTrace:
+def _check_spec(spec: WorkloadSpec, seed: int) -> None:
     if spec.requests < 0:
         raise UserError(f"number of requests must be >= 0, got {spec.requests}")
     if spec.token_ids_vocab < 0:
         raise UserError(f"token id vocabulary size must be >= 0 (0 = no token ids), got {spec.token_ids_vocab}")
+    if spec.shared_prefix_tokens < 0:
+        raise UserError(f"shared prefix tokens must be >= 0 (0 = no shared prefix), got {spec.shared_prefix_tokens}")
+    if spec.prefix_groups < 1:
+        raise UserError(f"prefix groups must be >= 1, got {spec.prefix_groups}")
+    if spec.shared_prefix_tokens > 0 and spec.token_ids_vocab == 0:
+        raise UserError("shared prefixes are token ids: give a token id vocabulary too (--token-ids-vocab V, "
+                        "WorkloadSpec.token_ids_vocab > 0)")
     if seed < 0:
         raise UserError(f"seed must be >= 0, got {seed}")
-    streams = [np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(5)]
+
+
+def _share_prefixes(ids: np.ndarray, offsets: np.ndarray, spec: WorkloadSpec, groups: np.random.SeedSequence,
+                    prefixes: np.random.SeedSequence) -> None:
+    """Overwrite (in place) the first min(shared_prefix_tokens, prompt - 1) ids of every prompt with its group's
+    prefix: groups drawn uniformly from the `groups` stream, group g's ids from the g-th child of `prefixes`
+    (drawn only for groups in use, each the same whatever the other groups or requests)."""
+    lens = np.diff(offsets)
+    group = np.random.default_rng(groups).integers(0, spec.prefix_groups, size=len(lens))
+    k = np.minimum(spec.shared_prefix_tokens, lens - 1)  # every prompt keeps at least one id of its own
+    if not len(k) or k.max() <= 0:
+        return
+    used = np.unique(group[k > 0])
+    prefix = np.stack([_group_prefix(prefixes, g, int(k.max()), spec.token_ids_vocab) for g in used.tolist()])
+    req = np.repeat(np.arange(len(lens)), k)
+    pos = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+    ids[offsets[req] + pos] = prefix[np.searchsorted(used, group[req]), pos]
+
+
+def _group_prefix(prefixes: np.random.SeedSequence, g: int, width: int, vocab: int) -> np.ndarray:
+    """The first `width` prefix ids of group g, from the g-th child of `prefixes` (as `prefixes.spawn` makes it)."""
+    child = np.random.SeedSequence(prefixes.entropy, spawn_key=(*prefixes.spawn_key, g))
+    return np.random.default_rng(child).integers(0, vocab, size=width, dtype=np.int32)
+
+
+def generate_requests(spec: WorkloadSpec, seed: int) -> RequestTrace:
+    _check_spec(spec, seed)
+    # streams 0..4 are those of spawn(5) (the requests before shared prefixes existed); 5, 6: shared prefixes
+    seqs = np.random.SeedSequence(seed).spawn(7)
+    streams = [np.random.default_rng(s) for s in seqs[:5]]
     n = spec.requests
     w = np.full(len(spec.domains), 1.0 / len(spec.domains)) if spec.domain_weights is None else np.asarray(spec.domain_weights)
     prompt = spec.prompt.sample(n, streams[1])
@@ -162,6 +203,8 @@ def generate_requests(spec: WorkloadSpec, seed: int) -> RequestTrace:
     if spec.token_ids_vocab > 0:
         offsets = np.concatenate([[0], np.cumsum(prompt, dtype=np.int64)])
         ids = streams[4].integers(0, spec.token_ids_vocab, size=int(offsets[-1]), dtype=np.int32)
+        if spec.shared_prefix_tokens > 0:
+            _share_prefixes(ids, offsets, spec, seqs[5], seqs[6])
     return RequestTrace(request_id=np.arange(n), arrival_s=arrival_times(n, spec.rate, spec.burstiness, streams[0]),
                         prompt_tokens=prompt, output_tokens=spec.output.sample(n, streams[2]),
                         domain_idx=streams[3].choice(len(spec.domains), size=n, p=w / w.sum()),
