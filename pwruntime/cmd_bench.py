@@ -1,5 +1,5 @@
-"""`pwruntime bench kernels|prefill`: time the AP kernels against torch fp16 (and write a measured hardware
-profile), or the prefill MoE path against one launch set per expert.
+"""`pwruntime bench kernels|prefill|prefix-cache`: time the AP kernels against torch fp16 (and write a measured
+hardware profile), the prefill MoE path against one launch set per expert, or serving with prefix caching.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -13,6 +13,11 @@ the measured coefficients in the simulator's hardware-profile format (traces/har
 the fused kernel in launch sets of 64 tokens and the two dequantize paths (padded groups, torch's grouped
 GEMM) against a set of launches per active expert, and the dequantize kernel alone, with a figure next to
 `--out`.
+
+`bench prefix-cache` serves one batch of prompts that share a long prefix with the bundled model (or `--model`),
+prefix caching off and on, in alternating rounds (pwruntime/bench_prefix_cache.py): wall time, output tokens/s,
+time to first token, prompt tokens from the cache, greedy outputs equal to the plain engine's. It runs on CUDA
+when there is a GPU, else on the CPU.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ FP16_GEMV_FALLBACK_GBPS = 3960.0
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill"],
-                   help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path")
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache"],
+                   help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
+                        "a batch sharing a prefix served with prefix caching off and on")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b)")
@@ -38,10 +44,16 @@ def register(subparsers) -> None:
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512)")
     p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
-    p.add_argument("--dtype", choices=["bf16", "fp16"], default=None,
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
-                        "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA)")
-    p.add_argument("--reps", type=int, default=30, help="timed graph replays per measurement (median reported)")
+                        "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA; "
+                        "prefix-cache: the model's dtype, default bf16 on CUDA and fp32 on the CPU; fp32 only there)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
+                        "of (off, on) (default 2)")
+    p.add_argument("--prompts", type=int, default=32, help="prefix-cache: prompts in the batch (default 32)")
+    p.add_argument("--max-tokens", type=int, default=16, help="prefix-cache: greedy tokens per prompt (default 16)")
+    p.add_argument("--model", default=None, help="prefix-cache: model directory (default: the bundled demo model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
@@ -121,7 +133,48 @@ def _run_prefill(args) -> int:
     return 0
 
 
+def _run_prefix_cache(args) -> int:
+    import torch
+
+    from pwruntime import bench_prefix_cache as bpc
+    from pwruntime.cmd_perplexity import default_model_dir
+    from pwruntime.model.loader import load_model
+    for name in ("models", "tokens", "profile_out", "plot_from"):
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench prefix-cache` (it takes "
+                            "--prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
+    rounds = 2 if args.reps is None else args.reps
+    if args.prompts < 1 or args.max_tokens < 1 or rounds < 1:
+        raise UserError(f"--prompts, --max-tokens and --reps must be positive, got {args.prompts}, {args.max_tokens}, "
+                        f"{rounds}")
+    cuda = torch.cuda.is_available()
+    dtype = args.dtype or ("bf16" if cuda else "fp32")
+    model = load_model(args.model or default_model_dir(), dtype=dtype, device="cuda" if cuda else "cpu")
+    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        f"pwruntime bench prefix-cache --prompts {args.prompts} --max-tokens {args.max_tokens} --reps {rounds}"
+    torch.manual_seed(args.seed)
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "command": command, "torch": torch.__version__,
+           "dtype": dtype, **bpc.run(model, args.prompts, args.max_tokens, rounds)}
+    if args.out:
+        write_json_atomic(args.out, res)
+    if args.json:
+        print(json.dumps(res, indent=2))
+    else:
+        bpc.print_table(res)
+    print(f"\nreproduce: {command}")
+    if args.out:
+        print(f"results: {args.out}")
+    return 0
+
+
 def run(args) -> int:
+    if args.target == "prefix-cache":
+        return _run_prefix_cache(args)
+    if args.prompts != 32 or args.max_tokens != 16 or args.model is not None:
+        raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache`")
+    if args.dtype == "fp32":
+        raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
+    args.reps = 30 if args.reps is None else args.reps
     if args.target == "prefill":
         return _run_prefill(args)
     if args.plot_from is not None:

@@ -1,5 +1,5 @@
-"""`pwruntime bench kernels|prefill` off the GPU: figures and tables of saved results, and the errors; on the GPU the
-prefill bench's two paths agree."""
+"""`pwruntime bench kernels|prefill|prefix-cache` off the GPU: figures and tables of saved results, and the errors; on
+the GPU the prefill bench's two paths agree; the prefix-cache bench wherever it runs (CPU in CI)."""
 from __future__ import annotations
 
 import json
@@ -107,3 +107,32 @@ def test_gpu_prefill_bench_paths_agree():
         assert r["runtime_path"] == ("fused" if r["tokens"] <= 128 else "grouped")
         assert r["runtime_ms"] == r[f"{r['runtime_path']}_ms"]
         assert 0 < r["dequant_ms"] < r["padded_ms"] and r["dequant_gbps"] > 0
+
+
+def test_prefix_cache_bench_reports_hits_and_equal_outputs(tmp_path, capsys):
+    """A batch sharing a prefix, caching off then on: only the cached round takes prompt tokens from the cache, both
+    produce the plain engine's greedy tokens (fp32), and the JSON, the table and the reproduce line are written."""
+    out = tmp_path / "prefix.json"
+    assert main(["bench", "prefix-cache", "--prompts", "4", "--max-tokens", "3", "--reps", "1", "--dtype", "fp32",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    off, on = res["rounds"]
+    assert (off["caching"], on["caching"]) == (False, True)
+    assert off["hit_tokens"] == 0 and on["hit_tokens"] >= 16 and on["hit_tokens"] % 16 == 0
+    assert on["hit_tokens"] <= 3 * res["prefix_tokens"]           # the first prompt computes the prefix itself
+    assert off["same_outputs"] == on["same_outputs"] == 4
+    assert res["prompt_tokens"] > 4 * res["prefix_tokens"] > 0
+    text = capsys.readouterr().out
+    assert "hit tokens" in text and "reproduce: pwruntime bench prefix-cache" in text
+
+
+@pytest.mark.parametrize("target,argv,message", [
+    ("prefix-cache", ["--models", "olmoe-1b-7b"], "--models does not apply"),
+    ("prefix-cache", ["--prompts", "0"], "must be positive"),
+    ("kernels", ["--prompts", "4"], "belong to `pwruntime bench prefix-cache`"),
+    ("prefill", ["--dtype", "fp32"], "--dtype fp32 is for"),
+])
+def test_prefix_cache_bench_misuse_is_one_clear_error(capsys, target, argv, message):
+    assert main(["bench", target, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
