@@ -120,17 +120,7 @@ def _run_prefill(args) -> int:
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
         res["rows"] += bp.prefill_layers(cfg, m, args.bits, dtype)
         torch.cuda.empty_cache()
-    if args.out:
-        write_json_atomic(args.out, res)
-        bp.plot(res, args.out.with_suffix(".png"))
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        bp.print_table(res)
-    print(f"\nreproduce: {command}")
-    if args.out:
-        print(f"results: {args.out} (figure: {args.out.with_suffix('.png')})")
-    return 0
+    return _report(args, res, command, bp.print_table, bp.plot)
 
 
 def _run_prefix_cache(args) -> int:
@@ -155,15 +145,23 @@ def _run_prefix_cache(args) -> int:
     torch.manual_seed(args.seed)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "command": command, "torch": torch.__version__,
            "dtype": dtype, **bpc.run(model, args.prompts, args.max_tokens, rounds)}
+    return _report(args, res, command, bpc.print_table)
+
+
+def _report(args, res: dict, command: str, print_table, plot=None) -> int:
+    """Write `res` to --out (and its figure beside it), print it (JSON or a table), then the reproducing command."""
+    figure = args.out.with_suffix(".png") if args.out and plot is not None else None
     if args.out:
         write_json_atomic(args.out, res)
+    if figure is not None:
+        plot(res, figure)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
-        bpc.print_table(res)
+        print_table(res)
     print(f"\nreproduce: {command}")
     if args.out:
-        print(f"results: {args.out}")
+        print(f"results: {args.out}" + (f" (figure: {figure})" if figure is not None else ""))
     return 0
 
 

@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from traces.clikit import UserError, check_output
-from traces.generators import LengthDist, RoutingSpec, WorkloadSpec, generate_requests, generate_routing, parse_domains
+from traces.generators import (LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options, generate_requests,
+                               generate_routing, parse_domains)
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
 from traces.model_card import load_card
 
@@ -74,14 +75,7 @@ def run_gen(args: argparse.Namespace) -> int:
 
 def check_prefix_flags(args: argparse.Namespace) -> None:
     """The synthetic token-id flags (`gen-trace`, and `run`/`compare` with `--trace synthetic`), one error each."""
-    if args.token_ids_vocab < 0:
-        raise UserError(f"--token-ids-vocab must be >= 0 (0 = no token ids), got {args.token_ids_vocab}")
-    if args.shared_prefix_tokens < 0:
-        raise UserError(f"--shared-prefix-tokens must be >= 0, got {args.shared_prefix_tokens}")
-    if args.prefix_groups < 1:
-        raise UserError(f"--prefix-groups must be at least 1, got {args.prefix_groups}")
-    if args.shared_prefix_tokens > 0 and args.token_ids_vocab == 0:
-        raise UserError("--shared-prefix-tokens needs prompt token ids: add --token-ids-vocab V (e.g. 32000)")
+    check_token_id_options(args.token_ids_vocab, args.shared_prefix_tokens, args.prefix_groups)
 
 
 def add_prefix_flags(g) -> None:

@@ -45,7 +45,7 @@ def _listing(path: Path) -> list[str]:
     (["--requests", "0"], "--requests must be at least 1"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--routing-tokens", "-1"], "--routing-tokens must be >= 0"),
-    (["--token-ids-vocab", "-5"], "--token-ids-vocab must be >= 0"),
+    (["--token-ids-vocab", "-5"], "(--token-ids-vocab) must be >= 0"),
     (["--rate", "nan"], "rate and burstiness must be positive and finite"),
     (["--rate", "inf"], "rate and burstiness must be positive and finite"),
     (["--burstiness", "inf"], "rate and burstiness must be positive and finite"),

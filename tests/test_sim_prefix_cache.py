@@ -4,6 +4,7 @@ off (bit-identical to a workload without token ids) and on (fewer computed token
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -78,12 +79,12 @@ def test_shared_prefixes_are_deterministic_by_seed():
 
 
 @pytest.mark.parametrize("kw,needle", [
-    ({"shared_prefix_tokens": -1}, "shared prefix tokens must be >= 0"),
-    ({"prefix_groups": 0}, "prefix groups must be >= 1"),
+    ({"shared_prefix_tokens": -1}, "shared prefix tokens (--shared-prefix-tokens) must be >= 0"),
+    ({"prefix_groups": 0}, "prefix groups (--prefix-groups) must be >= 1"),
     ({"shared_prefix_tokens": 8, "token_ids_vocab": 0}, "token id vocabulary"),
 ])
 def test_bad_shared_prefix_settings_are_user_errors(kw, needle):
-    with pytest.raises(UserError, match=needle):
+    with pytest.raises(UserError, match=re.escape(needle)):
         generate_requests(_spec(**kw), 0)
 
 
@@ -255,10 +256,10 @@ def test_run_a_trace_directory_with_shared_prefixes_and_recorded_routing(tmp_pat
 
 @pytest.mark.parametrize("argv,needle", [
     (["run", *DEMO, "--enable-prefix-caching"], "--enable-prefix-caching needs prompt token ids"),
-    (["run", *DEMO, "--shared-prefix-tokens", "16"], "--shared-prefix-tokens needs prompt token ids"),
-    (["run", *DEMO, "--token-ids-vocab", "9", "--prefix-groups", "0"], "--prefix-groups must be at least 1"),
-    (["gen-trace", "--shared-prefix-tokens", "-2", "--token-ids-vocab", "9"], "--shared-prefix-tokens must be >= 0"),
-    (["gen-trace", "--shared-prefix-tokens", "16"], "add --token-ids-vocab"),
+    (["run", *DEMO, "--shared-prefix-tokens", "16"], "shared prefixes are token ids: give a token id vocabulary"),
+    (["run", *DEMO, "--token-ids-vocab", "9", "--prefix-groups", "0"], "(--prefix-groups) must be >= 1"),
+    (["gen-trace", "--shared-prefix-tokens", "-2", "--token-ids-vocab", "9"], "(--shared-prefix-tokens) must be >= 0"),
+    (["gen-trace", "--shared-prefix-tokens", "16"], "give a token id vocabulary too (--token-ids-vocab V"),
 ])
 def test_prefix_flag_misuse_is_one_line_and_exit_2(tmp_path, capsys, argv, needle):
     assert main([*argv, "--out", str(tmp_path / "x")]) == 2

@@ -152,18 +152,26 @@ class WorkloadSpec:
         return json.loads(json.dumps(d))  # JSON types (lists, not tuples), as it reads back from a file
 
 
+def check_token_id_options(token_ids_vocab: int, shared_prefix_tokens: int, prefix_groups: int) -> None:
+    """The prompt token-id options (`WorkloadSpec` fields, `--token-ids-vocab`, `--shared-prefix-tokens`,
+    `--prefix-groups` on the CLI), one UserError naming each problem."""
+    if token_ids_vocab < 0:
+        raise UserError(f"token id vocabulary size (--token-ids-vocab) must be >= 0 (0 = no token ids), got "
+                        f"{token_ids_vocab}")
+    if shared_prefix_tokens < 0:
+        raise UserError(f"shared prefix tokens (--shared-prefix-tokens) must be >= 0 (0 = no shared prefix), got "
+                        f"{shared_prefix_tokens}")
+    if prefix_groups < 1:
+        raise UserError(f"prefix groups (--prefix-groups) must be >= 1, got {prefix_groups}")
+    if shared_prefix_tokens > 0 and token_ids_vocab == 0:
+        raise UserError("shared prefixes are token ids: give a token id vocabulary too (--token-ids-vocab V, e.g. "
+                        "32000; WorkloadSpec.token_ids_vocab > 0)")
+
+
 def _check_spec(spec: WorkloadSpec, seed: int) -> None:
     if spec.requests < 0:
         raise UserError(f"number of requests must be >= 0, got {spec.requests}")
-    if spec.token_ids_vocab < 0:
-        raise UserError(f"token id vocabulary size must be >= 0 (0 = no token ids), got {spec.token_ids_vocab}")
-    if spec.shared_prefix_tokens < 0:
-        raise UserError(f"shared prefix tokens must be >= 0 (0 = no shared prefix), got {spec.shared_prefix_tokens}")
-    if spec.prefix_groups < 1:
-        raise UserError(f"prefix groups must be >= 1, got {spec.prefix_groups}")
-    if spec.shared_prefix_tokens > 0 and spec.token_ids_vocab == 0:
-        raise UserError("shared prefixes are token ids: give a token id vocabulary too (--token-ids-vocab V, "
-                        "WorkloadSpec.token_ids_vocab > 0)")
+    check_token_id_options(spec.token_ids_vocab, spec.shared_prefix_tokens, spec.prefix_groups)
     if seed < 0:
         raise UserError(f"seed must be >= 0, got {seed}")
 
