@@ -2,7 +2,8 @@
 
 Every `step()` is one iteration: schedule (policies.Scheduler over policies.BlockPool) -> forward
 (ModelRunner) -> sample (one torch.Generator per request) -> observe (policies.observe builds the
-Observation from the pool, the scheduler, the online routing mass and the prompt features) ->
+Observation from the pool, the scheduler, the online routing mass and the prompt features; the routing is
+brought to the host and observed only when the policy plans, not for noop and the static baselines) ->
 plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
@@ -44,6 +45,7 @@ from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
 from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass, build_observation
 from policies.page_table import PageTable
+from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
@@ -78,7 +80,7 @@ class EngineConfig:
     policy_params: dict = field(default_factory=dict)
     free_block_threshold: int = 8
     routing_half_life_tokens: float | None = 4096.0
-    observe_routing: bool = True  # record routing each forward (routing mass and prompt features)
+    observe_routing: bool | None = None  # routing mass and prompt features each forward; None: when the policy plans
     stall_limit: int = 8
     seed: int = 0  # seeds requests that carry no seed of their own
     record_traces: bool = False
@@ -151,7 +153,8 @@ class LLMEngine:
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:
             self.recorder.set_model(n_moe, mc.experts, mc.top_k)
-        self._record = cfg.observe_routing or self.recorder is not None
+        observe = cfg.observe_routing if cfg.observe_routing is not None else not never_plans(policy)
+        self._record = observe or self.recorder is not None
         eos = tuple(mc.eos_token_ids) or ((mc.eos_token_id,) if mc.eos_token_id is not None else ())
         if not eos and self.tokenizer.eos_id is not None:
             eos = (self.tokenizer.eos_id,)

@@ -40,7 +40,7 @@ from policies.loop import PlanLoop
 from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass, build_observation
 from policies.page_table import DEFAULT_BITS
-from policies.planners.base import StaticPolicy, in_flight_split, plane_bytes_per_block, weight_bytes
+from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
@@ -72,8 +72,8 @@ class SimConfig:
     allocator_slack_bytes: int = 64 * MiB  # kept out of the KV pool (LUTs of transitions in flight, fragmentation)
     free_block_threshold: int | None = None  # None: the calibration's (8 without one)
     routing_half_life_tokens: float | None = 4096.0
-    prompt_features: bool = True  # feed per-block prompt features when the routing has input norms (never
-    # for static policies, which fix their bits at reset and never read an observation)
+    prompt_features: bool = True  # feed per-block prompt features when the routing has input norms (never for
+    # the policies that never plan, noop and the static ones: nothing reads them)
     max_miss_rounds: int = 4  # fetch rounds a forward waits for absent experts before it runs anyway
     timeline_stride: int = 1  # record every n-th boundary in the timeline
     check_invariants: bool = False  # pool/table invariants after every boundary (tests)
@@ -153,8 +153,7 @@ class Simulation:
         self.loop = PlanLoop(self._tap, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing_mass = RoutingMass(L, E, config.routing_half_life_tokens)
-        static = isinstance(policy, StaticPolicy)
-        self.features = BatchedPromptFeatures(L, E) if config.prompt_features and not static else None
+        self.features = BatchedPromptFeatures(L, E) if config.prompt_features and not never_plans(policy) else None
         damage = {} if calibration is None else calibration.domain_damage
         self.quality = QualityModel(damage, L, E, quality_fit, zero_damage=self.full_precision)
         self._req_dom = np.array([self.quality.domain_index(d) for d in workload.domains], dtype=np.int64)[

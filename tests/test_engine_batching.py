@@ -81,7 +81,7 @@ def test_prompt_too_large_for_pool_is_a_clear_error(models):
 
 def test_observation_routing_mass_and_features(models):
     model = models["olmoe"]
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, observe_routing=True))
     for p in _prompts(model)[:2]:
         engine.add_request(p, GREEDY)
     engine.step()
@@ -99,6 +99,37 @@ def test_observation_routing_mass_and_features(models):
     while engine.has_unfinished():
         engine.step()
     assert np.all(engine.last_observation.prompt_features == 0)  # nobody running
+
+
+class _Watching:
+    """A planner that reads each observation and never changes a bit."""
+    name = "watching"
+
+    def reset(self, table, calibration) -> None:
+        return None
+
+    def plan_step(self, table, observation):
+        return None
+
+
+@pytest.mark.parametrize("policy,observed", [("noop", False), ("uniform-4", False), (_Watching, True)])
+def test_routing_is_observed_only_for_a_policy_that_plans(models, policy, observed):
+    """No routing to the host, routing mass or prompt features for the policies that never plan (nothing reads them);
+    a planner gets them; `observe_routing` overrides either way."""
+    model = models["olmoe"]
+    for override in (None, not observed):
+        cfg = EngineConfig(num_kv_blocks=64, block_size=4, policy=policy if isinstance(policy, str) else "noop",
+                           observe_routing=override)
+        engine = LLMEngine(model, cfg, policy=None if isinstance(policy, str) else policy())
+        calls = []
+        observe = engine._observe_routing
+        engine._observe_routing = lambda batch, r: (calls.append(r), observe(batch, r))
+        engine.add_request(_prompts(model)[0], GREEDY)
+        engine.step()
+        want = observed if override is None else override
+        assert bool(calls) == want
+        obs = engine.last_observation
+        assert (obs.routing_mass is not None) == want and (obs.prompt_features is not None) == want
 
 
 def test_shrink_with_compaction_and_grow_keep_outputs(models):
@@ -219,7 +250,8 @@ def test_prompt_features_of_a_batch_equal_per_sequence_updates(models):
     from policies.observe import split_tokens
 
     model = models["qwen2_moe"]
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+                                           observe_routing=True))
     c = model.config
     ref = BatchedPromptFeatures(c.num_moe_layers or c.layers, c.experts)
     observe = engine._observe_routing

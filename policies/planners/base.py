@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policies.apformat import LUT_DTYPE_BYTES, MAX_BITS, WORD_BITS
-from policies.contract import Plan, Transition
+from policies.contract import NoopPolicy, Plan, Transition
 
 if TYPE_CHECKING:  # pragma: no cover
     from policies.calibration import Calibration
@@ -117,6 +117,12 @@ def apply_plan_now(table: "PageTable", plan: Plan | None) -> int:
             table.finish_reload(t.block)
             freed -= int(table.M[t.block, t.to_bits] - table.M[t.block, t.from_bits])
     return freed
+
+
+def never_plans(policy) -> bool:
+    """Whether the policy never plans (`NoopPolicy`, the `StaticPolicy` baselines): an engine serving it needs no
+    routing observation (routing mass, prompt features), since nothing reads it."""
+    return isinstance(policy, (NoopPolicy, StaticPolicy))
 
 
 class StaticPolicy:
