@@ -38,6 +38,22 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
     moe.single_block_plan = lambda out_f, in_f, tokens, sm_count=132: forced(out_f, in_f, tokens, 16, 1, 1, sm_count)
 
 
+def force_gate_up_ksplit(ksplit: int) -> None:
+    """Split the K of every MoE layer's first launch (gate_up) `ksplit` ways, same warps (this process only)."""
+    import dataclasses
+
+    from pwruntime.kernels import moe
+    plans = moe.moe_plans
+
+    def forced(shape, tokens, sm_count=132):
+        p1, p2 = plans(shape, tokens, sm_count)
+        n_tiles = moe.row_tiles(shape.intermediate, 8, p1.warps, ksplit)
+        return dataclasses.replace(p1, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * (p1.grid // p1.n_tiles),
+                                   smem=moe.launch_smem(p1.xs_budget, p1.nt, p1.warps, ksplit)), p2
+
+    moe.moe_plans = forced
+
+
 def _extra_defines(extra: tuple[tuple[str, int], ...]) -> None:
     """Compile every kernel with these defines added (this process only)."""
     from pwruntime.kernels import compile as kc
@@ -108,6 +124,8 @@ def main() -> int:
                     help="8-warp CTAs for launches of up to this many n-tiles (experiments)")
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
                     help="extra compile-time define for every kernel (experiments), e.g. PW_MINB=5")
+    ap.add_argument("--gate-up-ksplit", type=int, default=None, choices=(1, 2, 4, 8),
+                    help="force this k-split in the MoE layers' first launch only (experiments)")
     ap.add_argument("--want", type=float, default=None,
                     help="CTAs an SM the k-split rule aims for at one token (default 2; experiments)")
     ap.add_argument("--xs-cap", type=int, default=None,
@@ -140,6 +158,8 @@ def main() -> int:
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.wide_max_nt is not None:
         moe.WIDE_MAX_NT = args.wide_max_nt
+    if args.gate_up_ksplit is not None:
+        force_gate_up_ksplit(args.gate_up_ksplit)
     if args.want is not None:
         moe.WANT_CTAS_PER_SM = args.want
     if args.xs_cap:
