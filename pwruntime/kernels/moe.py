@@ -12,8 +12,7 @@ layers and replays. Elsewhere (CPU, fp32) it runs `reference.fused_moe_ref` on t
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -246,7 +245,7 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     if plan.warps != 8:
         return plan
     n_tiles = row_tiles(out_features, 16, 16, plan.ksplit)
-    return dataclasses.replace(plan, warps=16, n_tiles=n_tiles, grid=n_tiles,
+    return replace(plan, warps=16, n_tiles=n_tiles, grid=n_tiles,
                                smem=launch_smem(plan.xs_budget, plan.nt, 16, plan.ksplit))
 
 
