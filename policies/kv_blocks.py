@@ -162,6 +162,9 @@ class BlockPool:
         with whoever holds them. Raises BlockPoolError (pool unchanged) when free blocks do not suffice.
         """
         need = self.blocks_needed(seq_id, num_tokens)
+        if not need and not prefix and seq_id in self._tables:  # most decode steps: the last block has room
+            self._tokens[seq_id] = max(self._tokens[seq_id], int(num_tokens))
+            return []
         cached_free: list[int] = []  # prefix blocks nobody holds: they leave the free list
         if prefix:
             if seq_id in self._tables:

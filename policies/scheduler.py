@@ -144,9 +144,11 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             want = seq.num_computed_tokens + n
-            while not self.pool.can_allocate(seq.seq_id, want) and self.running[-1] is not seq:
+            fits = self.pool.can_allocate(seq.seq_id, want)
+            while not fits and self.running[-1] is not seq:
                 preempted.append(self._preempt(self.running[-1]))
-            if not self.pool.can_allocate(seq.seq_id, want):
+                fits = self.pool.can_allocate(seq.seq_id, want)
+            if not fits:
                 if entries:  # older sequences run this step; give way to them
                     preempted.append(self._preempt(seq))
                 blocked = True  # alone and still too big: a stall (handled below)
