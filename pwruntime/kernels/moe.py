@@ -70,6 +70,13 @@ class LaunchPlan:
         return kc.get_kernel(device, "ap_moe.cu", "pw_ap_moe",
                              (("PW_BF16", int(dtype == torch.bfloat16)),) + self.defines, self.smem)
 
+    def resplit(self, m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> "LaunchPlan":
+        """The same launch with CTAs of `warps` warps splitting K `ksplit` ways: its row tiles, grid (the same CTAs
+        per tile) and shared memory follow."""
+        n_tiles = row_tiles(m_rows, rows_per_warp, warps, ksplit)
+        return replace(self, warps=warps, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * (self.grid // self.n_tiles),
+                       smem=launch_smem(self.xs_budget, self.nt, warps, ksplit))
+
 
 def n_tiles_of(tokens: int) -> int:
     return next(n for n in (1, 2, 4, 8) if 8 * n >= min(tokens, MAX_TOKENS))
@@ -242,11 +249,7 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     14336x4096 block got 4-8% faster at T = 8 and 2-11% at T = 16 (T = 2: -4% to +1%); MoE layers, many waves of
     CTAs, lost 2-13% with them, so they keep 8."""
     plan = plan_launch(out_features, in_features, tokens, 16, 1, 1, sm_count)
-    if plan.warps != 8:
-        return plan
-    n_tiles = row_tiles(out_features, 16, 16, plan.ksplit)
-    return replace(plan, warps=16, n_tiles=n_tiles, grid=n_tiles,
-                               smem=launch_smem(plan.xs_budget, plan.nt, 16, plan.ksplit))
+    return plan.resplit(out_features, 16, 16, plan.ksplit) if plan.warps == 8 else plan
 
 
 def linear_grid(plan: LaunchPlan, out_features: int, wave: int) -> int:

@@ -22,17 +22,12 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
     """Replace the launch planner (MoE launches and the single block alike) by one that always splits K `ksplit`
     ways in CTAs of `warps` warps (this process only). Without `ksplit` it keeps the planner's k-split, at most
     `warps` (both are powers of two, so the k-split still divides the CTA's warps)."""
-    import dataclasses
-
     from pwruntime.kernels import moe
     plan = moe.plan_launch
 
     def forced(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count=132, tile_tokens=None):
         p = plan(m_rows, k, tokens, rows_per_warp, ctas_per_tile, max_ctas_per_tile, sm_count, tile_tokens)
-        ks = ksplit or min(p.ksplit, warps)
-        n_tiles = moe.row_tiles(m_rows, rows_per_warp, warps, ks)
-        return dataclasses.replace(p, ksplit=ks, n_tiles=n_tiles, grid=n_tiles * max_ctas_per_tile,
-                                   smem=moe.launch_smem(p.xs_budget, p.nt, warps, ks), warps=warps)
+        return p.resplit(m_rows, rows_per_warp, warps, ksplit or min(p.ksplit, warps))
 
     moe.plan_launch = forced
     moe.single_block_plan = lambda out_f, in_f, tokens, sm_count=132: forced(out_f, in_f, tokens, 16, 1, 1, sm_count)
@@ -40,16 +35,12 @@ def force_ksplit(ksplit: int | None, warps: int = 4) -> None:
 
 def force_gate_up_ksplit(ksplit: int) -> None:
     """Split the K of every MoE layer's first launch (gate_up) `ksplit` ways, same warps (this process only)."""
-    import dataclasses
-
     from pwruntime.kernels import moe
     plans = moe.moe_plans
 
     def forced(shape, tokens, sm_count=132):
         p1, p2 = plans(shape, tokens, sm_count)
-        n_tiles = moe.row_tiles(shape.intermediate, 8, p1.warps, ksplit)
-        return dataclasses.replace(p1, ksplit=ksplit, n_tiles=n_tiles, grid=n_tiles * (p1.grid // p1.n_tiles),
-                                   smem=moe.launch_smem(p1.xs_budget, p1.nt, p1.warps, ksplit)), p2
+        return p1.resplit(shape.intermediate, 8, p1.warps, ksplit), p2
 
     moe.moe_plans = forced
 
