@@ -15,6 +15,8 @@
 // decoded from the bit-planes in registers, the B fragment (activations) comes from shared memory
 // where x is stored permuted to match the decode order. So an expert's planes are read once per
 // launch no matter how many tokens it serves. Decoders:
+//   q = 3, one token (one-n-tile launches): the binary tensor cores (ap_b1.cuh): the token's activations staged as
+//          int16 bit-planes per 512-column chunk, one-hot code masks against them with mma .b1 and.popc;
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
 //   q = 4: two 8-entry register tables (even and odd codes) selected by plane 3 through a prmt
 //          sign-replicate mask;
@@ -37,6 +39,7 @@
 // register LUT load while the kernel before it finishes (so that kernel must not write the table, planes or
 // LUTs; copies do, and a copy is not a kernel), and it lets the next launch start at once.
 #include "pw_common.cuh"
+#include "ap_b1.cuh"
 #include "ap_decode.cuh"
 #include "ap_route.cuh"
 
@@ -358,6 +361,13 @@ __device__ __forceinline__ void pipe_step(u32 (&P)[NB][2][Q][Geom<Q>::WPL], bool
     compute_chunk<Q>(P[PH], L, lut_row, lut_stride, acc, nt_act, xs, xoff, cl, t);
 }
 
+// Shared-memory bytes for activations: the register-LUT decoders (q = 3, 4) leave the byte-path LUT slices after the
+// activation region free.
+template <int PATH>
+__device__ __forceinline__ int xs_room(const Tile& tl) {
+    return PATH == 0 && PW_XSLUT ? lut_region(tl.xs_budget) + WARPS / tl.ksplit * LUT_WARP_BYTES : tl.xs_budget;
+}
+
 // Accumulate this warp's 16 m-rows x n_tok tokens over its share of K into acc.
 template <int Q>
 __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
@@ -367,10 +377,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
     const int nt_act = (tl.n_tok + 7) >> 3;
     const int nchunks = (tl.W + Geom<Q>::CW - 1) / Geom<Q>::CW;
-    // the register-LUT decoders (q = 3, 4) leave the byte-path LUT slices after the activation region free
-    const int xs_room = PATH == 0 && PW_XSLUT ? lut_region(tl.xs_budget) + WARPS / tl.ksplit * LUT_WARP_BYTES
-                                              : tl.xs_budget;
-    const int cps = chunks_per_segment<Q>(xs_room, tl.n_tok, nchunks, tl.ksplit);
+    const int cps = chunks_per_segment<Q>(xs_room<PATH>(tl), tl.n_tok, nchunks, tl.ksplit);
     const int pitch = cps * Geom<Q>::XB + XS_ROW_PAD;
     int xoff[NT];
 #pragma unroll
@@ -436,7 +443,52 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     }
 }
 
+#if PW_B1
+// One token at q = 3, on the binary tensor cores (ap_b1.cuh): the chunks, loads and k-split of ap_mma<3>; the token's
+// activations staged as int16 bit-planes instead of 16-bit values; the result in acc[0] (row g, column 0 in [0], row
+// g + 8 in [2]) for reduce_ksplit and the epilogue, which store column 0 only. One register buffer of plane words: each
+// chunk's loads are issued after the previous chunk's decode (two buffers in alternation, as ap_mma keeps them, were
+// measured 5-8% slower here: cuda/NOTES.md, session 15).
+__device__ void ap_b1(const BlockRef& blk, const Tile& tl, char* xs, float (&acc)[NT * ACCS][4]) {
+    static_assert(Geom<3>::CW == 16 && Geom<3>::WPL == 4, "the b1 fragments are laid out for 16-word chunks");
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int r0 = mrow(tl, g), r1 = mrow(tl, g + 8);
+    const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
+    const int nchunks = (tl.W + 15) / 16;
+    const int n_my = nchunks > tl.ks ? (nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
+    u32 P[2][3][4];
+    if (n_my > 0) load_chunk<3>(P, blk, tl, off0, off1, tl.ks, t);
+    const u32x4 lut[2] = {ldg_nc_v4(blk.lut + (long long)r0 * 8), ldg_nc_v4(blk.lut + (long long)r1 * 8)};
+    pdl_wait();  // as in ap_mma: the weights above may load while the kernel before this one finishes
+    b1::stage_x<BF, THREADS>(xs, tl.x + (long long)(tl.rows[0] / tl.row_div) * tl.ldx, tl.K, tl.x_vec, nchunks);
+    __syncthreads();
+    float y[8][2];
+#pragma unroll
+    for (int c = 0; c < 8; ++c) y[c][0] = y[c][1] = 0.f;
+    for (int my = 0; my < n_my; ++my) {
+        if (my > 0) load_chunk<3>(P, blk, tl, off0, off1, tl.ks + my * tl.ksplit, t);
+        b1::chunk(P, xs, nchunks, tl.ks + my * tl.ksplit, y);
+    }
+    float out[2];
+    b1::finish<BF>(y, lut, out);
+#pragma unroll
+    for (int k = 0; k < NT * ACCS; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[k][i] = 0.f;
+    acc[0][0] = out[0];
+    acc[0][2] = out[1];
+}
+#endif
+
 __device__ __forceinline__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
+#if PW_B1
+    if constexpr (NT == 1) {  // one token of a one-n-tile launch at 3 bits, when its staged chunks fit
+        if (blk.q == 3 && tl.n_tok == 1 && b1::stage_bytes((tl.W + 15) / 16) <= xs_room<0>(tl)) {
+            ap_b1(blk, tl, xs, acc);
+            return;
+        }
+    }
+#endif
     switch (blk.q) {
         case 3: ap_mma<3>(blk, tl, xs, lut_s, acc); break;
         case 4: ap_mma<4>(blk, tl, xs, lut_s, acc); break;

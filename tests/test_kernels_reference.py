@@ -20,7 +20,8 @@ from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
 from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch,
                                    single_block_plan)
-from pwruntime.kernels.reference import dequantize_resident, fused_moe_ref, load_pattern_ref, paged_attention_decode_ref
+from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_3bit_ref, dequantize_resident, fused_moe_ref,
+                                         int16_chunks, load_pattern_ref, paged_attention_decode_ref)
 from pwruntime.quant.pack import pack_planes
 
 
@@ -217,6 +218,61 @@ def test_paged_attention_reference_matches_dense(heads, kv_heads):
     torch.testing.assert_close(via_api, got)
 
 
+def test_one_token_3bit_popcount_identity():
+    """The arithmetic of cuda/ap_b1.cuh, bit by bit in numpy: for 3-bit codes and int16 activations X,
+    sum_c LUT[c] sum_m w_m popcount(onehot_c & xplane_m), with w_m = 2^m and w_15 = -2^15 (two's complement), equals
+    sum_k LUT[code_k] X_k exactly, for every row; and the activations' int16 planes hold X."""
+    rng = np.random.default_rng(15)
+    rows, k = 16, 256
+    codes = rng.integers(0, 8, size=(rows, k))
+    lut = rng.integers(-1000, 1000, size=(rows, 8))
+    big = rng.integers(-32767, 32768, size=k)
+    big[:3] = [-32767, 32767, 0]
+    plane_bits = [(codes >> (2 - j)) & 1 for j in range(3)]           # plane 0 is the MSB
+    x_bits = [((big.astype(np.int64) & 0xFFFF) >> m) & 1 for m in range(16)]
+    weights = [1 << m for m in range(15)] + [-(1 << 15)]
+    assert np.array_equal(sum(w * b for w, b in zip(weights, x_bits)), big)
+    got = np.zeros(rows, dtype=np.int64)
+    for c in range(8):
+        onehot = np.ones((rows, k), dtype=np.int64)
+        for j in range(3):
+            onehot &= plane_bits[j] if (c >> (2 - j)) & 1 else 1 - plane_bits[j]
+        popc = np.stack([(onehot & xb[None, :]).sum(axis=1) for xb in x_bits], axis=1)  # [rows, 16]
+        got += lut[:, c] * (popc @ np.array(weights, dtype=np.int64))
+    want = (np.take_along_axis(lut, codes, axis=1) * big[None, :]).sum(axis=1)
+    assert np.array_equal(got, want)
+
+
+def test_int16_chunks_and_the_one_token_3bit_reference():
+    """int16_chunks: |x - X s| <= s / 2 per element, |X| <= 32767 with the chunk's largest |x| at 32767 exactly, zero
+    chunks scale 0; the one-token 3-bit reference stays within fp16's tolerance of the exact product, also when chunks
+    span 10^-3..10^3, and moves by the quantization, which the kernel's GPU test relies on."""
+    gen = torch.Generator().manual_seed(3)
+    k = 3 * B1_CHUNK + 100  # a partial last chunk
+    x = torch.randn(k, generator=gen) * torch.tensor([1e3, 0.0, 1e-3, 5.0]).repeat_interleave(B1_CHUNK)[:k]
+    big, scale = int16_chunks(x)
+    assert scale.shape == (4,) and float(scale[1]) == 0.0
+    per_col = scale.repeat_interleave(B1_CHUNK)[:k].double()
+    assert big.abs().max() <= 32767 and torch.all(big == torch.round(big))
+    assert torch.all((x.double() - big * per_col).abs() <= per_col / 2 * (1 + 1e-6))
+    for c in (0, 2, 3):
+        cols = slice(c * B1_CHUNK, min(k, (c + 1) * B1_CHUNK))
+        assert float(big[cols].abs().max()) == 32767.0
+    w = (torch.randn(64, k, generator=gen) / k ** 0.5).half()
+    x16 = x.half()[None]
+    exact = x16.double() @ w.double().T
+    got = ap_linear_one_token_3bit_ref(x16, w)
+    assert got.dtype == torch.float16 and got.shape == (1, 64)
+    assert float((got.double() - exact).norm() / exact.norm()) < 1.5e-3
+    # one large column whose weights are zero sets its chunk's step, and that step shows in the result
+    spike = torch.randn(1, B1_CHUNK, generator=gen)
+    spike[0, 7] = 2e4
+    w2 = torch.randn(32, B1_CHUNK, generator=gen).half()
+    w2[:, 7] = 0
+    ref2 = (spike.half().double() @ w2.double().T)
+    assert float((ap_linear_one_token_3bit_ref(spike.half(), w2).double() - ref2).norm() / ref2.norm()) > 2e-2
+
+
 def test_nibble_layout_roundtrip_and_codes():
     """The device layout of planes 0..2 is a bijection, and it holds what the kernels read: word j & 0x7 in
     nibble s = top code of element j + 4s (j < 3); bit 3 of nibble s of words 0, 1, 2 = element 3 + 4s."""
@@ -382,6 +438,7 @@ def test_attention_kernel_choice_and_context_split():
 def test_sources_inline_headers_and_cpu_path_never_imports_cupy():
     src = kc.source("ap_moe.cu")
     assert "mma.sync.aligned.m16n8k16" in src and '#include "pw_common.cuh"' not in src
+    assert "m16n8k256.row.col.s32.b1.b1.s32.and.popc" in src and '#include "ap_b1.cuh"' not in src
     probe = kc.source("load_pattern.cu")  # the load-only microbenchmark of `tune --load-patterns`
     assert "pw_load_pattern" in probe and "ldg_nc_v4" in probe and '#include' not in probe
     gqa = kc.source("paged_attention_gqa.cu")

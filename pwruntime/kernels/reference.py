@@ -2,7 +2,8 @@
 
 The references follow the kernels' numerics where the kernels round: weights are the LUT values
 in the activation dtype (fp16 centroids, rounded to bf16 for bf16 activations), products are
-accumulated in fp32, the fused MoE stores the intermediate `silu(gate) * up` in the activation
+accumulated in fp32 (one token at 3 bits: activations as int16 per 512-column chunk, exact integer
+sums, `ap_linear_one_token_3bit_ref`), the fused MoE stores the intermediate `silu(gate) * up` in the activation
 dtype (it travels between the two launches), sums the per-slot outputs of a token in slot order,
 and rounds the result to the activation dtype.
 """
@@ -24,6 +25,39 @@ def dequantize_resident(rb, in_features: int, dtype: torch.dtype = torch.float16
 def ap_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """y = x W^T with fp32 accumulation, rounded to x's dtype."""
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
+
+
+B1_CHUNK = 512     # columns per activation scale in the one-token 3-bit decode (cuda/ap_b1.cuh)
+B1_QMAX = 32767.0  # the largest |X| of a chunk
+
+
+def int16_chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the one-token 3-bit decode stages of x [K]: X (integer-valued float64 [K], |X| <= 32767) and the fp32 scale
+    of each 512-column chunk, x ~ X * scale[k // 512]. As the kernel: scale = max|x| / 32767, X = x * (32767 / max|x|)
+    rounded once to the nearest integer (ties to even); a chunk of zeros has scale 0."""
+    xf = x.float().reshape(-1)
+    k = xf.numel()
+    n = -(-k // B1_CHUNK)
+    chunks = torch.zeros(n * B1_CHUNK, dtype=torch.float32, device=x.device)
+    chunks[:k] = xf
+    chunks = chunks.view(n, B1_CHUNK)
+    peak = chunks.abs().amax(dim=1)
+    inv = torch.where(peak > 0, torch.full_like(peak, B1_QMAX) / peak, torch.zeros_like(peak))
+    big = torch.round(chunks.double() * inv.double()[:, None])
+    return big.reshape(-1)[:k], peak / B1_QMAX
+
+
+def ap_linear_one_token_3bit_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What ap_linear (and each fused-MoE launch) computes for one token of a 3-bit block on CUDA: the weights (LUT
+    values in x's dtype) times the int16 chunks of `int16_chunks`, each chunk's sum scaled by its scale, rounded to
+    x's dtype. x [1, K], w [out, K]; returns [1, out]."""
+    big, scale = int16_chunks(x[0])
+    wd = w.to(x.dtype).double()
+    y = torch.zeros(w.shape[0], dtype=torch.float64, device=x.device)
+    for c in range(scale.numel()):
+        cols = slice(c * B1_CHUNK, min((c + 1) * B1_CHUNK, x.shape[1]))
+        y += float(scale[c]) * (wd[:, cols] @ big[cols])
+    return y.to(x.dtype)[None]
 
 
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
