@@ -5,8 +5,8 @@
 // and split into 16 bit-planes (two's complement: plane m weighs 2^m, plane 15 -2^15). Then the chunk's part of S_rc
 // is s * sum_m w_m popc(onehot_c(r) & xplane_m), and one m16n8k256 .b1 mma gives 16 rows x 8 planes of those
 // popcounts for 256 columns. A chunk of 16 rows costs 8 codes x 2 steps x 2 n-tiles = 32 such mmas, the one-hot masks
-// one LOP3 each from the three planes (unpacked from the device's nibble layout first), against about 400 integer
-// instructions for the 16-bit decode of the same chunk (cuda/NOTES.md, session 15). The int32 popcount sums are exact;
+// one LOP3 each from the three planes (unpacked from the device's nibble layout first): about 250 integer-pipe
+// instructions and 90 IMAD against about 390 and 32 HMMA for the 16-bit decode (cuda/NOTES.md, session 15). The int32 popcount sums are exact;
 // the only rounding beyond fp32 is X's (half a step of max|x| / 32767 in each chunk).
 #pragma once
 #include "pw_common.cuh"
