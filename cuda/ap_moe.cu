@@ -482,7 +482,7 @@ __device__ void ap_b1(const BlockRef& blk, const Tile& tl, char* xs, float (&acc
 
 __device__ __forceinline__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
 #if PW_B1
-    if constexpr (NT == 1) {  // one token of a one-n-tile launch at 3 bits, when its staged chunks fit
+    if constexpr (NT <= 2) {  // one token of a launch of one or two n-tiles at 3 bits, when its staged chunks fit
         if (blk.q == 3 && tl.n_tok == 1 && b1::stage_bytes((tl.W + 15) / 16) <= xs_room<0>(tl)) {
             ap_b1(blk, tl, xs, acc);
             return;
