@@ -231,15 +231,20 @@ class BlockPool:
         return len(table)
 
     # --------------------------------------------------------- prefix caching
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """The registered blocks of the longest chain of full blocks that prefixes `token_ids` ([] when off)."""
+    def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[int]:
+        """The registered blocks of the longest chain of full blocks that prefixes `token_ids` ([] when off).
+
+        `hashes` keeps the chained hashes of the tokens' leading full blocks between calls for the same sequence
+        (its known tokens only grow): it is read first and extended as far as the match reaches, so a request that
+        waits several steps hashes each of its blocks once (vLLM keeps them per request for the same reason)."""
         matched: list[int] = []
         if not self.prefix_caching:
             return matched
-        parent = _ROOT_HASH
+        hashes = [] if hashes is None else hashes
         for j in range(len(token_ids) // self.block_size):
-            parent = self._hash(parent, token_ids, j)
-            b = self._block_of.get(parent)
+            if j == len(hashes):
+                hashes.append(self._hash(hashes[-1] if hashes else _ROOT_HASH, token_ids, j))
+            b = self._block_of.get(hashes[j])
             if b is None:
                 break
             matched.append(b)

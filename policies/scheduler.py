@@ -98,6 +98,7 @@ class Scheduler:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens admissions skipped because their blocks were cached (prefix caching)
     _stalls: int = 0
+    _block_hashes: dict = field(default_factory=dict)  # seq_id -> chained hashes of its known full blocks (prefix caching)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -130,6 +131,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.pool.free(seq.seq_id)
+        self._block_hashes.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -190,7 +192,8 @@ class Scheduler:
         """The cached blocks a waiting sequence can share: full blocks of its known tokens, all but its last token."""
         if not self.pool.prefix_caching or seq.prompt_token_ids is None:
             return []
-        return self.pool.match_prefix(seq.token_ids(0, min(seq.num_tokens - 1, seq.num_known_tokens)))
+        known = seq.token_ids(0, min(seq.num_tokens - 1, seq.num_known_tokens))
+        return self.pool.match_prefix(known, self._block_hashes.setdefault(seq.seq_id, []))
 
     def _preempt(self, seq: Sequence) -> Sequence:
         self.running.remove(seq)

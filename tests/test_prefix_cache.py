@@ -532,6 +532,49 @@ def test_sequences_without_token_ids_are_never_matched():
     assert scheduler.num_cached_tokens == 0 and pool.num_cached_blocks == 0
 
 
+def test_match_prefix_hashes_each_block_once_when_given_the_request_s_hashes(monkeypatch):
+    pool = BlockPool(8, block_size=4, prefix_caching=True)
+    toks = list(range(10, 22))  # three full blocks
+    pool.allocate("a", 12)
+    pool.register("a", toks, 8)  # blocks 0 and 1 cached, block 2 not
+    calls = []
+    real = pool._hash
+    monkeypatch.setattr(pool, "_hash", lambda *args: calls.append(args[2]) or real(*args))
+    hashes: list[bytes] = []
+    assert pool.match_prefix(toks, hashes) == [0, 1] and calls == [0, 1, 2] and len(hashes) == 3
+    assert pool.match_prefix(toks, hashes) == [0, 1] and calls == [0, 1, 2]  # read, not hashed again
+    pool.register("a", toks, 12)  # hashes block 2 for its own chain
+    calls.clear()
+    assert pool.match_prefix(toks, hashes) == [0, 1, 2] and calls == []
+    assert pool.match_prefix(toks + [5, 6, 7, 8], hashes) == [0, 1, 2] and calls == [3]  # more known tokens
+    assert hashes[:3] == [pool._hash(h, toks, j) for j, h in enumerate([bytes(32)] + hashes[:2])]
+    assert pool.match_prefix(toks) == [0, 1, 2]  # without the list: hashed afresh
+
+
+def test_a_waiting_request_hashes_its_blocks_once_however_long_it_waits(monkeypatch):
+    """The head of the queue, blocked by a running request, is matched against the cache every step; its block hashes
+    are kept between steps (and dropped when it finishes)."""
+    pool = BlockPool(3, block_size=4, prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_batched_tokens=64)
+    a = Sequence("a", list(range(8)), max_tokens=6)
+    b = Sequence("b", list(range(100, 108)), max_tokens=2)
+    scheduler.add(a)
+    scheduler.add(b)
+    hashed = []
+    real = pool._hash
+    monkeypatch.setattr(pool, "_hash", lambda parent, tokens, j: hashed.append(tuple(tokens[j * 4:j * 4 + 4]))
+                        or real(parent, tokens, j))
+    waited = 0
+    while not a.is_finished:
+        batch = _step(scheduler)
+        waited += all(e.seq is not b for e in batch.entries)
+    assert waited >= 3  # b waited while a held the pool
+    assert hashed.count((100, 101, 102, 103)) == 1  # b's first block: hashed once, not once a step
+    while not b.is_finished:
+        _step(scheduler)
+    assert scheduler._block_hashes == {}
+
+
 def test_a_preempted_sequence_is_readmitted_over_its_own_cached_blocks():
     pool = BlockPool(3, block_size=4, prefix_caching=True)
     scheduler = Scheduler(pool, max_num_batched_tokens=64)
