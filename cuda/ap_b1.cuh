@@ -25,29 +25,6 @@ __host__ __device__ constexpr int stage_bytes(int nchunks) { return nchunks * (F
 
 __device__ __forceinline__ u32 half16(const u32 (&v)[16], int e) { return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu); }
 
-// 8x8 bit transpose in each byte lane of r[0..7]: bit j of byte b of r[i] <-> bit i of byte b of r[j]
-__device__ __forceinline__ void transpose8(u32 (&r)[8]) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
-        r[k + 4] ^= x;
-        r[k] ^= x << 4;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        if (k & 2) continue;
-        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
-        r[k + 2] ^= x;
-        r[k] ^= x << 2;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
-        r[k + 1] ^= x;
-        r[k] ^= x << 1;
-    }
-}
-
 // Stage one token's activations (columns 0..K-1; zeros past K up to the last chunk's end) into xs: the scale of chunk c
 // at float index c after the fragments, and plane m = 8 nt + g of word w = 16 c + 4 t + 2 i + h (bit e = column 32 w + e)
 // at u32 index ((c * 2 + i) * 32 + 4 g + t) * 4 + 2 nt + h, so lane 4 g + t of step i reads its B fragments of both
@@ -61,23 +38,7 @@ __device__ void stage_x(char* xs, const u16* src, int K, bool vec, int nchunks) 
     for (int base = threadIdx.x & ~31; base < nw; base += THREADS) {
         const int w = base + lane, k0 = 32 * w;
         u32 v[16];
-        if (vec && k0 + 32 <= K) {
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                const u32x4 r = ldg_nc_v4(src + k0 + 8 * q4);
-                v[4 * q4] = r.x;
-                v[4 * q4 + 1] = r.y;
-                v[4 * q4 + 2] = r.z;
-                v[4 * q4 + 3] = r.w;
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-                const u32 lo = (k0 + e < K) ? (u32)src[k0 + e] : 0u;
-                const u32 hi = (k0 + e + 1 < K) ? (u32)src[k0 + e + 1] : 0u;
-                v[e >> 1] = lo | (hi << 16);
-            }
-        }
+        load_act32(src + k0, K - k0, vec, v);
         float m = 0.f;
 #pragma unroll
         for (int e = 0; e < 32; ++e) m = fmaxf(m, fabsf(act2f<BF>((u16)half16(v, e))));
@@ -94,8 +55,8 @@ __device__ void stage_x(char* xs, const u16* src, int K, bool vec, int nchunks) 
             lo[i] = prmt(a, b, 0x5410u);
             hi[i] = prmt(a, b, 0x7632u);
         }
-        transpose8(lo);  // lo[j] = plane j of the word, hi[j] = plane 8 + j
-        transpose8(hi);
+        transpose8x8(lo);  // lo[j] = plane j of the word, hi[j] = plane 8 + j
+        transpose8x8(hi);
         if (w < nw) {
             const int c = w >> 4, t = (w >> 2) & 3, i = (w >> 1) & 1, h = w & 1;
             u32* d = frag + ((c * 2 + i) * 32 + t) * 4 + h;

@@ -93,25 +93,7 @@ template <int Q>
 __device__ __forceinline__ void byte_codes(const u32* w, u32 (&r)[8]) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) r[k] = k < Q - 3 ? w[Q - 1 - k] : 0u;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
-        r[k + 4] ^= x;
-        r[k] ^= x << 4;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        if (k & 2) continue;
-        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
-        r[k + 2] ^= x;
-        r[k] ^= x << 2;
-    }
-#pragma unroll
-    for (int k = 0; k < 8; k += 2) {
-        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
-        r[k + 1] ^= x;
-        r[k] ^= x << 1;
-    }
+    transpose8x8(r);
     constexpr int LO = Q - 3;  // the top code's shift inside a byte
 #pragma unroll
     for (int i = 0; i < 8; ++i) {

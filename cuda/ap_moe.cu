@@ -174,23 +174,7 @@ __device__ void fill_x(char* xs, const Tile& tl, int seg, int pitch, int cps, in
         const int k0 = (c0 + cl) * G_::CK + w8 * 32;
         const u16* src = tl.x + (long long)(tl.rows[n] / tl.row_div) * tl.ldx + k0;
         u32 v[16];
-        if (tl.x_vec && k0 + 32 <= tl.K) {
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                u32x4 r = ldg_nc_v4(src + 8 * q4);
-                v[4 * q4 + 0] = r.x;
-                v[4 * q4 + 1] = r.y;
-                v[4 * q4 + 2] = r.z;
-                v[4 * q4 + 3] = r.w;
-            }
-        } else {
-#pragma unroll
-            for (int e = 0; e < 32; e += 2) {
-                u32 lo = (k0 + e < tl.K) ? (u32)src[e] : 0u;
-                u32 hi = (k0 + e + 1 < tl.K) ? (u32)src[e + 1] : 0u;
-                v[e >> 1] = lo | (hi << 16);
-            }
-        }
+        load_act32(src, tl.K - k0, tl.x_vec, v);
         char* dst = xs + n * pitch + xs_swz<G_::WPL>(n) + cl * G_::XB + w8 * 8;
 #pragma unroll
         for (int G = 0; G < 8; ++G) {

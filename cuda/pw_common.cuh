@@ -98,6 +98,52 @@ __device__ __forceinline__ u32x2 ldg_plane_v2(const u32* p) {
     return r;
 }
 
+// 32 consecutive 16-bit activations as 16 pairs (element 2i in the low half of v[i]); elements at or past n_valid read
+// as zero. `vec`: p is 16-byte aligned, so a full run is four 16-byte loads.
+__device__ __forceinline__ void load_act32(const u16* p, int n_valid, bool vec, u32 (&v)[16]) {
+    if (vec && n_valid >= 32) {
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+            const u32x4 r = ldg_nc_v4(p + 8 * q4);
+            v[4 * q4 + 0] = r.x;
+            v[4 * q4 + 1] = r.y;
+            v[4 * q4 + 2] = r.z;
+            v[4 * q4 + 3] = r.w;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < 32; e += 2) {
+            const u32 lo = e < n_valid ? (u32)p[e] : 0u;
+            const u32 hi = e + 1 < n_valid ? (u32)p[e + 1] : 0u;
+            v[e >> 1] = lo | (hi << 16);
+        }
+    }
+}
+
+// 8x8 bit transpose inside each byte lane of r[0..7] (SWAR over the 4 bytes of a word): bit j of byte b of r[i]
+// <-> bit i of byte b of r[j]
+__device__ __forceinline__ void transpose8x8(u32 (&r)[8]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const u32 x = ((r[k] >> 4) ^ r[k + 4]) & 0x0F0F0F0Fu;
+        r[k + 4] ^= x;
+        r[k] ^= x << 4;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        if (k & 2) continue;
+        const u32 x = ((r[k] >> 2) ^ r[k + 2]) & 0x33333333u;
+        r[k + 2] ^= x;
+        r[k] ^= x << 2;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; k += 2) {
+        const u32 x = ((r[k] >> 1) ^ r[k + 1]) & 0x55555555u;
+        r[k + 1] ^= x;
+        r[k] ^= x << 1;
+    }
+}
+
 // loads that bypass L1 (data written by other blocks of the same launch): the builtin is an
 // ordinary load to the compiler, so __threadfence/__syncthreads order it and independent ones overlap
 __device__ __forceinline__ float ldcg_f32(const float* p) { return __ldcg(p); }
