@@ -23,8 +23,6 @@ constexpr float ROUND_MAGIC = 12582912.f;  // 1.5 * 2^23: v + this has round(v) 
 // shared-memory bytes of one token's staged chunks: the fragments, then one fp32 scale per chunk
 __host__ __device__ constexpr int stage_bytes(int nchunks) { return nchunks * (FRAG_BYTES + 4); }
 
-__device__ __forceinline__ u32 half16(const u32 (&v)[16], int e) { return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu); }
-
 // Stage one token's activations (columns 0..K-1; zeros past K up to the last chunk's end) into xs: the scale of chunk c
 // at float index c after the fragments, and plane m = 8 nt + g of word w = 16 c + 4 t + 2 i + h (bit e = column 32 w + e)
 // at u32 index ((c * 2 + i) * 32 + 4 g + t) * 4 + 2 nt + h, so lane 4 g + t of step i reads its B fragments of both
@@ -41,13 +39,13 @@ __device__ void stage_x(char* xs, const u16* src, int K, bool vec, int nchunks) 
         load_act32(src + k0, K - k0, vec, v);
         float m = 0.f;
 #pragma unroll
-        for (int e = 0; e < 32; ++e) m = fmaxf(m, fabsf(act2f<BF>((u16)half16(v, e))));
+        for (int e = 0; e < 32; ++e) m = fmaxf(m, fabsf(act2f<BF>((u16)half_of(v, e))));
 #pragma unroll
         for (int o = 1; o < 16; o <<= 1) m = fmaxf(m, __shfl_xor_sync(PW_FULL_MASK, m, o));
         const float inv = m > 0.f ? QMAX / m : 0.f;
         u32 q[32];  // low 16 bits: X in two's complement
 #pragma unroll
-        for (int e = 0; e < 32; ++e) q[e] = __float_as_uint(fmaf(act2f<BF>((u16)half16(v, e)), inv, ROUND_MAGIC));
+        for (int e = 0; e < 32; ++e) q[e] = __float_as_uint(fmaf(act2f<BF>((u16)half_of(v, e)), inv, ROUND_MAGIC));
         u32 lo[8], hi[8];  // byte b of lo[i] / hi[i]: the low / high byte of X of column i + 8 b
 #pragma unroll
         for (int i = 0; i < 8; ++i) {

@@ -129,10 +129,6 @@ __device__ __forceinline__ int mrow(const Tile& tl, int m) {
     return r < lim ? r : lim - 1;
 }
 
-__device__ __forceinline__ u32 half_of(const u32 (&v)[16], int e) {
-    return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu);
-}
-
 // ---------------------------------------------------------------- activations -> shared memory
 // Token n's row starts at n * pitch + swz(n); within a chunk: [group G 0..7][word 0..CW-1][4 halves].
 // Path 0 (nibble decoders): group G = 2i + h holds elements i + 16h + 4s, s = 0..3.

@@ -98,6 +98,11 @@ __device__ __forceinline__ u32x2 ldg_plane_v2(const u32* p) {
     return r;
 }
 
+// element e of 32 16-bit values held as 16 pairs (element 2i in the low half of v[i]), zero-extended
+__device__ __forceinline__ u32 half_of(const u32 (&v)[16], int e) {
+    return (e & 1) ? (v[e >> 1] >> 16) : (v[e >> 1] & 0xffffu);
+}
+
 // 32 consecutive 16-bit activations as 16 pairs (element 2i in the low half of v[i]); elements at or past n_valid read
 // as zero. `vec`: p is 16-byte aligned, so a full run is four 16-byte loads.
 __device__ __forceinline__ void load_act32(const u16* p, int n_valid, bool vec, u32 (&v)[16]) {
