@@ -15,7 +15,7 @@
 // decoded from the bit-planes in registers, the B fragment (activations) comes from shared memory
 // where x is stored permuted to match the decode order. So an expert's planes are read once per
 // launch no matter how many tokens it serves. Decoders:
-//   q = 3, one token (launches of one or two n-tiles): the binary tensor cores (ap_b1.cuh): the token's activations staged as
+//   q = 3, 4, one token (launches of one or two n-tiles): the binary tensor cores (ap_b1.cuh): the token's activations staged as
 //          int16 bit-planes per 512-column chunk, one-hot code masks against them with mma .b1 and.popc;
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
 //   q = 4: two 8-entry register tables (even and odd codes) selected by plane 3 through a prmt
@@ -201,11 +201,11 @@ __device__ __forceinline__ void mma_group(float (&acc)[NT * ACCS][4], int nt_act
     }
 }
 
-template <int Q>
-__device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][Geom<Q>::WPL], const BlockRef& blk, const Tile& tl,
+template <int Q, int CW = Geom<Q>::CW>
+__device__ __forceinline__ void load_chunk(u32 (&P)[2][Q][CW / 4], const BlockRef& blk, const Tile& tl,
                                            long long off0, long long off1, int c, int t) {
-    constexpr int WPL = Geom<Q>::WPL;
-    const int w = c * Geom<Q>::CW + WPL * t;
+    constexpr int WPL = CW / 4;
+    const int w = c * CW + WPL * t;
     const bool vec = (tl.W % WPL) == 0;  // rows start WPL-word aligned, and a lane's words are all in or all out
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -424,33 +424,36 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
 }
 
 #if PW_B1
-// One token at q = 3, on the binary tensor cores (ap_b1.cuh): the chunks, loads and k-split of ap_mma<3>; the token's
-// activations staged as int16 bit-planes instead of 16-bit values; the result in acc[0] (row g, column 0 in [0], row
-// g + 8 in [2]) for reduce_ksplit and the epilogue, which store column 0 only. One register buffer of plane words: each
-// chunk's loads are issued after the previous chunk's decode (two buffers in alternation, as ap_mma keeps them, were
-// measured 5-8% slower here: cuda/NOTES.md, session 15).
+// One token at q = 3 or 4, on the binary tensor cores (ap_b1.cuh): the loads and k-split of ap_mma<3>, 16-word chunks at
+// both widths; the token's activations staged as int16 bit-planes instead of 16-bit values; the result in acc[0] (row g,
+// column 0 in [0], row g + 8 in [2]) for reduce_ksplit and the epilogue, which store column 0 only. One register
+// buffer of plane words: each chunk's loads are issued after the previous chunk's decode (two buffers in alternation,
+// as ap_mma keeps them, were measured 5-8% slower at q = 3: cuda/NOTES.md, session 15).
+template <int Q>
 __device__ void ap_b1(const BlockRef& blk, const Tile& tl, char* xs, float (&acc)[NT * ACCS][4]) {
-    static_assert(Geom<3>::CW == 16 && Geom<3>::WPL == 4, "the b1 fragments are laid out for 16-word chunks");
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int r0 = mrow(tl, g), r1 = mrow(tl, g + 8);
     const long long off0 = (long long)r0 * tl.W, off1 = (long long)r1 * tl.W;
     const int nchunks = (tl.W + 15) / 16;
     const int n_my = nchunks > tl.ks ? (nchunks - 1 - tl.ks) / tl.ksplit + 1 : 0;
-    u32 P[2][3][4];
-    if (n_my > 0) load_chunk<3>(P, blk, tl, off0, off1, tl.ks, t);
-    const u32x4 lut[2] = {ldg_nc_v4(blk.lut + (long long)r0 * 8), ldg_nc_v4(blk.lut + (long long)r1 * 8)};
+    u32 P[2][Q][4];
+    if (n_my > 0) load_chunk<Q, 16>(P, blk, tl, off0, off1, tl.ks, t);
+    char* lut_s = xs + b1::lut_offset(nchunks) + (threadIdx.x >> 5) * b1::LUT_BYTES;
+    b1::lut_copy<Q>(lut_s, blk.lut, r0, r1);
     pdl_wait();  // as in ap_mma: the weights above may load while the kernel before this one finishes
     b1::stage_x<BF, THREADS>(xs, tl.x + (long long)(tl.rows[0] / tl.row_div) * tl.ldx, tl.K, tl.x_vec, nchunks);
     __syncthreads();
-    float y[8][2];
+    float y[Q - 2][8][2];
 #pragma unroll
-    for (int c = 0; c < 8; ++c) y[c][0] = y[c][1] = 0.f;
+    for (int v = 0; v < Q - 2; ++v)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) y[v][c][0] = y[v][c][1] = 0.f;
     for (int my = 0; my < n_my; ++my) {
-        if (my > 0) load_chunk<3>(P, blk, tl, off0, off1, tl.ks + my * tl.ksplit, t);
-        b1::chunk(P, xs, nchunks, tl.ks + my * tl.ksplit, y);
+        if (my > 0) load_chunk<Q, 16>(P, blk, tl, off0, off1, tl.ks + my * tl.ksplit, t);
+        b1::chunk<Q>(P, xs, nchunks, tl.ks + my * tl.ksplit, y);
     }
     float out[2];
-    b1::finish<BF>(y, lut, out);
+    b1::finish<BF, Q>(y, lut_s, out);
 #pragma unroll
     for (int k = 0; k < NT * ACCS; ++k)
 #pragma unroll
@@ -462,10 +465,18 @@ __device__ void ap_b1(const BlockRef& blk, const Tile& tl, char* xs, float (&acc
 
 __device__ __forceinline__ void ap_mma_any(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s, float (&acc)[NT * ACCS][4]) {
 #if PW_B1
-    if constexpr (NT <= 2) {  // one token of a launch of one or two n-tiles at 3 bits, when its staged chunks fit
-        if (blk.q == 3 && tl.n_tok == 1 && b1::stage_bytes((tl.W + 15) / 16) <= xs_room<0>(tl)) {
-            ap_b1(blk, tl, xs, acc);
-            return;
+    if constexpr (NT <= 2) {  // one token of a launch of one or two n-tiles at 3 (4) bits, when its staged chunks fit
+        if (blk.q <= PW_B1 && tl.n_tok == 1 && b1::smem_bytes((tl.W + 15) / 16, WARPS) <= xs_room<0>(tl)) {
+            if (blk.q == 3) {
+                ap_b1<3>(blk, tl, xs, acc);
+                return;
+            }
+            if constexpr (PW_B1 >= 4) {
+                if (blk.q == 4) {
+                    ap_b1<4>(blk, tl, xs, acc);
+                    return;
+                }
+            }
         }
     }
 #endif

@@ -15,7 +15,7 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_line
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout
 from pwruntime.kernels.moe import moe_plans
-from pwruntime.kernels.reference import (ap_linear_one_token_3bit_ref, fused_moe_ref, load_pattern_ref,
+from pwruntime.kernels.reference import (ap_linear_one_token_int16_ref, fused_moe_ref, load_pattern_ref,
                                          paged_attention_decode_ref)
 from pwruntime.quant.pack import dequantize
 
@@ -284,29 +284,30 @@ def test_ap_linear_wide_dynamic_range(dtype):
             assert err < TOL[dtype] / 2, (b, tokens, err)
 
 
+@pytest.mark.parametrize("bits", [3, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_one_token_3bit_blocks_decode_on_the_binary_tensor_cores(dtype):
-    """One token at 3 bits takes the int16-activation decode (cuda/ap_b1.cuh). Each 512-column chunk gets one large
+def test_one_token_3_and_4_bit_blocks_decode_on_the_binary_tensor_cores(dtype, bits):
+    """One token at 3 or 4 bits takes the int16-activation decode (cuda/ap_b1.cuh). Each 512-column chunk gets one large
     activation (2000 times the others) in a column whose code maps to a zero LUT entry: it sets the chunk's int16 step
-    without adding to the product, so `ap_linear_one_token_3bit_ref` sits about 2% from the exact product, and the
+    without adding to the product, so `ap_linear_one_token_int16_ref` sits about 2% from the exact product, and the
     kernel must follow it. With three tokens the same block takes the 16-bit decode and follows the exact product."""
     out_f, in_f = 512, 4096 + 96  # a partial last chunk
-    gen = torch.Generator(device="cuda").manual_seed(15)
+    gen = torch.Generator(device="cuda").manual_seed(15 + bits)
     planes, luts = random_block(out_f, in_f, gen)
     spikes = list(range(7, in_f, 512))
     for k in spikes:  # code 0 in every row
         bit = 1 << (k % 32)
-        planes[:3, :, k // 32] &= ~(bit if bit < 2**31 else bit - 2**32)
-    lut = luts[3].clone()
+        planes[:bits, :, k // 32] &= ~(bit if bit < 2**31 else bit - 2**32)
+    lut = luts[bits].clone()
     lut[:, 0] = 0.0
     table = DeviceWeightTable(1, "cuda")
     table.set_block(0, device_layout(planes), luts[8], 8)
-    table.commit_bits(0, 3, lut)
-    w = dequantize(planes[:3], lut, out_f, in_f)
+    table.commit_bits(0, bits, lut)
+    w = dequantize(planes[:bits], lut, out_f, in_f)
     x = torch.randn(3, in_f, device="cuda", generator=gen)
     x[:, spikes] = 2e3
     x = x.to(dtype)
-    want = ap_linear_one_token_3bit_ref(x[:1], w)
+    want = ap_linear_one_token_int16_ref(x[:1], w)
     exact = x.float() @ w.to(dtype).float().T
     assert rel(want.float(), exact[:1]) > 1e-2  # the case tells the two decodes apart
     assert rel(ap_linear(table, 0, x[:1], out_f), want) < TOL[dtype] / 2

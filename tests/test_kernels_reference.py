@@ -20,7 +20,7 @@ from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
 from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch,
                                    single_block_plan)
-from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_3bit_ref, dequantize_resident, fused_moe_ref,
+from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
 from pwruntime.quant.pack import pack_planes
 
@@ -218,34 +218,44 @@ def test_paged_attention_reference_matches_dense(heads, kv_heads):
     torch.testing.assert_close(via_api, got)
 
 
-def test_one_token_3bit_popcount_identity():
-    """The arithmetic of cuda/ap_b1.cuh, bit by bit in numpy: for 3-bit codes and int16 activations X,
+@pytest.mark.parametrize("bits", [3, 4])
+def test_one_token_popcount_identity(bits):
+    """The arithmetic of cuda/ap_b1.cuh, bit by bit in numpy: for int16 activations X and 3-bit codes,
     sum_c LUT[c] sum_m w_m popcount(onehot_c & xplane_m), with w_m = 2^m and w_15 = -2^15 (two's complement), equals
-    sum_k LUT[code_k] X_k exactly, for every row; and the activations' int16 planes hold X."""
+    sum_k LUT[code_k] X_k exactly, for every row; at 4 bits the kernel counts the top-3 masks and those masks ANDed with
+    plane 3 (the code's LSB), and sum_C LUT[2C] S(top C) + (LUT[2C + 1] - LUT[2C]) S(top C, plane 3) is the same sum.
+    The activations' int16 planes hold X."""
     rng = np.random.default_rng(15)
     rows, k = 16, 256
-    codes = rng.integers(0, 8, size=(rows, k))
-    lut = rng.integers(-1000, 1000, size=(rows, 8))
+    codes = rng.integers(0, 1 << bits, size=(rows, k))
+    lut = rng.integers(-1000, 1000, size=(rows, 1 << bits))
     big = rng.integers(-32767, 32768, size=k)
     big[:3] = [-32767, 32767, 0]
-    plane_bits = [(codes >> (2 - j)) & 1 for j in range(3)]           # plane 0 is the MSB
+    plane_bits = [(codes >> (bits - 1 - j)) & 1 for j in range(bits)]  # plane 0 is the MSB
     x_bits = [((big.astype(np.int64) & 0xFFFF) >> m) & 1 for m in range(16)]
     weights = [1 << m for m in range(15)] + [-(1 << 15)]
     assert np.array_equal(sum(w * b for w, b in zip(weights, x_bits)), big)
+
+    def counted(mask: np.ndarray) -> np.ndarray:  # sum_m w_m popcount(mask & xplane_m), per row
+        popc = np.stack([(mask & xb[None, :]).sum(axis=1) for xb in x_bits], axis=1)  # [rows, 16]
+        return popc @ np.array(weights, dtype=np.int64)
+
     got = np.zeros(rows, dtype=np.int64)
     for c in range(8):
         onehot = np.ones((rows, k), dtype=np.int64)
         for j in range(3):
             onehot &= plane_bits[j] if (c >> (2 - j)) & 1 else 1 - plane_bits[j]
-        popc = np.stack([(onehot & xb[None, :]).sum(axis=1) for xb in x_bits], axis=1)  # [rows, 16]
-        got += lut[:, c] * (popc @ np.array(weights, dtype=np.int64))
+        if bits == 3:
+            got += lut[:, c] * counted(onehot)
+        else:
+            got += lut[:, 2 * c] * counted(onehot) + (lut[:, 2 * c + 1] - lut[:, 2 * c]) * counted(onehot & plane_bits[3])
     want = (np.take_along_axis(lut, codes, axis=1) * big[None, :]).sum(axis=1)
     assert np.array_equal(got, want)
 
 
-def test_int16_chunks_and_the_one_token_3bit_reference():
+def test_int16_chunks_and_the_one_token_int16_reference():
     """int16_chunks: |x - X s| <= s / 2 per element, |X| <= 32767 with the chunk's largest |x| at 32767 exactly, zero
-    chunks scale 0; the one-token 3-bit reference stays within fp16's tolerance of the exact product, also when chunks
+    chunks scale 0; the one-token int16 reference stays within fp16's tolerance of the exact product, also when chunks
     span 10^-3..10^3, and moves by the quantization, which the kernel's GPU test relies on."""
     gen = torch.Generator().manual_seed(3)
     k = 3 * B1_CHUNK + 100  # a partial last chunk
@@ -261,7 +271,7 @@ def test_int16_chunks_and_the_one_token_3bit_reference():
     w = (torch.randn(64, k, generator=gen) / k ** 0.5).half()
     x16 = x.half()[None]
     exact = x16.double() @ w.double().T
-    got = ap_linear_one_token_3bit_ref(x16, w)
+    got = ap_linear_one_token_int16_ref(x16, w)
     assert got.dtype == torch.float16 and got.shape == (1, 64)
     assert float((got.double() - exact).norm() / exact.norm()) < 1.5e-3
     # one large column whose weights are zero sets its chunk's step, and that step shows in the result
@@ -270,7 +280,7 @@ def test_int16_chunks_and_the_one_token_3bit_reference():
     w2 = torch.randn(32, B1_CHUNK, generator=gen).half()
     w2[:, 7] = 0
     ref2 = (spike.half().double() @ w2.double().T)
-    assert float((ap_linear_one_token_3bit_ref(spike.half(), w2).double() - ref2).norm() / ref2.norm()) > 2e-2
+    assert float((ap_linear_one_token_int16_ref(spike.half(), w2).double() - ref2).norm() / ref2.norm()) > 2e-2
 
 
 def test_nibble_layout_roundtrip_and_codes():

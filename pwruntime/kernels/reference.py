@@ -2,8 +2,8 @@
 
 The references follow the kernels' numerics where the kernels round: weights are the LUT values
 in the activation dtype (fp16 centroids, rounded to bf16 for bf16 activations), products are
-accumulated in fp32 (one token at 3 bits: activations as int16 per 512-column chunk, exact integer
-sums, `ap_linear_one_token_3bit_ref`), the fused MoE stores the intermediate `silu(gate) * up` in the activation
+accumulated in fp32 (one token at 3 or 4 bits: activations as int16 per 512-column chunk, exact integer
+sums, `ap_linear_one_token_int16_ref`), the fused MoE stores the intermediate `silu(gate) * up` in the activation
 dtype (it travels between the two launches), sums the per-slot outputs of a token in slot order,
 and rounds the result to the activation dtype.
 """
@@ -27,12 +27,12 @@ def ap_linear_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.float() @ w.to(x.dtype).float().T).to(x.dtype)
 
 
-B1_CHUNK = 512     # columns per activation scale in the one-token 3-bit decode (cuda/ap_b1.cuh)
+B1_CHUNK = 512     # columns per activation scale in the one-token 3- and 4-bit decode (cuda/ap_b1.cuh)
 B1_QMAX = 32767.0  # the largest |X| of a chunk
 
 
 def int16_chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the one-token 3-bit decode stages of x [K]: X (integer-valued float64 [K], |X| <= 32767) and the fp32 scale
+    """What the one-token 3- and 4-bit decode stages of x [K]: X (integer-valued float64 [K], |X| <= 32767) and the fp32 scale
     of each 512-column chunk, x ~ X * scale[k // 512]. As the kernel: scale = max|x| / 32767, X = x * (32767 / max|x|)
     rounded once to the nearest integer (ties to even); a chunk of zeros has scale 0."""
     xf = x.float().reshape(-1)
@@ -47,8 +47,8 @@ def int16_chunks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return big.reshape(-1)[:k], peak / B1_QMAX
 
 
-def ap_linear_one_token_3bit_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """What ap_linear (and each fused-MoE launch) computes for one token of a 3-bit block on CUDA: the weights (LUT
+def ap_linear_one_token_int16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """What ap_linear (and each fused-MoE launch) computes for one token of a 3- or 4-bit block on CUDA: the weights (LUT
     values in x's dtype) times the int16 chunks of `int16_chunks`, each chunk's sum scaled by its scale, rounded to
     x's dtype. x [1, K], w [out, K]; returns [1, out]."""
     big, scale = int16_chunks(x[0])
