@@ -1,4 +1,4 @@
-// The one-token q = 3 decode on the binary tensor cores (mma .b1 .and.popc): activations staging and chunk math.
+// The one-token q = 3 and 4 decode on the binary tensor cores (mma .b1 .and.popc): activations staging and chunk math.
 //
 // For one token and a 3-bit row r, y_r = sum_k LUT_r[code_rk] x_k = sum_c LUT_r[c] S_rc, S_rc = sum of x_k over the
 // columns whose code is c. Each 512-column chunk of x is quantized to int16, X = round(x / s) with s = max|x| / 32767,
@@ -6,8 +6,10 @@
 // is s * sum_m w_m popc(onehot_c(r) & xplane_m), and one m16n8k256 .b1 mma gives 16 rows x 8 planes of those
 // popcounts for 256 columns. A chunk of 16 rows costs 8 codes x 2 steps x 2 n-tiles = 32 such mmas, the one-hot masks
 // one LOP3 each from the three planes (unpacked from the device's nibble layout first): about 250 integer-pipe
-// instructions and 90 IMAD against about 390 and 32 HMMA for the 16-bit decode (cuda/NOTES.md, session 15). The int32 popcount sums are exact;
-// the only rounding beyond fp32 is X's (half a step of max|x| / 32767 in each chunk).
+// instructions and 90 IMAD against about 390 and 32 HMMA for the 16-bit decode (cuda/NOTES.md, session 15). At q = 4
+// each mask is counted again ANDed with plane 3 (the code's lowest bit): 64 mmas a chunk against the 16-bit decode's
+// 870 instructions (session 16). The int32 popcount sums are exact; the only rounding beyond fp32 is X's (half a step
+// of max|x| / 32767 in each chunk).
 #pragma once
 #include "pw_common.cuh"
 
