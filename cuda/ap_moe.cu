@@ -49,6 +49,9 @@
 #ifndef PW_NT
 #define PW_NT 1
 #endif
+#ifndef PW_OVERFLOW  // the launch has overflow slots (ap_route.cuh); their routing compiled into every build made the
+#define PW_OVERFLOW 0   // one-token layers 0.5-1.8% slower (cuda/NOTES.md, session 17), so only such launches have it
+#endif
 #ifndef PW_WARPS  // warps per CTA
 #define PW_WARPS 4
 #endif
@@ -515,13 +518,14 @@ __device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks,
 
 // ---------------------------------------------------------------- the kernel
 // One entry point for the three uses, so the decode loop is compiled once per module:
-//   mode 0, gate_up: grid = max_active * n_tiles; block = block_base + 2e; rows = I (gate) / I + r (up);
+//   mode 0, gate_up: grid = (max_active + overflow) * n_tiles (expert slots x row tiles, ap_route.cuh);
+//                    block = block_base + 2e; rows = I (gate) / I + r (up);
 //                    x = hidden [T, H]; dst = act [T * topk, I] = silu(gate x) * (up x).
 //   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
 //   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst). Row group rg of CTA c
 //                    is 16-row group c + rg * gridDim.x (moe.linear_grid: one full wave where that is more CTAs).
-// m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features. gridDim.y: token groups, each
-// CTA serving up to 8 NT of its expert's tokens (1 for mode 2).
+// m_rows: I (mode 0) or the output rows (modes 1, 2); K: input features. A CTA serves up to 8 NT of its expert's
+// tokens (one token group); the grid is one-dimensional.
 extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     int mode, const long long* __restrict__ table, long long block_base, const u16* __restrict__ x, long long ldx,
     int x_vec, const long long* __restrict__ topk_ids, const float* __restrict__ topk_w, int T, int topk, int E,
@@ -531,29 +535,48 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     __shared__ int s_ids[MAX_TK];
     __shared__ u32 s_bitmap[MAX_EXPERT_WORDS];
     __shared__ int s_slots[MAX_TOK];
-    __shared__ int s_info[4];
+    __shared__ int s_info[5];
 
     // the next launch (launch 2 after mode 0, another block after mode 2) may be scheduled as soon as every CTA
     // here runs; its CTAs take the SMs this launch leaves idle and load their weights while it finishes
     if (mode != 1) pdl_launch_dependents();
     const int tile = blockIdx.x % n_tiles;
-    int e = 0, n_act = 1, n_tok;
+    const int slot = blockIdx.x / n_tiles, primary = min(E, T * topk);  // expert slot; from `primary` on: overflow
+    int e = 0, n_act = 1, n_tok, group = 0;
     if (mode == 2) {
         for (int i = threadIdx.x; i < MAX_TOK; i += THREADS) s_slots[i] = i;
         __syncthreads();
         n_tok = T < MAX_TOK ? T : MAX_TOK;
     } else {
-        route<THREADS>(topk_ids, T * topk, E, blockIdx.x / n_tiles, s_ids, s_bitmap, s_slots, s_info);
+        // the routing's counts go to the dynamic shared memory, which nothing uses yet (moe.py checks its size)
+#if PW_OVERFLOW
+        if (slot >= primary)
+            route<THREADS, true>(topk_ids, T * topk, E, slot, primary, 8 * NT, reinterpret_cast<int*>(smem), s_ids,
+                                 s_bitmap, s_slots, s_info);
+        else
+#endif
+            route<THREADS, false>(topk_ids, T * topk, E, slot, primary, 8 * NT, nullptr, s_ids, s_bitmap, s_slots, s_info);
         e = s_info[0];
         n_act = s_info[1];
         n_tok = s_info[2];
+#if PW_OVERFLOW
+        group = s_info[4];
+        if (e < 0 || n_tok == 0) {
+            if (slot < primary || mode != 1) return;
+            e = 0;  // an overflow slot of launch 2 without work still counts its arrival below
+            n_tok = 0;
+        }
+#else
         if (e < 0 || n_tok == 0) return;
+#endif
     }
-    // token group blockIdx.y: the expert's tokens t0 .. t0 + 8 NT - 1 (the launch's NT fits the tokens an
-    // expert usually gets; an expert that gets more is served by the CTAs of further groups)
-    const int t0 = blockIdx.y * 8 * NT;
+    // token group `group`: the expert's tokens t0 .. t0 + 8 NT - 1 (the launch's NT fits the tokens an expert usually
+    // gets; an expert that gets more is served by overflow slots, one a further group)
+    // (blockIdx.y is 0: the grid has one row. Written as a constant 0, it made ptxas spill 16 more bytes in the one-n-tile
+    // builds without overflow slots.)
+    const int t0 = (PW_OVERFLOW ? group : (int)blockIdx.y) * 8 * NT;
     n_tok = min(n_tok - t0, 8 * NT);
-    if (n_tok <= 0 && mode != 1) return;  // down CTAs of empty groups still count below
+    if (n_tok <= 0 && mode != 1) return;  // down CTAs of overflow slots without work still count below
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int rgs = WARPS / ksplit, rg = warp / ksplit, ks = warp % ksplit;
@@ -635,7 +658,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
     // down: the last CTA of this row tile sums the top-k slots of every token and re-arms the counter
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) s_info[3] = (atomicAdd(&counters[tile], 1) == n_act * (int)gridDim.y - 1) ? 1 : 0;
+    // every active expert's first slot and every overflow slot arrive at each row tile
+    const int arrivals = PW_OVERFLOW ? n_act + (int)(gridDim.x / n_tiles) - primary : n_act;
+    if (threadIdx.x == 0) s_info[3] = (atomicAdd(&counters[tile], 1) == arrivals - 1) ? 1 : 0;
     __syncthreads();
     if (s_info[3]) {
         __threadfence();

@@ -143,6 +143,31 @@ def test_fused_moe_experts_beyond_one_token_group(model):
         assert torch.equal(got, fused_moe(m.table, 0, x, ids, w, s, ws)), "non-deterministic result (race?)"
 
 
+def test_fused_moe_overflow_slots_serve_small_token_groups(model, monkeypatch):
+    """Token groups of 8 (tune --group-tokens 8) under skewed routing: in one launch experts of one to eight groups,
+    every further group served by an overflow slot (cuda/ap_route.cuh)."""
+    from pwruntime.kernels import moe
+    monkeypatch.setattr(moe, "GROUP_TOKENS", 8)
+    m = model
+    gen = torch.Generator().manual_seed(4)
+    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
+    m.set_bits(lambda blk: bits[blk])
+    s = m.shape
+    popularity = 1.0 / torch.arange(1, s.num_experts + 1, device="cuda", dtype=torch.float32) ** 2
+    for tokens in (16, 64):
+        ids = torch.stack([torch.multinomial(popularity, s.top_k, generator=m.gen) for _ in range(tokens)])
+        w = torch.softmax(torch.randn(tokens, s.top_k, device="cuda", generator=m.gen), dim=-1)
+        p1, p2 = moe_plans(s, tokens)
+        assert p1.nt == p2.nt == 1 and p1.token_groups > 1
+        counts = torch.bincount(ids.flatten(), minlength=s.num_experts)
+        assert int(((counts - 1).clamp(min=0) // 8).sum()) >= 2, "the case must use several overflow slots"
+        x = torch.randn(tokens, s.hidden, device="cuda", generator=m.gen).half()
+        ws = _workspace(m, tokens, torch.float16)
+        got = fused_moe(m.table, 0, x, ids, w, s, ws)
+        assert rel(got, m.ref(0, x, ids, w)) < TOL[torch.float16], tokens
+        assert torch.equal(got, fused_moe(m.table, 0, x, ids, w, s, ws)), "non-deterministic result (race?)"
+
+
 def test_fused_moe_uniform_bits(model):
     m = model
     tokens = 7

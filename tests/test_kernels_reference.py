@@ -18,7 +18,8 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
-from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, linear_grid, moe_plans, plan_launch,
+from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, group_tokens, linear_grid, moe_plans,
+                                   overflow_slots, plan_launch,
                                    single_block_plan)
 from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
@@ -349,19 +350,66 @@ def test_launch_plans_fit_and_cover(arch, tokens):
     for p, rows, rpw in ((p1, i, 8), (p2, h, 16)):
         assert p.warps in (4, 8) and p.ksplit in (1, 2, 4, 8) and p.warps % p.ksplit == 0 and p.smem <= SMEM_LIMIT
         assert p.n_tiles * rpw * (p.warps // p.ksplit) >= rows
-        assert p.grid == p.n_tiles * min(e, tokens * k)
+        assert p.grid == p.n_tiles * (min(e, tokens * k) + overflow_slots(MoEShape(e, h, i, k), tokens, min(e, tokens * k), p))
         per_cta = min(tokens, 8 * p.nt)                # tokens one CTA of an expert stages
         assert p.xs_budget >= per_cta * XS_CHUNK       # a segment holds one 16-word chunk of each
         assert p.token_groups * 8 * p.nt >= min(tokens, MAX_TOKENS) > (p.token_groups - 1) * 8 * p.nt
         assert p.smem >= p.xs_budget + (p.warps // p.ksplit) * LUT_SLICE  # one byte-path LUT slice per row group
         assert p.smem >= p.nt * 512 * p.warps                           # the k-split reduction's buffer
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
-    # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles
-    for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)):
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 40)] == [(4, 2), (4, 2)]
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 32)] == [(4, 1), (4, 1)]
-        assert moe_plans(shape, 33)[0].token_groups == 2 and moe_plans(shape, 33)[0].nt == 4
+
+
+def test_token_groups_follow_the_tokens_an_expert_expects():
+    # the smallest group of 8, 16, 32, 64 tokens holding 1.25x an active expert's mean (uniform routing): OLMoE (64
+    # experts, top-8) means 8.0 tokens at T = 64, 5.0 at T = 40, 4.1 at T = 32, 2.0 at T = 16; Mixtral (8, top-2)
+    # 16, 12 at T = 48, 10, 8.1, 4.0; Qwen3-MoE (128, top-8) 4.1 at T = 64
+    olmoe, mixtral, qwen3 = MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2), MoEShape(128, 2048, 768, 8)
+    for shape, tokens, nt, groups in ((olmoe, 64, 2, 4), (olmoe, 40, 1, 5), (olmoe, 32, 1, 4), (olmoe, 16, 1, 2),
+                                      (mixtral, 64, 4, 2), (mixtral, 48, 2, 3), (mixtral, 40, 2, 3), (mixtral, 32, 2, 2),
+                                      (mixtral, 16, 1, 2), (mixtral, 8, 1, 1), (qwen3, 64, 1, 8), (qwen3, 4, 1, 1)):
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, tokens)] == [(nt, groups)] * 2, (shape, tokens)
+    assert group_tokens(3.0, 5) == 5 and group_tokens(7.0, 64) == 16 and group_tokens(100.0, 64) == 64
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("group", [8, 16, 32])
+def test_overflow_slots_cover_every_routing(arch, group, monkeypatch):
+    """A launch's overflow slots (one a further token group of an expert) suffice for any routing: spread, skewed,
+    every token on the same experts; and they are far fewer than a second grid row of every expert."""
+    from pwruntime.kernels import moe
+    monkeypatch.setattr(moe, "GROUP_TOKENS", group)
+    h, i, e, k = ARCHS[arch]
+    shape = MoEShape(e, h, i, k)
+    rng = np.random.default_rng(group)
+    for tokens in (33, 40, 64):
+        max_active = min(e, tokens * k)
+        for p in moe_plans(shape, tokens):
+            extra = overflow_slots(shape, tokens, max_active, p)
+            assert p.grid == p.n_tiles * (max_active + extra) and p.token_groups == -(-tokens // (8 * p.nt)) > 1
+            assert extra < max_active * (p.token_groups - 1) or e * k < 16
+            routings = [np.argsort(rng.random((tokens, e)), axis=1)[:, :k],      # spread
+                        np.tile(np.arange(k), (tokens, 1)),                    # every token on experts 0..k-1
+                        np.argsort(rng.random((tokens, e)) * np.arange(1, e + 1) ** 2, axis=1)[:, :k]]  # skewed
+            for ids in routings:
+                counts = np.bincount(ids.ravel(), minlength=e)
+                needed = sum((int(n) - 1) // (8 * p.nt) for n in counts if n > 0)
+                assert needed <= extra, (tokens, p.nt, needed, extra)
+
+
+def test_every_planned_moe_launch_is_precompiled():
+    # `python -m pwruntime.kernels.compile` warms the ap_moe.cu builds the planner picks for the four architectures and
+    # the demo model at T = 1..64; launches with overflow slots take the PW_OVERFLOW build, the others do not
+    built = {defines for name, defines in kc.variants() if name == "ap_moe.cu"}
+    shapes = [MoEShape(e, h, i, k) for h, i, e, k in ARCHS.values()] + [MoEShape(16, 256, 128, 4)]
+    seen_overflow = False
+    for shape in shapes:
+        for tokens in range(1, MAX_TOKENS + 1):
+            for p in moe_plans(shape, tokens):
+                assert (("PW_OVERFLOW", 1) in p.defines) == (p.overflow > 0) == (p.token_groups > 1)
+                seen_overflow |= p.overflow > 0
+                for bf in (0, 1):
+                    assert (("PW_BF16", bf),) + p.defines in built, (shape, tokens, p)
+    assert seen_overflow
 
 
 def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
@@ -511,7 +559,7 @@ def test_tune_forced_ksplit_keeps_token_groups(monkeypatch):
     before = moe_plans(shape, 64)
     tune.force_ksplit(4)
     for old, new in zip(before, moe_plans(shape, 64)):
-        assert new.ksplit == 4 and (new.nt, new.token_groups) == (old.nt, old.token_groups) == (4, 2)
+        assert new.ksplit == 4 and (new.nt, new.token_groups) == (old.nt, old.token_groups) == (2, 4)
         assert new.smem == old.smem + (1 - 4 // old.ksplit) * LUT_SLICE
 
 

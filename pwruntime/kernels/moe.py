@@ -29,8 +29,8 @@ XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations 
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
-SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in groups (CTAs of fewer n-tiles)
-TOKEN_GROUPS = 2          # ... this many
+GROUP_OVER_MEAN = 1.25    # an MoE launch's token group (8 nt tokens) holds this many times an active expert's mean
+GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), this many tokens
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
 WIDE_MAX_NT = 2           # ... and the launch has at most this many n-tiles
 WANT_CTAS_PER_SM = 2      # the k-split grows until a launch of one token expects this many CTAs an SM
@@ -58,12 +58,14 @@ class LaunchPlan:
     grid: int
     xs_budget: int
     smem: int
-    token_groups: int = 1   # grid y: an expert's tokens in groups of 8 * nt
+    token_groups: int = 1   # the most groups of 8 * nt tokens an expert's tokens take (overflow slots serve all but one)
     warps: int = 4          # warps per CTA (row groups of a CTA: warps // ksplit)
+    overflow: int = 0       # expert slots past one an active expert (overflow_slots), in the grid
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
-        return (("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
+        return ((("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
+                + ((("PW_OVERFLOW", 1),) if self.overflow else ()))
 
     def kernel(self, device: torch.device, dtype: torch.dtype):
         """The compiled cuda/ap_moe.cu variant this launch runs for activations of `dtype`."""
@@ -95,8 +97,8 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     One token wants two CTAs per SM in flight, more tokens 1.5, since each CTA also stages their
     activations (measured on the H200, cuda/NOTES.md: aiming for three at one token split the gate_up K of
     Qwen1.5-MoE and Qwen3-MoE four ways, one 512-column chunk a warp, and their layers were 8-18% slower).
-    A CTA serves up to `tile_tokens` tokens of its expert (default: all of them); the launch has
-    enough token groups (grid y) for an expert that gets every token.
+    A CTA serves up to `tile_tokens` tokens of its expert (default: all of them), one token group; an expert
+    that gets every token takes `token_groups` of them.
     """
     tile_tokens = tokens if tile_tokens is None else max(1, min(tile_tokens, tokens))
     nt = n_tiles_of(tile_tokens)
@@ -141,15 +143,49 @@ def launch_smem(xs_budget: int, nt: int, warps: int, ksplit: int) -> int:
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
     max_active = min(shape.num_experts, tokens * shape.top_k)
-    expect = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
-    expect = max(1, min(max_active, round(expect)))
-    # 64 tokens in one group need the 8-n-tile kernel (254 registers, 2 CTAs an SM); two groups of 4 n-tiles
-    # were faster for all four architectures on the H200 (cuda/NOTES.md), more groups slower (their mostly
-    # empty CTAs still run the routing prologue)
-    tile = -(-min(tokens, MAX_TOKENS) // TOKEN_GROUPS) if tokens > SPLIT_ABOVE else tokens
+    expected = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
+    expect = max(1, min(max_active, round(expected)))
+    tile = group_tokens(tokens * shape.top_k / max(expected, 1.0), tokens)
     p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count, tile)
     p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count, tile)
-    return p1, p2
+    return tuple(with_overflow(p, shape, tokens, max_active) for p in (p1, p2))
+
+
+def group_tokens(mean: float, tokens: int) -> int:
+    """Tokens of an expert one CTA serves (its token group, 8 nt of them), for `mean` tokens an active expert.
+
+    The smallest of 8, 16, 32, 64 holding GROUP_OVER_MEAN x the mean. A group decodes its expert's planes once for
+    its tokens, so larger groups read the weights fewer times when experts get many tokens; smaller ones have CTAs of
+    fewer n-tiles (fewer registers, more CTAs an SM, less staging) where they get few. Measured on the H200 with
+    uniform routing (cuda/NOTES.md, session 17): 8 is best for the small-expert models at T = 16-64 (means 1-4.3),
+    16 for OLMoE at T = 64 (mean 8; 8 was 20-28% slower) and Mixtral at T = 32-48 (means 8-12; 32 was 13-19% slower
+    at T = 48), 32 for Mixtral at T = 64 (mean 16; 16 was 5-11% slower).
+    """
+    want = GROUP_TOKENS if GROUP_TOKENS is not None else GROUP_OVER_MEAN * mean
+    size = next((8 * nt for nt in (1, 2, 4, 8) if 8 * nt >= want), MAX_TOKENS)
+    return min(size, tokens)
+
+
+def overflow_slots(shape: MoEShape, tokens: int, max_active: int, plan: LaunchPlan) -> int:
+    """Expert slots a launch needs beyond one an active expert: one per further group of 8 nt tokens an expert gets.
+
+    With n_e tokens expert e needs (n_e - 1) // (8 nt) further groups, and the n_e add up to at most T top-k, so the
+    slots needed are at most (T top-k - 1) // (8 nt) however the tokens are routed (cuda/ap_route.cuh assigns
+    them). A slot each for every expert and group (a second grid row) would be mostly empty CTAs that still run the
+    routing prologue."""
+    if plan.token_groups <= 1:
+        return 0
+    slots = min(tokens, MAX_TOKENS) * shape.top_k
+    return min(max_active * (plan.token_groups - 1), (slots - 1) // (8 * plan.nt))
+
+
+def with_overflow(plan: LaunchPlan, shape: MoEShape, tokens: int, max_active: int) -> LaunchPlan:
+    """The launch's grid with its overflow slots; they count tokens per expert in its dynamic shared memory."""
+    extra = overflow_slots(shape, tokens, max_active, plan)
+    if extra and plan.smem < 4 * shape.num_experts:
+        raise ValueError(f"the routing counts of {shape.num_experts} experts need {4 * shape.num_experts} bytes of "
+                         f"shared memory, the launch has {plan.smem}")
+    return replace(plan, grid=plan.n_tiles * (max_active + extra), overflow=extra)
 
 
 @dataclass
@@ -227,13 +263,13 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
     k1 = p1.kernel(dev, x.dtype)
-    kc.launch(k1, dev, (p1.grid, p1.token_groups), (32 * p1.warps,), (
+    kc.launch(k1, dev, (p1.grid,), (32 * p1.warps,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
         kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
     k2 = p2.kernel(dev, x.dtype)
-    kc.launch(k2, dev, (p2.grid, p2.token_groups), (32 * p2.warps,), (
+    kc.launch(k2, dev, (p2.grid,), (32 * p2.warps,), (
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
