@@ -250,11 +250,14 @@ class BlockPool:
             matched.append(b)
         return matched
 
-    def register(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int) -> int:
+    def register(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
+                 known_hashes: Sequence[bytes] = ()) -> int:
         """Register the sequence's full blocks whose tokens (`token_ids`, from position 0) are all computed and
         not yet hashed; returns how many blocks became matchable (0 when prefix caching is off).
 
-        A block whose hash another block already holds is not registered (that one stays the cached copy)."""
+        A block whose hash another block already holds is not registered (that one stays the cached copy).
+        `known_hashes`: chained hashes of the tokens' leading full blocks already computed (`match_prefix`'s list),
+        used instead of hashing those blocks again."""
         table = self._tables.get(seq_id)
         if not self.prefix_caching or not table:
             return 0
@@ -262,7 +265,7 @@ class BlockPool:
         chain = self._chain.setdefault(seq_id, [])
         added = 0
         for j in range(len(chain), min(full, len(table))):
-            h = self._hash(chain[-1] if chain else _ROOT_HASH, token_ids, j)
+            h = known_hashes[j] if j < len(known_hashes) else self._hash(chain[-1] if chain else _ROOT_HASH, token_ids, j)
             chain.append(h)
             if h not in self._block_of:
                 self._hash_of[table[j]] = h

@@ -243,7 +243,8 @@ class Scheduler:
         if end // size > e.start // size:
             known = min(end, e.seq.num_known_tokens) // size * size
             if known:
-                self.pool.register(e.seq.seq_id, e.seq.token_ids(0, known), known)
+                self.pool.register(e.seq.seq_id, e.seq.token_ids(0, known), known,
+                                   self._block_hashes.get(e.seq.seq_id, ()))
 
     # ------------------------------------------------------------------ views
     def pending_blocks(self) -> int:

@@ -575,6 +575,26 @@ def test_a_waiting_request_hashes_its_blocks_once_however_long_it_waits(monkeypa
     assert scheduler._block_hashes == {}
 
 
+def test_an_admitted_request_hashes_each_of_its_blocks_once(monkeypatch):
+    """The block that missed the cache at admission is registered with the hash the match computed, not hashed again
+    (one sha256 an admission); a later request still matches every block."""
+    pool = BlockPool(16, block_size=4, prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_batched_tokens=64)
+    hashed = []
+    real = pool._hash
+    monkeypatch.setattr(pool, "_hash", lambda parent, tokens, j: hashed.append(tuple(tokens[j * 4:j * 4 + 4]))
+                        or real(parent, tokens, j))
+    a = Sequence("a", list(range(14)), max_tokens=1)   # three full blocks and two tokens
+    scheduler.add(a)
+    while not a.is_finished:
+        _step(scheduler)
+    assert sorted(hashed) == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9, 10, 11)]
+    b = Sequence("b", list(range(14)) + [99], max_tokens=1)
+    scheduler.add(b)
+    _step(scheduler)
+    assert b.num_computed_tokens == 15 and scheduler.num_cached_tokens == 12   # all three of a's blocks matched
+
+
 def test_a_preempted_sequence_is_readmitted_over_its_own_cached_blocks():
     pool = BlockPool(3, block_size=4, prefix_caching=True)
     scheduler = Scheduler(pool, max_num_batched_tokens=64)
