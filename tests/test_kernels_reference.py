@@ -359,16 +359,20 @@ def test_launch_plans_fit_and_cover(arch, tokens):
     assert plan_launch(14336, 4096, MAX_TOKENS, 16, 1, 1).nt == 8
 
 
-def test_token_groups_follow_the_tokens_an_expert_expects():
-    # the smallest group of 8, 16, 32, 64 tokens holding 1.25x an active expert's mean (uniform routing): OLMoE (64
-    # experts, top-8) means 8.0 tokens at T = 64, 5.0 at T = 40, 4.1 at T = 32, 2.0 at T = 16; Mixtral (8, top-2)
-    # 16, 12 at T = 48, 10, 8.1, 4.0; Qwen3-MoE (128, top-8) 4.1 at T = 64
-    olmoe, mixtral, qwen3 = MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2), MoEShape(128, 2048, 768, 8)
-    for shape, tokens, nt, groups in ((olmoe, 64, 2, 4), (olmoe, 40, 1, 5), (olmoe, 32, 1, 4), (olmoe, 16, 1, 2),
-                                      (mixtral, 64, 4, 2), (mixtral, 48, 2, 3), (mixtral, 40, 2, 3), (mixtral, 32, 2, 2),
-                                      (mixtral, 16, 1, 2), (mixtral, 8, 1, 1), (qwen3, 64, 1, 8), (qwen3, 4, 1, 1)):
-        assert [(p.nt, p.token_groups) for p in moe_plans(shape, tokens)] == [(nt, groups)] * 2, (shape, tokens)
-    assert group_tokens(3.0, 5) == 5 and group_tokens(7.0, 64) == 16 and group_tokens(100.0, 64) == 64
+def test_token_groups_split_only_above_32_tokens(monkeypatch):
+    # above 32 tokens an MoE launch serves each expert's tokens in two groups of half the n-tiles; tune's
+    # --group-tokens forces any group size
+    from pwruntime.kernels import moe
+    for shape in (MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2), MoEShape(128, 2048, 768, 8)):
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 64)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 40)] == [(4, 2), (4, 2)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 32)] == [(4, 1), (4, 1)]
+        assert [(p.nt, p.token_groups) for p in moe_plans(shape, 16)] == [(2, 1), (2, 1)]
+        assert moe_plans(shape, 33)[0].token_groups == 2 and moe_plans(shape, 33)[0].nt == 4
+    assert group_tokens(5) == 5 and group_tokens(33) == 17 and group_tokens(64) == 32
+    monkeypatch.setattr(moe, "GROUP_TOKENS", 8)
+    assert [(p.nt, p.token_groups) for p in moe_plans(MoEShape(64, 2048, 1024, 8), 16)] == [(1, 2), (1, 2)]
+    assert group_tokens(5) == 5 and group_tokens(64) == 8
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -559,7 +563,7 @@ def test_tune_forced_ksplit_keeps_token_groups(monkeypatch):
     before = moe_plans(shape, 64)
     tune.force_ksplit(4)
     for old, new in zip(before, moe_plans(shape, 64)):
-        assert new.ksplit == 4 and (new.nt, new.token_groups) == (old.nt, old.token_groups) == (2, 4)
+        assert new.ksplit == 4 and (new.nt, new.token_groups) == (old.nt, old.token_groups) == (4, 2)
         assert new.smem == old.smem + (1 - 4 // old.ksplit) * LUT_SLICE
 
 

@@ -216,9 +216,7 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
         for nt in (1, 2):   # CTAs of 8 warps (MoE launches of 2-16 tokens, long K) and 16 (the single block there)
             for warps in (8, 16):
                 out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt), ("PW_WARPS", warps))))
-        for nt, warps in ((1, 4), (2, 4), (4, 4), (1, 8), (2, 8)):   # MoE launches with overflow slots (moe.py)
-            out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt)) + ((("PW_WARPS", warps),) if warps != 4 else ())
-                        + (("PW_OVERFLOW", 1),)))
+        out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", 4), ("PW_OVERFLOW", 1))))  # MoE launches above 32 tokens
         out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
     for dt in (0, 1, 2):
         out.append(("paged_attention.cu", (("PW_DT", dt), ("PW_DPL", 4))))

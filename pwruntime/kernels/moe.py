@@ -29,8 +29,8 @@ XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations 
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
-GROUP_OVER_MEAN = 1.25    # an MoE launch's token group (8 nt tokens) holds this many times an active expert's mean
-GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), this many tokens
+SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of fewer n-tiles)
+GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), every launch in groups of this many tokens
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
 WIDE_MAX_NT = 2           # ... and the launch has at most this many n-tiles
 WANT_CTAS_PER_SM = 2      # the k-split grows until a launch of one token expects this many CTAs an SM
@@ -143,27 +143,28 @@ def launch_smem(xs_budget: int, nt: int, warps: int, ksplit: int) -> int:
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
     max_active = min(shape.num_experts, tokens * shape.top_k)
-    expected = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
-    expect = max(1, min(max_active, round(expected)))
-    tile = group_tokens(tokens * shape.top_k / max(expected, 1.0), tokens)
+    expect = shape.num_experts * (1 - (1 - shape.top_k / shape.num_experts) ** tokens)
+    expect = max(1, min(max_active, round(expect)))
+    tile = group_tokens(tokens)
     p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count, tile)
     p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count, tile)
     return tuple(with_overflow(p, shape, tokens, max_active) for p in (p1, p2))
 
 
-def group_tokens(mean: float, tokens: int) -> int:
-    """Tokens of an expert one CTA serves (its token group, 8 nt of them), for `mean` tokens an active expert.
+def group_tokens(tokens: int) -> int:
+    """Tokens of an expert one CTA of a launch of `tokens` serves (its token group): all of them up to SPLIT_ABOVE,
+    above that half of them (two groups of 4 n-tiles at T = 64, which beat one of 8 on the H200: the 8-n-tile kernel
+    has 254 registers), the further group served by overflow slots.
 
-    The smallest of 8, 16, 32, 64 holding GROUP_OVER_MEAN x the mean. A group decodes its expert's planes once for
-    its tokens, so larger groups read the weights fewer times when experts get many tokens; smaller ones have CTAs of
-    fewer n-tiles (fewer registers, more CTAs an SM, less staging) where they get few. Measured on the H200 with
-    uniform routing (cuda/NOTES.md, session 17): 8 is best for the small-expert models at T = 16-64 (means 1-4.3),
-    16 for OLMoE at T = 64 (mean 8; 8 was 20-28% slower) and Mixtral at T = 32-48 (means 8-12; 32 was 13-19% slower
-    at T = 48), 32 for Mixtral at T = 64 (mean 16; 16 was 5-11% slower).
+    Smaller groups (CTAs of fewer n-tiles, but an expert's planes decoded again for each further group) were measured
+    in session 17 (cuda/NOTES.md): with uniform routing, groups of 8 tokens made the small-expert models' layers 2-7.5%
+    faster at T = 16 and up to 5% at T = 64; with skewed routing (popularity 1 / rank) they made them up to 17% slower
+    at T = 16-32, while these groups with overflow slots were never more than 2% slower than before. So groups follow
+    only the token count.
     """
-    want = GROUP_TOKENS if GROUP_TOKENS is not None else GROUP_OVER_MEAN * mean
-    size = next((8 * nt for nt in (1, 2, 4, 8) if 8 * nt >= want), MAX_TOKENS)
-    return min(size, tokens)
+    if GROUP_TOKENS is not None:
+        return min(GROUP_TOKENS, tokens)
+    return tokens if tokens <= SPLIT_ABOVE else -(-min(tokens, MAX_TOKENS) // 2)
 
 
 def overflow_slots(shape: MoEShape, tokens: int, max_active: int, plan: LaunchPlan) -> int:

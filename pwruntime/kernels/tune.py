@@ -125,8 +125,6 @@ def main() -> int:
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--group-tokens", type=int, default=None, choices=(8, 16, 32, 64),
                     help="every MoE launch serves an expert's tokens in groups of this many (experiments)")
-    ap.add_argument("--group-over-mean", type=float, default=None,
-                    help="token groups hold this many times an active expert's mean tokens (default 1.25; experiments)")
     ap.add_argument("--attention", action="store_true",
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="activation dtype of blocks and layers")
@@ -143,8 +141,6 @@ def main() -> int:
     from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
     if args.group_tokens is not None:
         moe.GROUP_TOKENS = args.group_tokens
-    if args.group_over_mean is not None:
-        moe.GROUP_OVER_MEAN = args.group_over_mean
     if args.wide_min_chunks is not None:
         moe.WIDE_MIN_CHUNKS = args.wide_min_chunks
     if args.wide_max_nt is not None:
