@@ -54,6 +54,9 @@ def register(subparsers) -> None:
     p.add_argument("--prompts", type=int, default=32, help="prefix-cache: prompts in the batch (default 32)")
     p.add_argument("--max-tokens", type=int, default=16, help="prefix-cache: greedy tokens per prompt (default 16)")
     p.add_argument("--model", default=None, help="prefix-cache: model directory (default: the bundled demo model)")
+    p.add_argument("--routing", default=None, metavar="uniform|zipf:ALPHA",
+                   help="kernels: the MoE layers' routing, uniform (default) or each token's experts drawn with "
+                        "popularity 1 / rank^ALPHA (hot experts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
@@ -101,7 +104,8 @@ def _config(args, lo: int, hi: int, default_tokens: str):
     command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}"
     dtype = args.dtype or ("fp16" if args.target == "kernels" else "bf16")
-    return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed, dtype=dtype), command
+    return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed, dtype=dtype,
+                          routing=args.routing or "uniform"), command
 
 
 def _run_prefill(args) -> int:
@@ -129,7 +133,7 @@ def _run_prefix_cache(args) -> int:
     from pwruntime import bench_prefix_cache as bpc
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.model.loader import load_model
-    for name in ("models", "tokens", "profile_out", "plot_from"):
+    for name in ("models", "tokens", "profile_out", "plot_from", "routing"):
         if getattr(args, name) is not None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench prefix-cache` (it takes "
                             "--prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
@@ -172,6 +176,14 @@ def run(args) -> int:
         raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache`")
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
+    if args.routing is not None:
+        from pwruntime.kernels.bench import parse_routing
+        if args.target != "kernels":
+            raise UserError("--routing belongs to `pwruntime bench kernels`")
+        try:
+            parse_routing(args.routing)
+        except ValueError as e:
+            raise UserError(f"--routing: {e}") from None
     args.reps = 30 if args.reps is None else args.reps
     if args.target == "prefill":
         return _run_prefill(args)
@@ -187,7 +199,8 @@ def run(args) -> int:
     steps = 4 + len(models)
     bar = tqdm(total=steps, desc="bench kernels", file=sys.stderr)
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
-                 "dtype": cfg.dtype, "gpu_memory_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
+                 "dtype": cfg.dtype, "routing": cfg.routing,
+                 "gpu_memory_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
     res["copy"] = kb.copy_bandwidth()
     bar.update()
     res["fp16_gemm_tflops"] = kb.gemm_tflops()

@@ -416,6 +416,26 @@ def test_every_planned_moe_launch_is_precompiled():
     assert seen_overflow
 
 
+def test_bench_routing_uniform_or_with_hot_experts():
+    # `bench kernels --routing zipf:ALPHA` (and tune's): each token's top-k experts are distinct either way; with
+    # popularity 1 / rank the busiest expert gets most tokens, uniformly about T k / E
+    from pwruntime.kernels.bench import parse_routing, random_routing
+    assert parse_routing("uniform") is None and parse_routing("zipf:1.0") == 1.0 and parse_routing("zipf:0.5") == 0.5
+    for bad in ("zipf", "zipf:0", "zipf:nan", "zipf:inf", "pareto:1", ""):
+        with pytest.raises(ValueError, match="uniform or zipf:ALPHA"):
+            parse_routing(bad)
+    shape = MoEShape(128, 2048, 768, 8)
+    busiest = {}
+    for alpha in (None, 1.0):
+        ids, w = random_routing(shape, 64, torch.Generator().manual_seed(0), alpha)
+        assert ids.shape == w.shape == (64, 8) and torch.allclose(w.sum(1), torch.ones(64))
+        assert all(len(set(row.tolist())) == 8 for row in ids) and 0 <= int(ids.min()) and int(ids.max()) < 128
+        busiest[alpha] = int(torch.bincount(ids.flatten(), minlength=128).max())
+    assert busiest[None] <= 16 and busiest[1.0] >= 40, busiest
+    again, _ = random_routing(shape, 64, torch.Generator().manual_seed(0), 1.0)
+    assert torch.equal(again, random_routing(shape, 64, torch.Generator().manual_seed(0), 1.0)[0])
+
+
 def test_eight_warp_ctas_only_where_k_is_long_and_tokens_few():
     # 2..16 tokens and at least 4 chunks of 512 columns a warp: the same CTAs (grid, tiles) with twice the warps,
     # each row group's K split twice as many ways; never at T = 1, above 16 tokens or for short K

@@ -259,6 +259,13 @@ def test_demo_stats_bad_device_or_out(corpus, capsys, env, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- bench
+def test_bench_routing_must_be_uniform_or_zipf_and_only_for_kernels(capsys):
+    for bad in ("zipf", "zipf:0", "zipf:-1", "zipf:x", "zipf:inf", "skewed:1"):
+        misuse(capsys, ["bench", "kernels", "--routing", bad], "--routing", "uniform or zipf:ALPHA")
+    misuse(capsys, ["bench", "prefill", "--routing", "zipf:1"], "--routing belongs to `pwruntime bench kernels`")
+    misuse(capsys, ["bench", "prefix-cache", "--routing", "zipf:1"], "--routing")
+
+
 def test_bench_plot_from_another_json_keeps_its_figure(capsys, tmp_path):
     # a `bench prefill` result (or any JSON) was drawn as empty axes over the PNG beside it, exit 0
     src = tmp_path / "prefill.json"

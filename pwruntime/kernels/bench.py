@@ -38,6 +38,7 @@ class BenchConfig:
     warmup: int = 5
     seed: int = 0
     dtype: str = "fp16"   # activations (and the dense baselines, whose result keys keep the name fp16_*): fp16 | bf16
+    routing: str = "uniform"   # MoE layers' routing: uniform, or zipf:ALPHA (`parse_routing`)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -182,10 +183,35 @@ class APLayers:
         return total / self.layers
 
 
-def random_routing(shape: MoEShape, tokens: int, gen: torch.Generator):
-    ids = torch.stack([torch.randperm(shape.num_experts, device="cuda", generator=gen)[:shape.top_k]
-                       for _ in range(tokens)])
-    w = torch.softmax(torch.randn(tokens, shape.top_k, device="cuda", generator=gen), dim=-1)
+def parse_routing(text: str) -> float | None:
+    """`uniform` -> None; `zipf:ALPHA` -> ALPHA (> 0). Raises ValueError naming the accepted forms."""
+    if text == "uniform":
+        return None
+    name, _, value = text.partition(":")
+    try:
+        alpha = float(value) if name == "zipf" else float("nan")
+    except ValueError:
+        alpha = float("nan")
+    if not alpha > 0 or alpha == float("inf"):
+        raise ValueError(f"routing {text!r}: use uniform or zipf:ALPHA with ALPHA > 0 (e.g. zipf:1.0)")
+    return alpha
+
+
+def random_routing(shape: MoEShape, tokens: int, gen: torch.Generator, zipf: float | None = None):
+    """Each token's top-k distinct experts: uniformly, or drawn without replacement with popularity 1 / rank^zipf over
+    a random order of the experts (a few hot experts, as real routers often have); softmax weights. On gen's device."""
+    dev = gen.device
+    if zipf is None:
+        ids = torch.stack([torch.randperm(shape.num_experts, device=dev, generator=gen)[:shape.top_k]
+                           for _ in range(tokens)])
+    else:
+        e = shape.num_experts
+        popularity = torch.empty(e, device=dev)
+        popularity[torch.randperm(e, device=dev, generator=gen)] = \
+            1.0 / torch.arange(1, e + 1, device=dev, dtype=torch.float32) ** zipf
+        ids = torch.stack([torch.multinomial(popularity, shape.top_k, replacement=False, generator=gen)
+                           for _ in range(tokens)])
+    w = torch.softmax(torch.randn(tokens, shape.top_k, device=dev, generator=gen), dim=-1)
     return ids, w
 
 
@@ -237,7 +263,7 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
     wd = (torch.randn(e, h, i, device="cuda", generator=gen, dtype=torch.float16) / i ** 0.5).to(cfg.act_dtype)
     cases = {}
     for t in cfg.tokens:
-        ids, w = random_routing(shape, t, gen)
+        ids, w = random_routing(shape, t, gen, parse_routing(cfg.routing))
         x = torch.randn(t, h, device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype)
         ws = MoEWorkspace.create(shape, t, cfg.act_dtype, "cuda")
         graph = capture(lambda: [fused_moe(ap.table, layer, x, ids, w, shape, ws) for layer in range(layers)])

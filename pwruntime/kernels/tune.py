@@ -128,10 +128,16 @@ def main() -> int:
     ap.add_argument("--attention", action="store_true",
                     help="time paged-attention decode, GQA kernel vs generic kernel, on a few shapes")
     ap.add_argument("--dtype", default="fp16", choices=("fp16", "bf16"), help="activation dtype of blocks and layers")
+    ap.add_argument("--routing", default="uniform", metavar="uniform|zipf:ALPHA",
+                    help="MoE layers' routing: uniform, or each token's experts drawn with popularity 1 / rank^ALPHA")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.ksplit and args.warps % args.ksplit:
         ap.error(f"--ksplit {args.ksplit} does not divide the {args.warps} warps of a CTA; use --warps 8 or a smaller k-split")
+    try:
+        kb.parse_routing(args.routing)
+    except ValueError as e:
+        ap.error(f"--routing: {e}")
     if not torch.cuda.is_available():
         ap.error("the kernel tuning harness needs a CUDA GPU (and CuPy); none is visible here")
     if args.define:
@@ -177,7 +183,7 @@ def main() -> int:
                   f"{r['ap_gbps']:6.0f} GB/s   fp16 {r['fp16_us']:6.1f} us", flush=True)
         for m in filter(None, args.moe.split(",")):
             mcfg = kb.BenchConfig(models=(m,), tokens=tuple(int(t) for t in args.moe_tokens.split(",")),
-                                  reps=args.reps, warmup=3, dtype=args.dtype)
+                                  reps=args.reps, warmup=3, dtype=args.dtype, routing=args.routing)
             for r in kb.moe_layers(mcfg, m, bits=bits, baselines=False):
                 rows.append(r)
                 print(f"moe {m} {args.dtype} T={r['tokens']} b={r['bits']}: {r['ap_us']:7.1f} us {r['ap_gbps']:6.0f} GB/s "
