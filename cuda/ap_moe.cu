@@ -444,19 +444,17 @@ __device__ void ap_b1(const BlockRef& blk, const Tile& tl, char* xs, float (&acc
     char* lut_s = xs + b1::lut_offset(nchunks) + (threadIdx.x >> 5) * b1::LUT_BYTES;
     b1::lut_copy<Q>(lut_s, blk.lut, r0, r1);
     pdl_wait();  // as in ap_mma: the weights above may load while the kernel before this one finishes
-    b1::stage_x<BF, THREADS>(xs, tl.x + (long long)(tl.rows[0] / tl.row_div) * tl.ldx, tl.K, tl.x_vec, nchunks);
+    b1::stage_x<BF, THREADS, Q == 3>(xs, tl.x + (long long)(tl.rows[0] / tl.row_div) * tl.ldx, tl.K, tl.x_vec, nchunks);
     __syncthreads();
-    float y[Q - 2][8][2];
+    float y[b1::Y<Q>][2], ysum = 0.f;
 #pragma unroll
-    for (int v = 0; v < Q - 2; ++v)
-#pragma unroll
-        for (int c = 0; c < 8; ++c) y[v][c][0] = y[v][c][1] = 0.f;
+    for (int v = 0; v < b1::Y<Q>; ++v) y[v][0] = y[v][1] = 0.f;
     for (int my = 0; my < n_my; ++my) {
         if (my > 0) load_chunk<Q, 16>(P, blk, tl, off0, off1, tl.ks + my * tl.ksplit, t);
-        b1::chunk<Q>(P, xs, nchunks, tl.ks + my * tl.ksplit, y);
+        b1::chunk<Q>(P, xs, nchunks, tl.ks + my * tl.ksplit, y, ysum);
     }
     float out[2];
-    b1::finish<BF, Q>(y, lut_s, out);
+    b1::finish<BF, Q>(y, ysum, lut_s, out);
 #pragma unroll
     for (int k = 0; k < NT * ACCS; ++k)
 #pragma unroll

@@ -13,6 +13,7 @@ import torch
 
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_linear, dequantize_blocks, fused_moe
 from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.bench import random_routing
 from pwruntime.kernels.device_table import device_layout
 from pwruntime.kernels.moe import moe_plans
 from pwruntime.kernels.reference import (ap_linear_one_token_int16_ref, fused_moe_ref, load_pattern_ref,
@@ -153,10 +154,8 @@ def test_fused_moe_overflow_slots_serve_small_token_groups(model, monkeypatch):
     bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
     m.set_bits(lambda blk: bits[blk])
     s = m.shape
-    popularity = 1.0 / torch.arange(1, s.num_experts + 1, device="cuda", dtype=torch.float32) ** 2
     for tokens in (16, 64):
-        ids = torch.stack([torch.multinomial(popularity, s.top_k, generator=m.gen) for _ in range(tokens)])
-        w = torch.softmax(torch.randn(tokens, s.top_k, device="cuda", generator=m.gen), dim=-1)
+        ids, w = random_routing(s, tokens, m.gen, zipf=2.0)  # popularity 1 / rank^2: a few experts get most tokens
         p1, p2 = moe_plans(s, tokens)
         assert p1.nt == p2.nt == 1 and p1.token_groups > 1
         counts = torch.bincount(ids.flatten(), minlength=s.num_experts)
