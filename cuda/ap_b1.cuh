@@ -151,13 +151,14 @@ __device__ __forceinline__ void bmma(int (&d)[4], const u32 (&a)[4], u32 b0, u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Term T (1 .. 2^Q - 1) of one chunk: y[T - 1][rr] += s * (the lane's planes' weighted popcounts of row g + 8 rr) over
+// Term T (1 .. 7) of one chunk at Q = 3: y[T - 1][rr] += s * (the lane's planes' weighted popcounts of row g + 8 rr) over
 // the columns of T's mask. Lane (g, t) holds mma columns 2t, 2t + 1 of n-tiles 0 and 1, planes 2t, 2t + 1, 8 + 2t,
 // 9 + 2t: weights 2^2t * (1, 2, 256, +-512), the factor 2^2t applied once at the end (b1::finish). A[i][j]: plane j's
 // words of step i's fragment.
 template <int T, int Q>
 __device__ __forceinline__ void term_step(const u32 (&A)[2][Q][4], const u32x4 (&B)[2], int w15, float s,
                                           float (&y)[Y<Q>][2]) {
+    static_assert(Q == 3, "q = 4 keeps the one-hot form (code_step)");
     int d[4] = {0, 0, 0, 0}, e[4] = {0, 0, 0, 0};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {  // words 2i (k-slot t) and 2i + 1 (k-slot 4 + t) of the lane's four
@@ -179,14 +180,10 @@ __device__ __forceinline__ u32 onehot(u32 p0, u32 p1, u32 p2) {
 // code C of one chunk (the one-hot form, used at Q = 4): y[C][rr] += s * (the lane's planes' weighted popcounts of row
 // g + 8 rr) over the columns whose top-3 code is C, y[8 + C][rr] the same over those of them whose plane 3 (the code's
 // LSB) is set. Lanes and weights as in term_step. P[rr][j][u]: plane j of row g + 8 rr, word 4t + u of the chunk.
-template <int C, int Q>
-__device__ __forceinline__ void code_step(const u32 (&P)[2][Q][4], const u32x4 (&B)[2], int w15, float s,
-                                          float (&y)[Y<Q>][2]) {
-    int d[Q - 2][4], e[Q - 2][4];
-#pragma unroll
-    for (int v = 0; v < Q - 2; ++v)
-#pragma unroll
-        for (int k = 0; k < 4; ++k) d[v][k] = e[v][k] = 0;
+template <int C>
+__device__ __forceinline__ void code_step(const u32 (&P)[2][4][4], const u32x4 (&B)[2], int w15, float s,
+                                          float (&y)[Y<4>][2]) {
+    int d[2][4] = {}, e[2][4] = {};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {  // words 2i (k-slot t) and 2i + 1 (k-slot 4 + t) of the lane's four
         const u32 a[4] = {onehot<C>(P[0][0][2 * i], P[0][1][2 * i], P[0][2][2 * i]),
@@ -195,15 +192,13 @@ __device__ __forceinline__ void code_step(const u32 (&P)[2][Q][4], const u32x4 (
                           onehot<C>(P[1][0][2 * i + 1], P[1][1][2 * i + 1], P[1][2][2 * i + 1])};
         bmma(d[0], a, B[i].x, B[i].y);
         bmma(e[0], a, B[i].z, B[i].w);
-        if constexpr (Q == 4) {
-            const u32 a3[4] = {a[0] & P[0][3][2 * i], a[1] & P[1][3][2 * i], a[2] & P[0][3][2 * i + 1],
-                               a[3] & P[1][3][2 * i + 1]};
-            bmma(d[1], a3, B[i].x, B[i].y);
-            bmma(e[1], a3, B[i].z, B[i].w);
-        }
+        const u32 a3[4] = {a[0] & P[0][3][2 * i], a[1] & P[1][3][2 * i], a[2] & P[0][3][2 * i + 1],
+                           a[3] & P[1][3][2 * i + 1]};
+        bmma(d[1], a3, B[i].x, B[i].y);
+        bmma(e[1], a3, B[i].z, B[i].w);
     }
 #pragma unroll
-    for (int v = 0; v < Q - 2; ++v) {
+    for (int v = 0; v < 2; ++v) {
         y[8 * v + C][0] = fmaf(s, (float)(d[v][0] + 2 * d[v][1] + 256 * e[v][0] + w15 * e[v][1]), y[8 * v + C][0]);
         y[8 * v + C][1] = fmaf(s, (float)(d[v][2] + 2 * d[v][3] + 256 * e[v][2] + w15 * e[v][3]), y[8 * v + C][1]);
     }
@@ -241,14 +236,14 @@ __device__ __forceinline__ void chunk(u32 (&P)[2][Q][4], const char* xs, int nch
         for (int rr = 0; rr < 2; ++rr)
 #pragma unroll
             for (int u = 0; u < 4; ++u) unnibble(P[rr][0][u], P[rr][1][u], P[rr][2][u]);
-        code_step<0, Q>(P, B, w15, s, y);
-        code_step<1, Q>(P, B, w15, s, y);
-        code_step<2, Q>(P, B, w15, s, y);
-        code_step<3, Q>(P, B, w15, s, y);
-        code_step<4, Q>(P, B, w15, s, y);
-        code_step<5, Q>(P, B, w15, s, y);
-        code_step<6, Q>(P, B, w15, s, y);
-        code_step<7, Q>(P, B, w15, s, y);
+        code_step<0>(P, B, w15, s, y);
+        code_step<1>(P, B, w15, s, y);
+        code_step<2>(P, B, w15, s, y);
+        code_step<3>(P, B, w15, s, y);
+        code_step<4>(P, B, w15, s, y);
+        code_step<5>(P, B, w15, s, y);
+        code_step<6>(P, B, w15, s, y);
+        code_step<7>(P, B, w15, s, y);
     }
 }
 
