@@ -414,6 +414,9 @@ def test_every_planned_moe_launch_is_precompiled():
                 for bf in (0, 1):
                     assert (("PW_BF16", bf),) + p.defines in built, (shape, tokens, p)
     assert seen_overflow
+    for tokens in range(1, MAX_TOKENS + 1):  # and the single block's (`ap_linear`, the bench's Mixtral block)
+        p = single_block_plan(14336, 4096, tokens)
+        assert all((("PW_BF16", bf),) + p.defines in built for bf in (0, 1)), (tokens, p)
 
 
 def test_bench_routing_uniform_or_with_hot_experts():
@@ -463,14 +466,19 @@ def test_one_token_k_split_aims_for_two_ctas_an_sm():
     assert plan_launch(14336, 4096, 1, 16, 1, 1).ksplit == 2
 
 
-def test_a_single_block_takes_16_warp_ctas_where_the_moe_planner_takes_8():
+def test_a_single_block_takes_twice_the_warps_the_moe_planner_takes():
     for tokens in (2, 8, 16):
         moe_plan, p = plan_launch(14336, 4096, tokens, 16, 1, 1), single_block_plan(14336, 4096, tokens)
         assert (moe_plan.warps, p.warps, p.ksplit, p.n_tiles) == (8, 16, moe_plan.ksplit, moe_plan.n_tiles // 2)
         assert dict(p.defines)["PW_WARPS"] == 16 and p.smem <= SMEM_LIMIT
-    for tokens in (1, 17, 64):
+    moe_plan, p = plan_launch(14336, 4096, 1, 16, 1, 1), single_block_plan(14336, 4096, 1)  # one token, K split
+    assert (moe_plan.warps, moe_plan.ksplit, p.warps, p.ksplit, p.n_tiles) == (4, 2, 8, 2, moe_plan.n_tiles // 2)
+    assert dict(p.defines)["PW_WARPS"] == 8 and p.smem <= SMEM_LIMIT
+    for tokens in (17, 64):
         assert single_block_plan(14336, 4096, tokens) == plan_launch(14336, 4096, tokens, 16, 1, 1)
     assert single_block_plan(2048, 1024, 8).warps == 4                   # short K: 4 warps, as the MoE planner
+    short = plan_launch(200, 256, 1, 16, 1, 1)
+    assert short.ksplit == 1 and single_block_plan(200, 256, 1) == short  # one token, K not split: as the planner
 
 
 def test_single_block_grid_fills_one_wave_of_row_groups():

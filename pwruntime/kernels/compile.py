@@ -213,7 +213,9 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
     for bf in (0, 1):
         for nt in (1, 2, 4, 8):
             out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt))))
-        for nt in (1, 2):   # CTAs of 8 warps (MoE launches of 2-16 tokens, long K) and 16 (the single block there)
+        # CTAs of 8 warps (MoE launches of 2-16 tokens, long K; the single block at one token) and 16 (the single
+        # block at 2-16 tokens)
+        for nt in (1, 2):
             for warps in (8, 16):
                 out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt), ("PW_WARPS", warps))))
         out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", 4), ("PW_OVERFLOW", 1))))  # MoE launches above 32 tokens

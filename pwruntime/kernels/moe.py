@@ -280,13 +280,18 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
 
 
 def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count: int = 132) -> LaunchPlan:
-    """The launch of one block (`ap_linear`): the MoE planner's, except that where it picks 8-warp CTAs (2-16
-    tokens, long K) a single block takes 16-warp CTAs with the same k-split, twice the row groups a CTA: one CTA an
-    SM in one wave, each staging the activations once for its SM. On the H200 (cuda/NOTES.md, session 14) the
-    14336x4096 block got 4-8% faster at T = 8 and 2-11% at T = 16 (T = 2: -4% to +1%); MoE layers, many waves of
-    CTAs, lost 2-13% with them, so they keep 8."""
+    """The launch of one block (`ap_linear`): the MoE planner's, except that a single block takes CTAs of twice the
+    warps with the same k-split, twice the row groups a CTA, so fewer CTAs stage the activations: 16 warps where the
+    planner picks 8 (2-16 tokens, long K), one CTA an SM in one wave, and 8 where it picks 4 with K split (one token).
+    On the H200 the 14336x4096 block got 4-8% faster at T = 8 and 2-11% at T = 16 (T = 2: -4% to +1%; cuda/NOTES.md,
+    session 14), and at T = 1 2.8-7% faster at 3, 4, 7 and 8 bits, 0.8% and 1.5% slower at 5 and 6 (session 18). MoE
+    layers, many waves of CTAs, lost 2-13% with 16-warp CTAs, so they keep the planner's."""
     plan = plan_launch(out_features, in_features, tokens, 16, 1, 1, sm_count)
-    return plan.resplit(out_features, 16, 16, plan.ksplit) if plan.warps == 8 else plan
+    if plan.warps == 8:
+        return plan.resplit(out_features, 16, 16, plan.ksplit)
+    if tokens == 1 and plan.warps == 4 and plan.ksplit >= 2:
+        return plan.resplit(out_features, 16, 8, plan.ksplit)
+    return plan
 
 
 def linear_grid(plan: LaunchPlan, out_features: int, wave: int) -> int:
