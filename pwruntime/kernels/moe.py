@@ -297,10 +297,10 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
 def linear_grid(plan: LaunchPlan, out_features: int, wave: int) -> int:
     """CTAs of a single-block launch: one full wave (`wave` CTAs fit on the GPU at once) where that is more than
     the plan's row tiles, at most one per 16-row group. The kernel gives CTA c the row groups c, c + grid, ...,
-    so the row groups spread evenly over the SMs instead of whole tiles of `warps // ksplit` groups: the 448
-    tiles of the 14336-row block at T = 1 put four CTAs on 52 SMs and three on the other 80, and the 224 at T = 8
-    two 8-warp CTAs on 92 SMs and one on 40. Measured on the H200 (cuda/NOTES.md, session 14): T = 8 4-9%
-    faster at 5-8 bits, T = 1 3-4% at 5-6 bits, 3-4 bits unchanged."""
+    so the row groups spread evenly over the SMs instead of whole tiles of `warps // ksplit` groups: in session 14
+    the 448 4-warp tiles of the 14336-row block at T = 1 put four CTAs on 52 SMs and three on the other 80, and the
+    224 8-warp tiles at T = 8 two CTAs on 92 SMs and one on 40. Measured on the H200 (cuda/NOTES.md, session 14):
+    T = 8 4-9% faster at 5-8 bits, T = 1 3-4% at 5-6 bits, 3-4 bits unchanged."""
     return max(plan.grid, min(wave, -(-out_features // 16)))
 
 
