@@ -16,7 +16,8 @@
 // where x is stored permuted to match the decode order. So an expert's planes are read once per
 // launch no matter how many tokens it serves. Decoders:
 //   q = 3, 4, one token (launches of one or two n-tiles): the binary tensor cores (ap_b1.cuh): the token's activations staged as
-//          int16 bit-planes per 512-column chunk, one-hot code masks against them with mma .b1 and.popc;
+//          int16 bit-planes per 512-column chunk, counted with mma .b1 and.popc against the AND masks of
+//          the LUT's Moebius terms (q = 3) or the codes' one-hot masks (q = 4);
 //   q = 3: 8-entry LUT held in registers as byte tables, looked up with prmt (no shared memory);
 //   q = 4: two 8-entry register tables (even and odd codes) selected by plane 3 through a prmt
 //          sign-replicate mask;

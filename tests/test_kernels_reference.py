@@ -221,11 +221,12 @@ def test_paged_attention_reference_matches_dense(heads, kv_heads):
 
 @pytest.mark.parametrize("bits", [3, 4])
 def test_one_token_popcount_identity(bits):
-    """The arithmetic of cuda/ap_b1.cuh, bit by bit in numpy: for int16 activations X and 3-bit codes,
-    sum_c LUT[c] sum_m w_m popcount(onehot_c & xplane_m), with w_m = 2^m and w_15 = -2^15 (two's complement), equals
-    sum_k LUT[code_k] X_k exactly, for every row; at 4 bits the kernel counts the top-3 masks and those masks ANDed with
-    plane 3 (the code's LSB), and sum_C LUT[2C] S(top C) + (LUT[2C + 1] - LUT[2C]) S(top C, plane 3) is the same sum.
-    The activations' int16 planes hold X."""
+    """The arithmetic of cuda/ap_b1.cuh, bit by bit in numpy, for int16 activations X (two's complement planes:
+    w_m = 2^m, w_15 = -2^15) and, per row, counted(mask) = sum_m w_m popcount(mask & xplane_m). At 3 bits the kernel
+    counts the Moebius terms: with a_T = sum over U in T of (-1)^|T - U| LUT[U], a_{} sum_k X_k + sum over nonempty T of
+    a_T counted(AND of T's planes) equals sum_k LUT[code_k] X_k exactly, for every row. At 4 bits it counts the top-3
+    one-hot masks and those masks ANDed with plane 3 (the code's LSB): sum_C LUT[2C] S(top C) +
+    (LUT[2C + 1] - LUT[2C]) S(top C, plane 3) is the same sum."""
     rng = np.random.default_rng(15)
     rows, k = 16, 256
     codes = rng.integers(0, 1 << bits, size=(rows, k))
@@ -242,14 +243,26 @@ def test_one_token_popcount_identity(bits):
         return popc @ np.array(weights, dtype=np.int64)
 
     got = np.zeros(rows, dtype=np.int64)
-    for c in range(8):
-        onehot = np.ones((rows, k), dtype=np.int64)
-        for j in range(3):
-            onehot &= plane_bits[j] if (c >> (2 - j)) & 1 else 1 - plane_bits[j]
-        if bits == 3:
-            got += lut[:, c] * counted(onehot)
-        else:
-            got += lut[:, 2 * c] * counted(onehot) + (lut[:, 2 * c + 1] - lut[:, 2 * c]) * counted(onehot & plane_bits[3])
+    if bits == 3:
+        a = lut.copy()  # the Moebius coefficients, by the butterfly b1::finish runs
+        for b in (1, 2, 4):
+            for c in range(8):
+                if c & b:
+                    a[:, c] -= a[:, c ^ b]
+        got += a[:, 0] * big.sum()  # the empty term: the staged chunk sum, the same for every row
+        for t in range(1, 8):  # code bit b of a term is plane 2 - b
+            mask = np.ones((rows, k), dtype=np.int64)
+            for b in range(3):
+                if t >> b & 1:
+                    mask &= plane_bits[2 - b]
+            got += a[:, t] * counted(mask)
+    else:
+        for c in range(8):
+            onehot = np.ones((rows, k), dtype=np.int64)
+            for j in range(3):
+                onehot &= plane_bits[j] if (c >> (2 - j)) & 1 else 1 - plane_bits[j]
+            odd_minus_even = lut[:, 2 * c + 1] - lut[:, 2 * c]
+            got += lut[:, 2 * c] * counted(onehot) + odd_minus_even * counted(onehot & plane_bits[3])
     want = (np.take_along_axis(lut, codes, axis=1) * big[None, :]).sum(axis=1)
     assert np.array_equal(got, want)
 
