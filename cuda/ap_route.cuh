@@ -20,6 +20,16 @@ constexpr int MAX_TOK = 64;            // tokens per expert and launch
 // slot's token group.
 __device__ __forceinline__ int extra_groups(int n, int G) { return n > 0 ? (min(n, MAX_TOK) - 1) / G : 0; }
 
+// the sum of v over lanes 0..lane (all 32 lanes call it)
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const int u = __shfl_up_sync(PW_FULL_MASK, v, o);
+        if (lane >= o) v += u;
+    }
+    return v;
+}
+
 // OVER: the slot is an overflow slot (a >= primary); the two cases are compiled apart, so a first-group slot runs
 // exactly the prologue it ran before overflow slots existed.
 template <int THREADS, bool OVER>
@@ -44,37 +54,26 @@ __device__ void route(const long long* __restrict__ topk_ids, int TK, int E, int
         const int lane = tid;
         const u32 w = lane < nwords ? s_bitmap[lane] : 0u;
         const int pc = __popc(w);
-        int incl = pc;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const int v = __shfl_up_sync(PW_FULL_MASK, incl, o);
-            if (lane >= o) incl += v;
-        }
+        const int incl = warp_inclusive_sum(pc, lane);
         const int total = __shfl_sync(PW_FULL_MASK, incl, 31);
         int e = -1, group = 0;
+        bool mine;  // this lane found the slot's expert (in its bitmap word, or among its experts' further groups)
         if constexpr (!OVER) {
             const int excl = incl - pc;
-            const bool mine = a >= excl && a < incl;
+            mine = a >= excl && a < incl;
             if (mine) {
                 u32 ww = w;
                 for (int r = a - excl; r > 0; --r) ww &= ww - 1u;
                 e = lane * 32 + __ffs(ww) - 1;
             }
-            const u32 who = __ballot_sync(PW_FULL_MASK, mine);
-            e = who ? __shfl_sync(PW_FULL_MASK, e, __ffs(who) - 1) : -1;
         } else {
             // lane l sums the extra groups of experts l * per .. l * per + per - 1; a scan finds the lane, then the
             // expert, whose groups hold overflow slot j
             const int per = (E + 31) >> 5, lo = min(E, lane * per), hi = min(E, lo + per), j = a - primary;
             int n = 0;
             for (int k = lo; k < hi; ++k) n += extra_groups(s_cnt[k], G);
-            int in = n;
-#pragma unroll
-            for (int o = 1; o < 32; o <<= 1) {
-                const int v = __shfl_up_sync(PW_FULL_MASK, in, o);
-                if (lane >= o) in += v;
-            }
-            const bool mine = j >= in - n && j < in;
+            const int in = warp_inclusive_sum(n, lane);
+            mine = j >= in - n && j < in;
             if (mine) {
                 int r = j - (in - n);
                 for (int k = lo; k < hi; ++k) {
@@ -87,10 +86,10 @@ __device__ void route(const long long* __restrict__ topk_ids, int TK, int E, int
                     r -= x;
                 }
             }
-            const u32 who = __ballot_sync(PW_FULL_MASK, mine);
-            e = who ? __shfl_sync(PW_FULL_MASK, e, __ffs(who) - 1) : -1;
-            group = who ? __shfl_sync(PW_FULL_MASK, group, __ffs(who) - 1) : 0;
         }
+        const u32 who = __ballot_sync(PW_FULL_MASK, mine);
+        e = who ? __shfl_sync(PW_FULL_MASK, e, __ffs(who) - 1) : -1;
+        if constexpr (OVER) group = who ? __shfl_sync(PW_FULL_MASK, group, __ffs(who) - 1) : 0;
         int cnt = 0;
         if (e >= 0) {
             for (int base = 0; base < TK; base += 32) {
