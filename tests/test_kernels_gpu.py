@@ -68,6 +68,12 @@ class Model:
         for blk, (_, luts, _, _) in self.blocks.items():
             self.table.commit_bits(blk, int(bits_of(blk)), luts[int(bits_of(blk))])
 
+    def set_random_bits(self, seed: int) -> None:
+        """Every block at its own bits, drawn uniformly from 3..8."""
+        gen = torch.Generator().manual_seed(seed)
+        bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in self.blocks}
+        self.set_bits(lambda blk: bits[blk])
+
     def weight(self, blk: int) -> torch.Tensor:
         b = self.table.bits(blk)
         key = (blk, b)
@@ -82,11 +88,7 @@ class Model:
                              lambda e: self.weight(s.block(layer, e, 1)))
 
     def routing(self, tokens: int):
-        s = self.shape
-        ids = torch.stack([torch.randperm(s.num_experts, device="cuda", generator=self.gen)[:s.top_k]
-                           for _ in range(tokens)])
-        w = torch.softmax(torch.randn(tokens, s.top_k, device="cuda", generator=self.gen), dim=-1)
-        return ids, w
+        return random_routing(self.shape, tokens, self.gen)
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
@@ -104,31 +106,31 @@ def _workspace(m: Model, tokens: int, dtype) -> MoEWorkspace:
     return ws
 
 
+def _check_fused_moe(m: Model, layer: int, ids, w, dtype=torch.float16) -> None:
+    """fused_moe on random activations follows the reference, and a second call gives the same bits."""
+    tokens = ids.shape[0]
+    x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).to(dtype)
+    ws = _workspace(m, tokens, dtype)
+    got = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
+    err = rel(got, m.ref(layer, x, ids, w))
+    assert err < TOL[dtype], (dtype, tokens, err)
+    assert torch.equal(got, fused_moe(m.table, layer, x, ids, w, m.shape, ws)), "non-deterministic result (race?)"
+
+
 def test_fused_moe_mixed_bits_all_token_counts(model):
     m = model
-    gen = torch.Generator().manual_seed(1)
-    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
-    m.set_bits(lambda blk: bits[blk])
+    m.set_random_bits(1)
     layer = max(0, m.table.num_blocks // (2 * m.shape.num_experts) - 1)
     for dtype in (torch.float16, torch.bfloat16):
         for tokens in ((1, 2, 7, 16, 20, 33, 64) if dtype == torch.float16 else (1, 16, 64)):
             ids, w = m.routing(tokens)
-            x = torch.randn(tokens, m.shape.hidden, device="cuda", generator=m.gen).to(dtype)
-            ws = _workspace(m, tokens, dtype)
-            got = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
-            want = m.ref(layer, x, ids, w)
-            err = rel(got, want)
-            assert err < TOL[dtype], (dtype, tokens, err)
-            again = fused_moe(m.table, layer, x, ids, w, m.shape, ws)
-            assert torch.equal(got, again), "non-deterministic result (race?)"
+            _check_fused_moe(m, layer, ids, w, dtype)
 
 
 def test_fused_moe_experts_beyond_one_token_group(model):
     """Every token routed to the same top-k experts: each gets more tokens than one CTA's n-tiles hold."""
     m = model
-    gen = torch.Generator().manual_seed(2)
-    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
-    m.set_bits(lambda blk: bits[blk])
+    m.set_random_bits(2)
     s = m.shape
     for tokens in (33, 64):
         hot = torch.randperm(s.num_experts, device="cuda", generator=m.gen)[:s.top_k]   # every token's experts
@@ -137,11 +139,7 @@ def test_fused_moe_experts_beyond_one_token_group(model):
         p1, _ = moe_plans(s, tokens)
         per_expert = torch.bincount(ids.flatten(), minlength=s.num_experts).max().item()
         assert per_expert > 8 * p1.nt, "the case must need more than one token group"
-        x = torch.randn(tokens, s.hidden, device="cuda", generator=m.gen).half()
-        ws = _workspace(m, tokens, torch.float16)
-        got = fused_moe(m.table, 0, x, ids, w, s, ws)
-        assert rel(got, m.ref(0, x, ids, w)) < TOL[torch.float16], tokens
-        assert torch.equal(got, fused_moe(m.table, 0, x, ids, w, s, ws)), "non-deterministic result (race?)"
+        _check_fused_moe(m, 0, ids, w)
 
 
 def test_fused_moe_overflow_slots_serve_small_token_groups(model, monkeypatch):
@@ -150,9 +148,7 @@ def test_fused_moe_overflow_slots_serve_small_token_groups(model, monkeypatch):
     from pwruntime.kernels import moe
     monkeypatch.setattr(moe, "GROUP_TOKENS", 8)
     m = model
-    gen = torch.Generator().manual_seed(4)
-    bits = {blk: int(torch.randint(3, 9, (1,), generator=gen)) for blk in m.blocks}
-    m.set_bits(lambda blk: bits[blk])
+    m.set_random_bits(4)
     s = m.shape
     for tokens in (16, 64):
         ids, w = random_routing(s, tokens, m.gen, zipf=2.0)  # popularity 1 / rank^2: a few experts get most tokens
@@ -160,11 +156,7 @@ def test_fused_moe_overflow_slots_serve_small_token_groups(model, monkeypatch):
         assert p1.nt == p2.nt == 1 and p1.token_groups > 1
         counts = torch.bincount(ids.flatten(), minlength=s.num_experts)
         assert int(((counts - 1).clamp(min=0) // 8).sum()) >= 2, "the case must use several overflow slots"
-        x = torch.randn(tokens, s.hidden, device="cuda", generator=m.gen).half()
-        ws = _workspace(m, tokens, torch.float16)
-        got = fused_moe(m.table, 0, x, ids, w, s, ws)
-        assert rel(got, m.ref(0, x, ids, w)) < TOL[torch.float16], tokens
-        assert torch.equal(got, fused_moe(m.table, 0, x, ids, w, s, ws)), "non-deterministic result (race?)"
+        _check_fused_moe(m, 0, ids, w)
 
 
 def test_fused_moe_uniform_bits(model):
