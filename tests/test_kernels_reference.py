@@ -18,9 +18,8 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
-from pwruntime.kernels.moe import (LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CHUNK, group_tokens, linear_grid, moe_plans,
-                                   overflow_slots, plan_launch,
-                                   single_block_plan)
+from pwruntime.kernels.moe import (BLOCK_XS_CAP, LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CAP, XS_CHUNK, group_tokens,
+                                   linear_grid, moe_plans, overflow_slots, plan_launch, single_block_plan)
 from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
 from pwruntime.quant.pack import pack_planes
@@ -492,6 +491,23 @@ def test_a_single_block_takes_twice_the_warps_the_moe_planner_takes():
     assert single_block_plan(2048, 1024, 8).warps == 4                   # short K: 4 warps, as the MoE planner
     short = plan_launch(200, 256, 1, 16, 1, 1)
     assert short.ksplit == 1 and single_block_plan(200, 256, 1) == short  # one token, K not split: as the planner
+
+
+def test_a_single_blocks_wide_ctas_stage_more_activations():
+    # the 16-warp CTAs (one an SM) stage up to BLOCK_XS_CAP: at K = 4096 all of K for up to 7 tokens plus the pads,
+    # and for 8 (one segment); 16 tokens take two segments of 4 chunks; the MoE planner's CTAs keep XS_CAP
+    chunk = XS_CHUNK - 128                      # one token's 512 columns, unpadded
+    for tokens in (2, 4, 8, 16):
+        moe_plan, p = plan_launch(14336, 4096, tokens, 16, 1, 1), single_block_plan(14336, 4096, tokens)
+        assert moe_plan.xs_budget == min(tokens * (8 * chunk + 128), XS_CAP)
+        assert p.xs_budget == min(tokens * (8 * chunk + 128), BLOCK_XS_CAP) and p.xs_budget >= moe_plan.xs_budget
+        assert p.smem == p.xs_budget + 8 * LUT_SLICE <= SMEM_LIMIT
+    assert single_block_plan(14336, 4096, 8).xs_budget // 8 >= 8 * chunk + 128   # the whole K in one segment
+    assert single_block_plan(14336, 4096, 16).xs_budget // 16 // chunk == 4     # half of it a segment
+    assert single_block_plan(14336, 4096, 1).xs_budget == plan_launch(14336, 4096, 1, 16, 1, 1).xs_budget
+    for arch, (h, i, e, k) in ARCHS.items():
+        for tokens in (4, 8, 16):
+            assert all(p.xs_budget <= XS_CAP for p in moe_plans(MoEShape(e, h, i, k), tokens))
 
 
 def test_single_block_grid_fills_one_wave_of_row_groups():

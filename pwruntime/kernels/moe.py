@@ -25,8 +25,10 @@ MAX_SLOTS = 1024          # T * top_k the routing prologue holds in shared memor
 MAX_EXPERTS = 1024        # experts per layer the active-expert bitmap holds
 CHUNK_WORDS = 16           # the widest chunk the kernel uses (q = 3, 4; others use 8 words)
 XS_ROW_PAD = 128           # shared-memory pad after each token's activations (ap_moe.cu)
-XS_CHUNK = 2 * 32 * CHUNK_WORDS + XS_ROW_PAD   # one token's 16-bit activations of one such chunk, padded
+XS_CHUNK_BYTES = 2 * 32 * CHUNK_WORDS         # one token's 16-bit activations of one such chunk
+XS_CHUNK = XS_CHUNK_BYTES + XS_ROW_PAD         # ... padded
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
+BLOCK_XS_CAP = 65 * 1024  # ... in a single block's 16-warp CTAs, one an SM whatever their shared memory (registers)
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 SMEM_LIMIT = 227 * 1024
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of fewer n-tiles)
@@ -122,12 +124,19 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     warps = 4
     if tokens >= 2 and nt <= WIDE_MAX_NT and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
         warps, ksplit = 8, 2 * ksplit
-    xs_budget = max(min(tokens * (wide * 2 * 32 * CHUNK_WORDS + XS_ROW_PAD), XS_CAP), tokens * XS_CHUNK)
+    xs_budget = activation_budget(tokens, k, XS_CAP)
     n_tiles = row_tiles(m_rows, rows_per_warp, warps, ksplit)
     smem = launch_smem(xs_budget, nt, warps, ksplit)
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
     return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
+
+
+def activation_budget(tokens: int, k: int, cap: int) -> int:
+    """Shared-memory bytes for the activations of `tokens` tokens over K = k: the whole K where it fits in `cap`,
+    else as many 512-column chunks as do (segments, ap_moe.cu), at least one."""
+    wide = -(-k // (32 * CHUNK_WORDS))
+    return max(min(tokens * (wide * XS_CHUNK_BYTES + XS_ROW_PAD), cap), tokens * XS_CHUNK)
 
 
 def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
@@ -285,10 +294,17 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     planner picks 8 (2-16 tokens, long K), one CTA an SM in one wave, and 8 where it picks 4 with K split (one token).
     On the H200 the 14336x4096 block got 4-8% faster at T = 8 and 2-11% at T = 16 (T = 2: -4% to +1%; cuda/NOTES.md,
     session 14), and at T = 1 2.8-7% faster at 3, 4, 7 and 8 bits, 0.8% and 1.5% slower at 5 and 6 (session 18). MoE
-    layers, many waves of CTAs, lost 2-13% with 16-warp CTAs, so they keep the planner's."""
+    layers, many waves of CTAs, lost 2-13% with 16-warp CTAs, so they keep the planner's.
+
+    A 16-warp CTA has its SM to itself (its registers allow no second), so its activations may take up to
+    `BLOCK_XS_CAP` of shared memory: the whole K of 8 tokens at K = 4096, in one segment instead of two. On the H200
+    the block at T = 8 got 4-7% faster at 5-8 bits, and at T = 16 (two segments instead of four) 7-10% (session 19).
+    """
     plan = plan_launch(out_features, in_features, tokens, 16, 1, 1, sm_count)
     if plan.warps == 8:
-        return plan.resplit(out_features, 16, 16, plan.ksplit)
+        wide = plan.resplit(out_features, 16, 16, plan.ksplit)
+        xs = activation_budget(min(tokens, 8 * plan.nt), in_features, BLOCK_XS_CAP)
+        return replace(wide, xs_budget=xs, smem=launch_smem(xs, wide.nt, wide.warps, wide.ksplit))
     if tokens == 1 and plan.warps == 4 and plan.ksplit >= 2:
         return plan.resplit(out_features, 16, 8, plan.ksplit)
     return plan

@@ -121,6 +121,8 @@ def main() -> int:
                     help="CTAs an SM the k-split rule aims for at one token (default 2; experiments)")
     ap.add_argument("--xs-cap", type=int, default=None,
                     help="shared-memory bytes for staged activations when the whole K does not fit (experiments)")
+    ap.add_argument("--block-xs-cap", type=int, default=None,
+                    help="the same for the single block's 16-warp CTAs (experiments)")
     ap.add_argument("--load-patterns", action="store_true",
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--group-tokens", type=int, default=None, choices=(8, 16, 32, 64),
@@ -157,6 +159,8 @@ def main() -> int:
         moe.WANT_CTAS_PER_SM = args.want
     if args.xs_cap:
         moe.XS_CAP = args.xs_cap
+    if args.block_xs_cap:
+        moe.BLOCK_XS_CAP = args.block_xs_cap
     bits = tuple(int(b) for b in args.bits.split(","))
     tokens = tuple(int(t) for t in args.tokens.split(","))
     cfg = kb.BenchConfig(reps=args.reps, warmup=3, dtype=args.dtype)
