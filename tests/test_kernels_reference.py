@@ -493,7 +493,8 @@ def test_a_single_block_takes_twice_the_warps_the_moe_planner_takes():
     assert short.ksplit == 1 and single_block_plan(200, 256, 1) == short  # one token, K not split: as the planner
 
 
-def test_a_single_blocks_wide_ctas_stage_more_activations():
+def test_a_single_blocks_wide_ctas_stage_more_activations(monkeypatch):
+    from pwruntime.kernels import moe
     # the 16-warp CTAs (one an SM) stage up to BLOCK_XS_CAP: at K = 4096 all of K for up to 7 tokens plus the pads,
     # and for 8 (one segment); 16 tokens take two segments of 4 chunks; the MoE planner's CTAs keep XS_CAP
     chunk = XS_CHUNK - 128                      # one token's 512 columns, unpadded
@@ -508,6 +509,9 @@ def test_a_single_blocks_wide_ctas_stage_more_activations():
     for arch, (h, i, e, k) in ARCHS.items():
         for tokens in (4, 8, 16):
             assert all(p.xs_budget <= XS_CAP for p in moe_plans(MoEShape(e, h, i, k), tokens))
+    monkeypatch.setattr(moe, "BLOCK_XS_CAP", 200 * 1024)  # with the 8 LUT slices, past the SM's shared memory
+    with pytest.raises(ValueError, match="bytes of shared memory"):
+        single_block_plan(14336, 8192, 16)
 
 
 def test_single_block_grid_fills_one_wave_of_row_groups():
@@ -634,7 +638,8 @@ def test_tune_harness_needs_a_gpu():
 
 @pytest.mark.parametrize("args,message", [
     (["--ksplit", "8"], "does not divide the 4 warps"), (["--warps", "6"], "invalid choice: 6"),
-    (["--ksplit", "3"], "invalid choice: 3")])
+    (["--ksplit", "3"], "invalid choice: 3"), (["--block-xs-cap", "200000"], "--block-xs-cap 200000: shared memory"),
+    (["--xs-cap", "100"], "--xs-cap 100: shared memory for activations must be 1152..")])
 def test_tune_rejects_launch_shapes_the_kernel_cannot_run(args, message):
     # checked before the GPU is looked for, so the message is the same with or without one
     r = subprocess.run([sys.executable, "-m", "pwruntime.kernels.tune", *args], capture_output=True, text=True)

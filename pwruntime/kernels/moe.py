@@ -126,10 +126,14 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
         warps, ksplit = 8, 2 * ksplit
     xs_budget = activation_budget(tokens, k, XS_CAP)
     n_tiles = row_tiles(m_rows, rows_per_warp, warps, ksplit)
-    smem = launch_smem(xs_budget, nt, warps, ksplit)
+    smem = checked_smem(launch_smem(xs_budget, nt, warps, ksplit))
+    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
+
+
+def checked_smem(smem: int) -> int:
     if smem > SMEM_LIMIT:
         raise ValueError(f"launch needs {smem} bytes of shared memory (limit {SMEM_LIMIT})")
-    return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
+    return smem
 
 
 def activation_budget(tokens: int, k: int, cap: int) -> int:
@@ -304,7 +308,7 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     if plan.warps == 8:
         wide = plan.resplit(out_features, 16, 16, plan.ksplit)
         xs = activation_budget(min(tokens, 8 * plan.nt), in_features, BLOCK_XS_CAP)
-        return replace(wide, xs_budget=xs, smem=launch_smem(xs, wide.nt, wide.warps, wide.ksplit))
+        return replace(wide, xs_budget=xs, smem=checked_smem(launch_smem(xs, wide.nt, wide.warps, wide.ksplit)))
     if tokens == 1 and plan.warps == 4 and plan.ksplit >= 2:
         return plan.resplit(out_features, 16, 8, plan.ksplit)
     return plan

@@ -136,6 +136,13 @@ def main() -> int:
     args = ap.parse_args()
     if args.ksplit and args.warps % args.ksplit:
         ap.error(f"--ksplit {args.ksplit} does not divide the {args.warps} warps of a CTA; use --warps 8 or a smaller k-split")
+    from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
+    # the most activations a launch may stage next to its byte-path LUT slices (4 row groups a MoE CTA, 8 a block's)
+    for flag, cap, slices in (("--xs-cap", args.xs_cap, 4), ("--block-xs-cap", args.block_xs_cap, 8)):
+        top = moe.SMEM_LIMIT - slices * moe.LUT_SLICE
+        if cap is not None and not moe.XS_CHUNK <= cap <= top:
+            ap.error(f"{flag} {cap}: shared memory for activations must be {moe.XS_CHUNK}..{top} bytes "
+                     f"(one token's 512-column chunk up to what the {slices} LUT slices leave)")
     try:
         kb.parse_routing(args.routing)
     except ValueError as e:
@@ -146,7 +153,6 @@ def main() -> int:
         _extra_defines(tuple((k, int(v)) for k, v in (d.split("=") for d in args.define)))
     if args.ksplit or args.warps != 4:
         force_ksplit(args.ksplit, args.warps)
-    from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
     if args.group_tokens is not None:
         moe.GROUP_TOKENS = args.group_tokens
     if args.wide_min_chunks is not None:
