@@ -71,6 +71,14 @@ constexpr int TABLE_COLS = 10;
 constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
 }  // namespace
 
+// The byte-path LUT staging shared by a row group's k-split warps, with conflict-free stores, issued before the PDL
+// wait (stage_lut below): compiled only into the single block's 16-warp build. In every build it made the 6-8-bit
+// layers at one token 4-13% faster, but unrelated paths up to 4.7% slower (Mixtral's 3-bit one-token layer, whose code
+// it does not run: the function's register allocation moved; cuda/NOTES.md, session 19).
+#ifndef PW_LUTSTAGE
+#define PW_LUTSTAGE (PW_WARPS == 16)
+#endif
+
 #ifndef PW_XSLUT  // q = 3, 4 stage activations into the byte-path LUT slices too (fewer segments)
 #define PW_XSLUT 1
 #endif
@@ -294,7 +302,64 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 // Stage LUT_Q of the warp's 16 m-rows into its shared-memory slice (byte path), converted to the activation
 // dtype. Lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
 // and m8 + 8 with 16-byte loads, a batch of them in flight at once, and stores each (m8, m8 + 8) pair as one
-// word into every replica (lanes of one quarter hit distinct banks; the four quarters share them).
+// word into every replica. With PW_LUTSTAGE the row group's k-split warps share the work (warp ks the loads
+// li = ks mod ksplit; with a single load, 5 bits, its groups of four stores), and store j of every four consecutive
+// 32-byte slots goes to slot (j + quarter) % 4, so the 32 lanes of a store hit 32 banks; without it every warp of the
+// group stores the whole slice, and the four lanes of a store that share m8 share a bank.
+#if PW_LUTSTAGE
+template <int Q>
+__device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
+    static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
+    const int lane = threadIdx.x & 31;
+    constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
+    constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
+    constexpr int LOADS = CODES / 8;             // 16-byte loads per row
+    constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
+    const int m8 = lane & 7, qt = lane >> 3;
+    const int kmask = tl.ksplit - 1, ks = tl.ks & kmask;  // an idle warp (tl.ks past K) stages as warp 0
+    const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
+    const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
+    char* dst = reinterpret_cast<char*>(lut_s) + qt * CODES * R * 32 + m8 * 4;
+#pragma unroll
+    for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
+        u32x4 a[BATCH], b[BATCH];
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            if (LOADS == 1 || ((b0 + i) & kmask) == ks) {
+                a[i] = ldg_nc_v4(src0 + 8 * (b0 + i));
+                b[i] = ldg_nc_v4(src1 + 8 * (b0 + i));
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < BATCH; ++i) {
+            const u32 av[4] = {a[i].x, a[i].y, a[i].z, a[i].w}, bv[4] = {b[i].x, b[i].y, b[i].z, b[i].w};
+            char* d = dst + (b0 + i) * 8 * R * 32;  // the 8 R slots (code e, replica r at slot e R + r) of codes 8 li ..
+#pragma unroll
+            for (int grp = 0; grp < 2 * R; ++grp) {
+                if (LOADS == 1 ? (grp & kmask) != ks : ((b0 + i) & kmask) != ks) continue;  // the k-split warps share
+                constexpr int NE = 4 / R;  // codes of the group: 4 grp / R ..
+                u32 w[NE];
+#pragma unroll
+                for (int k = 0; k < NE; ++k) {
+                    const int e = 4 * grp / R + k;
+                    const u32 lo = lut2act<BF>((u16)(e & 1 ? av[e >> 1] >> 16 : av[e >> 1] & 0xffffu));
+                    const u32 hi = lut2act<BF>((u16)(e & 1 ? bv[e >> 1] >> 16 : bv[e >> 1] & 0xffffu));
+                    w[k] = lo | (hi << 16);
+                }
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const int sl = (j + qt) & 3;  // store j of four consecutive slots goes to slot (j + qt) % 4
+                    u32 v = w[0];
+                    if constexpr (R == 2) v = (sl & 2) ? w[1] : w[0];
+                    if constexpr (R == 1) v = (sl & 2) ? ((sl & 1) ? w[3] : w[2]) : ((sl & 1) ? w[1] : w[0]);
+                    *reinterpret_cast<u32*>(d + (4 * grp + sl) * 32) = v;
+                }
+            }
+        }
+    }
+    __syncwarp();
+}
+#else
 template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
     static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
@@ -330,6 +395,8 @@ __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u
     }
     __syncwarp();
 }
+
+#endif
 
 // Two register buffers of plane words, used in alternation through a phase: the next chunk is in flight while
 // one is decoded (no register copies: a copy of a register whose load is still in flight would wait for it
@@ -388,6 +455,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
             for (int half = 0; half < Q - 2; ++half) raw[rr][half] = ldg_nc_v4(lr + 8 * half);  // entries 8*half..
         }
     }
+    if constexpr (PATH == 1 && PW_LUTSTAGE) stage_lut<Q>(blk, tl, lut_s);  // the LUTs are never written by kernels
     pdl_wait();  // launch 2 (a block) may start while launch 1 (the previous kernel) runs: everything above overlaps it
     fill_x<Q>(xs, tl, 0, pitch, cps, nchunks);
 #pragma unroll
@@ -397,7 +465,7 @@ __device__ void ap_mma(const BlockRef& blk, const Tile& tl, char* xs, u16* lut_s
     if constexpr (PATH == 0) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) reg_lut<Q, BF>(raw[rr], L[rr]);
-    } else {
+    } else if constexpr (!PW_LUTSTAGE) {
         stage_lut<Q>(blk, tl, lut_s);
     }
     __syncthreads();

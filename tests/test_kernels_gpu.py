@@ -225,7 +225,7 @@ def test_ap_linear_every_bitwidth(dtype, out_f, in_f):
     for b in range(3, 9):
         table.commit_bits(1, b, luts[b])
         w = dequantize(planes[:b], luts[b], out_f, in_f)
-        for tokens in (1, 7, 20, 64):
+        for tokens in (1, 2, 7, 16, 20, 64):  # the long-K block: 8-, 16-, 16-, 16- (two n-tiles), 4-, 4-warp CTAs
             x = torch.randn(tokens, in_f, device="cuda", generator=gen).to(dtype)
             got = ap_linear(table, 1, x, out_f)
             want = x.float() @ w.to(dtype).float().T
