@@ -222,8 +222,7 @@ def run(args) -> int:
         write_json_atomic(args.out, res)
         from pwruntime.kernels.plots import plot_bench
         plot_bench(res, args.out.with_suffix(".png"))
-    profile_path = args.profile_out or (args.out.parent if args.out else Path(".")) / \
-        f"hardware-profile-{_slug(res['device'])}.json"
+    profile_path = args.profile_out or default_profile_path(res, args.out)
     profile = _profile(res, args.profile_name or f"{_slug(res['device'])}-measured")
     profile.save(profile_path)
 
@@ -245,6 +244,15 @@ def add_rooflines(res: dict) -> None:
     for r in res["moe"]:
         r["roofline_us"] = r["ap_bytes"] / res["fp16_gemv_gbps"] / 1e3
         r["vs_roofline"] = r["ap_us"] / r["roofline_us"]
+
+
+def default_profile_path(res: dict, out: Path | None) -> Path:
+    """Where `bench kernels` writes its profile without --profile-out: beside --out, named by the device, and by the
+    dtype and routing when they are not fp16 and uniform, so that the runs of one session do not overwrite each
+    other's profile."""
+    suffix = "".join(f"-{_slug(v)}" for v, default in ((res["dtype"], "fp16"), (res["routing"], "uniform"))
+                     if v != default)
+    return (out.parent if out else Path(".")) / f"hardware-profile-{_slug(res['device'])}{suffix}.json"
 
 
 def _slug(name: str) -> str:

@@ -586,6 +586,19 @@ def _fake_bench_results() -> dict:
             "single_block": [{"tokens": 1, "fp16_gbps": 3600.0}], "moe": moe}
 
 
+def test_bench_profiles_of_other_dtypes_and_routings_do_not_overwrite_the_default(tmp_path):
+    # a session's fp16, bf16 and skewed-routing runs into one folder each keep their own profile
+    from pathlib import Path
+    from pwruntime.cmd_bench import default_profile_path
+    res = {"device": "NVIDIA H200", "dtype": "fp16", "routing": "uniform"}
+    assert default_profile_path(res, tmp_path / "bench.json") == tmp_path / "hardware-profile-h200.json"
+    assert default_profile_path(res, None) == Path("hardware-profile-h200.json")
+    names = {default_profile_path({**res, "dtype": d, "routing": r}, tmp_path / "b.json").name
+             for d in ("fp16", "bf16") for r in ("uniform", "zipf:1.0")}
+    assert names == {"hardware-profile-h200.json", "hardware-profile-h200-bf16.json",
+                     "hardware-profile-h200-zipf-1-0.json", "hardware-profile-h200-bf16-zipf-1-0.json"}
+
+
 def test_bench_profile_is_a_valid_hardware_profile(tmp_path):
     from pwruntime.cmd_bench import _profile, add_rooflines
     from traces.hardware import load_profile
