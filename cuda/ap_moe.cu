@@ -299,6 +299,19 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
     }
 }
 
+// The constants of a byte-path LUT staging at Q bits, and the two rows' first codes of lane (m8, quarter qt).
+template <int Q>
+struct LutStage {
+    static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
+    static constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
+    static constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
+    static constexpr int LOADS = CODES / 8;             // 16-byte loads per row
+    static constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
+    static __device__ __forceinline__ const u16* src(const BlockRef& blk, const Tile& tl, int m, int qt) {
+        return blk.lut + (long long)mrow(tl, m) * (1 << Q) + qt * CODES;
+    }
+};
+
 // Stage LUT_Q of the warp's 16 m-rows into its shared-memory slice (byte path), converted to the activation
 // dtype. Lane (m8 = lane & 7, quarter = lane >> 3) loads a quarter of the codes of rows m8
 // and m8 + 8 with 16-byte loads, a batch of them in flight at once, and stores each (m8, m8 + 8) pair as one
@@ -309,16 +322,12 @@ __device__ __forceinline__ void compute_chunk(const u32 (&P)[2][Q][Geom<Q>::WPL]
 #if PW_LUTSTAGE
 template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
-    static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
-    const int lane = threadIdx.x & 31;
-    constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
-    constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
-    constexpr int LOADS = CODES / 8;             // 16-byte loads per row
-    constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
-    const int m8 = lane & 7, qt = lane >> 3;
+    using S = LutStage<Q>;
+    constexpr int R = S::R, CODES = S::CODES, LOADS = S::LOADS, BATCH = S::BATCH;
+    const int lane = threadIdx.x & 31, m8 = lane & 7, qt = lane >> 3;
     const int kmask = tl.ksplit - 1, ks = tl.ks & kmask;  // an idle warp (tl.ks past K) stages as warp 0
-    const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
-    const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
+    const u16* src0 = S::src(blk, tl, m8, qt);
+    const u16* src1 = S::src(blk, tl, m8 + 8, qt);
     char* dst = reinterpret_cast<char*>(lut_s) + qt * CODES * R * 32 + m8 * 4;
 #pragma unroll
     for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
@@ -362,15 +371,11 @@ __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u
 #else
 template <int Q>
 __device__ __forceinline__ void stage_lut(const BlockRef& blk, const Tile& tl, u16* lut_s) {
-    static_assert(Q >= 5, "q = 3, 4 keep their LUTs in registers");
-    const int lane = threadIdx.x & 31;
-    constexpr int R = lut_reps<Q>();             // replicas (ap_decode.cuh)
-    constexpr int CODES = (1 << Q) / 4;          // codes per lane and row
-    constexpr int LOADS = CODES / 8;             // 16-byte loads per row
-    constexpr int BATCH = LOADS < 4 ? LOADS : 4; // loads per row in flight at once
-    const int m8 = lane & 7, qt = lane >> 3;
-    const u16* src0 = blk.lut + (long long)mrow(tl, m8) * (1 << Q) + qt * CODES;
-    const u16* src1 = blk.lut + (long long)mrow(tl, m8 + 8) * (1 << Q) + qt * CODES;
+    using S = LutStage<Q>;
+    constexpr int R = S::R, CODES = S::CODES, LOADS = S::LOADS, BATCH = S::BATCH;
+    const int lane = threadIdx.x & 31, m8 = lane & 7, qt = lane >> 3;
+    const u16* src0 = S::src(blk, tl, m8, qt);
+    const u16* src1 = S::src(blk, tl, m8 + 8, qt);
     u32* dst = reinterpret_cast<u32*>(lut_s);
 #pragma unroll
     for (int b0 = 0; b0 < LOADS; b0 += BATCH) {
