@@ -116,8 +116,20 @@ __device__ __forceinline__ void byte_codes(const u32* w, u32 (&r)[8]) {
 #ifndef PW_LUTREP
 #define PW_LUTREP 1
 #endif
+// Slices of 16 KiB (PW_LUTWIDE): twice the replicas at 7-8 bits. Only the single block's 16-warp build has them: its CTA
+// holds its SM alone whatever its shared memory (moe.BLOCK_LUT_SLICE must match).
+#ifndef PW_LUTWIDE
+#if defined(PW_WARPS) && PW_WARPS == 16
+#define PW_LUTWIDE 1
+#else
+#define PW_LUTWIDE 0
+#endif
+#endif
+constexpr int LUT_SLICE_CODES = PW_LUTWIDE ? 512 : 256;  // codes x replicas a slice holds
 template <int Q>
-__host__ __device__ constexpr int lut_reps() { return (PW_LUTREP && Q >= 5) ? ((256 >> Q) < 4 ? (256 >> Q) : 4) : 1; }
+__host__ __device__ constexpr int lut_reps() {
+    return (PW_LUTREP && Q >= 5) ? ((LUT_SLICE_CODES >> Q) < 4 ? (LUT_SLICE_CODES >> Q) : 4) : 1;
+}
 
 // The lookup address is code * stride + row_base: a 32-bit shared-window address and the stride (32 R bytes) in
 // a register the caller keeps opaque to the compiler, so it is one IMAD, where a generic pointer cost a shift

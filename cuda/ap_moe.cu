@@ -68,7 +68,7 @@ constexpr int WARPS = PW_WARPS;
 constexpr int THREADS = 32 * WARPS;
 constexpr int XS_ROW_PAD = 128;
 constexpr int TABLE_COLS = 10;
-constexpr int LUT_WARP_BYTES = 16 * 256 * 2;
+constexpr int LUT_WARP_BYTES = 16 * LUT_SLICE_CODES * 2;  // one row group's byte-path LUT slice (ap_decode.cuh)
 }  // namespace
 
 // The byte-path LUT staging shared by a row group's k-split warps, with conflict-free stores, issued before the PDL

@@ -18,8 +18,9 @@ from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
-from pwruntime.kernels.moe import (BLOCK_XS_CAP, LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CAP, XS_CHUNK, group_tokens,
-                                   linear_grid, moe_plans, overflow_slots, plan_launch, single_block_plan)
+from pwruntime.kernels.moe import (BLOCK_LUT_SLICE, BLOCK_XS_CAP, LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CAP, XS_CHUNK,
+                                   group_tokens, linear_grid, moe_plans, overflow_slots, plan_launch,
+                                   single_block_plan)
 from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
 from pwruntime.quant.pack import pack_planes
@@ -502,7 +503,7 @@ def test_a_single_blocks_wide_ctas_stage_more_activations(monkeypatch):
         moe_plan, p = plan_launch(14336, 4096, tokens, 16, 1, 1), single_block_plan(14336, 4096, tokens)
         assert moe_plan.xs_budget == min(tokens * (8 * chunk + 128), XS_CAP)
         assert p.xs_budget == min(tokens * (8 * chunk + 128), BLOCK_XS_CAP) and p.xs_budget >= moe_plan.xs_budget
-        assert p.smem == p.xs_budget + 8 * LUT_SLICE <= SMEM_LIMIT
+        assert p.smem == p.xs_budget + 8 * BLOCK_LUT_SLICE <= SMEM_LIMIT  # 16 KiB slices in that build (PW_LUTWIDE)
     assert single_block_plan(14336, 4096, 8).xs_budget // 8 >= 8 * chunk + 128   # the whole K in one segment
     assert single_block_plan(14336, 4096, 16).xs_budget // 16 // chunk == 4     # half of it a segment
     assert single_block_plan(14336, 4096, 1).xs_budget == plan_launch(14336, 4096, 1, 16, 1, 1).xs_budget

@@ -139,7 +139,7 @@ def main() -> int:
     from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
     # the most activations a launch may stage next to its byte-path LUT slices (4 row groups a MoE CTA, 8 a block's)
     for flag, cap, slices in (("--xs-cap", args.xs_cap, 4), ("--block-xs-cap", args.block_xs_cap, 8)):
-        top = moe.SMEM_LIMIT - slices * moe.LUT_SLICE
+        top = moe.SMEM_LIMIT - slices * (moe.LUT_SLICE if slices == 4 else moe.BLOCK_LUT_SLICE)
         if cap is not None and not moe.XS_CHUNK <= cap <= top:
             ap.error(f"{flag} {cap}: shared memory for activations must be {moe.XS_CHUNK}..{top} bytes "
                      f"(one token's 512-column chunk up to what the {slices} LUT slices leave)")
