@@ -112,7 +112,7 @@ __device__ __forceinline__ void byte_codes(const u32* w, u32 (&r)[8]) {
 // (m & 7) * 4 + (m >> 3) * 2, so row g (and g + 8) of replica r lives in bank 8 r + g (mod 32) only. Lane (g, t)
 // reads replica t % R: with R = 4 the 32 lanes of a lookup hit 32 distinct banks; with R = 1 the 4 lanes of
 // one row share 4 banks (about 2-way conflicts on random codes). A row group's 8 KiB slice holds 256 / 2^Q
-// replicas at Q bits, so R = 4 up to 6 bits, 2 at 7 and 1 at 8.
+// replicas at Q bits, so R = 4 up to 6 bits, 2 at 7 and 1 at 8 (a 16 KiB one: 4 at 7, 2 at 8).
 #ifndef PW_LUTREP
 #define PW_LUTREP 1
 #endif

@@ -305,7 +305,8 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     `BLOCK_XS_CAP` of shared memory: the whole K of 8 tokens at K = 4096, in one segment instead of two. On the H200
     the block at T = 8 got 4-7% faster at 5-8 bits, and at T = 16 (two segments instead of four) 7-11% (session 19).
     Their kernel build (PW_WARPS=16), which no MoE launch uses, also stages the byte-path LUT of 5-8 bits shared by
-    the k-split warps (ap_moe.cu, PW_LUTSTAGE): 6-8 bits 4-6% faster at T = 2-8, 4 bits 1.5-3.5% slower.
+    the k-split warps (ap_moe.cu, PW_LUTSTAGE): 6-8 bits 4-6% faster at T = 2-8, 4 bits 1.5-3.5% slower; and its LUT
+    slices are 16 KiB (`BLOCK_LUT_SLICE`, PW_LUTWIDE: more replicas at 7-8 bits): 7 bits 4-8%, 8 bits 8-12.5% faster.
     """
     plan = plan_launch(out_features, in_features, tokens, 16, 1, 1, sm_count)
     if plan.warps == 8:
