@@ -510,6 +510,11 @@ def test_a_single_blocks_wide_ctas_stage_more_activations(monkeypatch):
     for arch, (h, i, e, k) in ARCHS.items():
         for tokens in (4, 8, 16):
             assert all(p.xs_budget <= XS_CAP for p in moe_plans(MoEShape(e, h, i, k), tokens))
+    # the 16 KiB slices belong to the 16-warp kernel build, so any launch in it reserves them (tune --warps 16 too)
+    forced = plan_launch(2048, 4096, 8, 16, 1, 1).resplit(2048, 16, 16, 4)
+    assert forced.smem == max(forced.xs_budget, 16 * 512) + 4 * BLOCK_LUT_SLICE
+    eight = plan_launch(2048, 4096, 8, 16, 1, 1).resplit(2048, 16, 8, 4)
+    assert eight.smem == max(eight.xs_budget, 8 * 512) + 2 * LUT_SLICE
     monkeypatch.setattr(moe, "BLOCK_XS_CAP", 200 * 1024)  # with the 8 LUT slices, past the SM's shared memory
     with pytest.raises(ValueError, match="bytes of shared memory"):
         single_block_plan(14336, 8192, 16)

@@ -30,7 +30,7 @@ XS_CHUNK = XS_CHUNK_BYTES + XS_ROW_PAD         # ... padded
 XS_CAP = 32 * 1024        # shared memory for activations when the whole K does not fit
 BLOCK_XS_CAP = 65 * 1024  # ... in a single block's 16-warp CTAs, one an SM whatever their shared memory (registers)
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
-BLOCK_LUT_SLICE = 2 * LUT_SLICE  # ... in the single block's 16-warp build: twice the replicas at 7-8 bits (PW_LUTWIDE)
+BLOCK_LUT_SLICE = 2 * LUT_SLICE  # ... in the 16-warp build (the single block's): twice the replicas at 7-8 bits
 SMEM_LIMIT = 227 * 1024
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of fewer n-tiles)
 GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), every launch in groups of this many tokens
@@ -149,10 +149,15 @@ def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
     return -(-m_rows // (rows_per_warp * (warps // ksplit)))
 
 
-def launch_smem(xs_budget: int, nt: int, warps: int, ksplit: int, lut_slice: int = LUT_SLICE) -> int:
+def lut_slice_bytes(warps: int) -> int:
+    """One row group's byte-path LUT slice in the kernel build of `warps`-warp CTAs (ap_decode.cuh PW_LUTWIDE)."""
+    return BLOCK_LUT_SLICE if warps == 16 else LUT_SLICE
+
+
+def launch_smem(xs_budget: int, nt: int, warps: int, ksplit: int) -> int:
     """Dynamic shared memory of a launch: the activation stage (or the k-split reduction's buffer, if larger),
     then one byte-path LUT slice per row group (ap_moe.cu lut_region)."""
-    return max(xs_budget, nt * 512 * warps) + (warps // ksplit) * lut_slice
+    return max(xs_budget, nt * 512 * warps) + (warps // ksplit) * lut_slice_bytes(warps)
 
 
 def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[LaunchPlan, LaunchPlan]:
@@ -312,8 +317,7 @@ def single_block_plan(out_features: int, in_features: int, tokens: int, sm_count
     if plan.warps == 8:
         wide = plan.resplit(out_features, 16, 16, plan.ksplit)
         xs = activation_budget(min(tokens, 8 * plan.nt), in_features, BLOCK_XS_CAP)
-        return replace(wide, xs_budget=xs,
-                       smem=checked_smem(launch_smem(xs, wide.nt, wide.warps, wide.ksplit, BLOCK_LUT_SLICE)))
+        return replace(wide, xs_budget=xs, smem=checked_smem(launch_smem(xs, wide.nt, wide.warps, wide.ksplit)))
     if tokens == 1 and plan.warps == 4 and plan.ksplit >= 2:
         return plan.resplit(out_features, 16, 8, plan.ksplit)
     return plan

@@ -137,12 +137,13 @@ def main() -> int:
     if args.ksplit and args.warps % args.ksplit:
         ap.error(f"--ksplit {args.ksplit} does not divide the {args.warps} warps of a CTA; use --warps 8 or a smaller k-split")
     from pwruntime.kernels import moe   # the launch planner's constants, overridden for this process
-    # the most activations a launch may stage next to its byte-path LUT slices (4 row groups a MoE CTA, 8 a block's)
-    for flag, cap, slices in (("--xs-cap", args.xs_cap, 4), ("--block-xs-cap", args.block_xs_cap, 8)):
-        top = moe.SMEM_LIMIT - slices * (moe.LUT_SLICE if slices == 4 else moe.BLOCK_LUT_SLICE)
+    # the most activations a launch may stage next to its byte-path LUT slices (4 row groups a MoE CTA of 4 or 8
+    # warps, 8 a block's 16-warp CTA)
+    for flag, cap, groups, warps in (("--xs-cap", args.xs_cap, 4, 4), ("--block-xs-cap", args.block_xs_cap, 8, 16)):
+        top = moe.SMEM_LIMIT - groups * moe.lut_slice_bytes(warps)
         if cap is not None and not moe.XS_CHUNK <= cap <= top:
             ap.error(f"{flag} {cap}: shared memory for activations must be {moe.XS_CHUNK}..{top} bytes "
-                     f"(one token's 512-column chunk up to what the {slices} LUT slices leave)")
+                     f"(one token's 512-column chunk up to what the {groups} LUT slices leave)")
     try:
         kb.parse_routing(args.routing)
     except ValueError as e:
