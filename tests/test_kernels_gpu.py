@@ -117,6 +117,22 @@ def _check_fused_moe(m: Model, layer: int, ids, w, dtype=torch.float16) -> None:
     assert torch.equal(got, fused_moe(m.table, layer, x, ids, w, m.shape, ws)), "non-deterministic result (race?)"
 
 
+def test_planner_occupancy_model_matches_the_driver():
+    """moe.occupancy_xs_cap models an SM's CTAs from the launch bounds and STATIC_SMEM: the driver's occupancy
+    calculator agrees for every planned launch of the four architectures, so the capped stage does hold 4 CTAs."""
+    from pwruntime.kernels import compile as kc
+    from pwruntime.kernels import moe
+    dev = torch.device("cuda")
+    for h, i, e, k in ARCHS.values():
+        for tokens in (1, 4, 8, 16, 32, 64):
+            for p in moe_plans(MoEShape(e, h, i, k), tokens):
+                kern = p.kernel(dev, torch.float16)
+                assert kern.shared_size_bytes <= moe.STATIC_SMEM, (p, kern.shared_size_bytes)
+                model = min(moe.ctas_by_registers(p.nt, p.warps),
+                            moe.SM_SMEM // (p.smem + moe.STATIC_SMEM + moe.CTA_SMEM_RESERVED))
+                assert kc.ctas_per_sm(kern, 32 * p.warps, p.smem) == model, ((h, i, e, k), tokens, p)
+
+
 def test_fused_moe_mixed_bits_all_token_counts(model):
     m = model
     m.set_random_bits(1)

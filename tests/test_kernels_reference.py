@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -518,6 +519,33 @@ def test_a_single_blocks_wide_ctas_stage_more_activations(monkeypatch):
     monkeypatch.setattr(moe, "BLOCK_XS_CAP", 200 * 1024)  # with the 8 LUT slices, past the SM's shared memory
     with pytest.raises(ValueError, match="bytes of shared memory"):
         single_block_plan(14336, 8192, 16)
+
+
+def test_activation_stage_leaves_every_cta_its_registers_allow(monkeypatch):
+    from pwruntime.kernels import moe
+
+    def ctas(p):  # CTAs an SM: registers (launch bounds) and shared memory, static and reserved included
+        per_cta = p.smem + moe.STATIC_SMEM + moe.CTA_SMEM_RESERVED
+        return min(moe.ctas_by_registers(p.nt, p.warps), moe.SM_SMEM // per_cta)
+
+    olmoe, mixtral = MoEShape(64, 2048, 1024, 8), MoEShape(8, 4096, 14336, 2)
+    for tokens in (8, 12, 16):   # 4-warp CTAs, four an SM by registers: the stage shrinks below XS_CAP so four fit
+        for p in moe_plans(olmoe, tokens):
+            assert p.warps == 4 and p.xs_budget < XS_CAP and ctas(p) == 4, (tokens, p)
+    for tokens in (1, 4, 8, 16, 32, 64):   # nowhere fewer CTAs than registers allow where XS_CAP would allow them
+        for arch, (h, i, e, k) in ARCHS.items():
+            for p in moe_plans(MoEShape(e, h, i, k), tokens):
+                capped = replace(p, smem=moe.launch_smem(min(p.xs_budget, XS_CAP), p.nt, p.warps, p.ksplit))
+                assert ctas(p) >= min(ctas(capped), moe.ctas_by_registers(p.nt, p.warps)), (arch, tokens, p)
+                assert p.xs_budget <= XS_CAP or p.xs_budget == tokens_staged(p, tokens) * XS_CHUNK
+    assert all(p.xs_budget == XS_CAP for p in moe_plans(mixtral, 16))  # two 8-warp CTAs an SM either way
+    monkeypatch.setattr(moe, "OCCUPANCY_XS", False)   # tune --xs-no-occupancy: the stage as before, three CTAs an SM
+    assert all(p.xs_budget == XS_CAP and ctas(p) == 3 for p in moe_plans(olmoe, 16))
+
+
+def tokens_staged(p, tokens: int) -> int:
+    """Tokens one CTA of plan `p` stages: up to its n-tiles' 8 each."""
+    return min(tokens, 8 * p.nt)
 
 
 def test_single_block_grid_fills_one_wave_of_row_groups():

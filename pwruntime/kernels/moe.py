@@ -32,6 +32,10 @@ BLOCK_XS_CAP = 65 * 1024  # ... in a single block's 16-warp CTAs, one an SM what
 LUT_SLICE = 16 * 256 * 2   # the byte-path LUT of one row group (16 rows, up to 8 bits)
 BLOCK_LUT_SLICE = 2 * LUT_SLICE  # ... in the 16-warp build (the single block's): twice the replicas at 7-8 bits
 SMEM_LIMIT = 227 * 1024
+SM_SMEM = 228 * 1024      # an SM's shared memory; each resident CTA also reserves CTA_SMEM_RESERVED of it
+CTA_SMEM_RESERVED = 1024
+STATIC_SMEM = 4608        # ap_moe.cu's static shared memory (the routing prologue's arrays), rounded up
+OCCUPANCY_XS = True       # cap the activation stage where XS_CAP would cost a CTA an SM (occupancy_xs_cap)
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of fewer n-tiles)
 GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), every launch in groups of this many tokens
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
@@ -125,7 +129,7 @@ def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_t
     warps = 4
     if tokens >= 2 and nt <= WIDE_MAX_NT and wide >= WIDE_MIN_CHUNKS * 2 * ksplit:
         warps, ksplit = 8, 2 * ksplit
-    xs_budget = activation_budget(tokens, k, XS_CAP)
+    xs_budget = activation_budget(tokens, k, occupancy_xs_cap(nt, warps, ksplit))
     n_tiles = row_tiles(m_rows, rows_per_warp, warps, ksplit)
     smem = checked_smem(launch_smem(xs_budget, nt, warps, ksplit))
     return LaunchPlan(nt, ksplit, n_tiles, n_tiles * max_ctas_per_tile, xs_budget, smem, groups, warps)
@@ -142,6 +146,24 @@ def activation_budget(tokens: int, k: int, cap: int) -> int:
     else as many 512-column chunks as do (segments, ap_moe.cu), at least one."""
     wide = -(-k // (32 * CHUNK_WORDS))
     return max(min(tokens * (wide * XS_CHUNK_BYTES + XS_ROW_PAD), cap), tokens * XS_CHUNK)
+
+
+def ctas_by_registers(nt: int, warps: int) -> int:
+    """CTAs an SM the kernel build's launch bounds allow (ap_moe.cu PW_MINB)."""
+    return max(1, (16 if nt <= 2 else 12 if nt == 4 else 8) // warps)
+
+
+def occupancy_xs_cap(nt: int, warps: int, ksplit: int) -> int:
+    """The activation stage's cap: XS_CAP, or less where XS_CAP would leave fewer CTAs an SM than the build's
+    registers allow. At 5-16 tokens the small-expert models' 4-warp CTAs staged up to 32 KiB beside four 8 KiB LUT
+    slices, three an SM; capped so that four fit (19 KiB), they take more segments, and on the H200 their layers got
+    3.5-10% faster at 3-4 bits and 2.4-3.7% at 8 bits at T = 8-16, mixed within 1% (cuda/NOTES.md, session 20).
+    The 8-warp CTAs (two an SM by registers) and the launches of more tokens already hold all they can."""
+    if not OCCUPANCY_XS:
+        return XS_CAP
+    per_cta = SM_SMEM // ctas_by_registers(nt, warps) - STATIC_SMEM - CTA_SMEM_RESERVED
+    room = per_cta - (warps // ksplit) * lut_slice_bytes(warps)
+    return min(XS_CAP, room) if room >= nt * 512 * warps else XS_CAP
 
 
 def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
