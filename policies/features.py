@@ -12,6 +12,7 @@ Results equal a straightforward per-sequence reference up to floating-point summ
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import Hashable, Mapping, Sequence as Seq
 
 import numpy as np
@@ -37,12 +38,19 @@ class BatchedPromptFeatures:
         nb = self.num_blocks
         old = getattr(self, "_cap", 0)
         for name in ("_acc", "_feat"):
-            arr = np.zeros((cap, nb, 4), dtype=np.float64)
+            arr = _zeros_aligned((cap, nb, 4))
             if old:
                 arr[:old] = getattr(self, name)
             setattr(self, name, arr)
         self._free.extend(range(cap - 1, old - 1, -1))  # pop() hands out the lowest free row
         self._cap = cap
+
+    def _rows(self, seq_ids: list) -> np.ndarray:
+        """The rows of `seq_ids`, in order, new sequences given rows as they come (as `_row` one by one)."""
+        rows = list(map(self._slot.get, seq_ids))
+        if None in rows:
+            rows = [self._row(s) if r is None else r for s, r in zip(seq_ids, rows)]
+        return np.array(rows, dtype=np.int64)
 
     def _row(self, seq_id: Hashable) -> int:
         row = self._slot.get(seq_id)
@@ -74,64 +82,64 @@ class BatchedPromptFeatures:
         if ids.shape[1] == 0:
             return
         keep = lens > 0  # sequences with no token in this batch change nothing
-        rows = np.array([self._row(s) for s, k in zip(seq_ids, keep) if k], dtype=np.int64)
-        lens, offs = lens[keep], np.concatenate([[0], np.cumsum(lens)])[:-1][keep]
+        rows = self._rows(list(compress(seq_ids, keep.tolist())))
+        lens = lens[keep]
         single = lens == 1
         if single.all():
             self._update_single(rows, ids, w, gu, dn)
             return
+        first = np.cumsum(lens) - lens  # each kept sequence's first token (empty ones hold none)
         if single.any():
-            t = offs[single]  # the one token of each single-token sequence
-            self._update_single(rows[single], ids[:, t], w[:, t], gu[:, t], dn[:, t])
-        multi = np.flatnonzero(~single)
-        tok = np.concatenate([np.arange(offs[j], offs[j] + lens[j]) for j in multi])
-        self._update_multi(rows[multi], lens[multi], ids[:, tok], w[:, tok], gu[:, tok], dn[:, tok])
+            t = first[single]  # the one token of each single-token sequence
+            self._update_single(rows[single], *_tokens(t, ids, w, gu, dn))
+        multi = ~single
+        tok = np.flatnonzero(np.repeat(multi, lens))  # the tokens of the multi-token sequences, in order
+        self._update_multi(rows[multi], lens[multi], *_tokens(tok, ids, w, gu, dn))
 
-    def _pairs(self, local: np.ndarray, ids, w, gu, dn, stride: int):
-        """Flat (row-local) block indices, inputs x and weights r of every (token, layer, slot, kind)."""
-        base = local[None, :, None] * stride + (np.arange(self.layers)[:, None, None] * self.experts + ids) * 2
-        idx = np.concatenate([base.ravel(), (base + 1).ravel()])
-        x = np.concatenate([np.broadcast_to(gu[:, :, None], ids.shape).ravel(), dn.ravel()])
-        r = np.concatenate([w.ravel(), w.ravel()])
-        return idx, x, r
+    def _pair_index(self, local: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """[layers * tokens * k] flat (row, layer, expert) pair of every routing slot: `local[t]` is token t's row."""
+        E2 = self.num_blocks // 2
+        return (local[None, :, None] * E2 + np.arange(0, self.layers * self.experts, self.experts)[:, None, None]
+                + ids).ravel()
 
     def _update_single(self, rows, ids, w, gu, dn) -> None:
         """One token per sequence: no (row, expert) repeats (a token's top-k experts are distinct).
 
         Works on (row, expert) pairs: an expert's gate_up and down accumulators are adjacent."""
-        E2 = self.num_blocks // 2
-        pair = (rows[None, :, None] * E2 + np.arange(self.layers)[:, None, None] * self.experts + ids).ravel()
-        r = w.ravel()[:, None]  # [n, 1] for both kinds
-        x = np.empty((len(pair), 2))
-        x[:, 0] = np.broadcast_to(gu[:, :, None], ids.shape).ravel()
+        pair = self._pair_index(rows, ids)
+        x = np.empty((len(pair), 2))  # per pair: the gate_up input, the down input
+        x.reshape(-1, ids.shape[2], 2)[:, :, 0] = gu.reshape(-1, 1)  # a token's gate_up input, for each of its slots
         x[:, 1] = dn.ravel()
         acc = self._acc.reshape(-1, 2, 4)
-        a = np.take(acc, pair, axis=0)  # [n, 2 kinds, 4]
-        rx = r * x
-        a[:, :, 0] += r
-        a[:, :, 1] += rx
-        a[:, :, 2] += rx * x
-        np.maximum(a[:, :, 3], x, out=a[:, :, 3])
+        a = np.take(acc, pair, axis=0).reshape(-1, 4)  # [pairs * 2 kinds, 4]
+        _accumulate(a, np.repeat(w.ravel(), 2), x.ravel())
         _put_rows(acc, pair, a)
-        _put_rows(self._feat.reshape(-1, 2, 4), pair, _phi(a.reshape(-1, 4)))
+        _put_rows(self._feat.reshape(-1, 2, 4), pair, _phi(a))
 
     def _update_multi(self, rows, lens, ids, w, gu, dn) -> None:
-        """Several tokens per sequence: sum per (sequence, block) with bincount, then update whole rows."""
-        nb, m = self.num_blocks, len(rows)
-        local = np.repeat(np.arange(m), lens)
-        idx, x, r = self._pairs(local, ids, w, gu, dn, nb)
-        size = m * nb
-        add = np.empty((m, nb, 4))
-        add[..., 0] = np.bincount(idx, weights=r, minlength=size).reshape(m, nb)
-        add[..., 1] = np.bincount(idx, weights=r * x, minlength=size).reshape(m, nb)
-        add[..., 2] = np.bincount(idx, weights=r * x * x, minlength=size).reshape(m, nb)
-        mx = np.zeros(size)
-        np.maximum.at(mx, idx, x)
+        """Several tokens per sequence: sum per (sequence, block) with bincount, then update whole rows.
+
+        A pair's two kinds have the same routing weights, so one bincount gives both kinds' sum r; each other sum
+        adds the same terms in the same order as one bincount over both kinds' blocks would."""
+        m, E2 = len(rows), self.num_blocks // 2
+        pair = self._pair_index(np.repeat(np.arange(m), lens), ids)
+        size = m * E2
+        r = w.ravel()
+        add = np.empty((size, 2, 4))
+        add[:, :, 0] = np.bincount(pair, weights=r, minlength=size)[:, None]
+        add[:, :, 3] = 0.0
+        for kind, x in enumerate((np.broadcast_to(gu[:, :, None], ids.shape).ravel(), dn.ravel())):
+            rx = r * x
+            add[:, kind, 1] = np.bincount(pair, weights=rx, minlength=size)
+            add[:, kind, 2] = np.bincount(pair, weights=rx * x, minlength=size)
+            np.maximum.at(add[:, kind, 3], pair, x)
         acc = self._acc[rows]  # [m, nb, 4]
-        acc[..., :3] += add[..., :3]
-        np.maximum(acc[..., 3], mx.reshape(m, nb), out=acc[..., 3])
+        flat = acc.reshape(-1, 4)
+        add = add.reshape(-1, 4)
+        flat[:, :3] += add[:, :3]
+        np.maximum(flat[:, 3], add[:, 3], out=flat[:, 3])
         _put_rows(self._acc, rows, acc)
-        _put_rows(self._feat, rows, _phi(acc.reshape(-1, 4)))
+        _put_rows(self._feat, rows, _phi(flat))
 
     def drop(self, seq_id: Hashable) -> None:
         """Forget a sequence (finished, or preempted: its recompute will add its tokens again)."""
@@ -154,19 +162,28 @@ class BatchedPromptFeatures:
 
     def merged(self, usage: Mapping[Hashable, int]) -> np.ndarray:
         """[num_blocks, 3] phi averaged over `usage`'s sequences, weighted by their KV blocks."""
-        wt = np.zeros(self._cap)
-        for sid, blocks in usage.items():
-            row = self._slot.get(sid)
-            if row is not None and blocks > 0:
-                wt[row] = blocks
+        wt = self._merge_weights(usage)
         used = np.flatnonzero(wt)
         if not used.size:
             return np.zeros((self.num_blocks, 3))
         lo, hi = int(used[0]), int(used[-1]) + 1  # rows cluster low (lowest free row first)
         wt = wt[lo:hi]
         both = (wt @ self._feat[lo:hi].reshape(hi - lo, -1)).reshape(-1, 4)  # phi sums and weight of seen
-        num, den = both[:, :3], both[:, 3]
-        return np.divide(num, den[:, None], out=np.zeros_like(num), where=den[:, None] > 0)
+        den = both[:, 3]
+        seen = den > 0
+        out = both[:, :3] / np.where(seen, den, 1.0)[:, None]
+        out[~seen] = 0.0
+        return out
+
+    def _merge_weights(self, usage: Mapping[Hashable, int]) -> np.ndarray:
+        """[rows] each row's KV blocks in `usage` (0: not in it, no blocks, or no row)."""
+        slot = self._slot
+        rows = np.fromiter((slot.get(s, -1) for s in usage), dtype=np.int64, count=len(usage))
+        blocks = np.fromiter(usage.values(), dtype=np.float64, count=len(usage))
+        ok = (rows >= 0) & (blocks > 0)
+        wt = np.zeros(self._cap)
+        wt[rows[ok]] = blocks[ok]
+        return wt
 
 
 def _put_rows(dst: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
@@ -179,14 +196,45 @@ def _put_rows(dst: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
     np.put(flat, rows, np.ascontiguousarray(values, dtype=dst.dtype).reshape(len(rows), -1).view(rec).reshape(-1))
 
 
+def _tokens(t: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+    """Tokens `t` (axis 1) of each `[layers, tokens, ...]` array, as C-contiguous arrays."""
+    return [np.take(a, t, axis=1) for a in arrays]
+
+
+def _zeros_aligned(shape: tuple[int, ...], align: int = 64) -> np.ndarray:
+    """float64 zeros starting on an `align`-byte boundary: a 64-byte (sequence, expert) record then fills one cache
+    line instead of straddling two (numpy's buffers start 16 bytes past one)."""
+    n = int(np.prod(shape))
+    buf = np.zeros(n + align // 8, dtype=np.float64)
+    off = (-buf.ctypes.data % align) // 8
+    return buf[off:off + n].reshape(shape)
+
+
+def _accumulate(a: np.ndarray, r: np.ndarray, x: np.ndarray) -> None:
+    """Add one routing slot to each of `a`'s `[n, 4]` accumulators: weights `r` `[n]`, inputs `x` `[n]`."""
+    rx = r * x
+    a[:, 0] += r
+    a[:, 1] += rx
+    rx *= x
+    a[:, 2] += rx
+    np.maximum(a[:, 3], x, out=a[:, 3])
+
+
 def _phi(a: np.ndarray) -> np.ndarray:
     """`[n, 4]` accumulators (sum r, sum r*x, sum r*x^2, max x) -> `[n, 4]` (mean, rms, max, seen)."""
     s0 = a[:, 0]
     seen = s0 > 0
-    f = np.zeros_like(a)
-    np.divide(a[:, 1], s0, out=f[:, 0], where=seen)
-    np.divide(a[:, 2], s0, out=f[:, 1], where=seen)
+    if seen.all():  # a decode step's entries (positive routing weights): no masks
+        f = np.empty_like(a)
+        np.divide(a[:, 1], s0, out=f[:, 0])
+        np.divide(a[:, 2], s0, out=f[:, 1])
+        f[:, 2] = a[:, 3]
+        f[:, 3] = 1.0
+    else:
+        f = np.zeros_like(a)
+        np.divide(a[:, 1], s0, out=f[:, 0], where=seen)
+        np.divide(a[:, 2], s0, out=f[:, 1], where=seen)
+        np.copyto(f[:, 2], a[:, 3], where=seen)
+        f[:, 3] = seen
     np.sqrt(f[:, 1], out=f[:, 1])
-    np.copyto(f[:, 2], a[:, 3], where=seen)
-    f[:, 3] = seen
     return f

@@ -144,3 +144,13 @@ def test_put_rows_matches_fancy_assignment_and_refuses_a_copy():
         assert "C-contiguous" in str(e)
     else:
         raise AssertionError("a non-contiguous destination must be refused")
+
+
+def test_rows_start_on_cache_lines_and_survive_growth():
+    f = BatchedPromptFeatures(2, 4, initial_slots=1)
+    for s in range(5):  # grows 1 -> 2 -> 4 -> 8 rows
+        f.update(s, np.array([[[0, 1]], [[2, 3]]]), np.full((2, 1, 2), 0.5), np.full((2, 1), 2.0),
+                 np.full((2, 1, 2), 4.0))
+    for a in (f._acc, f._feat):
+        assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.shape == (8, f.num_blocks, 4)
+    assert np.allclose(f.merged({s: 1 for s in range(5)})[0], [2.0, 2.0, 2.0])
