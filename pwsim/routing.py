@@ -66,11 +66,14 @@ _U32 = 1.0 / 4294967296.0
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer (uint64 in, uint64 out; wraps silently)."""
+    """The splitmix64 finalizer (uint64 in, uint64 out; wraps silently). `x` is left as it was."""
     with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
+        x = x ^ (x >> np.uint64(30))  # a new array: the steps below work in place
+        x *= _M1
+        x ^= x >> np.uint64(27)
+        x *= _M2
+        x ^= x >> np.uint64(31)
+    return x
 
 
 def hash_key(*keys, seed: int = 0) -> np.ndarray:
@@ -149,21 +152,25 @@ class PopularityRouting:
             z = np.zeros((L, 0, K))
             return StepRouting(z.astype(np.int64), z.astype(np.float32), np.zeros((L, 0)) if self.norms else None,
                                z if self.norms else None)
-        new = [int(r) for r in dict.fromkeys(requests.tolist()) if int(r) not in self._cache]
+        reqs = requests.tolist()
+        cache = self._cache
+        new = [r for r in dict.fromkeys(reqs) if r not in cache]
         if new:
             self._fill(np.array(new, dtype=np.int64))
-        pieces = []
-        for r, a, m in zip(requests.tolist(), np.asarray(start).tolist(), np.asarray(n).tolist()):
-            if m > 0:
-                c = self._cache[r]
-                P = len(c)  # positions past the request's length reuse its last one (cannot happen normally)
-                pieces.append(c[a:a + m] if a + m <= P else c[np.minimum(np.arange(a, a + m), P - 1)])
+        pieces = [cache[r][a:a + m] if a + m <= len(cache[r]) else self._clamped(r, a, m)
+                  for r, a, m in zip(reqs, np.asarray(start).tolist(), np.asarray(n).tolist()) if m > 0]
         rec = np.concatenate(pieces).transpose(1, 0, 2)  # [L, T, columns]
-        ids = rec[:, :, :K].astype(np.int64)
+        ids = rec[:, :, :K].astype(np.int64, order="C")  # C order: the engine and features flatten them
         w = np.ascontiguousarray(rec[:, :, K:2 * K])
         if not self.norms:
             return StepRouting(ids, w)
-        return StepRouting(ids, w, rec[:, :, 3 * K].astype(np.float64), rec[:, :, 2 * K:3 * K].astype(np.float64))
+        return StepRouting(ids, w, rec[:, :, 3 * K].astype(np.float64, order="C"),
+                           rec[:, :, 2 * K:3 * K].astype(np.float64, order="C"))
+
+    def _clamped(self, r: int, a: int, m: int) -> np.ndarray:
+        """Positions a..a+m-1 of request r, those past its length reusing its last one (cannot happen normally)."""
+        c = self._cache[r]
+        return c[np.minimum(np.arange(a, a + m), len(c) - 1)]
 
     def release(self, request: int) -> None:
         """Forget a finished request's routing (it is drawn again, identically, if asked for later)."""
@@ -173,7 +180,9 @@ class PopularityRouting:
         """Draw whole requests; each is cached as one float32 record `[positions, layers, columns]`:
         ids (exact in float32), weights, then (with norms) down norms and the gate_up norm."""
         lens = self.request_tokens[reqs]
-        rec = self._records(np.repeat(reqs, lens), np.concatenate([np.arange(m) for m in lens]))
+        req, pos = np.repeat(reqs, lens), np.concatenate([np.arange(m) for m in lens])
+        C = _FILL_CHUNK
+        rec = np.concatenate([self._records(req[a:a + C], pos[a:a + C]) for a in range(0, len(req), C)])
         offs = np.concatenate([[0], np.cumsum(lens)])
         for j, q in enumerate(reqs.tolist()):
             self._cache[q] = rec[offs[j]:offs[j + 1]]
@@ -193,11 +202,9 @@ class PopularityRouting:
         rec[:, :, K:2 * K] = w / w.sum(axis=2, keepdims=True)
         if self.norms:
             # norms: bits 20..31 of the slot hashes (down), a second hash per (token, layer) (gate_up)
-            lo12 = ((x >> np.uint64(20)) & np.uint64(_NORM_BINS - 1)).astype(np.intp)
-            rec[:, :, 2 * K:3 * K] = self._dn_scale[row][:, :, None] * self._dn_noise[lo12]
+            rec[:, :, 2 * K:3 * K] = self._dn_scale[row][:, :, None] * self._dn_noise[_bits_20_31(x)]
             xg = _mix(tok[:, None] ^ self._lk_tlk[:, :, 0] ^ np.uint64(0x5851F42D4C957F2D))
-            gu12 = ((xg >> np.uint64(20)) & np.uint64(_NORM_BINS - 1)).astype(np.intp)
-            rec[:, :, 3 * K] = self._gu_scale[row] * self._gu_noise[gu12]
+            rec[:, :, 3 * K] = self._gu_scale[row] * self._gu_noise[_bits_20_31(xg)]
         return rec
 
     def _draw(self, table: tuple, row: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -206,7 +213,7 @@ class PopularityRouting:
         `row [T, L]` popularity rows, `x [T, L, K]` hashes; returns ids `[T, L, K]`."""
         E, K = self.experts, x.shape[-1]
         row2, x2 = row.reshape(-1), x.reshape(-1, K)
-        ids = _inverse_cdf(table, np.broadcast_to(row[..., None], x.shape), x, E).reshape(-1, K)
+        ids = _inverse_cdf(table, row[..., None], x, E).reshape(-1, K)
         n, k = np.nonzero(_duplicate_slots(ids))
         for rnd in range(1, self.redraw_rounds + 1):
             if not len(n):
@@ -214,7 +221,7 @@ class PopularityRouting:
             with np.errstate(over="ignore"):
                 xr = _mix(x2[n, k] + np.uint64(rnd) * _GOLD)
             ids[n, k] = _inverse_cdf(table, row2[n], xr, E)
-            still = (ids[n] == ids[n, k][:, None]).sum(axis=1) > 1  # equals another slot
+            still = _repeats(ids[n], k)  # equals another slot
             n, k = n[still], k[still]
         for i, j in zip(n.tolist(), k.tolist()):  # rare leftovers: the next unused expert
             used = set(ids[i, :j].tolist()) | set(ids[i, j + 1:].tolist())
@@ -225,6 +232,7 @@ class PopularityRouting:
         return ids.reshape(x.shape)
 
 
+_FILL_CHUNK = 1024  # tokens per `_records` call: each token's draw is its own, and the temporaries stay in cache
 _BIN_BITS = 12
 _BINS = 1 << _BIN_BITS  # inverse-CDF bins per popularity row
 _NORM_BINS = 4096
@@ -244,14 +252,35 @@ def _inverse_table(cdf: np.ndarray) -> tuple:
 
 
 def _inverse_cdf(table: tuple, row: np.ndarray, x: np.ndarray, E: int) -> np.ndarray:
-    """Experts drawn with u = the top 32 bits of hash `x` / 2^32: bin table first, exact search on straddles."""
+    """Experts drawn with u = the top 32 bits of hash `x` / 2^32: bin table first, exact search on straddles.
+
+    `row`: each hash's popularity row, or an array that broadcasts to `x`'s shape."""
     cdf_flat, bins = table
-    ids = bins[row * _BINS + (x >> np.uint64(64 - _BIN_BITS)).astype(np.intp)].astype(np.int64)
-    amb = ids < 0
-    if amb.any():
-        r = row[amb]
-        ids[amb] = np.clip(np.searchsorted(cdf_flat, r + _hi(x[amb]), side="right") - r * E, 0, E - 1)
+    b = (x >> np.uint64(64 - _BIN_BITS)).view(np.int64)  # < 2^12: the same value as an int64
+    b += row * _BINS  # the flat bin: row * _BINS + bin
+    ids = np.take(bins, b).astype(np.int64)
+    amb = np.flatnonzero(ids < 0)
+    if amb.size:
+        r = b.reshape(-1)[amb] >> _BIN_BITS  # the rows back from the flat bins
+        hit = np.searchsorted(cdf_flat, r + _hi(x.reshape(-1)[amb]), side="right") - r * E
+        np.put(ids, amb, np.clip(hit, 0, E - 1))
     return ids
+
+
+def _bits_20_31(x: np.ndarray) -> np.ndarray:
+    """Bits 20..31 of uint64 hashes, as int64 indices 0..4095."""
+    b = x >> np.uint64(20)
+    b &= np.uint64(_NORM_BINS - 1)
+    return b.view(np.int64)
+
+
+def _repeats(ids: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Whether slot `k[i]` of row `ids[i]` holds an expert another slot of the row holds too."""
+    eq = ids == ids[np.arange(len(k)), k][:, None]
+    count = np.zeros(len(k), dtype=np.int32)
+    for j in range(ids.shape[1]):  # column by column: a sum over the short last axis is slow
+        count += eq[:, j]
+    return count > 1
 
 
 def _duplicate_slots(ids: np.ndarray) -> np.ndarray:

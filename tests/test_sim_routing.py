@@ -50,6 +50,20 @@ def test_top_k_distinct_weights_normalised_and_frequencies_follow_popularity():
     assert ((r.ids == hot).sum(axis=2) <= 1).all() and (r.ids == hot).any(axis=2).mean() > src.p[0, 0, hot]
 
 
+def test_filling_a_long_request_in_chunks_draws_what_one_call_draws():
+    from pwsim.routing import _FILL_CHUNK
+    rng = np.random.default_rng(1)
+    L, E, K = 3, 16, 4
+    pop = rng.random((2, L, E)) ** 3 + 1e-3  # skewed: many duplicate slots to redraw
+    n = 2 * _FILL_CHUNK + 37
+    src = PopularityRouting(pop, np.array([1, 0]), np.array([n, 5]), K, seed=4)
+    r = src.route(np.array([0]), np.array([0]), np.array([n]))
+    whole = src._records(np.zeros(n, np.int64), np.arange(n))  # one call, no chunks
+    assert np.array_equal(src._cache[0], whole)
+    assert np.array_equal(r.ids, whole[:, :, :K].transpose(1, 0, 2))
+    assert all(a.flags.c_contiguous for a in (r.ids, r.weights, r.gate_up_norm, r.down_norm))
+
+
 def test_synthetic_matches_the_generator_popularity_model(olmoe):
     n, tokens, L, E = 100, 16, olmoe.moe_layers, olmoe.experts
     req = generate_requests(WorkloadSpec(requests=n, rate=10.0, prompt=LengthDist("fixed", 12),
