@@ -575,6 +575,40 @@ def test_pdl_launch_structs_match_the_driver_abi():
     assert back == [-7, 1 << 40, 1.5, 0, 0xDEAD0000BEEF] and len(values) == len(args)
 
 
+def test_launch_attributes_carry_pdl_and_the_carveout():
+    import ctypes
+    both = kc._launch_attributes(True, 71)
+    assert [a.id for a in both] == [6, 14]   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, ..._CARVEOUT
+    assert int.from_bytes(bytes(both[0].value[:4]), "little") == 1
+    assert int.from_bytes(bytes(both[1].value[:4]), "little") == 71 and not any(both[1].value[4:])
+    assert [a.id for a in kc._launch_attributes(False, 100)] == [14]
+    assert [a.id for a in kc._launch_attributes(True, None)] == [6]
+    assert ctypes.sizeof(both) == 2 * ctypes.sizeof(kc.LaunchAttribute)   # contiguous, as attrs[] is read
+
+
+def test_a_moe_layers_two_launches_share_one_carveout(monkeypatch):
+    from pwruntime.kernels import moe
+    configs = moe.CARVEOUTS_KIB
+    for arch, (h, i, e, k) in ARCHS.items():
+        for tokens in (1, 2, 4, 8, 16, 32, 64):
+            p1, p2 = moe_plans(MoEShape(e, h, i, k), tokens)
+            for p in (p1, p2):  # the configuration holds the CTAs the SM can run, and the next smaller does not
+                per_cta = p.smem + moe.STATIC_SMEM + moe.CTA_SMEM_RESERVED
+                ctas = min(moe.ctas_by_registers(p.nt, p.warps), moe.SM_SMEM // per_cta)
+                kib = moe.carveout_kib(p)
+                assert kib * 1024 >= ctas * per_cta
+                assert kib == configs[0] or configs[configs.index(kib) - 1] * 1024 < ctas * per_cta
+            pct, want = moe.layer_carveout(p1, p2), max(moe.carveout_kib(p1), moe.carveout_kib(p2))
+            # the driver rounds a percentage up to a configuration: it lands on `want`, not the one below
+            below = configs[configs.index(want) - 1]
+            assert below < pct * 228 / 100 <= want, (arch, tokens, pct, want)
+    # Qwen3-MoE at one token: gate_up alone fits 132 KiB, down needs 164 (the driver gave them those); both take 164
+    p1, p2 = moe_plans(MoEShape(128, 2048, 768, 8), 1)
+    assert (moe.carveout_kib(p1), moe.carveout_kib(p2), moe.layer_carveout(p1, p2)) == (132, 164, 71)
+    monkeypatch.setattr(moe, "LAYER_CARVEOUT", False)   # tune --driver-carveout
+    assert moe.layer_carveout(p1, p2) is None
+
+
 def test_attention_kernel_choice_and_context_split():
     from pwruntime.kernels.attention import context_parts, gqa_kernel_applies, heads_per_cta
     for dim in (64, 128, 256):

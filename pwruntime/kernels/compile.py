@@ -108,26 +108,29 @@ def _external_stream(device_index: int, handle: int):
 
 
 def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int, ...], args: Sequence,
-           shared_mem: int = 0, overlap_previous: bool = False) -> None:
+           shared_mem: int = 0, overlap_previous: bool = False, carveout: int | None = None) -> None:
     """Launch on torch's current stream of `device` (so graph capture and stream order just work).
 
     `overlap_previous` launches with programmatic stream serialization (PDL): the kernel may start
     while the previous kernel on the stream runs, and must execute `griddepcontrol.wait` before it
     reads anything that kernel writes (the previous kernel lets it start with
     `griddepcontrol.launch_dependents`). Graph capture records this as a programmatic edge.
+    `carveout`: the launch's preferred shared-memory carveout, percent of an SM's (the driver rounds it up to a
+    configuration it supports).
     """
     cupy = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     handle = torch.cuda.current_stream(index).cuda_stream
     with cupy.cuda.Device(index), _external_stream(index, handle):
-        if overlap_previous:
-            _launch_overlapping(kernel, grid, block, args, int(shared_mem), handle)
+        if overlap_previous or carveout is not None:
+            _launch_ex(kernel, grid, block, args, int(shared_mem), handle, overlap_previous, carveout)
         else:
             kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
 
 
-# cuLaunchKernelEx (CUDA driver API): CuPy launches without attributes, so the PDL launch goes through ctypes
+# cuLaunchKernelEx (CUDA driver API): CuPy launches without attributes, so these launches go through ctypes
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+_PREFERRED_SHARED_MEMORY_CARVEOUT = 14  # CUlaunchAttributeID (CUDA 12.4+)
 
 
 class LaunchAttribute(ctypes.Structure):
@@ -180,9 +183,21 @@ def kernel_params(args: Sequence) -> tuple[list, ctypes.Array]:
     return values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
 
 
-def _launch_overlapping(kernel, grid, block, args, shared_mem: int, stream: int) -> None:
+def _launch_attributes(overlap_previous: bool, carveout: int | None) -> ctypes.Array:
+    attrs = [_PDL_ATTRIBUTE] if overlap_previous else []
+    if carveout is not None:
+        a = LaunchAttribute(id=_PREFERRED_SHARED_MEMORY_CARVEOUT)
+        a.value[:4] = int(carveout).to_bytes(4, "little")  # sharedMemCarveout (an unsigned int)
+        attrs.append(a)
+    return (LaunchAttribute * len(attrs))(*attrs)
+
+
+def _launch_ex(kernel, grid, block, args, shared_mem: int, stream: int, overlap_previous: bool,
+               carveout: int | None) -> None:
     values, params = kernel_params(args)  # `values` stays alive until the driver has copied it (the call below)
-    cfg = LaunchConfig(_pad3(grid), _pad3(block), shared_mem, stream, ctypes.pointer(_PDL_ATTRIBUTE), 1)
+    attrs = _launch_attributes(overlap_previous, carveout)
+    cfg = LaunchConfig(_pad3(grid), _pad3(block), shared_mem, stream,
+                       ctypes.cast(attrs, ctypes.POINTER(LaunchAttribute)), len(attrs))
     function = kernel.kernel.ptr  # RawKernel -> the loaded cupy.cuda.Function of the current device -> CUfunction
     err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), function, params, None)
     if err != 0:

@@ -36,6 +36,8 @@ SM_SMEM = 228 * 1024      # an SM's shared memory; each resident CTA also reserv
 CTA_SMEM_RESERVED = 1024
 STATIC_SMEM = 4608        # ap_moe.cu's static shared memory (the routing prologue's arrays), rounded up
 OCCUPANCY_XS = True       # cap the activation stage where XS_CAP would cost a CTA an SM (occupancy_xs_cap)
+CARVEOUTS_KIB = (0, 8, 16, 32, 64, 100, 132, 164, 196, 228)  # an SM's shared-memory configurations (Hopper)
+LAYER_CARVEOUT = True     # both launches of a MoE layer in one configuration (layer_carveout)
 SPLIT_ABOVE = 32          # MoE launches of more tokens serve an expert's tokens in two groups (CTAs of fewer n-tiles)
 GROUP_TOKENS = None       # ... or, when set (tune --group-tokens), every launch in groups of this many tokens
 WIDE_MIN_CHUNKS = 4       # 8-warp CTAs when every warp still streams this many 512-column chunks (below)
@@ -164,6 +166,26 @@ def occupancy_xs_cap(nt: int, warps: int, ksplit: int) -> int:
     per_cta = SM_SMEM // ctas_by_registers(nt, warps) - STATIC_SMEM - CTA_SMEM_RESERVED
     room = per_cta - (warps // ksplit) * lut_slice_bytes(warps)
     return min(XS_CAP, room) if room >= nt * 512 * warps else XS_CAP
+
+
+def carveout_kib(plan: LaunchPlan) -> int:
+    """The smallest shared-memory configuration of an SM that holds as many CTAs of `plan` as registers and shared
+    memory allow (what the driver picks for the launch alone)."""
+    per_cta = plan.smem + STATIC_SMEM + CTA_SMEM_RESERVED
+    ctas = min(ctas_by_registers(plan.nt, plan.warps), SM_SMEM // per_cta)
+    return next(c for c in CARVEOUTS_KIB if c * 1024 >= ctas * per_cta)
+
+
+def layer_carveout(p1: LaunchPlan, p2: LaunchPlan) -> int | None:
+    """The preferred carveout (percent) of both launches of a MoE layer: the larger configuration either needs, so
+    they match. An SM changes configuration only once drained, so launches in different ones cannot share an SM, and
+    the second launch (programmatic, meant to start loading while the first finishes) waits for whole SMs. Left to
+    the driver, Qwen3-MoE's one-token launches took 132 and 164 KiB; in one, its layers got 4-14% faster on the H200
+    (3 bits 18.1 -> 16.3 us, mixed 41.4 -> 35.2), every other layer of the four models within 0.7% (cuda/NOTES.md,
+    session 20)."""
+    if not LAYER_CARVEOUT:
+        return None
+    return 100 * max(carveout_kib(p1), carveout_kib(p2)) // 228  # the driver rounds up to the configuration
 
 
 def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
@@ -304,19 +326,20 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     base = layer * shape.num_experts * 2
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
-    k1 = p1.kernel(dev, x.dtype)
+    k1, carveout = p1.kernel(dev, x.dtype), layer_carveout(p1, p2)
     kc.launch(k1, dev, (p1.grid,), (32 * p1.warps,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.intermediate), kc.i32(shape.hidden), kc.i32(p1.ksplit), kc.i32(p1.n_tiles),
-        kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem)
+        kc.i32(p1.xs_budget), kc.ptr(ws.act), kc.i64(shape.intermediate), kc.ptr(None), kc.ptr(None)), p1.smem,
+        carveout=carveout)
     k2 = p2.kernel(dev, x.dtype)
     kc.launch(k2, dev, (p2.grid,), (32 * p2.warps,), (
         kc.i32(_MODE_DOWN), kc.ptr(table.table), kc.i64(base), kc.ptr(ws.act), kc.i64(shape.intermediate),
         kc.i32(a_vec), kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
         kc.i32(shape.hidden), kc.i32(shape.intermediate), kc.i32(p2.ksplit), kc.i32(p2.n_tiles),
         kc.i32(p2.xs_budget), kc.ptr(out), kc.i64(shape.hidden), kc.ptr(ws.partial), kc.ptr(ws.counters)), p2.smem,
-        overlap_previous=True)  # routing, table rows, first planes and LUTs load while launch 1 finishes
+        overlap_previous=True, carveout=carveout)  # routing, table rows, first planes and LUTs load while launch 1 finishes
     return out
 
 

@@ -125,6 +125,8 @@ def main() -> int:
                     help="the same for the single block's 16-warp CTAs (experiments)")
     ap.add_argument("--xs-no-occupancy", action="store_true",
                     help="every MoE launch stages up to --xs-cap activations even where that costs a CTA an SM (experiments)")
+    ap.add_argument("--driver-carveout", action="store_true",
+                    help="leave each MoE launch's shared-memory configuration to the driver (experiments)")
     ap.add_argument("--load-patterns", action="store_true",
                     help="time the 3-bit block's planes read with no decode, per access pattern (cuda/load_pattern.cu)")
     ap.add_argument("--group-tokens", type=int, default=None, choices=(8, 16, 32, 64),
@@ -171,6 +173,7 @@ def main() -> int:
     if args.block_xs_cap:
         moe.BLOCK_XS_CAP = args.block_xs_cap
     moe.OCCUPANCY_XS = not args.xs_no_occupancy
+    moe.LAYER_CARVEOUT = not args.driver_carveout
     bits = tuple(int(b) for b in args.bits.split(","))
     tokens = tuple(int(t) for t in args.tokens.split(","))
     cfg = kb.BenchConfig(reps=args.reps, warmup=3, dtype=args.dtype)
