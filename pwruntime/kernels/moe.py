@@ -185,7 +185,7 @@ def layer_carveout(p1: LaunchPlan, p2: LaunchPlan) -> int | None:
     session 20)."""
     if not LAYER_CARVEOUT:
         return None
-    return 100 * max(carveout_kib(p1), carveout_kib(p2)) // 228  # the driver rounds up to the configuration
+    return 100 * max(carveout_kib(p1), carveout_kib(p2)) // (SM_SMEM // 1024)  # the driver rounds up to it
 
 
 def row_tiles(m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> int:
