@@ -136,7 +136,9 @@ class BlockPool:
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """Additional blocks the sequence needs to hold `num_tokens` tokens in total."""
-        return max(0, self.blocks_for(num_tokens) - self.num_blocks_of(seq_id))
+        # blocks_for - num_blocks_of, inlined: the scheduler asks this for every running sequence every step
+        need = -(-int(num_tokens) // self.block_size) - len(self._tables.get(seq_id, ()))
+        return need if need > 0 else 0
 
     def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         """Whether the sequence can grow to `num_tokens` tokens in total with the free blocks (a new sequence
@@ -163,7 +165,7 @@ class BlockPool:
         """
         need = self.blocks_needed(seq_id, num_tokens)
         if not need and not prefix and seq_id in self._tables:  # most decode steps: the last block has room
-            self._tokens[seq_id] = max(self._tokens[seq_id], int(num_tokens))
+            self._reserve_slots(seq_id, num_tokens)
             return []
         cached_free: list[int] = []  # prefix blocks nobody holds: they leave the free list
         if prefix:
@@ -188,8 +190,24 @@ class BlockPool:
         table = self._tables.setdefault(seq_id, [])
         table += prefix
         table += new
-        self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
+        self._reserve_slots(seq_id, num_tokens)
         return new
+
+    def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """`allocate(seq_id, num_tokens)` if the free blocks suffice (`can_allocate`), else nothing; returns whether
+        it allocated. The scheduler's step grows every running sequence this way, mostly inside its last block."""
+        need = self.blocks_needed(seq_id, num_tokens)
+        if not need and seq_id in self._tables:  # allocate's common case, without looking the blocks up again
+            self._reserve_slots(seq_id, num_tokens)
+            return True
+        if need > self.num_free:
+            return False
+        self.allocate(seq_id, num_tokens)
+        return True
+
+    def _reserve_slots(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Record that the sequence's blocks (already allocated) hold `num_tokens` tokens; never shrinks it."""
+        self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
 
     def _take_free(self, n: int) -> list[int]:
         """Remove `n` free blocks (the caller checked there are enough): the lowest uncached ids, then cached ones

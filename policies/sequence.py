@@ -78,7 +78,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.prompt_len + len(self.output_token_ids) - self.num_computed_tokens  # num_tokens, inlined (hot)
 
     @property
     def is_finished(self) -> bool:

@@ -303,7 +303,7 @@ class Simulation:
         ends = np.cumsum(new)
         tok_idx = (ends - 1)[sample]
         self.quality_accrue(q_now, req[sample], routing.ids[:, tok_idx, :])
-        self.sched.postprocess(batch)
+        finished = self.sched.postprocess(batch)  # in entry order
         self.rec.tokens(req[sample], self.env.now, first[sample])
         self.routing_mass.update(routing.ids, routing.weights)
         if callable(getattr(self.policy, "touch", None)):
@@ -311,9 +311,8 @@ class Simulation:
         if self.features is not None and routing.has_norms:
             self.features.update_batch(req.tolist(), new, routing.ids, routing.weights, routing.gate_up_norm,
                                        routing.down_norm)
-        for e in entries:
-            if e.seq.is_finished:
-                self._finish(e.seq)
+        for seq in finished:
+            self._finish(seq)
 
     def quality_accrue(self, q: np.ndarray, reqs: np.ndarray, ids_lt: np.ndarray) -> None:
         if len(reqs):
