@@ -128,9 +128,7 @@ def test_planner_occupancy_model_matches_the_driver():
             for p in moe_plans(MoEShape(e, h, i, k), tokens):
                 kern = p.kernel(dev, torch.float16)
                 assert kern.shared_size_bytes <= moe.STATIC_SMEM, (p, kern.shared_size_bytes)
-                model = min(moe.ctas_by_registers(p.nt, p.warps),
-                            moe.SM_SMEM // (p.smem + moe.STATIC_SMEM + moe.CTA_SMEM_RESERVED))
-                assert kc.ctas_per_sm(kern, 32 * p.warps, p.smem) == model, ((h, i, e, k), tokens, p)
+                assert kc.ctas_per_sm(kern, 32 * p.warps, p.smem) == moe.ctas_per_sm(p), ((h, i, e, k), tokens, p)
 
 
 def test_fused_moe_mixed_bits_all_token_counts(model):

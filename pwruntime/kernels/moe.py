@@ -168,12 +168,22 @@ def occupancy_xs_cap(nt: int, warps: int, ksplit: int) -> int:
     return min(XS_CAP, room) if room >= nt * 512 * warps else XS_CAP
 
 
+def cta_smem(smem: int) -> int:
+    """Shared memory a resident CTA of a launch of `smem` dynamic bytes takes from its SM: static and reserved too."""
+    return smem + STATIC_SMEM + CTA_SMEM_RESERVED
+
+
+def ctas_per_sm(plan: LaunchPlan) -> int:
+    """CTAs of `plan` an SM holds at once, by the build's registers and the launch's shared memory (the planner's
+    model of the driver's occupancy calculator; a GPU test checks they agree)."""
+    return min(ctas_by_registers(plan.nt, plan.warps), SM_SMEM // cta_smem(plan.smem))
+
+
 def carveout_kib(plan: LaunchPlan) -> int:
     """The smallest shared-memory configuration of an SM that holds as many CTAs of `plan` as registers and shared
     memory allow (what the driver picks for the launch alone)."""
-    per_cta = plan.smem + STATIC_SMEM + CTA_SMEM_RESERVED
-    ctas = min(ctas_by_registers(plan.nt, plan.warps), SM_SMEM // per_cta)
-    return next(c for c in CARVEOUTS_KIB if c * 1024 >= ctas * per_cta)
+    need = ctas_per_sm(plan) * cta_smem(plan.smem)
+    return next(c for c in CARVEOUTS_KIB if c * 1024 >= need)
 
 
 def layer_carveout(p1: LaunchPlan, p2: LaunchPlan) -> int | None:
