@@ -86,7 +86,7 @@ class ModelRunner:
             out = self.model.forward(input_ids, positions, self.kv, meta, record=record)
         else:  # one row per entry
             rows = [i for i, e in enumerate(batch.entries) if e.sample]
-        logits = self.model.logits(out.hidden[torch.tensor(rows, dtype=torch.long, device=out.hidden.device)])
+        logits = self.model.logits(_rows(out.hidden, rows))
         routing = None
         if record and out.routing:
             r = out.routing
@@ -110,3 +110,11 @@ class ModelRunner:
         for tensors in (self.kv.k, self.kv.v):
             for t in tensors:
                 t[dst] = t[src]
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows]: a view when the rows are 0..n-1 (every row of a decode batch samples), else a gather (which
+    copies the indices to the device)."""
+    if rows == list(range(len(rows))):
+        return hidden[:len(rows)]
+    return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]

@@ -69,6 +69,46 @@ def test_static_buffers_feed_the_plan_without_copies():
     assert buf.slot_mapping[:4].tolist() == [2 * 8 + 3, 4 * 8 + 1, 7 * 8, 7 * 8]
 
 
+def test_pad_into_host_buffers_matches_new_arrays_and_clears_the_last_batch():
+    bs, scratch = 4, 9
+    host = DecodeInputs.alloc(8, 5, torch.device("cpu"))
+    first = DecodeRows([21, 22, 23, 24], [3, 7, 2, 13], [[1], [5, 6], [8], [2, 3, 4, 0]])
+    DecodeInputs.pad(first, 8, 5, bs, scratch, out=host)
+    rows = DecodeRows([11, 12], [0, 5], [[3], [7, 2]])
+    got = DecodeInputs.pad(rows, 4, 5, bs, scratch, out=host)   # the earlier batch's rows 2-3 become padding
+    want = DecodeInputs.pad(rows, 4, 5, bs, scratch)
+    assert got is host
+    for name in DecodeInputs.ARRAYS:
+        assert np.array_equal(getattr(host, name)[:4].numpy(), getattr(want, name)), name
+    assert host.input_ids[4:].tolist() == [0] * 4 and host.block_tables[3].tolist() == [scratch] * 5
+    with pytest.raises(ValueError):
+        DecodeInputs.pad(rows, 4, 6, bs, scratch, out=host)          # buffers of another table width
+
+
+def test_one_transfer_moves_every_array_up_to_the_batch_rows():
+    host, dev = DecodeInputs.alloc(8, 5, torch.device("cpu")), DecodeInputs.alloc(8, 5, torch.device("cpu"))
+    assert host.raw.numel() == 8 * (3 * 8 + 4 + 5 * 4)
+    for name in DecodeInputs.ARRAYS:      # views of the one buffer
+        t = getattr(host, name)
+        assert t.untyped_storage().data_ptr() == host.raw.untyped_storage().data_ptr() and t.is_contiguous()
+    dev.block_tables.fill_(-1)
+    rows = DecodeRows([5, 6, 7], [3, 17, 0], [[2], [0, 1, 4], [6]])
+    DecodeInputs.pad(rows, 4, 5, 8, 7, out=host)
+    dev.fill_from(host, 4)
+    for name in DecodeInputs.ARRAYS:
+        assert torch.equal(getattr(dev, name)[:4], getattr(host, name)[:4]), name
+    assert dev.block_tables[4:].eq(-1).all()     # the rows past the batch are not sent
+    assert dev.slot_mapping[:4].tolist() == [2 * 8 + 3, 4 * 8 + 1, 6 * 8, 7 * 8]
+
+
+def test_sampled_rows_are_a_view_when_every_row_samples():
+    from pwruntime.model_runner import _rows
+    h = torch.arange(12.0).reshape(6, 2)
+    assert _rows(h, [0, 1, 2]).data_ptr() == h.data_ptr() and _rows(h, [0, 1, 2]).tolist() == h[:3].tolist()
+    assert _rows(h, [1, 4]).tolist() == [[2.0, 3.0], [8.0, 9.0]]
+    assert _rows(h, []).shape == (0, 2)
+
+
 def test_kv_cache_scratch_block_and_generation():
     kv = KVCache(2, 4, 2, 1, 8, torch.float16, scratch=True)
     assert kv.scratch_block == 4 and kv.k[0].shape[0] == 5 and kv.generation == 0
