@@ -389,6 +389,22 @@ def test_token_groups_split_only_above_32_tokens(monkeypatch):
     assert group_tokens(5) == 5 and group_tokens(64) == 8
 
 
+def test_layer_launches_are_memoized_per_planner_setting(monkeypatch):
+    """The dispatch's memo of a layer's plans equals planning afresh, and a changed tuning constant (as `tune` and
+    the GPU tests set them) is planned afresh rather than served from the memo."""
+    from pwruntime.kernels import moe
+    shape = MoEShape(64, 2048, 1024, 8)
+    for tokens in (1, 16, 64):
+        p1, p2, carveout = moe.layer_launches(shape, tokens, 132, moe.planner_knobs())
+        assert (p1, p2) == moe_plans(shape, tokens) and carveout == moe.layer_carveout(p1, p2)
+        assert moe.layer_launches(shape, tokens, 132, moe.planner_knobs())[0] is p1   # served from the memo
+    monkeypatch.setattr(moe, "GROUP_TOKENS", 8)
+    p1, p2, _ = moe.layer_launches(shape, 16, 132, moe.planner_knobs())
+    assert [(p.nt, p.token_groups) for p in (p1, p2)] == [(1, 2), (1, 2)]
+    monkeypatch.setattr(moe, "LAYER_CARVEOUT", False)
+    assert moe.layer_launches(shape, 16, 132, moe.planner_knobs())[2] is None
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("group", [8, 16, 32])
 def test_overflow_slots_cover_every_routing(arch, group, monkeypatch):

@@ -12,6 +12,7 @@ layers and replays. Elsewhere (CPU, fp32) it runs `reference.fused_moe_ref` on t
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -224,6 +225,24 @@ def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[Launch
     return tuple(with_overflow(p, shape, tokens, max_active) for p in (p1, p2))
 
 
+def planner_knobs() -> tuple:
+    """What `moe_plans` and `layer_carveout` read besides their arguments: the planner functions themselves and the
+    module's tuning constants (`tune` and tests change them); part of `layer_launches`' key."""
+    return (moe_plans, plan_launch, XS_CAP, BLOCK_XS_CAP, OCCUPANCY_XS, LAYER_CARVEOUT, SPLIT_ABOVE, GROUP_TOKENS,
+            WIDE_MIN_CHUNKS, WIDE_MAX_NT, WANT_CTAS_PER_SM, WANT_CTAS_PER_SM_MANY)
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_launches(shape: MoEShape, tokens: int, sm_count: int, knobs: tuple) -> tuple[LaunchPlan, LaunchPlan,
+                                                                                      int | None]:
+    """A MoE layer's two launch plans and their carveout, memoized: every eager forward (prefill, mixed batches)
+    planned each MoE layer again, and an eager `fused_moe` call took 133-143 us of host time on the H200 host
+    planning, 98-106 memoized (OLMoE and Mixtral shapes, T = 1-64). `knobs` is `planner_knobs()`, so a changed
+    constant or planner plans afresh."""
+    p1, p2 = moe_plans(shape, tokens, sm_count)
+    return p1, p2, layer_carveout(p1, p2)
+
+
 def group_tokens(tokens: int) -> int:
     """Tokens of an expert one CTA of a launch of `tokens` serves (its token group): all of them up to SPLIT_ABOVE,
     above that half of them (two groups of 4 n-tiles at T = 64, which beat one of 8 on the H200: the 8-n-tile kernel
@@ -326,7 +345,7 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     ws = workspace
     if ws is None or ws.tokens < tokens or ws.dtype != x.dtype:
         ws = MoEWorkspace.create(shape, tokens, x.dtype, dev)
-    p1, p2 = moe_plans(shape, tokens, _sm_count(dev))
+    p1, p2, carveout = layer_launches(shape, tokens, _sm_count(dev), planner_knobs())
     if ws.counters.numel() < p2.n_tiles:
         raise ValueError("workspace was made for another shape")
     x = x.contiguous()
@@ -336,7 +355,7 @@ def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):
     base = layer * shape.num_experts * 2
     x_vec = int(x.data_ptr() % 16 == 0 and shape.hidden % 8 == 0)
     a_vec = int(ws.act.data_ptr() % 16 == 0 and shape.intermediate % 8 == 0)
-    k1, carveout = p1.kernel(dev, x.dtype), layer_carveout(p1, p2)
+    k1 = p1.kernel(dev, x.dtype)
     kc.launch(k1, dev, (p1.grid,), (32 * p1.warps,), (
         kc.i32(_MODE_GATE_UP), kc.ptr(table.table), kc.i64(base), kc.ptr(x), kc.i64(shape.hidden), kc.i32(x_vec),
         kc.ptr(ids), kc.ptr(wts), kc.i32(tokens), kc.i32(shape.top_k), kc.i32(shape.num_experts),
