@@ -78,13 +78,23 @@ def get_kernel(device: torch.device, name: str, func: str, defines: Sequence[tup
     if device.type != "cuda":
         raise KernelUnavailable(f"CUDA kernels need a CUDA tensor, got device {device}")
     index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(index)
-    fn = _function(index, tuple(cap), name, tuple(defines), func)
+    fn = _function(index, _capability(index), name, tuple(defines), func)
+    return _with_smem(fn, index, int(dyn_smem))
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return tuple(torch.cuda.get_device_capability(index))
+
+
+@functools.lru_cache(maxsize=4096)
+def _with_smem(fn, index: int, dyn_smem: int):
+    """`fn`, allowed at least `dyn_smem` bytes of dynamic shared memory (asked of the driver once a size)."""
     if fn.max_dynamic_shared_size_bytes < dyn_smem:
         # the default limit is 48 KiB minus the static shared memory; one CUfunction serves every launch
-        # plan, so the limit only ever grows
+        # plan, so the limit only ever grows (and a size granted once stays granted)
         with _cupy().cuda.Device(index):
-            fn.max_dynamic_shared_size_bytes = int(dyn_smem)
+            fn.max_dynamic_shared_size_bytes = dyn_smem
     return fn
 
 
@@ -118,14 +128,23 @@ def launch(kernel, device: torch.device, grid: tuple[int, ...], block: tuple[int
     `carveout`: the launch's preferred shared-memory carveout, percent of an SM's (the driver rounds it up to a
     configuration it supports).
     """
-    cupy = _cupy()
     index = device.index if device.index is not None else torch.cuda.current_device()
     handle = torch.cuda.current_stream(index).cuda_stream
+    cupy = _cupy()
+    if overlap_previous or carveout is not None:
+        with cupy.cuda.Device(index):   # the device's context current for the driver call (the stream is explicit)
+            _launch_ex(_function_ptr(kernel, index), grid, block, args, int(shared_mem), handle, overlap_previous,
+                       carveout)
+        return
     with cupy.cuda.Device(index), _external_stream(index, handle):
-        if overlap_previous or carveout is not None:
-            _launch_ex(kernel, grid, block, args, int(shared_mem), handle, overlap_previous, carveout)
-        else:
-            kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
+        kernel(grid, block, tuple(args), shared_mem=int(shared_mem))
+
+
+@functools.lru_cache(maxsize=4096)
+def _function_ptr(kernel, index: int) -> int:
+    """The CUfunction of a compiled kernel on device `index` (RawKernel -> its loaded cupy.cuda.Function)."""
+    with _cupy().cuda.Device(index):
+        return int(kernel.kernel.ptr)
 
 
 # cuLaunchKernelEx (CUDA driver API): CuPy launches without attributes, so these launches go through ctypes
@@ -183,7 +202,9 @@ def kernel_params(args: Sequence) -> tuple[list, ctypes.Array]:
     return values, (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
 
 
+@functools.lru_cache(maxsize=64)
 def _launch_attributes(overlap_previous: bool, carveout: int | None) -> ctypes.Array:
+    """A launch's attributes (shared between launches: the driver only reads them during the call)."""
     attrs = [_PDL_ATTRIBUTE] if overlap_previous else []
     if carveout is not None:
         a = LaunchAttribute(id=_PREFERRED_SHARED_MEMORY_CARVEOUT)
@@ -192,14 +213,13 @@ def _launch_attributes(overlap_previous: bool, carveout: int | None) -> ctypes.A
     return (LaunchAttribute * len(attrs))(*attrs)
 
 
-def _launch_ex(kernel, grid, block, args, shared_mem: int, stream: int, overlap_previous: bool,
+def _launch_ex(function: int, grid, block, args, shared_mem: int, stream: int, overlap_previous: bool,
                carveout: int | None) -> None:
     values, params = kernel_params(args)  # `values` stays alive until the driver has copied it (the call below)
     attrs = _launch_attributes(overlap_previous, carveout)
     cfg = LaunchConfig(_pad3(grid), _pad3(block), shared_mem, stream,
                        ctypes.cast(attrs, ctypes.POINTER(LaunchAttribute)), len(attrs))
-    function = kernel.kernel.ptr  # RawKernel -> the loaded cupy.cuda.Function of the current device -> CUfunction
-    err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), function, params, None)
+    err = _driver().cuLaunchKernelEx(ctypes.byref(cfg), ctypes.c_void_p(function), params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 

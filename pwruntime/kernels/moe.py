@@ -96,8 +96,13 @@ def n_tiles_of(tokens: int) -> int:
 
 def _sm_count(device: torch.device | None) -> int:
     if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def plan_launch(m_rows: int, k: int, tokens: int, rows_per_warp: int, ctas_per_tile: int, max_ctas_per_tile: int,
