@@ -268,27 +268,36 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
         self.scale, self.window, self.qk_norm, self.clip = cfg.head_dim ** -0.5, window, cfg.qk_norm, cfg.clip_qkv
-        self.q_proj = Linear(w["q"], w.get("q_bias"))
-        self.k_proj = Linear(w["k"], w.get("k_bias"))
-        self.v_proj = Linear(w["v"], w.get("v_bias"))
+        # q, k and v in one GEMM (weights stacked; a missing bias of a biased model is zeros)
+        self.q_size, self.kv_size = w["q"].shape[0], w["k"].shape[0]
+        biases = [w.get(f"{n}_bias") for n in "qkv"]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip("qkv", biases)])
+        self.qkv_proj = Linear(torch.cat([w["q"], w["k"], w["v"]]), bias)
         self.o_proj = Linear(w["o"], w.get("o_bias"))
         if cfg.qk_norm != "none":
             self.q_norm, self.k_norm = RMSNorm(w["q_norm"], cfg.rms_eps), RMSNorm(w["k_norm"], cfg.rms_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip is not None:
-            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-        q = q.view(n, self.heads, self.head_dim)
-        k = k.view(n, self.kv_heads, self.head_dim)
-        v = v.view(n, self.kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
+        n, qs, kvs = x.shape[0], self.q_size, self.kv_size
+        qkv = self.qkv_proj(x)
+        if self.qk_norm == "none" and self.clip is None:   # q and k rotated together: one set of rotary kernels
+            qk = Rotary.apply(qkv[:, :qs + kvs].view(n, self.heads + self.kv_heads, self.head_dim), cos, sin)
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
+            v = qkv[:, qs + kvs:].view(n, self.kv_heads, self.head_dim)
+        else:
+            q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
+            if self.qk_norm == "full":
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip is not None:
+                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+            q = q.reshape(n, self.heads, self.head_dim)
+            k = k.reshape(n, self.kv_heads, self.head_dim)
+            v = v.reshape(n, self.kv_heads, self.head_dim)
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
         k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window)
