@@ -316,10 +316,11 @@ def _print_tables(res: dict) -> None:
                   f"heads): {a['us']:.1f} us, {a['gbps']:.0f} GB/s of KV")
     print(f"\none linear-block 14336x4096, {res.get('dtype', 'fp16')} activations (us; the fp16 columns are torch's "
           f"F.linear in that dtype)")
-    print(f"{'T':>3} {'bits':>4} {'AP us':>8} {'AP GB/s':>8} {'fp16 us':>8} {'speedup':>7}")
+    print(f"{'T':>3} {'bits':>4} {'AP us':>8} {'AP GB/s':>8} {'fp16 us':>8} {'speedup':>7} {'fp16 same bytes us':>18}")
     for r in res["single_block"]:
+        same = r.get("fp16_same_bytes_us")  # absent from runs before session 21
         print(f"{r['tokens']:>3} {r['bits']:>4} {r['ap_us']:>8.2f} {r['ap_gbps']:>8.0f} {r['fp16_us']:>8.2f} "
-              f"{r['speedup_vs_fp16']:>7.2f}")
+              f"{r['speedup_vs_fp16']:>7.2f} {'-' if same is None else f'{same:.2f}':>18}")
     print("\nMoE layer (us per layer; roofline = AP bytes / fp16 GEMV bandwidth)")
     print(f"{'model':<20} {'T':>3} {'bits':>5} {'act':>4} {'AP us':>8} {'roofline':>8} {'x roof':>6} "
           f"{'AP GB/s':>8} {'fp16 loop':>9} {'fp16 bmm':>9}")

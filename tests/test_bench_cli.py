@@ -38,6 +38,18 @@ def test_plot_from_a_wrong_file_is_one_clear_error(tmp_path, capsys):
     assert main(["bench", "kernels", "--plot-from", str(tmp_path / "missing.json")]) == 2
 
 
+def test_kernel_table_prints_the_same_bytes_dense_gemv_where_a_run_has_it(capsys):
+    from pwruntime.cmd_bench import _print_tables
+    row = {"tokens": 1, "bits": 3, "ap_us": 10.5, "ap_gbps": 2100.0, "fp16_us": 31.4, "speedup_vs_fp16": 2.99}
+    res = {"device": "test GPU", "fp16_gemm_tflops": 700.0,
+           "copy": {"h2d_pinned_gbps": 55.0, "d2h_pinned_gbps": 55.0, "d2d_copy_gbps": 4000.0},
+           "fp16_gemv_gbps": 3700.0, "single_block": [{**row, "fp16_same_bytes_us": 7.25}, {**row, "bits": 4}],
+           "moe": []}
+    _print_tables(res)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.strip().startswith("1 ")]
+    assert lines[0].split()[-1] == "7.25" and lines[1].split()[-1] == "-"   # the second: a run before session 21
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--tokens", "64"], "--tokens must lie in 65..8192 for bench prefill"),
     (["--tokens", "a,b"], "comma-separated integers"),

@@ -118,25 +118,37 @@ def _random_table(copies: int, out: int, inp: int, gen: torch.Generator):
 
 def single_block(cfg: BenchConfig, out: int = 14336, inp: int = 4096, copies: int = 8,
                  tokens: tuple[int, ...] = (1, 8), bits: tuple[int, ...] = BITS) -> list[dict]:
-    """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated."""
+    """Mixtral-expert-sized block: AP at each bitwidth vs torch fp16 GEMV (F.linear), `copies` rotated. Each row also
+    times the dense GEMV of a block of the AP planes' bytes (`fp16_same_bytes_us`: [out, in * bits / 16]), what
+    torch's own kernel takes to stream that many bytes at this size."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     table, luts = _random_table(copies, out, inp, gen)
-    dense = [(torch.randn(out, inp, device="cuda", generator=gen, dtype=torch.float16) / inp ** 0.5).to(cfg.act_dtype)
-             for _ in range(max(2, copies // 2))]
+    n_dense = max(2, copies // 2)
+
+    def dense_weights(k: int) -> list[torch.Tensor]:
+        return [(torch.randn(out, k, device="cuda", generator=gen, dtype=torch.float16) / k ** 0.5).to(cfg.act_dtype)
+                for _ in range(n_dense)]
+
+    def dense_us(x: torch.Tensor, weights: list[torch.Tensor]) -> float:
+        return graph_ms(capture(lambda: [F.linear(x, w) for w in weights]), cfg) * 1000 / len(weights)
+
+    dense = dense_weights(inp)
+    same_bytes = {b: dense_weights(inp * b // 16) for b in bits}
     rows = []
     for t in tokens:
         x = torch.randn(t, inp, device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype)
         g_ap = capture(lambda: [ap_linear(table, c, x, out) for c in range(copies)])
-        g_fp = capture(lambda: [F.linear(x, w) for w in dense])
-        fp_us = graph_ms(g_fp, cfg) * 1000 / len(dense)
+        fp_us = dense_us(x, dense)
         for b in bits:
             for c in range(copies):
                 table.commit_bits(c, b, luts[b][c])
             us = graph_ms(g_ap, cfg) * 1000 / copies
             nbytes = ap_block_bytes(out, inp, b)
+            same_us = dense_us(x[:, :inp * b // 16], same_bytes[b])
             rows.append({"out": out, "in": inp, "tokens": t, "bits": b, "dtype": cfg.dtype, "ap_us": us, "ap_bytes": nbytes,
                          "ap_gbps": nbytes / us / 1e3, "fp16_us": fp_us,
-                         "fp16_gbps": fp16_bytes(out, inp) / fp_us / 1e3, "speedup_vs_fp16": fp_us / us})
+                         "fp16_gbps": fp16_bytes(out, inp) / fp_us / 1e3, "speedup_vs_fp16": fp_us / us,
+                         "fp16_same_bytes_us": same_us})
     return rows
 
 
