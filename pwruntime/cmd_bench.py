@@ -321,11 +321,13 @@ def _print_tables(res: dict) -> None:
         same = r.get("fp16_same_bytes_us")  # absent from runs before session 21
         print(f"{r['tokens']:>3} {r['bits']:>4} {r['ap_us']:>8.2f} {r['ap_gbps']:>8.0f} {r['fp16_us']:>8.2f} "
               f"{r['speedup_vs_fp16']:>7.2f} {'-' if same is None else f'{same:.2f}':>18}")
-    print("\nMoE layer (us per layer; roofline = AP bytes / fp16 GEMV bandwidth)")
+    print("\nMoE layer (us per layer; roofline = AP bytes / fp16 GEMV bandwidth; same bytes = torch's two dense GEMVs "
+          "over each launch's bytes)")
     print(f"{'model':<20} {'T':>3} {'bits':>5} {'act':>4} {'AP us':>8} {'roofline':>8} {'x roof':>6} "
-          f"{'AP GB/s':>8} {'fp16 loop':>9} {'fp16 bmm':>9}")
+          f"{'AP GB/s':>8} {'fp16 loop':>9} {'fp16 bmm':>9} {'same bytes':>10}")
     for r in res["moe"]:
         bmm = f"{r['fp16_gathered_bmm_us']:.1f}" if r["fp16_gathered_bmm_us"] else "-"
+        same = f"{r['fp16_same_bytes_us']:.1f}" if r.get("fp16_same_bytes_us") else "-"  # runs since session 21
         print(f"{r['model']:<20} {r['tokens']:>3} {str(r['bits']):>5} {r['active_experts']:>4} {r['ap_us']:>8.1f} "
               f"{r['roofline_us']:>8.1f} {r['vs_roofline']:>6.2f} {r['ap_gbps']:>8.0f} {r['fp16_loop_us']:>9.1f} "
-              f"{bmm:>9}")
+              f"{bmm:>9} {same:>10}")

@@ -189,9 +189,10 @@ class APLayers:
                     b = bits_of(layer, ex, kind)
                     self.table.commit_bits(self.shape.block(layer, ex, kind), b, luts[b][ex])
 
-    def bytes_per_layer(self, active: list[int]) -> float:
+    def bytes_per_layer(self, active: list[int], kinds: tuple[int, ...] = (0, 1)) -> float:
+        """Mean bytes a layer's launches read for the `active` experts' blocks of `kinds` (0 gate_up, 1 down)."""
         total = sum(self.table.nbytes_read(self.shape.block(layer, ex, kind))
-                    for layer in range(self.layers) for ex in active for kind in (0, 1))
+                    for layer in range(self.layers) for ex in active for kind in kinds)
         return total / self.layers
 
 
@@ -264,6 +265,25 @@ def _fp16_paths(shape: MoEShape, x, ids, w, wgu, wd):
     return (gathered if gather_bytes <= FP16_GATHER_LIMIT else None), loop
 
 
+def same_bytes_dense_us(cfg: BenchConfig, tokens: int, launches: list[tuple[int, float]], copies: int,
+                        gen: torch.Generator) -> float:
+    """torch's dense GEMVs over as many bytes as a MoE layer's two AP launches read, back to back in stream order as
+    those launches run: launch j as `F.linear` of `tokens` rows over a dense [rows_j, bytes_j / (2 rows_j)] block
+    (`launches` = [(rows_j, bytes_j)]), `copies` of each rotated so the L2 holds none. What torch's own kernels take
+    to stream a layer's bytes in two launches at this size."""
+    blocks = []
+    for _ in range(copies):
+        pair = []
+        for rows, nbytes in launches:
+            cols = max(16, round(nbytes / (2 * rows) / 16) * 16)
+            pair.append(torch.randn(rows, cols, device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype))
+        blocks.append(pair)
+    xs = [torch.randn(tokens, w.shape[1], device="cuda", generator=gen, dtype=torch.float16).to(cfg.act_dtype)
+          for w in blocks[0]]
+    graph = capture(lambda: [F.linear(x, w) for pair in blocks for x, w in zip(xs, pair)])
+    return graph_ms(graph, cfg) * 1000 / copies
+
+
 def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None,
                bits: tuple[int, ...] = BITS, baselines: bool = True) -> list[dict]:
     h, i, e, k = ARCHS[name]
@@ -296,10 +316,13 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
         for t, c in cases.items():
             us = graph_ms(c["graph"], cfg) * 1000 / layers
             nbytes = ap.bytes_per_layer(c["active"])
+            launches = [(len(c["active"]) * 2 * i, ap.bytes_per_layer(c["active"], (0,))),
+                        (h, ap.bytes_per_layer(c["active"], (1,)))]
+            same_us = same_bytes_dense_us(cfg, t, launches, layers, gen) if baselines else None
             rows.append({"model": name, "tokens": t, "bits": bits, "dtype": cfg.dtype, "active_experts": len(c["active"]),
                          "layers_rotated": layers, "ap_us": us, "ap_bytes": nbytes, "ap_gbps": nbytes / us / 1e3,
                          "fp16_bytes": c["fp16_bytes"], "fp16_loop_us": c["fp16_loop_us"],
-                         "fp16_gathered_bmm_us": c["fp16_gathered_us"]})
+                         "fp16_gathered_bmm_us": c["fp16_gathered_us"], "fp16_same_bytes_us": same_us})
         progress(f"{name} bits={bits} done")
     return rows  # the caller empties torch's cache once these locals are gone
 
