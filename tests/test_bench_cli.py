@@ -12,10 +12,10 @@ from pwruntime.cli import main
 
 def _result() -> dict:
     """A small result in the shape `pwruntime bench kernels --out` writes."""
-    single = [{"out": 64, "in": 128, "tokens": t, "bits": b, "ap_us": 10.0 + b + t, "fp16_us": 20.0}
-              for t in (1, 8) for b in (3, 4, 8)]
-    moe = [{"model": m, "tokens": t, "bits": b, "vs_roofline": 2.0 + t / 8}
-           for m in ("olmoe-1b-7b", "mixtral-8x7b") for t in (1, 16) for b in (3, "mixed")]
+    single = [{"out": 64, "in": 128, "tokens": t, "bits": b, "ap_us": 10.0 + b + t, "fp16_us": 20.0,
+               "fp16_same_bytes_us": 5.0 + b} for t in (1, 8) for b in (3, 4, 8)]
+    moe = [{"model": m, "tokens": t, "bits": b, "vs_roofline": 2.0 + t / 8, "roofline_us": 4.0,
+            "fp16_same_bytes_us": 6.0} for m in ("olmoe-1b-7b", "mixtral-8x7b") for t in (1, 16) for b in (3, "mixed")]
     return {"device": "test GPU", "single_block": single, "moe": moe}
 
 

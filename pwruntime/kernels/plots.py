@@ -1,9 +1,10 @@
 """Figure of a `pwruntime bench kernels` result (matplotlib, Agg backend): one block and MoE layers.
 
-Left: the Mixtral-sized linear-block, AP time per bitwidth at each T against torch fp16 (dashed)
-and the issue's 8 us target at 3 bits.
+Left: the Mixtral-sized linear-block, AP time per bitwidth at each T against torch fp16 (dashed), torch's
+dense GEMV over the same bytes as the planes (dotted, runs since session 21) and the issue's 8 us target at 3 bits.
 Right: whole MoE layers at 3 bits, measured time over the roofline per model and T, with the
-issue's 1.5x target as a line.
+issue's 1.5x target as a line, and (black ticks, runs since session 21) torch's two dense GEMVs over the same bytes
+over the roofline: the floor torch itself reaches at that size.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
         color = f"C{i}"
         left.plot([r["bits"] for r in rows], [r["ap_us"] for r in rows], "o-", color=color, label=f"AP, T={t}")
         left.axhline(rows[0]["fp16_us"], color=color, ls="--", lw=1, label=f"torch fp16, T={t}")
+        if all(r.get("fp16_same_bytes_us") for r in rows):
+            left.plot([r["bits"] for r in rows], [r["fp16_same_bytes_us"] for r in rows], ":", color=color,
+                      label=f"torch fp16 over the same bytes, T={t}")
     if blocks:
         left.set_title(f"one {blocks[0]['out']}x{blocks[0]['in']} block")
         left.plot([3], [8.0], "rx", ms=9, label="target at 3 bits, T=1")
@@ -38,14 +42,21 @@ def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
     tokens = sorted({r["tokens"] for r in moe})
     width = 0.8 / max(1, len(tokens))
     for j, t in enumerate(tokens):
-        ys = [next((r["vs_roofline"] for r in moe if r["model"] == m and r["tokens"] == t), 0.0) for m in models]
-        right.bar([i + j * width for i in range(len(models))], ys, width, label=f"T={t}")
+        rows = [next((r for r in moe if r["model"] == m and r["tokens"] == t), None) for m in models]
+        xs = [i + j * width for i in range(len(models))]
+        right.bar(xs, [r["vs_roofline"] if r else 0.0 for r in rows], width, label=f"T={t}")
+        floor = [(x, r["fp16_same_bytes_us"] / r["roofline_us"]) for x, r in zip(xs, rows)
+                 if r and r.get("fp16_same_bytes_us") and r.get("roofline_us")]
+        if floor:
+            right.plot(*zip(*floor), "_", color="k", ms=14, mew=2,
+                       label="torch fp16 over the same bytes" if j == 0 else None)
     right.axhline(1.5, color="r", ls="--", lw=1, label="target 1.5x")
     right.set_xticks([i + width * (len(tokens) - 1) / 2 for i in range(len(models))])
     right.set_xticklabels([MODEL_LABELS[m] for m in models])
     right.set_ylabel("measured / roofline")
     right.set_title(f"one MoE layer at {moe_bits} bits")
-    right.legend(fontsize=8)
+    right.set_ylim(0, right.get_ylim()[1] * 1.3)   # room for the legend above the bars
+    right.legend(fontsize=8, ncol=3, loc="upper center")
 
     fig.suptitle(f"{res.get('device', '')}: fused AP kernels", fontsize=11)
     fig.tight_layout()
