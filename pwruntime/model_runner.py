@@ -20,7 +20,7 @@ from policies.scheduler import ScheduledBatch
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
-from pwruntime.model.moe_model import ForwardOutput
+from pwruntime.model.moe_model import ForwardOutput, LayerRouting
 
 
 @dataclass(frozen=True)
@@ -89,15 +89,7 @@ class ModelRunner:
         logits = self.model.logits(_rows(out.hidden, rows))
         routing = None
         if record and out.routing:
-            r = out.routing
-            ids = torch.stack([x.topk_ids for x in r])
-            parts = [torch.stack([getattr(x, f) for x in r]).float() for f in ("topk_weights", "gate_up_in_norm",
-                                                                               "down_in_norm")]
-            floats = torch.cat([p.reshape(-1) for p in parts]).cpu().numpy()  # two copies to the host, not four
-            split = np.cumsum([p.numel() for p in parts])[:-1]
-            weights, gate_up_norm, down_norm = (a.reshape(p.shape) for a, p in zip(np.split(floats, split), parts))
-            routing = RoutingArrays(ids.cpu().numpy(), weights, gate_up_norm, down_norm,
-                                    tuple(e.num_new_tokens for e in batch.entries))
+            routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries))
         return StepOutput(logits, routing)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -118,3 +110,21 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(len(rows))):
         return hidden[:len(rows)]
     return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+
+
+def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...]) -> RoutingArrays:
+    """A forward's routing on the host in one copy: every layer's arrays, as 32-bit words (an int64 id is two),
+    concatenated on the device by one kernel and viewed back as their types on the host (bits copied, never
+    converted). Four stacks and two copies before; one sync fewer a step."""
+    t, k = layers[0].topk_ids.shape
+    fields = (("topk_ids", (t, 2 * k), np.int64), ("topk_weights", (t, k), np.float32),
+              ("gate_up_in_norm", (t,), np.float32), ("down_in_norm", (t, k), np.float32))
+    words = [getattr(x, name).to(torch.int64 if dtype is np.int64 else torch.float32).contiguous().view(torch.int32)
+             .reshape(-1) for name, _, dtype in fields for x in layers]
+    flat = torch.cat(words).cpu().numpy()
+    out, at = [], 0
+    for _, shape, dtype in fields:
+        n = len(layers) * int(np.prod(shape))
+        out.append(flat[at:at + n].reshape(len(layers), *shape).view(dtype))
+        at += n
+    return RoutingArrays(*out, query_lens)

@@ -11,6 +11,7 @@ eagerly with the (not capturable) dense store.
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from types import SimpleNamespace
 
 import numpy as np
@@ -107,6 +108,21 @@ def test_sampled_rows_are_a_view_when_every_row_samples():
     assert _rows(h, [0, 1, 2]).data_ptr() == h.data_ptr() and _rows(h, [0, 1, 2]).tolist() == h[:3].tolist()
     assert _rows(h, [1, 4]).tolist() == [[2.0, 3.0], [8.0, 9.0]]
     assert _rows(h, []).shape == (0, 2)
+
+
+def test_routing_reaches_the_host_in_one_copy_bit_for_bit():
+    from pwruntime.model.moe_model import LayerRouting
+    from pwruntime.model_runner import routing_to_host
+    g = torch.Generator().manual_seed(0)
+    layers, t, k = 3, 5, 4
+    static = [LayerRouting(torch.randint(0, 2 ** 40, (8, k), generator=g), torch.randn(8, k, generator=g),
+                           torch.rand(8, generator=g), torch.randn(8, k, generator=g)) for _ in range(layers)]
+    rows = [LayerRouting(*(getattr(x, f.name)[:t] for f in fields(x))) for x in static]  # as a graph's real rows
+    r = routing_to_host(rows, (2, 3))
+    assert r.query_lens == (2, 3) and r.topk_ids.dtype == np.int64 and r.topk_ids.shape == (layers, t, k)
+    for f in fields(rows[0]):
+        want = torch.stack([getattr(x, f.name) for x in rows]).numpy()
+        assert getattr(r, f.name).dtype == want.dtype and np.array_equal(getattr(r, f.name), want), f.name
 
 
 def test_kv_cache_scratch_block_and_generation():
