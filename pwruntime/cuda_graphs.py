@@ -139,7 +139,7 @@ class DecodeInputs:
         with torch.inference_mode():   # the buffers may be inference tensors if made under inference mode
             if self.raw is not None and host.raw is not None and host.raw.shape == self.raw.shape:
                 rows = self.block_tables.shape[0] if size is None else size
-                end = self.raw.numel() - self.block_tables[rows:].numel() * 4
+                end = self.raw.numel() - self.block_tables[rows:].numel() * self.block_tables.element_size()
                 self.raw[:end].copy_(host.raw[:end], non_blocking=True)
                 return
             for name in self.ARRAYS:
