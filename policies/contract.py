@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -13,6 +13,30 @@ if TYPE_CHECKING:  # pragma: no cover
 # prompt feature columns (phi): routing-weighted mean input norm, routing-weighted RMS input norm,
 # max input norm, merged over running requests weighted by their KV-block usage
 PHI_NAMES = ("mean_norm", "rms_norm", "max_norm")
+
+
+class RoutingReadout:
+    """The routing mass ([layers, experts], each row summing to 1 or all 0) and prompt features ([num_blocks, 3],
+    PHI_NAMES) an Observation carries. Each is an array, None, or a function of no arguments that computes it when
+    first read: an engine defers that work (policies.observe.RoutingStats), since most steps' planners read neither."""
+
+    __slots__ = ("_values",)
+
+    def __init__(self, mass: np.ndarray | Callable[[], np.ndarray] | None = None,
+                 features: np.ndarray | Callable[[], np.ndarray | None] | None = None) -> None:
+        self._values = {"mass": mass, "features": features}
+
+    def _get(self, key: str) -> np.ndarray | None:
+        value = self._values[key]
+        if callable(value):
+            value = self._values[key] = value()
+        return value
+
+    def mass(self) -> np.ndarray | None:
+        return self._get("mass")
+
+    def features(self) -> np.ndarray | None:
+        return self._get("features")
 
 
 @dataclass(frozen=True)
@@ -30,8 +54,17 @@ class Observation:
     inflight_bytes: int = 0
     num_running: int = 0
     num_waiting: int = 0
-    routing_mass: np.ndarray | None = None  # [layers, experts], each row sums to 1 (or all 0)
-    prompt_features: np.ndarray | None = None  # [num_blocks, 3], PHI_NAMES
+    routing: RoutingReadout | None = None  # the routing mass and prompt features, computed when first read
+
+    @property
+    def routing_mass(self) -> np.ndarray | None:
+        """[layers, experts], each row sums to 1 (or all 0); None when the engine keeps no routing statistics."""
+        return None if self.routing is None else self.routing.mass()
+
+    @property
+    def prompt_features(self) -> np.ndarray | None:
+        """[num_blocks, 3], PHI_NAMES; None when the engine keeps no prompt features."""
+        return None if self.routing is None else self.routing.features()
 
     def __post_init__(self) -> None:
         if self.free_blocks < 0 or self.total_blocks < 0 or self.free_blocks > self.total_blocks:

@@ -91,10 +91,10 @@ class BatchedPromptFeatures:
         first = np.cumsum(lens) - lens  # each kept sequence's first token (empty ones hold none)
         if single.any():
             t = first[single]  # the one token of each single-token sequence
-            self._update_single(rows[single], *_tokens(t, ids, w, gu, dn))
+            self._update_single(rows[single], *take_tokens(t, ids, w, gu, dn))
         multi = ~single
         tok = np.flatnonzero(np.repeat(multi, lens))  # the tokens of the multi-token sequences, in order
-        self._update_multi(rows[multi], lens[multi], *_tokens(tok, ids, w, gu, dn))
+        self._update_multi(rows[multi], lens[multi], *take_tokens(tok, ids, w, gu, dn))
 
     def _pair_index(self, local: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[layers * tokens * k] flat (row, layer, expert) pair of every routing slot: `local[t]` is token t's row."""
@@ -196,7 +196,7 @@ def _put_rows(dst: np.ndarray, rows: np.ndarray, values: np.ndarray) -> None:
     np.put(flat, rows, np.ascontiguousarray(values, dtype=dst.dtype).reshape(len(rows), -1).view(rec).reshape(-1))
 
 
-def _tokens(t: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
+def take_tokens(t: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
     """Tokens `t` (axis 1) of each `[layers, tokens, ...]` array, as C-contiguous arrays."""
     return [np.take(a, t, axis=1) for a in arrays]
 

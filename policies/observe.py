@@ -18,6 +18,9 @@ the block's input row: for gate_up, the routed experts' input (one per token); f
 intermediate activation fed to that expert's down projection (one per token and top-k slot).
 `BatchedPromptFeatures.merged(usage)` (policies.features) averages each block's phi over running sequences that routed to it, weighted by
 their KV-block usage; blocks no running sequence routed to get zeros.
+
+`RoutingStats` is what an engine keeps: both, with each step's routing held until it is needed, so an Observation
+computes them only when a planner reads them (`policies.contract.RoutingReadout`).
 """
 from __future__ import annotations
 
@@ -26,8 +29,8 @@ from typing import Hashable, Mapping, Sequence as Seq
 
 import numpy as np
 
-from policies.contract import Observation
-from policies.features import BatchedPromptFeatures
+from policies.contract import Observation, RoutingReadout
+from policies.features import BatchedPromptFeatures, take_tokens
 
 
 def _as_lt(a, name: str, ndim: int) -> np.ndarray:
@@ -75,6 +78,118 @@ class RoutingMass:
         return np.divide(self.acc, total, out=np.zeros_like(self.acc), where=total > 0)
 
 
+@dataclass(frozen=True)
+class _HeldStep:
+    """One step's routing, not yet folded into the statistics (arrays as `RoutingStats.add` takes them)."""
+
+    seq_ids: list
+    query_lens: np.ndarray
+    topk_ids: np.ndarray
+    topk_weights: np.ndarray
+    gate_up_in_norm: np.ndarray | None
+    down_in_norm: np.ndarray | None
+
+
+@dataclass
+class RoutingStats:
+    """An engine's routing statistics: the routing mass and (with `features`) the prompt features.
+
+    `add` holds a step's routing and folds the step held before it; `fold` folds it now (the runtime calls it while
+    the GPU runs the next forward, so this numpy work overlaps it); reading the mass, a sequence's features or a
+    readout folds first. Folding later runs the same numpy calls in the same order as folding each step as it comes,
+    so when the work happens never changes what a planner sees. A sequence dropped while its routing is held is left
+    out of the prompt features' fold, as dropping it after the fold would have removed it (the routing mass keeps
+    every token, as it always did).
+
+    `readout(usage)` is an Observation's RoutingReadout: the mass, and the features merged over `usage` (sequence ->
+    KV blocks), each computed when first read. It holds until the next `add` or `drop`; reading it after one raises,
+    since it would otherwise see a later step.
+    """
+
+    layers: int
+    experts: int
+    half_life_tokens: float | None = 4096.0
+    features: bool = True
+    routing: RoutingMass = field(init=False)
+    prompt: BatchedPromptFeatures | None = field(init=False)
+    _held: _HeldStep | None = field(init=False, default=None)
+    _dropped: set = field(init=False, default_factory=set)  # dropped while their routing is held
+    _epoch: int = field(init=False, default=0)  # bumped by every add and drop: older readouts refuse to read
+
+    def __post_init__(self) -> None:
+        self.routing = RoutingMass(self.layers, self.experts, self.half_life_tokens)
+        self.prompt = BatchedPromptFeatures(self.layers, self.experts) if self.features else None
+
+    def add(self, seq_ids: Seq[Hashable], query_lens: Seq[int], topk_ids, topk_weights, gate_up_in_norm=None,
+            down_in_norm=None) -> None:
+        """Hold one step's flattened batch (ids/weights/down norms [layers, tokens, k], gate_up norms [layers,
+        tokens]; without norms only the routing mass is kept). The arrays must not change until folded."""
+        self.fold()
+        lens = np.asarray(query_lens, dtype=np.int64)
+        ids = _as_lt(topk_ids, "topk_ids", 3)
+        if int(lens.sum()) != ids.shape[1] or len(lens) != len(seq_ids):
+            raise ValueError(f"{len(seq_ids)} sequences with {int(lens.sum())} tokens for routing of {ids.shape[1]}")
+        has_norms = gate_up_in_norm is not None and down_in_norm is not None
+        self._held = _HeldStep(list(seq_ids), lens, ids, _as_lt(topk_weights, "topk_weights", 3),
+                               gate_up_in_norm if has_norms else None, down_in_norm if has_norms else None)
+        self._epoch += 1
+
+    def fold(self) -> None:
+        """Fold the held step into the routing mass and prompt features (nothing when none is held)."""
+        held, self._held = self._held, None
+        if held is None:
+            return
+        self.routing.update(held.topk_ids, held.topk_weights)
+        if self.prompt is not None and held.gate_up_in_norm is not None:
+            arrays = (held.topk_ids, held.topk_weights, held.gate_up_in_norm, held.down_in_norm)
+            seq_ids, lens = held.seq_ids, held.query_lens
+            if self._dropped:
+                keep = np.array([s not in self._dropped for s in seq_ids], dtype=bool)
+                arrays = take_tokens(np.flatnonzero(np.repeat(keep, lens)), *arrays)
+                seq_ids, lens = [s for s, k in zip(seq_ids, keep) if k], lens[keep]
+            self.prompt.update_batch(seq_ids, lens, *arrays)
+        self._dropped.clear()
+
+    def drop(self, seq_id: Hashable) -> None:
+        """Forget a sequence's prompt features (finished, or preempted: its recompute adds its tokens again)."""
+        if self.prompt is not None:
+            self.prompt.drop(seq_id)
+            if self._held is not None:
+                self._dropped.add(seq_id)
+        self._epoch += 1
+
+    def mass(self) -> np.ndarray:
+        """RoutingMass.mass() with every step added so far."""
+        self.fold()
+        return self.routing.mass()
+
+    def sequence_features(self, seq_id: Hashable) -> np.ndarray:
+        """BatchedPromptFeatures.sequence_features with every step added so far (zeros without features)."""
+        self.fold()
+        return (np.zeros((2 * self.layers * self.experts, 3)) if self.prompt is None
+                else self.prompt.sequence_features(seq_id))
+
+    def readout(self, usage: Mapping[Hashable, int]) -> RoutingReadout:
+        """The routing mass and the prompt features merged over `usage`, computed when first read."""
+        epoch = self._epoch
+
+        def current() -> None:
+            if self._epoch != epoch:
+                raise RuntimeError("an Observation's routing was read after its engine added or dropped routing; "
+                                   "read it within the step that built it")
+            self.fold()
+
+        def mass() -> np.ndarray:
+            current()
+            return self.routing.mass()
+
+        def features() -> np.ndarray | None:
+            current()
+            return None if self.prompt is None else self.prompt.merged(usage)
+
+        return RoutingReadout(mass, features)
+
+
 def split_tokens(query_lens: Seq[int]) -> list[tuple[int, int]]:
     """[start, end) of each sequence's tokens in a flattened batch."""
     bounds = np.concatenate([[0], np.cumsum(np.asarray(query_lens, dtype=np.int64))])
@@ -82,10 +197,10 @@ def split_tokens(query_lens: Seq[int]) -> list[tuple[int, int]]:
 
 
 def build_observation(*, step: int, time_s: float, pool, scheduler, kv_block_bytes: int,
-                      free_block_threshold: int, routing: RoutingMass | None = None,
-                      features: BatchedPromptFeatures | None = None, headroom_bytes: int = 0,
+                      free_block_threshold: int, routing: RoutingStats | None = None, headroom_bytes: int = 0,
                       inflight_bytes: int = 0) -> Observation:
-    """The Observation at the end of an iteration, from the shared pool and scheduler state."""
+    """The Observation at the end of an iteration, from the shared pool and scheduler state; its routing mass and
+    prompt features (when `routing` is given) are computed if a planner reads them."""
     return Observation(
         step=step, time_s=float(time_s),
         free_blocks=pool.num_free, total_blocks=pool.capacity,
@@ -93,6 +208,5 @@ def build_observation(*, step: int, time_s: float, pool, scheduler, kv_block_byt
         pending_kv_blocks=scheduler.pending_blocks(),
         headroom_bytes=int(headroom_bytes), inflight_bytes=int(inflight_bytes),
         num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-        routing_mass=None if routing is None else routing.mass(),
-        prompt_features=None if features is None else features.merged(scheduler.block_usage()),
+        routing=None if routing is None else routing.readout({} if routing.prompt is None else scheduler.block_usage()),
     )

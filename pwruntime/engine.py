@@ -3,7 +3,9 @@
 Every `step()` is one iteration: schedule (policies.Scheduler over policies.BlockPool) -> forward
 (ModelRunner) -> sample (one torch.Generator per request) -> observe (policies.observe builds the
 Observation from the pool, the scheduler, the online routing mass and the prompt features; the routing is
-brought to the host and observed only when the policy plans, not for noop and the static baselines) ->
+brought to the host and observed only when the policy plans, not for noop and the static baselines. A step's
+routing is held (policies.observe.RoutingStats) and folded into the statistics while the next forward runs on the
+GPU, or when a planner reads the Observation's routing; which of the two never changes what the planner sees) ->
 plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
@@ -42,8 +44,7 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
-from policies.features import BatchedPromptFeatures
-from policies.observe import RoutingMass, build_observation
+from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
 from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
@@ -61,8 +62,9 @@ class StepPhases:
     """Seconds (on the engine's clock) of one step's phases; they add up to the step."""
     schedule_s: float  # the scheduler's batch (and dropping the preempted sequences' features)
     forward_s: float  # ModelRunner.run: inputs, the model (a graph replay or eager), logits, routing to the host
+    # (with the previous step's routing folded into the statistics while the GPU runs)
     sample_s: float  # sampling the next tokens
-    observe_s: float  # routing mass and prompt features, postprocess, outputs, the planner's Observation
+    observe_s: float  # the routing held for the statistics, postprocess, outputs, the planner's Observation
     plan_s: float  # PlanLoop.step: the policy's plan, page moves started and landed
 
     PHASES = ("schedule_s", "forward_s", "sample_s", "observe_s", "plan_s")
@@ -148,8 +150,7 @@ class LLMEngine:
         policy.reset(self.table, calibration)
         self.policy = policy
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release)
-        self.routing = RoutingMass(n_moe, mc.experts, cfg.routing_half_life_tokens)
-        self.features = BatchedPromptFeatures(n_moe, mc.experts)
+        self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:
             self.recorder.set_model(n_moe, mc.experts, mc.top_k)
@@ -233,7 +234,7 @@ class LLMEngine:
         seq = self.scheduler.abort(request_id)
         if seq is None:
             return None
-        self.features.drop(request_id)
+        self.routing.drop(request_id)
         return self._output(seq)
 
     def has_unfinished(self) -> bool:
@@ -245,11 +246,15 @@ class LLMEngine:
         marks = [self.clock()]
         batch = self.last_batch = self.scheduler.schedule()
         for s in batch.preempted:
-            self.features.drop(s.seq_id)  # its recompute will observe its tokens again
+            self.routing.drop(s.seq_id)  # its recompute will observe its tokens again
         finished: list[Sequence] = list(batch.aborted)
         marks.append(self.clock())
         if batch.entries:
             out = self.runner.run(batch, self.pool, record=self._record)
+            routing = None
+            if out.routing is not None:
+                self.routing.fold()  # the previous step's routing: host work while the GPU runs this forward
+                routing = out.routing.arrays()
             marks.append(self.clock())
             sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
             params = [r.params for r in sampling]
@@ -258,8 +263,8 @@ class LLMEngine:
                 if rec is not None:  # asked for: one record per token postprocess appends
                     r.logprobs.append(rec)
             marks.append(self.clock())
-            if out.routing is not None:
-                self._observe_routing(batch, out.routing)
+            if routing is not None:
+                self._observe_routing(batch, routing)
             finished += self.scheduler.postprocess(batch, tokens, stop=self._stop_string)
             now = self._now()
             for r in sampling:
@@ -271,7 +276,7 @@ class LLMEngine:
         self.last_observation = build_observation(
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
             kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
-            routing=self.routing if self._record else None, features=self.features if self._record else None,
+            routing=self.routing if self._record else None,
             headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
         marks.append(self.clock())
         self.last_loop = self.loop.step(self.last_observation)
@@ -313,10 +318,9 @@ class LLMEngine:
         return self.clock() - self.t0
 
     def _observe_routing(self, batch: ScheduledBatch, r: RoutingArrays) -> None:
-        self.routing.update(r.topk_ids, r.topk_weights)
-        # the whole batch in one call (a call per sequence cost about 1.4 ms a 32-sequence decode step on the H200 host)
-        self.features.update_batch([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
-                                   r.gate_up_in_norm, r.down_in_norm)
+        # held, and folded while the next step's forward runs on the GPU (or when a planner reads it)
+        self.routing.add([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
+                         r.gate_up_in_norm, r.down_in_norm)
         if self.recorder is not None:
             self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
 
@@ -353,7 +357,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
-        self.features.drop(seq.seq_id)
+        self.routing.drop(seq.seq_id)
         ids = list(seq.output_token_ids)
         if req.stop_text is not None:
             text = req.stop_text

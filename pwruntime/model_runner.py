@@ -2,7 +2,7 @@
 
 The scheduler's pool already reserved every slot; the runner only reads block tables. It returns the
 logits of the rows that sample (each sampling sequence's last new token) and, when asked, the batch's
-routing as numpy arrays for the shared observation code (policies.observe).
+routing on its way to the host (`RoutingCopy`; numpy arrays for the shared observation code, policies.observe).
 
 With `cuda_graphs` on a CUDA model, a batch in which every sequence adds exactly one token replays a
 captured graph (pwruntime.cuda_graphs.DecodeGraphs) when the expert store is capturable; everything
@@ -35,9 +35,32 @@ class RoutingArrays:
 
 
 @dataclass(frozen=True)
+class RoutingCopy:
+    """A forward's routing on its way to the host (`routing_to_host`): `arrays()` waits for the copy."""
+
+    words: torch.Tensor  # int32 on the host (pinned when the copy is from a GPU): every layer's arrays, field-major
+    ready: torch.cuda.Event | None  # recorded after the copy (None: copied already)
+    layers: int
+    tokens: int
+    top_k: int
+    query_lens: tuple[int, ...]
+
+    def arrays(self) -> RoutingArrays:
+        """The routing as numpy arrays: the words viewed back as their types (bits copied, never converted)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        flat, out, at = self.words.numpy(), [], 0
+        for _, shape, dtype in _routing_fields(self.tokens, self.top_k):
+            n = self.layers * int(np.prod(shape))
+            out.append(flat[at:at + n].reshape(self.layers, *shape).view(dtype))
+            at += n
+        return RoutingArrays(*out, self.query_lens)
+
+
+@dataclass(frozen=True)
 class StepOutput:
     logits: torch.Tensor  # [num_sampled, vocab] float32, in batch-entry order
-    routing: RoutingArrays | None
+    routing: RoutingCopy | None
 
 
 class ModelRunner:
@@ -112,19 +135,24 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
 
 
-def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...]) -> RoutingArrays:
-    """A forward's routing on the host in one copy: every layer's arrays, as 32-bit words (an int64 id is two),
-    concatenated on the device by one kernel and viewed back as their types on the host (bits copied, never
-    converted). Four stacks and two copies before; one sync fewer a step."""
+def _routing_fields(t: int, k: int) -> tuple[tuple[str, tuple[int, ...], type], ...]:
+    """(LayerRouting field, its shape in 32-bit words per layer, its numpy type), in the order of the copy."""
+    return (("topk_ids", (t, 2 * k), np.int64), ("topk_weights", (t, k), np.float32),
+            ("gate_up_in_norm", (t,), np.float32), ("down_in_norm", (t, k), np.float32))
+
+
+def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...]) -> RoutingCopy:
+    """A forward's routing on its way to the host in one copy: every layer's arrays, as 32-bit words (an int64 id is
+    two), concatenated on the device by one kernel and copied into pinned memory without waiting, so the host can
+    work while the GPU finishes the forward (RoutingCopy.arrays waits). Four stacks and two copies before."""
     t, k = layers[0].topk_ids.shape
-    fields = (("topk_ids", (t, 2 * k), np.int64), ("topk_weights", (t, k), np.float32),
-              ("gate_up_in_norm", (t,), np.float32), ("down_in_norm", (t, k), np.float32))
     words = [getattr(x, name).to(torch.int64 if dtype is np.int64 else torch.float32).contiguous().view(torch.int32)
-             .reshape(-1) for name, _, dtype in fields for x in layers]
-    flat = torch.cat(words).cpu().numpy()
-    out, at = [], 0
-    for _, shape, dtype in fields:
-        n = len(layers) * int(np.prod(shape))
-        out.append(flat[at:at + n].reshape(len(layers), *shape).view(dtype))
-        at += n
-    return RoutingArrays(*out, query_lens)
+             .reshape(-1) for name, _, dtype in _routing_fields(t, k) for x in layers]
+    flat, ready = torch.cat(words), None
+    if flat.is_cuda:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        flat = host
+    return RoutingCopy(flat, ready, len(layers), t, k, query_lens)

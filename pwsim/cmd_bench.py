@@ -73,7 +73,7 @@ def bench_planner_card(spec, policy_name: str, policy_kwargs: dict, steps: int, 
                        initial_mean_bits: float, max_batch: int, warmup: int = 5, progress=None) -> dict:
     """Time plan_step for one model card's page table; returns the per-card result row."""
     import policies
-    from policies import Observation
+    from policies import Observation, RoutingReadout
     from policies.synthetic import synthetic_calibration, synthetic_features, synthetic_routing_mass
 
     table = spec.page_table()
@@ -110,7 +110,7 @@ def bench_planner_card(spec, policy_name: str, policy_kwargs: dict, steps: int, 
         phi = phi0 * rng.lognormal(0.0, 0.1, (table.num_blocks, 1))
         obs = Observation(step=step, time_s=0.0, free_blocks=free, total_blocks=cap, kv_block_bytes=B,
                           free_block_threshold=cal.free_block_threshold, pending_kv_blocks=work.pending(),
-                          num_running=len(work.running), routing_mass=mass, prompt_features=phi)
+                          num_running=len(work.running), routing=RoutingReadout(mass, phi))
         c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
         plan = policy.plan_step(table, obs)
         w1, c1 = time.perf_counter_ns(), time.thread_time_ns()

@@ -37,8 +37,7 @@ from policies.apformat import lut_bytes
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import PlanLoop
-from policies.features import BatchedPromptFeatures
-from policies.observe import RoutingMass, build_observation
+from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
@@ -152,8 +151,8 @@ class Simulation:
         self._tap = PlanTap(policy)
         self.loop = PlanLoop(self._tap, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
-        self.routing_mass = RoutingMass(L, E, config.routing_half_life_tokens)
-        self.features = BatchedPromptFeatures(L, E) if config.prompt_features and not never_plans(policy) else None
+        self.routing = RoutingStats(L, E, config.routing_half_life_tokens,
+                                    features=config.prompt_features and not never_plans(policy))
         damage = {} if calibration is None else calibration.domain_damage
         self.quality = QualityModel(damage, L, E, quality_fit, zero_damage=self.full_precision)
         self._req_dom = np.array([self.quality.domain_index(d) for d in workload.domains], dtype=np.int64)[
@@ -305,12 +304,10 @@ class Simulation:
         self.quality_accrue(q_now, req[sample], routing.ids[:, tok_idx, :])
         finished = self.sched.postprocess(batch)  # in entry order
         self.rec.tokens(req[sample], self.env.now, first[sample])
-        self.routing_mass.update(routing.ids, routing.weights)
         if callable(getattr(self.policy, "touch", None)):
             self.policy.touch(expert_tokens > 0)
-        if self.features is not None and routing.has_norms:
-            self.features.update_batch(req.tolist(), new, routing.ids, routing.weights, routing.gate_up_norm,
-                                       routing.down_norm)
+        norms = (routing.gate_up_norm, routing.down_norm) if routing.has_norms else ()
+        self.routing.add(req.tolist(), new, routing.ids, routing.weights, *norms)
         for seq in finished:
             self._finish(seq)
 
@@ -342,7 +339,7 @@ class Simulation:
         self.mover.boundary()
         obs = build_observation(step=self._step, time_s=self.env.now, pool=self.pool, scheduler=self.sched,
                                 kv_block_bytes=self.kv_block_bytes, free_block_threshold=self.threshold,
-                                routing=self.routing_mass, features=self.features,
+                                routing=self.routing,
                                 headroom_bytes=max(0, self._headroom()), inflight_bytes=self._inflight)
         self.in_boundary = True  # the page table changes only inside this call (tests check it)
         res = self.loop.step(obs)
@@ -371,8 +368,7 @@ class Simulation:
         return dt
 
     def _forget(self, seq: Sequence) -> None:
-        if self.features is not None:
-            self.features.drop(seq.seq_id)
+        self.routing.drop(seq.seq_id)
 
     def _finish(self, seq: Sequence) -> None:
         self._forget(seq)

@@ -9,7 +9,7 @@ import pytest
 from model_fixtures import make_text, make_tiny_checkpoint
 from policies import registry
 from policies.calibration import Calibration, CalibrationError
-from policies.contract import Observation
+from policies.contract import Observation, RoutingReadout
 from policies.page_table import PageTable
 from pwruntime.calibrate import model_fingerprint_of
 from pwruntime.cli import main
@@ -56,8 +56,7 @@ def test_cli_writes_a_loadable_calibration_matching_the_page_table(setup, capsys
     policy = registry.get("pagedweight")
     policy.reset(table, cal)
     obs = Observation(step=0, time_s=0.0, free_blocks=0, total_blocks=10, kv_block_bytes=200_000,
-                      free_block_threshold=0, routing_mass=np.full((2, 4), 0.25),
-                      prompt_features=np.ones((table.num_blocks, 3)))
+                      free_block_threshold=0, routing=RoutingReadout(np.full((2, 4), 0.25), np.ones((table.num_blocks, 3))))
     plan = policy.plan_step(table, obs)
     assert plan is not None and plan.bytes_freed >= 200_000
 

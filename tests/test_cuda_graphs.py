@@ -118,7 +118,7 @@ def test_routing_reaches_the_host_in_one_copy_bit_for_bit():
     static = [LayerRouting(torch.randint(0, 2 ** 40, (8, k), generator=g), torch.randn(8, k, generator=g),
                            torch.rand(8, generator=g), torch.randn(8, k, generator=g)) for _ in range(layers)]
     rows = [LayerRouting(*(getattr(x, f.name)[:t] for f in fields(x))) for x in static]  # as a graph's real rows
-    r = routing_to_host(rows, (2, 3))
+    r = routing_to_host(rows, (2, 3)).arrays()
     assert r.query_lens == (2, 3) and r.topk_ids.dtype == np.int64 and r.topk_ids.shape == (layers, t, k)
     for f in fields(rows[0]):
         want = torch.stack([getattr(x, f.name) for x in rows]).numpy()

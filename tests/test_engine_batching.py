@@ -269,7 +269,7 @@ def test_prompt_features_of_a_batch_equal_per_sequence_updates(models):
     while engine.has_unfinished():
         engine.step()
         for s in engine.scheduler.running:
-            np.testing.assert_allclose(engine.features.sequence_features(s.seq_id), ref.sequence_features(s.seq_id),
+            np.testing.assert_allclose(engine.routing.sequence_features(s.seq_id), ref.sequence_features(s.seq_id),
                                        rtol=1e-12, atol=1e-12)
             compared += 1
     assert compared > 10

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from policies import Observation, PageTable, PageTableError, PolicyError, get
+from policies import Observation, PageTable, PageTableError, PolicyError, RoutingReadout, get
 from policies.apformat import fp16_bytes, lut_bytes
 from policies.planners import apply_plan_now, sensitivity_optimal_bits, weight_bytes
 from policies.planners.expert_lru import routed_since
@@ -15,9 +15,9 @@ from policies.synthetic import synthetic_calibration, synthetic_features, synthe
 BITS = (3, 4, 5, 6, 7, 8)
 
 
-def obs(step=1, free=0, **kw) -> Observation:
+def obs(step=1, free=0, routing_mass=None, prompt_features=None) -> Observation:
     return Observation(step=step, time_s=0.0, free_blocks=free, total_blocks=100, kv_block_bytes=10**6,
-                       free_block_threshold=8, **kw)
+                       free_block_threshold=8, routing=RoutingReadout(routing_mass, prompt_features))
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policies import Calibration, Observation, PageTable, get
+from policies import Calibration, Observation, PageTable, RoutingReadout, get
 from policies.calibration import NB
 from policies.planners.scoring import MatrixChains, chain_greedy_stages, chain_keys, expert_buckets, fit_in_order
 
@@ -149,7 +149,7 @@ def random_case(seed: int, ties: bool, **policy_kw):
     B = int(step * rng.uniform(0.1, 2.0))
     obs = Observation(step=1, time_s=0.0, free_blocks=int(rng.integers(0, T + 3)), total_blocks=100, kv_block_bytes=B,
                       free_block_threshold=T, pending_kv_blocks=int(rng.integers(0, 3)),
-                      headroom_bytes=int(rng.integers(0, B)), routing_mass=mass, prompt_features=phi)
+                      headroom_bytes=int(rng.integers(0, B)), routing=RoutingReadout(mass, phi))
     return table, cal, policy, obs, start
 
 
@@ -274,8 +274,7 @@ def test_reload_equals_reference():
         B = int(table.M[:, 8].mean() * rng.uniform(0.1, 1.0))  # budgets that bind: order and skips matter
         o = Observation(step=2, time_s=0.0, free_blocks=free, total_blocks=200, kv_block_bytes=B,
                         free_block_threshold=obs.free_block_threshold, pending_kv_blocks=int(rng.integers(0, 3)),
-                        headroom_bytes=int(rng.integers(0, B)), routing_mass=obs.routing_mass,
-                        prompt_features=obs.prompt_features)
+                        headroom_bytes=int(rng.integers(0, B)), routing=obs.routing)
         plan = policy.plan_step(table, o)
         got = {} if plan is None else {t.block: t.to_bits for t in plan.transitions}
         assert got == ref_reload(table, cal, o, policy.params.reload_margin_blocks, 6, start), f"seed {seed}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from policies import Calibration, Observation, PageTable, PolicyError, get
+from policies import Calibration, Observation, PageTable, PolicyError, RoutingReadout, get
 from policies.calibration import NB
 from policies.planners import apply_plan_now
 from policies.synthetic import synthetic_calibration, synthetic_features, synthetic_routing_mass
@@ -22,9 +22,9 @@ def flat_calibration(table: PageTable, **kw) -> Calibration:
                        sensitivity=sens, **kw)
 
 
-def obs(free, *, B=10_000, T=8, step=1, **kw) -> Observation:
+def obs(free, *, B=10_000, T=8, step=1, routing_mass=None, prompt_features=None, **kw) -> Observation:
     return Observation(step=step, time_s=0.0, free_blocks=free, total_blocks=max(free, 100), kv_block_bytes=B,
-                       free_block_threshold=T, **kw)
+                       free_block_threshold=T, routing=RoutingReadout(routing_mass, prompt_features), **kw)
 
 
 def moves(plan):

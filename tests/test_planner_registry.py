@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import policies
-from policies import Calibration, Observation, PageTable, PolicyError, get, parse_policy_args
+from policies import Calibration, Observation, PageTable, PolicyError, RoutingReadout, get, parse_policy_args
 from policies.planners import apply_plan_now, weight_bytes
 from policies.registry import describe, params_class
 from policies.synthetic import model_dims, synthetic_calibration, synthetic_features, synthetic_routing_mass
@@ -69,8 +69,8 @@ def test_every_policy_runs_the_contract(name):
     pol.reset(table, cal)
     for step in range(8):
         o = Observation(step=step, time_s=0.1 * step, free_blocks=step * 6, total_blocks=100, kv_block_bytes=40_000,
-                        free_block_threshold=8, routing_mass=synthetic_routing_mass(2, 4, seed=step),
-                        prompt_features=synthetic_features(table.num_blocks, seed=step))
+                        free_block_threshold=8, routing=RoutingReadout(synthetic_routing_mass(2, 4, seed=step),
+                                               synthetic_features(table.num_blocks, seed=step)))
         plan = pol.plan_step(table, o)
         apply_plan_now(table, plan)
         table.check_invariants()

@@ -12,7 +12,7 @@ from policies.contract import Observation, Plan, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, PlanLoop
 from policies.features import BatchedPromptFeatures
-from policies.observe import RoutingMass, build_observation, split_tokens
+from policies.observe import RoutingMass, RoutingStats, build_observation, split_tokens
 from policies.page_table import PageTable, PlaneState
 from policies.scheduler import Scheduler
 from policies.sequence import make_sequences
@@ -97,14 +97,73 @@ def test_build_observation_from_pool_and_scheduler():
         sched.add(s)
     batch = sched.schedule()
     sched.postprocess(batch, None)
-    rm = RoutingMass(1, 2)
-    rm.update(np.array([[[0], [1], [1]]]), np.ones((1, 3, 1)))
+    rs = RoutingStats(1, 2, features=False)
+    rs.add([0, 1], [1, 2], np.array([[[0], [1], [1]]]), np.ones((1, 3, 1)))
     obs = build_observation(step=3, time_s=0.5, pool=pool, scheduler=sched, kv_block_bytes=128,
-                            free_block_threshold=2, routing=rm)
+                            free_block_threshold=2, routing=rs)
     assert (obs.free_blocks, obs.total_blocks, obs.num_running, obs.num_waiting) == (7, 10, 2, 0)
     assert obs.pending_kv_blocks == 0  # 7 and 4 tokens fit in their blocks after one decode
     np.testing.assert_allclose(obs.routing_mass, [[1 / 3, 2 / 3]])
+    assert obs.prompt_features is None
     assert split_tokens([2, 0, 3]) == [(0, 2), (2, 2), (2, 5)]
+
+
+def _norms(rng, layers, tokens, k):
+    return rng.random((layers, tokens)) + 0.5, rng.random((layers, tokens, k)) + 0.5
+
+
+def test_routing_stats_held_steps_equal_folding_each_step_with_drops_between():
+    """Holding each step until the next (or a read) gives bit for bit what folding it at once gives, including a
+    sequence dropped while its routing is held (finished, or preempted and later recomputed)."""
+    rng = np.random.default_rng(3)
+    L, E, k = 2, 6, 2
+    held, ref_mass, ref = RoutingStats(L, E, 64.0), RoutingMass(L, E, 64.0), BatchedPromptFeatures(L, E)
+    steps = [(["a", "b", "c"], [3, 1, 2]), (["a", "b", "c"], [1, 1, 1]), (["b", "c"], [1, 1]),
+             (["a", "c", "d"], [4, 1, 2]), (["c", "d"], [1, 1])]
+    drops = {1: ["b"], 2: ["c"], 3: ["a"]}  # after step i: b finishes, c is preempted (recomputed in step 3), a ends
+    for i, (seqs, lens) in enumerate(steps):
+        n = sum(lens)
+        ids, w = _routing(rng, L, n, E, k)
+        gu, dn = _norms(rng, L, n, k)
+        held.add(seqs, lens, ids, w, gu, dn)
+        ref_mass.update(ids, w)
+        ref.update_batch(seqs, lens, ids, w, gu, dn)
+        for s in drops.get(i, []):
+            held.drop(s)
+            ref.drop(s)
+        if i == 2:  # a read in the middle folds; later steps are held again
+            np.testing.assert_array_equal(held.sequence_features("d"), ref.sequence_features("d"))
+    usage = {"c": 2, "d": 3, "a": 1}
+    obs = held.readout(usage)
+    np.testing.assert_array_equal(obs.mass(), ref_mass.mass())
+    np.testing.assert_array_equal(obs.features(), ref.merged(usage))
+    for s in "abcd":
+        np.testing.assert_array_equal(held.sequence_features(s), ref.sequence_features(s))
+    assert not held.sequence_features("a").any() and held.sequence_features("c").any()
+
+
+def test_routing_stats_readout_is_lazy_and_refuses_a_later_step():
+    rng = np.random.default_rng(4)
+    rs = RoutingStats(1, 4)
+    ids, w = _routing(rng, 1, 2, 4, 2)
+    rs.add(["x", "y"], [1, 1], ids, w, *_norms(rng, 1, 2, 2))
+    untouched = rs.readout({"x": 1, "y": 1})
+    read = rs.readout({"x": 1, "y": 1})
+    assert rs._held is not None  # building readouts folds nothing
+    phi = read.features()
+    assert rs._held is None and phi.shape == (8, 3) and (phi[:, 0] > 0).sum() >= 2
+    assert read.features() is phi  # computed once
+    rs.add(["x"], [1], *_routing(rng, 1, 1, 4, 2), *_norms(rng, 1, 1, 2))
+    np.testing.assert_array_equal(read.features(), phi)  # read before the next step: kept
+    with pytest.raises(RuntimeError, match="within the step"):
+        untouched.mass()
+    late = rs.readout({"x": 1})
+    rs.drop("y")
+    with pytest.raises(RuntimeError, match="within the step"):
+        late.features()
+    without = RoutingStats(1, 4, features=False)
+    without.add(["x"], [1], *_routing(rng, 1, 1, 4, 2), *_norms(rng, 1, 1, 2))
+    assert without.readout({}).features() is None and without.readout({}).mass().sum() == pytest.approx(1.0)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from tqdm import tqdm
 
-from policies.contract import Observation
+from policies.contract import Observation, RoutingReadout
 from policies.registry import get as get_policy
 from pwruntime.calibrate.measure import SequenceStats
 
@@ -98,7 +98,7 @@ def evaluate(cal, problem: SearchProblem) -> dict:
     for s in range(held.num_sequences):
         policy.reset(table, cal)
         obs = Observation(step=0, time_s=0.0, free_blocks=0, total_blocks=1, kv_block_bytes=problem.target_bytes,
-                          free_block_threshold=0, routing_mass=held.mass[s], prompt_features=held.phi[s])
+                          free_block_threshold=0, routing=RoutingReadout(held.mass[s], held.phi[s]))
         plan = policy.plan_step(table, obs)
         for t in plan.transitions if plan is not None else ():
             bits[s, t.block] = t.to_bits
