@@ -4,7 +4,8 @@
 // block_tables [seqs, max_blocks] int32; context_lens [seqs] int32 = tokens to attend to (the new
 // token's K/V already written). One CTA per (sequence, query head); its 4 warps take tokens
 // round-robin with an online softmax each, then merge. Lane l holds head_dim/32 = DPL consecutive
-// elements of q, of each K/V row and of the output. fp32 math; PW_DT: 0 fp16, 1 bf16, 2 fp32.
+// elements of q, of each K/V row and of the output. fp32 math; PW_DT: 0 fp16, 1 bf16, 2 fp32. The caches'
+// addresses come from `kv_ptrs` (K, V) when it is not null (KVCache.ptrs), else from kc_arg / vc_arg.
 #include "pw_common.cuh"
 
 #ifndef PW_DT
@@ -30,9 +31,13 @@ __device__ __forceinline__ u16 from_f(float v) { return f2act<PW_DT == 1>(v); }
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_decode(
-    const elem_t* __restrict__ q, long long q_stride, const elem_t* __restrict__ kc, const elem_t* __restrict__ vc,
-    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ context_lens, int heads,
-    int kv_heads, int block_size, float scale, elem_t* __restrict__ out, long long out_stride) {
+    const elem_t* __restrict__ q, long long q_stride, const elem_t* kc_arg, const elem_t* vc_arg,
+    const unsigned long long* __restrict__ kv_ptrs, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ context_lens, int heads, int kv_heads, int block_size, float scale,
+    elem_t* __restrict__ out, long long out_stride) {
+    // the caches through the pointer table when given (KVCache.ptrs: a captured graph survives a resize)
+    const elem_t* __restrict__ kc = kv_ptrs ? reinterpret_cast<const elem_t*>(kv_ptrs[0]) : kc_arg;
+    const elem_t* __restrict__ vc = kv_ptrs ? reinterpret_cast<const elem_t*>(kv_ptrs[1]) : vc_arg;
     constexpr int D = 32 * DPL;
     __shared__ float s_m[WARPS], s_l[WARPS];
     __shared__ float s_acc[WARPS][D];

@@ -3,7 +3,8 @@
 // registers allow), so each K/V row is read once or once per slice (cuda/paged_attention.cu, the fallback
 // for fp32 and other shapes, reads it once per query head).
 //
-// Cache layout as in paged_attention.cu. LPT = D / 8 lanes read one token's K and V rows with 16-byte
+// Cache layout as in paged_attention.cu; the caches' addresses come from `kv_ptrs` (two u64: K, V) when it is not
+// null, else from kc_arg / vc_arg. LPT = D / 8 lanes read one token's K and V rows with 16-byte
 // loads; a warp takes TPW = 32 / LPT tokens a step and UNROLL steps are loaded before the first use.
 // Each (lane group, head) keeps an online softmax; the warp's token groups merge by shuffles and the
 // warps through shared memory. With gridDim.z = P > 1 the context is cut into P parts of part_tokens
@@ -45,10 +46,14 @@ __device__ __forceinline__ void unpack8(const u32x4 v, float (&f)[8]) {
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
-    const u16* __restrict__ q, long long q_stride, const u16* __restrict__ kc, const u16* __restrict__ vc,
-    const int* __restrict__ block_tables, int max_blocks, const int* __restrict__ context_lens, int kv_heads,
-    int group, int block_size, float scale, u16* __restrict__ out, long long out_stride, int part_tokens,
-    float* __restrict__ part_ml, float* __restrict__ part_o) {
+    const u16* __restrict__ q, long long q_stride, const u16* kc_arg, const u16* vc_arg,
+    const u64* __restrict__ kv_ptrs, const int* __restrict__ block_tables, int max_blocks,
+    const int* __restrict__ context_lens, int kv_heads, int group, int block_size, float scale,
+    u16* __restrict__ out, long long out_stride, int part_tokens, float* __restrict__ part_ml,
+    float* __restrict__ part_o) {
+    // the caches through the pointer table when given (KVCache.ptrs: a captured graph survives a resize)
+    const u16* __restrict__ kc = kv_ptrs ? reinterpret_cast<const u16*>(kv_ptrs[0]) : kc_arg;
+    const u16* __restrict__ vc = kv_ptrs ? reinterpret_cast<const u16*>(kv_ptrs[1]) : vc_arg;
     __shared__ float s_m[WARPS][G], s_l[WARPS][G];
     __shared__ float s_acc[WARPS][G][D];
     const int s = blockIdx.x, kvh = blockIdx.y / (group / G), h0 = kvh * group + blockIdx.y % (group / G) * G;

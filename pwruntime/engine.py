@@ -87,7 +87,8 @@ class EngineConfig:
     seed: int = 0  # seeds requests that carry no seed of their own
     record_traces: bool = False
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
-    graph_settle_steps: int = 8  # after a KV resize, decode steps that run eagerly before graphs are captured again
+    graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
+    # not), decode steps that run eagerly before graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
 
 

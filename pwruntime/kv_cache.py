@@ -6,7 +6,10 @@ guarantees those above are free), so capacity can follow the memory weight pages
 
 With `scratch=True` the tensors hold one more block, `scratch_block` (== num_blocks, never a pool id):
 the padded rows of a CUDA-graph decode batch write and read there. `generation` counts the resizes
-that replaced the tensors, so a captured graph (which baked their addresses) can tell it is stale.
+that replaced the tensors. On CUDA, `ptrs` [layers, 2] int64 holds every layer's K and V addresses on the device and
+each resize rewrites it: the decode kernels and the K/V writes read the caches through it
+(pwruntime.kernels.attention), so a captured graph stays valid across resizes (`graph_epoch` stays 0). Elsewhere a
+graph would have baked the addresses, and `graph_epoch` is the generation.
 """
 from __future__ import annotations
 
@@ -26,10 +29,28 @@ class KVCache:
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
         self.k: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
         self.v: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
+        self.ptrs: torch.Tensor | None = (torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
+                                          if self.device.type == "cuda" else None)
+        self._publish()
 
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.zeros(n + self.scratch, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                            device=self.device)
+
+    def _publish(self) -> None:
+        """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones)."""
+        if self.ptrs is not None:
+            self.ptrs.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)],
+                                         dtype=torch.int64).reshape(self.num_layers, 2))
+
+    def layer_ptrs(self, layer: int) -> torch.Tensor | None:
+        """Layer `layer`'s [K, V] addresses on the device (None off CUDA)."""
+        return None if self.ptrs is None else self.ptrs[layer]
+
+    @property
+    def graph_epoch(self) -> int:
+        """Changes whenever a captured forward would read or write stale cache tensors (see the module docstring)."""
+        return 0 if self.ptrs is not None else self.generation
 
     @property
     def scratch_block(self) -> int | None:
@@ -52,6 +73,7 @@ class KVCache:
                 tensors[i] = new     # the old tensor is released here, layer by layer
         self.num_blocks = num_blocks
         self.generation += 1
+        self._publish()
 
     @property
     def nbytes(self) -> int:

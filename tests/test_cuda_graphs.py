@@ -6,7 +6,7 @@ arguments are wired right: on CPU the kernel function falls back to its referenc
 GPU (`gpu` marker): on the bundled demo model in fp16, with a capturable expert store built here
 (experts quantized to AP bit-planes in a DeviceWeightTable, served by kernels.fused_moe): graph
 replay equals the eager forward (logits and routing), follows `commit_bits` without recapture, and
-KV resizes drop stale graphs; the engine decodes the same tokens with and without graphs, and runs
+KV resizes keep graphs on CUDA (the pointer table) and drop them elsewhere; the engine decodes the same tokens with and without graphs, and runs
 eagerly with the (not capturable) dense store.
 """
 from __future__ import annotations
@@ -138,6 +138,7 @@ def test_kv_cache_scratch_block_and_generation():
     assert kv.generation == 1                               # nothing replaced
     kv.resize(3)
     assert kv.scratch_block == 3 and kv.v[0].shape[0] == 4 and kv.generation == 2
+    assert kv.ptrs is None and kv.layer_ptrs(0) is None and kv.graph_epoch == 2   # no pointer table off CUDA
     plain = KVCache(2, 4, 2, 1, 8)
     assert plain.scratch_block is None and plain.k[0].shape[0] == 4
 
@@ -457,22 +458,27 @@ def test_replay_follows_committed_bits(demo):
 
 
 @pytest.mark.gpu
-def test_kv_resize_recaptures(demo):
+def test_kv_resize_keeps_graphs(demo):
+    """A resize replaces the cache tensors and rewrites the pointer table: the captured graph replays on, reading
+    and writing the new tensors (equal to an eager forward over its own resized cache), and nothing is recaptured."""
     pair = Pair(demo.model, 3, seed=2)
     assert_same_step(*pair.step())
-    for grow in (8, -8):
+    captures = pair.graphs.captures
+    for grow in (8, -8, 16):
+        old = [t.data_ptr() for t in pair.kv_graph.k]
         for kv in (pair.kv_graph, pair.kv_eager):
             kv.resize(kv.num_blocks + grow)
-        captures = pair.graphs.captures
+        assert all(t.data_ptr() != o for t, o in zip(pair.kv_graph.k, old))
+        assert pair.kv_graph.ptrs[:, 0].tolist() == [t.data_ptr() for t in pair.kv_graph.k]
         pos = list(pair.lens)
         assert_same_step(*pair.step())
-        assert pair.graphs.captures == captures + 1
         for i, p in enumerate(pos):   # the replay wrote this step's K/V into the new tensors
             blk, off = pair.tables[i][p // Pair.BS], p % Pair.BS
             for layer in range(demo.model.config.layers):
-                got, want = pair.kv_graph.k[layer][blk, off], pair.kv_eager.k[layer][blk, off]
-                assert want.abs().sum() > 0 and rel(got, want) < 1e-2
-    assert pair.graphs.invalidations == 2
+                for got, want in ((pair.kv_graph.k[layer][blk, off], pair.kv_eager.k[layer][blk, off]),
+                                  (pair.kv_graph.v[layer][blk, off], pair.kv_eager.v[layer][blk, off])):
+                    assert want.abs().sum() > 0 and rel(got, want) < 1e-2
+    assert pair.graphs.captures == captures and pair.graphs.invalidations == 0 and pair.graphs.replays == 4
 
 
 @pytest.mark.gpu
@@ -528,9 +534,9 @@ def test_engine_decodes_through_graphs(demo):
     graphed, g_engine = _engine_tokens(demo.model, graphs=True, grow_at=5)
     assert e_engine.runner.graphs is None and g_engine.kv.scratch_block is not None
     g = g_engine.runner.graphs
-    # decode steps 1-4 replay; the growth before step 5 drops the graph; steps 5-6 run eagerly while the
-    # cache settles; step 7 captures again and steps 7-11 replay
-    assert g.disabled is None and g.invalidations == 1 and g.captures == 2 and g.replays == 4 + 5
+    # every decode step (1-11) replays the one graph: the growth before step 5 replaced the cache tensors and
+    # rewrote the pointer table, which the graph reads (before the table: steps 5-6 eager, a second capture)
+    assert g.disabled is None and g.invalidations == 0 and g.captures == 1 and g.replays == 11
     assert graphed == eager
     demo.model.experts = demo.dense                      # not capturable: decode runs eagerly
     try:

@@ -435,6 +435,46 @@ def test_paged_attention_context_split_merges_parts(dtype):
         assert rel(out, want2) < ATTN_TOL[dtype], lens
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kv_pointer_table_reads_and_writes_the_caches(dtype):
+    """Through a [K, V] pointer table (KVCache.ptrs), the decode kernels equal their direct-pointer selves bit for
+    bit, and the K/V write kernel equals index_copy_ for strided rows (views of a fused q/k/v buffer, as the
+    model passes them); after the caches are replaced and the table rewritten, one captured graph reads and writes
+    the new tensors."""
+    from pwruntime.kernels.attention import write_kv
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    q, kc, vc, tables, cl = _attention_case(gen, [1, 17, 300, 64], 16, 2, 64, dtype)
+    ptrs = torch.tensor([kc.data_ptr(), vc.data_ptr()], dtype=torch.int64, device="cuda")
+    assert torch.equal(paged_attention_decode(q, kc, vc, tables, cl, kv_ptrs=ptrs),
+                       paged_attention_decode(q, kc, vc, tables, cl))
+    n, hq, hk, d = 7, 16, 2, 64
+    qkv = torch.randn(n, (hq + 2 * hk) * d, device="cuda", generator=gen).to(dtype)
+    k = qkv[:, hq * d:(hq + hk) * d].view(n, hk, d)
+    v = qkv[:, (hq + hk) * d:].view(n, hk, d)
+    slots = torch.randperm(kc.shape[0] * kc.shape[1], device="cuda", generator=gen)[:n]
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(k, v, want_k, want_v, slots)                       # no table: the index_copy_ reference
+    write_kv(k, v, kc, vc, slots, ptrs)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    if dtype == torch.float32:
+        return
+    static_slots, static_q = slots.clone(), q.clone()
+    write_kv(k, v, kc, vc, static_slots, ptrs)
+    paged_attention_decode(static_q, kc, vc, tables, cl, kv_ptrs=ptrs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        write_kv(k, v, kc, vc, static_slots, ptrs)
+        out = paged_attention_decode(static_q, kc, vc, tables, cl, kv_ptrs=ptrs)
+    kc2, vc2 = torch.randn_like(kc.float()).to(dtype), torch.randn_like(vc.float()).to(dtype)   # the "resized" caches
+    ptrs.copy_(torch.tensor([kc2.data_ptr(), vc2.data_ptr()], dtype=torch.int64))
+    want_k, want_v = kc2.clone(), vc2.clone()
+    write_kv(k, v, want_k, want_v, static_slots)
+    graph.replay()
+    assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
+    assert torch.equal(out, paged_attention_decode(static_q, kc2, vc2, tables, cl))
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_load_pattern_probe_reads_every_word_once(mode):
     """The load microbenchmark (cuda/load_pattern.cu) XORs every word it reads: in each access pattern and

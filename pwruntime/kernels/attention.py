@@ -4,6 +4,10 @@ fp16/bf16 caches with head_dim 64, 128 or 256 use cuda/paged_attention_gqa.cu: a
 GQA_HEADS_PER_CTA query heads of one KV head, so each K/V row is read once per KV head (per slice of a
 larger group), and long contexts over few sequences are split into parts and merged. Other CUDA caches
 (fp32, other head sizes) use the generic cuda/paged_attention.cu.
+
+Given `kv_ptrs` (the layer's row of KVCache.ptrs), the kernels read the caches' addresses from the device at run time,
+and `write_kv` writes the new tokens' K/V the same way (cuda/kv_write.cu), so a captured decode graph stays valid
+when the cache is resized.
 """
 from __future__ import annotations
 
@@ -46,14 +50,36 @@ def context_parts(ctas: int, max_tokens: int, num_sms: int) -> int:
     return max(1, min(-(-2 * num_sms // ctas), max_tokens // PART_MIN_TOKENS))
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             kv_ptrs: torch.Tensor | None = None) -> None:
+    """k, v [T, Hkv, D] into the caches' rows `slots` [T] int64 (block * block_size + offset).
+
+    With `kv_ptrs` on CUDA and 16-bit caches the kernel writes through the pointer table (the caches' tensors are
+    then only read for their shape); elsewhere torch's index_copy_, the reference."""
+    heads, dim = k_cache.shape[2], k_cache.shape[3]
+    if kv_ptrs is None or not k.is_cuda or k_cache.element_size() != 2:
+        k_cache.view(-1, heads, dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        return
+    k, v = (t.to(k_cache.dtype) if t.stride(-1) == 1 else t.to(k_cache.dtype).contiguous() for t in (k, v))
+    if not k.shape[0]:
+        return
+    fn = kc.get_kernel(k.device, "kv_write.cu", "pw_kv_write", ())
+    kc.launch(fn, k.device, (k.shape[0],), (128,), (
+        kc.ptr(k), kc.i64(k.stride(0)), kc.i64(k.stride(1)), kc.ptr(v), kc.i64(v.stride(0)), kc.i64(v.stride(1)),
+        kc.ptr(slots), kc.ptr(kv_ptrs), kc.i32(heads), kc.i32(dim)))
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float | None = None, generic: bool = False) -> torch.Tensor:
+                           scale: float | None = None, generic: bool = False,
+                           kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence: q [S, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [S, Hq, D].
 
     block_tables [S, max_blocks] int32 (padding -1 is never read), context_lens [S] int32 = tokens each
     query attends to (its own K/V already in the cache). scale defaults to 1/sqrt(D). `generic` forces
-    the generic kernel (for comparisons: `python -m pwruntime.kernels.tune --attention`).
+    the generic kernel (for comparisons: `python -m pwruntime.kernels.tune --attention`). `kv_ptrs` (int64 [2] on
+    the device: the caches' addresses, KVCache.layer_ptrs) makes the kernels read the addresses from there.
     """
     n_seq, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -69,8 +95,8 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     bt = block_tables.to(device=dev, dtype=torch.int32).contiguous()
     cl = context_lens.to(device=dev, dtype=torch.int32).contiguous()
     out = torch.empty_like(q)
-    common = (kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(bt), kc.i32(bt.shape[1]),
-              kc.ptr(cl))
+    common = (kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(kv_ptrs), kc.ptr(bt),
+              kc.i32(bt.shape[1]), kc.ptr(cl))
     if gqa_kernel_applies(q.dtype, dim) and not generic:
         _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads)
         return out

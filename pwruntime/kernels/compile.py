@@ -260,6 +260,7 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
     for dt in (0, 1):   # heads a CTA serves: the four architectures' (head_dim 128) and the demo model's (64)
         for dim, per_cta in ((128, 1), (128, 4), (64, 2)):
             out.append(("paged_attention_gqa.cu", (("PW_DT", dt), ("PW_D", dim), ("PW_G", per_cta))))
+    out.append(("kv_write.cu", ()))
     return out
 
 

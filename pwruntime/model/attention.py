@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.attention import paged_attention_decode, write_kv
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.layers import Linear, RMSNorm, Rotary
 
@@ -243,15 +243,17 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
-                    window: int | None = None) -> torch.Tensor:
-    """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache)."""
+                    window: int | None = None, kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache). The decode
+    kernel reads the caches through `kv_ptrs` when given (KVCache.layer_ptrs)."""
     d = plan.decode
     kernel = d is not None and d.kernel_applies(q.device.type, q.dtype, window)
     if kernel and d.rows is None:
-        return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale)
+        return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, kv_ptrs=kv_ptrs)
     out = torch.empty_like(q)
     if kernel:
-        out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale)
+        out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale,
+                                             kv_ptrs=kv_ptrs)
     for g in plan.chunk_groups if kernel else plan.groups:
         if isinstance(g, _PrefillGroup):
             out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
@@ -279,7 +281,9 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(w["q_norm"], cfg.rms_eps), RMSNorm(w["k_norm"], cfg.rms_eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+                v_cache: torch.Tensor, plan: AttentionPlan, kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
+        """`kv_ptrs`: the layer's cache addresses on the device (KVCache.layer_ptrs), through which the K/V writes
+        and the decode kernel reach the caches on CUDA (what keeps a captured graph valid across resizes)."""
         n, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(x)
         if self.qk_norm == "none" and self.clip is None:   # q and k rotated together: one set of rotary kernels
@@ -298,7 +302,6 @@ class Attention(nn.Module):
             if self.qk_norm == "head":
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
-        k_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, self.kv_heads, self.head_dim).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
-        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window)
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window, kv_ptrs)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))

@@ -68,8 +68,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan, store, records):
-        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, plan)
+    def forward(self, x, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
+        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, plan, kv_ptrs)
         h = self.post_norm(x)
         if isinstance(self.mlp, MoEBlock):
             return x + self.mlp(h, store, records)
@@ -114,7 +114,7 @@ class MoEModel(nn.Module):
         records: list[LayerRouting] | None = [] if record else None
         x = F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records)
+            x = layer(x, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
         return ForwardOutput(self.norm(x), records)
 
     @torch.inference_mode()
