@@ -20,13 +20,15 @@ class RoutingReadout:
     PHI_NAMES) an Observation carries. Each is an array, None, or a function of no arguments that computes it when
     first read: an engine defers that work (policies.observe.RoutingStats), since most steps' planners read neither."""
 
-    __slots__ = ("_values",)
+    __slots__ = ("_values", "read")
 
     def __init__(self, mass: np.ndarray | Callable[[], np.ndarray] | None = None,
                  features: np.ndarray | Callable[[], np.ndarray | None] | None = None) -> None:
         self._values = {"mass": mass, "features": features}
+        self.read = False  # whether a planner read either (engines charge or record the work: routing_read_us)
 
     def _get(self, key: str) -> np.ndarray | None:
+        self.read = True
         value = self._values[key]
         if callable(value):
             value = self._values[key] = value()

@@ -6,8 +6,9 @@ arrival time, steps the engine whenever it has work and sleeps until the next ar
 none (after an optional untimed warm-up on the trace's first prompts). It records what the simulator
 records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
-committed mean bits, and the engine's own phase times (`StepPhases`: schedule, forward, sample,
-observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`. `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
+committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
+observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's
+planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it). `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
 names; `pwruntime replay` writes them as a result directory (`traces.results`) for `pwsim fidelity`.
 """
 from __future__ import annotations
@@ -95,14 +96,15 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
             b = engine.last_batch
             timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
                              len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.capacity,
-                             engine.pool.num_free, mean_bits(), *astuple(engine.last_phases)))
+                             engine.pool.num_free, mean_bits(), *astuple(engine.last_phases),
+                             int(engine.last_routing_read)))
     result = _result(trace, arrival, outputs, index, timeline, engine)
     result.summary["warmup_steps"] = first_step
     return result
 
 
 TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "running", "waiting", "total_blocks",
-            "free_blocks", "mean_bits", *StepPhases.PHASES)
+            "free_blocks", "mean_bits", *StepPhases.PHASES, "routing_read")
 
 
 def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
@@ -126,6 +128,7 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
         "iteration_s": stats(iters), "decode_iteration_s": stats(iters[is_decode]),
         "preemptions": int(engine.scheduler.num_preemptions),
+        "routing_reads": int(np.asarray(tl["routing_read"]).sum()) if timeline else 0,
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
                      for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},

@@ -7,7 +7,8 @@ throughput and makespan ratios, the per-iteration overhead each engine pays; pws
 `fidelity.png` (simulated against measured latencies per request, iteration time against batch tokens).
 With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
 and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token
-costs: a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
+costs (and, when the replay records which planner steps read the routing statistics, `routing_read_us` their
+measured cost): a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
 """
 from __future__ import annotations
 
@@ -78,8 +79,13 @@ def run(args) -> int:
           f"{pl['preemptions']['sim']} and {pl['preemptions']['runtime']}")
     for kind, ms in (report["runtime_phase_ms"] or {}).items():
         print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))
+    rr = report["routing_reads"]
+    if rr["runtime"] is not None:
+        cost = rr["plan_gap_us"]
+        print(f"planner steps that read the routing statistics: {rr['sim']} simulated, {rr['runtime']} on the runtime"
+              + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
-             f"{fitted.token_overhead_us:.1f} us a token) to {args.fit_profile}"
-             if fitted is not None else ""))
+             f"{fitted.token_overhead_us:.1f} us a token, {fitted.routing_read_us:.0f} us a routing read) to "
+             f"{args.fit_profile}" if fitted is not None else ""))
     return 0

@@ -9,7 +9,10 @@ the scheduler's preemptions on each side; and a least-squares fit
 engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
 what a hardware profile's `iteration_overhead_us` and `token_overhead_us` would need added to match
 the runtime (the runtime of a small model is bound by the host, which the cost model's roofline does
-not see); `fitted_profile` adds them.
+not see); `fitted_profile` adds them. A replay that records which steps' planners read the routing statistics
+(`routing_read`) also gives their cost: the mean plan phase of those steps minus that of the others
+(`routing_reads.plan_gap_us`), which `fitted_profile` takes as `routing_read_us` (the simulator charges it after
+each boundary whose planner read them, and counts them: `counters.routing_reads`).
 """
 from __future__ import annotations
 
@@ -96,7 +99,20 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
+        "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)),
+                          **routing_read_cost(runtime.timeline)},
     }
+
+
+def routing_read_cost(timeline: dict[str, np.ndarray]) -> dict:
+    """The runtime's steps whose planner read the routing statistics and what reading cost: the mean plan phase of
+    those steps minus that of the others (None when the replay lacks the record or either kind of step)."""
+    if "routing_read" not in timeline or "plan_s" not in timeline:
+        return {"runtime": None, "plan_gap_us": None}
+    read = np.asarray(timeline["routing_read"]).astype(bool)
+    plan = np.asarray(timeline["plan_s"], dtype=np.float64)
+    gap = float(plan[read].mean() - plan[~read].mean()) * 1e6 if read.any() and (~read).any() else None
+    return {"runtime": int(read.sum()), "plan_gap_us": gap}
 
 
 def paired_columns(sim: RunView, runtime: RunView) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -107,11 +123,15 @@ def paired_columns(sim: RunView, runtime: RunView) -> dict[str, tuple[np.ndarray
 
 
 def fitted_profile(profile, report: dict):
-    """`profile` with the runtime's host costs: iteration_overhead_us plus the gap of the fitted intercepts, and
-    token_overhead_us plus the gap of the fitted per-token slopes (each at least 0)."""
+    """`profile` with the runtime's host costs: iteration_overhead_us plus the gap of the fitted intercepts,
+    token_overhead_us plus the gap of the fitted per-token slopes (each at least 0), and routing_read_us the measured
+    cost of reading the routing statistics where the replay has steps that did and steps that did not (else the
+    profile's own)."""
     it = report["iterations"]
     gap, slope = it["overhead_gap_us"], it["per_token_gap_us"]
     if gap is None or slope is None:
         raise UserError("cannot fit the host costs: a run has fewer than two iterations of different sizes")
+    read = report.get("routing_reads", {}).get("plan_gap_us")
     return replace(profile, name=f"{profile.name}-fit", iteration_overhead_us=max(0.0, profile.iteration_overhead_us + gap),
-                   token_overhead_us=max(0.0, profile.token_overhead_us + slope))
+                   token_overhead_us=max(0.0, profile.token_overhead_us + slope),
+                   routing_read_us=profile.routing_read_us if read is None else max(0.0, read))

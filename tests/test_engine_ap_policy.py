@@ -59,3 +59,27 @@ def test_calibration_of_another_model_is_refused(ap_dir, capsys, tmp_path):
 def test_calibration_without_ap_exit_2(capsys):
     rc, _, err = _generate(capsys, "--calibration", str(CALIBRATION), "--prompt", "x")
     assert rc == 2 and "--ap" in err
+
+
+def test_engine_records_the_steps_whose_planner_read_the_routing(ap_dir):
+    """Under pressure the planner reads the routing statistics on some steps (which folds the held step at once)
+    and not on others (nothing is merged then); the engine records which (`last_routing_read`, the replay's
+    `routing_read` column, what `pwsim fidelity` measures the reads' cost from)."""
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.sampling import SamplingParams
+    from traces.clikit import build_parser
+    args = build_parser("pwruntime", "", _registrars()).parse_args(
+        ["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
+         "--num-kv-blocks", "12", "--block-size", "4", "--prompt", "x"])
+    engine, *_ = build_engine(args)
+    for prompt in PROMPTS[1::2]:
+        engine.add_request(prompt, SamplingParams(max_tokens=64, ignore_eos=True))
+    reads = []
+    while engine.has_unfinished():
+        engine.step()
+        reads.append(engine.last_routing_read)
+        assert engine.last_observation.routing.read == engine.last_routing_read
+        if engine.last_routing_read:
+            assert engine.routing._held is None  # reading folded the step's routing
+    assert any(reads) and not all(reads), reads

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -112,6 +113,7 @@ def test_replay_times_each_step_s_phases(ckpt):
     got = res.summary["phase_ms"]
     assert set(got) == {"decode", "mixed"} and set(got["decode"]) == {p[:-2] for p in StepPhases.PHASES}
     assert got["mixed"]["forward"] == pytest.approx(1e3 * np.mean(phases[1][~decode]), abs=1e-3)
+    assert set(np.unique(tl["routing_read"])) <= {0, 1} and res.summary["routing_reads"] == int(tl["routing_read"].sum())
 
 
 def test_replay_needs_prompt_ids_and_a_positive_time_scale(ckpt):
@@ -178,6 +180,47 @@ def test_fidelity_ratios_errors_and_overhead_gap():
     prof = load_profile("h200-roofline")
     fit = fitted_profile(prof, rep)
     assert fit.iteration_overhead_us == pytest.approx(prof.iteration_overhead_us + 2000.0) and fit.name.endswith("-fit")
+
+
+def test_fidelity_measures_what_reading_the_routing_costs():
+    """A replay that records which steps' planners read the routing statistics gives their cost (mean plan phase of
+    those steps minus the others'), which the fitted profile takes as routing_read_us; without the record, or
+    without steps of both kinds, the profile keeps its own."""
+    tokens = np.array([1, 1, 2, 2, 4, 4])
+    sim = _view([1], [0.1], [0.01], [1.0], 0.001 + 1e-4 * tokens, tokens)
+    sim.summary["counters"] = {"routing_reads": 4}
+    runtime = _view([1], [0.1], [0.01], [1.0], 0.002 + 1e-4 * tokens, tokens)
+    runtime.timeline["plan_s"] = np.array([1e-4, 6e-4, 1e-4, 7e-4, 1e-4, 5e-4])
+    runtime.timeline["routing_read"] = np.array([0, 1, 0, 1, 0, 1])
+    rep = compare(sim, runtime)
+    assert rep["routing_reads"]["sim"] == 4 and rep["routing_reads"]["runtime"] == 3
+    assert rep["routing_reads"]["plan_gap_us"] == pytest.approx(500.0)
+    prof = load_profile("h200-roofline")
+    assert prof.routing_read_us == 0 and fitted_profile(prof, rep).routing_read_us == pytest.approx(500.0)
+    runtime.timeline["routing_read"] = np.zeros(6, int)
+    assert compare(sim, runtime)["routing_reads"]["plan_gap_us"] is None
+    del runtime.timeline["routing_read"]
+    rep = compare(sim, runtime)
+    assert rep["routing_reads"] == {"sim": 4, "runtime": None, "plan_gap_us": None}
+    assert fitted_profile(replace(prof, routing_read_us=80.0), rep).routing_read_us == 80.0
+
+
+def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
+    """Under pressure the planner reads the routing statistics at most boundaries; with routing_read_us each read
+    adds that much host time, so the run takes longer by about reads x cost (the timing shifts decisions a little)."""
+    from pwsim.runner import SyntheticWorkload, build, make_config, run_simulation
+    wl = SyntheticWorkload(requests=60, rate=50.0, burstiness=1.0, prompt="lognormal:512,0.5,16,2048",
+                           output="lognormal:256,0.5,16,1024", features=True)
+    runs = {}
+    for cost in (0.0, 2000.0):
+        path = replace(load_profile("h200-measured"), routing_read_us=cost).save(tmp_path / f"read{cost:.0f}.json")
+        cfg = make_config("20GiB", policy="pagedweight", policy_params={}, workload=wl, seed=0, hardware=str(path),
+                          model="Qwen1.5-MoE-A2.7B", calibration="synthetic", trace="synthetic", quality_fit=None)
+        runs[cost] = run_simulation(build(cfg)).summary
+    reads = runs[0.0]["counters"].get("routing_reads", 0)
+    assert reads > 10 and runs[2000.0]["counters"]["routing_reads"] > 10
+    extra = runs[2000.0]["makespan_s"] - runs[0.0]["makespan_s"]
+    assert 0.5 * reads * 2e-3 < extra < 2.0 * reads * 2e-3
 
 
 def test_fidelity_refuses_runs_of_different_traces():
