@@ -289,11 +289,11 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
     """The simulator with the bundled fitted profile (h200-demo-runtime, fitted on kv980-warmup32) against the
     runtime's other warmed-up replays of the demo trace on the H200: end-to-end latency and TPOT within the
     runtime's own spread (up to 30% between runs of one setting on two machines). Under pressure (24 MiB, 236 blocks)
-    the runtime also pays what the profile, fitted without pressure, leaves out: the planner's steps that read the
-    routing (a decode iteration's plan phase 0.52-0.67 ms against 0.06), so there the simulator's end to end and
-    TPOT may be 30% low and its throughput up to 1.45x the runtime's (session 22's replays: 0.72-0.89 and
-    1.17-1.40). Cold replays also pay one-off costs (graph captures, first launches) the profile leaves out, so the
-    simulator is faster than them; with the plain GPU profile it is 3.5-15x off."""
+    the planner reads the routing statistics on most steps, on the same steps in both engines (675 simulated, 681
+    measured), and the profile's routing_read_us (measured on kv236-warmup32) charges what that costs the runtime;
+    without it the simulator's throughput was 1.17-1.40x the runtime's. Cold replays also pay one-off costs (graph
+    captures, first launches) the profile leaves out, so the simulator is faster than them; with the plain GPU
+    profile it is 3.5-20x off."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     args = ["run", "--policy", "pagedweight", "--budget", budget, "--max-num-seqs", "32", "--max-batched-tokens", "512",
@@ -314,11 +314,14 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
             assert plans == {"sim": 0, "runtime": 0} and pre == {"sim": 0, "runtime": 0}
         e2e = good["metrics"]["e2e_s"]["ratio_p50"]
         if run in warm:
-            low, high = (0.75, 1.35) if budget == "48MiB" else (0.7, 1.45)
-            assert low <= e2e <= 1.35 and low <= good["metrics"]["tpot_s"]["ratio_p50"] <= 1.35, run
-            assert 0.75 <= good["throughput_ratio"] <= high, run
+            assert 0.75 <= e2e <= 1.35 and 0.75 <= good["metrics"]["tpot_s"]["ratio_p50"] <= 1.35, run
+            assert 0.75 <= good["throughput_ratio"] <= 1.35, run
+            if budget == "24MiB":  # the planner reads on the same steps in both engines, and the reads' cost
+                reads = good["routing_reads"]  # closes the gap (without it: TPOT 0.78-0.87, throughput 1.13-1.27)
+                assert reads["runtime"] > 100 and 0.8 <= reads["sim"] / reads["runtime"] <= 1.25
+                assert good["metrics"]["tpot_s"]["ratio_p50"] >= 0.9 and good["throughput_ratio"] <= 1.1, run
         else:  # the one-off costs weigh more as the steady state gets faster (session 11's replays: 0.47-0.59,
-            assert 0.25 <= e2e <= 0.85, run  # session 22's: 0.54-0.57)
+            assert 0.25 <= e2e <= 0.85, run  # session 22's: 0.45-0.82)
         # the plain profile has the prefill MoE layer's fixed cost (prefill_layer_overhead_us) but not the
-        # iteration's host costs: end to end still 6-25x too fast, throughput 3.5-9x too high
+        # iteration's host costs: end to end still 8-25x too fast, throughput 3.5-9x too high
         assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.17 and plain["throughput_ratio"] > 3.5
