@@ -21,8 +21,9 @@ Format (JSON object, `format_version` 1):
                                         measures it)
     routing_read_us                     optional (default 0): host cost of a planner step that reads the routing
                                         statistics (under pressure: the held routing folded, the prompt features
-                                        merged, the steps scored), charged to the next iteration; `pwsim fidelity`
-                                        measures it from a replay that records which steps read them
+                                        merged, the steps scored, and the page moves and KV resizes its plan
+                                        starts), charged to the next iteration; `pwsim fidelity` measures it from a
+                                        replay that records which steps read them
     prefill_layer_overhead_us           optional (default 0): fixed cost of one MoE layer of a batch that takes the
                                         dequantize path (above ap_fused_max_tokens): the runtime's host work and
                                         launches for the layer's expert groups; `pwsim prefill-fit --fit-profile`
