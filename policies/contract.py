@@ -68,6 +68,11 @@ class Observation:
         """[num_blocks, 3], PHI_NAMES; None when the engine keeps no prompt features."""
         return None if self.routing is None else self.routing.features()
 
+    @property
+    def routing_read(self) -> bool:
+        """Whether a planner read the routing mass or the prompt features (engines charge or record that work)."""
+        return self.routing is not None and self.routing.read
+
     def __post_init__(self) -> None:
         if self.free_blocks < 0 or self.total_blocks < 0 or self.free_blocks > self.total_blocks:
             raise ValueError(f"free blocks {self.free_blocks} not within 0..{self.total_blocks}")

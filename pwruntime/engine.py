@@ -170,7 +170,11 @@ class LLMEngine:
         self.last_loop: LoopResult | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
-        self.last_routing_read = False  # whether the last step's planner read the routing statistics
+
+    @property
+    def last_routing_read(self) -> bool:
+        """Whether the last step's planner read the routing statistics."""
+        return self.last_observation is not None and self.last_observation.routing_read
 
     # ------------------------------------------------------------------ set-up
     def _initial_blocks(self) -> int:
@@ -283,8 +287,6 @@ class LLMEngine:
         marks.append(self.clock())
         self.last_loop = self.loop.step(self.last_observation)
         marks.append(self.clock())
-        routing = self.last_observation.routing
-        self.last_routing_read = routing is not None and routing.read  # the planner read the statistics
         self.last_phases = StepPhases(*np.diff(marks).tolist())
         self.num_steps += 1
         return outputs

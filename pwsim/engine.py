@@ -344,7 +344,7 @@ class Simulation:
         self.in_boundary = True  # the page table changes only inside this call (tests check it)
         res = self.loop.step(obs)
         self.in_boundary = False
-        if obs.routing is not None and obs.routing.read:  # the planner read the routing statistics: host work
+        if obs.routing_read:  # the planner read the routing statistics: host work
             self._extra_time += self.profile.routing_read_us * 1e-6  # the runtime pays before its next forward
             self.rec.count("routing_reads")
         if res.plan is not None or res.committed:

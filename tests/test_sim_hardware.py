@@ -51,6 +51,7 @@ def test_round_trip_and_validation(tmp_path):
         (lambda d: d["achieved_bandwidth_fraction"].__setitem__("moe", 1.5), "must be <= 1"),
         (lambda d: d["ap_kernel_efficiency"].pop("3"), "lacks bitwidths"),
         (lambda d: d.__setitem__("pcie_h2d_gbps", -1), "pcie_h2d_gbps"),
+        (lambda d: d.__setitem__("routing_read_us", -5.0), "routing_read_us"),
         (lambda d: d["metadata"].pop("measured"), "measured"),
         (lambda d: d.__setitem__("format_version", 9), "format_version"),
         (lambda d: d.__setitem__("surprise", 1), "unknown field"),
