@@ -36,6 +36,7 @@ import torch
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
+from pwruntime.kernels.layer_ops import row_norms
 from pwruntime.kernels.moe import MAX_TOKENS
 from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
@@ -344,7 +345,7 @@ class DeviceExpertStore:
         ws = self.workspace(tokens, x.dtype, k) if kernel else None
         out = fused_moe(self.table, layer, x, topk_ids, topk_weights, self.moe_shape(k), ws)
         if down_in_norm is not None:
-            down_in_norm.copy_(ws.act[:tokens * k].float().norm(dim=-1).view(tokens, k))
+            row_norms(ws.act[:tokens * k], out=down_in_norm)
         return out
 
 

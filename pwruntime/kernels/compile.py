@@ -255,6 +255,7 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
                 out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt), ("PW_WARPS", warps))))
         out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", 4), ("PW_OVERFLOW", 1))))  # MoE launches above 32 tokens
         out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
+        out.append(("layer_ops.cu", (("PW_BF16", bf),)))
     for dt in (0, 1, 2):
         out.append(("paged_attention.cu", (("PW_DT", dt), ("PW_DPL", 4))))
     for dt in (0, 1):   # heads a CTA serves: the four architectures' (head_dim 128) and the demo model's (64)

@@ -119,3 +119,44 @@ def load_pattern_ref(planes) -> int:
             acc = torch.cat([acc, acc.new_zeros(1)])
         acc = acc[0::2] ^ acc[1::2]
     return int(acc.item()) & 0xFFFFFFFF
+
+
+# ------------------------------------------------ the decoder layer's small ops (cuda/layer_ops.cu)
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, weight * rms_norm(s)) with s = x + delta (x when delta is None): the norm in float32, cast back before the
+    weight (as transformers does)."""
+    s = x if delta is None else x + delta
+    return s, weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
+
+
+def rotary_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention: x [T, heads, dim], cos and sin [T, 1, dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def route_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router: softmax over the experts in float32, the top_k (descending), optionally renormalized over them.
+    logits [T, E] -> (weights float32 [T, k], ids int64 [T, k])."""
+    weights, ids = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def row_norms_ref(x: torch.Tensor) -> torch.Tensor:
+    """The L2 norm of each row in float32: [..., C] -> [...]."""
+    return x.float().norm(dim=-1)
+
+
+def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
+    inter = h.shape[-1] // 2
+    return F.silu(h[..., :inter]) * h[..., inter:]
+
+
+def gated_add_ref(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(gate) * shared (Qwen2-MoE's shared expert): out, shared [T, H], gate [T, 1]."""
+    return out + torch.sigmoid(gate) * shared

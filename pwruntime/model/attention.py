@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pwruntime.kernels.attention import paged_attention_decode, write_kv
+from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.layer_ops import rotary_kv
 from pwruntime.model.config import ModelConfig
-from pwruntime.model.layers import Linear, RMSNorm, Rotary
+from pwruntime.model.layers import Linear, RMSNorm
 
 
 @dataclass
@@ -286,22 +287,16 @@ class Attention(nn.Module):
         and the decode kernel reach the caches on CUDA (what keeps a captured graph valid across resizes)."""
         n, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(x)
-        if self.qk_norm == "none" and self.clip is None:   # q and k rotated together: one set of rotary kernels
-            qk = Rotary.apply(qkv[:, :qs + kvs].view(n, self.heads + self.kv_heads, self.head_dim), cos, sin)
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
-            v = qkv[:, qs + kvs:].view(n, self.kv_heads, self.head_dim)
-        else:
-            q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
-            if self.qk_norm == "full":
-                q, k = self.q_norm(q), self.k_norm(k)
-            if self.clip is not None:
-                q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
-            q = q.reshape(n, self.heads, self.head_dim)
-            k = k.reshape(n, self.kv_heads, self.head_dim)
-            v = v.reshape(n, self.kv_heads, self.head_dim)
-            if self.qk_norm == "head":
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = Rotary.apply(q, cos, sin), Rotary.apply(k, cos, sin)
-        write_kv(k, v, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.view(n, self.heads, self.head_dim)
+        k = k.view(n, self.kv_heads, self.head_dim)
+        v = v.view(n, self.kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary_kv(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
         out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window, kv_ptrs)
         return self.o_proj(out.reshape(n, self.heads * self.head_dim))

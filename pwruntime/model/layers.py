@@ -5,9 +5,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pwruntime.kernels.layer_ops import add_rms_norm, silu_mul
+
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does)."""
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does); on CUDA one
+    kernel, which can also do the residual add before it (`add`)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -15,13 +18,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x * rsqrt(mean(x^2) + eps) in float32 as one kernel on CUDA (torch's fused RMSNorm; spelled out it was five)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return add_rms_norm(x, None, self.weight, self.eps)[1]
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); delta None: (x, norm of x)."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half convention), inverse frequencies from theta and a linear factor."""
+    """Rotary position embedding (rotate-half convention), inverse frequencies from theta and a linear factor: the
+    cos and sin tables of a forward's positions (applied by kernels.layer_ops.rotary_kv)."""
 
     def __init__(self, head_dim: int, theta: float, linear_factor: float = 1.0, device=None):
         super().__init__()
@@ -33,13 +39,6 @@ class Rotary(nn.Module):
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
 
 
 class Linear(nn.Module):
@@ -64,5 +63,4 @@ class DenseMLP(nn.Module):
         self.gate_up, self.down = Linear(torch.cat([gate, up])), Linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).split(self.intermediate, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_mul(self.gate_up(x)))

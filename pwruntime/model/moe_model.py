@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import Attention, AttentionMetadata, AttentionPlan
 from pwruntime.model.config import ModelConfig
@@ -48,18 +49,15 @@ class MoEBlock(nn.Module):
         self.shared_gate = Linear(shared_gate) if shared_gate is not None else None
 
     def forward(self, x: torch.Tensor, store: ExpertStore, records: list[LayerRouting] | None) -> torch.Tensor:
-        probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights, ids = route_topk(self.router(x), self.top_k, self.norm_topk)
         if records is None:
             out = store.moe(self.index, x, ids, weights)
         else:
             down_norm = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
             out = store.moe(self.index, x, ids, weights, down_in_norm=down_norm)
-            records.append(LayerRouting(ids, weights, x.float().norm(dim=-1), down_norm))
+            records.append(LayerRouting(ids, weights, row_norms(x), down_norm))
         if self.shared is not None:
-            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+            out = gated_add(out, self.shared_gate(x), self.shared(x))
         return out
 
 
@@ -68,12 +66,14 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
 
-    def forward(self, x, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
-        x = x + self.attn(self.input_norm(x), cos, sin, k_cache, v_cache, plan, kv_ptrs)
-        h = self.post_norm(x)
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
+        """The residual stream enters as x + delta (delta None: x alone) and leaves the same way, (x, the MLP's
+        output), so that each residual add runs inside the RMSNorm after it (one kernel on CUDA)."""
+        x, h = self.input_norm.add(x, delta)
+        x, h = self.post_norm.add(x, self.attn(h, cos, sin, k_cache, v_cache, plan, kv_ptrs))
         if isinstance(self.mlp, MoEBlock):
-            return x + self.mlp(h, store, records)
-        return x + self.mlp(h)
+            return x, self.mlp(h, store, records)
+        return x, self.mlp(h)
 
 
 class MoEModel(nn.Module):
@@ -112,10 +112,10 @@ class MoEModel(nn.Module):
         plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         records: list[LayerRouting] | None = [] if record else None
-        x = F.embedding(input_ids, self.embed)
+        x, delta = F.embedding(input_ids, self.embed), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
-        return ForwardOutput(self.norm(x), records)
+            x, delta = layer(x, delta, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
+        return ForwardOutput(self.norm.add(x, delta)[1], records)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

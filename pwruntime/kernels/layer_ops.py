@@ -1,0 +1,153 @@
+"""The decoder layer's small operations: fused CUDA kernels (cuda/layer_ops.cu) for fp16/bf16 on a GPU, their pure-torch
+references (pwruntime.kernels.reference) everywhere else.
+
+Each function is one launch on CUDA where torch runs several: the residual add with the RMSNorm after it, rotary
+embedding of q and k with the K/V cache write, the router's softmax and top-k (and renormalization), the rows' L2 norms
+of the routing records, SiLU-and-multiply, and Qwen2-MoE's sigmoid-gated shared-expert add. The kernels round to the
+activation dtype wherever the references' torch ops do, so the two paths differ only in the order of float32 sums.
+"""
+from __future__ import annotations
+
+import torch
+
+from pwruntime.kernels import compile as kc
+from pwruntime.kernels.attention import write_kv
+from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
+                                         silu_mul_ref)
+
+ROUTE_MAX_EXPERTS = 256     # 32 lanes x PW_ROUTE_PER_LANE in cuda/layer_ops.cu
+_DTYPES = (torch.float16, torch.bfloat16)
+_ELEMENTWISE_THREADS = 256
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels serve these tensors: all on CUDA, all in one 16-bit float dtype."""
+    first = tensors[0]
+    return first.is_cuda and first.dtype in _DTYPES and all(t.is_cuda and t.dtype == first.dtype for t in tensors)
+
+
+def _kernel(t: torch.Tensor, func: str):
+    return kc.get_kernel(t.device, "layer_ops.cu", func, (("PW_BF16", int(t.dtype == torch.bfloat16)),))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, cols] with the last dimension contiguous: a view where one exists, else a copy."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _elementwise_grid(total: int) -> tuple[int]:
+    """CTAs of a grid-stride elementwise kernel: one a 256 elements, at most 1024 (8 an SM of the H200's 132 and less)."""
+    return (max(1, min(-(-total // _ELEMENTWISE_THREADS), 1024)),)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, weight * rms_norm(s)) with s = x + delta, or s = x when delta is None: the residual add fused into the norm."""
+    if not (_applies(x, weight) and (delta is None or _applies(x, delta))):
+        return add_rms_norm_ref(x, delta, weight, eps)
+    if delta is not None and delta.shape != x.shape:
+        raise ValueError(f"residual add of {tuple(delta.shape)} to {tuple(x.shape)}")
+    cols = x.shape[-1]
+    if weight.shape != (cols,):
+        raise ValueError(f"RMSNorm weight {tuple(weight.shape)} for rows of {cols}")
+    x2 = _rows(x)
+    d2 = None if delta is None else _rows(delta)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    s = x if delta is None else torch.empty_like(out)
+    if x2.shape[0]:
+        threads = min(256, 32 * -(-cols // 32))
+        kc.launch(_kernel(x, "pw_add_rms_norm"), x.device, (x2.shape[0],), (threads,), (
+            kc.ptr(x2), kc.i64(x2.stride(0)), kc.ptr(d2), kc.i64(0 if d2 is None else d2.stride(0)),
+            kc.ptr(None if delta is None else s), kc.ptr(weight.contiguous()), kc.ptr(out), kc.i32(cols), kc.f32(eps)))
+    return s, out
+
+
+def rotary_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+              kv_ptrs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, heads, dim] and k [T, kv_heads, dim] rotated (cos, sin [T, 1, dim]); given the caches and `slots`, the
+    rotated k and v [T, kv_heads, dim] are also written to the caches' rows `slots` (kernels.attention.write_kv),
+    in the same launch when `kv_ptrs` (KVCache.layer_ptrs) is given. Returns contiguous (q, k)."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    fused = (_applies(q, k, v, cos, sin) and dim % 2 == 0 and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+             and cos.shape == sin.shape == (tokens, 1, dim) and cos.is_contiguous() and sin.is_contiguous())
+    if not fused:
+        q_rot, k_rot = rotary_ref(q, cos, sin), rotary_ref(k, cos, sin)
+        if slots is not None:
+            write_kv(k_rot, v, k_cache, v_cache, slots, kv_ptrs)
+        return q_rot, k_rot
+    through_table = slots is not None and kv_ptrs is not None and k_cache.dtype == v_cache.dtype == q.dtype
+    q_rot = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
+    k_rot = torch.empty(tokens, kv_heads, dim, dtype=q.dtype, device=q.device)
+    if tokens:
+        kc.launch(_kernel(q, "pw_rotary_kv"), q.device, (tokens,), (128,), (
+            kc.ptr(q), kc.i64(q.stride(0)), kc.i64(q.stride(1)), kc.ptr(k), kc.i64(k.stride(0)), kc.i64(k.stride(1)),
+            kc.ptr(v), kc.i64(v.stride(0)), kc.i64(v.stride(1)), kc.ptr(cos), kc.ptr(sin), kc.i32(heads),
+            kc.i32(kv_heads), kc.i32(dim), kc.ptr(q_rot), kc.ptr(k_rot), kc.ptr(slots if through_table else None),
+            kc.ptr(kv_ptrs if through_table else None)))
+    if slots is not None and not through_table:
+        write_kv(k_rot, v, k_cache, v_cache, slots, kv_ptrs)
+    return q_rot, k_rot
+
+
+def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router on logits [T, E]: softmax in float32, the top_k descending (weights float32 [T, k], ids int64
+    [T, k]), renormalized over the k when `renormalize`."""
+    tokens, experts = logits.shape
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"top_k must be in 1..{experts} (the experts), got {top_k}")
+    if not _applies(logits) or experts > ROUTE_MAX_EXPERTS or logits.stride(-1) != 1:
+        return route_topk_ref(logits, top_k, renormalize)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        kc.launch(_kernel(logits, "pw_route_topk"), logits.device, (-(-tokens // 4),), (128,), (
+            kc.ptr(logits), kc.i64(logits.stride(0)), kc.i32(tokens), kc.i32(experts), kc.i32(top_k),
+            kc.i32(int(renormalize)), kc.ptr(weights), kc.ptr(ids)))
+    return weights, ids
+
+
+def row_norms(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 L2 norm of each row of x [..., C]: shape x.shape[:-1], or written into `out` (float32, one value a
+    row, contiguous) and returned."""
+    if out is not None and (out.dtype != torch.float32 or out.numel() != x[..., 0].numel() or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous float32 tensor of {x[..., 0].numel()} values")
+    if not _applies(x) or (out is not None and not out.is_cuda):
+        norms = row_norms_ref(x)
+        return norms if out is None else out.copy_(norms.view(out.shape))
+    x2 = _rows(x)
+    res = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if out is None else out
+    if x2.shape[0]:
+        kc.launch(_kernel(x, "pw_row_norms"), x.device, (-(-x2.shape[0] // 4),), (128,), (
+            kc.ptr(x2), kc.i64(x2.stride(0)), kc.i32(x2.shape[0]), kc.i32(x2.shape[1]), kc.ptr(res)))
+    return res
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of h = [gate | up] [..., 2I] (the gate_up GEMM's output) -> [..., I]."""
+    if not _applies(h) or h.shape[-1] % 2:
+        return silu_mul_ref(h)
+    inter = h.shape[-1] // 2
+    h2 = _rows(h)
+    act = torch.empty(*h.shape[:-1], inter, dtype=h.dtype, device=h.device)
+    total = act.numel()
+    if total:
+        kc.launch(_kernel(h, "pw_silu_mul"), h.device, _elementwise_grid(total), (_ELEMENTWISE_THREADS,), (
+            kc.ptr(h2), kc.i64(h2.stride(0)), kc.i32(inter), kc.i64(total), kc.ptr(act)))
+    return act
+
+
+def gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+    """out + sigmoid(gate) * shared: out, shared [T, H], gate [T, 1] (Qwen2-MoE's shared expert)."""
+    if not _applies(out, gate, shared) or gate.shape != (out.shape[0], 1) or shared.shape != out.shape:
+        return gated_add_ref(out, gate, shared)
+    out, shared = out.contiguous(), shared.contiguous()
+    res = torch.empty_like(out)
+    total = out.numel()
+    if total:
+        kc.launch(_kernel(out, "pw_gated_add"), out.device, _elementwise_grid(total),
+                  (_ELEMENTWISE_THREADS,), (kc.ptr(out), kc.ptr(gate), kc.i64(gate.stride(0)), kc.ptr(shared),
+                                            kc.i32(out.shape[-1]), kc.i64(total), kc.ptr(res)))
+    return res

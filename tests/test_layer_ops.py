@@ -1,0 +1,71 @@
+"""The decoder layer's small ops on CPU (the pure-torch references the CUDA kernels are tested against): what each
+computes, checked from first principles, and the arguments they refuse."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pwruntime.kernels import layer_ops
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.layers import Rotary
+
+
+def test_add_rms_norm_adds_then_normalizes():
+    g = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(5, 96, generator=g), torch.randn(5, 96, generator=g)
+    weight = torch.rand(96, generator=g) + 0.5
+    s, out = layer_ops.add_rms_norm(x, delta, weight, 1e-6)
+    assert torch.equal(s, x + delta)
+    rms = (s.double() ** 2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(out.double(), s.double() / rms * weight.double(), atol=1e-5, rtol=1e-5)
+    s2, out2 = layer_ops.add_rms_norm(s, None, weight, 1e-6)
+    assert s2 is s and torch.equal(out2, out)
+
+
+def test_rotary_rotates_each_pair_by_its_angle_and_writes_the_cache():
+    heads, kv_heads, dim, tokens = 3, 1, 8, 6
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(tokens, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    positions = torch.tensor([0, 1, 2, 7, 100, 4095])
+    rotary = Rotary(dim, 10000.0)
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    kv = KVCache(1, 4, 4, kv_heads, dim)
+    slots = torch.tensor([3, 0, 9, 15, 4, 8])
+    q_rot, k_rot = layer_ops.rotary_kv(q, k, v, cos, sin, kv.k[0], kv.v[0], slots, kv.layer_ptrs(0))
+    half = dim // 2
+    angle = positions[:, None].double() * rotary.inv_freq[None, :].double()          # [T, half]
+    z = torch.complex(q[..., :half].double(), q[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    torch.testing.assert_close(q_rot.double(), torch.cat([z.real, z.imag], -1), atol=1e-5, rtol=1e-5)
+    assert torch.equal(q_rot[0], q[0])                                                 # position 0: no rotation
+    assert torch.equal(kv.k[0].view(-1, kv_heads, dim)[slots], k_rot)
+    assert torch.equal(kv.v[0].view(-1, kv_heads, dim)[slots], v)
+
+
+def test_route_topk_picks_the_largest_and_renormalizes():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 2.5]])
+    weights, ids = layer_ops.route_topk(logits, 2, renormalize=False)
+    probs = torch.softmax(logits, -1)
+    assert ids.tolist() == [[1, 2], [0, 3]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    renormed, _ = layer_ops.route_topk(logits, 2, renormalize=True)
+    torch.testing.assert_close(renormed.sum(-1), torch.ones(2))
+    assert math.isclose(renormed[0, 0].item(), 1 / (1 + math.exp(-1.0)), rel_tol=1e-6)
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="top_k must be in 1..4"):
+            layer_ops.route_topk(logits, bad, renormalize=False)
+
+
+def test_row_norms_into_out_and_the_elementwise_ops():
+    x = torch.tensor([[3.0, 4.0], [0.0, 0.0], [1.0, 1.0]])
+    torch.testing.assert_close(layer_ops.row_norms(x), torch.tensor([5.0, 0.0, math.sqrt(2)]))
+    out = torch.empty(3)
+    assert layer_ops.row_norms(x, out=out) is out and out[0].item() == 5.0
+    with pytest.raises(ValueError, match="contiguous float32 tensor of 3 values"):
+        layer_ops.row_norms(x, out=torch.empty(4))
+    h = torch.tensor([[1.0, -2.0, 3.0, 5.0]])
+    sig = lambda t: 1 / (1 + math.exp(-t))
+    torch.testing.assert_close(layer_ops.silu_mul(h), torch.tensor([[1.0 * sig(1.0) * 3.0, -2.0 * sig(-2.0) * 5.0]]))
+    o, s, gate = torch.ones(2, 3), torch.full((2, 3), 2.0), torch.tensor([[0.0], [100.0]])
+    torch.testing.assert_close(layer_ops.gated_add(o, gate, s), torch.tensor([[2.0] * 3, [3.0] * 3]))

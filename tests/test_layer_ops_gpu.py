@@ -1,0 +1,126 @@
+"""The decoder layer's fused kernels (cuda/layer_ops.cu) against their pure-torch references, and a model forward
+with them against the same forward on the references, for every architecture."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_fixtures import ARCHS, make_tiny_checkpoint
+from pwruntime.kernels import layer_ops
+from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
+                                         silu_mul_ref)
+from pwruntime.kv_cache import KVCache
+from pwruntime.model import load_model, prefill_metadata
+from pwruntime.model.layers import Rotary
+
+pytestmark = pytest.mark.gpu
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _rand(*shape, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(*shape, generator=g, device="cuda", dtype=torch.float32).to(dtype)
+
+
+def _mostly_exact(got: torch.Tensor, ref: torch.Tensor, ulps: float, share: float = 0.99) -> None:
+    """Within `ulps` units in the last place of the dtype everywhere, and bit-equal in at least `share` of places
+    (the kernels round where torch rounds; only float32 sums may differ in order)."""
+    eps = torch.finfo(ref.dtype).eps
+    torch.testing.assert_close(got.float(), ref.float(), atol=ulps * eps, rtol=ulps * eps)
+    assert (got == ref).float().mean().item() >= share
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [64, 256, 1408, 2048, 4096])
+def test_add_rms_norm(dtype, cols):
+    wide = _rand(33, cols + 40, dtype=dtype)
+    x = wide[:, 40:]                                  # rows with a stride (a split view)
+    delta, weight = _rand(33, cols, dtype=dtype, seed=1), _rand(cols, dtype=dtype, seed=2)
+    s, out = layer_ops.add_rms_norm(x, delta, weight, 1e-6)
+    ref_s, ref_out = add_rms_norm_ref(x, delta, weight, 1e-6)
+    assert torch.equal(s, ref_s)                      # the add rounds exactly as torch's
+    _mostly_exact(out, ref_out, ulps=4)
+    s2, out2 = layer_ops.add_rms_norm(x, None, weight, 1e-6)
+    assert s2 is x
+    _mostly_exact(out2, add_rms_norm_ref(x, None, weight, 1e-6)[1], ulps=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (16, 16, 128), (32, 4, 128)])
+def test_rotary_kv_writes_the_cache_through_the_table(dtype, heads, kv_heads, dim):
+    tokens = 21
+    qkv = _rand(tokens, (heads + 2 * kv_heads) * dim, dtype=dtype)
+    q, k, v = (t.view(tokens, -1, dim) for t in qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1))
+    positions = torch.randint(0, 4000, (tokens,), device="cuda")
+    cos, sin = Rotary(dim, 10000.0, device="cuda").cos_sin(positions, dtype)
+    kv = KVCache(1, 8, 16, kv_heads, dim, dtype, "cuda")
+    slots = torch.randperm(8 * 16, device="cuda")[:tokens]
+    q_rot, k_rot = layer_ops.rotary_kv(q, k, v, cos, sin, kv.k[0], kv.v[0], slots, kv.layer_ptrs(0))
+    assert torch.equal(q_rot, rotary_ref(q, cos, sin)) and torch.equal(k_rot, rotary_ref(k, cos, sin))
+    assert q_rot.is_contiguous() and k_rot.is_contiguous()
+    assert torch.equal(kv.k[0].view(-1, kv_heads, dim)[slots], k_rot)
+    assert torch.equal(kv.v[0].view(-1, kv_heads, dim)[slots], v)
+    untouched = torch.ones(8 * 16, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert not kv.k[0].view(-1, kv_heads, dim)[untouched].any()
+    # without the table: the same rotation, the write by index_copy_
+    kv2 = KVCache(1, 8, 16, kv_heads, dim, dtype, "cuda")
+    layer_ops.rotary_kv(q, k, v, cos, sin, kv2.k[0], kv2.v[0], slots, None)
+    assert torch.equal(kv2.k[0], kv.k[0]) and torch.equal(kv2.v[0], kv.v[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("experts,top_k", [(8, 2), (16, 4), (60, 4), (64, 8), (128, 8), (256, 8)])
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_topk(dtype, experts, top_k, renorm):
+    tokens = 37
+    g = torch.Generator().manual_seed(experts + top_k)
+    # distinct logits in every row (the order of equal weights is not specified by torch.topk): n / 32, exact in both
+    base = (torch.arange(experts, dtype=torch.float32) - experts // 2).div(32).to(dtype)
+    assert base.unique().numel() == experts
+    logits = torch.stack([base[torch.randperm(experts, generator=g)] for _ in range(tokens)]).cuda()
+    weights, ids = layer_ops.route_topk(logits, top_k, renorm)
+    ref_w, ref_ids = route_topk_ref(logits, top_k, renorm)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, atol=0, rtol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_row_norms_and_elementwise(dtype):
+    x = _rand(130, 1408, dtype=dtype)
+    torch.testing.assert_close(layer_ops.row_norms(x), row_norms_ref(x), atol=0, rtol=2e-6)
+    out = torch.full((26, 5), -1.0, device="cuda")
+    assert layer_ops.row_norms(x, out=out) is out
+    torch.testing.assert_close(out.view(-1), row_norms_ref(x), atol=0, rtol=2e-6)
+    h = _rand(19, 2 * 1408 + 16, dtype=dtype)[:, 16:]          # rows with a stride
+    _mostly_exact(layer_ops.silu_mul(h), silu_mul_ref(h), ulps=2)
+    o, s, gate = _rand(19, 2048, dtype=dtype), _rand(19, 2048, dtype=dtype, seed=1), _rand(19, 1, dtype=dtype, seed=2)
+    _mostly_exact(layer_ops.gated_add(o, gate, s), gated_add_ref(o, gate, s), ulps=2)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_forward_with_the_kernels_equals_the_references(tmp_path, monkeypatch, arch):
+    """A prefill and a decode step of each architecture in fp16: the fused layer ops against the same model on the
+    torch references (qk norms, clip, the shared expert, dense MLPs all pass through)."""
+    path = make_tiny_checkpoint(tmp_path, arch, seed=5)
+    model = load_model(path, dtype="fp16", device="cuda")
+    prompt = torch.randint(3, model.config.vocab, (23,), generator=torch.Generator().manual_seed(1))
+
+    def run():
+        kv = model.new_kv_cache(8, 4)
+        out = model.forward(prompt, torch.arange(len(prompt)), kv, prefill_metadata(len(prompt), 4, "cuda"),
+                            record=True)
+        return model.logits(out.hidden), out.routing, kv
+
+    logits, routing, kv = run()
+    monkeypatch.setattr(layer_ops, "_applies", lambda *t: False)
+    ref_logits, ref_routing, ref_kv = run()
+    scale = ref_logits.abs().mean()
+    assert (logits - ref_logits).abs().max() < 0.02 * scale
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    for got, ref in zip(routing, ref_routing):
+        assert (got.topk_ids == ref.topk_ids).float().mean() > 0.98
+        torch.testing.assert_close(got.gate_up_in_norm, ref.gate_up_in_norm, rtol=1e-2, atol=0)
+    for a, b in zip(kv.k + kv.v, ref_kv.k + ref_kv.v):
+        torch.testing.assert_close(a, b, atol=0.02, rtol=0.02)
