@@ -119,7 +119,7 @@ extern "C" __global__ void __launch_bounds__(128) pw_route_topk(
     }
     sum = warp_sum(sum);
 #pragma unroll
-    for (int j = 0; j < PW_ROUTE_PER_LANE; ++j) p[j] = j * 32 + lane < experts ? p[j] / sum : -2.f;  // -2: not an expert
+    for (int j = 0; j < PW_ROUTE_PER_LANE; ++j) p[j] = j * 32 + lane < experts ? p[j] / sum : -2.f;  // -2: no expert
     float total = 0.f;
     for (int i = 0; i < k; ++i) {
         float best = -1.f;

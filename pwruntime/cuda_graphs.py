@@ -7,11 +7,12 @@ slot_mapping. Padding rows are harmless: token 0 at position 0, one token long, 
 K/V slot in the KV cache's scratch block (KVCache(scratch=True), an id the pool never hands out).
 
 Everything the forward does on that path is stream-ordered device work: the attention plan takes
-the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel), rotary, norms and
-top-k are plain torch, and the expert store must say it is capturable (`store.capturable`; the
+the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel), the layer's small ops are
+fixed-shape kernels (kernels.layer_ops), and the expert store must say it is capturable (`store.capturable`; the
 fused AP kernel reads the device page table at run time, so committing new bits between replays
-needs no recapture). Routing records are static outputs of the graph too; callers get views of
-the real rows, valid until the next replay.
+needs no recapture). Routing records are static outputs of the graph too, also packed into one word array inside
+the graph (`pack_routing`, so a replay's routing leaves in one copy); callers get views of the real rows, valid
+until the next replay.
 
 A graph bakes the addresses of what it touches, so graphs are dropped and captured again when
 `model.experts` is another object, when the store bumps its `graph_epoch` (a store must do so whenever it
@@ -27,17 +28,22 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
+from itertools import chain
 
 import numpy as np
 import torch
 
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata
-from pwruntime.model.moe_model import ForwardOutput, LayerRouting
+from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 
 log = logging.getLogger(__name__)
 
-GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)   # 64 = the fused MoE kernel's tokens per launch
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.numpy()   # 64 = the fused MoE kernel's tokens per launch
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -106,17 +112,22 @@ class DecodeInputs:
         else:
             if out.block_tables.shape[1] != max_blocks or out.input_ids.shape[0] < size:
                 raise ValueError(f"buffers of {tuple(out.block_tables.shape)} cannot take {size} x {max_blocks}")
-            ids, pos, lens, tables, slots = (getattr(out, a)[:size].numpy() for a in cls.ARRAYS)
+            ids, pos, lens, tables, slots = (_numpy(getattr(out, a))[:size] for a in cls.ARRAYS)
             ids[n:], pos[n:] = 0, 0
         ids[:n], pos[:n] = rows.token_ids, rows.positions
         np.add(pos, 1, out=lens, casting="unsafe")
         tables.fill(scratch)
         slots.fill(scratch * block_size)
-        for i, (p, blocks) in enumerate(zip(rows.positions, rows.block_tables)):
-            if len(blocks) * block_size <= p:
-                raise ValueError(f"row {i}: {len(blocks)} blocks of {block_size} cannot hold position {p}")
-            tables[i, :len(blocks)] = blocks
-            slots[i] = blocks[p // block_size] * block_size + p % block_size
+        if n:   # every row's blocks in one pass: flattened, then placed by a mask of each row's length
+            lengths = np.fromiter(map(len, rows.block_tables), np.int64, n)
+            short = np.flatnonzero(lengths * block_size <= pos[:n])
+            if short.size:
+                i = int(short[0])
+                raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
+            flat = np.fromiter(chain.from_iterable(rows.block_tables), np.int64, int(lengths.sum()))
+            tables[:n][np.arange(max_blocks) < lengths[:, None]] = flat
+            first = np.cumsum(lengths) - lengths
+            slots[:n] = flat[first + pos[:n] // block_size] * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots)
 
     @classmethod
@@ -157,7 +168,7 @@ class DecodeInputs:
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    out: ForwardOutput          # static outputs of the padded batch
+    out: ForwardOutput          # static outputs of the padded batch (with the routing packed, when recorded)
 
 
 class DecodeGraphs:
@@ -173,8 +184,9 @@ class DecodeGraphs:
         self.window = min((w for w in model.config.sliding_windows if w), default=None)
         self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
         # a batch is padded into these pinned host buffers and sent in one transfer (`_stage`)
-        self.host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
-                                       pin_memory=model.device.type == "cuda")
+        host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
+                                  pin_memory=model.device.type == "cuda")
+        self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
         self._sent: torch.cuda.Event | None = None  # recorded after the last transfer from `host`
         self.disabled: str | None = None     # why graphs are off (a capture failed)
         self.captures = self.replays = self.invalidations = 0
@@ -235,7 +247,7 @@ class DecodeGraphs:
         routing = None
         if out.routing is not None:
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:n] for f in fields(r)}) for r in out.routing]
-        return ForwardOutput(out.hidden[:n], routing)
+        return ForwardOutput(out.hidden[:n], routing, None if out.routing_words is None else out.routing_words[:n])
 
     def capture_all(self, record: bool = False) -> None:
         """Capture every size now (instead of on first use); nothing when `ready` is False."""
@@ -288,4 +300,6 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.model.forward(*args, record=record)
+                if out.routing:
+                    out = ForwardOutput(out.hidden, out.routing, pack_routing(out.routing))
         return _Captured(graph, out)

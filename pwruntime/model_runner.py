@@ -20,7 +20,7 @@ from policies.scheduler import ScheduledBatch
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
-from pwruntime.model.moe_model import ForwardOutput, LayerRouting
+from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing, routing_layout
 
 
 @dataclass(frozen=True)
@@ -38,10 +38,9 @@ class RoutingArrays:
 class RoutingCopy:
     """A forward's routing on its way to the host (`routing_to_host`): `arrays()` waits for the copy."""
 
-    words: torch.Tensor  # int32 on the host (pinned when the copy is from a GPU): every layer's arrays, field-major
+    words: torch.Tensor  # int32 [T, W] on the host (pinned when the copy is from a GPU): moe_model.pack_routing's
     ready: torch.cuda.Event | None  # recorded after the copy (None: copied already)
     layers: int
-    tokens: int
     top_k: int
     query_lens: tuple[int, ...]
 
@@ -50,10 +49,12 @@ class RoutingCopy:
         if self.ready is not None:
             self.ready.synchronize()
         flat, out, at = self.words.numpy(), [], 0
-        for _, shape, dtype in _routing_fields(self.tokens, self.top_k):
-            n = self.layers * int(np.prod(shape))
-            out.append(flat[at:at + n].reshape(self.layers, *shape).view(dtype))
-            at += n
+        tokens, layers = flat.shape[0], self.layers
+        for _, width, dtype in routing_layout(self.top_k):
+            block = flat[:, at:at + layers * width].reshape(tokens, layers, width).transpose(1, 0, 2)
+            field = np.ascontiguousarray(block).view(dtype)       # [L, T, words a token / words a value]
+            out.append(field.reshape(layers, tokens) if width == 1 else field)
+            at += layers * width
         return RoutingArrays(*out, self.query_lens)
 
 
@@ -112,7 +113,7 @@ class ModelRunner:
         logits = self.model.logits(_rows(out.hidden, rows))
         routing = None
         if record and out.routing:
-            routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries))
+            routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries), out.routing_words)
         return StepOutput(logits, routing)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
@@ -135,24 +136,17 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
 
 
-def _routing_fields(t: int, k: int) -> tuple[tuple[str, tuple[int, ...], type], ...]:
-    """(LayerRouting field, its shape in 32-bit words per layer, its numpy type), in the order of the copy."""
-    return (("topk_ids", (t, 2 * k), np.int64), ("topk_weights", (t, k), np.float32),
-            ("gate_up_in_norm", (t,), np.float32), ("down_in_norm", (t, k), np.float32))
-
-
-def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...]) -> RoutingCopy:
-    """A forward's routing on its way to the host in one copy: every layer's arrays, as 32-bit words (an int64 id is
-    two), concatenated on the device by one kernel and copied into pinned memory without waiting, so the host can
-    work while the GPU finishes the forward (RoutingCopy.arrays waits). Four stacks and two copies before."""
-    t, k = layers[0].topk_ids.shape
-    words = [getattr(x, name).to(torch.int64 if dtype is np.int64 else torch.float32).contiguous().view(torch.int32)
-             .reshape(-1) for name, _, dtype in _routing_fields(t, k) for x in layers]
-    flat, ready = torch.cat(words), None
+def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...],
+                    words: torch.Tensor | None = None) -> RoutingCopy:
+    """A forward's routing on its way to the host in one copy: the layers' arrays packed into int32 words
+    (`pack_routing`, one kernel; `words` when the forward packed them already, as a decode graph does) and copied
+    into pinned memory without waiting, so the host can work while the GPU finishes the forward (RoutingCopy.arrays
+    waits)."""
+    flat, ready = (pack_routing(layers) if words is None else words), None
     if flat.is_cuda:
         host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
         flat = host
-    return RoutingCopy(flat, ready, len(layers), t, k, query_lens)
+    return RoutingCopy(flat, ready, len(layers), layers[0].topk_ids.shape[1], query_lens)

@@ -21,6 +21,7 @@ import torch
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeInputs, DecodeRows, graph_sizes, padded_size
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionPlan, DecodeBatch, batch_metadata, paged_attention
+from pwruntime.model.moe_model import pack_routing
 from pwruntime.kernels.reference import paged_attention_decode_ref
 
 
@@ -403,6 +404,7 @@ class Pair:
     def graph_step(self, tokens: list[int]):
         out = self.graphs.forward(self.rows(tokens), record=True)
         assert out is not None, self.graphs.disabled
+        assert torch.equal(out.routing_words, pack_routing(out.routing))   # packed inside the graph, the real rows
         return self.model.logits(out.hidden), out.routing
 
     def eager_step(self, tokens: list[int], kv=None):

@@ -36,7 +36,8 @@ def test_rotary_rotates_each_pair_by_its_angle_and_writes_the_cache():
     q_rot, k_rot = layer_ops.rotary_kv(q, k, v, cos, sin, kv.k[0], kv.v[0], slots, kv.layer_ptrs(0))
     half = dim // 2
     angle = positions[:, None].double() * rotary.inv_freq[None, :].double()          # [T, half]
-    z = torch.complex(q[..., :half].double(), q[..., half:].double()) * torch.polar(torch.ones_like(angle), angle)[:, None]
+    turn = torch.polar(torch.ones_like(angle), angle)[:, None]
+    z = torch.complex(q[..., :half].double(), q[..., half:].double()) * turn
     torch.testing.assert_close(q_rot.double(), torch.cat([z.real, z.imag], -1), atol=1e-5, rtol=1e-5)
     assert torch.equal(q_rot[0], q[0])                                                 # position 0: no rotation
     assert torch.equal(kv.k[0].view(-1, kv_heads, dim)[slots], k_rot)

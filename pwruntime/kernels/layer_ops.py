@@ -37,13 +37,13 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _elementwise_grid(total: int) -> tuple[int]:
-    """CTAs of a grid-stride elementwise kernel: one a 256 elements, at most 1024 (8 an SM of the H200's 132 and less)."""
+    """CTAs of a grid-stride elementwise kernel: one per 256 elements, at most 1024 (under 8 an SM on the H200)."""
     return (max(1, min(-(-total // _ELEMENTWISE_THREADS), 1024)),)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, weight * rms_norm(s)) with s = x + delta, or s = x when delta is None: the residual add fused into the norm."""
+    """(s, weight * rms_norm(s)) with s = x + delta (s = x when delta is None): the residual add fused into the norm."""
     if not (_applies(x, weight) and (delta is None or _applies(x, delta))):
         return add_rms_norm_ref(x, delta, weight, eps)
     if delta is not None and delta.shape != x.shape:
@@ -64,7 +64,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def rotary_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+              k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+              slots: torch.Tensor | None = None,
               kv_ptrs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, heads, dim] and k [T, kv_heads, dim] rotated (cos, sin [T, 1, dim]); given the caches and `slots`, the
     rotated k and v [T, kv_heads, dim] are also written to the caches' rows `slots` (kernels.attention.write_kv),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,10 +32,26 @@ class LayerRouting:
     down_in_norm: torch.Tensor      # [T, k] float32, L2 norm of the activation fed to each selected down
 
 
+def routing_layout(top_k: int) -> tuple[tuple[str, int, type], ...]:
+    """LayerRouting's fields as `pack_routing` lays them out: (field, 32-bit words a token, its numpy type)."""
+    return (("topk_ids", 2 * top_k, np.int64), ("topk_weights", top_k, np.float32), ("gate_up_in_norm", 1, np.float32),
+            ("down_in_norm", top_k, np.float32))
+
+
+def pack_routing(layers: list[LayerRouting]) -> torch.Tensor:
+    """A forward's routing as int32 words [T, W], a row a token (the first n rows are the first n tokens'): field by
+    field in `routing_layout` order, each field's layers side by side, bits as they are (an int64 id is two words).
+    One kernel; a decode graph runs it inside the capture, so a replay's routing leaves in one copy."""
+    t, k = layers[0].topk_ids.shape
+    return torch.cat([getattr(x, name).to(torch.int64 if dtype is np.int64 else torch.float32).reshape(t, -1)
+                      .contiguous().view(torch.int32) for name, _, dtype in routing_layout(k) for x in layers], dim=1)
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
     hidden: torch.Tensor                        # [T, H] final-norm output
     routing: list[LayerRouting] | None = None   # one per MoE layer when record=True
+    routing_words: torch.Tensor | None = None   # pack_routing(routing) when the forward made it (decode graphs)
 
 
 class MoEBlock(nn.Module):
