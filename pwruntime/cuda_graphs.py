@@ -11,8 +11,8 @@ the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel)
 fixed-shape kernels (kernels.layer_ops), and the expert store must say it is capturable (`store.capturable`; the
 fused AP kernel reads the device page table at run time, so committing new bits between replays
 needs no recapture). Routing records are static outputs of the graph too, also packed into one word array inside
-the graph (`pack_routing`, so a replay's routing leaves in one copy); callers get views of the real rows, valid
-until the next replay.
+the graph (`pack_routing`, so a replay's routing leaves in one copy), and so are the LM head's logits of every row;
+callers get views of the real rows, valid until the next replay.
 
 A graph bakes the addresses of what it touches, so graphs are dropped and captured again when
 `model.experts` is another object, when the store bumps its `graph_epoch` (a store must do so whenever it
@@ -247,7 +247,8 @@ class DecodeGraphs:
         routing = None
         if out.routing is not None:
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:n] for f in fields(r)}) for r in out.routing]
-        return ForwardOutput(out.hidden[:n], routing, None if out.routing_words is None else out.routing_words[:n])
+        words = None if out.routing_words is None else out.routing_words[:n]
+        return ForwardOutput(out.hidden[:n], routing, words, out.logits[:n])
 
     def capture_all(self, record: bool = False) -> None:
         """Capture every size now (instead of on first use); nothing when `ready` is False."""
@@ -300,6 +301,6 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self.model.forward(*args, record=record)
-                if out.routing:
-                    out = ForwardOutput(out.hidden, out.routing, pack_routing(out.routing))
+                out = ForwardOutput(out.hidden, out.routing, pack_routing(out.routing) if out.routing else None,
+                                    self.model.logits(out.hidden))   # every row of a decode batch samples
         return _Captured(graph, out)

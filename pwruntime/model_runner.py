@@ -110,7 +110,7 @@ class ModelRunner:
             out = self.model.forward(input_ids, positions, self.kv, meta, record=record)
         else:  # one row per entry
             rows = [i for i, e in enumerate(batch.entries) if e.sample]
-        logits = self.model.logits(_rows(out.hidden, rows))
+        logits = self.model.logits(_rows(out.hidden, rows)) if out.logits is None else _rows(out.logits, rows)
         routing = None
         if record and out.routing:
             routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries), out.routing_words)

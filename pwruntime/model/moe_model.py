@@ -52,6 +52,7 @@ class ForwardOutput:
     hidden: torch.Tensor                        # [T, H] final-norm output
     routing: list[LayerRouting] | None = None   # one per MoE layer when record=True
     routing_words: torch.Tensor | None = None   # pack_routing(routing) when the forward made it (decode graphs)
+    logits: torch.Tensor | None = None          # logits(hidden) of every row when the forward made them (decode graphs)
 
 
 class MoEBlock(nn.Module):
