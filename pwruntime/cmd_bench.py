@@ -1,5 +1,6 @@
-"""`pwruntime bench kernels|prefill|prefix-cache`: time the AP kernels against torch fp16 (and write a measured
-hardware profile), the prefill MoE path against one launch set per expert, or serving with prefix caching.
+"""`pwruntime bench kernels|prefill|prefix-cache|decode`: time the AP kernels against torch fp16 (and write a measured
+hardware profile), the prefill MoE path against one launch set per expert, serving with prefix caching, or where a
+decode step goes.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -18,6 +19,10 @@ GEMM) against a set of launches per active expert, and the dequantize kernel alo
 prefix caching off and on, in alternating rounds (pwruntime/bench_prefix_cache.py): wall time, output tokens/s,
 time to first token, prompt tokens from the cache, greedy outputs equal to the plain engine's. It runs on CUDA
 when there is a GPU, else on the CPU.
+
+`bench decode` brings a batch of sequences (`--prompts`) to steady decoding in an engine built as `generate` builds
+it (`--model` or `--ap` with `--calibration` and `--policy`), and reports the step's wall time and engine phases over
+`--reps` windows of `--steps` steps and, on CUDA, the kernels of 20 profiled steps (pwruntime/bench_decode.py).
 """
 from __future__ import annotations
 
@@ -34,9 +39,10 @@ FP16_GEMV_FALLBACK_GBPS = 3960.0
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache"],
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
-                        "a batch sharing a prefix served with prefix caching off and on")
+                        "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
+                        "time, phases and kernels")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b)")
@@ -51,9 +57,20 @@ def register(subparsers) -> None:
     p.add_argument("--reps", type=int, default=None,
                    help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
                         "of (off, on) (default 2)")
-    p.add_argument("--prompts", type=int, default=32, help="prefix-cache: prompts in the batch (default 32)")
+    p.add_argument("--prompts", type=int, default=32,
+                   help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32)")
     p.add_argument("--max-tokens", type=int, default=16, help="prefix-cache: greedy tokens per prompt (default 16)")
-    p.add_argument("--model", default=None, help="prefix-cache: model directory (default: the bundled demo model)")
+    p.add_argument("--model", default=None,
+                   help="prefix-cache, decode: model directory (default: the bundled demo model)")
+    d = p.add_argument_group("decode (the engine as `pwruntime generate` builds it)")
+    d.add_argument("--steps", type=int, default=None, help="decode: engine steps a timed window (default 100)")
+    d.add_argument("--prompt-tokens", type=int, default=40, help="decode: tokens a prompt (default 40)")
+    d.add_argument("--ap", default=None, metavar="DIR", help="decode: serve the experts from this AP checkpoint")
+    d.add_argument("--calibration", default=None, metavar="DIR", help="decode: the AP model's calibration")
+    d.add_argument("--policy", default="noop", help="decode: the planner (default noop)")
+    d.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="decode: KV cache blocks (default: what the sequences need, twice over)")
+    d.add_argument("--no-cuda-graphs", action="store_true", help="decode: run the decode steps eagerly")
     p.add_argument("--routing", default=None, metavar="uniform|zipf:ALPHA",
                    help="kernels: the MoE layers' routing, uniform (default) or each token's experts drawn with "
                         "popularity 1 / rank^ALPHA (hot experts)")
@@ -169,11 +186,57 @@ def _report(args, res: dict, command: str, print_table, plot=None) -> int:
     return 0
 
 
+_DECODE_ONLY = ("steps", "ap", "calibration", "num_kv_blocks")
+
+
+def _run_decode(args) -> int:
+    import argparse
+
+    from pwruntime import bench_decode as bd
+    from pwruntime.cmd_generate import add_engine_args, build_engine
+    for name in ("models", "tokens", "profile_out", "plot_from", "routing"):
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench decode`")
+    if args.max_tokens != 16:
+        raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench decode takes --steps")
+    steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
+    if min(args.prompts, args.prompt_tokens, steps, reps) < 1:
+        raise UserError(f"--prompts, --prompt-tokens, --steps and --reps must be positive, got {args.prompts}, "
+                        f"{args.prompt_tokens}, {steps}, {reps}")
+    per_seq = -(-(args.prompt_tokens + steps * reps + bd.PROFILE_STEPS + 40) // 16)
+    blocks = args.num_kv_blocks or 2 * args.prompts * per_seq
+    argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(max(args.prompts, 1)), "--policy", args.policy,
+            *(["--model", args.model] if args.model else []), *(["--ap", args.ap] if args.ap else []),
+            *(["--calibration", args.calibration] if args.calibration else []),
+            *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])]
+    engine_parser = argparse.ArgumentParser(prog="pwruntime bench decode")
+    add_engine_args(engine_parser)
+    engine, model_dir, dtype, device = build_engine(engine_parser.parse_args(argv))
+    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
+    import torch
+    try:
+        res = bd.run(engine, args.prompts, args.prompt_tokens, steps, reps, args.seed)
+    except RuntimeError as e:
+        raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
+    res = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
+           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "policy": args.policy,
+           "kv_blocks": blocks, **res}
+    return _report(args, res, command, bd.print_table)
+
+
 def run(args) -> int:
+    if args.target == "decode":
+        return _run_decode(args)
+    if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs or args.policy != "noop" \
+            or args.prompt_tokens != 40:
+        raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks and "
+                        "--no-cuda-graphs belong to `pwruntime bench decode`")
     if args.target == "prefix-cache":
         return _run_prefix_cache(args)
     if args.prompts != 32 or args.max_tokens != 16 or args.model is not None:
-        raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache`")
+        raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache` (--prompts and "
+                        "--model also to `bench decode`)")
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
     if args.routing is not None:

@@ -39,11 +39,11 @@ from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 
 log = logging.getLogger(__name__)
 
-GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)   # 64 = the fused MoE kernel's tokens per launch
 
 
 def _numpy(a: np.ndarray | torch.Tensor) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.numpy()   # 64 = the fused MoE kernel's tokens per launch
+    return a if isinstance(a, np.ndarray) else a.numpy()
 
 
 def graph_sizes(max_num_seqs: int) -> tuple[int, ...]:

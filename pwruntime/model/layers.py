@@ -59,7 +59,6 @@ class DenseMLP(nn.Module):
 
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
         super().__init__()
-        self.intermediate = gate.shape[0]
         self.gate_up, self.down = Linear(torch.cat([gate, up])), Linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
