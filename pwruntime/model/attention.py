@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
 
 import numpy as np
 import torch
@@ -50,17 +51,25 @@ class AttentionMetadata:
 def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                    device: str | torch.device = "cpu") -> AttentionMetadata:
     """Metadata for sequences given as (context_len, query_len, block ids); the blocks must cover
-    context_len + query_len tokens."""
-    width = max(1, max(len(blocks) for _, _, blocks in seqs))
-    table = torch.full((len(seqs), width), -1, dtype=torch.int32)
-    slots: list[int] = []
-    for s, (ctx, qlen, blocks) in enumerate(seqs):
-        if len(blocks) * block_size < ctx + qlen:
-            raise ValueError(f"sequence {s}: {len(blocks)} blocks of {block_size} cannot hold {ctx + qlen} tokens")
-        table[s, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(ctx, ctx + qlen)]
-    return AttentionMetadata([q for _, q, _ in seqs], [c for c, _, _ in seqs], table.to(device),
-                             torch.tensor(slots, dtype=torch.int64, device=device), host_tables=table)
+    context_len + query_len tokens. Built with a handful of numpy calls over all sequences (the block ids
+    flattened, each new token's slot looked up in them), not a loop over sequences and tokens."""
+    n = len(seqs)
+    ctx = np.fromiter((c for c, _, _ in seqs), np.int64, n)
+    qlen = np.fromiter((q for _, q, _ in seqs), np.int64, n)
+    lengths = np.fromiter((len(b) for _, _, b in seqs), np.int64, n)
+    short = np.flatnonzero(lengths * block_size < ctx + qlen)
+    if short.size:
+        s = int(short[0])
+        raise ValueError(f"sequence {s}: {lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} tokens")
+    flat = np.fromiter(chain.from_iterable(b for _, _, b in seqs), np.int64, int(lengths.sum()))
+    table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
+    table[np.arange(table.shape[1]) < lengths[:, None]] = flat
+    seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
+    pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
+    slots = flat[(np.cumsum(lengths) - lengths)[seq_of] + pos // block_size] * block_size + pos % block_size
+    host = torch.from_numpy(table)
+    return AttentionMetadata(qlen.tolist(), ctx.tolist(), host.to(device), torch.from_numpy(slots).to(device),
+                             host_tables=host)
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
