@@ -80,6 +80,8 @@ def rotary_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tens
             write_kv(k_rot, v, k_cache, v_cache, slots, kv_ptrs)
         return q_rot, k_rot
     through_table = slots is not None and kv_ptrs is not None and k_cache.dtype == v_cache.dtype == q.dtype
+    if through_table:
+        slots = slots.to(device=q.device, dtype=torch.int64).contiguous()   # the kernel reads int64 slots
     q_rot = torch.empty(tokens, heads, dim, dtype=q.dtype, device=q.device)
     k_rot = torch.empty(tokens, kv_heads, dim, dtype=q.dtype, device=q.device)
     if tokens:
