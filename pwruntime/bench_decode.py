@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pwruntime.bench_prefix_cache import sync_device
+from pwruntime.engine import EngineConfig
 from pwruntime.sampling import SamplingParams
 
 PROFILE_STEPS = 20
@@ -50,14 +52,20 @@ def kernel_stats(events: list[dict], steps: int, gap_us: float = GAP_US) -> dict
             "top": [{"name": name[:80], "per_step": len(d) / steps, "us_per_step": sum(d) / steps} for name, d in top]}
 
 
+def decode_budget(steps: int, reps: int) -> int:
+    """Tokens each sequence is asked to decode in `run`: the timed windows, the profiled steps and a margin."""
+    return steps * reps + PROFILE_STEPS + 16
+
+
+def default_kv_blocks(seqs: int, prompt_tokens: int, steps: int, reps: int) -> int:
+    """A KV pool with room for the run twice over: every sequence at its longest, plus slack (no pressure)."""
+    longest = prompt_tokens + decode_budget(steps, reps) + 24
+    return 2 * seqs * -(-longest // EngineConfig.block_size)
+
+
 def _decode_only(engine) -> bool:
     batch = engine.last_batch
     return batch is not None and bool(batch.entries) and all(e.num_new_tokens == 1 for e in batch.entries)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run(engine, seqs: int, prompt_tokens: int, steps: int, reps: int, seed: int = 0) -> dict:
@@ -68,9 +76,8 @@ def run(engine, seqs: int, prompt_tokens: int, steps: int, reps: int, seed: int 
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, model.config.vocab, prompt_tokens).tolist() for _ in range(seqs)]
     engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))       # warm-up
-    budget = steps * reps + PROFILE_STEPS + 16
     for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=budget, ignore_eos=True))
+        engine.add_request(p, SamplingParams(max_tokens=decode_budget(steps, reps), ignore_eos=True))
     for _ in range(64):                                                             # the prompts' prefill
         engine.step()
         if _decode_only(engine) and len(engine.last_batch.entries) == seqs:
@@ -79,13 +86,13 @@ def run(engine, seqs: int, prompt_tokens: int, steps: int, reps: int, seed: int 
         raise RuntimeError(f"{seqs} sequences never decoded together: the KV pool or the batch limits are too small")
     windows = []
     for _ in range(reps):
-        _sync(device)
+        sync_device(device)
         phases, decode_only, t0 = [], 0, time.perf_counter()
         for _ in range(steps):
             engine.step()
             phases.append(engine.last_phases)
             decode_only += _decode_only(engine)
-        _sync(device)
+        sync_device(device)
         wall = time.perf_counter() - t0
         windows.append({"step_ms": wall / steps * 1e3, "decode_only_steps": decode_only,
                         "phases_ms": {k.removesuffix("_s"): float(np.mean([getattr(p, k) for p in phases]) * 1e3)
@@ -104,7 +111,7 @@ def _profile(engine, device: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILE_STEPS):
             engine.step()
-        _sync(device)
+        sync_device(device)
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))

@@ -42,7 +42,8 @@ def prompts(n: int) -> list[str]:
     return [f"{SHARED_PREFIX} Question {i}:" for i in range(n)]
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work (nothing on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -51,10 +52,10 @@ def _round(model, caching: bool, texts: list[str], params: SamplingParams, block
            reference: list[list[int]] | None) -> tuple[RoundResult, list[list[int]]]:
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=blocks, prefix_caching=caching))
     engine.generate([f"warm-up {i}" for i in range(len(texts))], params)
-    _sync(model.device)
+    sync_device(model.device)
     t0 = time.perf_counter()
     outs = engine.generate(texts, params)
-    _sync(model.device)
+    sync_device(model.device)
     wall = time.perf_counter() - t0
     ttft = [1e3 * (o.first_token_time - o.arrival_time) for o in outs]
     tokens = [o.token_ids for o in outs]

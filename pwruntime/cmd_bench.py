@@ -64,10 +64,10 @@ def register(subparsers) -> None:
                    help="prefix-cache, decode: model directory (default: the bundled demo model)")
     d = p.add_argument_group("decode (the engine as `pwruntime generate` builds it)")
     d.add_argument("--steps", type=int, default=None, help="decode: engine steps a timed window (default 100)")
-    d.add_argument("--prompt-tokens", type=int, default=40, help="decode: tokens a prompt (default 40)")
+    d.add_argument("--prompt-tokens", type=int, default=None, help="decode: tokens a prompt (default 40)")
     d.add_argument("--ap", default=None, metavar="DIR", help="decode: serve the experts from this AP checkpoint")
     d.add_argument("--calibration", default=None, metavar="DIR", help="decode: the AP model's calibration")
-    d.add_argument("--policy", default="noop", help="decode: the planner (default noop)")
+    d.add_argument("--policy", default=None, help="decode: the planner (default noop)")
     d.add_argument("--num-kv-blocks", type=int, default=None,
                    help="decode: KV cache blocks (default: what the sequences need, twice over)")
     d.add_argument("--no-cuda-graphs", action="store_true", help="decode: run the decode steps eagerly")
@@ -186,11 +186,13 @@ def _report(args, res: dict, command: str, print_table, plot=None) -> int:
     return 0
 
 
-_DECODE_ONLY = ("steps", "ap", "calibration", "num_kv_blocks")
+_DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv_blocks")
 
 
 def _run_decode(args) -> int:
     import argparse
+
+    import torch
 
     from pwruntime import bench_decode as bd
     from pwruntime.cmd_generate import add_engine_args, build_engine
@@ -200,12 +202,14 @@ def _run_decode(args) -> int:
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench decode takes --steps")
     steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
-    if min(args.prompts, args.prompt_tokens, steps, reps) < 1:
+    prompt_tokens, policy = (40 if args.prompt_tokens is None else args.prompt_tokens), args.policy or "noop"
+    if min(args.prompts, prompt_tokens, steps, reps) < 1:
         raise UserError(f"--prompts, --prompt-tokens, --steps and --reps must be positive, got {args.prompts}, "
-                        f"{args.prompt_tokens}, {steps}, {reps}")
-    per_seq = -(-(args.prompt_tokens + steps * reps + bd.PROFILE_STEPS + 40) // 16)
-    blocks = args.num_kv_blocks or 2 * args.prompts * per_seq
-    argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(max(args.prompts, 1)), "--policy", args.policy,
+                        f"{prompt_tokens}, {steps}, {reps}")
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
+    blocks = args.num_kv_blocks or bd.default_kv_blocks(args.prompts, prompt_tokens, steps, reps)
+    argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(args.prompts), "--policy", policy,
             *(["--model", args.model] if args.model else []), *(["--ap", args.ap] if args.ap else []),
             *(["--calibration", args.calibration] if args.calibration else []),
             *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])]
@@ -214,13 +218,12 @@ def _run_decode(args) -> int:
     engine, model_dir, dtype, device = build_engine(engine_parser.parse_args(argv))
     command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
-    import torch
     try:
-        res = bd.run(engine, args.prompts, args.prompt_tokens, steps, reps, args.seed)
+        res = bd.run(engine, args.prompts, prompt_tokens, steps, reps, args.seed)
     except RuntimeError as e:
         raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
     res = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
-           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "policy": args.policy,
+           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "policy": policy,
            "kv_blocks": blocks, **res}
     return _report(args, res, command, bd.print_table)
 
@@ -228,8 +231,7 @@ def _run_decode(args) -> int:
 def run(args) -> int:
     if args.target == "decode":
         return _run_decode(args)
-    if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs or args.policy != "noop" \
-            or args.prompt_tokens != 40:
+    if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs:
         raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks and "
                         "--no-cuda-graphs belong to `pwruntime bench decode`")
     if args.target == "prefix-cache":

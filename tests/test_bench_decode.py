@@ -32,6 +32,7 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys):
     (["--steps", "0"], "must be positive"),
     (["--tokens", "4"], "--tokens does not apply"),
     (["--max-tokens", "3"], "--max-tokens belongs to `pwruntime bench prefix-cache`"),
+    (["--num-kv-blocks", "0"], "--num-kv-blocks must be positive"),
     (["--prompts", "8", "--num-kv-blocks", "8", "--steps", "2", "--reps", "1"], "never decoded together"),
 ])
 def test_decode_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
@@ -43,6 +44,8 @@ def test_decode_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, cap
 
 def test_decode_options_are_refused_by_the_other_benches(capsys):
     assert main(["bench", "prefix-cache", "--steps", "3"]) == 2
+    assert "belong to `pwruntime bench decode`" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--policy", "noop"]) == 2
     assert "belong to `pwruntime bench decode`" in capsys.readouterr().err
 
 
