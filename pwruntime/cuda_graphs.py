@@ -171,41 +171,28 @@ class _Captured:
     out: ForwardOutput          # static outputs of the padded batch (with the routing packed, when recorded)
 
 
-class DecodeGraphs:
-    """Captured decode forwards of one model over one KV cache (see the module docstring)."""
+class GraphSet:
+    """What decode graphs and a mixed step's piecewise graphs (pwruntime.mixed_graphs) share: whether this model,
+    store and cache can be captured, when captures go stale (see the module docstring), the settle count, and
+    the warm-up-then-capture of one forward piece into the set's memory pool."""
 
-    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None,
-                 settle_steps: int = 0):
+    def __init__(self, model, kv: KVCache, settle_steps: int = 0):
         self.model, self.kv = model, kv
         self.settle_steps = int(settle_steps)
-        self._calm = self.settle_steps        # decode calls since the last change (the first capture is at once)
-        self.sizes = graph_sizes(max_num_seqs)
-        self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
-        self.window = min((w for w in model.config.sliding_windows if w), default=None)
-        self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
-        # a batch is padded into these pinned host buffers and sent in one transfer (`_stage`)
-        host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
-                                  pin_memory=model.device.type == "cuda")
-        self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
-        self._sent: torch.cuda.Event | None = None  # recorded after the last transfer from `host`
+        self._calm = self.settle_steps        # calls since the last change (the first capture is at once)
         self.disabled: str | None = None     # why graphs are off (a capture failed)
         self.captures = self.replays = self.invalidations = 0
-        self._graphs: dict[tuple[int, bool], _Captured] = {}
+        self._graphs: dict = {}
         self._pool = None
+        self._side: torch.cuda.Stream | None = None   # the warm-ups' stream (cuBLAS keeps a workspace per stream)
         self._store = None
         self._key: tuple[int, int] | None = None
 
-    # ------------------------------------------------------------ checks
     @property
     def ready(self) -> bool:
         """Whether this model, store and cache can be captured at all right now."""
         return (self.disabled is None and self.kv.scratch_block is not None
                 and self.model.dtype in DECODE_KERNEL_DTYPES and bool(getattr(self.model.experts, "capturable", False)))
-
-    def supports(self, rows: DecodeRows) -> bool:
-        """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
-        return (0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
-                and (self.window is None or rows.max_len <= self.window))
 
     def _drop_stale(self) -> None:
         """Invalidate when the KV tensors, the store or the store's captured tensors changed since capture."""
@@ -218,7 +205,7 @@ class DecodeGraphs:
             self._store, self._key = store, key
 
     def _settled(self) -> bool:
-        """Count one decode call; whether enough passed since the last change to capture again."""
+        """Count one call; whether enough passed since the last change to capture again."""
         self._calm += 1
         return self._calm > self.settle_steps
 
@@ -228,6 +215,54 @@ class DecodeGraphs:
             self.invalidations += 1
         self._graphs.clear()
         self._pool = None
+
+    def _disable(self, what: str, e: Exception) -> None:
+        """A capture failed: graphs of this set stay off (logged), the caller runs eagerly."""
+        self.disabled = f"capturing {what} failed: {type(e).__name__}: {e}"
+        log.warning("%s; those steps run eagerly from now on", self.disabled)
+        self.invalidate()
+
+    def _warm_and_capture(self, fn, *args):
+        """(graph, fn(*args) as captured): fn run once on a side stream (kernel compiles, cuBLAS handles), then
+        captured into this set's shared memory pool. The side stream is made once: cuBLAS caches a workspace for
+        every stream it runs on, which a new stream a capture left behind (tens of MiB each on the H200)."""
+        dev = self.model.device
+        with torch.cuda.device(dev):
+            if self._side is None:
+                self._side = torch.cuda.Stream(dev)
+            side = self._side
+            side.wait_stream(torch.cuda.current_stream(dev))
+            with torch.cuda.stream(side):
+                fn(*args)
+            torch.cuda.current_stream(dev).wait_stream(side)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = fn(*args)
+        return graph, out
+
+
+class DecodeGraphs(GraphSet):
+    """Captured decode forwards of one model over one KV cache (see the module docstring)."""
+
+    def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None,
+                 settle_steps: int = 0):
+        super().__init__(model, kv, settle_steps)
+        self.sizes = graph_sizes(max_num_seqs)
+        self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
+        self.window = min((w for w in model.config.sliding_windows if w), default=None)
+        self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
+        # a batch is padded into these pinned host buffers and sent in one transfer (`_stage`)
+        host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
+                                  pin_memory=model.device.type == "cuda")
+        self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
+        self._sent: torch.cuda.Event | None = None  # recorded after the last transfer from `host`
+
+    def supports(self, rows: DecodeRows) -> bool:
+        """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
+        return (0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
+                and (self.window is None or rows.max_len <= self.window))
 
     # ------------------------------------------------------------ running
     def forward(self, rows: DecodeRows, record: bool = False) -> ForwardOutput | None:
@@ -277,30 +312,16 @@ class DecodeGraphs:
         b = self.buffers
         args = (b.input_ids[:size], b.positions[:size], self.kv, b.metadata(size, self.window or 1))
         try:
-            captured = self._record(args, record)
+            captured = _Captured(*self._warm_and_capture(self._forward, args, record))
         except Exception as e:  # noqa: BLE001 - any failure means: run this model eagerly
-            self.disabled = f"capturing a decode graph of {size} rows failed: {type(e).__name__}: {e}"
-            log.warning("%s; decode steps run eagerly from now on", self.disabled)
-            self.invalidate()
+            self._disable(f"a decode graph of {size} rows", e)
             return None
         self.captures += 1
         self._graphs[(size, record)] = captured
         return captured
 
-    def _record(self, args: tuple, record: bool) -> _Captured:
-        """Warm up, then capture model.forward(*args) into this object's shared memory pool."""
-        dev = self.model.device
-        with torch.cuda.device(dev):
-            side = torch.cuda.Stream(dev)
-            side.wait_stream(torch.cuda.current_stream(dev))
-            with torch.cuda.stream(side):   # warm-up outside the capture: kernel compiles, cuBLAS handles
-                self.model.forward(*args, record=record)
-            torch.cuda.current_stream(dev).wait_stream(side)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self.model.forward(*args, record=record)
-                out = ForwardOutput(out.hidden, out.routing, pack_routing(out.routing) if out.routing else None,
-                                    self.model.logits(out.hidden))   # every row of a decode batch samples
-        return _Captured(graph, out)
+    def _forward(self, args: tuple, record: bool) -> ForwardOutput:
+        """What a decode graph holds: the forward, its routing packed, the logits of every row (all sample)."""
+        out = self.model.forward(*args, record=record)
+        return ForwardOutput(out.hidden, out.routing, pack_routing(out.routing) if out.routing else None,
+                             self.model.logits(out.hidden))
