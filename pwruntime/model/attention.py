@@ -253,14 +253,22 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, plan: AttentionPlan, scale: float,
-                    window: int | None = None, kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, kv_ptrs: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output [T, heads, d] for the batch; k/v are this batch's new K/V (already in the cache). The decode
-    kernel reads the caches through `kv_ptrs` when given (KVCache.layer_ptrs)."""
+    kernel reads the caches through `kv_ptrs` when given (KVCache.layer_ptrs). With `out` (at least T rows; a
+    piecewise graph's static buffer) the T rows are written there and `out` is returned; rows past T are left as
+    they are."""
     d = plan.decode
     kernel = d is not None and d.kernel_applies(q.device.type, q.dtype, window)
-    if kernel and d.rows is None:
+    if kernel and d.rows is None and out is None:
         return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, kv_ptrs=kv_ptrs)
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    if kernel and d.rows is None:
+        out[:q.shape[0]] = paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale,
+                                                  kv_ptrs=kv_ptrs)
+        return out
     if kernel:
         out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale,
                                              kv_ptrs=kv_ptrs)
@@ -294,6 +302,23 @@ class Attention(nn.Module):
                 v_cache: torch.Tensor, plan: AttentionPlan, kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
         """`kv_ptrs`: the layer's cache addresses on the device (KVCache.layer_ptrs), through which the K/V writes
         and the decode kernel reach the caches on CUDA (what keeps a captured graph valid across resizes)."""
+        q, k, v = self.project(x, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        return self.output(self.core(q, k, v, k_cache, v_cache, plan, kv_ptrs))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             plan: AttentionPlan, kv_ptrs: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention itself over the paged cache ([T, heads, d]; `out` as in paged_attention): the part of the
+        layer a piecewise graph of a mixed step leaves eager (pwruntime.mixed_graphs)."""
+        return paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window, kv_ptrs, out)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output [n, heads, d] -> [n, hidden]."""
+        return self.o_proj(o.reshape(o.shape[0], self.heads * self.head_dim))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, kv_ptrs: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (rotated) and v [n, heads or kv_heads, d] of x, the new K/V written to the cache at `slots`."""
         n, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
@@ -306,6 +331,5 @@ class Attention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary_kv(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
-        out = paged_attention(q, k, v, k_cache, v_cache, plan, self.scale, self.window, kv_ptrs)
-        return self.o_proj(out.reshape(n, self.heads * self.head_dim))
+        q, k = rotary_kv(q, k, v, cos, sin, k_cache, v_cache, slots, kv_ptrs)
+        return q, k, v

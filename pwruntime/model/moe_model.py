@@ -86,9 +86,22 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
         """The residual stream enters as x + delta (delta None: x alone) and leaves the same way, (x, the MLP's
-        output), so that each residual add runs inside the RMSNorm after it (one kernel on CUDA)."""
+        output), so that each residual add runs inside the RMSNorm after it (one kernel on CUDA).
+
+        It is three parts, which a mixed step's piecewise graphs run apart (pwruntime.mixed_graphs): everything
+        before the attention core (`before_attention`), the core (`attn.core`), everything after it
+        (`after_attention`)."""
+        x, q, k, v = self.before_attention(x, delta, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        return self.after_attention(x, self.attn.core(q, k, v, k_cache, v_cache, plan, kv_ptrs), store, records)
+
+    def before_attention(self, x, delta, cos, sin, k_cache, v_cache, slots, kv_ptrs=None):
+        """(x + delta, q, k, v): the residual add, the norm, the projections and rotary, the new K/V written."""
         x, h = self.input_norm.add(x, delta)
-        x, h = self.post_norm.add(x, self.attn(h, cos, sin, k_cache, v_cache, plan, kv_ptrs))
+        return (x, *self.attn.project(h, cos, sin, k_cache, v_cache, slots, kv_ptrs))
+
+    def after_attention(self, x, o, store, records):
+        """(x + attention output, the MLP's output) from the attention core's output o [n, heads, d]."""
+        x, h = self.post_norm.add(x, self.attn.output(o))
         if isinstance(self.mlp, MoEBlock):
             return x, self.mlp(h, store, records)
         return x, self.mlp(h)
@@ -126,14 +139,22 @@ class MoEModel(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions for "
                              f"{meta.num_tokens} tokens in the metadata")
         dev = self.device
-        input_ids, positions = input_ids.to(dev), positions.to(dev)
         plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        x, cos, sin = self.embed_tokens(input_ids.to(dev), positions.to(dev))
         records: list[LayerRouting] | None = [] if record else None
-        x, delta = F.embedding(input_ids, self.embed), None
+        delta = None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
-        return ForwardOutput(self.norm.add(x, delta)[1], records)
+        return ForwardOutput(self.final_norm(x, delta), records)
+
+    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the tokens' embeddings [T, H], rotary cos and sin of their positions)."""
+        return (F.embedding(input_ids, self.embed), *self.rotary.cos_sin(positions, self.dtype))
+
+    def final_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """The final RMSNorm of the residual stream x + delta."""
+        return self.norm.add(x, delta)[1]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
