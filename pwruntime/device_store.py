@@ -8,7 +8,8 @@ keeps its leading GPU planes above q. Every row change goes through `_write_row`
 tensors the row stopped naming; they are freed only once the compute stream has passed that point
 (`retire`, a `stream_marks.DeferredFree`), because kernels queued earlier may still read them.
 
-Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens (`FUSED_MAX_TOKENS`), a
+Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens (`FUSED_MAX_TOKENS`), and
+inside a CUDA-graph capture for any T whose prefill path would read counts back (`prefill_syncs`), a
 launch set per 64 tokens, with one `MoEWorkspace` per (token bucket, dtype, top-k) reused across layers
 (no host sync, no data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
 workspace's activations. For T > 128 (prefill) it dequantizes the active experts at their committed
@@ -326,7 +327,10 @@ class DeviceExpertStore:
             raise ValueError(f"no MoE layer {layer}: the store has {self.num_layers}")
         tokens, k = topk_ids.shape
         kernel = _kernel_path(x)
-        if tokens > FUSED_MAX_TOKENS or (down_in_norm is not None and not kernel):
+        # inside a capture (a mixed step's piecewise graph) the prefill path only where it reads nothing back
+        prefill = tokens > FUSED_MAX_TOKENS and not (
+            kernel and _capturing(self.device) and prefill_syncs(self.moe_shape(k), x, self.prefill_chunk_bytes))
+        if prefill or (down_in_norm is not None and not kernel):
             return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
                                self.prefill_chunk_bytes, down_in_norm)
         if tokens <= MAX_TOKENS:
@@ -358,10 +362,26 @@ def prefill_group_limits(shape: MoEShape, element_size: int,
 
 def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits."""
-    gate_up, down = (dequantize_blocks(table, [shape.block(layer, e, kind) for e in experts],
-                                       *block_shape(kind, shape.hidden, shape.intermediate), dtype) for kind in (0, 1))
+    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits. Every expert of
+    the layer, in order, is asked for by block ids made on the device (no copy: capturable, see prefill_syncs)."""
+    every = list(experts) == list(range(shape.num_experts)) and table.device.type == "cuda"
+    first = torch.arange(0, 2 * shape.num_experts, 2, device=table.device) if every else None
+
+    def ids(kind: int):
+        if every:
+            return first + shape.block(layer, 0, kind)
+        return [shape.block(layer, e, kind) for e in experts]
+
+    gate_up, down = (dequantize_blocks(table, ids(kind), *block_shape(kind, shape.hidden, shape.intermediate), dtype)
+                     for kind in (0, 1))
     return gate_up, down
+
+
+def prefill_syncs(shape: MoEShape, x: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> bool:
+    """Whether `prefill_moe` on activations x reads the experts' row counts back to the host (so cannot run in a
+    CUDA graph): everywhere but `grouped_mm_moe` with every expert of the layer in one chunk."""
+    return not (grouped_mm_prefill(x, shape) and shape.num_experts <= prefill_group_limits(
+        shape, x.element_size(), chunk_bytes)[0])
 
 
 def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:

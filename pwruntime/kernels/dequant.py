@@ -14,11 +14,15 @@ THREADS = 128
 
 def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Tensor, out_features: int,
                       in_features: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """W_q [n, out, in] of same-shape blocks, one launch on CUDA; a block at 0 bits gives zeros."""
-    ids = [int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)]
-    if not ids:
+    """W_q [n, out, in] of same-shape blocks, one launch on CUDA; a block at 0 bits gives zeros. Block ids given as
+    a tensor on the table's CUDA device are used where they are (nothing copied: capturable in a CUDA graph)."""
+    on_device = isinstance(blocks, torch.Tensor) and blocks.is_cuda and table.device.type == "cuda"
+    ids = [] if on_device else [int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)]
+    n = blocks.numel() if on_device else len(ids)
+    if not n:
         return torch.empty(0, out_features, in_features, dtype=dtype, device=table.device)
     if table.device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        ids = ids or blocks.tolist()
         out = []
         for b in ids:
             rb = table.resident(b)
@@ -26,11 +30,12 @@ def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Te
                        else dequantize_resident(rb, in_features, dtype))
         return torch.stack(out)
     dev = table.device
-    dst = torch.empty(len(ids), out_features, in_features, dtype=dtype, device=dev)
-    idx = torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True)
+    dst = torch.empty(n, out_features, in_features, dtype=dtype, device=dev)
+    idx = (blocks.to(torch.int64).contiguous() if on_device
+           else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True))
     words = -(-in_features // 32)
     k = kc.get_kernel(dev, "ap_dequant.cu", "pw_ap_dequant", (("PW_BF16", int(dtype == torch.bfloat16)),))
-    grid = (-(-out_features * words // THREADS), len(ids))
+    grid = (-(-out_features * words // THREADS), n)
     kc.launch(k, dev, grid, (THREADS,), (kc.ptr(table.table), kc.ptr(idx), kc.i32(out_features),
                                          kc.i32(in_features), kc.ptr(dst)))
     return dst
