@@ -58,6 +58,7 @@ def run(args) -> int:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     _check_listen(args.host, args.port)
     engine, model_dir, _, _ = build_engine(args)
+    engine.capture_graphs()   # before the first request, which would otherwise pay the captures its steps need
     worker = EngineWorker(engine).start()
     server = Server(worker, args.served_model_name or Path(str(model_dir)).name)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)

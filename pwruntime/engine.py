@@ -87,6 +87,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that carry no seed of their own
     record_traces: bool = False
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
+    mixed_cuda_graphs: bool = True  # with cuda_graphs, other steps replay piecewise graphs (pwruntime.mixed_graphs)
     graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
     # not), decode steps that run eagerly before graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
@@ -139,7 +140,8 @@ class LLMEngine:
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
-                                  graph_settle_steps=cfg.graph_settle_steps)
+                                  graph_settle_steps=cfg.graph_settle_steps,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         n_moe = mc.num_moe_layers or mc.layers
         self.table = table if table is not None else PageTable(n_moe, mc.experts, mc.hidden, mc.expert_intermediate)
@@ -242,6 +244,11 @@ class LLMEngine:
             return None
         self.routing.drop(request_id)
         return self._output(seq)
+
+    def capture_graphs(self) -> None:
+        """Capture the runner's CUDA graphs for every decode size and mixed-step bucket now, as this engine's steps
+        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA."""
+        self.runner.capture_graphs(self._record)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -4,9 +4,11 @@ The scheduler's pool already reserved every slot; the runner only reads block ta
 logits of the rows that sample (each sampling sequence's last new token) and, when asked, the batch's
 routing on its way to the host (`RoutingCopy`; numpy arrays for the shared observation code, policies.observe).
 
-With `cuda_graphs` on a CUDA model, a batch in which every sequence adds exactly one token replays a
-captured graph (pwruntime.cuda_graphs.DecodeGraphs) when the expert store is capturable; everything
-else (prefill, mixed batches, CPU, a store that is not capturable) runs the forward eagerly.
+With `cuda_graphs` on a CUDA model and a capturable expert store, a batch in which every sequence adds
+exactly one token replays a captured graph (pwruntime.cuda_graphs.DecodeGraphs), and any other batch of
+up to max_num_batched_tokens tokens replays the piecewise graphs of its token bucket, its attention run
+eagerly between them (pwruntime.mixed_graphs.MixedGraphs); everything else (CPU, a store that is not
+capturable, a batch neither takes) runs the forward eagerly.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 from policies.kv_blocks import BlockPool
 from policies.scheduler import ScheduledBatch
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows
+from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing, routing_layout
@@ -68,14 +71,24 @@ class ModelRunner:
     """Runs one model over one paged KV cache."""
 
     def __init__(self, model, kv: KVCache, cuda_graphs: bool = False, max_num_seqs: int = GRAPH_SIZES[-1],
-                 graph_settle_steps: int = 0) -> None:
+                 graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None) -> None:
+        """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs)."""
         self.model, self.kv = model, kv
-        self.graphs = (DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps)
-                       if cuda_graphs and model.device.type == "cuda" else None)
+        graphs = cuda_graphs and model.device.type == "cuda"
+        self.graphs = DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps) if graphs else None
+        self.mixed_graphs = (MixedGraphs(model, kv, max_num_batched_tokens, settle_steps=graph_settle_steps)
+                             if graphs and max_num_batched_tokens else None)
 
-    def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                        AttentionMetadata, list[int]]:
-        """input_ids [T], positions [T], metadata, and the flat row of each sampling entry."""
+    def capture_graphs(self, record: bool) -> None:
+        """Capture every decode size and mixed-step bucket now (before serving) instead of on first use."""
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.capture_all(record)
+
+    def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[list[int], list[int], AttentionMetadata,
+                                                                        list[int]]:
+        """Token ids and positions of the flattened batch, its metadata (on the host) and the flat row of each
+        sampling entry."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[tuple[int, int, list[int]]] = []
@@ -87,10 +100,7 @@ class ModelRunner:
             seqs.append((e.start, e.num_new_tokens, pool.block_table(e.seq.seq_id)))
             if e.sample:
                 sample_rows.append(len(ids) - 1)
-        dev = self.model.device
-        meta = batch_metadata(seqs, pool.block_size, dev)
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_rows)
+        return ids, positions, batch_metadata(seqs, pool.block_size), sample_rows
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
         """The forward through a captured decode graph, or None when this batch runs eagerly."""
@@ -107,7 +117,11 @@ class ModelRunner:
         out = self._graph_forward(batch, pool, record)
         if out is None:
             input_ids, positions, meta, rows = self.prepare(batch, pool)
-            out = self.model.forward(input_ids, positions, self.kv, meta, record=record)
+            if self.mixed_graphs is not None:
+                out = self.mixed_graphs.forward(input_ids, positions, meta, record)
+            if out is None:
+                out = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
+                                         torch.tensor(positions, dtype=torch.long), self.kv, meta, record=record)
         else:  # one row per entry
             rows = [i for i, e in enumerate(batch.entries) if e.sample]
         logits = self.model.logits(_rows(out.hidden, rows)) if out.logits is None else _rows(out.logits, rows)

@@ -37,13 +37,15 @@ WARMUP_TOKENS = 16  # output tokens of each warm-up request
 
 
 def warm_up(engine, trace: RequestTrace, requests: int) -> None:
-    """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each: the
-    runtime's one-off costs (first launches of each kernel, CUDA-graph captures) then fall outside the replay."""
+    """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each, and
+    capture every CUDA graph the engine may replay: the runtime's one-off costs (first launches of each kernel,
+    CUDA-graph captures) then fall outside the replay."""
     k = min(requests, len(trace))
     if k:
         engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
                         [SamplingParams(max_tokens=min(WARMUP_TOKENS, int(trace.output_tokens[i])), ignore_eos=True)
                          for i in range(k)])
+        engine.capture_graphs()
 
 
 def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,

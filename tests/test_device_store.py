@@ -37,17 +37,6 @@ CALIBRATION = Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo
 CUDA = torch.cuda.is_available()
 
 
-@pytest.fixture(scope="module")
-def ap_path(tmp_path_factory) -> Path:
-    """A tiny Qwen2-MoE (2 MoE layers x 8 experts, hidden 128, intermediate 64, top-2; head_dim 32, which the
-    decode attention kernel takes) as an AP checkpoint."""
-    root = tmp_path_factory.mktemp("devstore")
-    src = make_tiny_checkpoint(root, "qwen2_moe", tokenizer=True, num_experts=8, hidden_size=128,
-                               moe_intermediate_size=64)
-    quantize_checkpoint(src, root / "ap", QuantizeOptions(weighting="none"), progress=False)
-    return root / "ap"
-
-
 @dataclass
 class Scripted:
     """A planner that moves given blocks at given steps: {step: [(block, to_bits), ...]}."""
@@ -439,8 +428,9 @@ def test_gpu_engine_moves_pages_under_graph_replays(ap_path):
         assert mover.num_pending == 0 and mover.stats.offloads == 10 and mover.stats.reloads == 5
         assert_rows_follow(engine.model.experts, table)
         assert mover.device_bytes() == table.resident_bytes()
-    runner_graphs = engine.runner.graphs
+    runner_graphs, mixed = engine.runner.graphs, engine.runner.mixed_graphs
     assert runner_graphs.disabled is None and runner_graphs.replays > 0
+    assert mixed.disabled is None and mixed.replays > 0   # the prompts' steps replayed piecewise graphs
     assert tokens[True] == tokens[False]
 
 

@@ -1,0 +1,189 @@
+"""MixedGraphs: the forward of a batch that is not pure decode, captured piecewise in CUDA graphs per token bucket.
+
+A mixed step (prefill chunks beside decode rows) cannot be one graph: its attention depends on how its tokens
+split into sequences, which changes every step. As in vLLM's piecewise capture, everything else is captured for
+a fixed number of tokens (the batch padded to a bucket, a multiple of 64) and the attention core runs eagerly
+between the pieces. For a model of L layers a bucket holds L + 1 graphs:
+
+    piece 0:  embedding, rotary tables, layer 0 before its attention core (norm, q/k/v, rotary, K/V written)
+    piece i:  layer i-1 after its core (o_proj, norm, router, MoE, routing records), layer i before its core
+    piece L:  layer L-1 after its core, the final norm, the routing packed into words (pack_routing)
+
+and a replay is: stage the padded token ids, positions and K/V slots in one transfer, build the attention plan
+(host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. The pieces meet the cores in one
+set of boundary buffers shared by every layer and bucket (`Boundary`, the largest bucket's rows): a piece copies
+its layer's q, k, v there and a core writes its output there (`Attention.core(..., out=)`), which the next piece
+reads. Everything else a piece makes lives in the graphs' memory pool, where what one capture frees the next
+reuses, so the buckets cost the boundary, their routing records and their outputs, not a forward's activations
+each. Padding rows are token 0 at position 0 with their K/V written to the KV cache's scratch block; no core reads
+them and their attention rows keep what an earlier step left there (finite), so they never reach a real row.
+
+What must hold for the pieces to be capturable is what `DecodeGraphs` needs (GraphSet.ready: the scratch
+block, a decode-kernel dtype, a capturable store), and the store's MoE must read nothing back to the host
+for a bucket's tokens (DeviceExpertStore does so inside a capture, `prefill_syncs`). Captures go stale, settle
+and fail exactly as decode graphs do (GraphSet). The LM head is not captured: a mixed step samples few rows,
+which the runner picks out of `hidden`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from pwruntime.cuda_graphs import GraphSet, padded_size
+from pwruntime.kv_cache import KVCache
+from pwruntime.model.attention import AttentionMetadata, AttentionPlan
+from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
+
+MIXED_BUCKET = 64   # buckets are multiples of this (the fused MoE kernel's tokens per launch)
+
+
+def mixed_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Token buckets to capture: multiples of MIXED_BUCKET up to the first that holds max_num_batched_tokens."""
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    return tuple(range(MIXED_BUCKET, -(-max_num_batched_tokens // MIXED_BUCKET) * MIXED_BUCKET + 1, MIXED_BUCKET))
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """Where pieces and attention cores meet: q, k, v (a piece writes, the core reads) and the core's output (the
+    next piece reads), rows for the largest bucket, one set for every layer and bucket (they run one at a time)."""
+    q: torch.Tensor     # [rows, heads, d]
+    k: torch.Tensor     # [rows, kv_heads, d]
+    v: torch.Tensor     # [rows, kv_heads, d]
+    out: torch.Tensor   # [rows, heads, d], zeros at first (padding rows keep finite values)
+
+    @classmethod
+    def alloc(cls, rows: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+              device: torch.device) -> "Boundary":
+        new = lambda h: torch.zeros(rows, h, head_dim, dtype=dtype, device=device)  # noqa: E731
+        return cls(new(heads), new(kv_heads), new(kv_heads), new(heads))
+
+
+@dataclass
+class _Pieces:
+    """One bucket's graphs and what the last one leaves (hidden, routing, routing words of the bucket's rows)."""
+    graphs: list[torch.cuda.CUDAGraph]
+    out: ForwardOutput
+
+
+class MixedGraphs(GraphSet):
+    """Piecewise-captured forwards of one model over one KV cache (see the module docstring)."""
+
+    def __init__(self, model, kv: KVCache, max_num_batched_tokens: int, settle_steps: int = 0):
+        super().__init__(model, kv, settle_steps)
+        self.sizes = mixed_sizes(max_num_batched_tokens)
+        n, cuda = self.sizes[-1], model.device.type == "cuda"
+        self.inputs = torch.zeros(3, n, dtype=torch.long, device=model.device)   # token ids, positions, K/V slots
+        self.host = torch.zeros(3, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
+        self._sent: torch.cuda.Event | None = None
+        c = model.config
+        self.boundary = Boundary.alloc(n, c.heads, c.kv_heads, c.head_dim, model.dtype, model.device)
+
+    def supports(self, num_tokens: int) -> bool:
+        """Whether a batch of this many tokens can run through the pieces (else the caller runs it eagerly)."""
+        return 0 < num_tokens <= self.sizes[-1] and self.ready
+
+    # ------------------------------------------------------------ running
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata,
+                record: bool = False) -> ForwardOutput | None:
+        """The forward of a batch by piecewise replay (views of its real rows, valid until the next replay), or
+        None if it must run eagerly. `meta` is on the host (batch_metadata(..., "cpu"))."""
+        self._drop_stale()
+        t = meta.num_tokens
+        if not self.supports(t):
+            return None
+        size = padded_size(t, self.sizes)
+        settled = self._settled()
+        pieces = self._graphs.get((size, record)) or (self._capture(size, record) if settled else None)
+        if pieces is None:
+            return None
+        self._stage(input_ids, positions, meta.slot_mapping, size)
+        dev, kv, layers = self.model.device, self.kv, self.model.layers
+        plan = AttentionPlan.build(replace(meta, slot_mapping=self.inputs[2, :t]), kv.block_size, dev, self.model.dtype)
+        b = self.boundary
+        for i, layer in enumerate(layers):
+            pieces.graphs[i].replay()
+            layer.attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plan, kv.layer_ptrs(i), out=b.out)
+        pieces.graphs[-1].replay()
+        self.replays += 1
+        out = pieces.out
+        routing = None
+        if out.routing is not None:
+            routing = [LayerRouting(**{f.name: getattr(r, f.name)[:t] for f in fields(r)}) for r in out.routing]
+        return ForwardOutput(out.hidden[:t], routing, None if out.routing_words is None else out.routing_words[:t])
+
+    def _stage(self, input_ids: list[int], positions: list[int], slots: torch.Tensor, size: int) -> None:
+        """Token ids, positions and slots padded to `size` (padding on the scratch block) in one transfer."""
+        if self._sent is not None:
+            self._sent.synchronize()   # the previous transfer has read the host buffer
+        t, host = len(input_ids), self.host.numpy()
+        host[0, :t], host[1, :t], host[2, :t] = input_ids, positions, slots.numpy()
+        host[:2, t:size] = 0
+        host[2, t:size] = self.kv.scratch_block * self.kv.block_size
+        self.inputs.copy_(self.host, non_blocking=True)
+        if self.inputs.is_cuda:
+            if self._sent is None:
+                self._sent = torch.cuda.Event()
+            self._sent.record()
+
+    # ------------------------------------------------------------ capturing
+    def capture_all(self, record: bool = False) -> None:
+        """Capture every bucket now (instead of on first use); nothing when `ready` is False."""
+        self._drop_stale()
+        for size in self.sizes:
+            if not self.ready:
+                return
+            if (size, record) not in self._graphs:
+                self._capture(size, record)
+
+    def _capture(self, size: int, record: bool) -> _Pieces | None:
+        """The L + 1 pieces of a bucket, captured in order, each over what the piece before left (its carry and
+        the boundary); each captured piece is replayed once (on padding rows, the boundary's output standing in
+        for the cores) so that the next one's warm-up reads real values, never uninitialized memory."""
+        self._stage([], [], torch.zeros(0, dtype=torch.long), size)
+        layers = len(self.model.layers)
+        graphs, records, carry = [], [] if record else None, None
+        try:
+            with torch.inference_mode():
+                for i in range(layers + 1):
+                    graph, res = self._warm_and_capture(self._piece, i, size, carry, records)
+                    graph.replay()
+                    graphs.append(graph)
+                    if i < layers:
+                        carry, rec = res
+                    else:
+                        hidden, rec, words = res
+                    if records is not None:
+                        records += rec
+        except Exception as e:  # noqa: BLE001 - any failure means: run mixed steps eagerly
+            self._disable(f"the piecewise graphs of {size} tokens", e)
+            return None
+        self.captures += 1
+        pieces = _Pieces(graphs, ForwardOutput(hidden, records, words))
+        self._graphs[(size, record)] = pieces
+        return pieces
+
+    def _piece(self, i: int, size: int, carry: tuple | None, records: list[LayerRouting] | None):
+        """Piece i over the first `size` rows of the static inputs. It reads `carry` (x, cos, sin) and the
+        boundary's core output, writes layer i's q, k, v to the boundary, and returns (carry, its routing records)
+        for i < L; the last piece returns (the final norm's output, its records, the routing of `records` and its
+        own packed into words)."""
+        model, kv, b = self.model, self.kv, self.boundary
+        ids, positions, slots = self.inputs[:, :size]
+        rec = [] if records is not None else None
+        if i == 0:
+            x, cos, sin = model.embed_tokens(ids, positions)
+            delta = None
+        else:
+            x, cos, sin = carry
+            x, delta = model.layers[i - 1].after_attention(x, b.out[:size], model.experts, rec)
+        if i == len(model.layers):
+            every = None if records is None else records + rec
+            return model.final_norm(x, delta), rec, pack_routing(every) if every else None
+        x, q, k, v = model.layers[i].before_attention(x, delta, cos, sin, kv.k[i], kv.v[i], slots, kv.layer_ptrs(i))
+        for dst, src in ((b.q, q), (b.k, k), (b.v, v)):
+            dst[:size].copy_(src)
+        return (x, cos, sin), rec
