@@ -289,11 +289,11 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
     """The simulator with the bundled fitted profile (h200-demo-runtime, fitted on kv980-warmup32) against the
     runtime's other warmed-up replays of the demo trace on the H200: end-to-end latency and TPOT within the
     runtime's own spread (up to 30% between runs of one setting on two machines). Under pressure (24 MiB, 236 blocks)
-    the planner reads the routing statistics on most steps, on the same steps in both engines (675 simulated, 681
+    the planner reads the routing statistics on most steps, on the same steps in both engines (676 simulated, 677
     measured), and the profile's routing_read_us (measured on kv236-warmup32) charges what that costs the runtime;
-    without it the simulator's throughput was 1.17-1.40x the runtime's. Cold replays also pay one-off costs (graph
-    captures, first launches) the profile leaves out, so the simulator is faster than them; with the plain GPU
-    profile it is 3.5-20x off."""
+    without it the simulator's throughput was 1.17-1.40x the runtime's (session 22's replays). Cold replays also pay
+    one-off costs (graph captures, first launches) the profile leaves out, so the simulator is faster than them; with
+    the plain GPU profile it is 3-10x off end to end."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     args = ["run", "--policy", "pagedweight", "--budget", budget, "--max-num-seqs", "32", "--max-batched-tokens", "512",
@@ -323,5 +323,6 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
         else:  # the one-off costs weigh more as the steady state gets faster (session 11's replays: 0.47-0.59,
             assert 0.25 <= e2e <= 0.85, run  # session 22's: 0.45-0.82)
         # the plain profile has the prefill MoE layer's fixed cost (prefill_layer_overhead_us) but not the
-        # iteration's host costs: end to end still 8-25x too fast, throughput 3.5-9x too high
-        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.17 and plain["throughput_ratio"] > 3.5
+        # iteration's host costs: end to end 3-10x too fast, throughput 1.9-4.6x too high (session 24's replays,
+        # whose mixed steps replay piecewise graphs; session 22's: 8-25x and 3.5-9x)
+        assert plain["metrics"]["e2e_s"]["ratio_p50"] < 0.4 and plain["throughput_ratio"] > 1.8
