@@ -193,6 +193,7 @@ def run(args) -> int:
                       "prefix_cache_hit_tokens": engine.scheduler.num_cached_tokens,
                       "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,
                       "cuda_graph_replays": engine.runner.graphs.replays if engine.runner.graphs else 0,
+                      "mixed_graph_replays": engine.runner.mixed_graphs.replays if engine.runner.mixed_graphs else 0,
                       "plans": engine.loop.num_plans, "mean_bits_start": round(start_bits, 4),
                       "mean_bits_end": round(engine.table.mean_bits(), 4),
                       "expert_bytes_end": engine.table.resident_bytes() if table is not None else None,
