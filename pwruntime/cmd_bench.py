@@ -23,6 +23,9 @@ when there is a GPU, else on the CPU.
 `bench decode` brings a batch of sequences (`--prompts`) to steady decoding in an engine built as `generate` builds
 it (`--model` or `--ap` with `--calibration` and `--policy`), and reports the step's wall time and engine phases over
 `--reps` windows of `--steps` steps and, on CUDA, the kernels of 20 profiled steps (pwruntime/bench_decode.py).
+
+`bench mixed` times a mixed step's forward (`--prompts` decode rows beside one prompt of each `--tokens` size) run
+eagerly and from the piecewise graphs, in the same kind of engine (pwruntime/bench_mixed.py).
 """
 from __future__ import annotations
 
@@ -39,16 +42,17 @@ FP16_GEMV_FALLBACK_GBPS = 3960.0
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode"],
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
                         "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
-                        "time, phases and kernels")
+                        "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b)")
     p.add_argument("--tokens", default=None,
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
-                        "prompt tokens above 64, default 128,256,512)")
+                        "prompt tokens above 64, default 128,256,512; mixed: the prompt beside the decode rows, "
+                        "default 20,150,488)")
     p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
@@ -57,12 +61,13 @@ def register(subparsers) -> None:
     p.add_argument("--reps", type=int, default=None,
                    help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
                         "of (off, on) (default 2)")
-    p.add_argument("--prompts", type=int, default=32,
-                   help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32); "
+                        "mixed: decode rows beside the prompt (default 24)")
     p.add_argument("--max-tokens", type=int, default=16, help="prefix-cache: greedy tokens per prompt (default 16)")
     p.add_argument("--model", default=None,
                    help="prefix-cache, decode: model directory (default: the bundled demo model)")
-    d = p.add_argument_group("decode (the engine as `pwruntime generate` builds it)")
+    d = p.add_argument_group("decode and mixed (the engine as `pwruntime generate` builds it)")
     d.add_argument("--steps", type=int, default=None, help="decode: engine steps a timed window (default 100)")
     d.add_argument("--prompt-tokens", type=int, default=None, help="decode: tokens a prompt (default 40)")
     d.add_argument("--ap", default=None, metavar="DIR", help="decode: serve the experts from this AP checkpoint")
@@ -155,6 +160,7 @@ def _run_prefix_cache(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench prefix-cache` (it takes "
                             "--prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
     rounds = 2 if args.reps is None else args.reps
+    args.prompts = 32 if args.prompts is None else args.prompts
     if args.prompts < 1 or args.max_tokens < 1 or rounds < 1:
         raise UserError(f"--prompts, --max-tokens and --reps must be positive, got {args.prompts}, {args.max_tokens}, "
                         f"{rounds}")
@@ -189,19 +195,66 @@ def _report(args, res: dict, command: str, print_table, plot=None) -> int:
 _DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv_blocks")
 
 
-def _run_decode(args) -> int:
+def _bench_engine(args, blocks: int, max_num_seqs: int, policy: str, max_num_batched_tokens: int | None = None):
+    """(engine, model dir, dtype, device) as `pwruntime generate` builds them from the bench's engine options."""
     import argparse
 
+    from pwruntime.cmd_generate import add_engine_args, build_engine
+    argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(max_num_seqs), "--policy", policy,
+            *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
+            *(["--model", args.model] if args.model else []), *(["--ap", args.ap] if args.ap else []),
+            *(["--calibration", args.calibration] if args.calibration else []),
+            *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])]
+    engine_parser = argparse.ArgumentParser(prog=f"pwruntime bench {args.target}")
+    add_engine_args(engine_parser)
+    return build_engine(engine_parser.parse_args(argv))
+
+
+def _run_mixed(args) -> int:
+    import torch
+
+    from pwruntime import bench_mixed as bm
+    from pwruntime.engine import EngineConfig
+    for name in ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens"):
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench mixed`")
+    if args.max_tokens != 16:
+        raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench mixed takes --tokens")
+    rows, reps, text = (24 if args.prompts is None else args.prompts), (30 if args.reps is None else args.reps), \
+        args.tokens or "20,150,488"
+    try:
+        sizes = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UserError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if min(rows, reps, *sizes) < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
+        raise UserError(f"--prompts, --tokens, --reps and --num-kv-blocks must be positive, got {rows}, {text}, "
+                        f"{reps}, {args.num_kv_blocks}")
+    need = max(bm.blocks_needed(rows, p, EngineConfig.block_size) for p in sizes)
+    blocks = args.num_kv_blocks or need
+    if blocks < need:
+        raise UserError(f"--num-kv-blocks {blocks} cannot hold {rows} decode rows and a {max(sizes)}-token prompt "
+                        f"({need} blocks of {EngineConfig.block_size})")
+    engine, model_dir, dtype, device = _bench_engine(args, blocks, rows + 1, args.policy or "noop",
+                                                     rows + max(sizes))
+    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
+        f"pwruntime bench mixed --prompts {rows} --tokens {text} --reps {reps}"
+    res = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
+           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "kv_blocks": blocks,
+           **bm.run(engine, rows, sizes, reps, args.seed)}
+    return _report(args, res, command, bm.print_table)
+
+
+def _run_decode(args) -> int:
     import torch
 
     from pwruntime import bench_decode as bd
-    from pwruntime.cmd_generate import add_engine_args, build_engine
     for name in ("models", "tokens", "profile_out", "plot_from", "routing"):
         if getattr(args, name) is not None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench decode`")
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench decode takes --steps")
     steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
+    args.prompts = 32 if args.prompts is None else args.prompts
     prompt_tokens, policy = (40 if args.prompt_tokens is None else args.prompt_tokens), args.policy or "noop"
     if min(args.prompts, prompt_tokens, steps, reps) < 1:
         raise UserError(f"--prompts, --prompt-tokens, --steps and --reps must be positive, got {args.prompts}, "
@@ -209,13 +262,7 @@ def _run_decode(args) -> int:
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
     blocks = args.num_kv_blocks or bd.default_kv_blocks(args.prompts, prompt_tokens, steps, reps)
-    argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(args.prompts), "--policy", policy,
-            *(["--model", args.model] if args.model else []), *(["--ap", args.ap] if args.ap else []),
-            *(["--calibration", args.calibration] if args.calibration else []),
-            *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])]
-    engine_parser = argparse.ArgumentParser(prog="pwruntime bench decode")
-    add_engine_args(engine_parser)
-    engine, model_dir, dtype, device = build_engine(engine_parser.parse_args(argv))
+    engine, model_dir, dtype, device = _bench_engine(args, blocks, args.prompts, policy)
     command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
         f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
     try:
@@ -231,14 +278,17 @@ def _run_decode(args) -> int:
 def run(args) -> int:
     if args.target == "decode":
         return _run_decode(args)
+    if args.target == "mixed":
+        return _run_mixed(args)
     if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs:
         raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks and "
-                        "--no-cuda-graphs belong to `pwruntime bench decode`")
+                        "--no-cuda-graphs belong to `pwruntime bench decode` (all but the first two also to "
+                        "`bench mixed`)")
     if args.target == "prefix-cache":
         return _run_prefix_cache(args)
-    if args.prompts != 32 or args.max_tokens != 16 or args.model is not None:
+    if args.prompts is not None or args.max_tokens != 16 or args.model is not None:
         raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache` (--prompts and "
-                        "--model also to `bench decode`)")
+                        "--model also to `bench decode` and `bench mixed`)")
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
     if args.routing is not None:
