@@ -7,7 +7,9 @@ cached tokens plus the new tokens up to itself (causal, optionally within a slid
 The reference gathers K/V through the block tables, vectorised over sequences: all decode tokens of the
 batch (query length 1) form one group; each multi-token chunk is its own group. A chunk with no cached
 context (plain prefill) uses torch's scaled_dot_product_attention on its own K/V, which is the same
-math. This is the CPU path and the reference a CUDA paged-attention kernel must match.
+math, and so does a chunk after its cached context (no sliding window): its keys gathered from the cache in
+one index each, the causal mask aligned to the bottom right. The group reference is the CPU path of the
+decode rows and the reference a CUDA paged-attention kernel must match.
 
 On CUDA in fp16/bf16 the decode sequences instead run `kernels.attention.paged_attention_decode` over a
 `DecodeBatch` (block tables and sequence lengths as device tensors, nothing read back to the host): a
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.layer_ops import rotary_kv
@@ -93,6 +96,7 @@ class _GatherGroup:           # sequences whose keys are gathered from the paged
     q_pos: torch.Tensor       # [S, Qmax] absolute position of each padded query row
     q_valid: torch.Tensor     # [S, Qmax]
     masks: dict = field(default_factory=dict)   # window -> [S, Qmax, L] bool (built on first use)
+    span: tuple[int, int] | None = None         # one sequence: its rows start..end of the batch
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
@@ -205,8 +209,9 @@ class AttentionPlan:
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
         to = lambda t: t.to(device, non_blocking=True)
+        span = (starts[seqs[0]], starts[seqs[0] + 1]) if len(seqs) == 1 else None
         return _GatherGroup(to(token_idx), to(dest), to(key_slots), to(in_seq), to(ctx[:, None] + qi[None, :]),
-                            to(qi[None, :] < q_lens[:, None]))
+                            to(qi[None, :] < q_lens[:, None]), span=span)
 
 
 def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
@@ -236,13 +241,18 @@ _PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDP
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                        window: int | None) -> torch.Tensor:
-    """Causal attention among n new tokens; q [n, heads, d], k/v [n, kv_heads, d]."""
+    """Causal attention of n queries, the last n of m >= n keys; q [n, heads, d], k/v [m, kv_heads, d]. With m > n
+    (a chunk after its cached context, `window` None) the causal mask is aligned to the bottom right: query i sees
+    keys 0..m - n + i."""
     groups = q.shape[1] // k.shape[1]
     qt = q.transpose(0, 1)[None]
     kt = k.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
     vt = v.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
     with sdpa_kernel(_PREFILL_SDPA):
-        if window is None:
+        if k.shape[0] > q.shape[0]:
+            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(q.shape[0], k.shape[0]),
+                                                 scale=scale)
+        elif window is None:
             out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
         else:
             pos = torch.arange(q.shape[0], device=q.device)
@@ -276,6 +286,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         if isinstance(g, _PrefillGroup):
             out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
                                                     scale, window)
+        elif g.span is not None and window is None:   # one chunk after its context: SDPA over its gathered keys
+            a, b = g.span
+            kv_heads, d = k_cache.shape[2], k_cache.shape[3]
+            slots = g.key_slots[0]
+            out[a:b] = _prefill_attention(q[a:b], k_cache.reshape(-1, kv_heads, d)[slots],
+                                          v_cache.reshape(-1, kv_heads, d)[slots], scale, None)
         else:
             out[g.token_idx] = _gathered_attention(q[g.token_idx], k_cache, v_cache, g, scale, window)
     return out
