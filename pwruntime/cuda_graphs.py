@@ -216,6 +216,16 @@ class GraphSet:
         self._graphs.clear()
         self._pool = None
 
+    def capture_all(self, record: bool = False) -> None:
+        """Capture every size of the set (`sizes`, each by `_capture`) now instead of on first use; nothing when
+        `ready` is False."""
+        self._drop_stale()
+        for size in self.sizes:
+            if not self.ready:
+                return
+            if (size, record) not in self._graphs:
+                self._capture(size, record)
+
     def _disable(self, what: str, e: Exception) -> None:
         """A capture failed: graphs of this set stay off (logged), the caller runs eagerly."""
         self.disabled = f"capturing {what} failed: {type(e).__name__}: {e}"
@@ -284,15 +294,6 @@ class DecodeGraphs(GraphSet):
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:n] for f in fields(r)}) for r in out.routing]
         words = None if out.routing_words is None else out.routing_words[:n]
         return ForwardOutput(out.hidden[:n], routing, words, out.logits[:n])
-
-    def capture_all(self, record: bool = False) -> None:
-        """Capture every size now (instead of on first use); nothing when `ready` is False."""
-        self._drop_stale()
-        for size in self.sizes:
-            if not self.ready:
-                return
-            if (size, record) not in self._graphs:
-                self._capture(size, record)
 
     def _stage(self, rows: DecodeRows, size: int) -> None:
         """Pad `rows` to `size` into the pinned host buffers and copy them to the static device buffers in one

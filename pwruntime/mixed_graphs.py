@@ -130,15 +130,6 @@ class MixedGraphs(GraphSet):
             self._sent.record()
 
     # ------------------------------------------------------------ capturing
-    def capture_all(self, record: bool = False) -> None:
-        """Capture every bucket now (instead of on first use); nothing when `ready` is False."""
-        self._drop_stale()
-        for size in self.sizes:
-            if not self.ready:
-                return
-            if (size, record) not in self._graphs:
-                self._capture(size, record)
-
     def _capture(self, size: int, record: bool) -> _Pieces | None:
         """The L + 1 pieces of a bucket, captured in order, each over what the piece before left (its carry and
         the boundary); each captured piece is replayed once (on padding rows, the boundary's output standing in
