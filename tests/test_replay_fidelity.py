@@ -289,7 +289,7 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
     """The simulator with the bundled fitted profile (h200-demo-runtime, fitted on kv980-warmup32) against the
     runtime's other warmed-up replays of the demo trace on the H200: end-to-end latency and TPOT within the
     runtime's own spread (up to 30% between runs of one setting on two machines). Under pressure (24 MiB, 236 blocks)
-    the planner reads the routing statistics on most steps, on the same steps in both engines (676 simulated, 677
+    the planner reads the routing statistics on most steps, on the same steps in both engines (672 simulated, 677
     measured), and the profile's routing_read_us (measured on kv236-warmup32) charges what that costs the runtime;
     without it the simulator's throughput was 1.17-1.40x the runtime's (session 22's replays). Cold replays also pay
     one-off costs (graph captures, first launches) the profile leaves out, so the simulator is faster than them; with
