@@ -39,7 +39,7 @@ def test_plot_from_a_wrong_file_is_one_clear_error(tmp_path, capsys):
 
 
 def test_kernel_tables_print_the_same_bytes_dense_gemvs_where_a_run_has_them(capsys):
-    from pwruntime.cmd_bench import _print_tables
+    from pwruntime.kernels.bench_report import print_tables
     row = {"tokens": 1, "bits": 3, "ap_us": 10.5, "ap_gbps": 2100.0, "fp16_us": 31.4, "speedup_vs_fp16": 2.99}
     res = {"device": "test GPU", "fp16_gemm_tflops": 700.0,
            "copy": {"h2d_pinned_gbps": 55.0, "d2h_pinned_gbps": 55.0, "d2d_copy_gbps": 4000.0},
@@ -47,7 +47,7 @@ def test_kernel_tables_print_the_same_bytes_dense_gemvs_where_a_run_has_them(cap
     layer = {"model": "olmoe-1b-7b", "tokens": 1, "bits": 3, "active_experts": 8, "ap_us": 17.0, "roofline_us": 5.0,
              "vs_roofline": 3.4, "ap_gbps": 1100.0, "fp16_loop_us": 190.0, "fp16_gathered_bmm_us": None}
     res["moe"] = [{**layer, "fp16_same_bytes_us": 12.5}, {**layer, "bits": 4}]
-    _print_tables(res)
+    print_tables(res)
     out = capsys.readouterr().out.splitlines()
     lines = [ln for ln in out if ln.strip().startswith("1 ")]
     assert lines[0].split()[-1] == "7.25" and lines[1].split()[-1] == "-"   # the second: a run before session 21

@@ -673,7 +673,7 @@ def _fake_bench_results() -> dict:
 def test_bench_profiles_of_other_dtypes_and_routings_do_not_overwrite_the_default(tmp_path):
     # a session's fp16, bf16 and skewed-routing runs into one folder each keep their own profile
     from pathlib import Path
-    from pwruntime.cmd_bench import default_profile_path
+    from pwruntime.kernels.bench_report import default_profile_path
     res = {"device": "NVIDIA H200", "dtype": "fp16", "routing": "uniform"}
     assert default_profile_path(res, tmp_path / "bench.json") == tmp_path / "hardware-profile-h200.json"
     assert default_profile_path(res, None) == Path("hardware-profile-h200.json")
@@ -684,13 +684,13 @@ def test_bench_profiles_of_other_dtypes_and_routings_do_not_overwrite_the_defaul
 
 
 def test_bench_profile_is_a_valid_hardware_profile(tmp_path):
-    from pwruntime.cmd_bench import _profile, add_rooflines
+    from pwruntime.kernels.bench_report import add_rooflines, measured_profile
     from traces.hardware import load_profile
     res = _fake_bench_results()
     add_rooflines(res)
     assert res["fp16_gemv_gbps"] == 3600.0
     assert res["moe"][0]["roofline_us"] == pytest.approx(3e6 / 3600.0 / 1e3)
-    prof = _profile(res, "test-measured")
+    prof = measured_profile(res, "test-measured")
     path = prof.save(tmp_path / "p.json")
     back = load_profile(path)
     assert back.measured and back.hbm_gbps == 4000.0 and back.pcie_h2d_gbps == 50.0
