@@ -288,10 +288,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                                     scale, window)
         elif g.span is not None and window is None:   # one chunk after its context: SDPA over its gathered keys
             a, b = g.span
-            kv_heads, d = k_cache.shape[2], k_cache.shape[3]
-            slots = g.key_slots[0]
-            out[a:b] = _prefill_attention(q[a:b], k_cache.reshape(-1, kv_heads, d)[slots],
-                                          v_cache.reshape(-1, kv_heads, d)[slots], scale, None)
+            rows_of = lambda cache: cache.reshape(-1, *cache.shape[2:])[g.key_slots[0]]  # noqa: E731 - [L, kvh, d]
+            out[a:b] = _prefill_attention(q[a:b], rows_of(k_cache), rows_of(v_cache), scale, None)
         else:
             out[g.token_idx] = _gathered_attention(q[g.token_idx], k_cache, v_cache, g, scale, window)
     return out
