@@ -74,6 +74,14 @@ def run(args) -> int:
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
           f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
           " a token against the simulator")
+    kinds = it["by_kind"]
+    if kinds["sim"] and kinds["runtime"]:
+        def kind(k: str, side: str) -> str:
+            m = kinds[side][k]
+            return "none" if m["mean_iter_s"] is None else \
+                f"{m['iterations']} of {m['mean_iter_s'] * 1e3:.3g} ms ({m['mean_tokens']:.0f} tokens)"
+        for k in ("decode", "mixed"):
+            print(f"{k} iterations: sim {kind(k, 'sim')}, runtime {kind(k, 'runtime')}")
     pl = report["planner"]
     print(f"plans: {pl['plans']['sim']} simulated, {pl['plans']['runtime']} on the runtime; preemptions: "
           f"{pl['preemptions']['sim']} and {pl['preemptions']['runtime']}")

@@ -9,7 +9,9 @@ the scheduler's preemptions on each side; and a least-squares fit
 engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
 what a hardware profile's `iteration_overhead_us` and `token_overhead_us` would need added to match
 the runtime (the runtime of a small model is bound by the host, which the cost model's roofline does
-not see); `fitted_profile` adds them. A replay that records which steps' planners read the routing statistics
+not see); `fitted_profile` adds them. Where both timelines record each iteration's decode tokens, the
+decode-only and the mixed iterations are also compared apart (`iterations.by_kind`: count, mean time, mean
+tokens), which shows which kind of step a fit gets wrong. A replay that records which steps' planners read the routing statistics
 (`routing_read`) also gives their cost: the mean plan phase of those steps minus that of the others
 (`routing_reads.plan_gap_us`), which `fitted_profile` takes as `routing_read_us` (the simulator charges it after
 each boundary whose planner read them, and counts them: `counters.routing_reads`).
@@ -69,6 +71,22 @@ def iteration_fit(timeline: dict[str, np.ndarray]) -> dict:
     return {"iterations": int(t.size), "intercept_s": a, "per_token_s": b, "median_iter_s": percentile(t, 50)}
 
 
+def iteration_kinds(timeline: dict[str, np.ndarray]) -> dict | None:
+    """A run's decode-only iterations (every token a decode) and mixed ones (prompt tokens among them): per kind the
+    count, mean iteration time and mean tokens; None when the timeline lacks `decode_tokens` (older results)."""
+    if "decode_tokens" not in timeline:
+        return None
+    t = np.asarray(timeline.get("iter_s", []), dtype=np.float64)
+    tokens = np.asarray(timeline.get("batch_tokens", []), dtype=np.int64)
+    ran = tokens > 0
+    decode = (tokens == np.asarray(timeline["decode_tokens"], dtype=np.int64)) & ran
+    out = {}
+    for kind, rows in (("decode", decode), ("mixed", ran & ~decode)):
+        out[kind] = {"iterations": int(rows.sum()), "mean_iter_s": float(t[rows].mean()) if rows.any() else None,
+                     "mean_tokens": float(tokens[rows].mean()) if rows.any() else None}
+    return out
+
+
 def _count(summary: dict, key: str) -> int | None:
     """A run's count of `key` (plans, preemptions): pwsim nests plans in a dict, the replay does not."""
     v = summary.get(key)
@@ -95,7 +113,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                                    runtime.summary.get("throughput_tokens_per_s")),
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
         "iterations": {"sim": fit_s, "runtime": fit_r, "overhead_gap_us": gap("intercept_s"),
-                       "per_token_gap_us": gap("per_token_s")},
+                       "per_token_gap_us": gap("per_token_s"),
+                       "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)}},
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)

@@ -10,7 +10,7 @@ from model_fixtures import make_tiny_checkpoint
 
 from pwruntime.cli import main as rt_main
 from pwsim.cli import main as sim_main
-from pwsim.fidelity import RunView, compare, fitted_profile, iteration_fit
+from pwsim.fidelity import RunView, compare, fitted_profile, iteration_fit, iteration_kinds
 from traces.clikit import UserError
 from traces.hardware import load_profile
 from traces.io import write_requests
@@ -182,6 +182,20 @@ def test_fidelity_ratios_errors_and_overhead_gap():
     assert fit.iteration_overhead_us == pytest.approx(prof.iteration_overhead_us + 2000.0) and fit.name.endswith("-fit")
 
 
+def test_fidelity_compares_decode_and_mixed_iterations_apart():
+    tokens = np.array([4, 4, 100, 4, 300, 0])
+    decode = np.array([4, 4, 3, 4, 0, 0])
+    iter_s = np.array([0.001, 0.003, 0.010, 0.002, 0.020, 0.5])   # the empty iteration counts as neither kind
+    kinds = iteration_kinds({"iter_s": iter_s, "batch_tokens": tokens, "decode_tokens": decode})
+    assert kinds["decode"] == {"iterations": 3, "mean_iter_s": pytest.approx(0.002), "mean_tokens": pytest.approx(4.0)}
+    assert kinds["mixed"] == {"iterations": 2, "mean_iter_s": pytest.approx(0.015), "mean_tokens": pytest.approx(200.0)}
+    only_decode = iteration_kinds({"iter_s": iter_s[:2], "batch_tokens": tokens[:2], "decode_tokens": decode[:2]})
+    assert only_decode["mixed"] == {"iterations": 0, "mean_iter_s": None, "mean_tokens": None}
+    old = _view([1], [0.1], [0.01], [1.0], iter_s[:5], tokens[:5])         # a result from before the column
+    assert iteration_kinds(old.timeline) is None
+    assert compare(old, old)["iterations"]["by_kind"] == {"sim": None, "runtime": None}
+
+
 def test_fidelity_measures_what_reading_the_routing_costs():
     """A replay that records which steps' planners read the routing statistics gives their cost (mean plan phase of
     those steps minus the others'), which the fitted profile takes as routing_read_us; without the record, or
@@ -237,8 +251,11 @@ def _write_run(path, view, hardware="h200-roofline"):
 
 def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     tokens = np.array([1, 2, 4, 8])
-    _write_run(tmp_path / "sim", _view([1, 2], [0.1, 0.2], [0.01, 0.02], [1, 2], 0.001 + 1e-4 * tokens, tokens))
+    sim = _view([1, 2], [0.1, 0.2], [0.01, 0.02], [1, 2], 0.001 + 1e-4 * tokens, tokens)
     rt = _view([1, 2], [0.2, 0.4], [0.02, 0.04], [2, 4], 0.004 + 1e-4 * tokens, tokens)
+    for run in (sim, rt):   # the first two iterations decode only, the others carry prompt tokens
+        run.timeline["decode_tokens"] = np.array([1, 2, 1, 0])
+    _write_run(tmp_path / "sim", sim)
     rt.summary["phase_ms"] = {"decode": {"schedule": 0.1, "forward": 2.5, "sample": 0.1, "observe": 0.3, "plan": 0.1}}
     _write_run(tmp_path / "rt", rt)
     out = tmp_path / "fid"
@@ -248,6 +265,8 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "2 requests paired" in text and "median 0.50" in text
     assert "runtime decode iterations, mean ms: schedule 0.1, forward 2.5" in text
+    assert "decode iterations: sim 2 of 1.15 ms (2 tokens), runtime 2 of 4.15 ms (2 tokens)" in text
+    assert "mixed iterations: sim 2 of 1.6 ms (6 tokens), runtime 2 of 4.6 ms (6 tokens)" in text
     rep = json.loads((out / "fidelity.json").read_text())
     assert rep["runtime_phase_ms"]["decode"]["observe"] == 0.3
     assert rep["metrics"]["tpot_s"]["ratio_p50"] == pytest.approx(0.5)

@@ -43,6 +43,15 @@ def test_kv_blocks_never_exceed_the_pool_and_pool_follows_the_weights():
     assert tl["weight_bytes"].min() < tl["weight_bytes"][0]
 
 
+def test_timeline_records_each_iterations_decode_tokens():
+    """As the runtime's replay does: an iteration's decode tokens (what `pwsim fidelity` splits iterations by)."""
+    res = tiny_sim("pagedweight", kv_blocks=64, n=30).run()
+    tl = res.timeline
+    batch, decode = tl["batch_tokens"], tl["decode_tokens"]
+    assert ((0 <= decode) & (decode <= batch)).all()
+    assert ((batch > decode) & (batch > 0)).any() and ((batch == decode) & (batch > 0)).any()  # mixed and decode-only
+
+
 def test_memory_over_budget_is_recorded_never_hidden():
     sim = tiny_sim("pagedweight", kv_blocks=16, n=30)
     res = sim.run()
