@@ -185,6 +185,7 @@ class GraphSet:
         self._graphs: dict = {}
         self._pool = None
         self._side: torch.cuda.Stream | None = None   # the warm-ups' stream (cuBLAS keeps a workspace per stream)
+        self._sent: torch.cuda.Event | None = None     # recorded after the last transfer from the pinned host buffers
         self._store = None
         self._key: tuple[int, int] | None = None
 
@@ -215,6 +216,17 @@ class GraphSet:
             self.invalidations += 1
         self._graphs.clear()
         self._pool = None
+
+    def _send(self, fill) -> None:
+        """Run `fill` (write the set's pinned host buffers, queue their copy to the device buffers) once the previous
+        copy has read the host buffers, and mark when this one is queued."""
+        if self._sent is not None:
+            self._sent.synchronize()   # the previous transfer has read the host buffers (it has, in practice)
+        fill()
+        if self.model.device.type == "cuda":
+            if self._sent is None:
+                self._sent = torch.cuda.Event()
+            self._sent.record()
 
     def capture_all(self, record: bool = False) -> None:
         """Capture every size of the set (`sizes`, each by `_capture`) now instead of on first use; nothing when
@@ -267,7 +279,6 @@ class DecodeGraphs(GraphSet):
         host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
                                   pin_memory=model.device.type == "cuda")
         self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
-        self._sent: torch.cuda.Event | None = None  # recorded after the last transfer from `host`
 
     def supports(self, rows: DecodeRows) -> bool:
         """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
@@ -299,14 +310,11 @@ class DecodeGraphs(GraphSet):
         """Pad `rows` to `size` into the pinned host buffers and copy them to the static device buffers in one
         transfer. With the sampled rows taken as a view (`model_runner._rows`), this took the demo's 32-sequence
         decode step on the H200 host from 1.8-2.4 to 1.6-2.1 ms (five pageable copies and a gather before)."""
-        if self._sent is not None:
-            self._sent.synchronize()   # the previous transfer has read the host buffers (it has, in practice)
-        DecodeInputs.pad(rows, size, self.max_blocks, self.kv.block_size, self.kv.scratch_block, out=self.host)
-        self.buffers.fill_from(self.host, size)
-        if self.buffers.raw.is_cuda:
-            if self._sent is None:
-                self._sent = torch.cuda.Event()
-            self._sent.record()
+        def fill() -> None:
+            DecodeInputs.pad(rows, size, self.max_blocks, self.kv.block_size, self.kv.scratch_block, out=self.host)
+            self.buffers.fill_from(self.host, size)
+
+        self._send(fill)
 
     def _capture(self, size: int, record: bool) -> _Captured | None:
         self._stage(DecodeRows([], [], []), size)

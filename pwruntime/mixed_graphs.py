@@ -77,7 +77,6 @@ class MixedGraphs(GraphSet):
         n, cuda = self.sizes[-1], model.device.type == "cuda"
         self.inputs = torch.zeros(3, n, dtype=torch.long, device=model.device)   # token ids, positions, K/V slots
         self.host = torch.zeros(3, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
-        self._sent: torch.cuda.Event | None = None
         c = model.config
         self.boundary = Boundary.alloc(n, c.heads, c.kv_heads, c.head_dim, model.dtype, model.device)
 
@@ -117,17 +116,14 @@ class MixedGraphs(GraphSet):
 
     def _stage(self, input_ids: list[int], positions: list[int], slots: torch.Tensor, size: int) -> None:
         """Token ids, positions and slots padded to `size` (padding on the scratch block) in one transfer."""
-        if self._sent is not None:
-            self._sent.synchronize()   # the previous transfer has read the host buffer
-        t, host = len(input_ids), self.host.numpy()
-        host[0, :t], host[1, :t], host[2, :t] = input_ids, positions, slots.numpy()
-        host[:2, t:size] = 0
-        host[2, t:size] = self.kv.scratch_block * self.kv.block_size
-        self.inputs.copy_(self.host, non_blocking=True)
-        if self.inputs.is_cuda:
-            if self._sent is None:
-                self._sent = torch.cuda.Event()
-            self._sent.record()
+        def fill() -> None:
+            t, host = len(input_ids), self.host.numpy()
+            host[0, :t], host[1, :t], host[2, :t] = input_ids, positions, slots.numpy()
+            host[:2, t:size] = 0
+            host[2, t:size] = self.kv.scratch_block * self.kv.block_size
+            self.inputs.copy_(self.host, non_blocking=True)
+
+        self._send(fill)
 
     # ------------------------------------------------------------ capturing
     def _capture(self, size: int, record: bool) -> _Pieces | None:
