@@ -102,6 +102,26 @@ def _replot(src: Path) -> int:
     return 0
 
 
+def _command(fallback: str) -> str:
+    """The command that reproduces this run: the arguments as given when run as `pwruntime bench ...`, else
+    `fallback` (called from Python)."""
+    return "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else fallback
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _refuse(args, names: tuple[str, ...], target: str, takes: str = "") -> None:
+    """One clear error for the first option in `names` that was given but does not apply to `bench target`."""
+    for name in names:
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench {target}`" + takes)
+
+
 def _config(args, lo: int, hi: int, default_tokens: str):
     """(BenchConfig, the command that reproduces the run) from the shared options, checked."""
     import torch
@@ -112,16 +132,12 @@ def _config(args, lo: int, hi: int, default_tokens: str):
     if unknown:
         raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.ARCHS)}")
     text = args.tokens or default_tokens
-    try:
-        tokens = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise UserError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    tokens = _int_list("--tokens", text)
     if any(not lo <= t <= hi for t in tokens) or args.reps < 1:
         raise UserError(f"--tokens must lie in {lo}..{hi} for bench {args.target} and --reps must be positive")
     if not torch.cuda.is_available():
         raise UserError(f"pwruntime bench {args.target} needs a CUDA GPU (and CuPy); none is visible here")
-    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}"
+    command = _command(f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}")
     dtype = args.dtype or ("fp16" if args.target == "kernels" else "bf16")
     return kb.BenchConfig(models=models, tokens=tokens, reps=args.reps, seed=args.seed, dtype=dtype,
                           routing=args.routing or "uniform"), command
@@ -152,10 +168,8 @@ def _run_prefix_cache(args) -> int:
     from pwruntime import bench_prefix_cache as bpc
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.model.loader import load_model
-    for name in ("models", "tokens", "profile_out", "plot_from", "routing"):
-        if getattr(args, name) is not None:
-            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench prefix-cache` (it takes "
-                            "--prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
+    _refuse(args, ("models", "tokens", "profile_out", "plot_from", "routing"), "prefix-cache",
+            " (it takes --prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
     rounds = 2 if args.reps is None else args.reps
     args.prompts = 32 if args.prompts is None else args.prompts
     if args.prompts < 1 or args.max_tokens < 1 or rounds < 1:
@@ -164,8 +178,8 @@ def _run_prefix_cache(args) -> int:
     cuda = torch.cuda.is_available()
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     model = load_model(args.model or default_model_dir(), dtype=dtype, device="cuda" if cuda else "cpu")
-    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        f"pwruntime bench prefix-cache --prompts {args.prompts} --max-tokens {args.max_tokens} --reps {rounds}"
+    command = _command(f"pwruntime bench prefix-cache --prompts {args.prompts} --max-tokens {args.max_tokens} "
+                       f"--reps {rounds}")
     torch.manual_seed(args.seed)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "command": command, "torch": torch.__version__,
            "dtype": dtype, **bpc.run(model, args.prompts, args.max_tokens, rounds)}
@@ -207,22 +221,22 @@ def _bench_engine(args, blocks: int, max_num_seqs: int, policy: str, max_num_bat
     return build_engine(engine_parser.parse_args(argv))
 
 
-def _run_mixed(args) -> int:
+def _engine_header(command: str, model_dir, dtype: str, device: str, blocks: int) -> dict:
+    """What an engine bench's result starts with: the device, the reproducing command, torch, the model, the pool."""
     import torch
+    return {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
+            "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "kv_blocks": blocks}
 
+
+def _run_mixed(args) -> int:
     from pwruntime import bench_mixed as bm
     from pwruntime.engine import EngineConfig
-    for name in ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens"):
-        if getattr(args, name) is not None:
-            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench mixed`")
+    _refuse(args, ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens"), "mixed")
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench mixed takes --tokens")
     rows, reps, text = (24 if args.prompts is None else args.prompts), (30 if args.reps is None else args.reps), \
         args.tokens or "20,150,488"
-    try:
-        sizes = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise UserError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    sizes = _int_list("--tokens", text)
     if min(rows, reps, *sizes) < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
         raise UserError(f"--prompts, --tokens, --reps and --num-kv-blocks must be positive, got {rows}, {text}, "
                         f"{reps}, {args.num_kv_blocks}")
@@ -233,21 +247,14 @@ def _run_mixed(args) -> int:
                         f"({need} blocks of {EngineConfig.block_size})")
     engine, model_dir, dtype, device = _bench_engine(args, blocks, rows + 1, args.policy or "noop",
                                                      rows + max(sizes))
-    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        f"pwruntime bench mixed --prompts {rows} --tokens {text} --reps {reps}"
-    res = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
-           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "kv_blocks": blocks,
-           **bm.run(engine, rows, sizes, reps, args.seed)}
+    command = _command(f"pwruntime bench mixed --prompts {rows} --tokens {text} --reps {reps}")
+    res = {**_engine_header(command, model_dir, dtype, device, blocks), **bm.run(engine, rows, sizes, reps, args.seed)}
     return _report(args, res, command, bm.print_table)
 
 
 def _run_decode(args) -> int:
-    import torch
-
     from pwruntime import bench_decode as bd
-    for name in ("models", "tokens", "profile_out", "plot_from", "routing"):
-        if getattr(args, name) is not None:
-            raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench decode`")
+    _refuse(args, ("models", "tokens", "profile_out", "plot_from", "routing"), "decode")
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench decode takes --steps")
     steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
@@ -260,15 +267,12 @@ def _run_decode(args) -> int:
         raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
     blocks = args.num_kv_blocks or bd.default_kv_blocks(args.prompts, prompt_tokens, steps, reps)
     engine, model_dir, dtype, device = _bench_engine(args, blocks, args.prompts, policy)
-    command = "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else \
-        f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
+    command = _command(f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}")
     try:
         res = bd.run(engine, args.prompts, prompt_tokens, steps, reps, args.seed)
     except RuntimeError as e:
         raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
-    res = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu", "command": command,
-           "torch": torch.__version__, "model": str(model_dir), "dtype": dtype, "policy": policy,
-           "kv_blocks": blocks, **res}
+    res = {**_engine_header(command, model_dir, dtype, device, blocks), "policy": policy, **res}
     return _report(args, res, command, bd.print_table)
 
 

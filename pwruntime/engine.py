@@ -89,7 +89,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs (when the expert store is capturable)
     mixed_cuda_graphs: bool = True  # with cuda_graphs, other steps replay piecewise graphs (pwruntime.mixed_graphs)
     graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
-    # not), decode steps that run eagerly before graphs are captured again
+    # not), steps of each kind (decode, mixed) that run eagerly before its graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
 
 

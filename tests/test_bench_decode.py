@@ -36,8 +36,13 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys):
     (["--prompts", "8", "--num-kv-blocks", "8", "--steps", "2", "--reps", "1"], "never decoded together"),
 ])
 def test_decode_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
-    out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--dtype", "fp32", *argv, "--out", str(out)]) == 2
+    assert_bench_misuse("decode", argv, message, tmp_path, capsys)
+
+
+def assert_bench_misuse(target: str, argv: list[str], message: str, tmp_path, capsys) -> None:
+    """`pwruntime bench target ...argv` exits 2 with one error line holding `message` and writes no --out file."""
+    out = tmp_path / f"{target}.json"
+    assert main(["bench", target, "--dtype", "fp32", *argv, "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and not out.exists()
 

@@ -9,6 +9,7 @@ import torch
 
 from pwruntime.bench_mixed import blocks_needed, mixed_batch
 from pwruntime.cli import main
+from test_bench_decode import assert_bench_misuse
 
 
 def test_mixed_batch_is_decode_rows_then_one_prompt_on_distinct_blocks():
@@ -41,10 +42,7 @@ def test_mixed_bench_times_eager_forwards_on_the_cpu(tmp_path, capsys):
     (["--prompts", "8", "--tokens", "100", "--num-kv-blocks", "10"], "cannot hold 8 decode rows"),
 ])
 def test_mixed_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
-    out = tmp_path / "mixed.json"
-    assert main(["bench", "mixed", "--dtype", "fp32", *argv, "--out", str(out)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0] and not out.exists()
+    assert_bench_misuse("mixed", argv, message, tmp_path, capsys)
 
 
 @pytest.mark.gpu
