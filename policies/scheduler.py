@@ -31,6 +31,15 @@ then the engine's optional `stop(seq)` callback, e.g. for stop strings), and fre
 With a prefix-caching pool it first registers each entry's newly full computed blocks that hold only
 known tokens (a block holding an unknown output is never cached), so even a sequence that finishes in
 this step leaves them cached.
+
+`postprocess` is two halves, which an engine with asynchronous scheduling (vLLM's `--async-scheduling`) calls a
+step apart: `advance(batch)` right after the batch is launched (progress, cached blocks, and a `PENDING_TOKEN` for
+each token being sampled), so that the next `schedule()` can run while the device still computes this batch; then
+`settle(batch, sampled)` once the sampled tokens reached the host (the pending tokens replaced, the stops applied).
+A sequence whose pending token is its last (`max_tokens`) is not scheduled again; one that a settled token
+finishes may have been scheduled once more meanwhile: its later pending tokens are dropped and the entry of it in
+that batch is skipped when settled. Until every batch is settled, a schedule that finds nothing to run because
+sequences await their last token is not a stall.
 """
 from __future__ import annotations
 
@@ -39,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, NamedTuple, Sequence as Seq
 
 from policies.kv_blocks import BlockPool
-from policies.sequence import UNKNOWN_TOKEN, Sequence, SequenceStatus
+from policies.sequence import PENDING_TOKEN, UNKNOWN_TOKEN, Sequence, SequenceStatus
 
 
 class ScheduledSeq(NamedTuple):
@@ -134,6 +143,7 @@ class Scheduler:
             self.waiting.remove(seq)
         self.pool.free(seq.seq_id)
         self._block_hashes.pop(seq.seq_id, None)
+        del seq.output_token_ids[seq.num_settled_outputs:]  # tokens still pending are never settled
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
@@ -143,10 +153,15 @@ class Scheduler:
         entries: list[ScheduledSeq] = []
         preempted: list[Sequence] = []
         blocked = False  # a running sequence could not grow: admit nobody this step
+        awaiting = False  # a running sequence waits for its last (pending) token to settle
         running, try_allocate = self.running, self.pool.try_allocate
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if len(seq.output_token_ids) >= seq.max_tokens:  # only while its last token is pending
+                awaiting = True
+                i += 1
+                continue
             start, total = seq.num_computed_tokens, seq.num_tokens
             n = min(total - start, budget)
             want = start + n
@@ -180,7 +195,7 @@ class Scheduler:
                 entries.append(ScheduledSeq(seq, n, start, start + n == seq.num_tokens))
                 budget -= n
         aborted: list[Sequence] = []
-        stalled = not entries and self.has_unfinished()
+        stalled = not entries and self.has_unfinished() and not awaiting
         self._stalls = self._stalls + 1 if stalled else 0
         if stalled and self._stalls > self.stall_limit:
             blocker = self.running[0] if self.running else self.waiting[0]
@@ -213,13 +228,14 @@ class Scheduler:
                     stop: Callable[[Sequence], str | None] | None = None) -> list[Sequence]:
         """Advance the batch's sequences; `sampled` has one token per entry with `sample` (in order).
 
-        Returns the sequences finished by this call (their blocks are freed).
+        Returns the sequences finished by this call (their blocks are freed). `advance` then `settle`.
         """
-        n_sample = batch.num_sampled
-        if sampled is not None and len(sampled) != n_sample:
-            raise ValueError(f"expected {n_sample} sampled tokens, got {len(sampled)}")
-        tokens: Iterable[int] = iter(sampled) if sampled is not None else iter([UNKNOWN_TOKEN] * n_sample)
-        finished: list[Sequence] = []
+        self.advance(batch)
+        return self.settle(batch, sampled, stop)
+
+    def advance(self, batch: ScheduledBatch) -> None:
+        """The first half of `postprocess`, once the batch runs: each entry's computed tokens (and, with prefix
+        caching, its newly full blocks of known tokens), and a `PENDING_TOKEN` for each token it samples."""
         caching = self.pool.prefix_caching
         for e in batch.entries:
             seq = e.seq
@@ -228,11 +244,31 @@ class Scheduler:
             seq.num_computed_tokens = e.start + e.num_new_tokens
             if caching and seq.prompt_token_ids is not None:
                 self._register(e)
+            if e.sample:
+                seq.output_token_ids.append(PENDING_TOKEN)
+
+    def settle(self, batch: ScheduledBatch, sampled: Seq[int] | None = None,
+               stop: Callable[[Sequence], str | None] | None = None) -> list[Sequence]:
+        """The second half of `postprocess` (after `advance`, possibly after the next `schedule()`): the sampled
+        tokens replace the pending ones and the stops apply; returns the sequences finished by this call. An entry
+        of a sequence that finished since (aborted, or stopped by the token settled before) is skipped."""
+        n_sample = batch.num_sampled
+        if sampled is not None and len(sampled) != n_sample:
+            raise ValueError(f"expected {n_sample} sampled tokens, got {len(sampled)}")
+        tokens: Iterable[int] = iter(sampled) if sampled is not None else iter([UNKNOWN_TOKEN] * n_sample)
+        finished: list[Sequence] = []
+        for e in batch.entries:
             if not e.sample:
                 continue
-            token = int(next(tokens))
-            seq.output_token_ids.append(token)
-            reason = seq.builtin_stop(token)
+            token, seq = int(next(tokens)), e.seq
+            if seq.status == SequenceStatus.FINISHED:
+                continue
+            at = e.start + e.num_new_tokens - seq.prompt_len  # the output this entry sampled
+            if seq.output_token_ids[at] != PENDING_TOKEN:
+                raise ValueError(f"sequence {seq.seq_id!r} has no pending token at output {at}; settle each batch "
+                                 "once, after advancing it")
+            seq.output_token_ids[at] = token
+            reason = seq.builtin_stop(token, at + 1)
             if reason is None and stop is not None:
                 reason = stop(seq)
             if reason is not None:
@@ -261,6 +297,8 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
+            if len(seq.output_token_ids) >= seq.max_tokens:  # awaits its last (pending) token: not scheduled
+                continue
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
             need += blocks_needed(seq.seq_id, start + n)

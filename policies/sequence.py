@@ -11,7 +11,11 @@ generated tokens, so the next prefill recomputes prompt and outputs together.
 
 `num_known_tokens` counts the leading tokens whose ids are known: none without prompt ids, the
 prompt when the outputs are `UNKNOWN_TOKEN` (a simulator that has prompt ids), every token in the
-runtime. Prefix caching hashes and matches only known tokens (policies.scheduler).
+runtime but those still `PENDING_TOKEN`. Prefix caching hashes and matches only known tokens (policies.scheduler).
+
+With asynchronous scheduling (policies.scheduler: `advance` now, `settle` a step later) an output the device is
+still sampling is held by a `PENDING_TOKEN`; pending tokens only ever trail the outputs, and `num_settled_outputs`
+counts the outputs before them.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from enum import IntEnum
 from typing import Any, Hashable, Sequence as Seq
 
 UNKNOWN_TOKEN = -1  # a generated token whose id a simulator does not know
+PENDING_TOKEN = -2  # a token being sampled on the device, not yet on the host (asynchronous scheduling)
 
 
 class SequenceStatus(IntEnum):
@@ -71,10 +76,20 @@ class Sequence:
         `UNKNOWN_TOKEN` (a simulator's outputs are all unknown, the runtime's all known)."""
         if self.prompt_token_ids is None:
             return 0
-        try:
-            return self.prompt_len + self.output_token_ids.index(UNKNOWN_TOKEN)
-        except ValueError:
-            return self.num_tokens
+        out = self.output_token_ids
+        known = len(out)
+        for marker in (UNKNOWN_TOKEN, PENDING_TOKEN):
+            if marker in out:
+                known = min(known, out.index(marker))
+        return self.prompt_len + known
+
+    @property
+    def num_settled_outputs(self) -> int:
+        """Output tokens before the trailing `PENDING_TOKEN`s (all of them without asynchronous scheduling)."""
+        out, n = self.output_token_ids, len(self.output_token_ids)
+        while n and out[n - 1] == PENDING_TOKEN:
+            n -= 1
+        return n
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -95,13 +110,14 @@ class Sequence:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
-    def builtin_stop(self, token: int) -> str | None:
-        """The finish reason the token triggers by itself (EOS, stop token, max tokens), or None."""
+    def builtin_stop(self, token: int, num_outputs: int | None = None) -> str | None:
+        """The finish reason the token triggers by itself (EOS, stop token, max tokens), or None; `num_outputs`:
+        the outputs up to and including it (default all, which differs only while later ones are pending)."""
         if self.eos_token_id is not None and token == self.eos_token_id:
             return "stop"
         if token in self.stop_token_ids:
             return "stop"
-        if len(self.output_token_ids) >= self.max_tokens:
+        if (len(self.output_token_ids) if num_outputs is None else num_outputs) >= self.max_tokens:
             return "length"
         return None
 

@@ -73,6 +73,8 @@ def register(subparsers) -> None:
     d.add_argument("--num-kv-blocks", type=int, default=None,
                    help="decode: KV cache blocks (default: what the sequences need, twice over)")
     d.add_argument("--no-cuda-graphs", action="store_true", help="decode: run the decode steps eagerly")
+    d.add_argument("--async-scheduling", action="store_true",
+                   help="decode: an engine that launches the next step before settling the last (default off)")
     p.add_argument("--routing", default=None, metavar="uniform|zipf:ALPHA",
                    help="kernels: the MoE layers' routing, uniform (default) or each token's experts drawn with "
                         "popularity 1 / rank^ALPHA (hot experts)")
@@ -215,7 +217,8 @@ def _bench_engine(args, blocks: int, max_num_seqs: int, policy: str, max_num_bat
             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
             *(["--model", args.model] if args.model else []), *(["--ap", args.ap] if args.ap else []),
             *(["--calibration", args.calibration] if args.calibration else []),
-            *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else [])]
+            *(["--dtype", args.dtype] if args.dtype else []), *(["--no-cuda-graphs"] if args.no_cuda_graphs else []),
+            *(["--async-scheduling"] if args.async_scheduling else [])]
     engine_parser = argparse.ArgumentParser(prog=f"pwruntime bench {args.target}")
     add_engine_args(engine_parser)
     return build_engine(engine_parser.parse_args(argv))
@@ -232,6 +235,8 @@ def _run_mixed(args) -> int:
     from pwruntime import bench_mixed as bm
     from pwruntime.engine import EngineConfig
     _refuse(args, ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens"), "mixed")
+    if args.async_scheduling:
+        raise UserError("--async-scheduling belongs to `pwruntime bench decode`; bench mixed times one forward")
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench mixed takes --tokens")
     rows, reps, text = (24 if args.prompts is None else args.prompts), (30 if args.reps is None else args.reps), \
@@ -267,12 +272,14 @@ def _run_decode(args) -> int:
         raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
     blocks = args.num_kv_blocks or bd.default_kv_blocks(args.prompts, prompt_tokens, steps, reps)
     engine, model_dir, dtype, device = _bench_engine(args, blocks, args.prompts, policy)
-    command = _command(f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}")
+    command = _command(f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
+                       + (" --async-scheduling" if args.async_scheduling else ""))
     try:
         res = bd.run(engine, args.prompts, prompt_tokens, steps, reps, args.seed)
     except RuntimeError as e:
         raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
-    res = {**_engine_header(command, model_dir, dtype, device, blocks), "policy": policy, **res}
+    res = {**_engine_header(command, model_dir, dtype, device, blocks), "policy": policy,
+           "async_scheduling": engine.config.async_scheduling, **res}
     return _report(args, res, command, bd.print_table)
 
 
@@ -281,10 +288,10 @@ def run(args) -> int:
         return _run_decode(args)
     if args.target == "mixed":
         return _run_mixed(args)
-    if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs:
-        raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks and "
-                        "--no-cuda-graphs belong to `pwruntime bench decode` (all but the first two also to "
-                        "`bench mixed`)")
+    if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs or args.async_scheduling:
+        raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks, "
+                        "--no-cuda-graphs and --async-scheduling belong to `pwruntime bench decode` (all but the "
+                        "first two and the last also to `bench mixed`)")
     if args.target == "prefix-cache":
         return _run_prefix_cache(args)
     if args.prompts is not None or args.max_tokens != 16 or args.model is not None:

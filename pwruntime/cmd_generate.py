@@ -51,6 +51,9 @@ def add_engine_args(p) -> None:
                    help="run every step eagerly on CUDA (default: replay captured graphs when the experts allow)")
     p.add_argument("--no-mixed-graphs", action="store_true",
                    help="run steps that are not pure decode eagerly (default: piecewise graphs per token bucket)")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch the next step before the last one's tokens reach the host, so host "
+                        "work overlaps the GPU's; tokens show a step later (default off)")
     w = p.add_argument_group("any-precision experts and a planner (CUDA: AP kernels, planes paged on a copy "
                              "stream; CPU: the pure-torch AP store)")
     w.add_argument("--ap", default=None, metavar="DIR",
@@ -139,7 +142,8 @@ def _engine_config(args):
         raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
-                        mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching)
+                        mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
+                        async_scheduling=args.async_scheduling)
 
 
 def build_engine(args):

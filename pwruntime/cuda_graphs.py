@@ -63,12 +63,23 @@ def padded_size(n: int, sizes: tuple[int, ...]) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
+def take_sampled(ids: torch.Tensor, src: torch.Tensor, sampled: torch.Tensor | None) -> torch.Tensor:
+    """Token ids with each row whose `src` is >= 0 replaced by `sampled[src]`: the tokens the previous step sampled
+    on the device, which an asynchronous engine feeds to this step before the host has them (device work only)."""
+    if sampled is None:
+        return ids
+    return torch.where(src >= 0, sampled[src.clamp(min=0)], ids)
+
+
 @dataclass(frozen=True)
 class DecodeRows:
-    """A decode batch on the host: per sequence its new token, that token's position and its block ids."""
+    """A decode batch on the host: per sequence its new token, that token's position and its block ids; with
+    `token_src`, rows whose entry is >= 0 take their token from the previous step's sampled tokens instead
+    (`take_sampled`; their `token_ids` entry is ignored)."""
     token_ids: list[int]
     positions: list[int]
     block_tables: list[list[int]]
+    token_src: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -93,9 +104,10 @@ class DecodeInputs:
     seq_lens: np.ndarray | torch.Tensor       # [size] int32: context + 1
     block_tables: np.ndarray | torch.Tensor   # [size, max_blocks] int32
     slot_mapping: np.ndarray | torch.Tensor   # [size] int64
+    token_src: np.ndarray | torch.Tensor      # [size] int64: the previous step's sampled row feeding it, or -1
     raw: torch.Tensor | None = field(default=None, repr=False, compare=False)  # the byte buffer under them
 
-    ARRAYS = ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping")
+    ARRAYS = ("input_ids", "positions", "seq_lens", "block_tables", "slot_mapping", "token_src")
 
     @classmethod
     def pad(cls, rows: DecodeRows, size: int, max_blocks: int, block_size: int, scratch: int,
@@ -108,13 +120,15 @@ class DecodeInputs:
                              f"{size} x {max_blocks}")
         if out is None:
             ids, pos, lens = np.zeros(size, np.int64), np.zeros(size, np.int64), np.zeros(size, np.int32)
-            tables, slots = np.empty((size, max_blocks), np.int32), np.empty(size, np.int64)
+            tables, slots, src = np.empty((size, max_blocks), np.int32), np.empty(size, np.int64), np.empty(size, np.int64)
         else:
             if out.block_tables.shape[1] != max_blocks or out.input_ids.shape[0] < size:
                 raise ValueError(f"buffers of {tuple(out.block_tables.shape)} cannot take {size} x {max_blocks}")
-            ids, pos, lens, tables, slots = (_numpy(getattr(out, a))[:size] for a in cls.ARRAYS)
+            ids, pos, lens, tables, slots, src = (_numpy(getattr(out, a))[:size] for a in cls.ARRAYS)
             ids[n:], pos[n:] = 0, 0
         ids[:n], pos[:n] = rows.token_ids, rows.positions
+        src[n:] = -1
+        src[:n] = -1 if rows.token_src is None else rows.token_src
         np.add(pos, 1, out=lens, casting="unsafe")
         tables.fill(scratch)
         slots.fill(scratch * block_size)
@@ -128,13 +142,13 @@ class DecodeInputs:
             tables[:n][np.arange(max_blocks) < lengths[:, None]] = flat
             first = np.cumsum(lengths) - lengths
             slots[:n] = flat[first + pos[:n] // block_size] * block_size + pos[:n] % block_size
-        return out if out is not None else cls(ids, pos, lens, tables, slots)
+        return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 
     @classmethod
     def alloc(cls, size: int, max_blocks: int, device: torch.device, pin_memory: bool = False) -> "DecodeInputs":
         """Zeroed buffers of `size` rows, typed views of one byte buffer (8-byte arrays first, block tables last)."""
         layout = (("input_ids", torch.long, (size,)), ("positions", torch.long, (size,)),
-                  ("slot_mapping", torch.long, (size,)), ("seq_lens", torch.int32, (size,)),
+                  ("slot_mapping", torch.long, (size,)), ("token_src", torch.long, (size,)), ("seq_lens", torch.int32, (size,)),
                   ("block_tables", torch.int32, (size, max_blocks)))
         nbytes = [int(np.prod(shape)) * dtype.itemsize for _, dtype, shape in layout]
         raw = torch.zeros(sum(nbytes), dtype=torch.uint8, device=device, pin_memory=pin_memory)
@@ -269,8 +283,11 @@ class DecodeGraphs(GraphSet):
     """Captured decode forwards of one model over one KV cache (see the module docstring)."""
 
     def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None,
-                 settle_steps: int = 0):
+                 settle_steps: int = 0, sampled: torch.Tensor | None = None):
+        """`sampled`: the device buffer of the previous step's sampled tokens that `DecodeRows.token_src` indexes
+        (None: every row's token comes from the host)."""
         super().__init__(model, kv, settle_steps)
+        self.sampled = sampled
         self.sizes = graph_sizes(max_num_seqs)
         self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
         self.window = min((w for w in model.config.sliding_windows if w), default=None)
@@ -330,7 +347,10 @@ class DecodeGraphs(GraphSet):
         return captured
 
     def _forward(self, args: tuple, record: bool) -> ForwardOutput:
-        """What a decode graph holds: the forward, its routing packed, the logits of every row (all sample)."""
-        out = self.model.forward(*args, record=record)
+        """What a decode graph holds: the rows' tokens (those the previous step sampled taken on the device), the
+        forward, its routing packed, the logits of every row (all sample)."""
+        ids, positions, kv, meta = args
+        ids = take_sampled(ids, self.buffers.token_src[:ids.shape[0]], self.sampled)
+        out = self.model.forward(ids, positions, kv, meta, record=record)
         return ForwardOutput(out.hidden, out.routing, pack_routing(out.routing) if out.routing else None,
                              self.model.logits(out.hidden))

@@ -23,6 +23,16 @@ raw logits: the logits processing a request may ask for (`min_tokens`, the penal
 what it samples, from its prompt, its output so far and its stop tokens, and only requests that ask pay for it;
 stop strings, too, are looked for only once a request has more than `min_tokens` output tokens, as vLLM's.
 
+Asynchronous scheduling (`async_scheduling`, off by default; vLLM's `--async-scheduling`): a step launches its
+batch, samples on the device and schedules nothing more; the next step schedules and launches its batch first and
+only then waits for the previous tokens and settles them (policies.scheduler: `advance`, then `settle` a step
+later), so the host's scheduling, input preparation and launches overlap the device's work instead of following it.
+The previous step's tokens reach the next forward on the device (ModelRunner.keep_sampled). What it changes: a
+request's tokens become visible a step later, a sequence that an EOS, stop token or stop string ends computes one
+more token, which is dropped, and the planner observes and plans while the next batch runs. While a request asks
+for logits processing (min_tokens, penalties: it reads every token so far) steps settle before scheduling, as
+synchronous ones do. Greedy and seeded outputs are the same tokens as without it.
+
 Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
 traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
 
@@ -48,11 +58,11 @@ from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
 from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
-from policies.sequence import Sequence
+from policies.sequence import Sequence, SequenceStatus
 from pwruntime.kv_cache import KVCache
-from pwruntime.model_runner import ModelRunner, RoutingArrays
-from pwruntime.sampling import (History, SamplingParams, TokenLogprob, adjust_logits, find_stop, make_generator, sample,
-                                token_logprobs)
+from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy
+from pwruntime.sampling import (History, PendingLogprobs, SamplingParams, TokenLogprob, adjust_logits, find_stop,
+                                logprobs_on_device, make_generator, sample_tensor)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 
@@ -63,8 +73,8 @@ class StepPhases:
     schedule_s: float  # the scheduler's batch (and dropping the preempted sequences' features)
     forward_s: float  # ModelRunner.run: inputs, the model (a graph replay or eager), logits, routing to the host
     # (with the previous step's routing folded into the statistics while the GPU runs)
-    sample_s: float  # sampling the next tokens
-    observe_s: float  # the routing held for the statistics, postprocess, outputs, the planner's Observation
+    sample_s: float  # sampling the next tokens, and waiting for the tokens that settle in this step
+    observe_s: float  # settling them (the routing held for the statistics, stops), outputs, the planner's Observation
     plan_s: float  # PlanLoop.step: the policy's plan, page moves started and landed
 
     PHASES = ("schedule_s", "forward_s", "sample_s", "observe_s", "plan_s")
@@ -91,6 +101,7 @@ class EngineConfig:
     graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
     # not), steps of each kind (decode, mixed) that run eagerly before its graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
+    async_scheduling: bool = False  # schedule and launch the next step before settling this one (module docstring)
 
 
 @dataclass(frozen=True)
@@ -106,6 +117,17 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when SamplingParams.logprobs is set, else empty
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A batch launched on the device, with its tokens sampled there: what settling it reads back."""
+    batch: ScheduledBatch
+    sampling: list  # the _Request of each sampling entry, in order
+    tokens: torch.Tensor  # int64 [n] on the host (pinned from a GPU), valid once `ready`
+    ready: torch.cuda.Event | None
+    logprobs: PendingLogprobs | None
+    routing: RoutingCopy | None
 
 
 @dataclass
@@ -172,6 +194,8 @@ class LLMEngine:
         self.last_loop: LoopResult | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
+        self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
+        self._adjusting = 0  # unfinished requests whose logits processing reads their tokens so far
 
     @property
     def last_routing_read(self) -> bool:
@@ -233,6 +257,7 @@ class LLMEngine:
                 np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0])
             gen = make_generator(seed, self.model.device)
         self._requests[rid] = _Request(seq, text, params, gen, stop_ids, seq.arrival_time)
+        self._adjusting += params.adjusts_logits
         self.scheduler.add(seq)
         if self.recorder is not None:
             self.recorder.on_arrival(rid, seq.arrival_time, ids, domain)
@@ -251,41 +276,40 @@ class LLMEngine:
         self.runner.capture_graphs(self._record)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One iteration; returns the requests that finished in it. `last_phases` times its phases."""
         marks = [self.clock()]
+        finished: list[Sequence] = []
+        if self._inflight is not None and self._adjusting:  # their logits processing reads every token so far
+            finished += self._settle(self._inflight)
+            self._inflight = None
         batch = self.last_batch = self.scheduler.schedule()
         for s in batch.preempted:
             self.routing.drop(s.seq_id)  # its recompute will observe its tokens again
-        finished: list[Sequence] = list(batch.aborted)
+        finished += batch.aborted
         marks.append(self.clock())
+        launched = None
         if batch.entries:
             out = self.runner.run(batch, self.pool, record=self._record)
-            routing = None
             if out.routing is not None:
                 self.routing.fold()  # the previous step's routing: host work while the GPU runs this forward
-                routing = out.routing.arrays()
             marks.append(self.clock())
-            sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
-            params = [r.params for r in sampling]
-            tokens = sample(self._adjusted(out.logits, sampling), params, [r.generator for r in sampling])
-            for r, rec in zip(sampling, token_logprobs(out.logits, params, tokens)):
-                if rec is not None:  # asked for: one record per token postprocess appends
-                    r.logprobs.append(rec)
-            marks.append(self.clock())
-            if routing is not None:
-                self._observe_routing(batch, routing)
-            finished += self.scheduler.postprocess(batch, tokens, stop=self._stop_string)
-            now = self._now()
-            for r in sampling:
-                if r.first_token_time is None:
-                    r.first_token_time = now
+            launched = self._sample(batch, out.logits, out.routing)
+            self.scheduler.advance(batch)
         else:
-            marks += marks[-1:] * 2
+            marks.append(marks[-1])
+        if self.config.async_scheduling:
+            launched, self._inflight = self._inflight, launched
+        if launched is not None:
+            finished += self._settle(launched)
+        marks.append(self.clock())
         outputs = [self._output(s) for s in finished]
+        if self._inflight is not None and all(e.seq.is_finished for e in self._inflight.batch.entries):
+            self._settle(self._inflight)  # every sequence in it stopped meanwhile: nothing to wait for
+            self._inflight = None
         self.last_observation = build_observation(
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
             kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
@@ -297,6 +321,45 @@ class LLMEngine:
         self.last_phases = StepPhases(*np.diff(marks).tolist())
         self.num_steps += 1
         return outputs
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor, routing: RoutingCopy | None) -> _Launched:
+        """Queue the batch's sampling (and log-probabilities) on the device and the tokens' copy to the host; with
+        asynchronous scheduling the runner keeps them for the next forward."""
+        sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
+        params = [r.params for r in sampling]
+        tokens = sample_tensor(self._adjusted(logits, sampling), params, [r.generator for r in sampling])
+        logprobs = logprobs_on_device(logits, params, tokens)
+        if self.config.async_scheduling:
+            self.runner.keep_sampled(tokens, [r.seq.seq_id for r in sampling])
+        ready = None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            tokens = host
+        return _Launched(batch, sampling, tokens, ready, logprobs, routing)
+
+    def _settle(self, launched: _Launched) -> list[Sequence]:
+        """Wait for a launched batch's tokens and settle them: routing observed, tokens in place, stops applied,
+        log-probabilities and first-token times kept. A request that finished since it was launched (stopped by the
+        token settled before, or aborted) gets nothing from it."""
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        sampling, batch = launched.sampling, launched.batch
+        live = [r.seq.status != SequenceStatus.FINISHED for r in sampling]
+        if launched.routing is not None:
+            self._observe_routing(batch, launched.routing.arrays())
+        finished = self.scheduler.settle(batch, launched.tokens.tolist(), stop=self._stop_string)
+        if launched.logprobs is not None:
+            for r, ok, rec in zip(sampling, live, launched.logprobs.records([r.params for r in sampling])):
+                if ok and rec is not None:  # asked for: one record per token settled
+                    r.logprobs.append(rec)
+        now = self._now()
+        for r, ok in zip(sampling, live):
+            if ok and r.first_token_time is None:
+                r.first_token_time = now
+        return finished
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -334,6 +397,9 @@ class LLMEngine:
         # held, and folded while the next step's forward runs on the GPU (or when a planner reads it)
         self.routing.add([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
                          r.gate_up_in_norm, r.down_in_norm)
+        for e in batch.entries:  # preempted or finished since launched (asynchronous scheduling): as if dropped after
+            if e.seq.status != SequenceStatus.RUNNING:
+                self.routing.drop(e.seq.seq_id)
         if self.recorder is not None:
             self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
 
@@ -350,10 +416,11 @@ class LLMEngine:
         stops = req.params.stop
         if not stops:
             return None
-        text = self.tokenizer.decode(seq.output_token_ids)
+        settled = seq.num_settled_outputs
+        text = self.tokenizer.decode(seq.output_token_ids[:settled])
         k = find_stop(text, stops, req.checked_chars - max(len(s) for s in stops) + 1)
         req.checked_chars = len(text)
-        if k < 0 or len(seq.output_token_ids) <= req.params.min_tokens:  # as vLLM: none before min_tokens + 1
+        if k < 0 or settled <= req.params.min_tokens:  # as vLLM: none before min_tokens + 1
             return None
         req.stop_text = text[:k]
         return "stop"
@@ -361,7 +428,7 @@ class LLMEngine:
     def tokens_so_far(self, request_id: int, start: int = 0) -> list[int]:
         """Tokens sampled so far for an unfinished request, from the `start`th (what a streaming server sends)."""
         req = self._requests.get(request_id)
-        return [] if req is None else req.seq.output_token_ids[start:]
+        return [] if req is None else req.seq.output_token_ids[start:req.seq.num_settled_outputs]
 
     def logprobs_so_far(self, request_id: int, start: int = 0) -> list[TokenLogprob]:
         """The log-probability records of `tokens_so_far` (empty when the request did not ask for them)."""
@@ -370,6 +437,7 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
+        self._adjusting -= req.params.adjusts_logits
         self.routing.drop(seq.seq_id)
         ids = list(seq.output_token_ids)
         if req.stop_text is not None:

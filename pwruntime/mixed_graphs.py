@@ -9,7 +9,7 @@ between the pieces. For a model of L layers a bucket holds L + 1 graphs:
     piece i:  layer i-1 after its core (o_proj, norm, router, MoE, routing records), layer i before its core
     piece L:  layer L-1 after its core, the final norm, the routing packed into words (pack_routing)
 
-and a replay is: stage the padded token ids, positions and K/V slots in one transfer, build the attention plan
+and a replay is: stage the padded token ids, positions, K/V slots and token sources in one transfer, build the attention plan
 (host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. The pieces meet the cores in one
 set of boundary buffers shared by every layer and bucket (`Boundary`, the largest bucket's rows): a piece copies
 its layer's q, k, v there and a core writes its output there (`Attention.core(..., out=)`), which the next piece
@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from pwruntime.cuda_graphs import GraphSet, padded_size
+from pwruntime.cuda_graphs import GraphSet, padded_size, take_sampled
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, AttentionPlan
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
@@ -71,12 +71,17 @@ class _Pieces:
 class MixedGraphs(GraphSet):
     """Piecewise-captured forwards of one model over one KV cache (see the module docstring)."""
 
-    def __init__(self, model, kv: KVCache, max_num_batched_tokens: int, settle_steps: int = 0):
+    def __init__(self, model, kv: KVCache, max_num_batched_tokens: int, settle_steps: int = 0,
+                 sampled: torch.Tensor | None = None):
+        """`sampled`: the device buffer of the previous step's sampled tokens that `forward`'s `token_src` indexes
+        (None: every token comes from the host)."""
         super().__init__(model, kv, settle_steps)
         self.sizes = mixed_sizes(max_num_batched_tokens)
+        self.sampled = sampled
         n, cuda = self.sizes[-1], model.device.type == "cuda"
-        self.inputs = torch.zeros(3, n, dtype=torch.long, device=model.device)   # token ids, positions, K/V slots
-        self.host = torch.zeros(3, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
+        # token ids, positions, K/V slots, the previous step's sampled row feeding each token (-1: none)
+        self.inputs = torch.zeros(4, n, dtype=torch.long, device=model.device)
+        self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
         c = model.config
         self.boundary = Boundary.alloc(n, c.heads, c.kv_heads, c.head_dim, model.dtype, model.device)
 
@@ -87,9 +92,10 @@ class MixedGraphs(GraphSet):
     # ------------------------------------------------------------ running
     @torch.inference_mode()
     def forward(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata,
-                record: bool = False) -> ForwardOutput | None:
+                record: bool = False, token_src: list[int] | None = None) -> ForwardOutput | None:
         """The forward of a batch by piecewise replay (views of its real rows, valid until the next replay), or
-        None if it must run eagerly. `meta` is on the host (batch_metadata(..., "cpu"))."""
+        None if it must run eagerly. `meta` is on the host (batch_metadata(..., "cpu")); `token_src` as in
+        DecodeRows (tokens >= 0 there come from the previous step's sampled tokens)."""
         self._drop_stale()
         t = meta.num_tokens
         if not self.supports(t):
@@ -99,7 +105,7 @@ class MixedGraphs(GraphSet):
         pieces = self._graphs.get((size, record)) or (self._capture(size, record) if settled else None)
         if pieces is None:
             return None
-        self._stage(input_ids, positions, meta.slot_mapping, size)
+        self._stage(input_ids, positions, meta.slot_mapping, size, token_src)
         dev, kv, layers = self.model.device, self.kv, self.model.layers
         plan = AttentionPlan.build(replace(meta, slot_mapping=self.inputs[2, :t]), kv.block_size, dev, self.model.dtype)
         b = self.boundary
@@ -114,13 +120,17 @@ class MixedGraphs(GraphSet):
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:t] for f in fields(r)}) for r in out.routing]
         return ForwardOutput(out.hidden[:t], routing, None if out.routing_words is None else out.routing_words[:t])
 
-    def _stage(self, input_ids: list[int], positions: list[int], slots: torch.Tensor, size: int) -> None:
-        """Token ids, positions and slots padded to `size` (padding on the scratch block) in one transfer."""
+    def _stage(self, input_ids: list[int], positions: list[int], slots: torch.Tensor, size: int,
+               token_src: list[int] | None = None) -> None:
+        """Token ids, positions, slots and token sources padded to `size` (padding on the scratch block, no source)
+        in one transfer."""
         def fill() -> None:
             t, host = len(input_ids), self.host.numpy()
             host[0, :t], host[1, :t], host[2, :t] = input_ids, positions, slots.numpy()
+            host[3, :t] = -1 if token_src is None else token_src
             host[:2, t:size] = 0
             host[2, t:size] = self.kv.scratch_block * self.kv.block_size
+            host[3, t:size] = -1
             self.inputs.copy_(self.host, non_blocking=True)
 
         self._send(fill)
@@ -159,10 +169,10 @@ class MixedGraphs(GraphSet):
         for i < L; the last piece returns (the final norm's output, its records, the routing of `records` and its
         own packed into words)."""
         model, kv, b = self.model, self.kv, self.boundary
-        ids, positions, slots = self.inputs[:, :size]
+        ids, positions, slots, src = self.inputs[:, :size]
         rec = [] if records is not None else None
         if i == 0:
-            x, cos, sin = model.embed_tokens(ids, positions)
+            x, cos, sin = model.embed_tokens(take_sampled(ids, src, self.sampled), positions)
             delta = None
         else:
             x, cos, sin = carry

@@ -4,6 +4,11 @@ The scheduler's pool already reserved every slot; the runner only reads block ta
 logits of the rows that sample (each sampling sequence's last new token) and, when asked, the batch's
 routing on its way to the host (`RoutingCopy`; numpy arrays for the shared observation code, policies.observe).
 
+With asynchronous scheduling the previous step's sampled tokens are still on the device when the next batch is
+prepared: its sequences' last token is a `PENDING_TOKEN` on the host. `keep_sampled` holds a step's tokens in a
+device buffer (`sampled`) and remembers which sequence sampled which row; every path (graphs or eager) then takes
+those rows' input tokens from the buffer on the device (`cuda_graphs.take_sampled`), so nothing waits for them.
+
 With `cuda_graphs` on a CUDA model and a capturable expert store, a batch in which every sequence adds
 exactly one token replays a captured graph (pwruntime.cuda_graphs.DecodeGraphs), and any other batch of
 up to max_num_batched_tokens tokens replays the piecewise graphs of its token bucket, its attention run
@@ -19,7 +24,8 @@ import torch
 
 from policies.kv_blocks import BlockPool
 from policies.scheduler import ScheduledBatch
-from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows
+from policies.sequence import PENDING_TOKEN
+from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows, take_sampled
 from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
@@ -74,10 +80,37 @@ class ModelRunner:
                  graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None) -> None:
         """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs)."""
         self.model, self.kv = model, kv
+        self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=model.device)  # see keep_sampled
+        self._sampled_row: dict = {}  # seq_id -> its row in `sampled`
         graphs = cuda_graphs and model.device.type == "cuda"
-        self.graphs = DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps) if graphs else None
-        self.mixed_graphs = (MixedGraphs(model, kv, max_num_batched_tokens, settle_steps=graph_settle_steps)
+        self.graphs = (DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps, sampled=self.sampled)
+                       if graphs else None)
+        self.mixed_graphs = (MixedGraphs(model, kv, max_num_batched_tokens, settle_steps=graph_settle_steps,
+                                         sampled=self.sampled)
                              if graphs and max_num_batched_tokens else None)
+
+    def keep_sampled(self, tokens: torch.Tensor, seq_ids: list) -> None:
+        """Hold a step's sampled tokens (int64 [n] on the device, one per sequence in `seq_ids`) for the next batch,
+        whose pending tokens they are (stream-ordered: the next forward reads them after this copy)."""
+        if len(seq_ids) > self.sampled.shape[0]:
+            raise ValueError(f"{len(seq_ids)} sampled tokens for a buffer of {self.sampled.shape[0]}")
+        self.sampled[:len(seq_ids)].copy_(tokens, non_blocking=True)
+        self._sampled_row = {sid: j for j, sid in enumerate(seq_ids)}
+
+    def _token_src(self, batch: ScheduledBatch, ids: list[int], ends: list[int]) -> list[int] | None:
+        """Per flat row, the `sampled` row that feeds it (-1: its id is on the host); None when no row is pending.
+        `ends`: each entry's last flat row (only an entry's last token can be pending)."""
+        src = None
+        for e, end in zip(batch.entries, ends):
+            if ids[end] == PENDING_TOKEN:
+                if src is None:
+                    src = [-1] * len(ids)
+                row = self._sampled_row.get(e.seq.seq_id)
+                if row is None:
+                    raise RuntimeError(f"sequence {e.seq.seq_id!r} has a pending token but the last kept sample has "
+                                       "none for it; keep_sampled must follow every step that samples")
+                src[end], ids[end] = row, 0
+        return src
 
     def capture_graphs(self, record: bool) -> None:
         """Capture every decode size and mixed-step bucket now (before serving) instead of on first use."""
@@ -86,28 +119,33 @@ class ModelRunner:
                 graphs.capture_all(record)
 
     def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[list[int], list[int], AttentionMetadata,
-                                                                        list[int]]:
-        """Token ids and positions of the flattened batch, its metadata (on the host) and the flat row of each
-        sampling entry."""
+                                                                        list[int], list[int] | None]:
+        """Token ids and positions of the flattened batch, its metadata (on the host), the flat row of each
+        sampling entry and each row's token source (`_token_src`; pending ids become 0)."""
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[tuple[int, int, list[int]]] = []
         sample_rows: list[int] = []
+        ends: list[int] = []
         for e in batch.entries:
             end = e.start + e.num_new_tokens
             ids += e.seq.token_ids(e.start, end)
             positions += range(e.start, end)
             seqs.append((e.start, e.num_new_tokens, pool.block_table(e.seq.seq_id)))
+            ends.append(len(ids) - 1)
             if e.sample:
                 sample_rows.append(len(ids) - 1)
-        return ids, positions, batch_metadata(seqs, pool.block_size), sample_rows
+        src = self._token_src(batch, ids, ends)
+        return ids, positions, batch_metadata(seqs, pool.block_size), sample_rows, src
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
         """The forward through a captured decode graph, or None when this batch runs eagerly."""
         if self.graphs is None or any(e.num_new_tokens != 1 for e in batch.entries):
             return None
-        rows = DecodeRows([e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries],
-                          [e.start for e in batch.entries], [pool.block_table(e.seq.seq_id) for e in batch.entries])
+        ids = [e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries]
+        src = self._token_src(batch, ids, list(range(len(ids))))
+        rows = DecodeRows(ids, [e.start for e in batch.entries], [pool.block_table(e.seq.seq_id) for e in batch.entries],
+                          src)
         return self.graphs.forward(rows, record)
 
     def run(self, batch: ScheduledBatch, pool: BlockPool, record: bool = False) -> StepOutput:
@@ -116,12 +154,15 @@ class ModelRunner:
                                f"{pool.id_limit}; resize the cache after changing the pool")
         out = self._graph_forward(batch, pool, record)
         if out is None:
-            input_ids, positions, meta, rows = self.prepare(batch, pool)
+            input_ids, positions, meta, rows, src = self.prepare(batch, pool)
             if self.mixed_graphs is not None:
-                out = self.mixed_graphs.forward(input_ids, positions, meta, record)
+                out = self.mixed_graphs.forward(input_ids, positions, meta, record, src)
             if out is None:
-                out = self.model.forward(torch.tensor(input_ids, dtype=torch.long),
-                                         torch.tensor(positions, dtype=torch.long), self.kv, meta, record=record)
+                ids = torch.tensor(input_ids, dtype=torch.long).to(self.model.device, non_blocking=True)
+                if src is not None:
+                    src_ids = torch.tensor(src, dtype=torch.long).to(self.model.device, non_blocking=True)
+                    ids = take_sampled(ids, src_ids, self.sampled)
+                out = self.model.forward(ids, torch.tensor(positions, dtype=torch.long), self.kv, meta, record=record)
         else:  # one row per entry
             rows = [i for i, e in enumerate(batch.entries) if e.sample]
         logits = self.model.logits(_rows(out.hidden, rows)) if out.logits is None else _rows(out.logits, rows)

@@ -149,48 +149,80 @@ def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from one row of logits [vocab]."""
+def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token from one row of logits [vocab], as a one-element tensor on their device (nothing waits for it)."""
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits).view(1)
     row = filter_logits(logits.float()[None, :] / params.temperature, params.top_k, params.top_p)[0]
     probs = torch.softmax(row, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab], each with its own params and generator: int64 [n] on the logits'
+    device, queued there without waiting (an asynchronous engine feeds them to the next step before reading them)."""
+    if logits.shape[0] != len(params) or len(params) != len(generators):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
+    if all(p.greedy for p in params):
+        return torch.argmax(logits, dim=-1)
+    return torch.cat([sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))])
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """One token per row of `logits` [n, vocab], each with its own params and generator."""
-    if logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
-    if all(p.greedy for p in params):
-        return [int(t) for t in torch.argmax(logits, dim=-1).tolist()]
-    return [sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))]
+    """`sample_tensor`'s tokens on the host."""
+    return [int(t) for t in sample_tensor(logits, params, generators).tolist()]
 
 
-def token_logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                   tokens: list[int]) -> list[TokenLogprob | None]:
-    """For each row of `logits` [n, vocab] whose params ask (`logprobs` not None), the log-probability of its
-    sampled token and its `logprobs` most likely tokens; None for the others. One log_softmax (and one sort, when
-    a row asks for top tokens) over the rows that ask; the ranking is that of the logits, by a stable sort: ties
-    go to the lower id, as argmax's."""
-    rows = [j for j, p in enumerate(params) if p.logprobs is not None]
-    out: list[TokenLogprob | None] = [None] * len(params)
-    if not rows:
+@dataclass(frozen=True)
+class PendingLogprobs:
+    """What `token_logprobs` needs from the device, computed there (`logprobs_on_device`) while the logits exist;
+    `records()` reads it back (waiting for it) and builds the TokenLogprob records."""
+    size: int                 # rows of the batch
+    rows: list[int]           # the rows that ask
+    chosen: torch.Tensor      # [len(rows)] float32: the sampled token's log-probability
+    top_ids: torch.Tensor     # [len(rows), k] int64, most likely first
+    top_logprobs: torch.Tensor
+    tokens: torch.Tensor      # [len(rows)] the sampled tokens of those rows
+
+    def records(self, params: list[SamplingParams]) -> list[TokenLogprob | None]:
+        out: list[TokenLogprob | None] = [None] * self.size
+        top = zip(self.top_ids.tolist(), self.top_logprobs.tolist())
+        for j, t, lp, (ids, lps) in zip(self.rows, self.tokens.tolist(), self.chosen.tolist(), top):
+            n = params[j].logprobs
+            out[j] = TokenLogprob(int(t), lp, tuple(zip(ids[:n], lps[:n])))
         return out
-    raw = logits[torch.tensor(rows, device=logits.device)].float()
+
+
+def logprobs_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                       tokens: torch.Tensor) -> PendingLogprobs | None:
+    """The device half of `token_logprobs` (None when no row asks): one log_softmax (and one sort, when a row asks
+    for top tokens) over the rows that ask; `tokens` [n] as `sample_tensor` gives them."""
+    rows = [j for j, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    index = torch.tensor(rows, device=logits.device)
+    raw = logits[index].float()
     logp = torch.log_softmax(raw, dim=-1)
-    chosen = logp.gather(1, torch.tensor([[tokens[j]] for j in rows], device=logits.device))[:, 0].tolist()
+    chosen_ids = tokens.to(logits.device)[index]
+    chosen = logp.gather(1, chosen_ids[:, None])[:, 0]
     k = min(max(params[j].logprobs for j in rows), raw.shape[-1])
     if k:
         top_ids = torch.sort(raw, dim=-1, descending=True, stable=True).indices[:, :k]
     else:
         top_ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
-    top = zip(top_ids.tolist(), logp.gather(1, top_ids).tolist())
-    for j, lp, (ids, lps) in zip(rows, chosen, top):
-        n = params[j].logprobs
-        out[j] = TokenLogprob(tokens[j], lp, tuple(zip(ids[:n], lps[:n])))
-    return out
+    return PendingLogprobs(len(params), rows, chosen, top_ids, logp.gather(1, top_ids), chosen_ids)
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams],
+                   tokens: list[int] | torch.Tensor) -> list[TokenLogprob | None]:
+    """For each row of `logits` [n, vocab] whose params ask (`logprobs` not None), the log-probability of its
+    sampled token and its `logprobs` most likely tokens; None for the others. The ranking is that of the logits,
+    by a stable sort: ties go to the lower id, as argmax's."""
+    tokens = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
+    pending = logprobs_on_device(logits, params, tokens)
+    return [None] * len(params) if pending is None else pending.records(params)
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> int:

@@ -4,7 +4,9 @@ The engine calls `on_arrival`, `on_routing` (after every forward) and `on_finish
 numpy columns, builds `traces.schema.RequestTrace` / `RoutingTrace` on demand and `write(dir)`s a
 trace directory through `traces.io` (requests.parquet + routing.parquet, atomically). A position
 recomputed after a preemption is recorded once (its first computation), so (request, position,
-layer) rows stay unique as the schema requires.
+layer) rows stay unique as the schema requires. Routing that reaches the recorder after its request finished (the
+one step an asynchronously scheduled sequence runs past its stop) is not recorded, as it was never computed
+without asynchronous scheduling.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ class TraceRecorder:
     provenance: dict = field(default_factory=dict)
     _requests: dict = field(default_factory=dict)  # request id -> [arrival_s, prompt ids, outputs, domain]
     _recorded: dict = field(default_factory=dict)  # request id -> positions recorded so far
+    _finished: set = field(default_factory=set)
     _chunks: list = field(default_factory=list)
     _shape: tuple[int, int, int] | None = None  # layers, experts, top_k
 
@@ -41,7 +44,7 @@ class TraceRecorder:
         for rid, start, n in entries:
             done = self._recorded.get(rid, 0)
             first = max(start, done)  # skip positions already recorded (recompute after preemption)
-            if first < start + n:
+            if first < start + n and rid not in self._finished:
                 sl = slice(offset + first - start, offset + n)
                 self._chunks.append((rid, first, routing.topk_ids[:, sl], routing.topk_weights[:, sl],
                                      routing.gate_up_in_norm[:, sl], routing.down_in_norm[:, sl]))
@@ -51,6 +54,7 @@ class TraceRecorder:
     def on_finish(self, request_id: int, num_output_tokens: int) -> None:
         if request_id in self._requests:
             self._requests[request_id][2] = int(num_output_tokens)
+            self._finished.add(request_id)
 
     def write(self, path) -> "Path":
         """Write requests.parquet and routing.parquet (when routing was recorded) into directory `path`."""

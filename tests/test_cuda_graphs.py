@@ -89,14 +89,15 @@ def test_pad_into_host_buffers_matches_new_arrays_and_clears_the_last_batch():
 
 def test_one_transfer_moves_every_array_up_to_the_batch_rows():
     host, dev = DecodeInputs.alloc(8, 5, torch.device("cpu")), DecodeInputs.alloc(8, 5, torch.device("cpu"))
-    assert host.raw.numel() == 8 * (3 * 8 + 4 + 5 * 4)
+    assert host.raw.numel() == 8 * (4 * 8 + 4 + 5 * 4)
     for name in DecodeInputs.ARRAYS:      # views of the one buffer
         t = getattr(host, name)
         assert t.untyped_storage().data_ptr() == host.raw.untyped_storage().data_ptr() and t.is_contiguous()
     dev.block_tables.fill_(-1)
-    rows = DecodeRows([5, 6, 7], [3, 17, 0], [[2], [0, 1, 4], [6]])
+    rows = DecodeRows([5, 6, 7], [3, 17, 0], [[2], [0, 1, 4], [6]], token_src=[-1, 2, 0])
     DecodeInputs.pad(rows, 4, 5, 8, 7, out=host)
     dev.fill_from(host, 4)
+    assert dev.token_src[:4].tolist() == [-1, 2, 0, -1]       # padding takes no sampled token
     for name in DecodeInputs.ARRAYS:
         assert torch.equal(getattr(dev, name)[:4], getattr(host, name)[:4]), name
     assert dev.block_tables[4:].eq(-1).all()     # the rows past the batch are not sent

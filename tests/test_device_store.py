@@ -295,11 +295,16 @@ def run_engine(engine, max_tokens: int = 16):
     return [o.token_ids for o in outs]
 
 
-@pytest.mark.parametrize("observe", [True, False], ids=["grouped", "fused-fallback"])
-def test_engine_outputs_equal_the_ap_store_while_pages_move(ap_path, observe):
-    want_engine = _engine(ap_path, Scripted(dict(SCRIPT)), False, block_size=4, observe_routing=observe)
+@pytest.mark.parametrize("observe,asynchronous", [(True, False), (False, False), (True, True)],
+                         ids=["grouped", "fused-fallback", "async"])
+def test_engine_outputs_equal_the_ap_store_while_pages_move(ap_path, observe, asynchronous):
+    """The device store under the mover decodes the pure-torch AP store's tokens; with asynchronous scheduling too
+    (both engines plan while their next batch is launched, so the same steps see the same bits)."""
+    want_engine = _engine(ap_path, Scripted(dict(SCRIPT)), False, block_size=4, observe_routing=observe,
+                          async_scheduling=asynchronous)
     want = run_engine(want_engine)
-    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, block_size=4, observe_routing=observe)
+    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, block_size=4, observe_routing=observe,
+                     async_scheduling=asynchronous)
     assert run_engine(engine) == want
     mover, table = engine.loop.mover, engine.table
     assert mover.num_pending == 0 and not table.busy.any()
@@ -415,12 +420,14 @@ def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path):
 
 
 @pytest.mark.gpu
-def test_gpu_engine_moves_pages_under_graph_replays(ap_path):
-    """Decode steps replay captured graphs while rows change under them: same tokens as eager decoding."""
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_gpu_engine_moves_pages_under_graph_replays(ap_path, asynchronous):
+    """Decode steps replay captured graphs while rows change under them: same tokens as eager decoding (with
+    asynchronous scheduling too, where the planner's moves start while the next batch runs)."""
     tokens = {}
     for graphs in (False, True):
         engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, device="cuda", dtype="fp16", block_size=4,
-                         num_kv_blocks=64, cuda_graphs=graphs)
+                         num_kv_blocks=64, cuda_graphs=graphs, async_scheduling=asynchronous)
         tokens[graphs] = run_engine(engine)
         engine.loop.mover.drain()
         engine.step()  # one more boundary lands whatever was still in flight

@@ -46,7 +46,7 @@ def test_mixed_sizes_are_multiples_of_the_bucket_up_to_the_budget():
 def test_pieces_usable_only_for_capturable_models_and_batches_in_budget():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = MixedGraphs(_fake_model(), kv, 100)
-    assert g.sizes == (64, 128) and g.inputs.shape == (3, 128)
+    assert g.sizes == (64, 128) and g.inputs.shape == (4, 128)
     assert g.boundary.q.shape == (128, 4, 8) and g.boundary.k.shape == (128, 2, 8)   # the largest bucket's rows
     assert g.supports(1) and g.supports(128) and not g.supports(129) and not g.supports(0)
     assert not MixedGraphs(_fake_model(store=SimpleNamespace()), kv, 100).supports(5)   # store not capturable
@@ -59,12 +59,13 @@ def test_pieces_usable_only_for_capturable_models_and_batches_in_budget():
 def test_stage_pads_to_the_bucket_with_scratch_slots_and_clears_the_last_batch():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = MixedGraphs(_fake_model(), kv, 128)
-    g._stage([5, 6, 7], [0, 1, 9], torch.tensor([40, 41, 73]), 64)
+    g._stage([5, 6, 7], [0, 1, 9], torch.tensor([40, 41, 73]), 64, token_src=[-1, -1, 3])
     assert g.inputs[0, :4].tolist() == [5, 6, 7, 0] and g.inputs[1, :4].tolist() == [0, 1, 9, 0]
     scratch = kv.scratch_block * kv.block_size
     assert g.inputs[2, :3].tolist() == [40, 41, 73] and set(g.inputs[2, 3:64].tolist()) == {scratch}
+    assert g.inputs[3, :4].tolist() == [-1, -1, 3, -1]
     g._stage([8], [2], torch.tensor([42]), 64)   # a smaller batch after: the rows it does not use are padding again
-    assert g.inputs[:, :2].tolist() == [[8, 0], [2, 0], [42, scratch]]
+    assert g.inputs[:, :2].tolist() == [[8, 0], [2, 0], [42, scratch], [-1, -1]]
 
 
 # decode rows, a prompt from scratch and a chunk after 20 cached tokens: (context, query, blocks); 65 tokens
