@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionPlan, batch_metadata, paged_attention, prefill_metadata
+from pwruntime.model.attention import AttentionPlan, VarlenChunks, batch_metadata, paged_attention, prefill_metadata
 
 
 def test_kv_cache_resize_keeps_low_blocks_and_counts_bytes():
@@ -85,6 +85,52 @@ def test_paged_attention_matches_naive_over_mixed_batch(window):
             ref = _naive(q[t], ks[:ctx + i + 1], vs[:ctx + i + 1], ctx + i, scale, window)
             assert torch.allclose(got[t], ref, atol=1e-5), (ctx, ql, i)
             t += 1
+
+
+def test_varlen_chunks_list_each_chunks_rows_and_key_slots():
+    """The chunks (query length > 1) of a batch as one flash-attention call: their rows, each one's keys (context
+    then new tokens) as cache slots, the cumulative lengths; decode rows are left out."""
+    meta = batch_metadata([(5, 1, [0, 1]), (6, 3, [2, 3, 4]), (0, 4, [5]), (9, 1, [6, 7, 8])], 4)
+    v = VarlenChunks.build(meta, 4, torch.device("cpu"))
+    assert v.rows.tolist() == [1, 2, 3, 4, 5, 6, 7]
+    assert v.key_slots.tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 16] + [20, 21, 22, 23]
+    assert v.cu_q.tolist() == [0, 3, 7] and v.cu_k.tolist() == [0, 9, 13] and v.cu_q.dtype == torch.int32
+    assert (v.max_q, v.max_k) == (4, 9)
+    assert VarlenChunks.build(batch_metadata([(5, 1, [0, 1])], 4), 4, torch.device("cpu")) is None
+    assert not VarlenChunks.applies(torch.zeros(3, 2, 8), None)     # CPU: the groups' path
+    bad = batch_metadata([(6, 2, [7, 3])], 4)
+    bad.host_tables[0, 1] = -1
+    with pytest.raises(ValueError, match="block table"):
+        VarlenChunks.build(bad, 4, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(8, 2, 64), (16, 4, 128), (4, 4, 32)])
+def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, kvh, d):
+    """On CUDA a batch's chunks (plain prefills, chunks after their cached context) run in one varlen flash-attention
+    call; beside decode rows through the decode kernel, every row equals the fp32 group reference."""
+    g = torch.Generator().manual_seed(heads + d)
+    bs, n_blocks = 16, 64
+    shapes = [(30, 1), (40, 57), (0, 100), (3, 1), (0, 2), (17, 33)]
+    caches = [torch.randn(n_blocks, bs, kvh, d, generator=g) for _ in range(2)]
+    blocks, seqs = list(range(n_blocks)), []
+    random.Random(3).shuffle(blocks)
+    for ctx, ql in shapes:
+        seqs.append((ctx, ql, [blocks.pop() for _ in range(-(-(ctx + ql) // bs))]))
+    meta = batch_metadata(seqs, bs)
+    new = [torch.randn(meta.num_tokens, kvh, d, generator=g) for _ in range(2)]
+    q = torch.randn(meta.num_tokens, heads, d, generator=g)
+    ref_plan = AttentionPlan.build(meta, bs, torch.device("cpu"))
+    for c, t in zip(caches, new):
+        c.view(-1, kvh, d).index_copy_(0, ref_plan.slot_mapping, t)
+    want = paged_attention(q, *new, *caches, ref_plan, d ** -0.5)
+    plan = AttentionPlan.build(batch_metadata(seqs, bs, "cuda"), bs, torch.device("cuda"), dtype)
+    got = paged_attention(q.to("cuda", dtype), *(t.to("cuda", dtype) for t in new),
+                          *(c.to("cuda", dtype) for c in caches), plan, d ** -0.5)
+    assert "varlen" in plan.__dict__ and "chunk_groups" not in plan.__dict__
+    err = (got.float().cpu() - want).norm() / want.norm()
+    assert err < (3e-3 if dtype == torch.float16 else 2e-2)
 
 
 def test_metadata_helpers_and_table_checks():

@@ -17,6 +17,12 @@ pure-decode batch entirely, so the forward can be captured in a CUDA graph, and 
 mixed batch beside the chunks' groups. The decode gather group is then built only if a sliding-window
 layer needs it (a window shorter than the longest sequence), which cannot happen inside a graph (the
 graph runner checks). Groups are built on the host and copied to the device (no read-back).
+
+There, too, every multi-token chunk of a batch (plain prefill or after its cached context; no sliding window) runs
+in one variable-length flash-attention call per layer (`VarlenChunks`: the chunks' query rows, each one's keys
+gathered from the cache, causal aligned to the bottom right) instead of one SDPA call and its reshapes per chunk:
+a mixed step's attention is eager host work between its piecewise graphs, and this is most of it. The chunk groups
+are then built only if a sliding-window layer needs them.
 """
 from __future__ import annotations
 
@@ -113,6 +119,59 @@ DECODE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
+class VarlenChunks:
+    """A batch's multi-token chunks as one variable-length flash-attention call: their query rows, each chunk's
+    keys (its cached context, then its own new tokens) as cache slots, and the cumulative lengths of both."""
+    rows: torch.Tensor       # [Tq] int64 flat rows of the chunks' queries, chunk after chunk
+    key_slots: torch.Tensor  # [Tk] int64 cache slot of each chunk's key positions 0..context + query - 1
+    cu_q: torch.Tensor       # [G + 1] int32
+    cu_k: torch.Tensor       # [G + 1] int32
+    max_q: int
+    max_k: int
+
+    @staticmethod
+    def applies(q: torch.Tensor, window: int | None) -> bool:
+        """Whether these chunks run through flash attention here (else through the groups): CUDA, fp16/bf16, a
+        head size flash attention takes, no sliding window."""
+        d = q.shape[-1]
+        return (q.is_cuda and q.dtype in DECODE_KERNEL_DTYPES and window is None and d % 8 == 0 and d <= 256
+                and torch.backends.cuda.is_flash_attention_available())
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> "VarlenChunks | None":
+        """From the metadata on the host (host_tables, else the block tables read back); None without chunks.
+        Everything reaches the device in one copy."""
+        seqs = [s for s, q in enumerate(meta.query_lens) if q > 1]
+        if not seqs:
+            return None
+        tables = (meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()).numpy()
+        starts = np.cumsum([0] + meta.query_lens)
+        q_lens = np.array([meta.query_lens[s] for s in seqs], np.int64)
+        k_lens = q_lens + np.array([meta.context_lens[s] for s in seqs], np.int64)
+        rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
+        slots = []
+        for s, n in zip(seqs, k_lens.tolist()):
+            pos = np.arange(n)
+            blocks = tables[s][np.minimum(pos // block_size, tables.shape[1] - 1)].astype(np.int64)
+            if n > tables.shape[1] * block_size or (blocks < 0).any():
+                raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
+            slots.append(blocks * block_size + pos % block_size)
+        cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
+        flat = torch.from_numpy(np.concatenate([rows, *slots, cu])).to(device, non_blocking=True)
+        tq, tk, g = len(rows), int(k_lens.sum()), len(seqs)
+        cu_dev = flat[tq + tk:].to(torch.int32)
+        return cls(flat[:tq], flat[tq:tq + tk], cu_dev[:g + 1], cu_dev[g + 1:], int(q_lens.max()), int(k_lens.max()))
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """The chunks' rows of the attention output [Tq, heads, d] (GQA: flash attention takes fewer K/V heads)."""
+        kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
+        keys = k_cache.reshape(-1, kv_heads, d)[self.key_slots]
+        values = v_cache.reshape(-1, kv_heads, d)[self.key_slots]
+        return torch.ops.aten._flash_attention_forward(q[self.rows], keys, values, self.cu_q, self.cu_k, self.max_q,
+                                                       self.max_k, 0.0, True, False, scale=scale)[0]
+
+
+@dataclass(frozen=True)
 class DecodeBatch:
     """The batch's decode sequences (one new token each) as the paged-attention decode kernel reads them."""
     block_tables: torch.Tensor   # [S, max_blocks] int32
@@ -145,7 +204,10 @@ class AttentionPlan:
               dtype: torch.dtype | None = None) -> AttentionPlan:
         plan = cls(meta.slot_mapping.to(device=device, dtype=torch.int64), meta, block_size, device,
                    cls._decode_batch(meta, device))
-        plan.chunk_groups  # build (and validate the block tables) now
+        if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
+            plan.varlen  # build (and validate the block tables) now; the groups only if a windowed layer asks
+        else:
+            plan.chunk_groups
         if plan.decode is None or not plan.decode.kernel_applies(device.type, dtype, None):
             plan.decode_group
         return plan
@@ -176,6 +238,11 @@ class AttentionPlan:
         return [_PrefillGroup(starts[s], starts[s + 1]) if meta.context_lens[s] == 0
                 else self._gather(meta, [s], starts, self.block_size, self.device)
                 for s, q in enumerate(meta.query_lens) if q > 1]
+
+    @cached_property
+    def varlen(self) -> VarlenChunks | None:
+        """The chunks as one flash-attention call (VarlenChunks), None when the batch has none."""
+        return VarlenChunks.build(self.meta, self.block_size, self.device)
 
     @cached_property
     def decode_group(self) -> _GatherGroup | None:
@@ -282,7 +349,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if kernel:
         out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale,
                                              kv_ptrs=kv_ptrs)
-    for g in plan.chunk_groups if kernel else plan.groups:
+    if VarlenChunks.applies(q, window) and plan.varlen is not None:
+        out[plan.varlen.rows] = plan.varlen.attention(q, k_cache, v_cache, scale)
+        groups = [] if kernel or plan.decode_group is None else [plan.decode_group]
+    else:
+        groups = plan.chunk_groups if kernel else plan.groups
+    for g in groups:
         if isinstance(g, _PrefillGroup):
             out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
                                                     scale, window)
