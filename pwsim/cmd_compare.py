@@ -207,6 +207,8 @@ def _command(args, policies, budgets) -> str:
             parts.append(f"--{flag.replace('_', '-')} {v}")
     if args.enable_prefix_caching:
         parts.append("--enable-prefix-caching")
+    if args.async_scheduling:
+        parts.append("--async-scheduling")
     return " ".join(parts)
 
 

@@ -45,6 +45,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="share the cached KV blocks of common prompt prefixes between requests, as the runtime's "
                         "--enable-prefix-caching (needs prompt token ids: a trace with them, or --token-ids-vocab); "
                         "the summary reports prefix_cache_hit_tokens")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="schedule the next batch before the last one's tokens settle, as the runtime's "
+                        "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
+                        "the host's work")
 
 
 def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str) -> RunConfig:
@@ -77,7 +81,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        calibration=args.calibration, hardware=args.hardware, trace=args.trace, workload=wl,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                       timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching)
+                       timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
+                       async_scheduling=args.async_scheduling)
 
 
 def parse_policy(name: str, args_list: list[str]) -> dict:

@@ -7,7 +7,10 @@ time and hardware:
 
 * arrivals: a SimPy process adds each request to the scheduler at its arrival time;
 * the engine loop: schedule -> routing of the batch's tokens -> cost model -> (time passes) ->
-  postprocess -> observe -> plan loop step (the iteration boundary) -> KV pool resize;
+  postprocess -> observe -> plan loop step (the iteration boundary) -> KV pool resize; with asynchronous
+  scheduling (`SimConfig.async_scheduling`, the runtime's `--async-scheduling`) in the runtime's order instead:
+  schedule -> advance -> settle the previous batch -> boundary -> (time passes: the longer of the forward's device
+  work and the host's, which overlap), so the same steps make the same decisions as there;
 * the PCIe link (`LinkMover`): a `simpy.Resource` of capacity 1; a reload's bytes take
   `bytes / H2D bandwidth` on it, one transfer at a time, and it is committed at the first boundary
   after it lands; an offload copies nothing and is committed at the boundary after the one that
@@ -41,7 +44,7 @@ from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
-from policies.sequence import Sequence
+from policies.sequence import Sequence, SequenceStatus
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
 from pwsim.hardware import format_size
 from pwsim.link import LinkMover, PlanTap
@@ -78,6 +81,7 @@ class SimConfig:
     check_invariants: bool = False  # pool/table invariants after every boundary (tests)
     max_iterations: int = 50_000_000
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
+    async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
@@ -109,6 +113,21 @@ class Workload:
     def prompt_ids(self, r: int) -> list[int]:
         """Request r's prompt token ids (the workload must have them)."""
         return self.token_ids[self.token_offsets[r]:self.token_offsets[r + 1]].tolist()
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A batch on its way through the simulated forward: what its time, its damage and its settling need."""
+    batch: ScheduledBatch
+    req: np.ndarray  # request of each entry
+    new: np.ndarray  # new tokens of each entry
+    sample: np.ndarray  # bool: the entry samples a token
+    first: np.ndarray  # bool: ... its first one
+    routing: object  # the RoutingSource's batch routing
+    expert_tokens: np.ndarray  # [layers, experts] tokens routed to each expert
+    num_tokens: int
+    cost: CostBreakdown
+    q_now: np.ndarray  # the bits the forward reads
 
 
 class Simulation:
@@ -259,9 +278,9 @@ class Simulation:
                 self._wake.succeed()
 
     def _engine(self):
-        n = len(self.workload)
+        n, pending = len(self.workload), None  # pending: the launched batch not yet settled (async scheduling)
         while self._step < self.cfg.max_iterations:
-            if not self.sched.has_unfinished():
+            if not self.sched.has_unfinished() and pending is None:
                 if self._arrived >= n:
                     return
                 self._wake = self.env.event()
@@ -272,15 +291,30 @@ class Simulation:
                 self._forget(s)
             for s in batch.aborted:
                 self._finish(s)
-            if batch.is_empty:
+            if batch.is_empty and pending is not None:  # sequences await their last token: settle, no time passes
+                self._settle(pending)
+                pending = None
+            elif batch.is_empty:
                 dt = self.cost.overhead + self._take_extra()
                 self.rec.stall(self.env.now, dt, "memory")
                 yield self.env.timeout(dt)
+            elif self.cfg.async_scheduling:
+                launched = yield from self._launch(batch)
+                self.sched.advance(batch)
+                if pending is not None:
+                    self._settle(pending)
+                self._boundary()  # the plan overlaps this batch: its commits reach the next one
+                yield from self._run(launched, overlap=True)
+                pending = launched
+                continue
             else:
-                yield from self._iterate(batch)
+                launched = yield from self._launch(batch)
+                yield from self._run(launched, overlap=False)
+                self._settle(launched)
             self._boundary()
 
-    def _iterate(self, batch: ScheduledBatch):
+    def _launch(self, batch: ScheduledBatch):
+        """The batch's routing, the wait for absent experts, its cost and the bits it reads (`_Launched`)."""
         entries = batch.entries
         cols = np.array([(e.seq.seq_id, e.start, e.num_new_tokens, e.sample, not e.seq.output_token_ids)
                          for e in entries], dtype=np.int64).reshape(-1, 5)
@@ -293,21 +327,37 @@ class Simulation:
         yield from self._wait_for_absent(expert_tokens > 0)
         shape = BatchShape(new, start, int(sample.sum()))
         cost = self.cost.iteration(shape, self.table.q, expert_tokens)
-        dt = cost.total + self._take_extra()
-        self.total_cost = self.total_cost + cost
         q_now = self.table.q.copy()  # the bits this forward reads (commits happen only at boundaries)
+        return _Launched(batch, req, new, sample, first, routing, expert_tokens, shape.num_tokens, cost, q_now)
+
+    def _run(self, b: "_Launched", overlap: bool):
+        """Time passes for the forward: its cost, or with asynchronous scheduling the longer of its device work and
+        the host's work (which overlap); then the damage of the tokens it sampled accrues."""
+        cost, extra = b.cost, self._take_extra()
+        dt = max(cost.total - cost.overhead, cost.overhead + extra) if overlap else cost.total + extra
+        self.total_cost = self.total_cost + cost
         yield self.env.timeout(dt)
-        self.rec.iteration(self.env.now, dt, shape.num_tokens, batch.num_decode_tokens, len(entries))
-        # tokens sampled by this forward: the last position of every sampling entry
-        ends = np.cumsum(new)
-        tok_idx = (ends - 1)[sample]
-        self.quality_accrue(q_now, req[sample], routing.ids[:, tok_idx, :])
-        finished = self.sched.postprocess(batch)  # in entry order
-        self.rec.tokens(req[sample], self.env.now, first[sample])
+        self.rec.iteration(self.env.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries))
+        ends = np.cumsum(b.new)  # tokens sampled by this forward: the last position of every sampling entry
+        self.quality_accrue(b.q_now, b.req[b.sample], b.routing.ids[:, (ends - 1)[b.sample], :])
+
+    def _settle(self, b: "_Launched") -> None:
+        """The batch's tokens reach the scheduler (postprocess, or settle after an earlier advance), its routing
+        the statistics; finished requests are recorded."""
+        if self.cfg.async_scheduling:
+            live = np.array([e.seq.status != SequenceStatus.FINISHED for e in b.batch.entries if e.sample], bool)
+            finished = self.sched.settle(b.batch)
+        else:
+            live, finished = np.ones(int(b.sample.sum()), bool), self.sched.postprocess(b.batch)  # in entry order
+        self.rec.tokens(b.req[b.sample][live], self.env.now, b.first[b.sample][live])
         if callable(getattr(self.policy, "touch", None)):
-            self.policy.touch(expert_tokens > 0)
-        norms = (routing.gate_up_norm, routing.down_norm) if routing.has_norms else ()
-        self.routing.add(req.tolist(), new, routing.ids, routing.weights, *norms)
+            self.policy.touch(b.expert_tokens > 0)
+        r = b.routing
+        self.routing.add(b.req.tolist(), b.new, r.ids, r.weights, *((r.gate_up_norm, r.down_norm) if r.has_norms else ()))
+        if self.cfg.async_scheduling:
+            for e in b.batch.entries:  # preempted or finished since launched: as if dropped after this routing
+                if e.seq.status != SequenceStatus.RUNNING:
+                    self._forget(e.seq)
         for seq in finished:
             self._finish(seq)
 

@@ -68,6 +68,7 @@ class RunConfig:
     allocator_slack_bytes: int | None = None  # None: 64 MiB, or 1/32 of a budget smaller than 2 GiB
     timeline_stride: int = 1
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
+    async_scheduling: bool = False  # SimConfig.async_scheduling
 
     @property
     def label(self) -> str:
@@ -95,7 +96,7 @@ class RunConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens,
                          allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
-                         prefix_caching=self.prefix_caching)
+                         prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling)
 
     def to_json(self) -> dict:
         d = asdict(self)
