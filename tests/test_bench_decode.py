@@ -11,10 +11,11 @@ from pwruntime.bench_decode import kernel_stats
 from pwruntime.cli import main
 
 
-def test_decode_bench_times_steady_decode_steps(tmp_path, capsys):
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+def test_decode_bench_times_steady_decode_steps(tmp_path, capsys, asynchronous):
     out = tmp_path / "decode.json"
     assert main(["bench", "decode", "--prompts", "3", "--prompt-tokens", "6", "--steps", "4", "--reps", "2",
-                 "--dtype", "fp32", "--out", str(out), "--json"]) == 0
+                 "--dtype", "fp32", "--out", str(out), "--json", *(["--async-scheduling"] if asynchronous else [])]) == 0
     printed = capsys.readouterr().out
     res = json.loads(out.read_text())
     assert json.loads(printed[:printed.index("\nreproduce:")]) == res
@@ -26,6 +27,7 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys):
     assert res["step_ms_median"] == pytest.approx(sum(w["step_ms"] for w in res["windows"]) / 2)
     assert res["kernels"] is None and res["device"] == "cpu" and res["kv_blocks"] > 0
     assert "reproduce: pwruntime bench decode" in printed
+    assert res["async_scheduling"] is asynchronous and ("--async-scheduling" in res["command"]) is asynchronous
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,6 +54,8 @@ def test_decode_options_are_refused_by_the_other_benches(capsys):
     assert "belong to `pwruntime bench decode`" in capsys.readouterr().err
     assert main(["bench", "kernels", "--policy", "noop"]) == 2
     assert "belong to `pwruntime bench decode`" in capsys.readouterr().err
+    assert main(["bench", "kernels", "--async-scheduling"]) == 2
+    assert "--async-scheduling belong to `pwruntime bench decode`" in capsys.readouterr().err
 
 
 def test_kernel_stats_sums_a_trace():

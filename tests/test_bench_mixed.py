@@ -40,6 +40,7 @@ def test_mixed_bench_times_eager_forwards_on_the_cpu(tmp_path, capsys):
     (["--steps", "3"], "--steps does not apply"),
     (["--max-tokens", "3"], "--max-tokens belongs to `pwruntime bench prefix-cache`"),
     (["--prompts", "8", "--tokens", "100", "--num-kv-blocks", "10"], "cannot hold 8 decode rows"),
+    (["--async-scheduling"], "--async-scheduling belongs to `pwruntime bench decode`"),
 ])
 def test_mixed_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
     assert_bench_misuse("mixed", argv, message, tmp_path, capsys)

@@ -42,6 +42,24 @@ def test_streamed_completion_concatenates_to_the_same_text(client, expected):
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
+def test_an_async_scheduling_engine_serves_the_same_completions_and_streams(model, expected):
+    """Served with asynchronous scheduling: the completion, its stream, its log-probabilities and a stop string cut
+    as without it, and nothing left running."""
+    from server_fixtures import serving
+
+    with serving(LLMEngine(model, EngineConfig(num_kv_blocks=64, async_scheduling=True))) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=5)
+        assert r.choices[0].text == expected.text and r.usage.completion_tokens == len(expected.token_ids)
+        assert r.choices[0].logprobs.token_logprobs == pytest.approx([t.logprob for t in expected.logprobs], abs=1e-5)
+        chunks = list(c.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, stream=True))
+        assert len(chunks) >= 2 and "".join(ch.choices[0].text for ch in chunks) == expected.text
+        stop = expected.text[len(expected.text) // 2:][:4]
+        cut = c.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+        assert cut.choices[0].text == expected.text[:expected.text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
 def test_chat_completion_and_stream(client):
     msgs = [{"role": "user", "content": "Who wrote the book of Psalms?"}]
     r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=16, temperature=0)
