@@ -60,7 +60,7 @@ from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence, SequenceStatus
 from pwruntime.kv_cache import KVCache
-from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy
+from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, to_host
 from pwruntime.sampling import (History, PendingLogprobs, SamplingParams, TokenLogprob, adjust_logits, find_stop,
                                 logprobs_on_device, make_generator, sample_tensor)
 from pwruntime.trace_recorder import TraceRecorder
@@ -331,14 +331,7 @@ class LLMEngine:
         logprobs = logprobs_on_device(logits, params, tokens)
         if self.config.async_scheduling:
             self.runner.keep_sampled(tokens, [r.seq.seq_id for r in sampling])
-        ready = None
-        if tokens.is_cuda:
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            tokens = host
-        return _Launched(batch, sampling, tokens, ready, logprobs, routing)
+        return _Launched(batch, sampling, *to_host(tokens), logprobs, routing)
 
     def _settle(self, launched: _Launched) -> list[Sequence]:
         """Wait for a launched batch's tokens and settle them: routing observed, tokens in place, stops applied,

@@ -197,11 +197,17 @@ def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...],
     (`pack_routing`, one kernel; `words` when the forward packed them already, as a decode graph does) and copied
     into pinned memory without waiting, so the host can work while the GPU finishes the forward (RoutingCopy.arrays
     waits)."""
-    flat, ready = (pack_routing(layers) if words is None else words), None
-    if flat.is_cuda:
-        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        flat = host
+    flat, ready = to_host(pack_routing(layers) if words is None else words)
     return RoutingCopy(flat, ready, len(layers), layers[0].topk_ids.shape[1], query_lens)
+
+
+def to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """(a host copy of t, the event after which it is valid): from a GPU, a pinned copy queued without waiting;
+    off it, t itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
