@@ -276,7 +276,9 @@ class LLMEngine:
         self.runner.capture_graphs(self._record)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Whether a request is still waiting or running (a launched batch's live sequences are running; one whose
+        sequences all finished has nothing left to give and is settled by the next step)."""
+        return self.scheduler.has_unfinished()
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:

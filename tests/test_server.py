@@ -244,11 +244,11 @@ def _serves_on(worker: EngineWorker, n: int) -> None:
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model, n):
+@pytest.mark.parametrize("n,asynchronous", [(1, False), (3, False), (3, True)])
+def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model, n, asynchronous):
     """A bug in a step must not end the engine thread: the requests in flight get an error (one per request, for
-    all its choices), the next ones run."""
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=32))
+    all its choices), the next ones run (with asynchronous scheduling too, a batch of them in flight)."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=32, async_scheduling=asynchronous))
     real_step, calls = engine.step, {"n": 0}
 
     def step():
