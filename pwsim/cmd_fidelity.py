@@ -65,6 +65,11 @@ def run(args) -> int:
         return 0
     r = report["requests"]
     print(f"{r['paired']} requests paired ({r['sim']} simulated, {r['runtime']} replayed)")
+    a = report["async_scheduling"]
+    if a["sim"] != a["runtime"]:
+        on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
+        print(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
+              "(run both with or both without --async-scheduling)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

@@ -120,6 +120,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
         "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)),
                           **routing_read_cost(runtime.timeline)},
+        # whether each side scheduled asynchronously (`--async-scheduling`; absent from older results: no)
+        "async_scheduling": {"sim": bool(sim.config.get("async_scheduling", False)),
+                             "runtime": bool(runtime.config.get("async_scheduling", False))},
     }
 
 

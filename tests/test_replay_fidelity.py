@@ -244,9 +244,9 @@ def test_fidelity_refuses_runs_of_different_traces():
         compare(a, b)
 
 
-def _write_run(path, view, hardware="h200-roofline"):
+def _write_run(path, view, hardware="h200-roofline", **config):
     write_result_dir(path, {"requests": view.requests, "timeline": view.timeline},
-                     {"summary": view.summary, "config": {"hardware": hardware}})
+                     {"summary": view.summary, "config": {"hardware": hardware, **config}})
 
 
 def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
@@ -273,6 +273,12 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     assert (out / "fidelity.png").stat().st_size > 10_000
     fit = load_profile(tmp_path / "fit.json")
     assert fit.iteration_overhead_us == pytest.approx(load_profile("h200-roofline").iteration_overhead_us + 3000.0)
+    assert rep["async_scheduling"] == {"sim": False, "runtime": False} and "note:" not in text
+    _write_run(tmp_path / "rt-async", rt, async_scheduling=True)   # a replay scheduled asynchronously
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-async"), "--out",
+                     str(tmp_path / "fid2")]) == 0
+    assert "note: the replay scheduled asynchronously and the simulation did not" in capsys.readouterr().out
+    assert json.loads((tmp_path / "fid2" / "fidelity.json").read_text())["async_scheduling"]["runtime"] is True
 
 
 def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
