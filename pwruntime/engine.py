@@ -282,7 +282,8 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One iteration; returns the requests that finished in it. `last_phases` times its phases."""
+        """One iteration; returns the requests that finished in it. `last_phases` times its phases. With
+        asynchronous scheduling the batch launched here settles in the next step, after that step's launch."""
         marks = [self.clock()]
         finished: list[Sequence] = []
         if self._inflight is not None and self._adjusting:  # their logits processing reads every token so far
