@@ -139,25 +139,18 @@ class VarlenChunks:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> "VarlenChunks | None":
-        """From the metadata on the host (host_tables, else the block tables read back); None without chunks.
-        Everything reaches the device in one copy."""
+        """From the metadata on the host (`_key_slots`); None without chunks. Everything reaches the device in one
+        copy."""
         seqs = [s for s, q in enumerate(meta.query_lens) if q > 1]
         if not seqs:
             return None
-        tables = (meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()).numpy()
         starts = np.cumsum([0] + meta.query_lens)
         q_lens = np.array([meta.query_lens[s] for s in seqs], np.int64)
         k_lens = q_lens + np.array([meta.context_lens[s] for s in seqs], np.int64)
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
-        slots = []
-        for s, n in zip(seqs, k_lens.tolist()):
-            pos = np.arange(n)
-            blocks = tables[s][np.minimum(pos // block_size, tables.shape[1] - 1)].astype(np.int64)
-            if n > tables.shape[1] * block_size or (blocks < 0).any():
-                raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
-            slots.append(blocks * block_size + pos % block_size)
+        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(k_lens), block_size)
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
-        flat = torch.from_numpy(np.concatenate([rows, *slots, cu])).to(device, non_blocking=True)
+        flat = torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])).to(device, non_blocking=True)
         tq, tk, g = len(rows), int(k_lens.sum()), len(seqs)
         cu_dev = flat[tq + tk:].to(torch.int32)
         return cls(flat[:tq], flat[tq:tq + tk], cu_dev[:g + 1], cu_dev[g + 1:], int(q_lens.max()), int(k_lens.max()))
@@ -260,18 +253,10 @@ class AttentionPlan:
     def _gather(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
                 device: torch.device) -> _GatherGroup:
         """Built on the host (from meta.host_tables when present) and moved to the device: no read-back."""
-        tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
         q_lens = torch.tensor([meta.query_lens[s] for s in seqs])
         ctx = torch.tensor([meta.context_lens[s] for s in seqs])
-        total, q_max = ctx + q_lens, int(q_lens.max())
-        length = int(total.max())
-        table = tables.to(torch.int64)[seqs]
-        k_pos = torch.arange(length)
-        blocks = table[:, (k_pos // block_size).clamp(max=table.shape[1] - 1)]
-        in_seq = k_pos[None, :] < total[:, None]
-        if bool((in_seq & ((blocks < 0) | (k_pos[None, :] >= table.shape[1] * block_size))).any()):
-            raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
-        key_slots = torch.where(in_seq, blocks * block_size + k_pos % block_size, 0)
+        q_max = int(q_lens.max())
+        key_slots, in_seq = _key_slots(meta, seqs, ctx + q_lens, block_size)
         qi = torch.arange(q_max)
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
@@ -279,6 +264,21 @@ class AttentionPlan:
         span = (starts[seqs[0]], starts[seqs[0] + 1]) if len(seqs) == 1 else None
         return _GatherGroup(to(token_idx), to(dest), to(key_slots), to(in_seq), to(ctx[:, None] + qi[None, :]),
                             to(qi[None, :] < q_lens[:, None]), span=span)
+
+
+def _key_slots(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the host (meta.host_tables when present, else the tables read back): the cache slot of key positions
+    0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0 past a sequence's length, and where
+    positions are in it. Raises when a block table does not cover its sequence."""
+    tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
+    table = tables.to(torch.int64)[seqs]
+    k_pos = torch.arange(int(lengths.max()))
+    blocks = table[:, (k_pos // block_size).clamp(max=table.shape[1] - 1)]
+    in_seq = k_pos[None, :] < lengths[:, None]
+    if bool((in_seq & ((blocks < 0) | (k_pos[None, :] >= table.shape[1] * block_size))).any()):
+        raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
+    return torch.where(in_seq, blocks * block_size + k_pos % block_size, 0), in_seq
 
 
 def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
