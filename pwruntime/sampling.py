@@ -169,16 +169,10 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
     return torch.cat([sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))])
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """`sample_tensor`'s tokens on the host."""
-    return [int(t) for t in sample_tensor(logits, params, generators).tolist()]
-
-
 @dataclass(frozen=True)
 class PendingLogprobs:
-    """What `token_logprobs` needs from the device, computed there (`logprobs_on_device`) while the logits exist;
-    `records()` reads it back (waiting for it) and builds the TokenLogprob records."""
+    """Log-probabilities computed on the device (`logprobs_on_device`) while the logits exist; `records()` reads
+    them back (waiting for them) and builds the TokenLogprob records: one per row that asks, None for the others."""
     size: int                 # rows of the batch
     rows: list[int]           # the rows that ask
     chosen: torch.Tensor      # [len(rows)] float32: the sampled token's log-probability
@@ -197,8 +191,10 @@ class PendingLogprobs:
 
 def logprobs_on_device(logits: torch.Tensor, params: list[SamplingParams],
                        tokens: torch.Tensor) -> PendingLogprobs | None:
-    """The device half of `token_logprobs` (None when no row asks): one log_softmax (and one sort, when a row asks
-    for top tokens) over the rows that ask; `tokens` [n] as `sample_tensor` gives them."""
+    """For each row of `logits` [n, vocab] whose params ask (`logprobs` not None), the log-probability of its
+    sampled token (`tokens` [n], as `sample_tensor` gives them) and its `logprobs` most likely tokens, queued on the
+    device; None when no row asks. One log_softmax (and one sort, when a row asks for top tokens) over the rows that
+    ask; the ranking is that of the logits, by a stable sort: ties go to the lower id, as argmax's."""
     rows = [j for j, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
@@ -213,16 +209,6 @@ def logprobs_on_device(logits: torch.Tensor, params: list[SamplingParams],
     else:
         top_ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
     return PendingLogprobs(len(params), rows, chosen, top_ids, logp.gather(1, top_ids), chosen_ids)
-
-
-def token_logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                   tokens: list[int] | torch.Tensor) -> list[TokenLogprob | None]:
-    """For each row of `logits` [n, vocab] whose params ask (`logprobs` not None), the log-probability of its
-    sampled token and its `logprobs` most likely tokens; None for the others. The ranking is that of the logits,
-    by a stable sort: ties go to the lower id, as argmax's."""
-    tokens = tokens if isinstance(tokens, torch.Tensor) else torch.tensor(tokens, dtype=torch.long)
-    pending = logprobs_on_device(logits, params, tokens)
-    return [None] * len(params) if pending is None else pending.records(params)
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> int:

@@ -10,7 +10,8 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import History, SamplingParams, adjust_logits, filter_logits, find_stop, make_generator, sample
+from pwruntime.sampling import (History, SamplingParams, adjust_logits, filter_logits, find_stop, make_generator,
+                                sample_tensor)
 
 
 def test_filter_top_k_and_top_p():
@@ -52,8 +53,8 @@ def test_adjust_logits_follows_vllms_formulas():
     assert torch.equal(adjust_logits(logits[:1], [params[2]], [longer]), logits[:1])  # 4 outputs: stops allowed
     assert adjust_logits(logits, [SamplingParams()] * 3, [history] * 3) is logits
     assert logits[0, 0] == 2.0  # the input is not changed
-    assert params[0].greedy and sample(logits[:1], params[:1], [None]) == [3]
-    assert sample(out[:1], params[:1], [None]) == [0]  # greedy takes the argmax of the processed logits
+    assert params[0].greedy and sample_tensor(logits[:1], params[:1], [None]).tolist() == [3]
+    assert sample_tensor(out[:1], params[:1], [None]).tolist() == [0]  # greedy: the argmax of the processed logits
 
 
 @pytest.mark.parametrize("kw, message", [
@@ -72,11 +73,11 @@ def test_seeded_sampling_follows_the_distribution_and_repeats():
     n = 3000
     logits = torch.log(probs)[None].repeat(n, 1)
     p = SamplingParams(temperature=1.0)
-    draws = sample(logits, [p] * n, [make_generator(1)] * n)  # one generator: one stream of draws
+    draws = sample_tensor(logits, [p] * n, [make_generator(1)] * n).tolist()  # one generator: one stream of draws
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
-    assert sample(logits, [p] * n, [make_generator(1)] * n) == draws
-    sharp = sample(logits[:200], [SamplingParams(temperature=0.05)] * 200, [make_generator(2)] * 200)
+    assert sample_tensor(logits, [p] * n, [make_generator(1)] * n).tolist() == draws
+    sharp = sample_tensor(logits[:200], [SamplingParams(temperature=0.05)] * 200, [make_generator(2)] * 200).tolist()
     assert sharp == [0] * 200  # low temperature concentrates on the argmax
 
 

@@ -13,7 +13,7 @@ from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
 from pwruntime.model.attention import prefill_metadata
-from pwruntime.sampling import SamplingParams, TokenLogprob, token_logprobs
+from pwruntime.sampling import SamplingParams, TokenLogprob, logprobs_on_device
 
 
 # ------------------------------------------------------------------------------------------------- the sampler
@@ -21,7 +21,7 @@ def test_records_rank_the_raw_logits_with_ties_to_the_lower_id():
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 0.0, 0.0, 5.0], [2.0, 1.0, 0.0, -1.0]])
     params = [SamplingParams(logprobs=2, temperature=0.3, top_k=1), SamplingParams(),
               SamplingParams(logprobs=9, temperature=1.5, top_p=0.1)]  # sampling settings do not change them
-    first, skipped, last = token_logprobs(logits, params, [2, 3, 3])
+    first, skipped, last = logprobs_on_device(logits, params, torch.tensor([2, 3, 3])).records(params)
     ref = torch.log_softmax(logits.double(), dim=-1)
     assert skipped is None
     assert first.token_id == 2 and first.logprob == pytest.approx(ref[0, 2].item(), abs=1e-6)
@@ -29,8 +29,9 @@ def test_records_rank_the_raw_logits_with_ties_to_the_lower_id():
     assert [i for i, _ in last.top] == [0, 1, 2, 3]  # N beyond the vocabulary: all of it
     assert [v for _, v in last.top] == pytest.approx(ref[2].tolist(), abs=1e-6)
     assert last.logprob == pytest.approx(ref[2, 3].item(), abs=1e-6)  # a token outside any top-p set still has one
-    assert token_logprobs(logits, [SamplingParams(logprobs=0)] * 3, [0, 0, 0])[1].top == ()
-    assert token_logprobs(logits, [SamplingParams()] * 3, [0, 0, 0]) == [None] * 3
+    zero = [SamplingParams(logprobs=0)] * 3
+    assert logprobs_on_device(logits, zero, torch.tensor([0, 0, 0])).records(zero)[1].top == ()
+    assert logprobs_on_device(logits, [SamplingParams()] * 3, torch.tensor([0, 0, 0])) is None   # no row asks
     with pytest.raises(ValueError, match="logprobs must be >= 0"):
         SamplingParams(logprobs=-1)
 
