@@ -25,12 +25,13 @@ computes them only when a planner reads them (`policies.contract.RoutingReadout`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Sequence as Seq
+from typing import Hashable, Iterable, Mapping, Sequence as Seq
 
 import numpy as np
 
 from policies.contract import Observation, RoutingReadout
 from policies.features import BatchedPromptFeatures, take_tokens
+from policies.sequence import Sequence, SequenceStatus
 
 
 def _as_lt(a, name: str, ndim: int) -> np.ndarray:
@@ -157,6 +158,13 @@ class RoutingStats:
             if self._held is not None:
                 self._dropped.add(seq_id)
         self._epoch += 1
+
+    def drop_stopped(self, seqs: Iterable[Sequence]) -> None:
+        """Drop the sequences among `seqs` that no longer run: those of a batch whose routing was just added that were
+        preempted or finished since it was launched (asynchronous scheduling), as if dropped after it."""
+        for seq in seqs:
+            if seq.status != SequenceStatus.RUNNING:
+                self.drop(seq.seq_id)
 
     def mass(self) -> np.ndarray:
         """RoutingMass.mass() with every step added so far."""

@@ -158,7 +158,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if len(seq.output_token_ids) >= seq.max_tokens:  # only while its last token is pending
+            if seq.awaits_last_token:
                 awaiting = True
                 i += 1
                 continue
@@ -261,7 +261,7 @@ class Scheduler:
             if not e.sample:
                 continue
             token, seq = int(next(tokens)), e.seq
-            if seq.status == SequenceStatus.FINISHED:
+            if seq.is_finished:
                 continue
             at = e.start + e.num_new_tokens - seq.prompt_len  # the output this entry sampled
             if seq.output_token_ids[at] != PENDING_TOKEN:
@@ -297,7 +297,7 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if len(seq.output_token_ids) >= seq.max_tokens:  # awaits its last (pending) token: not scheduled
+            if seq.awaits_last_token:  # not scheduled
                 continue
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)

@@ -96,6 +96,12 @@ class Sequence:
         return self.prompt_len + len(self.output_token_ids) - self.num_computed_tokens  # num_tokens, inlined (hot)
 
     @property
+    def awaits_last_token(self) -> bool:
+        """Its outputs reached `max_tokens` with the last one still pending (asynchronous scheduling): nothing is left
+        to schedule for it (a running sequence is otherwise finished as soon as its last token settles)."""
+        return len(self.output_token_ids) >= self.max_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

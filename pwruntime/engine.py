@@ -58,7 +58,7 @@ from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
 from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
-from policies.sequence import Sequence, SequenceStatus
+from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, to_host
 from pwruntime.sampling import (History, PendingLogprobs, SamplingParams, TokenLogprob, adjust_logits, find_stop,
@@ -343,7 +343,7 @@ class LLMEngine:
         if launched.ready is not None:
             launched.ready.synchronize()
         sampling, batch = launched.sampling, launched.batch
-        live = [r.seq.status != SequenceStatus.FINISHED for r in sampling]
+        live = [not r.seq.is_finished for r in sampling]
         if launched.routing is not None:
             self._observe_routing(batch, launched.routing.arrays())
         finished = self.scheduler.settle(batch, launched.tokens.tolist(), stop=self._stop_string)
@@ -393,9 +393,7 @@ class LLMEngine:
         # held, and folded while the next step's forward runs on the GPU (or when a planner reads it)
         self.routing.add([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
                          r.gate_up_in_norm, r.down_in_norm)
-        for e in batch.entries:  # preempted or finished since launched (asynchronous scheduling): as if dropped after
-            if e.seq.status != SequenceStatus.RUNNING:
-                self.routing.drop(e.seq.seq_id)
+        self.routing.drop_stopped(e.seq for e in batch.entries)
         if self.recorder is not None:
             self.recorder.on_routing([(e.seq.seq_id, e.start, e.num_new_tokens) for e in batch.entries], r)
 

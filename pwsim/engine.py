@@ -44,7 +44,7 @@ from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
-from policies.sequence import Sequence, SequenceStatus
+from policies.sequence import Sequence
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
 from pwsim.hardware import format_size
 from pwsim.link import LinkMover, PlanTap
@@ -300,7 +300,6 @@ class Simulation:
                 yield self.env.timeout(dt)
             elif self.cfg.async_scheduling:
                 launched = yield from self._launch(batch)
-                self.sched.advance(batch)
                 if pending is not None:
                     self._settle(pending)
                 self._boundary()  # the plan overlaps this batch: its commits reach the next one
@@ -314,7 +313,8 @@ class Simulation:
             self._boundary()
 
     def _launch(self, batch: ScheduledBatch):
-        """The batch's routing, the wait for absent experts, its cost and the bits it reads (`_Launched`)."""
+        """The batch's routing, the wait for absent experts, its cost and the bits it reads (`_Launched`); the batch is
+        advanced in the scheduler (its tokens settle in `_settle`)."""
         entries = batch.entries
         cols = np.array([(e.seq.seq_id, e.start, e.num_new_tokens, e.sample, not e.seq.output_token_ids)
                          for e in entries], dtype=np.int64).reshape(-1, 5)
@@ -328,6 +328,7 @@ class Simulation:
         shape = BatchShape(new, start, int(sample.sum()))
         cost = self.cost.iteration(shape, self.table.q, expert_tokens)
         q_now = self.table.q.copy()  # the bits this forward reads (commits happen only at boundaries)
+        self.sched.advance(batch)  # its sequences' progress, and a pending token for each it samples
         return _Launched(batch, req, new, sample, first, routing, expert_tokens, shape.num_tokens, cost, q_now)
 
     def _run(self, b: "_Launched", overlap: bool):
@@ -342,22 +343,16 @@ class Simulation:
         self.quality_accrue(b.q_now, b.req[b.sample], b.routing.ids[:, (ends - 1)[b.sample], :])
 
     def _settle(self, b: "_Launched") -> None:
-        """The batch's tokens reach the scheduler (postprocess, or settle after an earlier advance), its routing
-        the statistics; finished requests are recorded."""
-        if self.cfg.async_scheduling:
-            live = np.array([e.seq.status != SequenceStatus.FINISHED for e in b.batch.entries if e.sample], bool)
-            finished = self.sched.settle(b.batch)
-        else:
-            live, finished = np.ones(int(b.sample.sum()), bool), self.sched.postprocess(b.batch)  # in entry order
+        """The batch's tokens reach the scheduler (advanced at its launch), its routing the statistics; finished
+        requests are recorded. A sequence that finished since its launch gets nothing (asynchronous scheduling)."""
+        live = np.array([not e.seq.is_finished for e in b.batch.entries if e.sample], bool)
+        finished = self.sched.settle(b.batch)  # in entry order
         self.rec.tokens(b.req[b.sample][live], self.env.now, b.first[b.sample][live])
         if callable(getattr(self.policy, "touch", None)):
             self.policy.touch(b.expert_tokens > 0)
         r = b.routing
         self.routing.add(b.req.tolist(), b.new, r.ids, r.weights, *((r.gate_up_norm, r.down_norm) if r.has_norms else ()))
-        if self.cfg.async_scheduling:
-            for e in b.batch.entries:  # preempted or finished since launched: as if dropped after this routing
-                if e.seq.status != SequenceStatus.RUNNING:
-                    self._forget(e.seq)
+        self.routing.drop_stopped(e.seq for e in b.batch.entries)
         for seq in finished:
             self._finish(seq)
 
