@@ -190,8 +190,10 @@ class GraphSet:
     store and cache can be captured, when captures go stale (see the module docstring), the settle count, and
     the warm-up-then-capture of one forward piece into the set's memory pool."""
 
-    def __init__(self, model, kv: KVCache, settle_steps: int = 0):
-        self.model, self.kv = model, kv
+    def __init__(self, model, kv: KVCache, settle_steps: int = 0, sampled: torch.Tensor | None = None):
+        """`sampled`: the device buffer of the previous step's sampled tokens that a batch's token sources index
+        (`take_sampled`; None: every token comes from the host)."""
+        self.model, self.kv, self.sampled = model, kv, sampled
         self.settle_steps = int(settle_steps)
         self._calm = self.settle_steps        # calls since the last change (the first capture is at once)
         self.disabled: str | None = None     # why graphs are off (a capture failed)
@@ -284,10 +286,7 @@ class DecodeGraphs(GraphSet):
 
     def __init__(self, model, kv: KVCache, max_num_seqs: int, max_blocks: int | None = None,
                  settle_steps: int = 0, sampled: torch.Tensor | None = None):
-        """`sampled`: the device buffer of the previous step's sampled tokens that `DecodeRows.token_src` indexes
-        (None: every row's token comes from the host)."""
-        super().__init__(model, kv, settle_steps)
-        self.sampled = sampled
+        super().__init__(model, kv, settle_steps, sampled)
         self.sizes = graph_sizes(max_num_seqs)
         self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
         self.window = min((w for w in model.config.sliding_windows if w), default=None)

@@ -73,11 +73,8 @@ class MixedGraphs(GraphSet):
 
     def __init__(self, model, kv: KVCache, max_num_batched_tokens: int, settle_steps: int = 0,
                  sampled: torch.Tensor | None = None):
-        """`sampled`: the device buffer of the previous step's sampled tokens that `forward`'s `token_src` indexes
-        (None: every token comes from the host)."""
-        super().__init__(model, kv, settle_steps)
+        super().__init__(model, kv, settle_steps, sampled)
         self.sizes = mixed_sizes(max_num_batched_tokens)
-        self.sampled = sampled
         n, cuda = self.sizes[-1], model.device.type == "cuda"
         # token ids, positions, K/V slots, the previous step's sampled row feeding each token (-1: none)
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=model.device)
