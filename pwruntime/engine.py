@@ -195,7 +195,6 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
-        self._adjusting = 0  # unfinished requests whose logits processing reads their tokens so far
 
     @property
     def last_routing_read(self) -> bool:
@@ -257,7 +256,6 @@ class LLMEngine:
                 np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0])
             gen = make_generator(seed, self.model.device)
         self._requests[rid] = _Request(seq, text, params, gen, stop_ids, seq.arrival_time)
-        self._adjusting += params.adjusts_logits
         self.scheduler.add(seq)
         if self.recorder is not None:
             self.recorder.on_arrival(rid, seq.arrival_time, ids, domain)
@@ -286,7 +284,8 @@ class LLMEngine:
         asynchronous scheduling the batch launched here settles in the next step, after that step's launch."""
         marks = [self.clock()]
         finished: list[Sequence] = []
-        if self._inflight is not None and self._adjusting:  # their logits processing reads every token so far
+        if self._inflight is not None and any(r.params.adjusts_logits for r in self._requests.values()):
+            # their logits processing reads every token so far
             finished += self._settle(self._inflight)
             self._inflight = None
         batch = self.last_batch = self.scheduler.schedule()
@@ -310,9 +309,6 @@ class LLMEngine:
             finished += self._settle(launched)
         marks.append(self.clock())
         outputs = [self._output(s) for s in finished]
-        if self._inflight is not None and all(e.seq.is_finished for e in self._inflight.batch.entries):
-            self._settle(self._inflight)  # every sequence in it stopped meanwhile: nothing to wait for
-            self._inflight = None
         self.last_observation = build_observation(
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
             kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
@@ -431,7 +427,6 @@ class LLMEngine:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
-        self._adjusting -= req.params.adjusts_logits
         self.routing.drop(seq.seq_id)
         ids = list(seq.output_token_ids)
         if req.stop_text is not None:
