@@ -193,6 +193,41 @@ def test_prompt_residual_steers_the_choice():
     assert moves(abl.plan_step(table, obs(8, T=8, B=step, prompt_features=phi))) == {table.index(0, 0, 0): (8, 7)}
 
 
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_legal_step_is_decided_without_reading_the_routing(seed):
+    """Once every idle block sits at the lowest bits any stage allows in any bucket, no stage has a legal step
+    whatever the routing is: plan_step says so without reading the routing statistics (an engine's fold and merge;
+    in the runtime's replays under pressure most planner steps were such). Its plans and decisions equal those of
+    the same planner made to read on every step, over pressure that drives the blocks to their floors and easing
+    that reloads them."""
+    rng = np.random.default_rng(seed)
+    table, ref_table = (PageTable(3, 8, 256, 128, bits=BITS) for _ in range(2))
+    cal = synthetic_calibration(table, seed=seed, initial_mean_bits=7.0,
+                                floor_stages=((6, 5, 4), (5, 4, 3), (4, 3, 3)), depth_caps=(1, 2, 4))
+    pol, ref = get("pagedweight", reload_cooldown_steps=2), get("pagedweight", reload_cooldown_steps=2)
+    pol.reset(table, cal)
+    ref.reset(ref_table, cal)
+    ref._may_step = lambda first: True  # always score: the reference
+    skipped = 0
+    for step in range(80):
+        free = int(rng.integers(0, 6)) if (step // 20) % 2 == 0 else int(rng.integers(60, 100))
+        kw = dict(T=8, B=int(rng.integers(20_000, 400_000)), step=step)
+        mass, feats = synthetic_routing_mass(3, 8, seed=step), synthetic_features(table.num_blocks, seed=step)
+        o, o_ref = (obs(free, routing_mass=mass, prompt_features=feats, **kw) for _ in range(2))
+        plan, ref_plan = pol.plan_step(table, o), ref.plan_step(ref_table, o_ref)
+        assert moves(plan) == moves(ref_plan) and pol.last == ref.last, step
+        assert [(e.stage, e.bytes_freed, e.damage) for e in pol.queue] == [
+            (e.stage, e.bytes_freed, e.damage) for e in ref.queue]
+        if pol.last.pressure and not o.routing_read:
+            assert pol.last.reason == "no legal step" and o_ref.routing_read
+            skipped += 1
+        apply_plan_now(table, plan)
+        apply_plan_now(ref_table, ref_plan)
+        assert (table.q == ref_table.q).all()
+    assert skipped > 0
+
+
 # ------------------------------------------------------------------------------ reload and hysteresis
 class MiniEngine:
     """Zero-latency engine: KV pool = (budget - weight bytes) // B; plans apply at once."""
