@@ -14,6 +14,10 @@
 3. Transfers the mover reports as landed are committed (`finish_offload` frees planes, and the
    engine's `release(bytes)` can give them to the KV pool; `finish_reload` raises `q`).
 
+While a plan's transitions are begun, `room_left()` says how many bytes those not begun yet will ask `reserve` for,
+so an engine whose `reserve` must shrink the KV pool shrinks it once for the whole plan (both engines do: one
+compaction and one resize of the cache a plan instead of one a transition).
+
 The simulator and the runtime differ only in their mover (a PCIe link model vs. copy streams) and
 in the `reserve`/`release` callbacks; the loop is the same object, so the same observations give
 the same plans.
@@ -75,6 +79,7 @@ class PlanLoop:
         self._reserve, self._release = reserve, release
         self._release_on_commit: dict[int, int] = {}  # block -> GPU bytes freed when its transfer commits
         self.num_plans = 0
+        self._beginning: Plan | None = None  # the plan whose transitions step() is beginning
 
     def step(self, observation: Observation) -> LoopResult:
         plan = self.policy.plan_step(self.table, observation)
@@ -82,13 +87,17 @@ class PlanLoop:
         reserved = 0
         if plan is not None:
             self.num_plans += 1
-            for t in plan.transitions:
-                why, nbytes = self._begin(t)
-                if why is None:
-                    started.append(t)
-                    reserved += 0 if t.is_offload else nbytes
-                else:
-                    rejected.append((t, why))
+            self._beginning = plan
+            try:
+                for t in plan.transitions:
+                    why, nbytes = self._begin(t)
+                    if why is None:
+                        started.append(t)
+                        reserved += 0 if t.is_offload else nbytes
+                    else:
+                        rejected.append((t, why))
+            finally:
+                self._beginning = None
         committed, released = [], 0
         for i in self.mover.landed():
             if self.table.target[i] < 0:
@@ -102,6 +111,25 @@ class PlanLoop:
         if released and self._release is not None:
             self._release(released)
         return LoopResult(plan, tuple(started), tuple(rejected), tuple(committed), released, reserved)
+
+    def room_left(self) -> int:
+        """Bytes the transitions of the plan being begun that are not begun yet will ask `reserve` for (the one being
+        reserved for included): a reload its planes from..to-1 and LUT_to, an offload the LUT of its lower bits;
+        0 outside a plan."""
+        if self._beginning is None:
+            return 0
+        table, total = self.table, 0
+        for t in self._beginning.transitions:
+            i = t.block
+            if t.to_bits == t.from_bits or getattr(t, "in_place", False) or not 0 <= i < table.num_blocks:
+                continue
+            if table.target[i] < 0 and table.q[i] == t.from_bits:
+                out, inp = (int(x) for x in table.shapes[i])
+                if t.to_bits > t.from_bits:
+                    total += (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
+                elif t.to_bits > 0:
+                    total += lut_bytes(out, t.to_bits)
+        return total
 
     def _begin(self, t: Transition) -> tuple[str | None, int]:
         """Begin one transition; returns (why it was refused or None, bytes moved)."""

@@ -47,7 +47,7 @@ from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
 from pwsim.hardware import format_size
-from pwsim.link import LinkMover, PlanTap
+from pwsim.link import LinkMover
 from pwsim.quality import PerplexityFit, QualityModel
 from pwsim.recorder import Recorder
 from pwsim.routing import RoutingSource
@@ -167,8 +167,7 @@ class Simulation:
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
         self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin)
-        self._tap = PlanTap(policy)
-        self.loop = PlanLoop(self._tap, self.table, self.mover, reserve=self._reserve, release=None)
+        self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,
                                     features=config.prompt_features and not never_plans(policy))
@@ -233,10 +232,12 @@ class Simulation:
             self._weights += lut_bytes(int(self.table.shapes[t.block, 0]), t.to_bits)
 
     def _reserve(self, nbytes: int) -> bool:
-        """Room for a reload: headroom first, then shrink the KV pool over free blocks (compacting if needed).
+        """Room for a reload, or an offload's new LUT: headroom first, then shrink the KV pool over free blocks
+        (compacting if needed).
 
-        When the pool must shrink, it shrinks once for all reloads still to begin in this plan, so a
-        plan costs at most one compaction (blocks it does not need come back at the boundary)."""
+        When the pool must shrink, it shrinks once for all transitions still to begin in this plan
+        (`PlanLoop.room_left`), so a plan costs at most one compaction (blocks it does not need come back at
+        the boundary)."""
         head = self._headroom()
         if head >= nbytes:
             return True
@@ -245,7 +246,7 @@ class Simulation:
         if need > self.pool.num_free:
             self.rec.count("reload_refused_no_room")
             return False
-        plan_need = -(-(self._tap.reload_bytes_left(self.table) - head) // B)
+        plan_need = -(-(self.loop.room_left() - head) // B)
         need = min(max(need, plan_need), self.pool.num_free)
         before = self.pool.id_limit
         self.pool.shrink(need)

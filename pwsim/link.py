@@ -1,4 +1,4 @@
-"""The simulator's page mover: the PCIe link as a SimPy resource, and a tap on the policy's plans.
+"""The simulator's page mover: the PCIe link as a SimPy resource.
 
 `LinkMover` implements `policies.loop.PageMover` for the simulated replica: a reload's bytes take
 `bytes / H2D bandwidth` on a `simpy.Resource` of capacity 1 (transfers serialize) and the block is
@@ -12,8 +12,7 @@ from typing import Callable
 
 import simpy
 
-from policies.apformat import lut_bytes, plane_bytes
-from policies.contract import Plan, Policy, Transition
+from policies.contract import Transition
 
 
 class LinkMover:
@@ -73,33 +72,3 @@ class LinkMover:
         ev = self.env.event()
         self._waiters.append(ev)
         return ev
-
-
-class PlanTap:
-    """Passes the policy's plans through unchanged, remembering the last one (for the KV pool sizing)."""
-
-    def __init__(self, policy: Policy) -> None:
-        self.policy = policy
-        self.name = getattr(policy, "name", "policy")
-        self.last: Plan | None = None
-
-    def reset(self, table, calibration) -> None:
-        self.policy.reset(table, calibration)
-
-    def plan_step(self, table, observation):
-        self.last = self.policy.plan_step(table, observation)
-        return self.last
-
-    def reload_bytes_left(self, table) -> int:
-        """Bytes the plan's reloads not yet begun will need (idle blocks still at their from_bits)."""
-        if self.last is None:
-            return 0
-        total = 0
-        for t in self.last.transitions:
-            i = t.block
-            if t.is_offload or getattr(t, "in_place", False) or t.to_bits <= t.from_bits or not 0 <= i < table.num_blocks:
-                continue
-            if table.target[i] < 0 and table.q[i] == t.from_bits:  # not begun yet: planes from..to-1 + LUT_to
-                out, inp = (int(x) for x in table.shapes[i])
-                total += (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
-        return total

@@ -218,6 +218,33 @@ def test_plan_loop_reload_refused_without_room():
     assert r.started == () and r.rejected[0][1] == "no room for the reload" and table.q[0] == 4
 
 
+
+def test_room_left_counts_what_the_plan_still_asks_for():
+    """While a plan is begun, `room_left` is the bytes its transitions not begun yet will ask `reserve` for (the one
+    being reserved for included): reloads' planes and new LUT, offloads' new LUT; a refused one is no longer
+    counted once refused, and nothing is outside a plan."""
+    from policies.apformat import lut_bytes
+    table = PageTable(1, 3, hidden=64, intermediate=32, initial_bits=6)
+    table.initialize(np.array([6, 6, 4, 4, 8, 8]))
+    up0, up1 = Transition(2, 4, 6, 0), Transition(3, 4, 5, 0)
+    down, stale = Transition(4, 8, 3, 0), Transition(5, 7, 3, 0)
+    seen = []
+    loop = PlanLoop(ScriptedPolicy([Plan((up0, down, stale, up1))]), table, ImmediateMover(),
+                    reserve=lambda b: seen.append((b, loop.room_left())) or True)
+    assert loop.room_left() == 0
+
+    def reload(i, frm, to):
+        out, inp = (int(x) for x in table.shapes[i])
+        return (to - frm) * plane_bytes(out, inp) + lut_bytes(out, to)
+    lut3 = lut_bytes(int(table.shapes[4][0]), 3)
+    r = loop.step(_obs(0))
+    assert r.started == (up0, down, up1) and r.rejected[0][0] == stale
+    # stale (block 5 is at 8 bits, not 7) never asks, and is never counted
+    assert seen == [(reload(2, 4, 6), reload(2, 4, 6) + lut3 + reload(3, 4, 5)),
+                    (lut3, lut3 + reload(3, 4, 5)), (reload(3, 4, 5), reload(3, 4, 5))]
+    assert loop.room_left() == 0
+
+
 class _SlowMover:
     """Lands each transfer one step after it started (an async copy stream in miniature)."""
 
