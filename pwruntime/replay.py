@@ -22,7 +22,7 @@ import numpy as np
 from traces.clikit import UserError
 from pwruntime.engine import StepPhases
 from pwruntime.sampling import SamplingParams
-from traces.results import request_columns, request_summary, stats
+from traces.results import WARMUP_TOKENS, request_columns, request_summary, stats
 from traces.schema import RequestTrace
 
 
@@ -31,9 +31,6 @@ class ReplayResult:
     requests: dict[str, np.ndarray]  # per request, in trace order
     timeline: dict[str, np.ndarray]  # per engine iteration
     summary: dict
-
-
-WARMUP_TOKENS = 16  # output tokens of each warm-up request
 
 
 def warm_up(engine, trace: RequestTrace, requests: int) -> None:

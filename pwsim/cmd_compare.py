@@ -209,6 +209,8 @@ def _command(args, policies, budgets) -> str:
         parts.append("--enable-prefix-caching")
     if args.async_scheduling:
         parts.append("--async-scheduling")
+    if args.warmup_requests:
+        parts.append(f"--warmup-requests {args.warmup_requests}")
     return " ".join(parts)
 
 

@@ -70,6 +70,10 @@ def run(args) -> int:
         on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
         print(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
               "(run both with or both without --async-scheduling)")
+    w = report["warmup_requests"]
+    if w["sim"] != w["runtime"]:
+        print(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the state "
+              "their pressure left (bits, KV pool) differs at the start (give both the same --warmup-requests)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

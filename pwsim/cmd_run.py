@@ -49,6 +49,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
                         "the host's work")
+    e.add_argument("--warmup-requests", type=int, default=0, metavar="N",
+                   help="as `pwruntime replay --warmup-requests N`: serve the trace's first N prompts at once (16 "
+                        "tokens each) before the clock starts and outside every metric; what their pressure planned "
+                        "(bits, KV pool) and the routing statistics stay (default 0)")
 
 
 def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str) -> RunConfig:
@@ -69,6 +73,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                         "must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.warmup_requests < 0:
+        raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     check_prefix_flags(args)
     if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
         raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
@@ -82,7 +88,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
-                       async_scheduling=args.async_scheduling)
+                       async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests)
 
 
 def parse_policy(name: str, args_list: list[str]) -> dict:

@@ -54,6 +54,7 @@ from pwsim.routing import RoutingSource
 from traces.clikit import UserError
 from traces.hardware import HardwareProfile
 from traces.model_card import ModelSpec
+from traces.results import WARMUP_TOKENS
 
 MiB = 1 << 20
 
@@ -82,10 +83,13 @@ class SimConfig:
     max_iterations: int = 50_000_000
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
+    warmup_requests: int = 0  # as `pwruntime replay --warmup-requests`: see `Simulation.run`
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
             raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
+        if self.warmup_requests < 0:
+            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
 
 
 @dataclass(frozen=True)
@@ -180,6 +184,7 @@ class Simulation:
         self._on_finish: Callable[[], object] | None = None
         self._wake: simpy.Event | None = None
         self._step = 0
+        self.t0 = 0.0  # simulated time at which the trace's clock starts (after a warm-up)
         self._extra_time = 0.0  # KV compaction copies, charged to the next iteration
         self.in_boundary = False
         self.total_cost = CostBreakdown()
@@ -210,7 +215,7 @@ class Simulation:
 
     def _check_memory(self, where: str) -> None:
         w, kv = self.used_bytes()
-        self.rec.memory(self.env.now, self._step, w, kv, self.cfg.budget_bytes, where)
+        self.rec.memory(self.now, self._step, w, kv, self.cfg.budget_bytes, where)
 
     def _check_memory_in_step(self) -> None:
         if self.cfg.check_invariants:
@@ -267,7 +272,7 @@ class Simulation:
     def _arrivals(self):
         wl = self.workload
         for r in range(len(wl)):
-            delay = float(wl.arrival_s[r]) - self.env.now
+            delay = float(wl.arrival_s[r]) - self.now
             if delay > 0:
                 yield self.env.timeout(delay)
             ids = wl.prompt_ids(r) if self.cfg.prefix_caching else None  # unknown outputs: prompts only are cached
@@ -278,8 +283,14 @@ class Simulation:
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
 
-    def _engine(self):
-        n, pending = len(self.workload), None  # pending: the launched batch not yet settled (async scheduling)
+    @property
+    def now(self) -> float:
+        """Seconds on the trace's clock (simulated time since the warm-up ended)."""
+        return self.env.now - self.t0
+
+    def _engine(self, n: int):
+        """Serve until `n` requests have arrived and nothing is left to do."""
+        pending = None  # the launched batch not yet settled (asynchronous scheduling)
         while self._step < self.cfg.max_iterations:
             if not self.sched.has_unfinished() and pending is None:
                 if self._arrived >= n:
@@ -297,7 +308,7 @@ class Simulation:
                 pending = None
             elif batch.is_empty:
                 dt = self.cost.overhead + self._take_extra()
-                self.rec.stall(self.env.now, dt, "memory")
+                self.rec.stall(self.now, dt, "memory")
                 yield self.env.timeout(dt)
             elif self.cfg.async_scheduling:
                 launched = yield from self._launch(batch)
@@ -339,7 +350,7 @@ class Simulation:
         dt = max(cost.total - cost.overhead, cost.overhead + extra) if overlap else cost.total + extra
         self.total_cost = self.total_cost + cost
         yield self.env.timeout(dt)
-        self.rec.iteration(self.env.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries))
+        self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries))
         ends = np.cumsum(b.new)  # tokens sampled by this forward: the last position of every sampling entry
         self.quality_accrue(b.q_now, b.req[b.sample], b.routing.ids[:, (ends - 1)[b.sample], :])
 
@@ -348,7 +359,7 @@ class Simulation:
         requests are recorded. A sequence that finished since its launch gets nothing (asynchronous scheduling)."""
         live = np.array([not e.seq.is_finished for e in b.batch.entries if e.sample], bool)
         finished = self.sched.settle(b.batch)  # in entry order
-        self.rec.tokens(b.req[b.sample][live], self.env.now, b.first[b.sample][live])
+        self.rec.tokens(b.req[b.sample][live], self.now, b.first[b.sample][live])
         if callable(getattr(self.policy, "touch", None)):
             self.policy.touch(b.expert_tokens > 0)
         r = b.routing
@@ -369,21 +380,21 @@ class Simulation:
             absent = used.reshape(-1) & ((q[:, 0] == 0) | (q[:, 1] == 0))
             if not absent.any():
                 return
-            t0 = self.env.now
+            t0 = self.now
             if callable(getattr(self.policy, "touch", None)):
                 self.policy.touch(used)
             self._boundary()  # the policy plans the fetch
             while self.mover.in_flight_reloads:
                 yield self.mover.next_landing()
             self._boundary()  # commit what landed
-            self.rec.stall(t0, self.env.now - t0, "absent_experts")
+            self.rec.stall(t0, self.now - t0, "absent_experts")
         absent = used.reshape(-1) & ((q[:, 0] == 0) | (q[:, 1] == 0))
         if absent.any():
             self.rec.count("forwards_with_absent_experts")
 
     def _boundary(self):
         self.mover.boundary()
-        obs = build_observation(step=self._step, time_s=self.env.now, pool=self.pool, scheduler=self.sched,
+        obs = build_observation(step=self._step, time_s=self.now, pool=self.pool, scheduler=self.sched,
                                 kv_block_bytes=self.kv_block_bytes, free_block_threshold=self.threshold,
                                 routing=self.routing,
                                 headroom_bytes=max(0, self._headroom()), inflight_bytes=self._inflight)
@@ -395,7 +406,7 @@ class Simulation:
             self.rec.count("routing_reads")
         if res.plan is not None or res.committed:
             self._refresh()  # exact recount after the plan's begins and this boundary's commits
-        self.rec.plan(self.env.now, self._step, res)
+        self.rec.plan(self.now, self._step, res)
         self._grow_pool()
         self._check_memory("boundary")
         if self.cfg.check_invariants:
@@ -405,7 +416,7 @@ class Simulation:
             assert self._weights == shared, f"weight bytes {self._weights} != policies.planners.weight_bytes {shared}"
         w, kv = self.used_bytes()
         bits = self._mean_bits()
-        self.rec.timeline(self.env.now, self._step, w, kv, self.pool, self.table, self.sched, self._inflight, bits)
+        self.rec.timeline(self.now, self._step, w, kv, self.pool, self.table, self.sched, self._inflight, bits)
         self._step += 1
 
     def _mean_bits(self) -> float:
@@ -424,7 +435,7 @@ class Simulation:
         release = getattr(self.workload.routing, "release", None)
         if callable(release):
             release(int(seq.seq_id))
-        self.rec.finish(int(seq.seq_id), self.env.now, seq.num_output_tokens, seq.finish_reason,
+        self.rec.finish(int(seq.seq_id), self.now, seq.num_output_tokens, seq.finish_reason,
                         seq.num_preemptions)
         if self._on_finish is not None:
             self._on_finish()
@@ -432,11 +443,29 @@ class Simulation:
     # --------------------------------------------------------------------- run
     def run(self, on_finish: Callable[[], object] | None = None):
         """Simulate to the last request's completion; returns a `pwsim.recorder.SimResult`. `on_finish` is called
-        as each request finishes (a progress bar)."""
-        self._on_finish = on_finish
+        as each request finishes (a progress bar). With `SimConfig.warmup_requests` the warm-up runs first."""
         self._check_memory("start")
+        if self.cfg.warmup_requests:
+            self._warm_up(min(self.cfg.warmup_requests, len(self.workload)))
+        self._on_finish = on_finish
         self.rec.start(self._mean_bits())
         self.env.process(self._arrivals())
-        proc = self.env.process(self._engine())
+        proc = self.env.process(self._engine(len(self.workload)))
         self.env.run(until=proc)
         return self.rec.result(self)
+
+    def _warm_up(self, k: int) -> None:
+        """The runtime's replay warm-up (`pwruntime replay --warmup-requests`): the trace's first `k` prompts at once,
+        up to WARMUP_TOKENS tokens each, served before the trace's clock starts and left out of every metric. What
+        they change stays, as it does on the runtime: the plans made under their pressure (the page table, the KV
+        pool), the routing statistics, the links' transfers. The trace's clock then starts at 0 (`now`, `t0`)."""
+        wl, rec = self.workload, self.rec
+        self.rec = Recorder(len(wl), wl.arrival_s, self.cfg.timeline_stride, self.kv_block_bytes)  # thrown away
+        for r in range(k):
+            self.sched.add(Sequence(r, prompt_token_ids=wl.prompt_ids(r) if self.cfg.prefix_caching else None,
+                                    prompt_len=int(wl.prompt_tokens[r]),
+                                    max_tokens=min(WARMUP_TOKENS, int(wl.output_tokens[r])), arrival_time=self.now))
+        self._arrived = k
+        self.env.run(until=self.env.process(self._engine(k)))
+        rec.keep_memory_checks(self.rec)  # a budget exceeded is never hidden, warm-up or not
+        self._arrived, self.rec, self.t0 = 0, rec, self.env.now

@@ -123,6 +123,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         # whether each side scheduled asynchronously (`--async-scheduling`; absent from older results: no)
         "async_scheduling": {"sim": bool(sim.config.get("async_scheduling", False)),
                              "runtime": bool(runtime.config.get("async_scheduling", False))},
+        # how many requests each side served before its clock started (`--warmup-requests`; absent: none)
+        "warmup_requests": {"sim": int(sim.config.get("warmup_requests") or 0),
+                            "runtime": int(runtime.config.get("warmup_requests") or 0)},
     }
 
 

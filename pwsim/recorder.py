@@ -114,6 +114,13 @@ class Recorder:
                                         "budget_bytes": budget, "excess_bytes": total - budget,
                                         "weight_bytes": weights, "kv_pool_bytes": kv})
 
+    def keep_memory_checks(self, other: "Recorder") -> None:
+        """Take the peak memory and the budget violations `other` recorded (a warm-up's recorder)."""
+        if other.peak["memory_bytes"] > self.peak["memory_bytes"]:
+            self.peak = dict(other.peak)
+        self.counters["budget_violations"] += other.counters["budget_violations"]
+        self.violations.extend(other.violations[:10_000 - len(self.violations)])
+
     def plan(self, now: float, step: int, res) -> None:
         if res.plan is None and not res.committed:
             return
@@ -164,6 +171,7 @@ class Recorder:
         wall = time.perf_counter() - self.wall_start
         out_total = about["output_tokens"]
         transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
+        transfers[:, 1:3] -= sim.t0  # on the trace's clock (a warm-up's transfers before 0)
         cost = sim.total_cost
         summary = {
             **about, "iterations": self.iterations, "boundaries": self._boundaries,

@@ -69,6 +69,7 @@ class RunConfig:
     timeline_stride: int = 1
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
     async_scheduling: bool = False  # SimConfig.async_scheduling
+    warmup_requests: int = 0  # SimConfig.warmup_requests
 
     @property
     def label(self) -> str:
@@ -96,7 +97,8 @@ class RunConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens,
                          allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
-                         prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling)
+                         prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling,
+                         warmup_requests=self.warmup_requests)
 
     def to_json(self) -> dict:
         d = asdict(self)

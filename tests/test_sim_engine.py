@@ -63,6 +63,14 @@ def test_memory_over_budget_is_recorded_never_hidden():
     for v in res.violations:
         assert v["memory_bytes"] == v["weight_bytes"] + v["kv_pool_bytes"] > v["budget_bytes"]
         assert v["excess_bytes"] == v["memory_bytes"] - v["budget_bytes"]
+    # a warm-up's checks stay in the record (its own recorder's peak and violations are taken over)
+    from pwsim.recorder import Recorder
+    main, warm_up = Recorder(1, np.zeros(1)), Recorder(1, np.zeros(1))
+    main.memory(0.0, 9, 10, 5, budget=20, where="boundary")
+    warm_up.memory(0.0, 3, 20, 4, budget=20, where="boundary")
+    main.keep_memory_checks(warm_up)
+    assert main.counters["budget_violations"] == 1 and [v["step"] for v in main.violations] == [3]
+    assert main.peak == {"memory_bytes": 24, "weight_bytes": 20, "kv_pool_bytes": 4}
     # with slack for the LUTs an offload holds in flight, the same run stays within the budget
     roomy = tiny_sim("pagedweight", kv_blocks=16, n=30, slack=256 * 1024).run()
     assert roomy.summary["memory"]["budget_violations"] == 0
@@ -244,3 +252,34 @@ def test_async_iterations_take_the_longer_of_device_and_host_work():
         assert (device > 0).all() and (device < host).all()
         want = host if asynchronous else host + device
         assert np.allclose(lasted, want, rtol=1e-12, atol=0)
+
+
+def test_warm_up_serves_the_first_prompts_before_the_clock_and_keeps_their_plans():
+    """`warmup_requests` (the runtime replay's `--warmup-requests`): the trace's first prompts, WARMUP_TOKENS tokens
+    each at once, before the clock starts: every metric covers the trace alone (its requests, arrivals and tokens;
+    times from 0; boundary steps counted on from the warm-up's), while what the warm-up's pressure planned stays
+    (the run starts at the bits it left); deterministic, and the same as no warm-up when it is 0."""
+    from traces.results import WARMUP_TOKENS
+
+    cold = tiny_sim("pagedweight", kv_blocks=12, n=30).run()
+    assert cold.timeline["step"][0] == 0
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30, warmup_requests=8)
+    served = []
+    add = sim.sched.add
+    sim.sched.add = lambda seq: served.append((seq.seq_id, seq.max_tokens)) or add(seq)
+    warm = sim.run()
+    wl = sim.workload
+    assert served[:8] == [(r, min(WARMUP_TOKENS, int(wl.output_tokens[r]))) for r in range(8)]
+    assert [s for s, _ in served[8:]] == list(range(30))  # then the whole trace, from its first request
+    r = warm.requests
+    assert warm.summary["completed"] == 30 and (r["output_tokens"] == wl.output_tokens).all()
+    assert np.allclose(r["arrival_s"], wl.arrival_s) and (r["ttft_s"] > 0).all()
+    t = warm.timeline
+    assert t["step"][0] > 0 and 0 < t["time_s"][0] < 0.01  # the warm-up's boundaries came first, off the clock
+    assert warm.summary["iterations"] == len(t["step"])
+    assert t["mean_bits"][0] < cold.timeline["mean_bits"][0]  # the warm-up's pressure lowered bits that stay
+    again = tiny_sim("pagedweight", kv_blocks=12, n=30, warmup_requests=8).run()
+    assert summary_without_wall(again.summary) == summary_without_wall(warm.summary)
+    assert same_arrays(again.timeline, warm.timeline)
+    none = tiny_sim("pagedweight", kv_blocks=12, n=30, warmup_requests=0).run()
+    assert same_arrays(none.timeline, cold.timeline) and same_arrays(none.requests, cold.requests)

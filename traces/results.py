@@ -4,7 +4,8 @@
 one beside the other: `requests.parquet` (one row per request: request_id, arrival_s, first_token_s,
 finish_s, ttft_s, tpot_s, e2e_s, output_tokens, ...), `timeline.parquet` (one row per iteration
 boundary: time_s, iter_s, batch_tokens, ...), `summary.json` and `config.json`. Times are seconds
-from the start of the trace (its arrival clock).
+from the start of the trace (its arrival clock). Both may warm up first (`--warmup-requests N`): the trace's first N
+prompts at once, WARMUP_TOKENS output tokens each, before the clock starts and outside every metric.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pyarrow.parquet as pq
 from traces.clikit import UserError, check_output, default_mode
 
 RESULT_MARKER = "summary.json"
+WARMUP_TOKENS = 16  # output tokens of each warm-up request (at most its recorded output length)
 REQUIRED_REQUEST_COLUMNS = ("request_id", "ttft_s", "tpot_s", "e2e_s")  # what `pwsim fidelity` pairs and compares
 
 
