@@ -277,7 +277,7 @@ class DeviceExpertStore:
             q, keep, idle = self._bits, self._bits, np.ones(self.num_blocks, dtype=bool)
         else:
             q = pt.q
-            keep = np.where(pt.held, pt.leading_gpu_planes(), q)
+            keep = np.where(pt.held, pt.leading_gpu_planes(), q) if pt.held.any() else q  # held: dp-llm only
             idle = ~pt.busy
         stale = np.flatnonzero(idle & ((self.row_bits != q) | (self.row_planes != keep)))
         for i in stale.tolist():
