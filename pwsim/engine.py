@@ -22,6 +22,8 @@ time and hardware:
   recorded, never hidden;
 * stalls: iterations with unfinished requests but nothing schedulable (memory), and forwards that
   wait for absent experts (q = 0) to be fetched;
+* a warm-up (`SimConfig.warmup_requests`, the runtime replay's `--warmup-requests`): the trace's first prompts
+  served before the trace's clock starts, outside every metric, leaving what they planned in place;
 * prefix caching (`SimConfig.prefix_caching`, off by default): each request's `Sequence` carries its
   prompt token ids and the pool caches full blocks as the runtime's does. Generated tokens are
   `UNKNOWN_TOKEN`, so only prompt blocks are cached and matched (`Sequence.num_known_tokens`); a first
