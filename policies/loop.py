@@ -68,6 +68,15 @@ class LoopResult:
     reserved_bytes: int = 0  # GPU bytes the reloads begun now occupy
 
 
+def room_for(table: PageTable, t: Transition) -> int:
+    """Bytes beginning transition `t` asks the engine's `reserve` for: a reload its planes from..to-1 and LUT_to (what
+    `begin_reload` copies), an offload the LUT of its lower bits (none for 0 bits)."""
+    out, inp = (int(x) for x in table.shapes[t.block])
+    if t.to_bits > t.from_bits:
+        return (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
+    return lut_bytes(out, t.to_bits) if t.to_bits > 0 else 0
+
+
 class PlanLoop:
     """One policy over one page table, with a mover and the engine's memory callbacks."""
 
@@ -113,23 +122,14 @@ class PlanLoop:
         return LoopResult(plan, tuple(started), tuple(rejected), tuple(committed), released, reserved)
 
     def room_left(self) -> int:
-        """Bytes the transitions of the plan being begun that are not begun yet will ask `reserve` for (the one being
-        reserved for included): a reload its planes from..to-1 and LUT_to, an offload the LUT of its lower bits;
-        0 outside a plan."""
+        """Bytes the transitions of the plan being begun that are not begun yet will ask `reserve` for (`room_for`; the
+        one being reserved for included); 0 outside a plan."""
         if self._beginning is None:
             return 0
-        table, total = self.table, 0
-        for t in self._beginning.transitions:
-            i = t.block
-            if t.to_bits == t.from_bits or getattr(t, "in_place", False) or not 0 <= i < table.num_blocks:
-                continue
-            if table.target[i] < 0 and table.q[i] == t.from_bits:
-                out, inp = (int(x) for x in table.shapes[i])
-                if t.to_bits > t.from_bits:
-                    total += (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
-                elif t.to_bits > 0:
-                    total += lut_bytes(out, t.to_bits)
-        return total
+        table = self.table
+        return sum(room_for(table, t) for t in self._beginning.transitions
+                   if t.to_bits != t.from_bits and not getattr(t, "in_place", False) and 0 <= t.block < table.num_blocks
+                   and table.target[t.block] < 0 and table.q[t.block] == t.from_bits)
 
     def _begin(self, t: Transition) -> tuple[str | None, int]:
         """Begin one transition; returns (why it was refused or None, bytes moved)."""
@@ -142,7 +142,6 @@ class PlanLoop:
             return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}", 0
         if t.to_bits == t.from_bits or t.to_bits < 0:
             return f"no legal change {t.from_bits} -> {t.to_bits}", 0
-        out, inp = (int(x) for x in table.shapes[i])
         try:
             if getattr(t, "in_place", False):  # planes already resident: commit now, nothing moves
                 table.commit_in_place(i, t.to_bits)
@@ -150,7 +149,7 @@ class PlanLoop:
             if t.is_offload:
                 # the lower bits' LUT must be on the GPU before they are committed, while the
                 # surplus planes and the old LUT stay until the commit: ask for the LUT's room first
-                new_lut = lut_bytes(out, t.to_bits) if t.to_bits > 0 else 0
+                new_lut = room_for(table, t)
                 if new_lut and self._reserve is not None and not self._reserve(new_lut):
                     return "no room for the lower bitwidth's LUT", 0
                 try:
@@ -166,7 +165,7 @@ class PlanLoop:
                     return f"{t.to_bits} bits not supported; supported: {table.bits}", 0
                 if getattr(table, "held", None) is not None and table.held[i]:
                     return "block keeps planes in place (commit_in_place); it cannot reload", 0
-                need = (t.to_bits - t.from_bits) * plane_bytes(out, inp) + lut_bytes(out, t.to_bits)
+                need = room_for(table, t)
                 if self._reserve is not None and not self._reserve(need):
                     return "no room for the reload", 0
                 try:
@@ -175,7 +174,7 @@ class PlanLoop:
                     if self._reserve is not None and self._release is not None:
                         self._release(need)  # give the room back
                     raise
-                self._release_on_commit[i] = lut_bytes(out, t.from_bits) if t.from_bits > 0 else 0
+                self._release_on_commit[i] = lut_bytes(int(table.shapes[i, 0]), t.from_bits) if t.from_bits > 0 else 0
         except PageTableError as e:
             return str(e), 0
         self.mover.start(t, nbytes)

@@ -38,10 +38,9 @@ import numpy as np
 import simpy
 
 from policies.calibration import Calibration
-from policies.apformat import lut_bytes
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
-from policies.loop import PlanLoop
+from policies.loop import PlanLoop, room_for
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
@@ -233,10 +232,7 @@ class Simulation:
         if callable(self._own_bytes):
             self._refresh()
             return
-        if not t.is_offload:
-            self._weights += int(nbytes)
-        elif t.to_bits > 0:  # an eviction to 0 bits holds no new LUT
-            self._weights += lut_bytes(int(self.table.shapes[t.block, 0]), t.to_bits)
+        self._weights += room_for(self.table, t)  # an eviction to 0 bits holds no new LUT
 
     def _reserve(self, nbytes: int) -> bool:
         """Room for a reload, or an offload's new LUT: headroom first, then shrink the KV pool over free blocks
