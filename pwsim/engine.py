@@ -273,13 +273,17 @@ class Simulation:
             delay = float(wl.arrival_s[r]) - self.now
             if delay > 0:
                 yield self.env.timeout(delay)
-            ids = wl.prompt_ids(r) if self.cfg.prefix_caching else None  # unknown outputs: prompts only are cached
-            seq = Sequence(r, prompt_token_ids=ids, prompt_len=int(wl.prompt_tokens[r]),
-                           max_tokens=int(wl.output_tokens[r]), arrival_time=float(wl.arrival_s[r]))
-            self.sched.add(seq)
+            self.sched.add(self._sequence(r, int(wl.output_tokens[r]), float(wl.arrival_s[r])))
             self._arrived += 1
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
+
+    def _sequence(self, r: int, max_tokens: int, arrival: float) -> Sequence:
+        """Request r of the workload as a scheduler sequence (with its prompt ids only for prefix caching: the outputs
+        are unknown, so prompts alone are cached)."""
+        wl = self.workload
+        return Sequence(r, prompt_token_ids=wl.prompt_ids(r) if self.cfg.prefix_caching else None,
+                        prompt_len=int(wl.prompt_tokens[r]), max_tokens=max_tokens, arrival_time=arrival)
 
     @property
     def now(self) -> float:
@@ -460,9 +464,7 @@ class Simulation:
         wl, rec = self.workload, self.rec
         self.rec = Recorder(len(wl), wl.arrival_s, self.cfg.timeline_stride, self.kv_block_bytes)  # thrown away
         for r in range(k):
-            self.sched.add(Sequence(r, prompt_token_ids=wl.prompt_ids(r) if self.cfg.prefix_caching else None,
-                                    prompt_len=int(wl.prompt_tokens[r]),
-                                    max_tokens=min(WARMUP_TOKENS, int(wl.output_tokens[r])), arrival_time=self.now))
+            self.sched.add(self._sequence(r, min(WARMUP_TOKENS, int(wl.output_tokens[r])), self.now))
         self._arrived = k
         self.env.run(until=self.env.process(self._engine(k)))
         rec.keep_memory_checks(self.rec)  # a budget exceeded is never hidden, warm-up or not
