@@ -316,8 +316,7 @@ class LLMEngine:
             headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
         marks.append(self.clock())
         self.last_loop = self.loop.step(self.last_observation)
-        if self._spare_bytes >= self.block_bytes:  # what a plan's reservations took beyond its needs
-            self._release(0)
+        self._release(0)  # the whole blocks a plan's reservations took beyond its needs come back
         marks.append(self.clock())
         self.last_phases = StepPhases(*np.diff(marks).tolist())
         self.num_steps += 1
