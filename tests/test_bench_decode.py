@@ -13,11 +13,9 @@ from pwruntime.cli import main
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 def test_decode_bench_times_steady_decode_steps(tmp_path, capsys, asynchronous):
-    out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--prompts", "3", "--prompt-tokens", "6", "--steps", "4", "--reps", "2",
-                 "--dtype", "fp32", "--out", str(out), "--json", *(["--async-scheduling"] if asynchronous else [])]) == 0
+    res = run_bench("decode", ["--prompts", "3", "--prompt-tokens", "6", "--steps", "4", "--reps", "2", "--dtype",
+                               "fp32", "--json", *(["--async-scheduling"] if asynchronous else [])], tmp_path)
     printed = capsys.readouterr().out
-    res = json.loads(out.read_text())
     assert json.loads(printed[:printed.index("\nreproduce:")]) == res
     assert res["sequences"] == 3 and res["steps"] == 4 and len(res["windows"]) == 2
     for w in res["windows"]:
@@ -39,6 +37,13 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys, asynchronous):
 ])
 def test_decode_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
     assert_bench_misuse("decode", argv, message, tmp_path, capsys)
+
+
+def run_bench(target: str, argv: list[str], tmp_path) -> dict:
+    """`pwruntime bench target ...argv --out FILE` exits 0; the JSON it wrote."""
+    out = tmp_path / f"{target}.json"
+    assert main(["bench", target, *argv, "--out", str(out)]) == 0
+    return json.loads(out.read_text())
 
 
 def assert_bench_misuse(target: str, argv: list[str], message: str, tmp_path, capsys) -> None:
@@ -76,9 +81,7 @@ def test_kernel_stats_sums_a_trace():
 def test_decode_bench_on_the_gpu_counts_the_graph_kernels(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path / "decode.json"
-    assert main(["bench", "decode", "--prompts", "8", "--steps", "10", "--reps", "1", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = run_bench("decode", ["--prompts", "8", "--steps", "10", "--reps", "1"], tmp_path)
     k = res["kernels"]
     assert res["cuda_graph_replays"] > 0 and res["windows"][0]["decode_only_steps"] == 10
     assert k["kernels_per_step"] > 10 and 0 < k["gpu_busy_us_per_step"] and 0 < k["graph_span_us"]

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from pwruntime.bench_mixed import blocks_needed, mixed_batch
-from pwruntime.cli import main
-from test_bench_decode import assert_bench_misuse
+from test_bench_decode import assert_bench_misuse, run_bench
 
 
 def test_mixed_batch_is_decode_rows_then_one_prompt_on_distinct_blocks():
@@ -20,11 +19,8 @@ def test_mixed_batch_is_decode_rows_then_one_prompt_on_distinct_blocks():
 
 
 def test_mixed_bench_times_eager_forwards_on_the_cpu(tmp_path, capsys):
-    out = tmp_path / "mixed.json"
-    assert main(["bench", "mixed", "--prompts", "3", "--tokens", "5,17", "--reps", "2", "--dtype", "fp32",
-                 "--out", str(out), "--json"]) == 0
+    res = run_bench("mixed", ["--prompts", "3", "--tokens", "5,17", "--reps", "2", "--dtype", "fp32", "--json"], tmp_path)
     printed = capsys.readouterr().out
-    res = json.loads(out.read_text())
     assert json.loads(printed[:printed.index("\nreproduce:")]) == res
     assert res["device"] == "cpu" and res["pieces"] is False and res["decode_rows"] == 3
     assert [r["tokens"] for r in res["rows"]] == [8, 20] and res["kv_blocks"] == blocks_needed(3, 17, 16)
@@ -50,9 +46,7 @@ def test_mixed_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, caps
 def test_mixed_bench_on_the_gpu_runs_the_pieces_and_matches_eager(tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    out = tmp_path / "mixed.json"
-    assert main(["bench", "mixed", "--prompts", "8", "--tokens", "30,200", "--reps", "3", "--out", str(out)]) == 0
-    res = json.loads(out.read_text())
+    res = run_bench("mixed", ["--prompts", "8", "--tokens", "30,200", "--reps", "3"], tmp_path)
     assert res["pieces"] is True and [r["bucket"] for r in res["rows"]] == [64, 256]
     for r in res["rows"]:
         assert len(r["pieces"]) == res["rounds"] and r["routing_ids_equal"] > 0.95 and r["hidden_rel_diff"] < 2e-2
