@@ -3,9 +3,10 @@
 Per sequence and linear-block, over the tokens the sequence computed: the routing-weighted mean
 and RMS of the block's input norm and the max norm; merged over running sequences weighted by their
 KV blocks (see policies.observe). Methods: `update` (one sequence), `update_batch` (a whole
-flattened batch in a handful of numpy calls), `drop`, `sequences`, `sequence_features`, `merged`. Sequences live in rows
-("slots") of dense arrays, and each sequence's phi is kept up to date at the entries a step
-touched, so `merged` is two matrix-vector products instead of a Python loop over sequences.
+flattened batch, or several steps' batches one after another, in a handful of numpy calls), `drop`, `sequences`,
+`sequence_features`, `merged`. Sequences live in rows ("slots") of dense arrays, and each sequence's phi is kept up
+to date at the entries a step touched, so `merged` is two matrix-vector products instead of a Python loop over
+sequences.
 Results equal a straightforward per-sequence reference up to floating-point summation order
 (tests/test_sim_features.py checks 1e-12).
 """
@@ -69,7 +70,8 @@ class BatchedPromptFeatures:
 
     def update_batch(self, seq_ids: Seq[Hashable], query_lens: Seq[int], topk_ids, topk_weights,
                      gate_up_in_norm, down_in_norm) -> None:
-        """A flattened batch (sequence 0's tokens, then sequence 1's, ...): arrays as in `update`."""
+        """A flattened batch (sequence 0's tokens, then sequence 1's, ...): arrays as in `update`. A sequence may
+        appear more than once (several steps' batches one after another): its runs add up in order."""
         ids = np.asarray(topk_ids)
         w = np.asarray(topk_weights, dtype=np.float64)
         gu = np.asarray(gate_up_in_norm, dtype=np.float64)
@@ -82,8 +84,13 @@ class BatchedPromptFeatures:
         if ids.shape[1] == 0:
             return
         keep = lens > 0  # sequences with no token in this batch change nothing
-        rows = self._rows(list(compress(seq_ids, keep.tolist())))
+        kept = list(compress(seq_ids, keep.tolist()))
+        rows = self._rows(kept)
         lens = lens[keep]
+        if len(set(kept)) < len(kept):  # several steps' batches at once: a sequence's tokens in several runs
+            rows, local = np.unique(rows, return_inverse=True)
+            self._update_multi(rows, np.repeat(local, lens), ids, w, gu, dn)
+            return
         single = lens == 1
         if single.all():
             self._update_single(rows, ids, w, gu, dn)
@@ -94,7 +101,8 @@ class BatchedPromptFeatures:
             self._update_single(rows[single], *take_tokens(t, ids, w, gu, dn))
         multi = ~single
         tok = np.flatnonzero(np.repeat(multi, lens))  # the tokens of the multi-token sequences, in order
-        self._update_multi(rows[multi], lens[multi], *take_tokens(tok, ids, w, gu, dn))
+        self._update_multi(rows[multi], np.repeat(np.arange(int(multi.sum())), lens[multi]),
+                           *take_tokens(tok, ids, w, gu, dn))
 
     def _pair_index(self, local: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[layers * tokens * k] flat (row, layer, expert) pair of every routing slot: `local[t]` is token t's row."""
@@ -116,13 +124,14 @@ class BatchedPromptFeatures:
         _put_rows(acc, pair, a)
         _put_rows(self._feat.reshape(-1, 2, 4), pair, _phi(a))
 
-    def _update_multi(self, rows, lens, ids, w, gu, dn) -> None:
-        """Several tokens per sequence: sum per (sequence, block) with bincount, then update whole rows.
+    def _update_multi(self, rows, local, ids, w, gu, dn) -> None:
+        """Several tokens per sequence: sum per (sequence, block) with bincount, then update whole rows. `rows` are
+        distinct; token t belongs to `rows[local[t]]`, in any order.
 
         A pair's two kinds have the same routing weights, so one bincount gives both kinds' sum r; each other sum
         adds the same terms in the same order as one bincount over both kinds' blocks would."""
         m, E2 = len(rows), self.num_blocks // 2
-        pair = self._pair_index(np.repeat(np.arange(m), lens), ids)
+        pair = self._pair_index(local, ids)
         size = m * E2
         r = w.ravel()
         add = np.empty((size, 2, 4))

@@ -59,19 +59,39 @@ class RoutingMass:
 
     def update(self, topk_ids, topk_weights) -> None:
         """Add one step's routing: `topk_ids`, `topk_weights` shaped [layers, tokens, k]."""
-        ids = _as_lt(topk_ids, "topk_ids", 3)
-        w = _as_lt(topk_weights, "topk_weights", 3).astype(np.float64)
-        if ids.shape != w.shape or ids.shape[0] != self.layers:
-            raise ValueError(f"routing shapes {ids.shape} / {w.shape} do not match {self.layers} layers")
-        t = ids.shape[1]
-        if t == 0:
+        self.update_steps([(topk_ids, topk_weights)])
+
+    def update_steps(self, steps: Seq[tuple]) -> None:
+        """Add several steps' routing at once, oldest first, each `(topk_ids, topk_weights)` as `update` takes them.
+
+        One bincount for all: step s's weights are scaled by the decays of the steps after it and `acc` by all of
+        them, so the result is what one `update` a step gives up to rounding (a single step: bit for bit)."""
+        ids_all, w_all, counts = [], [], []
+        for topk_ids, topk_weights in steps:
+            ids, w = _as_lt(topk_ids, "topk_ids", 3), _as_lt(topk_weights, "topk_weights", 3)
+            if ids.shape != w.shape or ids.shape[0] != self.layers:
+                raise ValueError(f"routing shapes {ids.shape} / {w.shape} do not match {self.layers} layers")
+            if ids.shape[1]:
+                ids_all.append(ids)
+                w_all.append(w)
+                counts.append(ids.shape[1])
+        if not ids_all:
             return
+        ids = ids_all[0] if len(ids_all) == 1 else np.concatenate(ids_all, axis=1)
+        w = (w_all[0] if len(w_all) == 1 else np.concatenate(w_all, axis=1)).astype(np.float64)
         if self.half_life_tokens is not None:
-            self.acc *= 0.5 ** (t / self.half_life_tokens)
+            decay = [0.5 ** (c / self.half_life_tokens) for c in counts]
+            after = [1.0]  # step s: the product of the decays of the steps after it, last step first
+            for d in decay[:0:-1]:
+                after.append(after[-1] * d)
+            after.reverse()
+            self.acc *= after[0] * decay[0]
+            if len(counts) > 1:
+                w *= np.repeat(after, counts)[None, :, None]
+        self.tokens_seen += sum(counts)
         flat = (np.arange(self.layers)[:, None, None] * self.experts + ids).ravel()
         self.acc += np.bincount(flat, weights=w.ravel(), minlength=self.layers * self.experts).reshape(
             self.layers, self.experts)
-        self.tokens_seen += t
 
     def mass(self) -> np.ndarray:
         """[layers, experts], each row sums to 1 (or is all zeros before any routing is seen)."""
@@ -95,12 +115,17 @@ class _HeldStep:
 class RoutingStats:
     """An engine's routing statistics: the routing mass and (with `features`) the prompt features.
 
-    `add` holds a step's routing and folds the step held before it; `fold` folds it now (the runtime calls it while
-    the GPU runs the next forward, so this numpy work overlaps it); reading the mass, a sequence's features or a
-    readout folds first. Folding later runs the same numpy calls in the same order as folding each step as it comes,
-    so when the work happens never changes what a planner sees. A sequence dropped while its routing is held is left
-    out of the prompt features' fold, as dropping it after the fold would have removed it (the routing mass keeps
-    every token, as it always did).
+    `add` holds a step's routing; `fold` folds every held step now, in one batch (a few numpy calls whatever the
+    number of steps: a small model's decode steps paid those calls' overhead a step); reading the mass, a sequence's
+    features or a readout folds first, and `add` folds once the held steps route `hold_slots` (token, layer, top-k)
+    slots or more, so a large model's steps still fold one at a time (a batch's work on the rows it touches grows
+    with their experts; the runtime calls `fold_when_full` while the GPU runs the next forward, so that numpy work
+    overlaps it). Sums come out as one fold
+    a step gives up to rounding, maxima exactly; which steps a fold batches depends only on the steps and the reads,
+    so the same run folds the same way. A sequence dropped while its routing is held is left out of the prompt
+    features' fold of the steps held then, as dropping it after folding them would have removed it (it is in the
+    steps added after the drop: a preempted sequence's recompute; the routing mass keeps every token, as it always
+    did).
 
     `readout(usage)` is an Observation's RoutingReadout: the mass, and the features merged over `usage` (sequence ->
     KV blocks), each computed when first read. It holds until the next `add` or `drop`; reading it after one raises,
@@ -111,13 +136,17 @@ class RoutingStats:
     experts: int
     half_life_tokens: float | None = 4096.0
     features: bool = True
+    hold_slots: int = 16384
     routing: RoutingMass = field(init=False)
     prompt: BatchedPromptFeatures | None = field(init=False)
-    _held: _HeldStep | None = field(init=False, default=None)
-    _dropped: set = field(init=False, default_factory=set)  # dropped while their routing is held
+    _held: list = field(init=False, default_factory=list)  # _HeldStep, oldest first
+    _held_slots: int = field(init=False, default=0)  # their routing slots
+    _dropped: dict = field(init=False, default_factory=dict)  # seq_id -> the held steps it is left out of (a count)
     _epoch: int = field(init=False, default=0)  # bumped by every add and drop: older readouts refuse to read
 
     def __post_init__(self) -> None:
+        if self.hold_slots < 1:
+            raise ValueError(f"hold_slots must be at least 1, got {self.hold_slots}")
         self.routing = RoutingMass(self.layers, self.experts, self.half_life_tokens)
         self.prompt = BatchedPromptFeatures(self.layers, self.experts) if self.features else None
 
@@ -125,38 +154,64 @@ class RoutingStats:
             down_in_norm=None) -> None:
         """Hold one step's flattened batch (ids/weights/down norms [layers, tokens, k], gate_up norms [layers,
         tokens]; without norms only the routing mass is kept). The arrays must not change until folded."""
-        self.fold()
+        self.fold_when_full()
         lens = np.asarray(query_lens, dtype=np.int64)
         ids = _as_lt(topk_ids, "topk_ids", 3)
         if int(lens.sum()) != ids.shape[1] or len(lens) != len(seq_ids):
             raise ValueError(f"{len(seq_ids)} sequences with {int(lens.sum())} tokens for routing of {ids.shape[1]}")
         has_norms = gate_up_in_norm is not None and down_in_norm is not None
-        self._held = _HeldStep(list(seq_ids), lens, ids, _as_lt(topk_weights, "topk_weights", 3),
-                               gate_up_in_norm if has_norms else None, down_in_norm if has_norms else None)
+        self._held.append(_HeldStep(list(seq_ids), lens, ids, _as_lt(topk_weights, "topk_weights", 3),
+                                    gate_up_in_norm if has_norms else None, down_in_norm if has_norms else None))
+        self._held_slots += ids.size
         self._epoch += 1
 
+    def fold_when_full(self) -> None:
+        """Fold the held steps if they route `hold_slots` slots or more (what `add` does before holding one more)."""
+        if self._held_slots >= self.hold_slots:
+            self.fold()
+
     def fold(self) -> None:
-        """Fold the held step into the routing mass and prompt features (nothing when none is held)."""
-        held, self._held = self._held, None
-        if held is None:
+        """Fold the held steps into the routing mass and prompt features (nothing when none is held)."""
+        held, self._held, self._held_slots = self._held, [], 0
+        dropped, self._dropped = self._dropped, {}
+        if not held:
             return
-        self.routing.update(held.topk_ids, held.topk_weights)
-        if self.prompt is not None and held.gate_up_in_norm is not None:
-            arrays = (held.topk_ids, held.topk_weights, held.gate_up_in_norm, held.down_in_norm)
-            seq_ids, lens = held.seq_ids, held.query_lens
-            if self._dropped:
-                keep = np.array([s not in self._dropped for s in seq_ids], dtype=bool)
-                arrays = take_tokens(np.flatnonzero(np.repeat(keep, lens)), *arrays)
-                seq_ids, lens = [s for s, k in zip(seq_ids, keep) if k], lens[keep]
-            self.prompt.update_batch(seq_ids, lens, *arrays)
-        self._dropped.clear()
+        self.routing.update_steps([(h.topk_ids, h.topk_weights) for h in held])
+        if self.prompt is None:
+            return
+        steps = []  # (seq ids, query lens, arrays) of the held steps with norms, their dropped sequences left out
+        for i, h in enumerate(held):
+            if h.gate_up_in_norm is None:
+                continue
+            step = (h.topk_ids, h.topk_weights, h.gate_up_in_norm, h.down_in_norm)
+            ids, lens = h.seq_ids, h.query_lens
+            keep = [dropped.get(s, 0) <= i for s in ids] if dropped else ()
+            if not all(keep):
+                keep = np.array(keep, dtype=bool)
+                step = take_tokens(np.flatnonzero(np.repeat(keep, lens)), *step)
+                ids, lens = [s for s, k in zip(ids, keep) if k], lens[keep]
+            steps.append((ids, lens, step))
+        if len(steps) > 1 and self._batch_pays(steps):
+            self.prompt.update_batch([s for ids, _, _ in steps for s in ids], np.concatenate([lens for _, lens, _ in steps]),
+                                     *(np.concatenate(a, axis=1) for a in zip(*(step for _, _, step in steps))))
+        else:
+            for ids, lens, step in steps:
+                self.prompt.update_batch(ids, lens, *step)
+
+    def _batch_pays(self, steps: list) -> bool:
+        """Whether one update of several steps costs less than one a step: the batch works on every expert of each
+        sequence it touches (layers x experts a sequence), a step only on the slots it routes (tokens x layers x k),
+        so a batch pays where its sequences came back for more tokens than they have experts (a small model's decode
+        steps), not where experts outnumber them (a large model's)."""
+        seqs = len({s for ids, _, _ in steps for s in ids})
+        return seqs * self.layers * self.experts <= sum(step[0].size for _, _, step in steps)
 
     def drop(self, seq_id: Hashable) -> None:
         """Forget a sequence's prompt features (finished, or preempted: its recompute adds its tokens again)."""
         if self.prompt is not None:
             self.prompt.drop(seq_id)
-            if self._held is not None:
-                self._dropped.add(seq_id)
+            if self._held:
+                self._dropped[seq_id] = len(self._held)
         self._epoch += 1
 
     def drop_stopped(self, seqs: Iterable[Sequence]) -> None:

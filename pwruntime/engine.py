@@ -3,9 +3,9 @@
 Every `step()` is one iteration: schedule (policies.Scheduler over policies.BlockPool) -> forward
 (ModelRunner) -> sample (one torch.Generator per request) -> observe (policies.observe builds the
 Observation from the pool, the scheduler, the online routing mass and the prompt features; the routing is
-brought to the host and observed only when the policy plans, not for noop and the static baselines. A step's
-routing is held (policies.observe.RoutingStats) and folded into the statistics while the next forward runs on the
-GPU, or when a planner reads the Observation's routing; which of the two never changes what the planner sees) ->
+brought to the host and observed only when the policy plans, not for noop and the static baselines. Steps'
+routing is held (policies.observe.RoutingStats) and folded into the statistics in batches: while a forward runs on
+the GPU once they route `hold_slots` token slots, or when a planner reads the Observation's routing) ->
 plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
@@ -72,7 +72,7 @@ class StepPhases:
     """Seconds (on the engine's clock) of one step's phases; they add up to the step."""
     schedule_s: float  # the scheduler's batch (and dropping the preempted sequences' features)
     forward_s: float  # ModelRunner.run: inputs, the model (a graph replay or eager), logits, routing to the host
-    # (with the previous step's routing folded into the statistics while the GPU runs)
+    # (with the held steps' routing folded into the statistics while the GPU runs, when due)
     sample_s: float  # sampling the next tokens, and waiting for the tokens that settle in this step
     observe_s: float  # settling them (the routing held for the statistics, stops), outputs, the planner's Observation
     plan_s: float  # PlanLoop.step: the policy's plan, page moves started and landed
@@ -297,7 +297,7 @@ class LLMEngine:
         if batch.entries:
             out = self.runner.run(batch, self.pool, record=self._record)
             if out.routing is not None:
-                self.routing.fold()  # the previous step's routing: host work while the GPU runs this forward
+                self.routing.fold_when_full()  # held routing, when due: host work while the GPU runs this forward
             marks.append(self.clock())
             launched = self._sample(batch, out.logits, out.routing)
             self.scheduler.advance(batch)
@@ -387,7 +387,7 @@ class LLMEngine:
         return self.clock() - self.t0
 
     def _observe_routing(self, batch: ScheduledBatch, r: RoutingArrays) -> None:
-        # held, and folded while the next step's forward runs on the GPU (or when a planner reads it)
+        # held, and folded with the steps around it while a forward runs on the GPU (or when a planner reads it)
         self.routing.add([e.seq.seq_id for e in batch.entries], r.query_lens, r.topk_ids, r.topk_weights,
                          r.gate_up_in_norm, r.down_in_norm)
         self.routing.drop_stopped(e.seq for e in batch.entries)

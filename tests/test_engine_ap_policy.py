@@ -81,7 +81,7 @@ def test_engine_records_the_steps_whose_planner_read_the_routing(ap_dir):
         reads.append(engine.last_routing_read)
         assert engine.last_observation.routing.read == engine.last_routing_read
         if engine.last_routing_read:
-            assert engine.routing._held is None  # reading folded the step's routing
+            assert engine.routing._held == []  # reading folded the held steps
     assert any(reads) and not all(reads), reads
 
 

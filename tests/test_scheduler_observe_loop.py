@@ -112,34 +112,80 @@ def _norms(rng, layers, tokens, k):
     return rng.random((layers, tokens)) + 0.5, rng.random((layers, tokens, k)) + 0.5
 
 
-def test_routing_stats_held_steps_equal_folding_each_step_with_drops_between():
-    """Holding each step until the next (or a read) gives bit for bit what folding it at once gives, including a
-    sequence dropped while its routing is held (finished, or preempted and later recomputed)."""
+@pytest.mark.parametrize("hold_slots,read_at,E", [(1, None, 6), (40, 2, 6), (10_000, 2, 6), (10_000, None, 6),
+                                                  (30, None, 6), (10_000, None, 40)])
+def test_routing_stats_held_steps_equal_folding_each_step_with_drops_between(hold_slots, read_at, E):
+    """Holding steps and folding them (once they route `hold_slots` slots, or on a read; in one batch, or a step at a
+    time where experts outnumber the slots: E = 40) gives what folding each at once gives, up to rounding, including
+    sequences dropped while their routing is held: finished (b, a), or preempted and recomputed in a later step (c,
+    whose recompute's tokens count and its earlier ones do not)."""
     rng = np.random.default_rng(3)
-    L, E, k = 2, 6, 2
-    held, ref_mass, ref = RoutingStats(L, E, 64.0), RoutingMass(L, E, 64.0), BatchedPromptFeatures(L, E)
+    L, k = 2, 2
+    held = RoutingStats(L, E, 64.0, hold_slots=hold_slots)
+    ref_mass, ref = RoutingMass(L, E, 64.0), BatchedPromptFeatures(L, E)
     steps = [(["a", "b", "c"], [3, 1, 2]), (["a", "b", "c"], [1, 1, 1]), (["b", "c"], [1, 1]),
-             (["a", "c", "d"], [4, 1, 2]), (["c", "d"], [1, 1])]
+             (["a", "c", "d"], [4, 1, 2]), (["c", "d"], [1, 1]), (["d", "c"], [1, 1])]
     drops = {1: ["b"], 2: ["c"], 3: ["a"]}  # after step i: b finishes, c is preempted (recomputed in step 3), a ends
     for i, (seqs, lens) in enumerate(steps):
         n = sum(lens)
         ids, w = _routing(rng, L, n, E, k)
         gu, dn = _norms(rng, L, n, k)
+        before = held._held_slots
         held.add(seqs, lens, ids, w, gu, dn)
+        assert held._held_slots == ids.size + (0 if before >= hold_slots or i - 1 == read_at else before)
+        assert len(held._held) == 1 or held._held_slots - ids.size < hold_slots
         ref_mass.update(ids, w)
         ref.update_batch(seqs, lens, ids, w, gu, dn)
         for s in drops.get(i, []):
             held.drop(s)
             ref.drop(s)
-        if i == 2:  # a read in the middle folds; later steps are held again
-            np.testing.assert_array_equal(held.sequence_features("d"), ref.sequence_features("d"))
+        if i == read_at:  # a read in the middle folds; later steps are held again
+            np.testing.assert_allclose(held.sequence_features("d"), ref.sequence_features("d"), rtol=1e-12)
+            assert held._held == []
     usage = {"c": 2, "d": 3, "a": 1}
     obs = held.readout(usage)
-    np.testing.assert_array_equal(obs.mass(), ref_mass.mass())
-    np.testing.assert_array_equal(obs.features(), ref.merged(usage))
+    np.testing.assert_allclose(obs.mass(), ref_mass.mass(), rtol=1e-12)
+    np.testing.assert_allclose(obs.features(), ref.merged(usage), rtol=1e-12)
     for s in "abcd":
-        np.testing.assert_array_equal(held.sequence_features(s), ref.sequence_features(s))
+        np.testing.assert_allclose(held.sequence_features(s), ref.sequence_features(s), rtol=1e-12)
     assert not held.sequence_features("a").any() and held.sequence_features("c").any()
+    assert held.routing.tokens_seen == ref_mass.tokens_seen
+
+
+@pytest.mark.parametrize("E,updates", [(6, 1), (40, 4)])
+def test_routing_stats_batch_held_steps_where_sequences_have_more_slots_than_experts(E, updates):
+    """Four decode steps of two sequences fold in one feature update where the sequences' slots (4 tokens x 2 layers
+    x top-2 each) reach their experts (2 layers x 6), and a step at a time where experts outnumber them (x 40)."""
+    rng = np.random.default_rng(5)
+    held, ref = RoutingStats(2, E), BatchedPromptFeatures(2, E)
+    calls, update = [], held.prompt.update_batch
+    held.prompt.update_batch = lambda *a: calls.append(1) or update(*a)
+    for _ in range(4):
+        step = (["x", "y"], [1, 1], *_routing(rng, 2, 2, E, 2), *_norms(rng, 2, 2, 2))
+        held.add(*step)
+        ref.update_batch(*step)
+    np.testing.assert_allclose(held.readout({"x": 1, "y": 2}).features(), ref.merged({"x": 1, "y": 2}), rtol=1e-12)
+    assert len(calls) == updates
+
+
+def test_routing_mass_of_several_steps_at_once_is_one_update_a_step():
+    """`update_steps` scales each step's weights by the decays after it: the sequential result to rounding, and one
+    step bit for bit."""
+    rng = np.random.default_rng(8)
+    batch, each = RoutingMass(3, 5, 20.0), RoutingMass(3, 5, 20.0)
+    steps = [_routing(rng, 3, n, 5, 2) if n else (np.zeros((3, 0, 2), np.int64), np.zeros((3, 0, 2)))
+             for n in (4, 1, 0, 7, 2)]
+    for ids, w in steps:
+        each.update(ids, w)
+    batch.update_steps(steps)
+    np.testing.assert_allclose(batch.acc, each.acc, rtol=1e-13)
+    assert batch.tokens_seen == each.tokens_seen == 14
+    one, ref = RoutingMass(3, 5, 20.0), RoutingMass(3, 5, 20.0)
+    one.update_steps(steps[:1])
+    ref.update(*steps[0])
+    np.testing.assert_array_equal(one.acc, ref.acc)
+    with pytest.raises(ValueError, match="do not match"):
+        batch.update_steps([steps[0], (steps[1][0][:2], steps[1][1][:2])])
 
 
 def test_routing_stats_readout_is_lazy_and_refuses_a_later_step():
@@ -149,9 +195,9 @@ def test_routing_stats_readout_is_lazy_and_refuses_a_later_step():
     rs.add(["x", "y"], [1, 1], ids, w, *_norms(rng, 1, 2, 2))
     untouched = rs.readout({"x": 1, "y": 1})
     read = rs.readout({"x": 1, "y": 1})
-    assert rs._held is not None  # building readouts folds nothing
+    assert rs._held  # building readouts folds nothing
     phi = read.features()
-    assert rs._held is None and phi.shape == (8, 3) and (phi[:, 0] > 0).sum() >= 2
+    assert rs._held == [] and phi.shape == (8, 3) and (phi[:, 0] > 0).sum() >= 2
     assert read.features() is phi  # computed once
     rs.add(["x"], [1], *_routing(rng, 1, 1, 4, 2), *_norms(rng, 1, 1, 2))
     np.testing.assert_array_equal(read.features(), phi)  # read before the next step: kept
