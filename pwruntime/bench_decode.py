@@ -68,16 +68,19 @@ def _decode_only(engine) -> bool:
     return batch is not None and bool(batch.entries) and all(e.num_new_tokens == 1 for e in batch.entries)
 
 
-def run(engine, seqs: int, prompt_tokens: int, steps: int, reps: int, seed: int = 0) -> dict:
-    """Decode `seqs` sequences of `prompt_tokens` random prompt tokens; time `reps` windows of `steps` steps, then
-    profile PROFILE_STEPS more on CUDA. Raises RuntimeError when the batch never reaches decode-only steps."""
+def run(engine, seqs: int, prompt_tokens: int, steps: int, reps: int, seed: int = 0, temperature: float = 0.0,
+        top_p: float = 1.0) -> dict:
+    """Decode `seqs` sequences of `prompt_tokens` random prompt tokens, sampling at `temperature` and `top_p` (0:
+    greedy); time `reps` windows of `steps` steps, then profile PROFILE_STEPS more on CUDA. Raises RuntimeError when
+    the batch never reaches decode-only steps."""
     model = engine.runner.model
     device = model.device
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(10, model.config.vocab, prompt_tokens).tolist() for _ in range(seqs)]
-    engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))       # warm-up
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=decode_budget(steps, reps), ignore_eos=True))
+    sampling = dict(temperature=temperature, top_p=top_p, ignore_eos=True)
+    engine.generate(prompts, SamplingParams(max_tokens=24, **sampling))       # warm-up
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=decode_budget(steps, reps), seed=seed + i, **sampling))
     for _ in range(64):                                                             # the prompts' prefill
         engine.step()
         if _decode_only(engine) and len(engine.last_batch.entries) == seqs:

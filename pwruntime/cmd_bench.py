@@ -75,6 +75,9 @@ def register(subparsers) -> None:
     d.add_argument("--no-cuda-graphs", action="store_true", help="decode: run the decode steps eagerly")
     d.add_argument("--async-scheduling", action="store_true",
                    help="decode: an engine that launches the next step before settling the last (default off)")
+    d.add_argument("--temperature", type=float, default=None,
+                   help="decode: the sequences sample at this temperature (default 0: greedy)")
+    d.add_argument("--top-p", type=float, default=None, help="decode: ... and this nucleus (default 1: none)")
     p.add_argument("--routing", default=None, metavar="uniform|zipf:ALPHA",
                    help="kernels: the MoE layers' routing, uniform (default) or each token's experts drawn with "
                         "popularity 1 / rank^ALPHA (hot experts)")
@@ -205,7 +208,7 @@ def _report(args, res: dict, command: str, print_table, plot=None) -> int:
     return 0
 
 
-_DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv_blocks")
+_DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv_blocks", "temperature", "top_p")
 
 
 def _bench_engine(args, blocks: int, max_num_seqs: int, policy: str, max_num_batched_tokens: int | None = None):
@@ -234,7 +237,8 @@ def _engine_header(command: str, model_dir, dtype: str, device: str, blocks: int
 def _run_mixed(args) -> int:
     from pwruntime import bench_mixed as bm
     from pwruntime.engine import EngineConfig
-    _refuse(args, ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens"), "mixed")
+    _refuse(args, ("models", "profile_out", "plot_from", "routing", "steps", "prompt_tokens", "temperature", "top_p"),
+            "mixed")
     if args.async_scheduling:
         raise UserError("--async-scheduling belongs to `pwruntime bench decode`; bench mixed times one forward")
     if args.max_tokens != 16:
@@ -259,6 +263,7 @@ def _run_mixed(args) -> int:
 
 def _run_decode(args) -> int:
     from pwruntime import bench_decode as bd
+    from pwruntime.sampling import SamplingParams
     _refuse(args, ("models", "tokens", "profile_out", "plot_from", "routing"), "decode")
     if args.max_tokens != 16:
         raise UserError("--max-tokens belongs to `pwruntime bench prefix-cache`; bench decode takes --steps")
@@ -270,16 +275,22 @@ def _run_decode(args) -> int:
                         f"{prompt_tokens}, {steps}, {reps}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
+    temperature, top_p = (args.temperature or 0.0), (1.0 if args.top_p is None else args.top_p)
+    try:
+        SamplingParams(temperature=temperature, top_p=top_p)
+    except ValueError as e:
+        raise UserError(f"--temperature / --top-p: {e}") from None
     blocks = args.num_kv_blocks or bd.default_kv_blocks(args.prompts, prompt_tokens, steps, reps)
     engine, model_dir, dtype, device = _bench_engine(args, blocks, args.prompts, policy)
     command = _command(f"pwruntime bench decode --prompts {args.prompts} --steps {steps} --reps {reps}"
-                       + (" --async-scheduling" if args.async_scheduling else ""))
+                       + (" --async-scheduling" if args.async_scheduling else "")
+                       + (f" --temperature {temperature} --top-p {top_p}" if temperature else ""))
     try:
-        res = bd.run(engine, args.prompts, prompt_tokens, steps, reps, args.seed)
+        res = bd.run(engine, args.prompts, prompt_tokens, steps, reps, args.seed, temperature, top_p)
     except RuntimeError as e:
         raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
     res = {**_engine_header(command, model_dir, dtype, device, blocks), "policy": policy,
-           "async_scheduling": engine.config.async_scheduling, **res}
+           "async_scheduling": engine.config.async_scheduling, "temperature": temperature, "top_p": top_p, **res}
     return _report(args, res, command, bd.print_table)
 
 
@@ -290,8 +301,9 @@ def run(args) -> int:
         return _run_mixed(args)
     if any(getattr(args, n) is not None for n in _DECODE_ONLY) or args.no_cuda_graphs or args.async_scheduling:
         raise UserError("--steps, --prompt-tokens, --ap, --calibration, --policy, --num-kv-blocks, "
-                        "--no-cuda-graphs and --async-scheduling belong to `pwruntime bench decode` (all but the "
-                        "first two and the last also to `bench mixed`)")
+                        "--no-cuda-graphs, --async-scheduling, --temperature and --top-p belong to `pwruntime bench "
+                        "decode` (--ap, --calibration, --policy, --num-kv-blocks and --no-cuda-graphs also to `bench "
+                        "mixed`)")
     if args.target == "prefix-cache":
         return _run_prefix_cache(args)
     if args.prompts is not None or args.max_tokens != 16 or args.model is not None:

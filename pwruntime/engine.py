@@ -1,12 +1,12 @@
 """LLMEngine: continuous batching of requests over one model and one paged KV cache.
 
 Every `step()` is one iteration: schedule (policies.Scheduler over policies.BlockPool) -> forward
-(ModelRunner) -> sample (one torch.Generator per request) -> observe (policies.observe builds the
-Observation from the pool, the scheduler, the online routing mass and the prompt features; the routing is
-brought to the host and observed only when the policy plans, not for noop and the static baselines. Steps'
-routing is held (policies.observe.RoutingStats) and folded into the statistics in batches: while a forward runs on
-the GPU once they route `hold_slots` token slots, or when a planner reads the Observation's routing) ->
-plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
+(ModelRunner) -> sample (the whole batch at once, each request with its own counter-based random numbers) -> observe
+(policies.observe builds the Observation from the pool, the scheduler, the online routing mass and the prompt
+features; the routing is brought to the host and observed only when the policy plans, not for noop and the static
+baselines. Steps' routing is held (policies.observe.RoutingStats) and folded into the statistics in batches:
+while a forward runs on the GPU once they route `hold_slots` token slots, or when a planner reads the Observation's
+routing) -> plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to the page mover, finished
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
 
@@ -61,8 +61,8 @@ from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, to_host
-from pwruntime.sampling import (History, PendingLogprobs, SamplingParams, TokenLogprob, adjust_logits, find_stop,
-                                logprobs_on_device, make_generator, sample_tensor)
+from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, SamplingParams, TokenLogprob, adjust_logits,
+                                find_stop, logprobs_on_device, sample_tensor)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 
@@ -135,7 +135,7 @@ class _Request:
     seq: Sequence
     prompt: str | None
     params: SamplingParams
-    generator: torch.Generator | None
+    draws: RequestDraws | None  # the random numbers of a request that samples (None: greedy)
     stop_ids: frozenset
     arrival_time: float
     first_token_time: float | None = None
@@ -250,12 +250,11 @@ class LLMEngine:
         seq = Sequence(rid, ids, max_tokens=min(params.max_tokens, mc.max_position - len(ids)),
                        stop_token_ids=tuple(sorted(stop_ids)), params=params,
                        arrival_time=self._now() if arrival_time is None else float(arrival_time))
-        gen = None
+        draws = None
         if not params.greedy:
-            seed = params.seed if params.seed is not None else int(
-                np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0])
-            gen = make_generator(seed, self.model.device)
-        self._requests[rid] = _Request(seq, text, params, gen, stop_ids, seq.arrival_time)
+            draws = RequestDraws(params.seed if params.seed is not None else int(
+                np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0]))
+        self._requests[rid] = _Request(seq, text, params, draws, stop_ids, seq.arrival_time)
         self.scheduler.add(seq)
         if self.recorder is not None:
             self.recorder.on_arrival(rid, seq.arrival_time, ids, domain)
@@ -327,7 +326,8 @@ class LLMEngine:
         asynchronous scheduling the runner keeps them for the next forward."""
         sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
         params = [r.params for r in sampling]
-        tokens = sample_tensor(self._adjusted(logits, sampling), params, [r.generator for r in sampling])
+        tokens = sample_tensor(self._adjusted(logits, sampling), params,
+                               [None if r.draws is None else r.draws.next() for r in sampling])
         logprobs = logprobs_on_device(logits, params, tokens)
         if self.config.async_scheduling:
             self.runner.keep_sampled(tokens, [r.seq.seq_id for r in sampling])

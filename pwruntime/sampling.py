@@ -1,9 +1,10 @@
 """Sampling: SamplingParams and the per-request sampler (logits processing, greedy, temperature, top-k, top-p, seeds),
 log-probabilities.
 
-Each request owns a `torch.Generator` seeded from its `seed` (or, when unset, from the engine seed
-and the request's index), and draws exactly one random number stream per sampled token from it,
-so its tokens do not depend on which other requests share the batch.
+A batch samples in one set of tensor operations whatever its size: temperature, top-k and top-p per row, then one
+inverse-CDF pick per row. Each request's random numbers are counter-based (`RequestDraws`: a hash of its `seed`,
+or when unset of the engine seed and the request's index, and of the draw's index), one a sampled token, so its
+tokens do not depend on which other requests share the batch, nor on the device's random number generator.
 
 Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
 scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
@@ -103,22 +104,52 @@ class History:
     stop_ids: Collection[int] = ()
 
 
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-    return g
+_MASK64 = (1 << 64) - 1
+_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment
 
 
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf; rows of [n, vocab]."""
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers that scatters nearby inputs."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+@dataclass
+class RequestDraws:
+    """A request's random numbers: draw i is splitmix64 of (its seed, mixed) + (i + 1) x gamma, its top 23 bits as a
+    number in [0, 1). 23 bits keep u x c below c in float32 for any c > 0, so an inverse-CDF pick scaled to the
+    row's total never passes its last token."""
+    seed: int
+    drawn: int = 0
+
+    def __post_init__(self) -> None:
+        self._key = _mix64(int(self.seed) & _MASK64)
+
+    def next(self) -> float:
+        self.drawn += 1
+        return (_mix64((self._key + self.drawn * _GAMMA) & _MASK64) >> 41) / float(1 << 23)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | Seq[int], top_p: float | Seq[float]) -> torch.Tensor:
+    """Set logits outside the top-k / nucleus (top-p) set to -inf; rows of [n, vocab]. `top_k` and `top_p` hold for
+    every row, or are given one a row (0 and 1.0 leave a row uncut): one topk and one sort for the whole batch."""
+    n, vocab = logits.shape
+    ks = [int(top_k)] * n if isinstance(top_k, int) else [int(k) for k in top_k]
+    ps = [float(top_p)] * n if isinstance(top_p, (int, float)) else [float(p) for p in top_p]
+    cut = [0 < k < vocab for k in ks]
+    if any(cut):
+        values = torch.topk(logits, max(k for k, c in zip(ks, cut) if c), dim=-1).values
+        kth = values.gather(1, torch.tensor([[k - 1 if c else 0] for k, c in zip(ks, cut)], device=logits.device))
+        if not all(cut):
+            kth = kth.masked_fill(torch.tensor([[not c] for c in cut], device=logits.device), float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
+    if any(p < 1.0 for p in ps):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-        drop_sorted = before >= top_p  # keep the smallest prefix whose mass reaches top_p
+        reach = torch.tensor([[p if p < 1.0 else math.inf] for p in ps], dtype=probs.dtype, device=logits.device)
+        drop_sorted = before >= reach  # keep the smallest prefix whose mass reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
@@ -149,24 +180,29 @@ def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One token from one row of logits [vocab], as a one-element tensor on their device (nothing waits for it)."""
-    if params.greedy:
-        return torch.argmax(logits).view(1)
-    row = filter_logits(logits.float()[None, :] / params.temperature, params.top_k, params.top_p)[0]
-    probs = torch.softmax(row, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)
-
-
-def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of `logits` [n, vocab], each with its own params and generator: int64 [n] on the logits'
-    device, queued there without waiting (an asynchronous engine feeds them to the next step before reading them)."""
-    if logits.shape[0] != len(params) or len(params) != len(generators):
-        raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(generators)} generators")
-    if all(p.greedy for p in params):
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: Seq[float | None]) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab], each with its own params: int64 [n] on the logits' device, queued
+    there without waiting (an asynchronous engine feeds them to the next step before reading them). Greedy rows take
+    the argmax; the others divide by their temperature, cut to their top-k and top-p, and pick the first token whose
+    cumulative probability exceeds their number from `uniforms` (in [0, 1), scaled to the row's total; greedy rows'
+    entries are not read)."""
+    if logits.shape[0] != len(params) or len(params) != len(uniforms):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(uniforms)} numbers")
+    rows = [j for j, p in enumerate(params) if not p.greedy]
+    if not rows:
         return torch.argmax(logits, dim=-1)
-    return torch.cat([sample_one(logits[j], p, g) for j, (p, g) in enumerate(zip(params, generators))])
+    every = len(rows) == len(params)
+    index = None if every else torch.tensor(rows, device=logits.device)
+    sampled = [params[j] for j in rows]
+    x = (logits if every else logits[index]).float()
+    x = x / torch.tensor([[p.temperature] for p in sampled], device=x.device)
+    x = filter_logits(x, [p.top_k for p in sampled], [p.top_p for p in sampled])
+    cdf = torch.cumsum(torch.softmax(x, dim=-1), dim=-1)
+    u = torch.tensor([[uniforms[j]] for j in rows], dtype=cdf.dtype, device=x.device) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, u, right=True)[:, 0]
+    if every:
+        return picked
+    return torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
 
 
 @dataclass(frozen=True)

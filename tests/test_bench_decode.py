@@ -26,6 +26,15 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys, asynchronous):
     assert res["kernels"] is None and res["device"] == "cpu" and res["kv_blocks"] > 0
     assert "reproduce: pwruntime bench decode" in printed
     assert res["async_scheduling"] is asynchronous and ("--async-scheduling" in res["command"]) is asynchronous
+    assert res["temperature"] == 0.0 and res["top_p"] == 1.0 and "--temperature" not in res["command"]
+
+
+def test_decode_bench_samples_at_a_temperature(tmp_path, capsys):
+    """--temperature / --top-p: the timed sequences sample (seeded), and the result and its command say so."""
+    res = run_bench("decode", ["--prompts", "3", "--prompt-tokens", "6", "--steps", "3", "--reps", "1", "--dtype",
+                               "fp32", "--temperature", "0.8", "--top-p", "0.9"], tmp_path)
+    assert res["temperature"] == 0.8 and res["top_p"] == 0.9 and "--temperature 0.8 --top-p 0.9" in res["command"]
+    assert res["windows"][0]["decode_only_steps"] == 3
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -33,6 +42,8 @@ def test_decode_bench_times_steady_decode_steps(tmp_path, capsys, asynchronous):
     (["--tokens", "4"], "--tokens does not apply"),
     (["--max-tokens", "3"], "--max-tokens belongs to `pwruntime bench prefix-cache`"),
     (["--num-kv-blocks", "0"], "--num-kv-blocks must be positive"),
+    (["--temperature", "-1"], "--temperature / --top-p: temperature must be a finite number >= 0"),
+    (["--temperature", "1", "--top-p", "0"], "--temperature / --top-p: top_p must be in (0, 1]"),
     (["--prompts", "8", "--num-kv-blocks", "8", "--steps", "2", "--reps", "1"], "never decoded together"),
 ])
 def test_decode_bench_misuse_is_one_clear_error_and_writes_nothing(tmp_path, capsys, argv, message):
@@ -60,7 +71,9 @@ def test_decode_options_are_refused_by_the_other_benches(capsys):
     assert main(["bench", "kernels", "--policy", "noop"]) == 2
     assert "belong to `pwruntime bench decode`" in capsys.readouterr().err
     assert main(["bench", "kernels", "--async-scheduling"]) == 2
-    assert "--async-scheduling belong to `pwruntime bench decode`" in capsys.readouterr().err
+    assert "--async-scheduling, --temperature and --top-p belong to `pwruntime bench decode`" in capsys.readouterr().err
+    assert main(["bench", "mixed", "--temperature", "0.8"]) == 2
+    assert "--temperature does not apply to `pwruntime bench mixed`" in capsys.readouterr().err
 
 
 def test_kernel_stats_sums_a_trace():

@@ -10,7 +10,7 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import (History, SamplingParams, adjust_logits, filter_logits, find_stop, make_generator,
+from pwruntime.sampling import (History, RequestDraws, SamplingParams, adjust_logits, filter_logits, find_stop,
                                 sample_tensor)
 
 
@@ -73,12 +73,86 @@ def test_seeded_sampling_follows_the_distribution_and_repeats():
     n = 3000
     logits = torch.log(probs)[None].repeat(n, 1)
     p = SamplingParams(temperature=1.0)
-    draws = sample_tensor(logits, [p] * n, [make_generator(1)] * n).tolist()  # one generator: one stream of draws
+    d = RequestDraws(1)
+    draws = sample_tensor(logits, [p] * n, [d.next() for _ in range(n)]).tolist()  # one request's stream of draws
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
-    assert sample_tensor(logits, [p] * n, [make_generator(1)] * n).tolist() == draws
-    sharp = sample_tensor(logits[:200], [SamplingParams(temperature=0.05)] * 200, [make_generator(2)] * 200).tolist()
-    assert sharp == [0] * 200  # low temperature concentrates on the argmax
+    again = RequestDraws(1)
+    assert sample_tensor(logits, [p] * n, [again.next() for _ in range(n)]).tolist() == draws
+    other = RequestDraws(2)
+    sharp = sample_tensor(logits[:200], [SamplingParams(temperature=0.05)] * 200, [other.next() for _ in range(200)])
+    assert sharp.tolist() == [0] * 200  # low temperature concentrates on the argmax
+    # top-k and top-p renormalize over what they keep: {0.6, 0.3} -> 2/3, 1/3
+    for cut in (SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8)):
+        d = RequestDraws(3)
+        freq = torch.bincount(sample_tensor(logits, [cut] * n, [d.next() for _ in range(n)]), minlength=3).float() / n
+        assert freq[2] == 0 and torch.allclose(freq[:2], torch.tensor([2 / 3, 1 / 3]), atol=0.03)
+
+
+def test_request_draws_are_uniform_and_their_own():
+    """Counter-based: a seed's numbers are the same whenever drawn, in [0, 1) on a grid of 2^-23, spread evenly, and
+    another seed's (even a neighbouring one) are another stream."""
+    first = RequestDraws(7).next()
+    d7 = RequestDraws(7)
+    xs = torch.tensor([d7.next() for _ in range(20000)], dtype=torch.float64)
+    assert xs[0] == first and d7.drawn == 20000
+    assert ((xs >= 0) & (xs < 1)).all() and torch.equal(xs * 2 ** 23, torch.round(xs * 2 ** 23))
+    hist = torch.histc(xs, bins=10, min=0.0, max=1.0) / len(xs)
+    assert torch.allclose(hist, torch.full((10,), 0.1, dtype=torch.float64), atol=0.01)
+    assert abs(float(torch.corrcoef(torch.stack([xs[:-1], xs[1:]]))[0, 1])) < 0.03  # no lag-1 correlation
+    d8 = RequestDraws(8)
+    ys = torch.tensor([d8.next() for _ in range(20000)], dtype=torch.float64)
+    assert (xs == ys).float().mean() < 0.001 and abs(float(torch.corrcoef(torch.stack([xs, ys]))[0, 1])) < 0.03
+
+
+def test_a_batch_samples_what_each_row_samples_alone():
+    """One batched call (greedy rows, temperatures, top-k, top-p, both, a row's number next to 1) gives each row the
+    token it gets alone, and never a token the row's cuts removed."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, 50, generator=g) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=0.9, top_k=10, top_p=0.9),
+              SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=1.0, top_k=3),
+              SamplingParams(temperature=1.0, top_k=50), SamplingParams(temperature=1.0, top_p=0.3)]
+    numbers = [0.5, 0.1, 0.9, 0.99, 0.3, 0.7, 1 - 2 ** -23, 0.0, 1 - 2 ** -23]
+    batch = sample_tensor(logits, params, numbers).tolist()
+    alone = [sample_tensor(logits[j:j + 1], [params[j]], [numbers[j]]).item() for j in range(len(params))]
+    assert batch == alone
+    assert batch[5] == int(logits[5].argmax()) and batch[0] == int(logits[0].argmax())  # top_k = 1 is greedy
+    assert batch[6] in torch.topk(logits[6], 3).indices.tolist()  # the largest number stays inside the top 3
+    kept = torch.isfinite(filter_logits(logits[8:9] / 1.0, 0, 0.3))[0]
+    assert kept[batch[8]]
+    assert batch[7] == 0  # the number 0 picks the first token (every token has some probability)
+    with pytest.raises(ValueError, match="numbers"):
+        sample_tensor(logits, params, numbers[:-1])
+
+
+def test_the_largest_number_picks_a_token_where_the_probabilities_add_up_below_it():
+    """float32 probabilities can add up to less than the largest number a request draws (1 - 2^-23); the number is
+    scaled to the row's total, so the pick is still a token of the row (not one past its end)."""
+    for seed in range(3000):  # find such a row
+        g = torch.Generator().manual_seed(seed)
+        vocab = int(torch.randint(2, 4096, (1,), generator=g))
+        logits = torch.randn(1, vocab, generator=g) * float(torch.rand(1, generator=g) * 5)
+        if torch.cumsum(torch.softmax(logits, -1), -1)[0, -1] < 1 - 2 ** -23:
+            break
+    assert torch.cumsum(torch.softmax(logits, -1), -1)[0, -1] < 1 - 2 ** -23
+    picked = sample_tensor(logits, [SamplingParams(temperature=1.0)], [1 - 2 ** -23]).item()
+    assert 0 <= picked < vocab
+
+
+def test_filter_logits_per_row_equals_each_row_alone():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 30, generator=g)
+    ks, ps = [0, 3, 30, 7, 1], [1.0, 0.9, 0.4, 1.0, 0.2]
+    rows = filter_logits(logits, ks, ps)
+    for j in range(5):
+        assert torch.equal(rows[j:j + 1], filter_logits(logits[j:j + 1], ks[j], ps[j]))
+    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
+    # a row without a nucleus cut keeps its tokens even where its probabilities' running sum reaches 1 early
+    sharp = torch.tensor([[30.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.2, 0.1]])
+    assert (torch.cumsum(torch.softmax(sharp[0], -1), -1)[:-1] >= 1.0).any()
+    assert torch.isfinite(filter_logits(sharp, [0, 0], [1.0, 0.5])[0]).all()
 
 
 @pytest.fixture(scope="module")
