@@ -1,10 +1,11 @@
 """Sampling: SamplingParams and the per-request sampler (logits processing, greedy, temperature, top-k, top-p, seeds),
 log-probabilities.
 
-A batch samples in one set of tensor operations whatever its size: temperature, top-k and top-p per row, then one
-inverse-CDF pick per row. Each request's random numbers are counter-based (`RequestDraws`: a hash of its `seed`,
-or when unset of the engine seed and the request's index, and of the draw's index), one a sampled token, so its
-tokens do not depend on which other requests share the batch, nor on the device's random number generator.
+A batch samples in one set of tensor operations whatever its size: temperature, one sort, top-k and top-p per row,
+then one inverse-CDF pick per row over its kept tokens, most likely first. Each request's random numbers are
+counter-based (`RequestDraws`: a hash of its `seed`, or when unset of the engine seed and the request's index, and
+of the draw's index), one a sampled token, so its tokens do not depend on which other requests share the batch,
+nor on the device's random number generator.
 
 Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
 scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
@@ -131,28 +132,16 @@ class RequestDraws:
         return (_mix64((self._key + self.drawn * _GAMMA) & _MASK64) >> 41) / float(1 << 23)
 
 
-def filter_logits(logits: torch.Tensor, top_k: int | Seq[int], top_p: float | Seq[float]) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus (top-p) set to -inf; rows of [n, vocab]. `top_k` and `top_p` hold for
-    every row, or are given one a row (0 and 1.0 leave a row uncut): one topk and one sort for the whole batch."""
-    n, vocab = logits.shape
-    ks = [int(top_k)] * n if isinstance(top_k, int) else [int(k) for k in top_k]
-    ps = [float(top_p)] * n if isinstance(top_p, (int, float)) else [float(p) for p in top_p]
-    cut = [0 < k < vocab for k in ks]
-    if any(cut):
-        values = torch.topk(logits, max(k for k, c in zip(ks, cut) if c), dim=-1).values
-        kth = values.gather(1, torch.tensor([[k - 1 if c else 0] for k, c in zip(ks, cut)], device=logits.device))
-        if not all(cut):
-            kth = kth.masked_fill(torch.tensor([[not c] for c in cut], device=logits.device), float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if any(p < 1.0 for p in ps):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-        reach = torch.tensor([[p if p < 1.0 else math.inf] for p in ps], dtype=probs.dtype, device=logits.device)
-        drop_sorted = before >= reach  # keep the smallest prefix whose mass reaches top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [n, vocab] sorted by logit (most likely first, ties by lower id) and cut: `top_k` [n, 1] (long, k - 1 of
+    each row's top-k, vocab - 1 for none) keeps the logits not below the row's k-th largest, `top_p` [n, 1] keeps the
+    smallest prefix of what is left whose probability reaches it (inf: no cut). Returns the kept tokens'
+    probabilities (unnormalized, 0 where cut) and the sort order (each sorted slot's token id)."""
+    s, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+    s = s.masked_fill(s < s.gather(1, top_k), float("-inf"))
+    probs = torch.softmax(s, dim=-1)
+    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+    return probs.masked_fill(before >= top_p, 0.0), order
 
 
 def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: Seq[History]) -> torch.Tensor:
@@ -183,26 +172,25 @@ def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: Seq[float | None]) -> torch.Tensor:
     """One token per row of `logits` [n, vocab], each with its own params: int64 [n] on the logits' device, queued
     there without waiting (an asynchronous engine feeds them to the next step before reading them). Greedy rows take
-    the argmax; the others divide by their temperature, cut to their top-k and top-p, and pick the first token whose
-    cumulative probability exceeds their number from `uniforms` (in [0, 1), scaled to the row's total; greedy rows'
-    entries are not read)."""
+    the argmax; the others divide by their temperature, cut to their top-k and top-p (`sorted_probs`), and take the
+    first token, most likely first, whose cumulative probability exceeds their number from `uniforms` (in [0, 1),
+    scaled to the kept mass; greedy rows' entries are not read). The rows' numbers travel in one copy."""
     if logits.shape[0] != len(params) or len(params) != len(uniforms):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(uniforms)} numbers")
     rows = [j for j, p in enumerate(params) if not p.greedy]
     if not rows:
         return torch.argmax(logits, dim=-1)
     every = len(rows) == len(params)
+    vocab = logits.shape[-1]
+    per_row = torch.tensor([[params[j].temperature, params[j].top_p if params[j].top_p < 1.0 else math.inf,
+                             uniforms[j], min(params[j].top_k or vocab, vocab) - 1] for j in rows], dtype=torch.float32)
+    per_row = per_row.to(logits.device, non_blocking=True)  # float32 holds the 23-bit numbers and k - 1 exactly
     index = None if every else torch.tensor(rows, device=logits.device)
-    sampled = [params[j] for j in rows]
-    x = (logits if every else logits[index]).float()
-    x = x / torch.tensor([[p.temperature] for p in sampled], device=x.device)
-    x = filter_logits(x, [p.top_k for p in sampled], [p.top_p for p in sampled])
-    cdf = torch.cumsum(torch.softmax(x, dim=-1), dim=-1)
-    u = torch.tensor([[uniforms[j]] for j in rows], dtype=cdf.dtype, device=x.device) * cdf[:, -1:]
-    picked = torch.searchsorted(cdf, u, right=True)[:, 0]
-    if every:
-        return picked
-    return torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
+    x = (logits if every else logits[index]).float() / per_row[:, :1]
+    probs, order = sorted_probs(x, per_row[:, 3:].long(), per_row[:, 1:2])
+    cdf = torch.cumsum(probs, dim=-1)
+    picked = order.gather(1, torch.searchsorted(cdf, per_row[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
+    return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
 
 
 @dataclass(frozen=True)

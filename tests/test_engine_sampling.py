@@ -10,18 +10,25 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import (History, RequestDraws, SamplingParams, adjust_logits, filter_logits, find_stop,
-                                sample_tensor)
+from pwruntime.sampling import (History, RequestDraws, SamplingParams, adjust_logits, find_stop, sample_tensor,
+                                sorted_probs)
 
 
-def test_filter_top_k_and_top_p():
-    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    kept = torch.isfinite(filter_logits(logits, 2, 1.0))[0].tolist()
-    assert kept == [True, True, False, False, False]
+def _support(logits: torch.Tensor, params: SamplingParams) -> set:
+    """The tokens one row samples over a fine grid of numbers."""
+    grid = [i / 4096 for i in range(4096)]
+    return set(sample_tensor(logits.repeat(len(grid), 1), [params] * len(grid), grid).tolist())
+
+
+def test_top_k_and_top_p_keep_what_they_should():
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15]]))
+    assert _support(logits, SamplingParams(temperature=1.0, top_k=2)) == {1, 3}
     # nucleus: smallest prefix reaching 0.8 is {0.5, 0.2, 0.15}
-    assert torch.isfinite(filter_logits(logits, 0, 0.8))[0].tolist() == [True, True, True, False, False]
-    assert torch.isfinite(filter_logits(logits, 0, 0.5))[0].tolist() == [True, False, False, False, False]
-    assert torch.isfinite(filter_logits(logits, 0, 1.0)).all()
+    assert _support(logits, SamplingParams(temperature=1.0, top_p=0.8)) == {1, 3, 4}
+    assert _support(logits, SamplingParams(temperature=1.0, top_p=0.5)) == {1}
+    assert _support(logits, SamplingParams(temperature=1.0)) == {0, 1, 2, 3, 4}
+    assert _support(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.8)) == {1, 3}  # k first, then p
+    assert sample_tensor(logits, [SamplingParams(temperature=1.0)], [0.0]).item() == 1  # 0: the most likely token
 
 
 def test_params_validation_and_stop_search():
@@ -120,9 +127,8 @@ def test_a_batch_samples_what_each_row_samples_alone():
     assert batch == alone
     assert batch[5] == int(logits[5].argmax()) and batch[0] == int(logits[0].argmax())  # top_k = 1 is greedy
     assert batch[6] in torch.topk(logits[6], 3).indices.tolist()  # the largest number stays inside the top 3
-    kept = torch.isfinite(filter_logits(logits[8:9] / 1.0, 0, 0.3))[0]
-    assert kept[batch[8]]
-    assert batch[7] == 0  # the number 0 picks the first token (every token has some probability)
+    assert batch[8] in _support(logits[8:9], params[8])
+    assert batch[7] == int(logits[7].argmax())  # the number 0 picks the most likely token
     with pytest.raises(ValueError, match="numbers"):
         sample_tensor(logits, params, numbers[:-1])
 
@@ -141,18 +147,16 @@ def test_the_largest_number_picks_a_token_where_the_probabilities_add_up_below_i
     assert 0 <= picked < vocab
 
 
-def test_filter_logits_per_row_equals_each_row_alone():
-    g = torch.Generator().manual_seed(1)
-    logits = torch.randn(5, 30, generator=g)
-    ks, ps = [0, 3, 30, 7, 1], [1.0, 0.9, 0.4, 1.0, 0.2]
-    rows = filter_logits(logits, ks, ps)
-    for j in range(5):
-        assert torch.equal(rows[j:j + 1], filter_logits(logits[j:j + 1], ks[j], ps[j]))
-    assert torch.equal(filter_logits(logits, 0, 1.0), logits)
-    # a row without a nucleus cut keeps its tokens even where its probabilities' running sum reaches 1 early
-    sharp = torch.tensor([[30.0, 0.0, 0.0, 0.0], [1.0, 0.5, 0.2, 0.1]])
-    assert (torch.cumsum(torch.softmax(sharp[0], -1), -1)[:-1] >= 1.0).any()
-    assert torch.isfinite(filter_logits(sharp, [0, 0], [1.0, 0.5])[0]).all()
+def test_sorted_probs_cut_per_row():
+    """Each row's own k and p, the kept mass a sorted prefix; a row without a nucleus cut keeps its tokens even where
+    its probabilities' running sum reaches 1 early."""
+    logits = torch.tensor([[30.0, 0.0, 0.0, 0.0], [0.1, 2.0, 0.5, 1.0], [0.1, 2.0, 0.5, 1.0]])
+    assert (torch.cumsum(torch.softmax(logits[0], -1), -1)[:-1] >= 1.0).any()
+    probs, order = sorted_probs(logits, torch.tensor([[3], [1], [3]]), torch.tensor([[float("inf")], [float("inf")],
+                                                                                      [0.7]]))
+    assert (probs[0] > 0).all() and order[0, 0] == 0
+    assert order[1].tolist() == [1, 3, 2, 0] and (probs[1] > 0).tolist() == [True, True, False, False]
+    assert (probs[2] > 0).tolist() == [True, True, False, False]  # 2.0 alone is below 0.7 of the mass
 
 
 @pytest.fixture(scope="module")
