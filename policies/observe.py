@@ -16,8 +16,8 @@ recompute will show them again) with routing weight `r` to expert `e`:
 mean = sum r*x / sum r, rms = sqrt(sum r*x^2 / sum r), max = max x, where `x` is the L2 norm of
 the block's input row: for gate_up, the routed experts' input (one per token); for down, the
 intermediate activation fed to that expert's down projection (one per token and top-k slot).
-`BatchedPromptFeatures.merged(usage)` (policies.features) averages each block's phi over running sequences that routed to it, weighted by
-their KV-block usage; blocks no running sequence routed to get zeros.
+`BatchedPromptFeatures.merged(usage)` (policies.features) averages each block's phi over running sequences that
+routed to it, weighted by their KV-block usage; blocks no running sequence routed to get zeros.
 
 `RoutingStats` is what an engine keeps: both, with each step's routing held until it is needed, so an Observation
 computes them only when a planner reads them (`policies.contract.RoutingReadout`).
@@ -118,14 +118,13 @@ class RoutingStats:
     `add` holds a step's routing; `fold` folds every held step now, in one batch (a few numpy calls whatever the
     number of steps: a small model's decode steps paid those calls' overhead a step); reading the mass, a sequence's
     features or a readout folds first, and `add` folds once the held steps route `hold_slots` (token, layer, top-k)
-    slots or more, so a large model's steps still fold one at a time (a batch's work on the rows it touches grows
-    with their experts; the runtime calls `fold_when_full` while the GPU runs the next forward, so that numpy work
-    overlaps it). Sums come out as one fold
-    a step gives up to rounding, maxima exactly; which steps a fold batches depends only on the steps and the reads,
-    so the same run folds the same way. A sequence dropped while its routing is held is left out of the prompt
-    features' fold of the steps held then, as dropping it after folding them would have removed it (it is in the
-    steps added after the drop: a preempted sequence's recompute; the routing mass keeps every token, as it always
-    did).
+    slots or more (the runtime calls `fold_when_full` while the GPU runs the next forward, so that numpy work
+    overlaps it). Where experts outnumber the held slots of the sequences (a large model's steps), the held steps
+    still fold one at a time (`_batch_pays`). Sums come out as one fold a step gives up to rounding, maxima exactly;
+    which steps a fold batches depends only on the steps and the reads, so the same run folds the same way. A sequence
+    dropped while its routing is held is left out of the prompt features' fold of the steps held then, as dropping it
+    after folding them would have removed it (it is in the steps added after the drop: a preempted sequence's
+    recompute; the routing mass keeps every token, as it always did).
 
     `readout(usage)` is an Observation's RoutingReadout: the mass, and the features merged over `usage` (sequence ->
     KV blocks), each computed when first read. It holds until the next `add` or `drop`; reading it after one raises,
@@ -192,8 +191,10 @@ class RoutingStats:
                 ids, lens = [s for s, k in zip(ids, keep) if k], lens[keep]
             steps.append((ids, lens, step))
         if len(steps) > 1 and self._batch_pays(steps):
-            self.prompt.update_batch([s for ids, _, _ in steps for s in ids], np.concatenate([lens for _, lens, _ in steps]),
-                                     *(np.concatenate(a, axis=1) for a in zip(*(step for _, _, step in steps))))
+            seq_ids = [s for ids, _, _ in steps for s in ids]
+            lens = np.concatenate([lens for _, lens, _ in steps])
+            arrays = (np.concatenate(a, axis=1) for a in zip(*(step for *_, step in steps)))
+            self.prompt.update_batch(seq_ids, lens, *arrays)
         else:
             for ids, lens, step in steps:
                 self.prompt.update_batch(ids, lens, *step)
