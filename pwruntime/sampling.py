@@ -132,16 +132,21 @@ class RequestDraws:
         return (_mix64((self._key + self.drawn * _GAMMA) & _MASK64) >> 41) / float(1 << 23)
 
 
-def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor | None,
+                 top_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [n, vocab] sorted by logit (most likely first, ties by lower id) and cut: `top_k` [n, 1] (long, k - 1 of
     each row's top-k, vocab - 1 for none) keeps the logits not below the row's k-th largest, `top_p` [n, 1] keeps the
-    smallest prefix of what is left whose probability reaches it (inf: no cut). Returns the kept tokens'
-    probabilities (unnormalized, 0 where cut) and the sort order (each sorted slot's token id)."""
+    smallest prefix of what is left whose probability reaches it (inf: no cut); None: no row has that cut (its
+    operations are left out). Returns the kept tokens' probabilities (unnormalized, 0 where cut) and the sort order
+    (each sorted slot's token id)."""
     s, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    s = s.masked_fill(s < s.gather(1, top_k), float("-inf"))
+    if top_k is not None:
+        s = s.masked_fill(s < s.gather(1, top_k), float("-inf"))
     probs = torch.softmax(s, dim=-1)
-    before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-    return probs.masked_fill(before >= top_p, 0.0), order
+    if top_p is not None:
+        before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
+        probs = probs.masked_fill(before >= top_p, 0.0)
+    return probs, order
 
 
 def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: Seq[History]) -> torch.Tensor:
@@ -187,7 +192,9 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: 
     per_row = per_row.to(logits.device, non_blocking=True)  # float32 holds the 23-bit numbers and k - 1 exactly
     index = None if every else torch.tensor(rows, device=logits.device)
     x = (logits if every else logits[index]).float() / per_row[:, :1]
-    probs, order = sorted_probs(x, per_row[:, 3:].long(), per_row[:, 1:2])
+    cut_k = any(0 < params[j].top_k < vocab for j in rows)
+    cut_p = any(params[j].top_p < 1.0 for j in rows)
+    probs, order = sorted_probs(x, per_row[:, 3:].long() if cut_k else None, per_row[:, 1:2] if cut_p else None)
     cdf = torch.cumsum(probs, dim=-1)
     picked = order.gather(1, torch.searchsorted(cdf, per_row[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
     return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
