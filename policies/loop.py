@@ -131,6 +131,18 @@ class PlanLoop:
                    if t.to_bits != t.from_bits and not getattr(t, "in_place", False) and 0 <= t.block < table.num_blocks
                    and table.target[t.block] < 0 and table.q[t.block] == t.from_bits)
 
+    def kv_blocks_to_free(self, nbytes: int, spare_bytes: int, block_bytes: int, free_blocks: int) -> int | None:
+        """How many KV blocks an engine's `reserve` of `nbytes` takes from its pool, holding `spare_bytes` and
+        `free_blocks` of `block_bytes` each: 0 when the spare bytes hold it, None when the free blocks cannot, else
+        enough for every transition of the plan still to begin (`room_left`) as far as the free blocks go, so the
+        pool shrinks once a plan (its blocks the plan does not take come back after it)."""
+        if spare_bytes >= nbytes:
+            return 0
+        need = -(-(nbytes - spare_bytes) // block_bytes)
+        if need > free_blocks:
+            return None
+        return min(max(need, -(-(self.room_left() - spare_bytes) // block_bytes)), free_blocks)
+
     def _begin(self, t: Transition) -> tuple[str | None, int]:
         """Begin one transition; returns (why it was refused or None, bytes moved)."""
         table, i = self.table, t.block

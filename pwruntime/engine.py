@@ -472,19 +472,14 @@ class LLMEngine:
 
     def _reserve(self, nbytes: int) -> bool:
         """Room for a reload, or an offload's new LUT: spare bytes first, then shrink the KV pool over free blocks.
-        When it must shrink, it shrinks once for every transition of the plan still to begin (`PlanLoop.room_left`, as
-        the simulator does), so a plan compacts and resizes the cache once instead of once a transition (the planner
-        step of a plan reloading about a hundred blocks took 46-49 ms on the H200 before); blocks the plan does not take
-        come back after it (`step`)."""
-        if self._spare_bytes >= nbytes:
-            self._spare_bytes -= nbytes
-            return True
-        B = self.block_bytes
-        need = -(-(nbytes - self._spare_bytes) // B)
-        if need > self.pool.num_free:
+        When it must shrink, it shrinks once for every transition of the plan still to begin
+        (`PlanLoop.kv_blocks_to_free`, as the simulator does), so a plan compacts and resizes the cache once instead of
+        once a transition (the planner step of a plan reloading about a hundred blocks took 46-49 ms on the H200
+        before); blocks the plan does not take come back after it (`step`)."""
+        need = self.loop.kv_blocks_to_free(nbytes, self._spare_bytes, self.block_bytes, self.pool.num_free)
+        if need is None:
             return False
-        plan_need = -(-(self.loop.room_left() - self._spare_bytes) // B)
-        need = min(max(need, plan_need), self.pool.num_free)
-        self.shrink_kv(need)
-        self._spare_bytes += need * B - nbytes
+        if need:
+            self.shrink_kv(need)
+        self._spare_bytes += need * self.block_bytes - nbytes
         return True

@@ -239,18 +239,15 @@ class Simulation:
         (compacting if needed).
 
         When the pool must shrink, it shrinks once for all transitions still to begin in this plan
-        (`PlanLoop.room_left`), so a plan costs at most one compaction (blocks it does not need come back at
+        (`PlanLoop.kv_blocks_to_free`), so a plan costs at most one compaction (blocks it does not need come back at
         the boundary)."""
-        head = self._headroom()
-        if head >= nbytes:
-            return True
         B = self.kv_block_bytes
-        need = -(-(nbytes - head) // B)
-        if need > self.pool.num_free:
+        need = self.loop.kv_blocks_to_free(nbytes, self._headroom(), B, self.pool.num_free)
+        if need is None:
             self.rec.count("reload_refused_no_room")
             return False
-        plan_need = -(-(self.loop.room_left() - head) // B)
-        need = min(max(need, plan_need), self.pool.num_free)
+        if need == 0:
+            return True
         before = self.pool.id_limit
         self.pool.shrink(need)
         if before - self.pool.id_limit < need:  # retired blocks left holes inside the id space

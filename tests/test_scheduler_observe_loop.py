@@ -291,6 +291,21 @@ def test_room_left_counts_what_the_plan_still_asks_for():
     assert loop.room_left() == 0
 
 
+def test_kv_blocks_to_free_covers_the_rest_of_the_plan_as_far_as_free_blocks_go():
+    """An engine's `reserve`: nothing from the pool when spare bytes hold the request, None when the free blocks
+    cannot, else the blocks for every transition still to begin, capped at the free blocks (whole blocks, rounded
+    up)."""
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=4)
+    loop = PlanLoop(ScriptedPolicy([]), table)
+    loop.room_left = lambda: 950
+    assert loop.kv_blocks_to_free(300, 300, 100, 0) == 0
+    assert loop.kv_blocks_to_free(300, 50, 100, 2) is None  # 3 blocks needed, 2 free
+    assert loop.kv_blocks_to_free(300, 50, 100, 20) == 9  # the plan's 950 - 50 spare
+    assert loop.kv_blocks_to_free(300, 50, 100, 5) == 5
+    loop.room_left = lambda: 0  # outside a plan: this request alone
+    assert loop.kv_blocks_to_free(301, 0, 100, 20) == 4
+
+
 class _SlowMover:
     """Lands each transfer one step after it started (an async copy stream in miniature)."""
 
