@@ -187,14 +187,14 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: 
         return torch.argmax(logits, dim=-1)
     every = len(rows) == len(params)
     vocab = logits.shape[-1]
-    per_row = torch.tensor([[params[j].temperature, params[j].top_p if params[j].top_p < 1.0 else math.inf,
-                             uniforms[j], min(params[j].top_k or vocab, vocab) - 1] for j in rows], dtype=torch.float32)
-    per_row = per_row.to(logits.device, non_blocking=True)  # float32 holds the 23-bit numbers and k - 1 exactly
+    last = [min(params[j].top_k or vocab, vocab) - 1 for j in rows]  # k - 1 of each row's top-k (vocab - 1: no cut)
+    reach = [params[j].top_p if params[j].top_p < 1.0 else math.inf for j in rows]  # inf: no nucleus cut
+    per_row = torch.tensor([[params[j].temperature, p, uniforms[j], k] for j, p, k in zip(rows, reach, last)],
+                           dtype=torch.float32).to(logits.device, non_blocking=True)  # float32: u and k - 1 exact
     index = None if every else torch.tensor(rows, device=logits.device)
     x = (logits if every else logits[index]).float() / per_row[:, :1]
-    cut_k = any(0 < params[j].top_k < vocab for j in rows)
-    cut_p = any(params[j].top_p < 1.0 for j in rows)
-    probs, order = sorted_probs(x, per_row[:, 3:].long() if cut_k else None, per_row[:, 1:2] if cut_p else None)
+    probs, order = sorted_probs(x, per_row[:, 3:].long() if min(last) < vocab - 1 else None,
+                                per_row[:, 1:2] if min(reach) < math.inf else None)
     cdf = torch.cumsum(probs, dim=-1)
     picked = order.gather(1, torch.searchsorted(cdf, per_row[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
     return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
