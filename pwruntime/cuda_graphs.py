@@ -12,7 +12,9 @@ fixed-shape kernels (kernels.layer_ops), and the expert store must say it is cap
 fused AP kernel reads the device page table at run time, so committing new bits between replays
 needs no recapture). Routing records are static outputs of the graph too, also packed into one word array inside
 the graph (`pack_routing`, so a replay's routing leaves in one copy), and so are the LM head's logits of every row;
-callers get views of the real rows, valid until the next replay.
+callers get views of the real rows, valid until the next replay. A batch in which some request samples (temperature,
+top-k, top-p) is then sampled by a second small graph per size over those logits (`sample`): its rows' values in one
+transfer, one replay for what eagerly is a dozen launches.
 
 A graph bakes the addresses of what it touches, so graphs are dropped and captured again when
 `model.experts` is another object, when the store bumps its `graph_epoch` (a store must do so whenever it
@@ -36,6 +38,7 @@ import torch
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
+from pwruntime.sampling import GREEDY_ROW, ROW_VALUES, needed_cuts, sample_rows
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +186,8 @@ class DecodeInputs:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     out: ForwardOutput          # static outputs of the padded batch (with the routing packed, when recorded)
+    # its logits' samplers by the cuts they run (top-k, top-p; `sampling.needed_cuts`): graph and static tokens
+    samplers: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
 class GraphSet:
@@ -295,6 +300,10 @@ class DecodeGraphs(GraphSet):
         host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
                                   pin_memory=model.device.type == "cuda")
         self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
+        self.sample_values = torch.zeros((self.sizes[-1], ROW_VALUES), dtype=torch.float32, device=model.device)
+        self.sampler_disabled: str | None = None   # why captured sampling is off (its capture failed)
+        self.sampler_replays = 0
+        self._last: tuple[_Captured, int] | None = None   # the last replay and its real rows
 
     def supports(self, rows: DecodeRows) -> bool:
         """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
@@ -305,6 +314,7 @@ class DecodeGraphs(GraphSet):
     def forward(self, rows: DecodeRows, record: bool = False) -> ForwardOutput | None:
         """The forward of `rows` by graph replay (views of the real rows), or None if it must run eagerly."""
         self._drop_stale()
+        self._last = None
         if not self.supports(rows):
             return None
         size = padded_size(len(rows), self.sizes)
@@ -316,11 +326,44 @@ class DecodeGraphs(GraphSet):
         captured.graph.replay()
         self.replays += 1
         n, out = len(rows), captured.out
+        self._last = (captured, n)
         routing = None
         if out.routing is not None:
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:n] for f in fields(r)}) for r in out.routing]
         words = None if out.routing_words is None else out.routing_words[:n]
         return ForwardOutput(out.hidden[:n], routing, words, out.logits[:n])
+
+    def sample(self, logits: torch.Tensor, values: list[tuple[float, ...]]) -> torch.Tensor | None:
+        """The tokens of the last replay's rows by its captured sampler: `sampling.sample_rows` over that replay's
+        logits with each row's `values` (`sampling.row_values`; padding rows greedy) and the cuts they need (a graph
+        for each set of cuts), one transfer and one replay instead of a dozen eager launches. A view of the static tokens, valid until the next replay (consume them in
+        stream order before it). None when `logits` are not the last replay's (e.g. processed first) or the sampler
+        cannot be captured: the caller samples eagerly, the same tokens."""
+        last = self._last
+        if last is None or self.sampler_disabled is not None:
+            return None
+        captured, n = last
+        if len(values) != n or logits.shape[0] != n or logits.data_ptr() != captured.out.logits.data_ptr():
+            return None
+        size = captured.out.logits.shape[0]
+        host = torch.empty((size, ROW_VALUES), dtype=torch.float32, pin_memory=logits.is_cuda)
+        rows = host.numpy()
+        rows[:n], rows[n:] = values, GREEDY_ROW
+        with torch.inference_mode():   # as fill_from: the buffers may be inference tensors
+            self.sample_values[:size].copy_(host, non_blocking=True)  # a pinned block is reused after its copy ran
+            cuts = needed_cuts(values, logits.shape[-1])
+            if cuts not in captured.samplers:
+                try:
+                    captured.samplers[cuts] = self._warm_and_capture(sample_rows, captured.out.logits,
+                                                                     self.sample_values[:size], *cuts)
+                except Exception as e:  # noqa: BLE001 - the forward graphs stay; sampling runs eagerly
+                    self.sampler_disabled = f"capturing the sampler of {size} rows failed: {type(e).__name__}: {e}"
+                    log.warning("%s; sampling runs eagerly from now on", self.sampler_disabled)
+                    return None
+        graph, tokens = captured.samplers[cuts]
+        graph.replay()
+        self.sampler_replays += 1
+        return tokens[:n]
 
     def _stage(self, rows: DecodeRows, size: int) -> None:
         """Pad `rows` to `size` into the pinned host buffers and copy them to the static device buffers in one

@@ -62,7 +62,7 @@ from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, to_host
 from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, SamplingParams, TokenLogprob, adjust_logits,
-                                find_stop, logprobs_on_device, sample_tensor)
+                                find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 
@@ -326,8 +326,8 @@ class LLMEngine:
         asynchronous scheduling the runner keeps them for the next forward."""
         sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
         params = [r.params for r in sampling]
-        tokens = sample_tensor(self._adjusted(logits, sampling), params,
-                               [None if r.draws is None else r.draws.next() for r in sampling])
+        tokens = self.runner.sample(self._adjusted(logits, sampling), params,
+                                    [None if r.draws is None else r.draws.next() for r in sampling])
         logprobs = logprobs_on_device(logits, params, tokens)
         if self.config.async_scheduling:
             self.runner.keep_sampled(tokens, [r.seq.seq_id for r in sampling])

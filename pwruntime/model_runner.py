@@ -1,8 +1,9 @@
-"""ModelRunner: turns a ScheduledBatch into input ids, positions and AttentionMetadata, runs the model.
+"""ModelRunner: turns a ScheduledBatch into input ids, positions and AttentionMetadata, runs the model, samples.
 
 The scheduler's pool already reserved every slot; the runner only reads block tables. It returns the
 logits of the rows that sample (each sampling sequence's last new token) and, when asked, the batch's
 routing on its way to the host (`RoutingCopy`; numpy arrays for the shared observation code, policies.observe).
+`sample` turns those logits into tokens (pwruntime.sampling), through a captured graph after a decode replay.
 
 With asynchronous scheduling the previous step's sampled tokens are still on the device when the next batch is
 prepared: its sequences' last token is a `PENDING_TOKEN` on the host. `keep_sampled` holds a step's tokens in a
@@ -30,6 +31,7 @@ from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing, routing_layout
+from pwruntime.sampling import SamplingParams, row_values, sample_tensor
 
 
 @dataclass(frozen=True)
@@ -170,6 +172,16 @@ class ModelRunner:
         if record and out.routing:
             routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries), out.routing_words)
         return StepOutput(logits, routing)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float | None]) -> torch.Tensor:
+        """The batch's tokens, as `sampling.sample_tensor` gives them: by the decode graphs' captured sampler when
+        `logits` are a decode replay's as it left them and some row samples, else eagerly."""
+        if self.graphs is not None and not all(p.greedy for p in params):
+            vocab = logits.shape[-1]
+            tokens = self.graphs.sample(logits, [row_values(p, u, vocab) for p, u in zip(params, uniforms)])
+            if tokens is not None:
+                return tokens
+        return sample_tensor(logits, params, uniforms)
 
     def copy_blocks(self, moves: list[tuple[int, int]]) -> None:
         """Copy K/V of block src into dst for every (src, dst) (after BlockPool.compact)."""

@@ -174,12 +174,46 @@ def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
+ROW_VALUES = 4  # a row's sampling values: temperature, top-p reach, its number u, k - 1 of its top-k
+GREEDY_ROW = (1.0, math.inf, 0.0, 0.0)  # what a greedy row samples with: its one most likely token, the lowest id
+
+
+def row_values(params: SamplingParams, u: float | None, vocab: int) -> tuple[float, float, float, float]:
+    """The numbers `sample_rows` samples a row with: its temperature, its top-p (inf: no cut), its number in [0, 1)
+    and k - 1 of its top-k (vocab - 1: no cut); a greedy row's are GREEDY_ROW (top-1 at u = 0: the argmax)."""
+    if params.greedy:
+        return GREEDY_ROW
+    if u is None:
+        raise ValueError("a row that samples needs its number u in [0, 1)")
+    return (params.temperature, params.top_p if params.top_p < 1.0 else math.inf, u,
+            min(params.top_k or vocab, vocab) - 1)
+
+
+def needed_cuts(values: Seq[tuple[float, ...]], vocab: int) -> tuple[bool, bool]:
+    """Whether some row that samples has a top-k cut, and whether one has a top-p cut (`row_values`; greedy rows need
+    neither: u = 0 takes the first sorted token). `sample_rows` leaves out a cut no row needs."""
+    rows = [v for v in values if v != GREEDY_ROW]
+    return any(v[3] < vocab - 1 for v in rows), any(v[1] < math.inf for v in rows)
+
+
+def sample_rows(logits: torch.Tensor, values: torch.Tensor, cut_k: bool = True, cut_p: bool = True) -> torch.Tensor:
+    """One token per row of `logits` [n, vocab] for its `values` [n, ROW_VALUES] (float32 on the logits' device,
+    `row_values`): the logits divided by the temperature, cut to the top-k and top-p (`sorted_probs`), then the
+    first token, most likely first, whose cumulative probability exceeds u times the kept mass. Fixed shapes and no
+    host decisions: a CUDA graph can hold it (pwruntime.cuda_graphs). `cut_k` / `cut_p` False leave out a cut that
+    no row has (their operations would change nothing)."""
+    x = logits.float() / values[:, :1]
+    probs, order = sorted_probs(x, values[:, 3:].long() if cut_k else None, values[:, 1:2] if cut_p else None)
+    cdf = torch.cumsum(probs, dim=-1)
+    return order.gather(1, torch.searchsorted(cdf, values[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
+
+
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: Seq[float | None]) -> torch.Tensor:
     """One token per row of `logits` [n, vocab], each with its own params: int64 [n] on the logits' device, queued
     there without waiting (an asynchronous engine feeds them to the next step before reading them). Greedy rows take
-    the argmax; the others divide by their temperature, cut to their top-k and top-p (`sorted_probs`), and take the
-    first token, most likely first, whose cumulative probability exceeds their number from `uniforms` (in [0, 1),
-    scaled to the kept mass; greedy rows' entries are not read). The rows' numbers travel in one copy."""
+    the argmax; the others are sampled by `sample_rows` with their number from `uniforms` (in [0, 1); greedy rows'
+    entries are not read), the top-k / top-p operations left out when none of them has that cut. The rows' values
+    travel in one copy."""
     if logits.shape[0] != len(params) or len(params) != len(uniforms):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(params)} params / {len(uniforms)} numbers")
     rows = [j for j, p in enumerate(params) if not p.greedy]
@@ -187,16 +221,10 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: 
         return torch.argmax(logits, dim=-1)
     every = len(rows) == len(params)
     vocab = logits.shape[-1]
-    last = [min(params[j].top_k or vocab, vocab) - 1 for j in rows]  # k - 1 of each row's top-k (vocab - 1: no cut)
-    reach = [params[j].top_p if params[j].top_p < 1.0 else math.inf for j in rows]  # inf: no nucleus cut
-    per_row = torch.tensor([[params[j].temperature, p, uniforms[j], k] for j, p, k in zip(rows, reach, last)],
-                           dtype=torch.float32).to(logits.device, non_blocking=True)  # float32: u and k - 1 exact
+    values = [row_values(params[j], uniforms[j], vocab) for j in rows]
+    per_row = torch.tensor(values, dtype=torch.float32).to(logits.device, non_blocking=True)  # float32: u, k-1 exact
     index = None if every else torch.tensor(rows, device=logits.device)
-    x = (logits if every else logits[index]).float() / per_row[:, :1]
-    probs, order = sorted_probs(x, per_row[:, 3:].long() if min(last) < vocab - 1 else None,
-                                per_row[:, 1:2] if min(reach) < math.inf else None)
-    cdf = torch.cumsum(probs, dim=-1)
-    picked = order.gather(1, torch.searchsorted(cdf, per_row[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
+    picked = sample_rows(logits if every else logits[index], per_row, *needed_cuts(values, vocab))
     return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
 
 

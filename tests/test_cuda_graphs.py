@@ -515,21 +515,30 @@ def test_cuda_mixed_batch_decode_rows_through_the_kernel_match_reference():
     assert "decode_group" in plan.__dict__ and rel(got.float(), want) < 3e-3
 
 
-def _engine_tokens(model, graphs: bool, grow_at: int | None = None):
+def _engine_outputs(model, graphs: bool, grow_at: int | None = None, params=None, sampler: bool = True):
+    """Each prompt's RequestOutput (with `params`, one a prompt; greedy by default) and the engine; `sampler` False
+    turns the captured sampler off (the eager one then samples the graphs' logits)."""
     from pwruntime.engine import EngineConfig, LLMEngine
     from pwruntime.sampling import SamplingParams
 
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=48, max_num_seqs=4, cuda_graphs=graphs, graph_settle_steps=2))
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in ("And God said", "def main(", "You will", "The")]
+    if not sampler:
+        engine.runner.graphs.sampler_disabled = "turned off by the test"
+    params = params or [SamplingParams(max_tokens=12, ignore_eos=True)] * 4
+    ids = [engine.add_request(p, sp) for p, sp in zip(("And God said", "def main(", "You will", "The"), params)]
     done, step = {}, 0
     while engine.has_unfinished():
         if step == grow_at:
             engine.grow_kv(8)
         for out in engine.step():
-            done[out.request_id] = out.token_ids
+            done[out.request_id] = out
         step += 1
     return [done[i] for i in ids], engine
+
+
+def _engine_tokens(model, graphs: bool, grow_at: int | None = None):
+    outputs, engine = _engine_outputs(model, graphs, grow_at)
+    return [o.token_ids for o in outputs], engine
 
 
 @pytest.mark.gpu
@@ -602,3 +611,55 @@ def test_dense_store_decodes_through_graphs():
     for _ in range(3):
         assert_same_step(*pair.step(), tol=1e-2)
     assert pair.graphs.disabled is None and pair.graphs.replays == 3 and pair.graphs.captures == 1
+
+
+@pytest.mark.gpu
+def test_captured_sampler_picks_the_eager_samplers_tokens(demo):
+    """After a decode replay, DecodeGraphs.sample (one transfer, one replay) gives the tokens sample_tensor gives on
+    the same logits, for greedy, temperature, top-k, top-p and both-cut rows (padding rows greedy), step after step
+    with new numbers; logits that are not the replay's as it left them are refused (the caller samples eagerly)."""
+    from pwruntime.sampling import SamplingParams, row_values, sample_tensor
+
+    pair = Pair(demo.model, 5, seed=2)
+    both = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5), SamplingParams(temperature=1.0, top_p=0.9),
+            SamplingParams(temperature=1.3), SamplingParams(temperature=0.9, top_k=50, top_p=0.8)]
+    plain = [SamplingParams(temperature=0.6)] * 2 + [SamplingParams()] * 2 + [SamplingParams(temperature=1.4)]
+    top_p = [SamplingParams(temperature=1.0, top_p=0.95)] * 4 + [SamplingParams()]
+    top_k = [SamplingParams(temperature=1.0, top_k=40)] + [SamplingParams(temperature=0.5)] * 4
+    gen = torch.Generator().manual_seed(7)
+    for step in range(8):
+        params = (both, plain, top_p, top_k)[step % 4]   # a sampler graph for each set of cuts
+        logits, _ = pair.graph_step(pair.tokens())
+        pair.lens = [x + 1 for x in pair.lens]
+        numbers = [None if p.greedy else float(u) for p, u in zip(params, torch.rand(5, generator=gen))]
+        if step == 0:
+            numbers[3], numbers[4] = 0.0, 1 - 2 ** -23   # the smallest and the largest number
+        want = sample_tensor(logits, params, numbers)
+        values = [row_values(p, u, logits.shape[-1]) for p, u in zip(params, numbers)]
+        got = pair.graphs.sample(logits, values)
+        assert got is not None and got.tolist() == want.tolist()
+        assert pair.graphs.sample(logits.clone(), values) is None
+        assert pair.graphs.sample(logits[:4], values[:4]) is None
+    g = pair.graphs
+    assert g.sampler_disabled is None and g.sampler_replays == 8 and g.replays == 8 and g.captures == 1
+    assert sorted(g._graphs[(8, True)].samplers) == [(False, False), (False, True), (True, False), (True, True)]
+
+
+@pytest.mark.gpu
+def test_engine_samples_through_the_captured_sampler(demo):
+    """An engine whose decode batches sample (seeded temperature, top-k, top-p; one greedy request; log-probabilities)
+    replays the captured sampler and returns the tokens and log-probabilities of the same engine sampling those
+    graphs' logits eagerly."""
+    from pwruntime.sampling import SamplingParams
+
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, top_p=0.9, seed=3, logprobs=2),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, top_k=20, seed=4, logprobs=0),
+              SamplingParams(max_tokens=12, ignore_eos=True, logprobs=1),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.2, seed=5)]
+    captured, c_engine = _engine_outputs(demo.model, graphs=True, params=params)
+    eager, e_engine = _engine_outputs(demo.model, graphs=True, params=params, sampler=False)
+    assert c_engine.runner.graphs.sampler_replays >= 10 and e_engine.runner.graphs.sampler_replays == 0
+    assert c_engine.runner.graphs.replays == e_engine.runner.graphs.replays >= 10
+    assert [o.token_ids for o in captured] == [o.token_ids for o in eager]
+    assert [o.logprobs for o in captured] == [o.logprobs for o in eager]
+    assert len({tuple(o.token_ids) for o in captured}) == 4 and all(len(o.logprobs) == 12 for o in captured[:3])

@@ -2,6 +2,7 @@
 strings, EOS, max tokens."""
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import (History, RequestDraws, SamplingParams, adjust_logits, find_stop, sample_tensor,
-                                sorted_probs)
+from pwruntime.sampling import (GREEDY_ROW, ROW_VALUES, History, RequestDraws, SamplingParams, adjust_logits,
+                                find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs)
 
 
 def _support(logits: torch.Tensor, params: SamplingParams) -> set:
@@ -157,6 +158,41 @@ def test_sorted_probs_cut_per_row():
     assert (probs[0] > 0).all() and order[0, 0] == 0
     assert order[1].tolist() == [1, 3, 2, 0] and (probs[1] > 0).tolist() == [True, True, False, False]
     assert (probs[2] > 0).tolist() == [True, True, False, False]  # 2.0 alone is below 0.7 of the mass
+
+
+def test_every_row_through_sample_rows_matches_sample_tensor():
+    """What a captured sampler runs (pwruntime.cuda_graphs): every row of the batch through `sample_rows` with both
+    cuts, greedy rows as GREEDY_ROW, gives sample_tensor's tokens; a greedy row whose largest logit is tied takes
+    the lowest id (argmax's), and a row that samples needs its number."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 60, generator=g) * 2
+    logits[0, [7, 19, 40]] = logits[1, [3, 59]] = 9.0  # ties for the largest logit in two greedy rows
+    params = [SamplingParams(), SamplingParams(top_k=1, temperature=0.8), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=0.9, top_k=10, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.1)]
+    for trial in range(20):
+        numbers = [None if p.greedy else float(u) for p, u in zip(params, torch.rand(8, generator=g))]
+        if trial == 0:
+            numbers[2], numbers[7] = 0.0, 1 - 2 ** -23
+        values = torch.tensor([row_values(p, u, 60) for p, u in zip(params, numbers)], dtype=torch.float32)
+        assert values.shape[1] == ROW_VALUES
+        assert sample_rows(logits, values).tolist() == sample_tensor(logits, params, numbers).tolist()
+    assert sample_rows(logits, values)[:2].tolist() == [7, 3]
+    # the cuts a batch needs: greedy rows need none; a cut left out where no row has it changes no token
+    for rows, cuts in (([0, 2, 7], (False, False)), ([1, 3, 6], (True, False)), ([4, 2], (False, True)),
+                       ([5], (True, True)), ([0, 6], (False, False))):
+        sub = [params[j] for j in rows]
+        numbers = [None if p.greedy else float(u) for p, u in zip(sub, torch.rand(len(rows), generator=g))]
+        values = [row_values(p, u, 60) for p, u in zip(sub, numbers)]
+        assert needed_cuts(values, 60) == cuts
+        got = sample_rows(logits[rows], torch.tensor(values, dtype=torch.float32), *cuts).tolist()
+        assert got == sample_tensor(logits[rows], sub, numbers).tolist() == sample_rows(
+            logits[rows], torch.tensor(values, dtype=torch.float32)).tolist()
+    assert row_values(SamplingParams(), None, 60) == GREEDY_ROW
+    assert row_values(SamplingParams(temperature=0.5, top_p=0.9, top_k=80), 0.25, 60) == (0.5, 0.9, 0.25, 59)
+    assert row_values(SamplingParams(temperature=0.5), 0.25, 60) == (0.5, math.inf, 0.25, 59)
+    with pytest.raises(ValueError, match="number"):
+        row_values(SamplingParams(temperature=0.5), None, 60)
 
 
 @pytest.fixture(scope="module")
