@@ -2,13 +2,13 @@
 
 `parse_body` reads the JSON (refusing NaN and Infinity, which JSON does not have), `sampling_params` the sampling
 fields of /v1/completions and /v1/chat/completions (log-probabilities included: completions' `logprobs` N, chat's
-`logprobs` true with `top_logprobs` N; and vLLM's extra fields `top_k`, `min_tokens`, `ignore_eos`,
+`logprobs` true with `top_logprobs` N; `logit_bias`; and vLLM's extra fields `top_k`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`), `completion_prompts` the prompts of
 /v1/completions in each OpenAI form (a string, a list of strings, a list of token ids, a list of token-id lists),
 `num_choices` and `engine_requests` the engine requests of a body: each prompt's `n` choices, prompt-major (choice
 i of a request with `seed` s samples with seed s + i), `check_unsupported` the options this server does not serve
-(best_of, echo), and `check_text` refuses strings that are not valid Unicode (lone surrogates), which the tokenizer
-cannot encode. Each error names the field and what it accepts.
+(best_of, echo, suffix, tools, a response_format other than text), and `check_text` refuses strings that are not
+valid Unicode (lone surrogates), which the tokenizer cannot encode. Each error names the field and what it accepts.
 """
 from __future__ import annotations
 
@@ -103,6 +103,27 @@ def _token_ids(body: dict, key: str, vocab: int) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
+    """`logit_bias`, as OpenAI's: an object mapping token ids (as strings) to biases in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    form = f"'logit_bias' must map token ids (strings of integers in 0..{vocab - 1}) to numbers in [-100, 100]"
+    if not isinstance(value, dict):
+        raise RequestError(f"{form}, got {_brief(value)}")
+    out = {}
+    for key, bias in value.items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < vocab:
+            raise RequestError(f"{form}; the key {_brief(key)} is not a token id")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise RequestError(f"{form}; the key {_brief(key)} has {_brief(bias)}")
+        if token in out:
+            raise RequestError(f"{form}; token {token} is named twice")
+        out[token] = float(bias)
+    return out
+
+
 def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int) -> SamplingParams:
     """The sampling fields; `default_max_tokens` when neither max_tokens nor max_completion_tokens is given; token
     ids lie in 0..vocab - 1. `top_k` -1 or 0 is no cut, as vLLM's -1."""
@@ -133,6 +154,7 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int)
                               presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                               repetition_penalty=_number(body, "repetition_penalty", 1.0, -math.inf, math.inf),
+                              logit_bias=_logit_bias(body, vocab),
                               logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
     except ValueError as e:  # what SamplingParams refuses: top_p 0, an empty stop string, min_tokens > max_tokens ...
         raise RequestError(f"bad sampling parameter: {e}") from None
@@ -188,6 +210,16 @@ def check_unsupported(body: dict) -> None:
                            "send best_of = 1")
     if flag(body, "echo"):
         raise RequestError("'echo' is not supported; send the prompt's text yourself")
+    if body.get("suffix"):
+        raise RequestError("'suffix' (text after the completion) is not supported; leave it out")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise RequestError(f"'{key}' (tool calls) is not supported; leave it out and describe the tools in a "
+                               "message if the model should know of them")
+    response_format = body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        raise RequestError(f"'response_format' {_brief(response_format)} is not supported (no constrained "
+                           "decoding); leave it out or send {\"type\": \"text\"}")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, got {json.dumps(options)}")

@@ -19,8 +19,9 @@ be truncated. Wall time is used only for metrics and `Observation.time_s`.
 Log-probabilities: a request whose SamplingParams ask (`logprobs`) gets a TokenLogprob per sampled token,
 kept beside its sequence's output tokens and aligned with them (a preempted sequence keeps its tokens and
 recomputes only their K/V, sampling nothing again, so its records neither repeat nor go missing). They are of the
-raw logits: the logits processing a request may ask for (`min_tokens`, the penalties: pwruntime.sampling) changes
-what it samples, from its prompt, its output so far and its stop tokens, and only requests that ask pay for it;
+raw logits: the logits processing a request may ask for (`logit_bias`, `min_tokens`, the penalties:
+pwruntime.sampling) changes what it samples, from its prompt, its output so far and its stop tokens, and only
+requests that ask pay for it;
 stop strings, too, are looked for only once a request has more than `min_tokens` output tokens, as vLLM's.
 
 Asynchronous scheduling (`async_scheduling`, off by default; vLLM's `--async-scheduling`): a step launches its
@@ -30,8 +31,8 @@ later), so the host's scheduling, input preparation and launches overlap the dev
 The previous step's tokens reach the next forward on the device (ModelRunner.keep_sampled). What it changes: a
 request's tokens become visible a step later, a sequence that an EOS, stop token or stop string ends computes one
 more token, which is dropped, and the planner observes and plans while the next batch runs. While a request asks
-for logits processing (min_tokens, penalties: it reads every token so far) steps settle before scheduling, as
-synchronous ones do. Greedy and seeded outputs are the same tokens as without it.
+for logits processing that reads every token so far (min_tokens, penalties; not `logit_bias`) steps settle before
+scheduling, as synchronous ones do. Greedy and seeded outputs are the same tokens as without it.
 
 Traces: with `record_traces` (or a `recorder`), a TraceRecorder collects the request and routing
 traces in the traces/ schema; `engine.recorder.write(dir)` writes them.
@@ -234,6 +235,8 @@ class LLMEngine:
             raise UserError("the prompt has no tokens; give a non-empty prompt")
         if min(ids) < 0 or max(ids) >= mc.vocab:
             raise UserError(f"prompt token ids must lie in 0..{mc.vocab - 1}")
+        if params.logit_bias and params.logit_bias[-1][0] >= mc.vocab:
+            raise UserError(f"logit_bias names token {params.logit_bias[-1][0]}; token ids lie in 0..{mc.vocab - 1}")
         if len(ids) >= mc.max_position:
             raise UserError(f"the prompt has {len(ids)} tokens but the model handles at most {mc.max_position} "
                             "positions; shorten the prompt")
@@ -283,7 +286,7 @@ class LLMEngine:
         asynchronous scheduling the batch launched here settles in the next step, after that step's launch."""
         marks = [self.clock()]
         finished: list[Sequence] = []
-        if self._inflight is not None and any(r.params.adjusts_logits for r in self._requests.values()):
+        if self._inflight is not None and any(r.params.reads_history for r in self._requests.values()):
             # their logits processing reads every token so far
             finished += self._settle(self._inflight)
             self._inflight = None

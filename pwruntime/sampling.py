@@ -12,7 +12,8 @@ scheduler; stop strings on the decoded text (the returned text is cut before the
 the token ids keep every sampled token, including the one that completed the stop); `max_tokens`.
 
 Logits processing (`adjust_logits`, as vLLM's, before sampling and before greedy's argmax too), for the rows that
-ask: while a request has fewer than `min_tokens` output tokens, the tokens that would stop it (EOS unless
+ask: `logit_bias` adds each listed token's bias (OpenAI's: -100 bans a token in practice, 100 all but forces it);
+while a request has fewer than `min_tokens` output tokens, the tokens that would stop it (EOS unless
 `ignore_eos`, `stop_token_ids`) are masked, so none can end it early; then the repetition penalty p scales the
 logit of every token seen in the prompt or the output (divided by p where positive, multiplied by p otherwise),
 and each token of the output loses `frequency_penalty` times its count there plus `presence_penalty` once.
@@ -49,8 +50,17 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), by token id (a dict is taken)
 
     def __post_init__(self) -> None:
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
+        ids = [t for t, _ in self.logit_bias]
+        if len(set(ids)) != len(ids) or (ids and ids[0] < 0):
+            raise ValueError(f"logit_bias must name distinct token ids >= 0, got {ids[:8]}")
+        bad = next((b for _, b in self.logit_bias if not -100.0 <= b <= 100.0), None)  # also refuses NaN
+        if bad is not None:
+            raise ValueError(f"logit_bias values must lie in [-100, 100], got {bad}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
@@ -82,10 +92,15 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
-    def adjusts_logits(self) -> bool:
-        """Whether `adjust_logits` changes this request's logits."""
+    def reads_history(self) -> bool:
+        """Whether this request's logits processing reads its tokens so far (min_tokens, the penalties)."""
         return (self.min_tokens > 0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether `adjust_logits` changes this request's logits."""
+        return self.reads_history or bool(self.logit_bias)
 
 
 @dataclass(frozen=True)
@@ -158,6 +173,8 @@ def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: 
     out = logits.to(torch.float32, copy=True)
     for j in rows:
         p, h, row = params[j], histories[j], out[j]
+        if p.logit_bias:
+            row[_ids([t for t, _ in p.logit_bias], row)] += torch.tensor([b for _, b in p.logit_bias], device=row.device)
         if len(h.output_ids) < p.min_tokens and h.stop_ids:
             row[_ids(h.stop_ids, row)] = float("-inf")
         if p.repetition_penalty != 1.0:

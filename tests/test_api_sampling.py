@@ -1,5 +1,5 @@
-"""vLLM's extra sampling fields on both endpoints: top_k, ignore_eos, stop_token_ids, min_tokens and the presence,
-frequency and repetition penalties; each bad value one 400 naming the field."""
+"""OpenAI's logit_bias and vLLM's extra sampling fields on both endpoints: top_k, ignore_eos, stop_token_ids,
+min_tokens and the presence, frequency and repetition penalties; each bad value one 400 naming the field."""
 from __future__ import annotations
 
 import json
@@ -73,6 +73,27 @@ def test_penalties_break_a_greedy_repetition(client, model, penalty):
     assert "".join(c.choices[0].text for c in streamed) == penalized.choices[0].text
 
 
+def test_logit_bias_bans_and_forces_tokens(client, model):
+    """-100 keeps a token out of a greedy answer (its first token changes), 100 makes a token every token of it,
+    greedy or sampled, streamed or not, on both endpoints (the openai client's own `logit_bias`)."""
+    def ids(r) -> list[int]:
+        return model.tokenizer.encode(r.choices[0].text, add_special_tokens=False)
+
+    plain = _complete(client, max_tokens=12)
+    first = ids(plain)[0]
+    banned = _complete(client, max_tokens=12, logit_bias={str(first): -100})
+    assert first not in ids(banned) and banned.choices[0].text != plain.choices[0].text
+    forced = model.tokenizer.encode(" Moses", add_special_tokens=False)[0]
+    want = model.tokenizer.decode([forced] * 6)
+    for kw in ({}, {"temperature": 1.0, "seed": 3}):
+        kw = {"max_tokens": 6, "logit_bias": {str(forced): 100}, **kw}
+        assert _complete(client, **kw).choices[0].text == want
+        assert "".join(c.choices[0].text for c in _complete(client, stream=True, **kw)) == want
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Who wrote Psalms?"}],
+                                          max_tokens=4, temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == model.tokenizer.decode([forced] * 4)
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"top_k": -2}, "'top_k' must be at least -1, got -2"), ({"top_k": 1.5}, "'top_k' must be an integer"),
     ({"ignore_eos": "yes"}, "'ignore_eos' must be true or false"),
@@ -86,6 +107,15 @@ def test_penalties_break_a_greedy_repetition(client, model, penalty):
     ({"frequency_penalty": "1"}, "'frequency_penalty' must be a number"),
     ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0, got 0.0"),
     ({"repetition_penalty": -1.5}, "repetition_penalty must be a finite number > 0, got -1.5"),
+    ({"logit_bias": {"4096": 1}}, "'logit_bias' must map token ids (strings of integers in 0..4095) to numbers in "
+                                  "[-100, 100]; the key \"4096\" is not a token id"),
+    ({"logit_bias": {"-1": 1}}, "the key \"-1\" is not a token id"),
+    ({"logit_bias": {"x": 1}}, "the key \"x\" is not a token id"),
+    ({"logit_bias": {"5": 101}}, "the key \"5\" has 101"),
+    ({"logit_bias": {"5": "1"}}, "the key \"5\" has \"1\""),
+    ({"logit_bias": {"5": True}}, "the key \"5\" has true"),
+    ({"logit_bias": {"5": 1, "05": 2}}, "token 5 is named twice"),
+    ({"logit_bias": [5]}, "'logit_bias' must map token ids"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_extra_fields_get_one_400_naming_them(base_url, path, fields, message):

@@ -137,6 +137,7 @@ def _same(sync, asyn):
 @pytest.mark.parametrize("params", [
     SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
     SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3, logprobs=0),
+    SamplingParams(max_tokens=12, temperature=0.9, seed=4, logprobs=1, logit_bias={5: 4.0, 17: -100.0}),
 ])
 def test_async_engine_equals_sync(model, params):
     se, sync = _run(model, params, False)

@@ -13,6 +13,7 @@ from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
 from pwruntime.sampling import (GREEDY_ROW, ROW_VALUES, History, RequestDraws, SamplingParams, adjust_logits,
                                 find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs)
+from traces.clikit import UserError
 
 
 def _support(logits: torch.Tensor, params: SamplingParams) -> set:
@@ -63,6 +64,47 @@ def test_adjust_logits_follows_vllms_formulas():
     assert logits[0, 0] == 2.0  # the input is not changed
     assert params[0].greedy and sample_tensor(logits[:1], params[:1], [None]).tolist() == [3]
     assert sample_tensor(out[:1], params[:1], [None]).tolist() == [0]  # greedy: the argmax of the processed logits
+
+
+def test_logit_bias_adds_to_the_listed_tokens_before_the_other_processing():
+    """Each listed token gains its bias (a dict or pairs, kept sorted by id); the min_tokens mask still wins; a row
+    with only a bias does not read its history."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 2)
+    history = History(prompt_ids=[0, 1], output_ids=[3], stop_ids={4})
+    bias = SamplingParams(logit_bias={4: 100, 1: -2.5})
+    assert bias.logit_bias == ((1, -2.5), (4, 100.0)) and bias.adjusts_logits and not bias.reads_history
+    both = SamplingParams(logit_bias=((4, 100.0), (0, -100.0)), min_tokens=2)
+    assert both.reads_history
+    out = adjust_logits(logits, [bias, both], [history] * 2)
+    assert out[0].tolist() == [2.0, -3.5, 0.5, 3.0, 98.0, 0.0]
+    assert out[1].tolist() == [-98.0, -1.0, 0.5, 3.0, float("-inf"), 0.0]  # 1 output < min_tokens 2: 4 masked
+    assert sample_tensor(out[:1], [bias], [None]).tolist() == [4]  # greedy takes the biased token
+
+
+@pytest.mark.parametrize("bias, message", [
+    ({3: 100.5}, "logit_bias values must lie in [-100, 100], got 100.5"),
+    ({3: float("nan")}, "logit_bias values must lie in [-100, 100], got nan"),
+    (((3, 1.0), (3, 2.0)), "logit_bias must name distinct token ids >= 0"),
+    ({-1: 1.0}, "logit_bias must name distinct token ids >= 0, got [-1]"),
+])
+def test_logit_bias_is_checked(bias, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SamplingParams(logit_bias=bias)
+
+
+def test_engine_follows_logit_bias_and_refuses_a_token_past_the_vocabulary(model):
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4)
+    plain = LLMEngine(model, cfg).generate([_prompt(1)], SamplingParams(max_tokens=6, ignore_eos=True))[0]
+    forced = next(t for t in range(5, model.config.vocab) if t not in plain.token_ids)
+    for kw in ({}, {"temperature": 1.0, "seed": 2}):
+        out = LLMEngine(model, cfg).generate([_prompt(1)], SamplingParams(
+            max_tokens=6, ignore_eos=True, logit_bias={forced: 100}, **kw))[0]
+        assert out.token_ids == [forced] * 6
+    banned = LLMEngine(model, cfg).generate([_prompt(1)], SamplingParams(
+        max_tokens=6, ignore_eos=True, logit_bias={plain.token_ids[0]: -100}))[0]
+    assert banned.token_ids[0] != plain.token_ids[0] and plain.token_ids[0] not in banned.token_ids
+    with pytest.raises(UserError, match="logit_bias names token"):
+        LLMEngine(model, cfg).add_request(_prompt(1), SamplingParams(logit_bias={model.config.vocab: 1.0}))
 
 
 @pytest.mark.parametrize("kw, message", [
