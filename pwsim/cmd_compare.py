@@ -1,19 +1,17 @@
 """`pwsim compare`: every policy at every budget; a table (printed, JSON, CSV) and comparison plots.
 
 With no arguments it runs the bundled default (`pwsim.defaults`). Runs go to `--jobs` worker
-processes; each run is fully determined by its config (seeded), so the table does not depend on
+processes (pwsim.parallel); each run is fully determined by its config (seeded), so the table does not depend on
 the number of workers or the order they finish in.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
-from pwsim.cmd_run import add_common, config_from_args, parse_policy
+from pwsim.cmd_run import add_common, common_flags, config_from_args, parse_policy, validate_config
+from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit, parse_size
 from traces.clikit import UserError, check_output
@@ -92,11 +90,6 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _jobs(requested: int | None, n_runs: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(n_runs, requested if requested else cores))
-
-
 def run(args: argparse.Namespace) -> int:
     from pwsim import output, plots
 
@@ -118,32 +111,10 @@ def run(args: argparse.Namespace) -> int:
     if tl_budget not in budgets:
         raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
     out = check_output(args.out)  # written only once every run is done (output.write_files)
-    _validate(configs[0][2])
-    jobs = _jobs(args.jobs, len(configs))
-    results: dict[int, tuple] = {}
-    from tqdm import tqdm
-    bar = tqdm(total=len(configs), desc="simulations", unit="run", file=sys.stderr, disable=args.no_progress)
-    try:
-        if jobs == 1:
-            for k, (p, b, cfg) in enumerate(configs):
-                results[k] = run_one(cfg.to_json(), b == tl_budget)
-                bar.update(1)
-        else:
-            import multiprocessing as mp
-            os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # one core per worker
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-                futs = {pool.submit(run_one, cfg.to_json(), b == tl_budget): k for k, (p, b, cfg) in enumerate(configs)}
-                try:
-                    for f in as_completed(futs):
-                        results[futs[f]] = f.result()
-                        bar.update(1)
-                except BaseException:  # a run failed (e.g. a user error in a worker): do not start the others
-                    for f in futs:
-                        f.cancel()
-                    raise
-    finally:
-        bar.close()
+    validate_config(configs[0][2])
+    jobs = worker_count(args.jobs, len(configs))
+    results = map_jobs(run_one, [(cfg.to_json(), b == tl_budget) for _, b, cfg in configs], jobs, "simulations",
+                       "run", progress=not args.no_progress)
     rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]
     first = next((results[k][0] for k in range(len(configs)) if results[k][0] is not None), None)
     if first is None:  # nothing to tabulate or plot
@@ -180,38 +151,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _validate(cfg) -> None:
-    """Fail fast (in this process, with a clear message) on a bad card, profile, calibration or trace."""
-    from pwsim import runner
-    from pwsim.hardware import load_profile
-    runner._card(cfg.model)
-    load_profile(cfg.hardware)
-    runner._calibration(cfg.calibration, cfg.model, cfg.seed)
-    if cfg.uses_quality_fit:
-        from pwsim.quality import load_fit_points
-        load_fit_points(cfg.quality_fit)
-    if cfg.trace != "synthetic":
-        runner.build_workload(cfg)
-    else:  # the requests alone (cheap): a bad --rate or --burstiness is refused here, not in every worker
-        from traces.generators import generate_requests
-        generate_requests(cfg.workload.specs()[0], cfg.seed)
-
-
 def _command(args, policies, budgets) -> str:
-    parts = ["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
-    for flag in ("trace", "model", "calibration", "hardware", "seed", "requests", "rate", "burstiness",
-                 "prompt_dist", "output_dist", "domains", "token_ids_vocab", "shared_prefix_tokens", "prefix_groups",
-                 "quality_fit"):
-        v = getattr(args, flag)
-        if v is not None and v != args._defaults.get(flag):
-            parts.append(f"--{flag.replace('_', '-')} {v}")
-    if args.enable_prefix_caching:
-        parts.append("--enable-prefix-caching")
-    if args.async_scheduling:
-        parts.append("--async-scheduling")
-    if args.warmup_requests:
-        parts.append(f"--warmup-requests {args.warmup_requests}")
-    return " ".join(parts)
+    return " ".join(["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}",
+                     *common_flags(args)])
 
 
 def register(subparsers) -> None:
@@ -231,8 +173,4 @@ def register(subparsers) -> None:
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--no-progress", action="store_true")
     add_common(p)
-    p.set_defaults(func=run, _defaults={})
-
-    def _capture_defaults(parser=p):
-        return {a.dest: a.default for a in parser._actions}
-    p.set_defaults(_defaults=_capture_defaults())
+    p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions})

@@ -49,6 +49,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
                         "the host's work")
+    g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
+                   help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
+                        "at twice the rate; default 1)")
     e.add_argument("--warmup-requests", type=int, default=0, metavar="N",
                    help="as `pwruntime replay --warmup-requests N`: serve the trace's first N prompts at once (16 "
                         "tokens each) before the clock starts and outside every metric; what their pressure planned "
@@ -88,7 +91,45 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
-                       async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests)
+                       async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests,
+                       time_scale=args.time_scale)
+
+
+def validate_config(cfg) -> None:
+    """Fail fast (in this process, with a clear message) on a bad card, profile, calibration or trace."""
+    from pwsim import runner
+    from pwsim.hardware import load_profile
+    runner._card(cfg.model)
+    load_profile(cfg.hardware)
+    runner._calibration(cfg.calibration, cfg.model, cfg.seed)
+    if cfg.uses_quality_fit:
+        from pwsim.quality import load_fit_points
+        load_fit_points(cfg.quality_fit)
+    if cfg.trace != "synthetic":
+        runner.build_workload(cfg)
+    else:  # the requests alone (cheap): a bad --rate or --burstiness is refused here, not in every worker
+        from traces.generators import generate_requests
+        generate_requests(cfg.workload.specs()[0], cfg.seed)
+
+
+def common_flags(args: argparse.Namespace) -> list[str]:
+    """The `add_common` flags that differ from their defaults (`args._defaults`), as a command line would give them."""
+    parts = []
+    for flag in ("trace", "model", "calibration", "hardware", "seed", "requests", "rate", "burstiness",
+                 "prompt_dist", "output_dist", "domains", "token_ids_vocab", "shared_prefix_tokens", "prefix_groups",
+                 "quality_fit"):
+        v = getattr(args, flag)
+        if v is not None and v != args._defaults.get(flag):
+            parts.append(f"--{flag.replace('_', '-')} {v}")
+    if args.enable_prefix_caching:
+        parts.append("--enable-prefix-caching")
+    if args.async_scheduling:
+        parts.append("--async-scheduling")
+    if args.warmup_requests:
+        parts.append(f"--warmup-requests {args.warmup_requests}")
+    if args.time_scale != 1.0:
+        parts.append(f"--time-scale {args.time_scale:g}")
+    return parts
 
 
 def parse_policy(name: str, args_list: list[str]) -> dict:

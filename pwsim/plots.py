@@ -1,6 +1,7 @@
 """Figures of simulation results (matplotlib, Agg backend): one run's timelines and latencies, and the
 comparison plots of `pwsim compare` (quality vs memory like the paper's Figure 5, throughput,
-timelines per policy), and the model-against-measurement plots of `pwsim fidelity` and `pwsim prefill-fit`."""
+timelines per policy), the latency-against-rate curves of `pwsim capacity`, and the model-against-measurement plots
+of `pwsim fidelity` and `pwsim prefill-fit`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -143,6 +144,36 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, loc="lower right")
+    return _save(fig, path)
+
+
+def capacity(results: dict[str, dict], slo: dict, path: Path) -> Path:
+    """Per policy, the SLO's TTFT and TPOT percentile against the arrival rate at every point the search ran (open
+    markers: points that missed), the bounds dashed and each policy's capacity dotted."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    key = f"p{slo['percentile']}"
+    for name, res in results.items():
+        pts = res["points"]
+        rate = np.array([p["rate_rps"] for p in pts])
+        met = np.array([p["met"] for p in pts])
+        for ax, field in zip(axes, ("ttft_s", "tpot_s")):
+            y = np.array([np.nan if p[field] is None else p[field] * 1e3 for p in pts])
+            line, = ax.plot(rate, y, lw=1.0, label=name)
+            ax.scatter(rate[met], y[met], s=18, color=line.get_color())
+            ax.scatter(rate[~met], y[~met], s=18, facecolors="none", edgecolors=line.get_color())
+            if res["rate_rps"] is not None:
+                ax.axvline(res["rate_rps"], ls=":", lw=1.0, color=line.get_color())
+    for ax, field, label in zip(axes, ("ttft_s", "tpot_s"), ("TTFT", "TPOT")):
+        if slo[field] is not None:
+            ax.axhline(slo[field] * 1e3, ls="--", color="k", lw=0.8, label="SLO")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate (requests / s)")
+        ax.set_ylabel(f"{label} {key} (ms)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("capacity: dotted, the highest rate that met the SLO", fontsize=9)
     return _save(fig, path)
 
 

@@ -70,6 +70,11 @@ class RunConfig:
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
     async_scheduling: bool = False  # SimConfig.async_scheduling
     warmup_requests: int = 0  # SimConfig.warmup_requests
+    time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.time_scale < float("inf"):  # also refuses NaN
+            raise UserError(f"--time-scale must be a number > 0, got {self.time_scale}")
 
     @property
     def label(self) -> str:
@@ -155,12 +160,19 @@ def _calibration(source: str, card_name: str, seed: int):
 
 
 def build_workload(cfg: RunConfig):
+    """The run's requests and routing; arrivals scaled by `time_scale` after the routing is drawn (the same requests
+    and routing, closer together or further apart)."""
     from pwsim import workload
     card = _card(cfg.model)
     if cfg.trace == SYNTHETIC:
         w, r = cfg.workload.specs()
-        return workload.synthetic(card, w, r, cfg.seed)
-    return workload.from_trace_dir(cfg.trace, card, cfg.workload.specs()[1], cfg.seed)
+        wl = workload.synthetic(card, w, r, cfg.seed)
+    else:
+        wl = workload.from_trace_dir(cfg.trace, card, cfg.workload.specs()[1], cfg.seed)
+    if cfg.time_scale != 1.0:
+        wl = replace(wl, arrival_s=wl.arrival_s * cfg.time_scale,
+                     description={**wl.description, "time_scale": cfg.time_scale})
+    return wl
 
 
 def build(cfg: RunConfig) -> Simulation:

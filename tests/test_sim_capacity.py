@@ -1,0 +1,135 @@
+"""`pwsim capacity` and pwsim.capacity: the search, the SLO, the arrival time scale it runs on, the command end to end
+and under misuse."""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from pwsim.capacity import SLO, LoadPoint, base_rate_rps, search
+from pwsim.cli import main
+from pwsim.runner import RunConfig, build_workload, execute, make_config
+from traces.clikit import UserError
+
+# the bundled demo model, trace and calibration at 32 MiB (a run takes a fraction of a second); a narrow search
+DEMO = ["--budget", "32MiB", "--slo-ttft", "0.05", "--min-rate", "0.5", "--max-rate", "4", "--tolerance", "0.2"]
+
+
+def _point(m: float, met: bool) -> LoadPoint:
+    return LoadPoint(m, 10.0 * m, met, "" if met else "over", 0.01, 0.001, 100.0, 5, 5)
+
+
+@pytest.mark.parametrize("threshold", [0.3, 3.3, 7.9, 63.0])
+def test_search_brackets_the_highest_multiplier_that_meets(threshold):
+    """Doubling from the lowest multiplier, then geometric bisection: the capacity met, the next point above missed,
+    within the tolerance; each multiplier run once, the points in order."""
+    calls = []
+
+    def run(m):
+        calls.append(m)
+        return _point(m, m <= threshold)
+
+    cap = search(run, 0.25, 64.0, 0.05)
+    assert cap.multiplier <= threshold < cap.missed_at and cap.missed_at / cap.multiplier <= 1.05
+    assert [p.multiplier for p in cap.points] == sorted(set(calls)) == sorted(calls)
+    assert cap.at_capacity.met and cap.note == "" and len(calls) <= 16
+    assert cap.to_json()["rate_rps"] == pytest.approx(10.0 * cap.multiplier)
+
+
+def test_search_reports_a_floor_missed_and_a_ceiling_met():
+    never = search(lambda m: _point(m, False), 0.5, 8.0, 0.1)
+    assert never.multiplier is None and never.missed_at == 0.5 and len(never.points) == 1
+    assert never.at_capacity is None and "lowest" in never.note and never.to_json()["rate_rps"] is None
+    always = search(lambda m: _point(m, True), 0.5, 8.0, 0.1)
+    assert always.multiplier == 8.0 and always.missed_at is None and "ceiling" in always.note
+    assert [p.multiplier for p in always.points] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    with pytest.raises(ValueError, match="lowest < highest"):
+        search(lambda m: _point(m, True), 2.0, 2.0, 0.1)
+    with pytest.raises(ValueError, match="tolerance"):
+        search(lambda m: _point(m, True), 1.0, 2.0, 0.0)
+
+
+def test_slo_reads_its_percentile_and_needs_every_request_done():
+    summary = {"requests": 4, "completed": 4, "ttft_s": {"p50": 0.01, "p90": 0.04, "p99": 0.09},
+               "tpot_s": {"p50": 0.001, "p90": 0.002, "p99": 0.004}}
+    assert SLO(ttft_s=0.05, percentile=90).check(summary) == (True, "")
+    met, why = SLO(ttft_s=0.05).check(summary)
+    assert not met and why == "TTFT p99 90 ms > 50 ms"
+    assert SLO(tpot_s=0.003, percentile=90).check(summary)[0]
+    assert SLO(tpot_s=0.003).check(summary) == (False, "TPOT p99 4 ms > 3 ms")
+    assert SLO(ttft_s=1.0).check({**summary, "completed": 3}) == (False, "1 requests did not complete")
+    for kw, msg in ((dict(), "needs a TTFT or a TPOT"), (dict(ttft_s=0.0), "must be a number > 0"),
+                    (dict(tpot_s=float("nan")), "must be a number > 0"), (dict(ttft_s=1.0, percentile=95), "one of")):
+        with pytest.raises(ValueError, match=msg):
+            SLO(**kw)
+
+
+def test_time_scale_moves_only_the_arrivals():
+    cfg = make_config("32MiB")
+    base, fast = build_workload(cfg), build_workload(replace(cfg, time_scale=0.5))
+    assert np.allclose(fast.arrival_s, base.arrival_s * 0.5)
+    assert np.array_equal(fast.prompt_tokens, base.prompt_tokens) and fast.description["time_scale"] == 0.5
+    assert RunConfig.from_json(replace(cfg, time_scale=0.5).to_json()).time_scale == 0.5
+    arrivals = base.arrival_s
+    assert base_rate_rps(cfg) == pytest.approx((len(arrivals) - 1) / (arrivals.max() - arrivals.min()))
+    with pytest.raises(UserError, match="--time-scale must be a number > 0"):
+        replace(cfg, time_scale=-1.0)
+    # twice the rate queues requests longer behind each other
+    assert execute(replace(cfg, time_scale=0.25)).summary["ttft_s"]["p99"] > execute(cfg).summary["ttft_s"]["p99"]
+
+
+def test_capacity_command_end_to_end(tmp_path, capsys):
+    """Per policy, a capacity whose point met and whose next point missed; pagedweight serves a higher rate than fp16
+    at 32 MiB (fp16's weights leave the KV cache little room); `pwsim run --time-scale 1/m` at the capacity repeats
+    the reported TTFT; the files are written, and one or two jobs give the same result."""
+    out = tmp_path / "cap"
+    assert main(["capacity", "--policies", "fp16,pagedweight", "--jobs", "2", "--out", str(out), *DEMO]) == 0
+    text = capsys.readouterr().out
+    assert "capacity (x trace rate)" in text and "reproduce: pwsim capacity --policies fp16,pagedweight" in text
+    for name in ("capacity.json", "capacity.csv", "capacity.png"):
+        assert (out / name).is_file(), name
+    report = json.loads((out / "capacity.json").read_text())
+    caps = report["policies"]
+    for name, res in caps.items():
+        points = {p["multiplier"]: p for p in res["points"]}
+        assert points[res["multiplier"]]["met"] and not points[res["missed_at_multiplier"]]["met"]
+        assert res["missed_at_multiplier"] / res["multiplier"] <= 1.2
+        assert points[res["multiplier"]]["ttft_s"] <= 0.05 < points[res["missed_at_multiplier"]]["ttft_s"]
+    assert caps["pagedweight"]["multiplier"] > caps["fp16"]["multiplier"]
+    m = caps["pagedweight"]["multiplier"]
+    run_out = tmp_path / "run"
+    assert main(["run", "--policy", "pagedweight", "--budget", "32MiB", "--time-scale", repr(1 / m), "--no-plots",
+                 "--json", "--out", str(run_out)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["ttft_s"]["p99"] == pytest.approx(caps["pagedweight"]["points"][
+        [p["multiplier"] for p in caps["pagedweight"]["points"]].index(m)]["ttft_s"], rel=1e-9)
+    csv_lines = (out / "capacity.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("policy,multiplier,rate_rps,met")
+    assert len(csv_lines) == 1 + sum(len(r["points"]) for r in caps.values())
+    one = tmp_path / "one"
+    assert main(["capacity", "--policies", "fp16,pagedweight", "--jobs", "1", "--json", "--no-progress",
+                 "--out", str(one), *DEMO]) == 0
+    assert json.loads(capsys.readouterr().out)["policies"] == caps
+    assert math.isfinite(report["wall_s"]) and report["slo"] == {"ttft_s": 0.05, "tpot_s": None, "percentile": 99}
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--budget", "32MiB"], "needs a TTFT or a TPOT bound"),
+    (["--slo-ttft", "-1"], "the TTFT bound must be a number > 0"),
+    (["--slo-ttft", "1", "--min-rate", "4", "--max-rate", "2"], "--min-rate and --max-rate must satisfy"),
+    (["--slo-ttft", "1", "--tolerance", "0"], "--tolerance must lie in (0, 1]"),
+    (["--slo-ttft", "1", "--time-scale", "0.5"], "a capacity search sets the arrival rate itself"),
+    (["--slo-ttft", "1", "--percentile", "95"], "the percentile must be one of (50, 90, 99), got 95"),
+    (["--slo-ttft", "1", "--policies", "nope"], "nope"),
+    (["--slo-ttft", "1", "--budget", "lots"], "lots"),
+])
+def test_capacity_misuse_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
+    out = tmp_path / "cap"
+    rc = main(["capacity", "--out", str(out), *argv])
+    _, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "error:" in lines[0] and needle in lines[0], err
+    assert "Traceback" not in err and not out.exists()
