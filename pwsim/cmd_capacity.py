@@ -1,9 +1,9 @@
-"""`pwsim capacity`: per policy at one memory budget, the highest arrival rate that meets latency SLOs.
+"""`pwsim capacity`: per policy and memory budget, the highest arrival rate that meets latency SLOs.
 
-Each policy's search (pwsim.capacity) runs on its own worker process; every point is a seeded simulation of the
-run's trace at a rate multiplier, so the capacities do not depend on `--jobs`. Writes `capacity.json` (every point
-run, the capacity and the config of each policy's search), `capacity.csv` (one row per point) and `capacity.png`
-(the SLO's latencies against the arrival rate), all or none.
+Each (policy, budget) search (pwsim.capacity) runs on its own worker process; every point is a seeded simulation of
+the run's trace at a rate multiplier, so the capacities do not depend on `--jobs`. Writes `capacity.json` (every
+point run, each capacity, the configs and the runs at capacity), `capacity.csv` (one row per point) and
+`capacity.png` (capacity against memory; the SLO's latencies against the arrival rate at one budget), all or none.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from pwsim.hardware import parse_size
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError, check_output
 
-POINT_COLUMNS = ["policy", "multiplier", "rate_rps", "met", "why", "ttft_s", "tpot_s", "throughput_tok_s",
+POINT_COLUMNS = ["policy", "budget", "multiplier", "rate_rps", "met", "why", "ttft_s", "tpot_s", "throughput_tok_s",
                  "completed", "requests"]
 
 
 def search_one(cfg_json: dict, slo: dict, lowest: float, highest: float, tolerance: float) -> tuple[dict, dict]:
-    """Worker: one policy's search; returns its Capacity as JSON and the summary of the run at capacity."""
+    """Worker: one search; returns its Capacity as JSON and the summary of the run at capacity."""
     from pwsim.capacity import capacity_of
     from pwsim.runner import RunConfig
     cap, summary = capacity_of(RunConfig.from_json(cfg_json), SLO(**slo), lowest, highest, tolerance)
@@ -50,15 +50,15 @@ def _check_search(args: argparse.Namespace) -> None:
         raise UserError(f"--jobs must be at least 1, got {args.jobs} (leave it out to use every available core)")
 
 
-def table(results: dict[str, dict], slo: SLO) -> str:
+def table(searches: list[dict], slo: SLO) -> str:
     key = f"p{slo.percentile}"
-    head = ("policy", "capacity (x trace rate)", "requests/s", f"TTFT {key} ms", f"TPOT {key} ms", "tok/s", "points",
-            "note")
+    head = ("policy", "budget", "capacity (x trace rate)", "requests/s", f"TTFT {key} ms", f"TPOT {key} ms", "tok/s",
+            "points", "note")
     body = []
-    for name, res in results.items():
+    for res in searches:
         cap = next((p for p in res["points"] if p["multiplier"] == res["multiplier"]), None)
         ms = lambda v: "-" if v is None else f"{v * 1e3:.3g}"  # noqa: E731
-        body.append((name, "-" if cap is None else f"{cap['multiplier']:.3g}",
+        body.append((res["policy"], res["budget"], "-" if cap is None else f"{cap['multiplier']:.3g}",
                      "-" if cap is None else f"{cap['rate_rps']:.4g}", ms(cap and cap["ttft_s"]),
                      ms(cap and cap["tpot_s"]), "-" if cap is None else f"{cap['throughput_tok_s']:.0f}",
                      str(len(res["points"])), res["note"]))
@@ -71,54 +71,59 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     policy_names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    if not policy_names:
-        raise UserError("--policies needs at least one policy name")
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if not policy_names or not budgets:
+        raise UserError("--policies and --budgets need at least one entry each")
     if args.policy_arg and len(policy_names) > 1:
         raise UserError("--policy-arg applies to a single policy; search one policy at a time")
-    parse_size(args.budget)
+    for b in budgets:
+        parse_size(b)
+    curve_budget = args.curve_budget or budgets[len(budgets) // 2]
+    if curve_budget not in budgets:
+        raise UserError(f"--curve-budget {curve_budget} is not one of --budgets {','.join(budgets)}")
     slo = _slo(args)
     _check_search(args)
     params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
-    configs = {p: config_from_args(args, p, params[p], args.budget) for p in policy_names}
+    configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
     out = check_output(args.out)  # written only once every search is done
-    validate_config(next(iter(configs.values())))
+    validate_config(configs[0][2])
     slo_json = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile}
     jobs = worker_count(args.jobs, len(configs))
     found = map_jobs(search_one, [(cfg.to_json(), slo_json, args.min_rate, args.max_rate, args.tolerance)
-                                  for cfg in configs.values()], jobs, "capacity searches", "policy",
+                                  for _, _, cfg in configs], jobs, "capacity searches", "search",
                      progress=not args.no_progress)
-    results = {p: cap for p, (cap, _) in zip(configs, found)}
+    searches = [{"policy": p, "budget": b, **cap} for (p, b, _), (cap, _) in zip(configs, found)]
     first = found[0][1]
-    meta = {"command": _command(args, policy_names), "budget": args.budget, "slo": slo_json,
-            "search": {"min_rate": args.min_rate, "max_rate": args.max_rate, "tolerance": args.tolerance},
+    meta = {"command": _command(args, policy_names, budgets), "budgets": budgets, "curve_budget": curve_budget,
+            "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
+                                        "tolerance": args.tolerance},
             "jobs": jobs, "wall_s": None, "hardware": first["hardware"], "calibration": first["calibration"],
             "workload": first["workload"], "model": first["model"]}
-    rows = [{"policy": p, **pt} for p, res in results.items() for pt in res["points"]]
+    rows = [{"policy": s["policy"], "budget": s["budget"], **pt} for s in searches for pt in s["points"]]
 
     def write_json(path) -> None:
         meta["wall_s"] = time.perf_counter() - t0
-        path.write_text(output.dumps({**meta, "policies": results,
-                                      "configs": {p: c.to_json() for p, c in configs.items()},
-                                      "at_capacity": {p: summary for p, (_, summary) in zip(configs, found)}}))
+        path.write_text(output.dumps({**meta, "searches": searches, "configs": [c.to_json() for _, _, c in configs],
+                                      "at_capacity": [summary for _, summary in found]}))
 
     output.write_files(out, {  # all three or none
         "capacity.csv": lambda path: path.write_text(output.csv_text(rows, POINT_COLUMNS)),
-        "capacity.png": lambda path: plots.capacity(results, slo_json, path),
+        "capacity.png": lambda path: plots.capacity(searches, budgets, curve_budget, slo_json, path),
         "capacity.json": write_json})
     if args.json:
-        print(output.dumps({**meta, "policies": results}))
+        print(output.dumps({**meta, "searches": searches}))
     else:
-        print(table(results, slo))
+        print(table(searches, slo))
         if not first["hardware"]["measured"]:
             print(f"hardware: {first['hardware']['name']} is a roofline profile, not a measurement")
-        print(f"wrote {out}/capacity.json, capacity.csv, capacity.png ({sum(len(r['points']) for r in results.values())}"
-              f" runs, {jobs} jobs, {meta['wall_s']:.1f} s)")
+        print(f"wrote {out}/capacity.json, capacity.csv, capacity.png ({len(rows)} runs, {jobs} jobs, "
+              f"{meta['wall_s']:.1f} s)")
         print(f"reproduce: {meta['command']}")
     return 0
 
 
-def _command(args: argparse.Namespace, policies: list[str]) -> str:
-    parts = ["pwsim capacity", f"--policies {','.join(policies)}", f"--budget {args.budget}"]
+def _command(args: argparse.Namespace, policies: list[str], budgets: list[str]) -> str:
+    parts = ["pwsim capacity", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
     parts += [f"--policy-arg {a}" for a in args.policy_arg]
     if args.slo_ttft is not None:
         parts.append(f"--slo-ttft {args.slo_ttft:g}")
@@ -131,15 +136,18 @@ def _command(args: argparse.Namespace, policies: list[str]) -> str:
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("capacity", help="the highest arrival rate each policy serves within latency SLOs",
-                              description="For each policy at one memory budget, search the highest multiple of "
-                                          "the trace's arrival rate at which every request completes and the "
-                                          "TTFT / TPOT percentile stays within its bound (doubling, then "
-                                          "bisection); writes capacity.json, capacity.csv and capacity.png.")
+                              description="For each policy and memory budget, search the highest multiple of the "
+                                          "trace's arrival rate at which every request completes and the TTFT / "
+                                          "TPOT percentile stays within its bound (doubling, then bisection); "
+                                          "writes capacity.json, capacity.csv and capacity.png.")
     p.add_argument("--policies", default=",".join(DEFAULTS.policies),
                    help=f"comma-separated policy names (default {','.join(DEFAULTS.policies)})")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",
                    help="parameter of the (single) policy searched (repeatable)")
-    p.add_argument("--budget", default=DEFAULTS.budgets[1], help=f"GPU memory budget (default {DEFAULTS.budgets[1]})")
+    p.add_argument("--budgets", default=",".join(DEFAULTS.budgets),
+                   help=f"comma-separated memory budgets (default {','.join(DEFAULTS.budgets)})")
+    p.add_argument("--curve-budget", default=None,
+                   help="budget whose latency curves are plotted (default: the middle one)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS", help="bound on the TTFT percentile")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="bound on the TPOT percentile")
     p.add_argument("--percentile", type=int, default=99,
@@ -150,10 +158,9 @@ def register(subparsers) -> None:
                    help="highest multiple searched (default 64)")
     p.add_argument("--tolerance", type=float, default=0.05,
                    help="stop when the rates that met and missed are within this ratio (default 0.05)")
-    p.add_argument("--jobs", type=int, default=None, help="worker processes, one policy each (default: cores)")
+    p.add_argument("--jobs", type=int, default=None, help="worker processes, one search each (default: cores)")
     p.add_argument("--out", default="runs/capacity", help="output directory (default runs/capacity)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true")
     add_common(p)
     p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions})
-

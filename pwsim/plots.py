@@ -147,33 +147,47 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     return _save(fig, path)
 
 
-def capacity(results: dict[str, dict], slo: dict, path: Path) -> Path:
-    """Per policy, the SLO's TTFT and TPOT percentile against the arrival rate at every point the search ran (open
-    markers: points that missed), the bounds dashed and each policy's capacity dotted."""
+def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: dict, path: Path) -> Path:
+    """Left: each policy's capacity (requests/s) against the memory budget (none drawn where it missed at the lowest
+    rate). Right, at `curve_budget`: the SLO's TTFT and TPOT percentile against the arrival rate at every point a
+    search ran (open markers: points that missed), the bounds dashed and each capacity dotted."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     key = f"p{slo['percentile']}"
-    for name, res in results.items():
-        pts = res["points"]
+    policies = list(dict.fromkeys(s["policy"] for s in searches))
+    colors = {p: f"C{i}" for i, p in enumerate(policies)}
+    for pol in policies:
+        caps = [next(s for s in searches if s["policy"] == pol and s["budget"] == b)["rate_rps"] for b in budgets]
+        axes[0].plot(range(len(budgets)), [np.nan if c is None else c for c in caps], "o-", color=colors[pol],
+                     label=pol)
+    axes[0].set_xticks(range(len(budgets)))
+    axes[0].set_xticklabels(budgets)
+    axes[0].set_xlabel("memory budget")
+    axes[0].set_ylabel("capacity (requests / s)")
+    axes[0].set_title(f"the highest rate meeting the SLO ({key})", fontsize=9)
+    axes[0].legend(fontsize=8)
+    axes[0].grid(alpha=0.3)
+    for res in (s for s in searches if s["budget"] == curve_budget):
+        pts, color = res["points"], colors[res["policy"]]
         rate = np.array([p["rate_rps"] for p in pts])
         met = np.array([p["met"] for p in pts])
-        for ax, field in zip(axes, ("ttft_s", "tpot_s")):
+        for ax, field in zip(axes[1:], ("ttft_s", "tpot_s")):
             y = np.array([np.nan if p[field] is None else p[field] * 1e3 for p in pts])
-            line, = ax.plot(rate, y, lw=1.0, label=name)
-            ax.scatter(rate[met], y[met], s=18, color=line.get_color())
-            ax.scatter(rate[~met], y[~met], s=18, facecolors="none", edgecolors=line.get_color())
+            ax.plot(rate, y, lw=1.0, color=color, label=res["policy"])
+            ax.scatter(rate[met], y[met], s=18, color=color)
+            ax.scatter(rate[~met], y[~met], s=18, facecolors="none", edgecolors=color)
             if res["rate_rps"] is not None:
-                ax.axvline(res["rate_rps"], ls=":", lw=1.0, color=line.get_color())
-    for ax, field, label in zip(axes, ("ttft_s", "tpot_s"), ("TTFT", "TPOT")):
+                ax.axvline(res["rate_rps"], ls=":", lw=1.0, color=color)
+    for ax, field, label in zip(axes[1:], ("ttft_s", "tpot_s"), ("TTFT", "TPOT")):
         if slo[field] is not None:
             ax.axhline(slo[field] * 1e3, ls="--", color="k", lw=0.8, label="SLO")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("arrival rate (requests / s)")
         ax.set_ylabel(f"{label} {key} (ms)")
+        ax.set_title(f"at {curve_budget}; dotted: each capacity", fontsize=9)
         ax.grid(alpha=0.3, which="both")
-    axes[0].legend(fontsize=8)
-    axes[0].set_title("capacity: dotted, the highest rate that met the SLO", fontsize=9)
+    axes[1].legend(fontsize=8)
     return _save(fig, path)
 
 

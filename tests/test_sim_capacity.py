@@ -15,7 +15,7 @@ from pwsim.runner import RunConfig, build_workload, execute, make_config
 from traces.clikit import UserError
 
 # the bundled demo model, trace and calibration at 32 MiB (a run takes a fraction of a second); a narrow search
-DEMO = ["--budget", "32MiB", "--slo-ttft", "0.05", "--min-rate", "0.5", "--max-rate", "4", "--tolerance", "0.2"]
+DEMO = ["--budgets", "32MiB", "--slo-ttft", "0.05", "--min-rate", "0.5", "--max-rate", "4", "--tolerance", "0.2"]
 
 
 def _point(m: float, met: bool) -> LoadPoint:
@@ -92,7 +92,8 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     for name in ("capacity.json", "capacity.csv", "capacity.png"):
         assert (out / name).is_file(), name
     report = json.loads((out / "capacity.json").read_text())
-    caps = report["policies"]
+    caps = {s["policy"]: s for s in report["searches"]}
+    assert [s["budget"] for s in report["searches"]] == ["32MiB", "32MiB"] and len(report["at_capacity"]) == 2
     for name, res in caps.items():
         points = {p["multiplier"]: p for p in res["points"]}
         assert points[res["multiplier"]]["met"] and not points[res["missed_at_multiplier"]]["met"]
@@ -107,24 +108,25 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     assert summary["ttft_s"]["p99"] == pytest.approx(caps["pagedweight"]["points"][
         [p["multiplier"] for p in caps["pagedweight"]["points"]].index(m)]["ttft_s"], rel=1e-9)
     csv_lines = (out / "capacity.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("policy,multiplier,rate_rps,met")
+    assert csv_lines[0].startswith("policy,budget,multiplier,rate_rps,met")
     assert len(csv_lines) == 1 + sum(len(r["points"]) for r in caps.values())
     one = tmp_path / "one"
     assert main(["capacity", "--policies", "fp16,pagedweight", "--jobs", "1", "--json", "--no-progress",
                  "--out", str(one), *DEMO]) == 0
-    assert json.loads(capsys.readouterr().out)["policies"] == caps
+    assert json.loads(capsys.readouterr().out)["searches"] == report["searches"]
     assert math.isfinite(report["wall_s"]) and report["slo"] == {"ttft_s": 0.05, "tpot_s": None, "percentile": 99}
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--budget", "32MiB"], "needs a TTFT or a TPOT bound"),
+    (["--budgets", "32MiB"], "needs a TTFT or a TPOT bound"),
+    (["--slo-ttft", "1", "--budgets", "24MiB,32MiB", "--curve-budget", "48MiB"], "--curve-budget 48MiB is not one of"),
     (["--slo-ttft", "-1"], "the TTFT bound must be a number > 0"),
     (["--slo-ttft", "1", "--min-rate", "4", "--max-rate", "2"], "--min-rate and --max-rate must satisfy"),
     (["--slo-ttft", "1", "--tolerance", "0"], "--tolerance must lie in (0, 1]"),
     (["--slo-ttft", "1", "--time-scale", "0.5"], "a capacity search sets the arrival rate itself"),
     (["--slo-ttft", "1", "--percentile", "95"], "the percentile must be one of (50, 90, 99), got 95"),
     (["--slo-ttft", "1", "--policies", "nope"], "nope"),
-    (["--slo-ttft", "1", "--budget", "lots"], "lots"),
+    (["--slo-ttft", "1", "--budgets", "lots"], "lots"),
 ])
 def test_capacity_misuse_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
     out = tmp_path / "cap"
