@@ -336,9 +336,10 @@ class DecodeGraphs(GraphSet):
     def sample(self, logits: torch.Tensor, values: list[tuple[float, ...]]) -> torch.Tensor | None:
         """The tokens of the last replay's rows by its captured sampler: `sampling.sample_rows` over that replay's
         logits with each row's `values` (`sampling.row_values`; padding rows greedy) and the cuts they need (a graph
-        for each set of cuts), one transfer and one replay instead of a dozen eager launches. A view of the static tokens, valid until the next replay (consume them in
-        stream order before it). None when `logits` are not the last replay's (e.g. processed first) or the sampler
-        cannot be captured: the caller samples eagerly, the same tokens."""
+        for each set of cuts), one transfer and one replay instead of a dozen eager launches. A view of the static
+        tokens, valid until the next replay (consume them in stream order before it). None when `logits` are not the
+        last replay's (e.g. processed first) or the sampler cannot be captured: the caller samples eagerly, the same
+        tokens."""
         last = self._last
         if last is None or self.sampler_disabled is not None:
             return None
