@@ -88,18 +88,18 @@ def _is_token(value, vocab: int) -> bool:
     return _is_int(value) and 0 <= value < vocab
 
 
-def _brief(value) -> str:
+def brief(value) -> str:
     """A value as JSON, cut short: an error message does not echo a whole prompt."""
     text = json.dumps(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _token_ids(body: dict, key: str, vocab: int) -> tuple[int, ...]:
+def token_ids(body: dict, key: str, vocab: int) -> tuple[int, ...]:
     value = body.get(key)
     if value is None:
         return ()
     if not isinstance(value, list) or not all(_is_token(t, vocab) for t in value):
-        raise RequestError(f"'{key}' must be a list of token ids (integers in 0..{vocab - 1}), got {_brief(value)}")
+        raise RequestError(f"'{key}' must be a list of token ids (integers in 0..{vocab - 1}), got {brief(value)}")
     return tuple(value)
 
 
@@ -110,14 +110,14 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
         return {}
     form = f"'logit_bias' must map token ids (strings of integers in 0..{vocab - 1}) to numbers in [-100, 100]"
     if not isinstance(value, dict):
-        raise RequestError(f"{form}, got {_brief(value)}")
+        raise RequestError(f"{form}, got {brief(value)}")
     out = {}
     for key, bias in value.items():
         token = int(key) if key.isascii() and key.isdigit() else -1
         if not 0 <= token < vocab:
-            raise RequestError(f"{form}; the key {_brief(key)} is not a token id")
+            raise RequestError(f"{form}; the key {brief(key)} is not a token id")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-            raise RequestError(f"{form}; the key {_brief(key)} has {_brief(bias)}")
+            raise RequestError(f"{form}; the key {brief(key)} has {brief(bias)}")
         if token in out:
             raise RequestError(f"{form}; token {token} is named twice")
         out[token] = float(bias)
@@ -148,7 +148,7 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int)
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                               top_k=max(_integer(body, "top_k", -1) or 0, 0),
                               seed=_integer(body, "seed"), stop=stop,
-                              stop_token_ids=_token_ids(body, "stop_token_ids", vocab),
+                              stop_token_ids=token_ids(body, "stop_token_ids", vocab),
                               ignore_eos=flag(body, "ignore_eos"),
                               min_tokens=_integer(body, "min_tokens", 0) or 0,
                               presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
@@ -218,7 +218,7 @@ def check_unsupported(body: dict) -> None:
                                "message if the model should know of them")
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
-        raise RequestError(f"'response_format' {_brief(response_format)} is not supported (no constrained "
+        raise RequestError(f"'response_format' {brief(response_format)} is not supported (no constrained "
                            "decoding); leave it out or send {\"type\": \"text\"}")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -240,7 +240,7 @@ def completion_prompts(body: dict, vocab: int) -> list[str | list[int]]:
     elif isinstance(prompt, list) and prompt and any(all(isinstance(p, kind) for p in prompt) for kind in (str, list)):
         prompts, names = prompt, [f"prompt[{i}]" for i in range(len(prompt))]
     else:
-        raise RequestError(f"{forms}, got {_brief(prompt)}")
+        raise RequestError(f"{forms}, got {brief(prompt)}")
     for p, name in zip(prompts, names):
         if not p:
             raise RequestError(f"{forms}; {name} is empty")
@@ -249,7 +249,7 @@ def completion_prompts(body: dict, vocab: int) -> list[str | list[int]]:
             continue
         bad = next((k for k, t in enumerate(p) if not _is_token(t, vocab)), None)
         if bad is not None:
-            raise RequestError(f"{forms}; {name}[{bad}] is {_brief(p[bad])}")
+            raise RequestError(f"{forms}; {name}[{bad}] is {brief(p[bad])}")
     return prompts
 
 

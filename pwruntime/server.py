@@ -4,7 +4,7 @@
 thread-safe queue and get events back on an asyncio queue (token deltas while streaming, then the
 finished output). The engine thread steps while any request is unfinished and sleeps on the
 submission queue otherwise. Routes: `/v1/completions`, `/v1/chat/completions` (both with
-`stream`), `/v1/models`, `/health` and Prometheus `/metrics`. Bad requests get OpenAI's error shape
+`stream`), `/v1/models`, `/health`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, and nothing a client
 sends can stop the engine thread: a failing step fails the requests in it (status 500) and the thread goes on. A
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
@@ -250,7 +250,8 @@ class Server:
         self.app = web.Application(middlewares=[_json_errors])
         self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
-                             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat)])
+                             web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                             web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.worker.alive:
@@ -303,13 +304,46 @@ class Server:
         body = await self._body(request)
         messages = api.chat_messages(body)
         params = api.sampling_params(body, 1 << 30, chat=True, vocab=self.vocab)
-        try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        except Exception as e:
-            return _error(f"cannot apply the chat template to 'messages': {e}")
+        ids = self._chat_ids(messages, add_generation_prompt=True)
         # as OpenAI: without max_tokens an answer may run to the end of the context (the engine stops it there)
         return await self._serve(request, body, [ids], params, chat=True)
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """The prompt token ids of a conversation: the chat template's text (which holds the BOS token)."""
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        except Exception as e:
+            raise api.RequestError(f"cannot apply the chat template to 'messages': {e}") from None
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: the token ids a completion's `prompt` (a string; `add_special_tokens`, default true) or
+        a chat's `messages` (`add_generation_prompt`, default true) becomes, as the endpoints encode them."""
+        body = api.parse_body(await request.read())
+        self._check_model(body.get("model"))
+        if ("prompt" in body) == ("messages" in body):
+            raise api.RequestError("/tokenize takes a 'prompt' (a string) or 'messages' (a chat), one of them")
+        def flag_on(key: str) -> bool:  # true unless sent false
+            return body.get(key) is None or api.flag(body, key)
+
+        if "messages" in body:
+            ids = self._chat_ids(api.chat_messages(body), flag_on("add_generation_prompt"))
+        else:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise api.RequestError(f"'prompt' must be a string, got {api.brief(prompt)}")
+            api.check_text(prompt, "prompt")
+            ids = self.tokenizer.encode(prompt, add_special_tokens=flag_on("add_special_tokens"))
+        return web.json_response({"count": len(ids), "max_model_len": self.worker.engine.model.config.max_position,
+                                  "tokens": ids})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: the text of `tokens` (token ids; special tokens left out, as in a choice's text)."""
+        body = api.parse_body(await request.read())
+        self._check_model(body.get("model"))
+        if "tokens" not in body:
+            raise api.RequestError("/detokenize takes 'tokens': a list of token ids")
+        return web.json_response({"prompt": self.tokenizer.decode(list(api.token_ids(body, "tokens", self.vocab)))})
 
     async def _serve(self, request: web.Request, body: dict, prompts: list, params: SamplingParams,
                      chat: bool) -> web.StreamResponse:

@@ -445,3 +445,35 @@ def test_n_completion_choices_with_logprobs_stream_like_the_whole_ones(client):
     whole = client.completions.create(**kw).choices
     chunks = list(client.completions.create(stream=True, **kw))
     assert [_joined(chunks, i) for i in range(2)] == [(c.text, c.logprobs.model_dump()) for c in whole]
+
+
+def test_tokenize_and_detokenize_as_the_endpoints_encode(client, base_url, model):
+    """/tokenize gives the ids a completion's prompt and a chat's messages become (their usage counts them), without
+    special tokens or the generation prompt when asked; /detokenize gives their text back; misuse is one 400 (404 for
+    another model)."""
+    prompt = "And God said unto Moses"
+    status, tok = post(base_url, "/tokenize", json.dumps({"model": "demo", "prompt": prompt}).encode())
+    assert status == 200 and tok["tokens"] == model.tokenizer.encode(prompt) and tok["count"] == len(tok["tokens"])
+    assert tok["max_model_len"] == model.config.max_position
+    usage = client.completions.create(model="demo", prompt=prompt, max_tokens=1, temperature=0).usage
+    assert usage.prompt_tokens == tok["count"]
+    _, bare = post(base_url, "/tokenize", json.dumps({"prompt": prompt, "add_special_tokens": False}).encode())
+    assert bare["tokens"] == model.tokenizer.encode(prompt, add_special_tokens=False)
+    _, back = post(base_url, "/detokenize", json.dumps({"tokens": bare["tokens"]}).encode())
+    assert back["prompt"] == prompt
+    msgs = [{"role": "user", "content": "Who wrote the book of Psalms?"}]
+    _, chat = post(base_url, "/tokenize", json.dumps({"messages": msgs}).encode())
+    assert client.chat.completions.create(model="demo", messages=msgs, max_tokens=1).usage.prompt_tokens == chat["count"]
+    _, plain = post(base_url, "/tokenize", json.dumps({"messages": msgs, "add_generation_prompt": False}).encode())
+    assert plain["tokens"] == chat["tokens"]  # the demo's chat template adds no generation prompt
+    for path, body, status, message in (
+            ("/tokenize", {}, 400, "takes a 'prompt' (a string) or 'messages'"),
+            ("/tokenize", {"prompt": "a", "messages": msgs}, 400, "one of them"),
+            ("/tokenize", {"prompt": ["a"]}, 400, "'prompt' must be a string"),
+            ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "'add_special_tokens' must be true or false"),
+            ("/tokenize", {"messages": msgs, "add_generation_prompt": 1}, 400, "'add_generation_prompt' must be true"),
+            ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "does not exist"),
+            ("/detokenize", {}, 400, "takes 'tokens'"),
+            ("/detokenize", {"tokens": [model.config.vocab]}, 400, "'tokens' must be a list of token ids")):
+        got, out = post(base_url, path, json.dumps(body).encode())
+        assert got == status and message in out["error"]["message"], (path, body, out)
