@@ -663,3 +663,20 @@ def test_engine_samples_through_the_captured_sampler(demo):
     assert [o.token_ids for o in captured] == [o.token_ids for o in eager]
     assert [o.logprobs for o in captured] == [o.logprobs for o in eager]
     assert len({tuple(o.token_ids) for o in captured}) == 4 and all(len(o.logprobs) == 12 for o in captured[:3])
+
+
+@pytest.mark.gpu
+def test_processed_logits_sample_eagerly_after_a_graph_replay(demo):
+    """A batch with a request whose logits are processed (logit_bias) replays the decode graphs and samples the
+    processed logits eagerly: the bias of 100 makes its every token the biased one, sampled or greedy."""
+    from pwruntime.sampling import SamplingParams
+
+    forced = 1234
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=1, logit_bias={forced: 100}),
+              SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={forced: 100}),
+              SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, seed=2),
+              SamplingParams(max_tokens=8, ignore_eos=True)]
+    outputs, engine = _engine_outputs(demo.model, graphs=True, params=params)
+    assert outputs[0].token_ids == outputs[1].token_ids == [forced] * 8 and forced not in outputs[3].token_ids
+    g = engine.runner.graphs
+    assert g.replays >= 6 and g.sampler_replays == 0 and g.sampler_disabled is None
