@@ -1,18 +1,22 @@
 """`pwruntime serve`: the OpenAI-compatible HTTP server (pwruntime.server) over one engine.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` for server-sent
-events), GET /v1/models, /health and Prometheus /metrics. The same model, engine and planner
+events), GET /v1/models, /health and Prometheus /metrics, POST /tokenize and /detokenize. The same model, engine and planner
 options as `pwruntime generate` (--ap/--calibration/--policy serve AP experts with a planner).
-Listens on 127.0.0.1 by default; stop it with Ctrl-C.
+Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
+token. Stop it with Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 from pathlib import Path
 
 from traces.clikit import UserError
+
+API_KEY_ENV = "PAGEDWEIGHT_API_KEY"
 
 
 def register(subparsers) -> None:
@@ -23,6 +27,9 @@ def register(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--served-model-name", default=None, help="model id in the API (default: the model folder name)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on every /v1 request (default: ${API_KEY_ENV}, if set; "
+                        "none: open)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -60,7 +67,7 @@ def run(args) -> int:
     engine, model_dir, _, _ = build_engine(args)
     engine.capture_graphs()   # before the first request, which would otherwise pay the captures its steps need
     worker = EngineWorker(engine).start()
-    server = Server(worker, args.served_model_name or Path(str(model_dir)).name)
+    server = Server(worker, args.served_model_name or Path(str(model_dir)).name, api_key=args.api_key or None)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
         # handler cancellation: a client that leaves cancels its handler, which aborts its request (pwruntime.server)

@@ -5,7 +5,8 @@ thread-safe queue and get events back on an asyncio queue (token deltas while st
 finished output). The engine thread steps while any request is unfinished and sleeps on the
 submission queue otherwise. Routes: `/v1/completions`, `/v1/chat/completions` (both with
 `stream`), `/v1/models`, `/health`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
-with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, and nothing a client
+with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
+the server's API key (when it has one) 401, and nothing a client
 sends can stop the engine thread: a failing step fails the requests in it (status 500) and the thread goes on. A
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
 cancellation) has its request aborted and its KV blocks freed.
@@ -18,6 +19,7 @@ prompts counts k x n; the histograms: pwruntime.metrics). Choice text and log-pr
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import queue
 import sys
@@ -202,6 +204,21 @@ async def _json_errors(request: web.Request, handler):
         return _error(message, e.status)
 
 
+def _bearer(api_key: str):
+    """Middleware: a /v1 request without `Authorization: Bearer <api_key>` gets a 401 in OpenAI's shape (/health,
+    /metrics and the tokenizer routes stay open, as vLLM's)."""
+    want = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode()
+        if request.path.startswith("/v1") and not hmac.compare_digest(given, want):
+            return _error("a valid API key is needed: send 'Authorization: Bearer <key>' with the server's key "
+                          "(--api-key)", 401, "invalid_api_key")
+        return await handler(request)
+    return check
+
+
 @dataclass(frozen=True)
 class _Reply:
     """What the response (or every chunk) of one request shares."""
@@ -243,11 +260,12 @@ class _Reply:
 class Server:
     """aiohttp application over an EngineWorker."""
 
-    def __init__(self, worker: EngineWorker, model_name: str) -> None:
+    def __init__(self, worker: EngineWorker, model_name: str, api_key: str | None = None) -> None:
+        """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
         self.worker, self.model_name = worker, model_name
         self.tokenizer = worker.engine.tokenizer
         self.vocab = worker.engine.model.config.vocab
-        self.app = web.Application(middlewares=[_json_errors])
+        self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []))
         self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
                              web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),

@@ -33,10 +33,11 @@ def base_url(model):
 
 
 @contextlib.contextmanager
-def serving(engine: LLMEngine) -> Iterator[str]:
-    """The base URL of a `Server` named "demo" over `engine`, on loopback until the block ends."""
+def serving(engine: LLMEngine, api_key: str | None = None) -> Iterator[str]:
+    """The base URL of a `Server` named "demo" over `engine` (needing `api_key`, if given), on loopback until the
+    block ends."""
     worker = EngineWorker(engine).start()
-    server = Server(worker, "demo")
+    server = Server(worker, "demo", api_key=api_key)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     box = {}

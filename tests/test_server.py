@@ -15,7 +15,7 @@ from pwruntime import api_tokens
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.sampling import SamplingParams
 from pwruntime.server import EngineWorker
-from server_fixtures import assert_idle, base_url, client, metric, model, post  # noqa: F401 (fixtures)
+from server_fixtures import assert_idle, base_url, client, metric, model, post, serving  # noqa: F401 (fixtures)
 from traces.clikit import UserError
 
 PROMPT = "And God said unto Moses"
@@ -45,8 +45,6 @@ def test_streamed_completion_concatenates_to_the_same_text(client, expected):
 def test_an_async_scheduling_engine_serves_the_same_completions_and_streams(model, expected):
     """Served with asynchronous scheduling: the completion, its stream, its log-probabilities and a stop string cut
     as without it, and nothing left running."""
-    from server_fixtures import serving
-
     with serving(LLMEngine(model, EngineConfig(num_kv_blocks=64, async_scheduling=True))) as url:
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         r = c.completions.create(model="demo", prompt=PROMPT, max_tokens=24, temperature=0, logprobs=5)
@@ -477,3 +475,21 @@ def test_tokenize_and_detokenize_as_the_endpoints_encode(client, base_url, model
             ("/detokenize", {"tokens": [model.config.vocab]}, 400, "'tokens' must be a list of token ids")):
         got, out = post(base_url, path, json.dumps(body).encode())
         assert got == status and message in out["error"]["message"], (path, body, out)
+
+
+def test_an_api_key_guards_the_v1_routes(model):
+    """With a key, a /v1 request needs it as a bearer token (the openai client sends its api_key so): a wrong or
+    missing key is a 401 in OpenAI's shape and nothing is queued; /health, /metrics and /tokenize stay open."""
+    with serving(LLMEngine(model, EngineConfig(num_kv_blocks=64)), api_key="s3cret") as url:
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert good.completions.create(model="demo", prompt="A fool", max_tokens=2, temperature=0).choices[0].text
+        bad = openai.OpenAI(base_url=f"{url}/v1", api_key="guess", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError, match="a valid API key is needed"):
+            bad.completions.create(model="demo", prompt="A fool", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        status, body = post(url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        assert urllib.request.urlopen(f"{url}/health").status == 200
+        assert post(url, "/tokenize", b'{"prompt": "hi"}')[0] == 200
+        assert metric(url, "requests_total") == 1   # the refused requests never reached the engine
