@@ -74,6 +74,10 @@ def run(args) -> int:
     if w["sim"] != w["runtime"]:
         print(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the state "
               "their pressure left (bits, KV pool) differs at the start (give both the same --warmup-requests)")
+    ts = report["time_scale"]
+    if ts["sim"] != ts["runtime"]:
+        print(f"note: the simulation ran the trace at --time-scale {ts['sim']:g} and the replay at {ts['runtime']:g}; "
+              "their requests arrived at other rates (give both the same --time-scale)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

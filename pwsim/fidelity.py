@@ -126,6 +126,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         # how many requests each side served before its clock started (`--warmup-requests`; absent: none)
         "warmup_requests": {"sim": int(sim.config.get("warmup_requests") or 0),
                             "runtime": int(runtime.config.get("warmup_requests") or 0)},
+        # what each side multiplied the trace's arrival times by (`--time-scale`; absent: 1)
+        "time_scale": {"sim": float(sim.config.get("time_scale") or 1.0),
+                       "runtime": float(runtime.config.get("time_scale") or 1.0)},
     }
 
 

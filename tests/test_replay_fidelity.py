@@ -286,6 +286,11 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
                      str(tmp_path / "fid3")]) == 0
     assert "note: the simulation warmed up on 0 requests and the replay on 32" in capsys.readouterr().out
     assert json.loads((tmp_path / "fid3" / "fidelity.json").read_text())["warmup_requests"] == {"sim": 0, "runtime": 32}
+    assert rep["time_scale"] == {"sim": 1.0, "runtime": 1.0}
+    _write_run(tmp_path / "rt-fast", rt, time_scale=0.5)   # a replay at twice the trace's rate
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-fast"), "--out",
+                     str(tmp_path / "fid4")]) == 0
+    assert "note: the simulation ran the trace at --time-scale 1 and the replay at 0.5" in capsys.readouterr().out
 
 
 def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
