@@ -11,9 +11,9 @@ import argparse
 import time
 
 from pwsim.capacity import PERCENTILES, SLO
-from pwsim.cmd_run import add_common, common_flags, config_from_args, parse_policy, validate_config
+from pwsim.cmd_run import (add_common, common_flags, config_from_args, parse_policy, policies_and_budgets,
+                           validate_config)
 from pwsim.defaults import DEFAULTS
-from pwsim.hardware import parse_size
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError, check_output
 
@@ -70,14 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from pwsim import output, plots
 
     t0 = time.perf_counter()
-    policy_names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if not policy_names or not budgets:
-        raise UserError("--policies and --budgets need at least one entry each")
-    if args.policy_arg and len(policy_names) > 1:
-        raise UserError("--policy-arg applies to a single policy; search one policy at a time")
-    for b in budgets:
-        parse_size(b)
+    policy_names, budgets = policies_and_budgets(args)
     curve_budget = args.curve_budget or budgets[len(budgets) // 2]
     if curve_budget not in budgets:
         raise UserError(f"--curve-budget {curve_budget} is not one of --budgets {','.join(budgets)}")

@@ -10,10 +10,11 @@ import argparse
 import time
 from pathlib import Path
 
-from pwsim.cmd_run import add_common, common_flags, config_from_args, parse_policy, validate_config
+from pwsim.cmd_run import (add_common, common_flags, config_from_args, parse_policy, policies_and_budgets,
+                           validate_config)
 from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
-from pwsim.hardware import memory_unit, parse_size
+from pwsim.hardware import memory_unit
 from traces.clikit import UserError, check_output
 
 GiB = 2**30
@@ -94,15 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from pwsim import output, plots
 
     t0 = time.perf_counter()
-    policy_names = [p.strip() for p in args.policies.split(",") if p.strip()]
-    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-    if not policy_names or not budgets:
-        raise UserError("--policies and --budgets need at least one entry each")
-    for b in budgets:
-        parse_size(b)
-    if args.policy_arg and len(policy_names) > 1:
-        raise UserError("--policy-arg applies to a single policy; compare one policy at a time, or use presets "
-                        "such as pagedweight-no-routing")
+    policy_names, budgets = policies_and_budgets(args)
     if args.jobs is not None and args.jobs < 1:
         raise UserError(f"--jobs must be at least 1, got {args.jobs} (leave it out to use every available core)")
     params = {p: parse_policy(p, args.policy_arg) for p in policy_names}

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
-from pwsim.hardware import format_size
+from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
 from pwsim.runner import RunConfig, SyntheticWorkload, make_config
 from traces.clikit import UserError
@@ -130,6 +130,20 @@ def common_flags(args: argparse.Namespace) -> list[str]:
     if args.time_scale != 1.0:
         parts.append(f"--time-scale {args.time_scale:g}")
     return parts
+
+
+def policies_and_budgets(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """`--policies` and `--budgets` as lists (each entry checked), for the commands that run every pair."""
+    policy_names = [p.strip() for p in args.policies.split(",") if p.strip()]
+    budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+    if not policy_names or not budgets:
+        raise UserError("--policies and --budgets need at least one entry each")
+    for b in budgets:
+        parse_size(b)
+    if args.policy_arg and len(policy_names) > 1:
+        raise UserError("--policy-arg applies to a single policy; give one policy at a time, or use presets such as "
+                        "pagedweight-no-routing")
+    return policy_names, budgets
 
 
 def parse_policy(name: str, args_list: list[str]) -> dict:
