@@ -1,4 +1,5 @@
-"""`pwsim gen-trace` (write a synthetic trace directory) and `pwsim trace-info` (validate and summarise)."""
+"""`pwsim gen-trace` (write a synthetic trace directory), `pwsim import-trace` (a production log's CSV as a trace
+directory) and `pwsim trace-info` (validate and summarise)."""
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,7 @@ def _progress(total: int, enabled: bool):
 
 
 def run_gen(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory for the trace")
-    if (out / REQUESTS_FILE).exists() and not args.force:
-        raise UserError(f"{out} already holds a trace ({REQUESTS_FILE}); pass --force to overwrite it")
-    check_output(out)
+    out = _prepare_out(args)
     if args.requests < 1:
         raise UserError(f"--requests must be at least 1, got {args.requests}")
     for flag, value in (("--routing-tokens", args.routing_tokens), ("--seed", args.seed)):
@@ -70,6 +66,48 @@ def run_gen(args: argparse.Namespace) -> int:
         if routing is not None:
             print(f"wrote {out}/{ROUTING_FILE}: {len(routing):,} rows for {routing.card} "
                   f"({routing.layers} MoE layers, {routing.experts} experts, top-{routing.top_k})")
+    return 0
+
+
+def _prepare_out(args: argparse.Namespace) -> Path:
+    """--out as a trace directory to write: refused when it is a file, or holds a trace and --force is not given."""
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory for the trace")
+    if (out / REQUESTS_FILE).exists() and not args.force:
+        raise UserError(f"{out} already holds a trace ({REQUESTS_FILE}); pass --force to overwrite it")
+    check_output(out)
+    return out
+
+
+def run_import(args: argparse.Namespace) -> int:
+    from traces.csv_import import FORMATS, CsvColumns, read_csv_trace
+
+    named = (args.time_column, args.prompt_column, args.output_column)
+    if args.format == "columns":
+        if None in named:
+            raise UserError("--format columns needs --time-column, --prompt-column and --output-column")
+        columns = CsvColumns(*named, domain=args.domain_column)
+    else:
+        if any(c is not None for c in (*named, args.domain_column)):
+            raise UserError(f"--format {args.format} names its columns itself; give --format columns to name them")
+        columns = FORMATS[args.format]
+    out = _prepare_out(args)
+    imported = read_csv_trace(args.csv, columns, domain=args.domain, start_s=args.start_s,
+                              max_requests=args.max_requests)
+    try:
+        write_trace_dir(out, Trace(imported.trace, None))
+    except OSError as e:
+        raise UserError(f"cannot write the trace to {out} ({e.strerror or e})") from None
+    summary = {"out": str(out), "rows": imported.rows, "dropped": imported.dropped,
+               "requests": imported.trace.summary()}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        r = summary["requests"]
+        print(f"wrote {out}/{REQUESTS_FILE}: {r['requests']} requests over {r['duration_s']:.1f} s "
+              f"({r['rate_per_s']:.2f}/s, {r['total_tokens']:,} tokens; domains {r['domains']}) from "
+              f"{imported.rows} rows ({imported.dropped} without a prompt or an output token dropped)")
     return 0
 
 
@@ -158,6 +196,30 @@ def register(subparsers) -> None:
     g.add_argument("--force", action="store_true", help="overwrite an existing trace in --out")
     g.add_argument("--json", action="store_true", help="machine-readable summary")
     g.set_defaults(func=run_gen)
+
+    m = subparsers.add_parser("import-trace", help="a production log (CSV) as a trace directory",
+                              description="Read a CSV log of requests (arrival time, prompt and output tokens) and "
+                                          "write it as a trace directory (requests.parquet; the simulator draws the "
+                                          "routing). --format azure: the Azure LLM inference traces (TIMESTAMP, "
+                                          "ContextTokens, GeneratedTokens); burstgpt: BurstGPT (Timestamp, Request "
+                                          "tokens, Response tokens, Model as the domain); columns: name them.")
+    m.add_argument("csv", help="the CSV file")
+    m.add_argument("--out", required=True, help="trace directory to write")
+    m.add_argument("--format", choices=("azure", "burstgpt", "columns"), default="azure",
+                   help="the log's layout (default azure)")
+    m.add_argument("--time-column", help="arrival times: seconds, or dates and times (--format columns)")
+    m.add_argument("--prompt-column", help="prompt tokens (--format columns)")
+    m.add_argument("--output-column", help="output tokens (--format columns)")
+    m.add_argument("--domain-column", help="a column whose values become the domains (--format columns; optional)")
+    m.add_argument("--domain", default="imported",
+                   help="the domain of requests without a domain column (default 'imported'; a calibration's domain "
+                        "name makes the quality model use its damages, else their mean)")
+    m.add_argument("--start-s", type=float, default=0.0, metavar="S",
+                   help="keep the requests from S seconds after the first on (default 0)")
+    m.add_argument("--max-requests", type=int, default=None, metavar="N", help="keep at most N requests")
+    m.add_argument("--force", action="store_true", help="overwrite an existing trace in --out")
+    m.add_argument("--json", action="store_true", help="machine-readable summary")
+    m.set_defaults(func=run_import)
 
     i = subparsers.add_parser("trace-info", help="validate a trace file or directory and summarise it",
                               description="Validate a trace (a directory, requests.parquet or routing.parquet) "
