@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from traces.clikit import UserError
+from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
 
 def register(subparsers) -> None:
@@ -25,14 +26,15 @@ def register(subparsers) -> None:
     p.add_argument("--trace", required=True, help="trace directory (or requests.parquet) with prompt token ids")
     p.add_argument("--out", required=True, help="result directory to write")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1, which "
-                        "`pwsim fidelity` needs: the simulator replays the recorded times)")
+                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1); give `pwsim "
+                        "run` the same --time-scale to compare the two with `pwsim fidelity`")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "
                         "(first kernel launches, CUDA-graph captures) stay out of the replay (default 0)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_slo_flags(p)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -65,6 +67,7 @@ def run(args) -> int:
     from traces.results import prepare_dir, write_result_dir
 
     trace = _requests(args.trace, args.max_requests)
+    slo = slo_bounds(args)
     out = Path(args.out)
     prepare_dir(out, args.force, tool="replay")
     engine, model_dir, dtype, device = build_engine(args)
@@ -74,6 +77,8 @@ def run(args) -> int:
                     progress=not args.json)
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
                "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks}
+    if slo is not None:
+        summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
                      {"summary": summary, "config": config}, force=args.force, tool="replay")
@@ -84,4 +89,6 @@ def run(args) -> int:
         print(f"replayed {summary['requests']} requests ({summary['output_tokens']} output tokens) in "
               f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
               f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
+        if slo is not None:
+            print("SLO " + slo_line(summary["slo"]))
     return 0

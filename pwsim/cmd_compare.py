@@ -16,11 +16,13 @@ from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
 from traces.clikit import UserError, check_output
+from traces.results import add_slo_flags, slo_attainment, slo_bounds
 
 GiB = 2**30
 COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "e2e_p50_s", "completed", "requests", "preemptions",
-           "stall_s", "budget_violations", "reloaded_gib", "damage_per_token", "predicted_ppl", "wall_s", "note"]
+           "stall_s", "budget_violations", "reloaded_gib", "damage_per_token", "predicted_ppl", "slo_attainment",
+           "goodput_rps", "wall_s", "note"]
 
 
 def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
@@ -38,11 +40,14 @@ def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
             "preemptions": summary["preemptions"], "stall_s": sum(v["time_s"] for v in summary["stalls"].values()),
             "budget_violations": m["budget_violations"], "reloaded_gib": summary["page_traffic"]["reload_bytes"] / GiB,
             "damage_per_token": q.get("mean_damage_per_token"), "predicted_ppl": q.get("predicted_ppl"),
-            "quality_fit": q.get("fit"), "wall_s": summary["wall_s"], "note": ""}
+            "quality_fit": q.get("fit"), "wall_s": summary["wall_s"], "note": "",
+            "slo_attainment": (summary.get("slo") or {}).get("attainment"),
+            "goodput_rps": (summary.get("slo") or {}).get("goodput_rps")}
 
 
-def run_one(cfg_json: dict, keep_timeline: bool):
-    """Worker: one run; returns (summary or None, timeline or None, error message or None)."""
+def run_one(cfg_json: dict, keep_timeline: bool, slo: tuple | None = None):
+    """Worker: one run; returns (summary or None, timeline or None, error message or None). `slo`: (TTFT s, TPOT s)
+    bounds whose attainment the summary reports."""
     from pwsim.engine import BudgetError
     from pwsim.runner import RunConfig, execute
     cfg = RunConfig.from_json(cfg_json)
@@ -50,6 +55,8 @@ def run_one(cfg_json: dict, keep_timeline: bool):
         res = execute(cfg)
     except BudgetError as e:
         return None, None, str(e)
+    if slo is not None:
+        res.summary["slo"] = slo_attainment(res.requests, *slo)
     res.plans.clear()
     return res.summary, (res if keep_timeline else None), None
 
@@ -67,9 +74,10 @@ def table(rows: list[dict]) -> str:
     div, unit = memory_unit(max((r.get("peak_gib") or 0.0) for r in rows) * GiB)
     scale = GiB / div  # rows hold GiB
     relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
+    slo = any(r.get("slo_attainment") is not None for r in rows)
     head = ("policy", "budget", f"peak {unit}", f"used {unit}", "weights", "KV pool", "bits", "tok/s", "TTFT p50",
             "TPOT p50 ms", "preempt", "stall s", "viol", f"reload {unit}",
-            ("ppl/fp" if relative else "ppl") if q_key == "predicted_ppl" else "damage/tok")
+            ("ppl/fp" if relative else "ppl") if q_key == "predicted_ppl" else "damage/tok") + (("SLO met %",) * slo)
     body = []
     for r in rows:
         if r["status"] != "ok":
@@ -80,7 +88,8 @@ def table(rows: list[dict]) -> str:
                      _fmt(r["mean_bits"]), _fmt(r["throughput_tok_s"], 0), _fmt(r["ttft_p50_s"], 3),
                      _fmt(r["tpot_p50_ms"]), _fmt(r["preemptions"]), _fmt(r["stall_s"], 3),
                      _fmt(r["budget_violations"]), mem("reloaded_gib"),
-                     "-" if r.get(q_key) is None else f"{r[q_key]:.4g}"))
+                     "-" if r.get(q_key) is None else f"{r[q_key]:.4g}")
+                    + ((_fmt(100 * r["slo_attainment"], 1),) * slo))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *[b for b in body if not b[2].startswith("infeasible")])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for b in body:
@@ -106,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     out = check_output(args.out)  # written only once every run is done (output.write_files)
     validate_config(configs[0][2])
     jobs = worker_count(args.jobs, len(configs))
-    results = map_jobs(run_one, [(cfg.to_json(), b == tl_budget) for _, b, cfg in configs], jobs, "simulations",
+    slo = slo_bounds(args)
+    results = map_jobs(run_one, [(cfg.to_json(), b == tl_budget, slo) for _, b, cfg in configs], jobs, "simulations",
                        "run", progress=not args.no_progress)
     rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]
     first = next((results[k][0] for k in range(len(configs)) if results[k][0] is not None), None)
@@ -165,5 +175,6 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--no-progress", action="store_true")
+    add_slo_flags(p)
     add_common(p)
     p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions})

@@ -10,6 +10,7 @@ from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
 from pwsim.runner import RunConfig, SyntheticWorkload, make_config
 from traces.clikit import UserError
+from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -178,6 +179,8 @@ def describe(summary: dict) -> str:
         ppl = f"; {q['predicted_ppl_label']}: {q['predicted_ppl']:.3f}" if q.get("predicted_ppl") is not None else ""
         lines.append(f"  quality: mean damage per token {q['mean_damage_per_token']:.4g}{ppl}")
     lines.append(f"  quality note: {q['note']}")
+    if summary.get("slo"):
+        lines.append("  SLO " + slo_line(summary["slo"]))
     lines.append(f"  simulated {summary['computed_tokens']:,} tokens in {summary['wall_s']:.1f} wall s "
                  f"({summary['sim_tokens_per_wall_s']:,.0f} tokens per wall s)")
     return "\n".join(lines)
@@ -191,10 +194,13 @@ def run(args: argparse.Namespace) -> int:
     from pwsim import output, runner
     params = parse_policy(args.policy, args.policy_arg)
     cfg = config_from_args(args, args.policy, params, args.budget)
+    slo = slo_bounds(args)
     out = Path(args.out or f"runs/run-{cfg.policy}-{args.budget}")
     output.prepare_dir(out, args.force)
     t0 = time.perf_counter()
     result = runner.execute(cfg, progress=not (args.json or args.no_progress))
+    if slo is not None:
+        result.summary["slo"] = slo_attainment(result.requests, *slo)
     path = output.write_run(result, cfg.to_json(), out, plots=not args.no_plots, force=args.force)
     if args.json:
         print(output.dumps(result.summary))
@@ -218,5 +224,6 @@ def register(subparsers) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_slo_flags(p)
     add_common(p)
     p.set_defaults(func=run)

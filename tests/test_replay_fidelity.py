@@ -138,7 +138,13 @@ def test_replay_cli_writes_a_result_directory(ckpt, tmp_path, capsys):
     s, req, tl, cfg = read_result_dir(out)
     assert s == json.loads((out / "summary.json").read_text()) and cfg["max_requests"] == 2
     np.testing.assert_array_equal(req["request_id"], [7, 3])
-    assert len(tl["iter_s"]) == s["iterations"]
+    assert len(tl["iter_s"]) == s["iterations"] and "slo" not in s
+    # with SLO bounds: a generous TTFT bound every request meets, and the same bound with an impossible TPOT
+    assert rt_main(args[:-1] + ["--slo-ttft", "60", "--force"]) == 0
+    assert "SLO TTFT <= 60000 ms: 2/2 requests (100.0%)" in capsys.readouterr().out
+    assert json.loads((out / "summary.json").read_text())["slo"]["attainment"] == 1.0
+    assert rt_main(args + ["--slo-ttft", "60", "--slo-tpot", "1e-9", "--force"]) == 0
+    assert json.loads(capsys.readouterr().out)["slo"]["met"] == 0
 
 
 @pytest.mark.parametrize("setup, needle", [("no-ids", "prompt token ids"), ("missing", "does not exist"),

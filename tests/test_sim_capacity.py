@@ -1,5 +1,5 @@
 """`pwsim capacity` and pwsim.capacity: the search, the SLO, the arrival time scale it runs on, the command end to end
-and under misuse."""
+and under misuse; the SLO attainment `run` and `compare` report (traces.results.slo_attainment)."""
 from __future__ import annotations
 
 import json
@@ -135,3 +135,35 @@ def test_capacity_misuse_is_one_line_and_writes_nothing(tmp_path, capsys, argv, 
     lines = [line for line in err.splitlines() if line.strip()]
     assert rc == 2 and len(lines) == 1 and "error:" in lines[0] and needle in lines[0], err
     assert "Traceback" not in err and not out.exists()
+
+
+def test_slo_attainment_counts_completed_requests_within_both_bounds():
+    """A request meets the SLO when it completed, its TTFT is within the bound and its TPOT too (a one-token output
+    has no TPOT); goodput is the met requests over the makespan."""
+    from traces.results import request_columns, slo_attainment
+    req = request_columns([1, 2, 3, 4], ["d"] * 4, [0.0, 0.0, 1.0, 1.0], [8, 8, 8, 8], [5, 1, 5, 5],
+                          [0.01, 0.5, 1.02, float("nan")], [0.05, 0.5, 1.5, float("nan")], [0, 0, 0, 0],
+                          ["length", "stop", "length", "abort"])
+    got = slo_attainment(req, 0.1, 0.02)
+    # 1: TTFT 10 ms, TPOT 10 ms -> met; 2: one token, TTFT 500 ms -> missed; 3: TPOT 120 ms -> missed; 4: aborted
+    assert (got["met"], got["requests"], got["attainment"]) == (1, 4, 0.25)
+    assert got["goodput_rps"] == pytest.approx(1 / 1.5)
+    assert slo_attainment(req, 1.0, None)["met"] == 3 and slo_attainment(req, None, 0.02)["met"] == 2
+
+
+def test_run_and_compare_report_slo_attainment(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", "--budget", "32MiB", "--slo-ttft", "0.005", "--slo-tpot", "1", "--no-plots", "--json",
+                 "--out", str(out)]) == 0
+    slo = json.loads(capsys.readouterr().out)["slo"]
+    assert slo["requests"] == 96 and 0 < slo["attainment"] <= 1 and slo["tpot_s"] == 0.001
+    assert json.loads((out / "summary.json").read_text())["slo"] == slo
+    assert main(["compare", "--policies", "fp16,pagedweight", "--budgets", "24MiB", "--slo-ttft", "0.05", "--jobs", "1",
+                 "--no-progress", "--out", str(tmp_path / "cmp")]) == 0
+    text = capsys.readouterr().out
+    assert "SLO met %" in text
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "cmp" / "compare.json").read_text())["rows"]}
+    assert rows["pagedweight"]["slo_attainment"] > rows["fp16"]["slo_attainment"]
+    assert "slo_attainment" in (tmp_path / "cmp" / "compare.csv").read_text().splitlines()[0]
+    assert main(["run", "--slo-ttft", "0", "--out", str(tmp_path / "bad")]) == 2
+    assert "--slo-ttft must be a number > 0" in capsys.readouterr().err

@@ -81,6 +81,47 @@ def request_summary(requests: dict[str, np.ndarray]) -> dict:
             "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"])}
 
 
+def slo_attainment(requests: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> dict:
+    """How many requests (`request_columns`) completed within the latency bounds (None: not bounded): TTFT at most
+    `ttft_s` and TPOT at most `tpot_s` (a one-token output has no TPOT and passes it); unfinished requests miss. The
+    share of requests that met them (`attainment`) and their rate over the makespan (`goodput_rps`)."""
+    met = np.isin(requests["finish_reason"], ("length", "stop"))
+    if ttft_s is not None:
+        met &= np.asarray(requests["ttft_s"], dtype=np.float64) <= ttft_s
+    if tpot_s is not None:
+        met &= ~(np.asarray(requests["tpot_s"], dtype=np.float64) > tpot_s)
+    n, span = len(met), request_summary(requests)["makespan_s"]
+    return {"ttft_s": ttft_s, "tpot_s": tpot_s, "met": int(met.sum()), "requests": n,
+            "attainment": float(met.mean()) if n else None, "goodput_rps": float(met.sum()) / max(span, 1e-12)}
+
+
+def slo_line(slo: dict) -> str:
+    """`traces.results.slo_attainment`'s result in words."""
+    bounds = " and ".join(b for b in (None if slo["ttft_s"] is None else f"TTFT <= {slo['ttft_s'] * 1e3:g} ms",
+                                      None if slo["tpot_s"] is None else f"TPOT <= {slo['tpot_s'] * 1e3:g} ms") if b)
+    return (f"{bounds}: {slo['met']}/{slo['requests']} requests ({100 * (slo['attainment'] or 0):.1f}%), goodput "
+            f"{slo['goodput_rps']:.3g} requests/s")
+
+
+def add_slo_flags(parser) -> None:
+    """`--slo-ttft SECONDS` and `--slo-tpot MS`: report `slo_attainment` in the summary (`slo_bounds` reads them)."""
+    parser.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS",
+                        help="also report the share of requests that completed with a TTFT at most this (and TPOT "
+                             "within --slo-tpot), and their rate (goodput)")
+    parser.add_argument("--slo-tpot", type=float, default=None, metavar="MS",
+                        help="the TPOT bound of that share, in milliseconds")
+
+
+def slo_bounds(args) -> tuple[float | None, float | None] | None:
+    """(TTFT s, TPOT s) from `add_slo_flags`'s flags; None when neither is given. A bound must be a number > 0."""
+    if args.slo_ttft is None and args.slo_tpot is None:
+        return None
+    for flag, v in (("--slo-ttft", args.slo_ttft), ("--slo-tpot", args.slo_tpot)):
+        if v is not None and not 0 < v < math.inf:
+            raise UserError(f"{flag} must be a number > 0, got {v}")
+    return args.slo_ttft, None if args.slo_tpot is None else args.slo_tpot / 1e3
+
+
 # ---------------------------------------------------------------- JSON and Parquet
 def clean(obj):
     """JSON-safe copy: numpy scalars/arrays to Python, NaN/inf to None."""
