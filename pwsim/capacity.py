@@ -126,12 +126,10 @@ def search(run: Callable[[float], LoadPoint], lowest: float, highest: float, tol
     return Capacity(good, bad, tuple(points[m] for m in sorted(points)))
 
 
-def capacity_of(cfg, slo: SLO, lowest: float, highest: float, tolerance: float,
-                execute: Callable | None = None) -> tuple[Capacity, dict]:
+def capacity_of(cfg, slo: SLO, lowest: float, highest: float, tolerance: float) -> tuple[Capacity, dict]:
     """Search one RunConfig's capacity (its `time_scale` ignored: every point sets its own); returns it and the
-    summary of the run at capacity (or at the lowest multiplier when none met). `execute`: pwsim.runner.execute."""
-    if execute is None:
-        from pwsim.runner import execute
+    summary of the run at capacity (or at the lowest multiplier when none met)."""
+    from pwsim.runner import execute
     base_rate = base_rate_rps(cfg)
     summaries: dict[float, dict] = {}
 
