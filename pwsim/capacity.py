@@ -2,7 +2,9 @@
 
 A load point is the run's trace with its arrival times divided by a rate multiplier m (`RunConfig.time_scale` =
 1 / m: the same requests and routing, m times as often). A point meets the SLO when every request completed and the
-chosen percentile of TTFT and of TPOT (those the SLO names) is at most its bound. `search` starts at the lowest
+chosen percentile of TTFT and of TPOT (those the SLO names) is at most its bound; or, with `attainment` (DistServe's
+goodput), when at least that share of the requests completed within both bounds (`traces.results.slo_attainment`;
+the others may run late or not finish). Every point also reports that share. `search` starts at the lowest
 multiplier, doubles until a point misses (or the ceiling is reached), then bisects geometrically until the last point
 that met and the first that missed are within `tolerance` of each other. It assumes latency grows with load; the
 points it ran are all reported, so a non-monotone curve shows. Every point is one seeded simulation: the same
@@ -19,10 +21,12 @@ PERCENTILES = (50, 90, 99)  # what a run's summary holds (traces.results.stats)
 
 @dataclass(frozen=True)
 class SLO:
-    """Latency bounds at one percentile; None: that latency is not bounded."""
+    """Latency bounds (None: that latency is not bounded) at one percentile, or met per request by an `attainment`
+    share of them."""
     ttft_s: float | None = None
     tpot_s: float | None = None
     percentile: int = 99
+    attainment: float | None = None
 
     def __post_init__(self) -> None:
         if self.ttft_s is None and self.tpot_s is None:
@@ -33,9 +37,15 @@ class SLO:
                 raise ValueError(f"the {name[:4].upper()} bound must be a number > 0, got {v}")
         if self.percentile not in PERCENTILES:
             raise ValueError(f"the percentile must be one of {PERCENTILES}, got {self.percentile}")
+        if self.attainment is not None and not 0 < self.attainment <= 1:
+            raise ValueError(f"the attainment must lie in (0, 1], got {self.attainment}")
 
-    def check(self, summary: dict) -> tuple[bool, str]:
-        """(met, why not) for one run's summary."""
+    def check(self, summary: dict, attained: float | None = None) -> tuple[bool, str]:
+        """(met, why not) for one run's summary and the share of its requests that met both bounds."""
+        if self.attainment is not None:
+            if attained is not None and attained >= self.attainment:
+                return True, ""
+            return False, f"{100 * (attained or 0):.1f}% of requests within the bounds < {100 * self.attainment:g}%"
         if summary["completed"] < summary["requests"]:
             return False, f"{summary['requests'] - summary['completed']} requests did not complete"
         key = f"p{self.percentile}"
@@ -58,13 +68,18 @@ class LoadPoint:
     throughput_tok_s: float
     completed: int
     requests: int
+    attained: float | None  # the share of requests that completed within both bounds
 
     @classmethod
-    def of(cls, multiplier: float, base_rate_rps: float, summary: dict, slo: SLO) -> "LoadPoint":
-        met, why = slo.check(summary)
+    def of(cls, multiplier: float, base_rate_rps: float, result, slo: SLO) -> "LoadPoint":
+        """The point of a run's result (its summary and per-request columns)."""
+        from traces.results import slo_attainment
+        summary = result.summary
+        attained = slo_attainment(result.requests, slo.ttft_s, slo.tpot_s)["attainment"]
+        met, why = slo.check(summary, attained)
         key = f"p{slo.percentile}"
         return cls(multiplier, base_rate_rps * multiplier, met, why, summary["ttft_s"][key], summary["tpot_s"][key],
-                   summary["throughput_tokens_per_s"], summary["completed"], summary["requests"])
+                   summary["throughput_tokens_per_s"], summary["completed"], summary["requests"], attained)
 
 
 @dataclass(frozen=True)
@@ -136,7 +151,7 @@ def capacity_of(cfg, slo: SLO, lowest: float, highest: float, tolerance: float) 
     def run(m: float) -> LoadPoint:
         result = execute(replace(cfg, time_scale=1.0 / m))
         summaries[m] = result.summary
-        return LoadPoint.of(m, base_rate, result.summary, slo)
+        return LoadPoint.of(m, base_rate, result, slo)
 
     cap = search(run, lowest, highest, tolerance)
     return cap, summaries[cap.multiplier if cap.multiplier is not None else lowest]

@@ -17,8 +17,8 @@ from pwsim.defaults import DEFAULTS
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError, check_output
 
-POINT_COLUMNS = ["policy", "budget", "multiplier", "rate_rps", "met", "why", "ttft_s", "tpot_s", "throughput_tok_s",
-                 "completed", "requests"]
+POINT_COLUMNS = ["policy", "budget", "multiplier", "rate_rps", "met", "why", "ttft_s", "tpot_s", "attained",
+                 "throughput_tok_s", "completed", "requests"]
 
 
 def search_one(cfg_json: dict, slo: dict, lowest: float, highest: float, tolerance: float) -> tuple[dict, dict]:
@@ -32,9 +32,9 @@ def search_one(cfg_json: dict, slo: dict, lowest: float, highest: float, toleran
 def _slo(args: argparse.Namespace) -> SLO:
     try:
         return SLO(ttft_s=args.slo_ttft, tpot_s=None if args.slo_tpot is None else args.slo_tpot / 1e3,
-                   percentile=args.percentile)
+                   percentile=args.percentile, attainment=args.attainment)
     except ValueError as e:
-        raise UserError(f"--slo-ttft / --slo-tpot / --percentile: {e}") from None
+        raise UserError(f"--slo-ttft / --slo-tpot / --percentile / --attainment: {e}") from None
 
 
 def _check_search(args: argparse.Namespace) -> None:
@@ -52,15 +52,16 @@ def _check_search(args: argparse.Namespace) -> None:
 
 def table(searches: list[dict], slo: SLO) -> str:
     key = f"p{slo.percentile}"
-    head = ("policy", "budget", "capacity (x trace rate)", "requests/s", f"TTFT {key} ms", f"TPOT {key} ms", "tok/s",
-            "points", "note")
+    head = ("policy", "budget", "capacity (x trace rate)", "requests/s", f"TTFT {key} ms", f"TPOT {key} ms",
+            "within SLO %", "tok/s", "points", "note")
     body = []
     for res in searches:
         cap = next((p for p in res["points"] if p["multiplier"] == res["multiplier"]), None)
         ms = lambda v: "-" if v is None else f"{v * 1e3:.3g}"  # noqa: E731
         body.append((res["policy"], res["budget"], "-" if cap is None else f"{cap['multiplier']:.3g}",
                      "-" if cap is None else f"{cap['rate_rps']:.4g}", ms(cap and cap["ttft_s"]),
-                     ms(cap and cap["tpot_s"]), "-" if cap is None else f"{cap['throughput_tok_s']:.0f}",
+                     ms(cap and cap["tpot_s"]), "-" if cap is None else f"{100 * cap['attained']:.1f}",
+                     "-" if cap is None else f"{cap['throughput_tok_s']:.0f}",
                      str(len(res["points"])), res["note"]))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in (head, *body))
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
     out = check_output(args.out)  # written only once every search is done
     validate_config(configs[0][2])
-    slo_json = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile}
+    slo_json = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile,
+                "attainment": slo.attainment}
     jobs = worker_count(args.jobs, len(configs))
     found = map_jobs(search_one, [(cfg.to_json(), slo_json, args.min_rate, args.max_rate, args.tolerance)
                                   for _, _, cfg in configs], jobs, "capacity searches", "search",
@@ -122,6 +124,8 @@ def _command(args: argparse.Namespace, policies: list[str], budgets: list[str]) 
         parts.append(f"--slo-ttft {args.slo_ttft:g}")
     if args.slo_tpot is not None:
         parts.append(f"--slo-tpot {args.slo_tpot:g}")
+    if args.attainment is not None:
+        parts.append(f"--attainment {args.attainment:g}")
     parts.append(f"--percentile {args.percentile} --min-rate {args.min_rate:g} --max-rate {args.max_rate:g} "
                  f"--tolerance {args.tolerance:g}")
     return " ".join(parts + common_flags(args))
@@ -145,6 +149,9 @@ def register(subparsers) -> None:
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="bound on the TPOT percentile")
     p.add_argument("--percentile", type=int, default=99,
                    help=f"the SLO's percentile, one of {', '.join(map(str, PERCENTILES))} (default 99)")
+    p.add_argument("--attainment", type=float, default=None, metavar="F",
+                   help="instead of a percentile: a point meets the SLO when at least this share of its requests "
+                        "completed within both bounds (DistServe's goodput; e.g. 0.9)")
     p.add_argument("--min-rate", type=float, default=0.25, metavar="X",
                    help="lowest multiple of the trace's arrival rate searched (default 0.25)")
     p.add_argument("--max-rate", type=float, default=64.0, metavar="X",

@@ -164,7 +164,8 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
     axes[0].set_xticklabels(budgets)
     axes[0].set_xlabel("memory budget")
     axes[0].set_ylabel("capacity (requests / s)")
-    axes[0].set_title(f"the highest rate meeting the SLO ({key})", fontsize=9)
+    how = key if slo.get("attainment") is None else f"{100 * slo['attainment']:g}% of requests within the bounds"
+    axes[0].set_title(f"the highest rate meeting the SLO ({how})", fontsize=9)
     axes[0].legend(fontsize=8)
     axes[0].grid(alpha=0.3)
     for res in (s for s in searches if s["budget"] == curve_budget):

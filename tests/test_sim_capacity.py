@@ -19,7 +19,7 @@ DEMO = ["--budgets", "32MiB", "--slo-ttft", "0.05", "--min-rate", "0.5", "--max-
 
 
 def _point(m: float, met: bool) -> LoadPoint:
-    return LoadPoint(m, 10.0 * m, met, "" if met else "over", 0.01, 0.001, 100.0, 5, 5)
+    return LoadPoint(m, 10.0 * m, met, "" if met else "over", 0.01, 0.001, 100.0, 5, 5, 1.0 if met else 0.5)
 
 
 @pytest.mark.parametrize("threshold", [0.3, 3.3, 7.9, 63.0])
@@ -61,8 +61,15 @@ def test_slo_reads_its_percentile_and_needs_every_request_done():
     assert SLO(tpot_s=0.003, percentile=90).check(summary)[0]
     assert SLO(tpot_s=0.003).check(summary) == (False, "TPOT p99 4 ms > 3 ms")
     assert SLO(ttft_s=1.0).check({**summary, "completed": 3}) == (False, "1 requests did not complete")
+    # with an attainment, the share of requests within both bounds decides (unfinished ones count against it)
+    by_share = SLO(ttft_s=0.05, attainment=0.9)
+    assert by_share.check({**summary, "completed": 3}, 0.95) == (True, "")
+    assert by_share.check(summary, 0.85) == (False, "85.0% of requests within the bounds < 90%")
+    assert not by_share.check(summary, None)[0]
     for kw, msg in ((dict(), "needs a TTFT or a TPOT"), (dict(ttft_s=0.0), "must be a number > 0"),
-                    (dict(tpot_s=float("nan")), "must be a number > 0"), (dict(ttft_s=1.0, percentile=95), "one of")):
+                    (dict(tpot_s=float("nan")), "must be a number > 0"), (dict(ttft_s=1.0, percentile=95), "one of"),
+                    (dict(ttft_s=1.0, attainment=0.0), "attainment must lie in"),
+                    (dict(ttft_s=1.0, attainment=1.5), "attainment must lie in")):
         with pytest.raises(ValueError, match=msg):
             SLO(**kw)
 
@@ -114,7 +121,17 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     assert main(["capacity", "--policies", "fp16,pagedweight", "--jobs", "1", "--json", "--no-progress",
                  "--out", str(one), *DEMO]) == 0
     assert json.loads(capsys.readouterr().out)["searches"] == report["searches"]
-    assert math.isfinite(report["wall_s"]) and report["slo"] == {"ttft_s": 0.05, "tpot_s": None, "percentile": 99}
+    assert math.isfinite(report["wall_s"])
+    assert report["slo"] == {"ttft_s": 0.05, "tpot_s": None, "percentile": 99, "attainment": None}
+    # by attainment (90% of requests within 50 ms): a looser SLO than every request's p99, so no lower a capacity
+    share = tmp_path / "share"
+    assert main(["capacity", "--policies", "pagedweight", "--attainment", "0.9", "--jobs", "1", "--no-progress",
+                 "--out", str(share), *DEMO]) == 0
+    capsys.readouterr()
+    res = json.loads((share / "capacity.json").read_text())["searches"][0]
+    points = {p["multiplier"]: p for p in res["points"]}
+    assert points[res["multiplier"]]["attained"] >= 0.9 > points[res["missed_at_multiplier"]]["attained"]
+    assert res["multiplier"] >= caps["pagedweight"]["multiplier"]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -125,6 +142,7 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     (["--slo-ttft", "1", "--tolerance", "0"], "--tolerance must lie in (0, 1]"),
     (["--slo-ttft", "1", "--time-scale", "0.5"], "a capacity search sets the arrival rate itself"),
     (["--slo-ttft", "1", "--percentile", "95"], "the percentile must be one of (50, 90, 99), got 95"),
+    (["--slo-ttft", "1", "--attainment", "2"], "the attainment must lie in (0, 1], got 2.0"),
     (["--slo-ttft", "1", "--policies", "nope"], "nope"),
     (["--slo-ttft", "1", "--budgets", "lots"], "lots"),
 ])
