@@ -89,7 +89,7 @@ def table(rows: list[dict]) -> str:
                      _fmt(r["tpot_p50_ms"]), _fmt(r["preemptions"]), _fmt(r["stall_s"], 3),
                      _fmt(r["budget_violations"]), mem("reloaded_gib"),
                      "-" if r.get(q_key) is None else f"{r[q_key]:.4g}")
-                    + ((_fmt(100 * r["slo_attainment"], 1),) * slo))
+                    + ((_fmt(100 * r["slo_attainment"], 1),) if slo else ()))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *[b for b in body if not b[2].startswith("infeasible")])]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     for b in body:

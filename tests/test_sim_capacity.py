@@ -176,6 +176,11 @@ def test_run_and_compare_report_slo_attainment(tmp_path, capsys):
     slo = json.loads(capsys.readouterr().out)["slo"]
     assert slo["requests"] == 96 and 0 < slo["attainment"] <= 1 and slo["tpot_s"] == 0.001
     assert json.loads((out / "summary.json").read_text())["slo"] == slo
+    # the printed table without SLO flags has no SLO column (the quickstart's `pwsim compare`), and with them has one
+    assert main(["compare", "--policies", "fp16,pagedweight", "--budgets", "24MiB,48MiB", "--jobs", "1",
+                 "--no-progress", "--out", str(tmp_path / "plain")]) == 0
+    text = capsys.readouterr().out
+    assert any(line.split()[:2] == ["pagedweight", "48MiB"] for line in text.splitlines()) and "SLO met %" not in text
     assert main(["compare", "--policies", "fp16,pagedweight", "--budgets", "24MiB", "--slo-ttft", "0.05", "--jobs", "1",
                  "--no-progress", "--out", str(tmp_path / "cmp")]) == 0
     text = capsys.readouterr().out
