@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import asdict
 
 from pwsim.capacity import PERCENTILES, SLO
 from pwsim.cmd_run import (add_common, common_flags, config_from_args, parse_policy, policies_and_budgets,
@@ -46,8 +47,6 @@ def _check_search(args: argparse.Namespace) -> None:
     if args.time_scale != 1.0:
         raise UserError("--time-scale: a capacity search sets the arrival rate itself; leave --time-scale out and "
                         "bound the search with --min-rate / --max-rate")
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs must be at least 1, got {args.jobs} (leave it out to use every available core)")
 
 
 def table(searches: list[dict], slo: SLO) -> str:
@@ -79,11 +78,10 @@ def run(args: argparse.Namespace) -> int:
     _check_search(args)
     params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
     configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
+    jobs = worker_count(args.jobs, len(configs))
     out = check_output(args.out)  # written only once every search is done
     validate_config(configs[0][2])
-    slo_json = {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s, "percentile": slo.percentile,
-                "attainment": slo.attainment}
-    jobs = worker_count(args.jobs, len(configs))
+    slo_json = asdict(slo)
     found = map_jobs(search_one, [(cfg.to_json(), slo_json, args.min_rate, args.max_rate, args.tolerance)
                                   for _, _, cfg in configs], jobs, "capacity searches", "search",
                      progress=not args.no_progress)

@@ -105,17 +105,14 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     policy_names, budgets = policies_and_budgets(args)
-    if args.jobs is not None and args.jobs < 1:
-        raise UserError(f"--jobs must be at least 1, got {args.jobs} (leave it out to use every available core)")
     params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
     configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
+    jobs, slo = worker_count(args.jobs, len(configs)), slo_bounds(args)
     tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
     if tl_budget not in budgets:
         raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
     out = check_output(args.out)  # written only once every run is done (output.write_files)
     validate_config(configs[0][2])
-    jobs = worker_count(args.jobs, len(configs))
-    slo = slo_bounds(args)
     results = map_jobs(run_one, [(cfg.to_json(), b == tl_budget, slo) for _, b, cfg in configs], jobs, "simulations",
                        "run", progress=not args.no_progress)
     rows = [_row(cfg, b, *[results[k][0], results[k][2]]) for k, (p, b, cfg) in enumerate(configs)]

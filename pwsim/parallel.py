@@ -10,9 +10,13 @@ import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Callable, Sequence
 
+from traces.clikit import UserError
+
 
 def worker_count(requested: int | None, n_jobs: int) -> int:
-    """`requested` workers (default: the cores this process may use), at most one per job."""
+    """`requested` workers (`--jobs`; default: the cores this process may use), at most one per job."""
+    if requested is not None and requested < 1:
+        raise UserError(f"--jobs must be at least 1, got {requested} (leave it out to use every available core)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(n_jobs, requested if requested else cores))
 

@@ -143,6 +143,7 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     (["--slo-ttft", "1", "--time-scale", "0.5"], "a capacity search sets the arrival rate itself"),
     (["--slo-ttft", "1", "--percentile", "95"], "the percentile must be one of (50, 90, 99), got 95"),
     (["--slo-ttft", "1", "--attainment", "2"], "the attainment must lie in (0, 1], got 2.0"),
+    (["--slo-ttft", "1", "--jobs", "0"], "--jobs must be at least 1, got 0"),
     (["--slo-ttft", "1", "--policies", "nope"], "nope"),
     (["--slo-ttft", "1", "--budgets", "lots"], "lots"),
 ])
