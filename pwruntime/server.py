@@ -306,9 +306,15 @@ class Server:
         lines += self.worker.request_metrics.render()
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _parsed(self, request: web.Request) -> dict:
+        """The JSON body, for the served model (a `model` naming another is a 404)."""
         body = api.parse_body(await request.read())
         self._check_model(body.get("model"))
+        return body
+
+    async def _body(self, request: web.Request) -> dict:
+        """A completion's body, without the options this server does not serve."""
+        body = await self._parsed(request)
         api.check_unsupported(body)
         return body
 
@@ -337,8 +343,7 @@ class Server:
     async def tokenize(self, request: web.Request) -> web.Response:
         """vLLM's /tokenize: the token ids a completion's `prompt` (a string; `add_special_tokens`, default true) or
         a chat's `messages` (`add_generation_prompt`, default true) becomes, as the endpoints encode them."""
-        body = api.parse_body(await request.read())
-        self._check_model(body.get("model"))
+        body = await self._parsed(request)
         if ("prompt" in body) == ("messages" in body):
             raise api.RequestError("/tokenize takes a 'prompt' (a string) or 'messages' (a chat), one of them")
         def flag_on(key: str) -> bool:  # true unless sent false
@@ -357,8 +362,7 @@ class Server:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """vLLM's /detokenize: the text of `tokens` (token ids; special tokens left out, as in a choice's text)."""
-        body = api.parse_body(await request.read())
-        self._check_model(body.get("model"))
+        body = await self._parsed(request)
         if "tokens" not in body:
             raise api.RequestError("/detokenize takes 'tokens': a list of token ids")
         return web.json_response({"prompt": self.tokenizer.decode(list(api.token_ids(body, "tokens", self.vocab)))})
