@@ -19,7 +19,7 @@ Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
    outputs so far for a re-admitted runtime sequence, the prompt alone for a simulated one, whose
    outputs are `UNKNOWN_TOKEN`), but at least its last token is computed (the step that samples
    needs its logits): its chunk starts after them, and only the blocks it takes from the free list
-   count against the pool.
+   count against the pool. A sequence with `share_cached_prefix` off shares none.
 3. A step that schedules nothing while requests are unfinished is a *stall* (the pool is too
    small for the oldest request on its own). An engine keeps calling (its planner may grow the
    pool meanwhile); after `stall_limit` consecutive stalls the blocking request is finished with
@@ -208,7 +208,7 @@ class Scheduler:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks a waiting sequence can share: full blocks of its known tokens, all but its last token."""
-        if not self.pool.prefix_caching or seq.prompt_token_ids is None:
+        if not self.pool.prefix_caching or seq.prompt_token_ids is None or not seq.share_cached_prefix:
             return []
         known = seq.token_ids(0, min(seq.num_tokens - 1, seq.num_known_tokens))
         return self.pool.match_prefix(known, self._block_hashes.setdefault(seq.seq_id, []))

@@ -50,6 +50,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     finish_reason: str | None = None  # "stop" (EOS / stop token / stop string), "length", "kv_capacity", "abort"
+    share_cached_prefix: bool = True  # False: admitted without cached blocks (its engine needs every prompt position
+    # computed, e.g. for prompt log-probabilities); it still leaves its own blocks cached
 
     def __post_init__(self) -> None:
         if self.prompt_token_ids is not None:

@@ -23,6 +23,9 @@ raw logits: the logits processing a request may ask for (`logit_bias`, `min_toke
 pwruntime.sampling) changes what it samples, from its prompt, its output so far and its stop tokens, and only
 requests that ask pay for it;
 stop strings, too, are looked for only once a request has more than `min_tokens` output tokens, as vLLM's.
+A request asking `prompt_logprobs` gets a record per prompt token after the first (pwruntime.prompt_logprobs), from
+the prefill steps that compute its prompt: the runner hands back those rows' hidden states, and the records are
+made on the device and read back when the step settles.
 
 Asynchronous scheduling (`async_scheduling`, off by default; vLLM's `--async-scheduling`): a step launches its
 batch, samples on the device and schedules nothing more; the next step schedules and launches its batch first and
@@ -61,7 +64,8 @@ from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
-from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, to_host
+from pwruntime import prompt_logprobs
+from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
 from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, SamplingParams, TokenLogprob, adjust_logits,
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
@@ -118,6 +122,16 @@ class RequestOutput:
     first_token_time: float | None
     finish_time: float
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when SamplingParams.logprobs is set, else empty
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first when
+    # SamplingParams.prompt_logprobs is set (pwruntime.prompt_logprobs), else empty
+
+
+@dataclass(frozen=True)
+class PromptOutput:
+    """A request's prompt as its RequestOutput will hold it (`LLMEngine.prompt_of`, while it runs)."""
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: tuple[TokenLogprob, ...]
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,7 @@ class _Launched:
     ready: torch.cuda.Event | None
     logprobs: PendingLogprobs | None
     routing: RoutingCopy | None
+    prompt: prompt_logprobs.PendingPromptLogprobs | None = None
 
 
 @dataclass
@@ -143,6 +158,7 @@ class _Request:
     stop_text: str | None = None  # output text cut before the stop string that ended it
     checked_chars: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.prompt_logprobs is set
 
 
 class LLMEngine:
@@ -187,6 +203,7 @@ class LLMEngine:
             eos = (self.tokenizer.eos_id,)
         self.eos_ids = tuple(int(e) for e in eos)
         self._requests: dict[int, _Request] = {}
+        self._prompt_cursors: dict[int, int] = {}  # request id -> prompt positions asked for (pwruntime.prompt_logprobs)
         self._next_id = 0
         self._spare_bytes = 0  # released by weight pages and not yet given to the KV pool
         self.unclaimed: list[RequestOutput] = []  # outputs of requests finished inside another call's generate()
@@ -258,6 +275,9 @@ class LLMEngine:
             draws = RequestDraws(params.seed if params.seed is not None else int(
                 np.random.SeedSequence([self.config.seed, rid]).generate_state(1, np.uint64)[0]))
         self._requests[rid] = _Request(seq, text, params, draws, stop_ids, seq.arrival_time)
+        if params.prompt_logprobs is not None and len(ids) > 1:
+            self._prompt_cursors[rid] = 0
+            seq.share_cached_prefix = False  # every prompt position is computed: cached ones would have no logits
         self.scheduler.add(seq)
         if self.recorder is not None:
             self.recorder.on_arrival(rid, seq.arrival_time, ids, domain)
@@ -297,11 +317,12 @@ class LLMEngine:
         marks.append(self.clock())
         launched = None
         if batch.entries:
-            out = self.runner.run(batch, self.pool, record=self._record)
+            needed = prompt_logprobs.needed_rows(batch, self._prompt_cursors) if self._prompt_cursors else None
+            out = self.runner.run(batch, self.pool, record=self._record, extra_rows=needed and needed.rows)
             if out.routing is not None:
                 self.routing.fold_when_full()  # held routing, when due: host work while the GPU runs this forward
             marks.append(self.clock())
-            launched = self._sample(batch, out.logits, out.routing)
+            launched = self._sample(batch, out, needed)
             self.scheduler.advance(batch)
         else:
             marks.append(marks[-1])
@@ -324,9 +345,10 @@ class LLMEngine:
         self.num_steps += 1
         return outputs
 
-    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor, routing: RoutingCopy | None) -> _Launched:
-        """Queue the batch's sampling (and log-probabilities) on the device and the tokens' copy to the host; with
-        asynchronous scheduling the runner keeps them for the next forward."""
+    def _sample(self, batch: ScheduledBatch, out: StepOutput, needed: prompt_logprobs.PromptRows | None) -> _Launched:
+        """Queue the batch's sampling (and log-probabilities, the prompts' among them) on the device and the tokens'
+        copy to the host; with asynchronous scheduling the runner keeps them for the next forward."""
+        logits = out.logits
         sampling = [self._requests[e.seq.seq_id] for e in batch.entries if e.sample]
         params = [r.params for r in sampling]
         tokens = self.runner.sample(self._adjusted(logits, sampling), params,
@@ -334,7 +356,17 @@ class LLMEngine:
         logprobs = logprobs_on_device(logits, params, tokens)
         if self.config.async_scheduling:
             self.runner.keep_sampled(tokens, [r.seq.seq_id for r in sampling])
-        return _Launched(batch, sampling, *to_host(tokens), logprobs, routing)
+        prompt = None
+        if needed is not None:
+            prompt = prompt_logprobs.on_device(self.model.logits, out.extra_hidden, needed)
+            for rid, cursor in needed.cursors().items():  # asked now: a recompute does not ask again
+                seq = self._requests[rid].seq
+                if cursor < seq.prompt_len - 1:
+                    self._prompt_cursors[rid] = cursor
+                else:
+                    del self._prompt_cursors[rid]
+                    seq.share_cached_prefix = True
+        return _Launched(batch, sampling, *to_host(tokens), logprobs, out.routing, prompt)
 
     def _settle(self, launched: _Launched) -> list[Sequence]:
         """Wait for a launched batch's tokens and settle them: routing observed, tokens in place, stops applied,
@@ -346,6 +378,10 @@ class LLMEngine:
         live = [not r.seq.is_finished for r in sampling]
         if launched.routing is not None:
             self._observe_routing(batch, launched.routing.arrays())
+        if launched.prompt is not None:
+            for rid, records in launched.prompt.records():
+                if rid in self._requests:  # not aborted since
+                    self._requests[rid].prompt_logprobs += records
         finished = self.scheduler.settle(batch, launched.tokens.tolist(), stop=self._stop_string)
         if launched.logprobs is not None:
             for r, ok, rec in zip(sampling, live, launched.logprobs.records([r.params for r in sampling])):
@@ -429,8 +465,16 @@ class LLMEngine:
         req = self._requests.get(request_id)
         return [] if req is None else req.logprobs[start:]
 
+    def prompt_of(self, request_id: int) -> PromptOutput | None:
+        """An unfinished request's prompt, with its prompt records so far (all of them once it has a token)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        return PromptOutput(req.prompt, list(req.seq.prompt_token_ids), tuple(req.prompt_logprobs))
+
     def _output(self, seq: Sequence) -> RequestOutput:
         req = self._requests.pop(seq.seq_id)
+        self._prompt_cursors.pop(seq.seq_id, None)
         self.routing.drop(seq.seq_id)
         ids = list(seq.output_token_ids)
         if req.stop_text is not None:
@@ -442,7 +486,7 @@ class LLMEngine:
             self.recorder.on_finish(seq.seq_id, len(ids))
         return RequestOutput(seq.seq_id, req.prompt, list(seq.prompt_token_ids or []), ids, text,
                              seq.finish_reason or "abort", seq.num_preemptions, req.arrival_time,
-                             req.first_token_time, self._now(), tuple(req.logprobs))
+                             req.first_token_time, self._now(), tuple(req.logprobs), tuple(req.prompt_logprobs))
 
     # ------------------------------------------------------- KV pool capacity
     def grow_kv(self, num_blocks: int) -> None:

@@ -73,6 +73,7 @@ class RoutingCopy:
 class StepOutput:
     logits: torch.Tensor  # [num_sampled, vocab] float32, in batch-entry order
     routing: RoutingCopy | None
+    extra_hidden: torch.Tensor | None = None  # [len(extra_rows), H]: the final hidden states of `run`'s extra rows
 
 
 class ModelRunner:
@@ -150,7 +151,10 @@ class ModelRunner:
                           src)
         return self.graphs.forward(rows, record)
 
-    def run(self, batch: ScheduledBatch, pool: BlockPool, record: bool = False) -> StepOutput:
+    def run(self, batch: ScheduledBatch, pool: BlockPool, record: bool = False,
+            extra_rows: list[int] | None = None) -> StepOutput:
+        """The forward of `batch`; `extra_rows`: flat rows (entries in order, each entry's new tokens in turn) whose
+        final hidden states are returned too (a copy: a later replay cannot overwrite them)."""
         if pool.id_limit > self.kv.num_blocks:
             raise RuntimeError(f"KV cache backs {self.kv.num_blocks} blocks but the pool uses ids up to "
                                f"{pool.id_limit}; resize the cache after changing the pool")
@@ -171,7 +175,10 @@ class ModelRunner:
         routing = None
         if record and out.routing:
             routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries), out.routing_words)
-        return StepOutput(logits, routing)
+        extra = None
+        if extra_rows:
+            extra = out.hidden[torch.tensor(extra_rows, dtype=torch.long).to(out.hidden.device, non_blocking=True)]
+        return StepOutput(logits, routing, extra)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float | None]) -> torch.Tensor:
         """The batch's tokens, as `sampling.sample_tensor` gives them: by the decode graphs' captured sampler when

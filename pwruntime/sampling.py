@@ -21,6 +21,7 @@ and each token of the output loses `frequency_penalty` times its count there plu
 Log-probabilities (`logprobs` = N, as vLLM): of the model's raw distribution (log_softmax of the fp32
 logits, before the logits processing, temperature, top-k and top-p), for the sampled token and the N
 most likely tokens, most likely first, ties broken by the lower token id. Only the rows that ask pay for them.
+`token_logprobs` is the computation, shared with the prompt's records (`prompt_logprobs`: pwruntime.prompt_logprobs).
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # 1: none
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), by token id (a dict is taken)
+    prompt_logprobs: int | None = None  # N: each prompt token's log-probability (from the tokens before it) and the
+    # N most likely there (pwruntime.prompt_logprobs); None: not computed
 
     def __post_init__(self) -> None:
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
@@ -78,6 +81,8 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 (or None: not computed), got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0 (or None: not computed), got {self.prompt_logprobs}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must lie in 0..max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -105,10 +110,12 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's log-probability and the `top` (token id, log-probability) pairs, most likely first."""
+    """A token's log-probability and the `top` (token id, log-probability) pairs, most likely first; `rank`: 1 + how
+    many tokens are more likely (prompt records only, pwruntime.prompt_logprobs; None elsewhere)."""
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -275,16 +282,25 @@ def logprobs_on_device(logits: torch.Tensor, params: list[SamplingParams],
     if not rows:
         return None
     index = torch.tensor(rows, device=logits.device)
-    raw = logits[index].float()
-    logp = torch.log_softmax(raw, dim=-1)
     chosen_ids = tokens.to(logits.device)[index]
-    chosen = logp.gather(1, chosen_ids[:, None])[:, 0]
-    k = min(max(params[j].logprobs for j in rows), raw.shape[-1])
+    chosen, top_ids, top_logprobs = token_logprobs(logits[index], chosen_ids, max(params[j].logprobs for j in rows))
+    return PendingLogprobs(len(params), rows, chosen, top_ids, top_logprobs, chosen_ids)
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor,
+                   k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of `logits` [n, vocab]: the log-probability of the token `ids` [n] names, and the ids [n, k] and
+    log-probabilities of the k most likely tokens (a stable sort of the raw logits: ties to the lower id), on the
+    device. What sampled tokens' and prompt tokens' records (pwruntime.prompt_logprobs) are made of."""
+    raw = logits.float()
+    logp = torch.log_softmax(raw, dim=-1)
+    chosen = logp.gather(1, ids[:, None])[:, 0]
+    k = min(k, raw.shape[-1])
     if k:
         top_ids = torch.sort(raw, dim=-1, descending=True, stable=True).indices[:, :k]
     else:
-        top_ids = torch.empty((len(rows), 0), dtype=torch.long, device=logits.device)
-    return PendingLogprobs(len(params), rows, chosen, top_ids, logp.gather(1, top_ids), chosen_ids)
+        top_ids = torch.empty((raw.shape[0], 0), dtype=torch.long, device=logits.device)
+    return chosen, top_ids, logp.gather(1, top_ids)
 
 
 def find_stop(text: str, stops: tuple[str, ...], search_from: int = 0) -> int:
