@@ -7,8 +7,9 @@ fields of /v1/completions and /v1/chat/completions (log-probabilities included: 
 /v1/completions in each OpenAI form (a string, a list of strings, a list of token ids, a list of token-id lists),
 `num_choices` and `engine_requests` the engine requests of a body: each prompt's `n` choices, prompt-major (choice
 i of a request with `seed` s samples with seed s + i), `check_unsupported` the options this server does not serve
-(best_of, echo, suffix, tools, a response_format other than text), and `check_text` refuses strings that are not
-valid Unicode (lone surrogates), which the tokenizer cannot encode. Each error names the field and what it accepts.
+(best_of, a chat's echo, suffix, tools, a response_format other than text), and `check_text` refuses strings that are not
+valid Unicode (lone surrogates), which the tokenizer cannot encode. /v1/completions' `echo` (with `max_tokens` 0
+allowed: `prompt_only`) and vLLM's `prompt_logprobs` ask for prompt log-probabilities (pwruntime.prompt_logprobs). Each error names the field and what it accepts.
 """
 from __future__ import annotations
 
@@ -124,10 +125,12 @@ def _logit_bias(body: dict, vocab: int) -> dict[int, float]:
     return out
 
 
-def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int) -> SamplingParams:
+def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int, echo: bool = False) -> SamplingParams:
     """The sampling fields; `default_max_tokens` when neither max_tokens nor max_completion_tokens is given; token
-    ids lie in 0..vocab - 1. `top_k` -1 or 0 is no cut, as vLLM's -1."""
-    max_tokens = _integer(body, "max_tokens", 1)
+    ids lie in 0..vocab - 1. `top_k` -1 or 0 is no cut, as vLLM's -1. `echo` (/v1/completions): the choices begin
+    with the prompt, so `max_tokens` may be 0 (`prompt_only`: the engine computes one token, which the response
+    leaves out) and `logprobs` N asks for the prompt's too; vLLM's `prompt_logprobs` N asks for them on its own."""
+    max_tokens = _integer(body, "max_tokens", 0 if echo else 1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_completion_tokens", 1)
     stop = body.get("stop")
@@ -141,8 +144,9 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int)
         raise RequestError(f"'stop' must be a string or a list of up to {MAX_STOPS} strings, got {json.dumps(stop)}")
     for s in stop:
         check_text(s, "stop")
+    logprobs = _chat_logprobs(body) if chat else _completion_logprobs(body)
     try:
-        return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max(max_tokens, 1),
                               clip_to_context=max_tokens is None,  # as OpenAI: an explicit length must fit
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
@@ -154,10 +158,23 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int)
                               presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                               repetition_penalty=_number(body, "repetition_penalty", 1.0, -math.inf, math.inf),
-                              logit_bias=_logit_bias(body, vocab),
-                              logprobs=_chat_logprobs(body) if chat else _completion_logprobs(body))
+                              logit_bias=_logit_bias(body, vocab), logprobs=logprobs,
+                              prompt_logprobs=_prompt_logprobs(body, logprobs if echo else None))
     except ValueError as e:  # what SamplingParams refuses: top_p 0, an empty stop string, min_tokens > max_tokens ...
         raise RequestError(f"bad sampling parameter: {e}") from None
+
+
+def _prompt_logprobs(body: dict, echoed: int | None) -> int | None:
+    """The top tokens each prompt record keeps: vLLM's `prompt_logprobs` N, or what echoed log-probabilities show."""
+    asked = _integer(body, "prompt_logprobs", 0, MAX_LOGPROBS)
+    if asked is None or echoed is None:
+        return echoed if asked is None else asked
+    return max(asked, echoed)
+
+
+def prompt_only(body: dict) -> bool:
+    """An echo with `max_tokens` 0: the response holds the prompt alone (its fields checked by `sampling_params`)."""
+    return flag(body, "echo") and body.get("max_tokens") == 0
 
 
 def _completion_logprobs(body: dict) -> int | None:
@@ -202,14 +219,14 @@ def engine_requests(prompts: list, params: SamplingParams, n: int) -> list[tuple
     return [(prompt, p) for prompt in prompts for p in choices]
 
 
-def check_unsupported(body: dict) -> None:
+def check_unsupported(body: dict, chat: bool) -> None:
     """Options that would change what is returned and that this server does not serve: refused, not ignored."""
     best_of = _integer(body, "best_of", 1)
     if best_of is not None and best_of != 1:
         raise RequestError(f"'best_of' = {best_of} is not supported: ask for 'n' choices and pick one yourself; "
                            "send best_of = 1")
-    if flag(body, "echo"):
-        raise RequestError("'echo' is not supported; send the prompt's text yourself")
+    if chat and flag(body, "echo"):
+        raise RequestError("'echo' is a /v1/completions option; a chat's messages are what you sent")
     if body.get("suffix"):
         raise RequestError("'suffix' (text after the completion) is not supported; leave it out")
     for key in ("tools", "functions"):

@@ -12,6 +12,10 @@ choice, counts as ending where it stands); the token whose text straddles the cu
 there, and no token after it. So the reported tokens' texts always join to the returned text, and without a stop
 string every token is reported.
 
+Prompts (/v1/completions' `echo`, vLLM's `prompt_logprobs`): `prompt_pieces` are the prompt's tokens as pieces, the
+first without a record (nothing precedes it: its log-probability is null, as OpenAI's), the others with the
+engine's prompt records (pwruntime.prompt_logprobs); `prompt_logprobs_entries` is vLLM's per-token shape.
+
 Streaming: text goes out a whole token at a time once no stop string can cut into it (the last `hold` characters,
 as many as could begin a stop string, wait), each chunk with the log-probabilities of the tokens whose text it
 carries; the final chunk carries the rest of the reported tokens. So a stream joins to the non-streamed response.
@@ -95,6 +99,28 @@ def choice_pieces(tokenizer, out) -> list[Piece]:
     return reported(texts.pieces, out.text)
 
 
+def prompt_pieces(tokenizer, ids: Seq[int], records: Seq[TokenLogprob], top: int | None) -> list[Piece]:
+    """A prompt's pieces: `records` (one per token after the first, or none when not computed), each keeping its
+    `top` most likely alternatives (None: all it has)."""
+    texts = TokenTexts(tokenizer)
+    texts.add(ids, [None, *(replace(r, top=r.top[:top]) for r in records)] if records else ())
+    texts.flush()
+    return texts.pieces
+
+
+def prompt_logprobs_entries(pieces: Seq[Piece]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then per token {token id: {logprob, rank, decoded_token}}
+    over its alternatives (ranks 1, 2, ...) and the token itself (its own rank)."""
+    out: list[dict | None] = [None]
+    for p in pieces[1:]:
+        entry = {str(t): {"logprob": _logprob(lp), "rank": i + 1, "decoded_token": text}
+                 for i, ((t, lp), text) in enumerate(zip(p.record.top, p.top_texts))}
+        entry[str(p.record.token_id)] = {"logprob": _logprob(p.record.logprob), "rank": p.record.rank,
+                                         "decoded_token": p.text}
+        out.append(entry)
+    return out
+
+
 class TextStream:
     """One streamed choice: `push` the tokens of each engine step, `finish` with the engine's output. Each returns
     (text, pieces) to send; `sent_chars` is where the next text starts in the choice's text."""
@@ -138,13 +164,15 @@ def _top_dict(p: Piece) -> dict[str, float]:
 
 
 def completion_logprobs(pieces: Seq[Piece], offset: int) -> dict:
-    """OpenAI's legacy completions shape; `offset`: where the first piece's text starts in the choice's text."""
+    """OpenAI's legacy completions shape; `offset`: where the first piece's text starts in the choice's text. A piece
+    without a record (an echoed prompt's first token) has null log-probabilities."""
     offsets = []
     for p in pieces:
         offsets.append(offset)
         offset += len(p.text)
-    return {"tokens": [p.text for p in pieces], "token_logprobs": [_logprob(p.record.logprob) for p in pieces],
-            "top_logprobs": [_top_dict(p) for p in pieces], "text_offset": offsets}
+    return {"tokens": [p.text for p in pieces],
+            "token_logprobs": [None if p.record is None else _logprob(p.record.logprob) for p in pieces],
+            "top_logprobs": [None if p.record is None else _top_dict(p) for p in pieces], "text_offset": offsets}
 
 
 def _chat_entry(text: str, logprob: float) -> dict:

@@ -1,9 +1,7 @@
-"""The OpenAI-compatible HTTP server: one engine thread, aiohttp handlers, SSE streaming, metrics.
+"""The OpenAI-compatible HTTP server: aiohttp handlers over one engine thread, SSE streaming, metrics.
 
-`EngineWorker` owns the LLMEngine in a thread of its own: handlers submit requests through a
-thread-safe queue and get events back on an asyncio queue (token deltas while streaming, then the
-finished output). The engine thread steps while any request is unfinished and sleeps on the
-submission queue otherwise. Routes: `/v1/completions`, `/v1/chat/completions` (both with
+`EngineWorker` (pwruntime.engine_worker) owns the LLMEngine in a thread of its own; the handlers submit requests to
+it and answer from its events. Routes: `/v1/completions`, `/v1/chat/completions` (both with
 `stream`), `/v1/models`, `/health`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
 the server's API key (when it has one) 401, and nothing a client
@@ -15,164 +13,28 @@ A request is a list of engine requests (its prompts' `n` choices each, prompt-ma
 added together or not at all; one failing fails the request and ends the others, and a client that leaves aborts
 them all. The request counters and histograms of /metrics count engine requests (a request for n choices of k
 prompts counts k x n; the histograms: pwruntime.metrics). Choice text and log-probabilities: pwruntime.api_tokens.
+A choice shows its prompt with completions' `echo` (its text, and its log-probabilities when asked; `max_tokens` 0:
+the prompt alone, the engine's one token left out) and with vLLM's `prompt_logprobs`; streamed, in the choice's
+first chunk (`_Reply.prompt_parts`).
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import json
-import queue
-import sys
-import threading
 import time
-import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from pwruntime import api_request as api
 from pwruntime import api_tokens
-from pwruntime.metrics import RequestMetrics, scalar
+from pwruntime.engine_worker import EngineWorker, Live
+from pwruntime.metrics import scalar
 from pwruntime.sampling import SamplingParams
 
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
-
-
-@dataclass(eq=False)
-class _Live:
-    """One HTTP request: its event queue (the events of all its choices) and whether it streams."""
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    stream: bool
-
-
-@dataclass
-class _Choice:
-    """One engine request: a choice of an HTTP request (its index in the response)."""
-    live: _Live
-    index: int
-    sent_tokens: int = 0
-
-
-@dataclass
-class EngineWorker:
-    engine: object  # pwruntime.engine.LLMEngine
-    _inbox: queue.Queue = field(default_factory=queue.Queue)
-    _live: dict = field(default_factory=dict)  # engine request id -> _Choice
-    _stop: threading.Event = field(default_factory=threading.Event)
-    metrics: dict = field(default_factory=lambda: {"requests_total": 0, "generated_tokens_total": 0,
-                                                    "request_errors_total": 0, "aborted_total": 0})
-
-    def __post_init__(self) -> None:
-        self.request_metrics = RequestMetrics(self.engine.model.config.max_position)
-
-    def start(self) -> "EngineWorker":
-        self._thread = threading.Thread(target=self._run, name="pagedweight-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    async def submit(self, requests: list[tuple[str | list[int], SamplingParams]], stream: bool) -> _Live:
-        """Queue one engine request per (prompt, params), all or none: choice i of the response is requests[i]. The
-        `events`: ("delta", (choice index, token ids, their log-probability records)) while streaming, ("done",
-        (choice index, RequestOutput)) for each choice, or one ("error", (status, message)), after which none of the
-        choices runs any more."""
-        live = _Live(asyncio.get_running_loop(), asyncio.Queue(), stream)
-        self._inbox.put(("add", requests, live))
-        return live
-
-    def cancel(self, live: _Live) -> None:
-        """The client went away: abort its choices (their KV blocks are freed at the next step)."""
-        self._inbox.put(("abort", live))
-
-    def _emit(self, live: _Live, event: tuple) -> None:
-        live.loop.call_soon_threadsafe(live.events.put_nowait, event)
-
-    def _next(self):
-        try:
-            return self._inbox.get_nowait()
-        except queue.Empty:
-            return ()
-
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stop.is_set():
-            try:
-                item = self._inbox.get(timeout=None if not eng.has_unfinished() else 0)
-            except queue.Empty:
-                item = ()
-            while item:
-                if item[0] == "abort":
-                    self._abort(item[1])
-                else:
-                    self._add(*item[1:])
-                item = self._next()
-            if item is None or self._stop.is_set():
-                break
-            if not eng.has_unfinished():
-                continue
-            try:
-                self._step()
-            except Exception as e:  # a bug: fail the requests in flight, keep serving the next ones
-                traceback.print_exc(file=sys.stderr)
-                self._fail_all(f"the engine failed while generating ({type(e).__name__}: {e})")
-
-    def _add(self, requests: list[tuple[str | list[int], SamplingParams]], live: _Live) -> None:
-        eng, rids = self.engine, []
-        try:
-            for prompt, params in requests:
-                rids.append(eng.add_request(prompt, params))
-        except Exception as e:  # a prompt the engine refuses (too long, empty ...)
-            for rid in rids:
-                eng.abort(rid)
-            self.metrics["request_errors_total"] += len(requests)
-            self._emit(live, ("error", (400, str(e))))
-            return
-        self._live.update({rid: _Choice(live, i) for i, rid in enumerate(rids)})
-        self.metrics["requests_total"] += len(rids)
-
-    def _abort(self, live: _Live) -> None:
-        rids = [rid for rid, choice in self._live.items() if choice.live is live]
-        for rid in rids:
-            del self._live[rid]
-            self.engine.abort(rid)
-        self.metrics["aborted_total"] += len(rids)
-
-    def _fail_all(self, message: str) -> None:
-        for live in dict.fromkeys(choice.live for choice in self._live.values()):
-            self._emit(live, ("error", (500, message)))
-        for rid in self._live:
-            try:
-                self.engine.abort(rid)
-            except Exception:  # the engine may be in any state here; the next step will show it
-                traceback.print_exc(file=sys.stderr)
-        self.metrics["request_errors_total"] += len(self._live)
-        self._live.clear()
-
-    def _step(self) -> None:
-        eng = self.engine
-        for out in eng.step():
-            choice = self._live.pop(out.request_id, None)
-            self.metrics["generated_tokens_total"] += len(out.token_ids)
-            self.request_metrics.observe(out)
-            if choice is not None:
-                self._emit(choice.live, ("done", (choice.index, out)))
-        for rid, choice in self._live.items():
-            if choice.live.stream:
-                start = choice.sent_tokens
-                toks = eng.tokens_so_far(rid, start)
-                if toks:
-                    self._emit(choice.live, ("delta", (choice.index, toks, eng.logprobs_so_far(rid, start))))
-                    choice.sent_tokens += len(toks)
 
 
 COUNTERS = ("requests_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
@@ -228,6 +90,10 @@ class _Reply:
     chat: bool
     logprobs: bool  # asked for
     n: int  # choices per prompt: choice i is of prompt i // n
+    echo: bool = False  # completions: each choice's text begins with its prompt
+    generates: bool = True  # False: an echo with max_tokens 0 (the prompt alone; the engine's one token left out)
+    echo_top: int | None = None  # the alternatives an echoed prompt token shows (`logprobs` N)
+    prompt_top: int | None = None  # vLLM's `prompt_logprobs` N: each choice has its prompt's records
 
     @property
     def object(self) -> str:
@@ -246,6 +112,24 @@ class _Reply:
         if not self.logprobs:
             return None
         return api_tokens.chat_logprobs(pieces) if self.chat else api_tokens.completion_logprobs(pieces, offset)
+
+    @property
+    def shows_prompt(self) -> bool:
+        return self.echo or self.prompt_top is not None
+
+    def prompt_parts(self, tokenizer, head) -> tuple[str, dict | None, list | None]:
+        """What a choice shows of its prompt (`head`: a RequestOutput or PromptOutput): the echoed text, its
+        log-probabilities (when echoed and asked) and vLLM's `prompt_logprobs` (when asked)."""
+        text, logprobs, entries = "", None, None
+        ids, records = head.prompt_token_ids, head.prompt_logprobs
+        if self.echo:
+            text = head.prompt if head.prompt is not None else tokenizer.decode(ids)
+            if self.logprobs:
+                logprobs = self.logprobs_of(api_tokens.prompt_pieces(tokenizer, ids, records, self.echo_top), 0)
+        if self.prompt_top is not None:
+            entries = api_tokens.prompt_logprobs_entries(api_tokens.prompt_pieces(tokenizer, ids, records,
+                                                                                  self.prompt_top))
+        return text, logprobs, entries
 
     def chunk(self, index: int, delta, logprobs: dict | None, finish: str | None) -> dict:
         """A streamed chunk of choice `index`: `delta` is its text (or, in chat, a whole delta object)."""
@@ -312,20 +196,20 @@ class Server:
         self._check_model(body.get("model"))
         return body
 
-    async def _body(self, request: web.Request) -> dict:
+    async def _body(self, request: web.Request, chat: bool) -> dict:
         """A completion's body, without the options this server does not serve."""
         body = await self._parsed(request)
-        api.check_unsupported(body)
+        api.check_unsupported(body, chat)
         return body
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self._body(request, chat=False)
         prompts = api.completion_prompts(body, self.vocab)
-        params = api.sampling_params(body, 16, chat=False, vocab=self.vocab)
+        params = api.sampling_params(body, 16, chat=False, vocab=self.vocab, echo=api.flag(body, "echo"))
         return await self._serve(request, body, prompts, params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
+        body = await self._body(request, chat=True)
         messages = api.chat_messages(body)
         params = api.sampling_params(body, 1 << 30, chat=True, vocab=self.vocab)
         ids = self._chat_ids(messages, add_generation_prompt=True)
@@ -377,8 +261,10 @@ class Server:
             kind, payload = first = await live.events.get()  # an error is still a plain error response
             if kind == "error":
                 return _error(payload[1], payload[0])
+            echo = api.flag(body, "echo")
             reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
-                           self.model_name, chat, params.logprobs is not None, n)
+                           self.model_name, chat, params.logprobs is not None, n, echo, not api.prompt_only(body),
+                           params.logprobs, body.get("prompt_logprobs"))
             if not stream:
                 return await self._whole(live, first, len(requests), reply)
             return await self._stream(request, live, first, params, len(requests), reply, usage)
@@ -386,7 +272,7 @@ class Server:
             self.worker.cancel(live)
             raise
 
-    async def _whole(self, live: _Live, event: tuple, total: int, reply: _Reply) -> web.Response:
+    async def _whole(self, live: Live, event: tuple, total: int, reply: _Reply) -> web.Response:
         """The response once each of its `total` choices is done (an error fails them all: the worker ended the
         others)."""
         outs = [None] * total
@@ -400,13 +286,21 @@ class Server:
             event = await live.events.get()
         choices = []
         for i, out in enumerate(outs):
-            pieces = api_tokens.choice_pieces(self.tokenizer, out) if reply.logprobs else []
-            choice = {"index": i, "finish_reason": FINISH[out.finish_reason], "logprobs": reply.logprobs_of(pieces, 0)}
-            choice.update({"message": {"role": "assistant", "content": out.text}} if reply.chat else {"text": out.text})
+            text = out.text if reply.generates else ""
+            pieces = api_tokens.choice_pieces(self.tokenizer, out) if reply.logprobs and reply.generates else []
+            shown, logprobs, entries = reply.prompt_parts(self.tokenizer, out) if reply.shows_prompt else ("", None,
+                                                                                                          None)
+            finish = FINISH[out.finish_reason] if reply.generates else "length"
+            choice = {"index": i, "finish_reason": finish,
+                      "logprobs": _joined(logprobs, reply.logprobs_of(pieces, len(shown)))}
+            choice.update({"message": {"role": "assistant", "content": text}} if reply.chat else {"text": shown + text})
+            if reply.prompt_top is not None:
+                choice["prompt_logprobs"] = entries
             choices.append(choice)
-        return web.json_response({**reply.head(reply.object), "choices": choices, "usage": _usage(outs, reply.n)})
+        usage = _usage(outs, reply.n, reply.generates)
+        return web.json_response({**reply.head(reply.object), "choices": choices, "usage": usage})
 
-    async def _stream(self, request: web.Request, live: _Live, first: tuple, params: SamplingParams,
+    async def _stream(self, request: web.Request, live: Live, first: tuple, params: SamplingParams,
                       total: int, reply: _Reply, usage: bool) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -424,6 +318,7 @@ class Server:
         hold = max((len(s) for s in params.stop), default=1) - 1
         streams = [api_tokens.TextStream(self.tokenizer, hold) for _ in range(total)]
         outs = [None] * total
+        shown: list[int | None] = [None] * total  # per choice, once its prompt went out: the prompt's characters
         if reply.chat:
             for i in range(total):
                 await _sse(resp, reply.chunk(i, {"role": "assistant", "content": ""}, None, None))
@@ -433,18 +328,33 @@ class Server:
                 await _sse(resp, _error_payload(payload[1], payload[0]))
                 break
             i = payload[0]
-            offset = streams[i].sent_chars
+            if shown[i] is None:  # the choice's first event: its prompt first (echo, prompt_logprobs)
+                shown[i] = 0
+                if reply.shows_prompt:
+                    text, logprobs, entries = reply.prompt_parts(self.tokenizer, payload[1] if kind == "done"
+                                                                 else payload[3])
+                    chunk = reply.chunk(i, text, logprobs, None)
+                    if reply.prompt_top is not None:
+                        chunk["choices"][0]["prompt_logprobs"] = entries
+                    await _sse(resp, chunk)
+                    shown[i] = len(text)
+            offset = shown[i] + streams[i].sent_chars
             if kind == "delta":
-                text, pieces = streams[i].push(*payload[1:])
-                if text or (reply.logprobs and pieces):
+                text, pieces = streams[i].push(*payload[1:3])
+                if reply.generates and (text or (reply.logprobs and pieces)):
                     await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), None))
             else:
                 outs[i] = payload[1]
                 text, pieces = streams[i].finish(outs[i])
-                await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), FINISH[outs[i].finish_reason]))
+                if reply.generates:
+                    await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset),
+                                                 FINISH[outs[i].finish_reason]))
+                else:
+                    await _sse(resp, reply.chunk(i, "", reply.logprobs_of([], offset), "length"))
                 if all(out is not None for out in outs):
                     if usage:
-                        usage_chunk = {**reply.head(reply.chunk_object), "choices": [], "usage": _usage(outs, reply.n)}
+                        usage_chunk = {**reply.head(reply.chunk_object), "choices": [],
+                                       "usage": _usage(outs, reply.n, reply.generates)}
                         await _sse(resp, usage_chunk)
                     break
             event = await events.get()
@@ -452,11 +362,19 @@ class Server:
         await resp.write_eof()
 
 
-def _usage(outs: list, n: int) -> dict:
-    """Each prompt counted once (its choices are outs[i * n: (i + 1) * n]), the completion tokens of every choice."""
+def _usage(outs: list, n: int, generates: bool = True) -> dict:
+    """Each prompt counted once (its choices are outs[i * n: (i + 1) * n]), the completion tokens of every choice
+    (none when the response leaves them out: `generates` False)."""
     prompt = sum(len(out.prompt_token_ids) for out in outs[::n])
-    completion = sum(len(out.token_ids) for out in outs)
+    completion = sum(len(out.token_ids) for out in outs) if generates else 0
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two completions-shaped `logprobs` objects (an echoed prompt's, then the output's) as one."""
+    if first is None or then is None:
+        return first or then
+    return {key: first[key] + then[key] for key in first}
 
 
 async def _sse(resp: web.StreamResponse, data: dict) -> None:

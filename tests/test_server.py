@@ -159,7 +159,6 @@ def _expect_aborted(base_url: str, before: float, n: int) -> None:
     (b'{"prompt": "hi", "max_tokens": 4, "logprobs": true}', "'logprobs' must be an integer in 0..20, got true"),
     (b'{"prompt": "hi", "max_tokens": 4, "logprobs": 2.5}', "'logprobs' must be an integer in 0..20, got 2.5"),
     (b'{"prompt": "hi", "max_tokens": 4, "top_logprobs": 2}', "'top_logprobs' is a chat option"),
-    (b'{"prompt": "hi", "max_tokens": 4, "echo": true}', "'echo' is not supported"),
     (b'{"prompt": "hi", "max_tokens": 4, "suffix": "end"}', "'suffix' (text after the completion) is not supported"),
     (b'{"prompt": "hi", "max_tokens": 4, "tools": [{"type": "function"}]}', "'tools' (tool calls) is not supported"),
     (b'{"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}',
