@@ -4,7 +4,8 @@ Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` 
 events), GET /v1/models, /health and Prometheus /metrics, POST /tokenize and /detokenize. The same model, engine and planner
 options as `pwruntime generate` (--ap/--calibration/--policy serve AP experts with a planner).
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
-token. Stop it with Ctrl-C.
+token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
+--shutdown-timeout seconds to finish (then cuts them), and exits 0.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                    help=f"require 'Authorization: Bearer KEY' on every /v1 request (default: ${API_KEY_ENV}, if set; "
                         "none: open)")
+    p.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="on Ctrl-C or SIGTERM, how long requests in flight may take to finish (default 60)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -63,6 +66,8 @@ def run(args) -> int:
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
+    if not 0 < args.shutdown_timeout < float("inf"):
+        raise UserError(f"--shutdown-timeout must be a number of seconds > 0, got {args.shutdown_timeout}")
     _check_listen(args.host, args.port)
     engine, model_dir, _, _ = build_engine(args)
     engine.capture_graphs()   # before the first request, which would otherwise pay the captures its steps need
@@ -71,7 +76,8 @@ def run(args) -> int:
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
         # handler cancellation: a client that leaves cancels its handler, which aborts its request (pwruntime.server)
-        web.run_app(server.app, host=args.host, port=args.port, print=None, handler_cancellation=True)
+        web.run_app(server.app, host=args.host, port=args.port, print=None, handler_cancellation=True,
+                    shutdown_timeout=args.shutdown_timeout)
     except OSError as e:
         raise _listen_error(args.host, args.port, e) from None
     finally:

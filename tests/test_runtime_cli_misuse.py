@@ -90,6 +90,8 @@ def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
     # an address of another machine: the fix is --host, not --port (TEST-NET-1, no name lookup)
     err = misuse(capsys, ["serve", "--host", "192.0.2.1", "--port", "0"], "cannot listen", "--host")
     assert "another --port" not in err
+    for bad in ("0", "-1", "inf", "nan"):
+        misuse(capsys, ["serve", "--port", "0", "--shutdown-timeout", bad], "--shutdown-timeout must be a number")
 
 
 # ----------------------------------------------------------------------------------------------- perplexity

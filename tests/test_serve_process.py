@@ -1,0 +1,88 @@
+"""`pwruntime serve` as a process: it answers the openai client, and a SIGTERM (or Ctrl-C) mid-request lets the
+requests in flight finish, refuses new connections and exits 0 (aiohttp's graceful shutdown, then the engine
+thread stops)."""
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(request):
+    """A `pwruntime serve` process on the demo model (extra arguments: the test's `serve_args` parameter)."""
+    port = _free_port()
+    extra = getattr(request, "param", [])
+    proc = subprocess.Popen([sys.executable, "-m", "pwruntime.cli", "serve", "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(240):
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1)
+                break
+            except OSError:
+                assert proc.poll() is None, proc.communicate()
+                time.sleep(0.25)
+        else:
+            raise AssertionError("the server did not come up in 60 s")
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _long_stream(url: str):
+    """A streamed request of 8 choices x 300 tokens, running: (the stream, its first chunk)."""
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120)
+    stream = client.completions.create(model="demo_model", prompt="And God said", max_tokens=300, n=8,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+    return stream, next(stream)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_lets_requests_in_flight_finish(server, sig):
+    proc, url = server
+    stream, first = _long_stream(url)
+    chunks = [first]
+    proc.send_signal(sig)
+    rest = threading.Thread(target=lambda: chunks.extend(stream))
+    rest.start()
+    time.sleep(0.5)
+    with pytest.raises(OSError):  # no new connection once shutting down
+        urllib.request.urlopen(f"{url}/health", timeout=2)
+    assert rest.is_alive()  # the stream still runs (2400 tokens on a CPU take seconds)
+    rest.join(120)
+    assert proc.wait(60) == 0
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason}
+    assert finished == {i: "length" for i in range(8)}  # every choice ran to its end
+    tokens = sum(1 for c in chunks if c.choices[0].text or c.choices[0].finish_reason)
+    assert tokens >= 8 * 300 * 0.9  # (a choice's last chunk may carry several tokens' text)
+
+
+@pytest.mark.parametrize("server", [["--shutdown-timeout", "0.2"]], indirect=True)
+def test_the_shutdown_timeout_cuts_what_is_still_running(server):
+    proc, url = server
+    stream, first = _long_stream(url)
+    proc.send_signal(signal.SIGTERM)
+    finished = 0
+    try:
+        finished = sum(1 for c in stream if c.choices[0].finish_reason)
+    except openai.APIConnectionError as e:  # the server closed the connection mid-stream
+        assert "incomplete chunked read" in str(e.__cause__), e.__cause__
+    assert finished < 8
+    assert proc.wait(60) == 0
