@@ -2,7 +2,7 @@
 
 `parse_body` reads the JSON (refusing NaN and Infinity, which JSON does not have), `sampling_params` the sampling
 fields of /v1/completions and /v1/chat/completions (log-probabilities included: completions' `logprobs` N, chat's
-`logprobs` true with `top_logprobs` N; `logit_bias`; and vLLM's extra fields `top_k`, `min_tokens`, `ignore_eos`,
+`logprobs` true with `top_logprobs` N; `logit_bias`; and vLLM's extra fields `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
 `stop_token_ids`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`), `completion_prompts` the prompts of
 /v1/completions in each OpenAI form (a string, a list of strings, a list of token ids, a list of token-id lists),
 `num_choices` and `engine_requests` the engine requests of a body: each prompt's `n` choices, prompt-major (choice
@@ -151,6 +151,7 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int,
                               temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                               top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                               top_k=max(_integer(body, "top_k", -1) or 0, 0),
+                              min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                               seed=_integer(body, "seed"), stop=stop,
                               stop_token_ids=token_ids(body, "stop_token_ids", vocab),
                               ignore_eos=flag(body, "ignore_eos"),

@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep tokens at least this share as likely as the most likely one (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="per-prompt sampling seed (default: derived from 0)")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -125,7 +127,8 @@ def _params(args):
 
     try:
         return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                              top_p=args.top_p, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                              top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=tuple(args.stop),
+                              ignore_eos=args.ignore_eos,
                               logprobs=args.logprobs)
     except ValueError as e:
         raise UserError(f"bad sampling option: {e}") from None

@@ -13,8 +13,8 @@ fused AP kernel reads the device page table at run time, so committing new bits 
 needs no recapture). Routing records are static outputs of the graph too, also packed into one word array inside
 the graph (`pack_routing`, so a replay's routing leaves in one copy), and so are the LM head's logits of every row;
 callers get views of the real rows, valid until the next replay. A batch in which some request samples (temperature,
-top-k, top-p) is then sampled by a second small graph per size over those logits (`sample`): its rows' values in one
-transfer, one replay for what eagerly is a dozen launches.
+top-k, top-p, min-p) is then sampled by a second small graph per size over those logits (`sample`): its rows' values
+in one transfer, one replay for what eagerly is a dozen launches.
 
 A graph bakes the addresses of what it touches, so graphs are dropped and captured again when
 `model.experts` is another object, when the store bumps its `graph_epoch` (a store must do so whenever it
@@ -186,8 +186,8 @@ class DecodeInputs:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     out: ForwardOutput          # static outputs of the padded batch (with the routing packed, when recorded)
-    # its logits' samplers by the cuts they run (top-k, top-p; `sampling.needed_cuts`): graph and static tokens
-    samplers: dict[tuple[bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
+    # its logits' samplers by the cuts they run (top-k, top-p, min-p; `sampling.needed_cuts`): graph and static tokens
+    samplers: dict[tuple[bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = field(default_factory=dict)
 
 
 class GraphSet:

@@ -1,8 +1,8 @@
-"""Sampling: SamplingParams and the per-request sampler (logits processing, greedy, temperature, top-k, top-p, seeds),
-log-probabilities.
+"""Sampling: SamplingParams and the per-request sampler (logits processing, greedy, temperature, min-p, top-k, top-p,
+seeds), log-probabilities.
 
-A batch samples in one set of tensor operations whatever its size: temperature, one sort, top-k and top-p per row,
-then one inverse-CDF pick per row over its kept tokens, most likely first. Each request's random numbers are
+A batch samples in one set of tensor operations whatever its size: temperature, one sort, min-p, top-k and top-p per
+row, then one inverse-CDF pick per row over its kept tokens, most likely first. Each request's random numbers are
 counter-based (`RequestDraws`: a hash of its `seed`, or when unset of the engine seed and the request's index, and
 of the draw's index), one a sampled token, so its tokens do not depend on which other requests share the batch,
 nor on the device's random number generator.
@@ -19,7 +19,7 @@ logit of every token seen in the prompt or the output (divided by p where positi
 and each token of the output loses `frequency_penalty` times its count there plus `presence_penalty` once.
 
 Log-probabilities (`logprobs` = N, as vLLM): of the model's raw distribution (log_softmax of the fp32
-logits, before the logits processing, temperature, top-k and top-p), for the sampled token and the N
+logits, before the logits processing, temperature, min-p, top-k and top-p), for the sampled token and the N
 most likely tokens, most likely first, ties broken by the lower token id. Only the rows that ask pay for them.
 `token_logprobs` is the computation, shared with the prompt's records (`prompt_logprobs`: pwruntime.prompt_logprobs).
 """
@@ -41,6 +41,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: no top-k cut
     top_p: float = 1.0
+    min_p: float = 0.0  # keep only tokens at least min_p times as likely as the most likely one (0: no cut; vLLM's)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -77,6 +78,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:  # also refuses NaN
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         if self.logprobs is not None and self.logprobs < 0:
@@ -154,17 +157,21 @@ class RequestDraws:
         return (_mix64((self._key + self.drawn * _GAMMA) & _MASK64) >> 41) / float(1 << 23)
 
 
-def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor | None,
-                 top_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                 min_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [n, vocab] sorted by logit (most likely first, ties by lower id) and cut: `top_k` [n, 1] (long, k - 1 of
-    each row's top-k, vocab - 1 for none) keeps the logits not below the row's k-th largest, `top_p` [n, 1] keeps the
-    smallest prefix of what is left whose probability reaches it (inf: no cut); None: no row has that cut (its
-    operations are left out). Returns the kept tokens' probabilities (unnormalized, 0 where cut) and the sort order
-    (each sorted slot's token id)."""
+    each row's top-k, vocab - 1 for none) keeps the logits not below the row's k-th largest, `min_p` [n, 1] the
+    tokens at least that share of the most likely one's probability (0: no cut), `top_p` [n, 1] the smallest prefix of
+    what is left whose probability reaches that share of it (inf: no cut), in that order (vLLM's: min-p, then top-k
+    and top-p); None: no row has that cut (its operations are left out). Returns the kept tokens' probabilities
+    (unnormalized, 0 where cut) and the sort order (each sorted slot's token id)."""
     s, order = torch.sort(logits, dim=-1, descending=True, stable=True)
     if top_k is not None:
         s = s.masked_fill(s < s.gather(1, top_k), float("-inf"))
     probs = torch.softmax(s, dim=-1)
+    if min_p is not None:  # a share of the largest: the same tokens whether top-k cut before or not
+        probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if top_p is not None:
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
         probs = probs.masked_fill(before >= top_p, 0.0)
@@ -198,36 +205,39 @@ def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(list(ids), dtype=torch.long, device=like.device)
 
 
-ROW_VALUES = 4  # a row's sampling values: temperature, top-p reach, its number u, k - 1 of its top-k
-GREEDY_ROW = (1.0, math.inf, 0.0, 0.0)  # what a greedy row samples with: its one most likely token, the lowest id
+ROW_VALUES = 5  # a row's sampling values: temperature, top-p reach, its number u, k - 1 of its top-k, its min-p
+GREEDY_ROW = (1.0, math.inf, 0.0, 0.0, 0.0)  # what a greedy row samples with: its one most likely token, the lowest id
 
 
-def row_values(params: SamplingParams, u: float | None, vocab: int) -> tuple[float, float, float, float]:
-    """The numbers `sample_rows` samples a row with: its temperature, its top-p (inf: no cut), its number in [0, 1)
-    and k - 1 of its top-k (vocab - 1: no cut); a greedy row's are GREEDY_ROW (top-1 at u = 0: the argmax)."""
+def row_values(params: SamplingParams, u: float | None, vocab: int) -> tuple[float, float, float, float, float]:
+    """The numbers `sample_rows` samples a row with: its temperature, its top-p (inf: no cut), its number in [0, 1),
+    k - 1 of its top-k (vocab - 1: no cut) and its min-p (0: no cut); a greedy row's are GREEDY_ROW (top-1 at u = 0:
+    the argmax)."""
     if params.greedy:
         return GREEDY_ROW
     if u is None:
         raise ValueError("a row that samples needs its number u in [0, 1)")
     return (params.temperature, params.top_p if params.top_p < 1.0 else math.inf, u,
-            min(params.top_k or vocab, vocab) - 1)
+            min(params.top_k or vocab, vocab) - 1, params.min_p)
 
 
-def needed_cuts(values: Seq[tuple[float, ...]], vocab: int) -> tuple[bool, bool]:
-    """Whether some row that samples has a top-k cut, and whether one has a top-p cut (`row_values`; greedy rows need
-    neither: u = 0 takes the first sorted token). `sample_rows` leaves out a cut no row needs."""
+def needed_cuts(values: Seq[tuple[float, ...]], vocab: int) -> tuple[bool, bool, bool]:
+    """Whether some row that samples has a top-k cut, a top-p cut, a min-p cut (`row_values`; greedy rows need none:
+    u = 0 takes the first sorted token). `sample_rows` leaves out a cut no row needs."""
     rows = [v for v in values if v != GREEDY_ROW]
-    return any(v[3] < vocab - 1 for v in rows), any(v[1] < math.inf for v in rows)
+    return any(v[3] < vocab - 1 for v in rows), any(v[1] < math.inf for v in rows), any(v[4] > 0 for v in rows)
 
 
-def sample_rows(logits: torch.Tensor, values: torch.Tensor, cut_k: bool = True, cut_p: bool = True) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, values: torch.Tensor, cut_k: bool = True, cut_p: bool = True,
+                cut_min_p: bool = True) -> torch.Tensor:
     """One token per row of `logits` [n, vocab] for its `values` [n, ROW_VALUES] (float32 on the logits' device,
-    `row_values`): the logits divided by the temperature, cut to the top-k and top-p (`sorted_probs`), then the
-    first token, most likely first, whose cumulative probability exceeds u times the kept mass. Fixed shapes and no
-    host decisions: a CUDA graph can hold it (pwruntime.cuda_graphs). `cut_k` / `cut_p` False leave out a cut that
-    no row has (their operations would change nothing)."""
+    `row_values`): the logits divided by the temperature, cut to the min-p, top-k and top-p (`sorted_probs`), then
+    the first token, most likely first, whose cumulative probability exceeds u times the kept mass. Fixed shapes and
+    no host decisions: a CUDA graph can hold it (pwruntime.cuda_graphs). `cut_k` / `cut_p` / `cut_min_p` False leave
+    out a cut that no row has (their operations would change nothing)."""
     x = logits.float() / values[:, :1]
-    probs, order = sorted_probs(x, values[:, 3:].long() if cut_k else None, values[:, 1:2] if cut_p else None)
+    probs, order = sorted_probs(x, values[:, 3:4].long() if cut_k else None, values[:, 1:2] if cut_p else None,
+                                values[:, 4:5] if cut_min_p else None)
     cdf = torch.cumsum(probs, dim=-1)
     return order.gather(1, torch.searchsorted(cdf, values[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
 

@@ -1,4 +1,4 @@
-"""OpenAI's logit_bias and vLLM's extra sampling fields on both endpoints: top_k, ignore_eos, stop_token_ids,
+"""OpenAI's logit_bias and vLLM's extra sampling fields on both endpoints: top_k, min_p, ignore_eos, stop_token_ids,
 min_tokens and the presence, frequency and repetition penalties; each bad value one 400 naming the field."""
 from __future__ import annotations
 
@@ -30,6 +30,14 @@ def test_top_k_one_is_greedy_and_minus_one_or_zero_no_cut(client):
     chat = dict(model="demo", messages=[{"role": "user", "content": "Who wrote Psalms?"}], max_tokens=8)
     assert (client.chat.completions.create(temperature=1.0, extra_body={"top_k": 1}, **chat).choices[0].message ==
             client.chat.completions.create(temperature=0, **chat).choices[0].message)
+
+
+def test_min_p_one_is_greedy_and_a_small_one_keeps_sampling(client):
+    """min_p 1 keeps only the most likely token; a seeded small min_p samples as vLLM's, the same on both calls."""
+    greedy = _complete(client).choices[0].text
+    assert _complete(client, temperature=1.5, seed=3, extra_body={"min_p": 1.0}).choices[0].text == greedy
+    loose = [_complete(client, temperature=1.5, seed=3, extra_body={"min_p": 0.01}).choices[0].text for _ in range(2)]
+    assert loose[0] == loose[1] != greedy
 
 
 def test_ignore_eos_runs_to_max_tokens(client):
@@ -96,6 +104,7 @@ def test_logit_bias_bans_and_forces_tokens(client, model):
 
 @pytest.mark.parametrize("fields, message", [
     ({"top_k": -2}, "'top_k' must be at least -1, got -2"), ({"top_k": 1.5}, "'top_k' must be an integer"),
+    ({"min_p": 1.5}, "'min_p' must lie in [0, 1], got 1.5"), ({"min_p": "0.1"}, "'min_p' must be a number"),
     ({"ignore_eos": "yes"}, "'ignore_eos' must be true or false"),
     ({"stop_token_ids": [4096]}, "'stop_token_ids' must be a list of token ids (integers in 0..4095), got [4096]"),
     ({"stop_token_ids": [-1]}, "'stop_token_ids' must be a list of token ids"),

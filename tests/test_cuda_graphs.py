@@ -616,7 +616,7 @@ def test_dense_store_decodes_through_graphs():
 @pytest.mark.gpu
 def test_captured_sampler_picks_the_eager_samplers_tokens(demo):
     """After a decode replay, DecodeGraphs.sample (one transfer, one replay) gives the tokens sample_tensor gives on
-    the same logits, for greedy, temperature, top-k, top-p and both-cut rows (padding rows greedy), step after step
+    the same logits, for greedy, temperature, top-k, top-p, min-p and several-cut rows (padding rows greedy), step after step
     with new numbers; logits that are not the replay's as it left them are refused (the caller samples eagerly)."""
     from pwruntime.sampling import SamplingParams, row_values, sample_tensor
 
@@ -626,9 +626,11 @@ def test_captured_sampler_picks_the_eager_samplers_tokens(demo):
     plain = [SamplingParams(temperature=0.6)] * 2 + [SamplingParams()] * 2 + [SamplingParams(temperature=1.4)]
     top_p = [SamplingParams(temperature=1.0, top_p=0.95)] * 4 + [SamplingParams()]
     top_k = [SamplingParams(temperature=1.0, top_k=40)] + [SamplingParams(temperature=0.5)] * 4
+    min_p = [SamplingParams(temperature=1.0, min_p=0.1)] * 3 + [SamplingParams(temperature=0.7, top_p=0.9, min_p=0.05),
+                                                                SamplingParams()]
     gen = torch.Generator().manual_seed(7)
-    for step in range(8):
-        params = (both, plain, top_p, top_k)[step % 4]   # a sampler graph for each set of cuts
+    for step in range(10):
+        params = (both, plain, top_p, top_k, min_p)[step % 5]   # a sampler graph for each set of cuts
         logits, _ = pair.graph_step(pair.tokens())
         pair.lens = [x + 1 for x in pair.lens]
         numbers = [None if p.greedy else float(u) for p, u in zip(params, torch.rand(5, generator=gen))]
@@ -641,8 +643,9 @@ def test_captured_sampler_picks_the_eager_samplers_tokens(demo):
         assert pair.graphs.sample(logits.clone(), values) is None
         assert pair.graphs.sample(logits[:4], values[:4]) is None
     g = pair.graphs
-    assert g.sampler_disabled is None and g.sampler_replays == 8 and g.replays == 8 and g.captures == 1
-    assert sorted(g._graphs[(8, True)].samplers) == [(False, False), (False, True), (True, False), (True, True)]
+    assert g.sampler_disabled is None and g.sampler_replays == 10 and g.replays == 10 and g.captures == 1
+    assert sorted(g._graphs[(8, True)].samplers) == [(False, False, False), (False, True, False), (False, True, True),
+                                                     (True, False, False), (True, True, False)]
 
 
 @pytest.mark.gpu

@@ -33,6 +33,23 @@ def test_top_k_and_top_p_keep_what_they_should():
     assert sample_tensor(logits, [SamplingParams(temperature=1.0)], [0.0]).item() == 1  # 0: the most likely token
 
 
+def test_min_p_keeps_the_tokens_near_the_most_likely_one_before_top_p():
+    """vLLM's min-p: tokens at least min_p times as likely as the most likely one, after the temperature; top-p then
+    reaches its share of what min-p kept."""
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15]]))
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=0.29)) == {1, 3, 4}  # >= 0.145
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=0.19)) == {1, 2, 3, 4}  # >= 0.095
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=1.0)) == {1}
+    # at temperature 2 the shares flatten (sqrt): 0.05 -> 0.32 of the largest, above 0.3
+    assert _support(logits, SamplingParams(temperature=2.0, min_p=0.3)) == {0, 1, 2, 3, 4}
+    # min-p leaves {0.5, 0.2, 0.15} = 0.85; top-p 0.6 of that is 0.51: 0.5 alone is short, 0.5 + 0.2 reaches it
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=0.29, top_p=0.6)) == {1, 3}
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=0.29, top_k=2)) == {1, 3}
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_p must be in"):
+            SamplingParams(min_p=bad)
+
+
 def test_params_validation_and_stop_search():
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
@@ -211,9 +228,11 @@ def test_every_row_through_sample_rows_matches_sample_tensor():
     logits[0, [7, 19, 40]] = logits[1, [3, 59]] = 9.0  # ties for the largest logit in two greedy rows
     params = [SamplingParams(), SamplingParams(top_k=1, temperature=0.8), SamplingParams(temperature=0.7),
               SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_p=0.5),
-              SamplingParams(temperature=0.9, top_k=10, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.1)]
+              SamplingParams(temperature=0.9, top_k=10, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.1),
+              SamplingParams(temperature=1.0, min_p=0.2), SamplingParams(temperature=0.8, top_k=8, top_p=0.7, min_p=0.1)]
+    logits = torch.cat([logits, torch.randn(2, 60, generator=g) * 2])
     for trial in range(20):
-        numbers = [None if p.greedy else float(u) for p, u in zip(params, torch.rand(8, generator=g))]
+        numbers = [None if p.greedy else float(u) for p, u in zip(params, torch.rand(10, generator=g))]
         if trial == 0:
             numbers[2], numbers[7] = 0.0, 1 - 2 ** -23
         values = torch.tensor([row_values(p, u, 60) for p, u in zip(params, numbers)], dtype=torch.float32)
@@ -221,8 +240,9 @@ def test_every_row_through_sample_rows_matches_sample_tensor():
         assert sample_rows(logits, values).tolist() == sample_tensor(logits, params, numbers).tolist()
     assert sample_rows(logits, values)[:2].tolist() == [7, 3]
     # the cuts a batch needs: greedy rows need none; a cut left out where no row has it changes no token
-    for rows, cuts in (([0, 2, 7], (False, False)), ([1, 3, 6], (True, False)), ([4, 2], (False, True)),
-                       ([5], (True, True)), ([0, 6], (False, False))):
+    for rows, cuts in (([0, 2, 7], (False, False, False)), ([1, 3, 6], (True, False, False)),
+                       ([4, 2], (False, True, False)), ([5], (True, True, False)), ([0, 6], (False, False, False)),
+                       ([8, 2], (False, False, True)), ([9], (True, True, True))):
         sub = [params[j] for j in rows]
         numbers = [None if p.greedy else float(u) for p, u in zip(sub, torch.rand(len(rows), generator=g))]
         values = [row_values(p, u, 60) for p, u in zip(sub, numbers)]
@@ -231,8 +251,8 @@ def test_every_row_through_sample_rows_matches_sample_tensor():
         assert got == sample_tensor(logits[rows], sub, numbers).tolist() == sample_rows(
             logits[rows], torch.tensor(values, dtype=torch.float32)).tolist()
     assert row_values(SamplingParams(), None, 60) == GREEDY_ROW
-    assert row_values(SamplingParams(temperature=0.5, top_p=0.9, top_k=80), 0.25, 60) == (0.5, 0.9, 0.25, 59)
-    assert row_values(SamplingParams(temperature=0.5), 0.25, 60) == (0.5, math.inf, 0.25, 59)
+    assert row_values(SamplingParams(temperature=0.5, top_p=0.9, top_k=80), 0.25, 60) == (0.5, 0.9, 0.25, 59, 0.0)
+    assert row_values(SamplingParams(temperature=0.5, min_p=0.3), 0.25, 60) == (0.5, math.inf, 0.25, 59, 0.3)
     with pytest.raises(ValueError, match="number"):
         row_values(SamplingParams(temperature=0.5), None, 60)
 
