@@ -2,7 +2,7 @@
 
 `parse_body` reads the JSON (refusing NaN and Infinity, which JSON does not have), `sampling_params` the sampling
 fields of /v1/completions and /v1/chat/completions (log-probabilities included: completions' `logprobs` N, chat's
-`logprobs` true with `top_logprobs` N; `logit_bias`; and vLLM's extra fields `top_k`, `min_p`, `min_tokens`, `ignore_eos`,
+`logprobs` true with `top_logprobs` N; `logit_bias`; and vLLM's extra fields `top_k`, `min_p`, `min_tokens`, `ignore_eos`, `include_stop_str_in_output`,
 `stop_token_ids`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`), `completion_prompts` the prompts of
 /v1/completions in each OpenAI form (a string, a list of strings, a list of token ids, a list of token-id lists),
 `num_choices` and `engine_requests` the engine requests of a body: each prompt's `n` choices, prompt-major (choice
@@ -155,6 +155,7 @@ def sampling_params(body: dict, default_max_tokens: int, chat: bool, vocab: int,
                               seed=_integer(body, "seed"), stop=stop,
                               stop_token_ids=token_ids(body, "stop_token_ids", vocab),
                               ignore_eos=flag(body, "ignore_eos"),
+                              include_stop_str_in_output=flag(body, "include_stop_str_in_output"),
                               min_tokens=_integer(body, "min_tokens", 0) or 0,
                               presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                               frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),

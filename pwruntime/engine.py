@@ -155,7 +155,7 @@ class _Request:
     stop_ids: frozenset
     arrival_time: float
     first_token_time: float | None = None
-    stop_text: str | None = None  # output text cut before the stop string that ended it
+    stop_text: str | None = None  # output text cut before (or after) the stop string that ended it
     checked_chars: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # when params.prompt_logprobs is set
@@ -452,6 +452,8 @@ class LLMEngine:
         req.checked_chars = len(text)
         if k < 0 or settled <= req.params.min_tokens:  # as vLLM: none before min_tokens + 1
             return None
+        if req.params.include_stop_str_in_output:
+            k += max(len(s) for s in stops if text.startswith(s, k))
         req.stop_text = text[:k]
         return "stop"
 

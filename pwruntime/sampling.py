@@ -8,7 +8,8 @@ of the draw's index), one a sampled token, so its tokens do not depend on which 
 nor on the device's random number generator.
 
 Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
-scheduler; stop strings on the decoded text (the returned text is cut before the stop string;
+scheduler; stop strings on the decoded text (the returned text is cut before the stop string, or after it with
+`include_stop_str_in_output`;
 the token ids keep every sampled token, including the one that completed the stop); `max_tokens`.
 
 Logits processing (`adjust_logits`, as vLLM's, before sampling and before greedy's argmax too), for the rows that
@@ -44,6 +45,7 @@ class SamplingParams:
     min_p: float = 0.0  # keep only tokens at least min_p times as likely as the most likely one (0: no cut; vLLM's)
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # the returned text keeps the stop string that ended it (vLLM's)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     clip_to_context: bool = True  # False: a prompt + max_tokens beyond the model's positions is refused, not cut

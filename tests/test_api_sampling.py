@@ -40,6 +40,17 @@ def test_min_p_one_is_greedy_and_a_small_one_keeps_sampling(client):
     assert loose[0] == loose[1] != greedy
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client):
+    full = _complete(client).choices[0].text
+    stop = full[len(full) // 2:][:5]
+    cut = _complete(client, stop=[stop, "zzz"])
+    kept = _complete(client, stop=[stop, "zzz"], logprobs=0, extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].text + stop == kept.choices[0].text == full[:full.index(stop) + len(stop)]
+    assert "".join(kept.choices[0].logprobs.tokens) == kept.choices[0].text  # the reported tokens join to it
+    streamed = _complete(client, stop=[stop], stream=True, extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in streamed) == kept.choices[0].text
+
+
 def test_ignore_eos_runs_to_max_tokens(client):
     stopped = _complete(client, EOS_SOON, max_tokens=20)
     assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens < 20

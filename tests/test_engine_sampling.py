@@ -302,6 +302,9 @@ def test_stop_string_cuts_text_and_ends_early(model):
     assert out.finish_reason == "stop" and out.text == expect_text
     assert len(out.token_ids) < 20 and out.token_ids == full.token_ids[:len(out.token_ids)]
     assert stop not in out.text
+    kept = LLMEngine(model, cfg).generate([_prompt(2)], SamplingParams(max_tokens=20, stop=(stop, "zzz"),
+                                                                       ignore_eos=True, include_stop_str_in_output=True))[0]
+    assert kept.text == expect_text + stop and kept.token_ids == out.token_ids and kept.finish_reason == "stop"
 
 
 def test_max_tokens_and_eos(model, tmp_path):
