@@ -119,7 +119,8 @@ class _Reply:
 
     def prompt_parts(self, tokenizer, head) -> tuple[str, dict | None, list | None]:
         """What a choice shows of its prompt (`head`: a RequestOutput or PromptOutput): the echoed text, its
-        log-probabilities (when echoed and asked) and vLLM's `prompt_logprobs` (when asked)."""
+        log-probabilities (when echoed and asked) and vLLM's `prompt_logprobs` (when asked); ("", None, None) when
+        it shows none."""
         text, logprobs, entries = "", None, None
         ids, records = head.prompt_token_ids, head.prompt_logprobs
         if self.echo:
@@ -288,8 +289,7 @@ class Server:
         for i, out in enumerate(outs):
             text = out.text if reply.generates else ""
             pieces = api_tokens.choice_pieces(self.tokenizer, out) if reply.logprobs and reply.generates else []
-            shown, logprobs, entries = reply.prompt_parts(self.tokenizer, out) if reply.shows_prompt else ("", None,
-                                                                                                          None)
+            shown, logprobs, entries = reply.prompt_parts(self.tokenizer, out)
             finish = FINISH[out.finish_reason] if reply.generates else "length"
             choice = {"index": i, "finish_reason": finish,
                       "logprobs": _joined(logprobs, reply.logprobs_of(pieces, len(shown)))}
