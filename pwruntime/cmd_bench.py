@@ -1,6 +1,6 @@
-"""`pwruntime bench kernels|prefill|prefix-cache|decode`: time the AP kernels against torch fp16 (and write a measured
-hardware profile), the prefill MoE path against one launch set per expert, serving with prefix caching, or where a
-decode step goes.
+"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|serve`: time the AP kernels against torch fp16 (and write
+a measured hardware profile), the prefill MoE path against one launch set per expert, serving with prefix caching,
+where a decode or mixed step goes, or a running server from the client's side.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -24,6 +24,10 @@ when there is a GPU, else on the CPU.
 it (`--model` or `--ap` with `--calibration` and `--policy`), and reports the step's wall time and engine phases over
 `--reps` windows of `--steps` steps and, on CUDA, the kernels of 20 profiled steps (pwruntime/bench_decode.py).
 
+`bench serve` sends a request trace to a running OpenAI-compatible server at its arrival times and times each
+streamed request from the client's side, as vLLM's benchmark_serving (pwruntime/bench_serve.py); it writes a result
+directory that `pwsim fidelity` reads.
+
 `bench mixed` times a mixed step's forward (`--prompts` decode rows beside one prompt of each `--tokens` size) run
 eagerly and from the piecewise graphs, in the same kind of engine (pwruntime/bench_mixed.py).
 """
@@ -34,15 +38,17 @@ import shlex
 import sys
 from pathlib import Path
 
+from pwruntime import bench_serve
 from traces.clikit import UserError, write_json_atomic
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed"],
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "serve"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
                         "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
-                        "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs")
+                        "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs; "
+                        "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b)")
@@ -83,13 +89,15 @@ def register(subparsers) -> None:
                         "popularity 1 / rank^ALPHA (hot experts)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
-    p.add_argument("--out", type=Path, default=None, help="write the results JSON here")
+    p.add_argument("--out", type=Path, default=None,
+                   help="write the results JSON here (serve: the result directory, default runs/bench-serve)")
     p.add_argument("--profile-out", type=Path, default=None,
                    help="write a measured hardware profile here (default: hardware-profile-<device>.json "
                         "next to --out, or in the current directory)")
     p.add_argument("--profile-name", default=None, help="name field of the written profile")
     p.add_argument("--plot-from", type=Path, default=None, metavar="JSON",
                    help="draw the figure of an earlier --out result (no GPU needed) and exit")
+    bench_serve.add_args(p)
     p.set_defaults(func=run)
 
 
@@ -295,6 +303,13 @@ def _run_decode(args) -> int:
 
 
 def run(args) -> int:
+    if args.target == "serve":
+        return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
+    for name in bench_serve.SERVE_FLAGS:
+        if getattr(args, name) is not None:
+            raise UserError(f"--{name.replace('_', '-')} belongs to `pwruntime bench serve`")
+    if args.force:
+        raise UserError("--force belongs to `pwruntime bench serve`")
     if args.target == "decode":
         return _run_decode(args)
     if args.target == "mixed":

@@ -1,0 +1,76 @@
+"""`pwruntime bench serve` against a server on the demo model (CPU): every request of the trace sent, streamed and
+counted; its result directory read as a replay's; failures counted, never dropped; misuse one clear error."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pwruntime.cli import main
+from pwruntime.engine import EngineConfig, LLMEngine
+from server_fixtures import model, serving  # noqa: F401 (fixtures)
+from test_runtime_cli_misuse import misuse
+from traces.io import read_requests
+from traces.results import read_result_dir
+from traces.schema import RequestTrace
+
+TRACE = "traces/bundled/demo-trace"
+
+
+@pytest.fixture(scope="module")
+def url(model):
+    with serving(LLMEngine(model, EngineConfig(num_kv_blocks=256))) as base:
+        yield base
+
+
+def test_every_request_is_served_and_timed_from_the_client(url, tmp_path, capsys):
+    out = tmp_path / "bench"
+    argv = ["bench", "serve", "--url", url, "--trace", TRACE, "--max-requests", "10", "--time-scale", "0.5",
+            "--served-model-name", "demo", "--slo-ttft", "30", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    trace = read_requests(f"{TRACE}/requests.parquet")
+    assert summary["completed"] == summary["requests"] == 10 and summary["failed"] == 0 and summary["errors"] == []
+    assert summary["output_tokens"] == int(trace.output_tokens[:10].sum()) and summary["model"] == "demo"
+    assert summary["slo"]["met"] == 10
+    saved, requests, timeline, config = read_result_dir(out)
+    assert saved == summary and timeline == {} and config["api_key"] is None
+    assert requests["output_tokens"].tolist() == trace.output_tokens[:10].tolist()
+    assert requests["request_id"].tolist() == trace.request_id[:10].tolist()
+    arrival = (trace.arrival_s[:10] - trace.arrival_s[:10].min()) * 0.5
+    assert np.allclose(requests["arrival_s"], arrival)
+    assert (requests["ttft_s"] > 0).all() and (requests["ttft_s"] <= requests["e2e_s"]).all()
+    assert set(requests["finish_reason"]) == {"length"}
+
+
+def test_a_request_the_server_refuses_is_counted_as_failed(url, tmp_path, capsys):
+    trace = read_requests(f"{TRACE}/requests.parquet")
+    ids = [trace.prompt_ids(i) for i in range(3)]
+    ids[1] = np.array([5, 10 ** 6])  # a token id outside the vocabulary: the server answers 400
+    bad = RequestTrace.from_columns(trace.request_id[:3], trace.arrival_s[:3], np.array([len(i) for i in ids]),
+                                    trace.output_tokens[:3], trace.domain[:3], prompt_token_ids=ids)
+    src = tmp_path / "trace"
+    src.mkdir()
+    from traces.io import write_requests
+    write_requests(src / "requests.parquet", bad)
+    out = tmp_path / "bench"
+    assert main(["bench", "serve", "--url", url, "--trace", str(src), "--out", str(out), "--json"]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["requests"] == 3 and summary["completed"] == 2 and summary["failed"] == 1
+    assert "HTTP 400" in summary["errors"][0] and str(trace.request_id[1]) in summary["errors"][0]
+    _, requests, _, _ = read_result_dir(out)
+    assert requests["finish_reason"].tolist() == ["length", "error", "length"]
+    assert np.isnan(requests["e2e_s"][1]) and summary["unfinished"] == 1
+
+
+def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):
+    misuse(capsys, ["bench", "serve"], "needs --url")
+    misuse(capsys, ["bench", "serve", "--url", "http://127.0.0.1:9", "--out", tmp_path / "x"],
+           "cannot reach an OpenAI-compatible server at http://127.0.0.1:9", "pwruntime serve")
+    assert not (tmp_path / "x").exists()  # nothing written
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--models", "olmoe-1b-7b"],
+           "--models does not apply to `pwruntime bench serve`")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--time-scale", "0"], "--time-scale must be a number > 0")
+    misuse(capsys, ["bench", "kernels", "--url", "http://x"], "--url belongs to `pwruntime bench serve`")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--trace", tmp_path], "holds no requests.parquet")
