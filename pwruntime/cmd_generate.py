@@ -13,6 +13,7 @@ import json
 import sys
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 from traces.clikit import UserError
 
@@ -88,13 +89,7 @@ def _load(args, dtype: str, device: str):
         if args.policy != "noop":
             raise UserError(f"--policy {args.policy} needs --ap DIR (the planner moves the bits of AP expert weights; "
                             "--model's experts are full precision): make one with `pwruntime quantize`")
-        from pwruntime.cmd_perplexity import default_model_dir
-
-        model_dir = args.model or default_model_dir()
-        if model_dir is None:
-            raise UserError("--model DIR is required (no bundled demo model is installed): pass a HuggingFace "
-                            "MoE checkpoint directory")
-        return load_model(model_dir, dtype=dtype, device=device), None, policy, None, None
+        return load_model(engine_model_dir(args), dtype=dtype, device=device), None, policy, None, None
     from policies.calibration import Calibration
     from pwruntime.calibrate.inputs import model_fingerprint_of
     from pwruntime.kernels.device_table import MIN_BITS
@@ -149,15 +144,25 @@ def _engine_config(args):
                         async_scheduling=args.async_scheduling)
 
 
+def engine_model_dir(args) -> Path:
+    """The folder the shared options (add_engine_args) serve: --ap, else --model, else the bundled demo model."""
+    from pwruntime.cmd_perplexity import default_model_dir
+
+    model_dir = args.ap or args.model or default_model_dir()
+    if model_dir is None:
+        raise UserError("--model DIR is required (no bundled demo model is installed): pass a HuggingFace "
+                        "MoE checkpoint directory")
+    return Path(model_dir)
+
+
 def build_engine(args):
     """(engine, model path, dtype, device) from the shared options (add_engine_args)."""
     import torch
 
-    from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.engine import LLMEngine
 
     config = _engine_config(args)
-    model_dir = args.ap or args.model or default_model_dir()
+    model_dir = engine_model_dir(args)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     model, table, policy, cal, mover = _load(args, dtype, device)

@@ -2,7 +2,7 @@
 
 Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` for server-sent
 events), GET /v1/models, /health and Prometheus /metrics, POST /tokenize and /detokenize. The same model, engine and planner
-options as `pwruntime generate` (--ap/--calibration/--policy serve AP experts with a planner).
+options as `pwruntime generate`; the engine runs in a process of its own (pwruntime.engine_process) (--ap/--calibration/--policy serve AP experts with a planner).
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
 --shutdown-timeout seconds to finish (then cuts them), and exits 0.
@@ -13,7 +13,6 @@ import argparse
 import errno
 import os
 import socket
-from pathlib import Path
 
 from traces.clikit import UserError
 
@@ -61,18 +60,18 @@ def _check_listen(host: str, port: int) -> None:
 def run(args) -> int:
     from aiohttp import web
 
-    from pwruntime.cmd_generate import build_engine
-    from pwruntime.server import EngineWorker, Server
+    from pwruntime.cmd_generate import engine_model_dir
+    from pwruntime.engine_process import EngineProcess
+    from pwruntime.server import Server
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if not 0 < args.shutdown_timeout < float("inf"):
         raise UserError(f"--shutdown-timeout must be a number of seconds > 0, got {args.shutdown_timeout}")
     _check_listen(args.host, args.port)
-    engine, model_dir, _, _ = build_engine(args)
-    engine.capture_graphs()   # before the first request, which would otherwise pay the captures its steps need
-    worker = EngineWorker(engine).start()
-    server = Server(worker, args.served_model_name or Path(str(model_dir)).name, api_key=args.api_key or None)
+    model_dir = engine_model_dir(args)
+    worker = EngineProcess(args).start()  # loads the model and captures its CUDA graphs, in the engine's process
+    server = Server(worker, args.served_model_name or model_dir.name, api_key=args.api_key or None)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
         # handler cancellation: a client that leaves cancels its handler, which aborts its request (pwruntime.server)

@@ -1,11 +1,14 @@
-"""The OpenAI-compatible HTTP server: aiohttp handlers over one engine thread, SSE streaming, metrics.
+"""The OpenAI-compatible HTTP server: aiohttp handlers over one engine loop, SSE streaming, metrics.
 
-`EngineWorker` (pwruntime.engine_worker) owns the LLMEngine in a thread of its own; the handlers submit requests to
-it and answer from its events. Routes: `/v1/completions`, `/v1/chat/completions` (both with
+An EngineClient (pwruntime.engine_client) stands for the engine loop, which runs in a process of its own under
+`pwruntime serve` (pwruntime.engine_process) or in a thread (EngineWorker, over an engine object); the handlers
+submit requests to it and answer from its events. A stream writes the chunks of all the events that have arrived
+in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with
 `stream`), `/v1/models`, `/health`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
 the server's API key (when it has one) 401, and nothing a client
-sends can stop the engine thread: a failing step fails the requests in it (status 500) and the thread goes on. A
+sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
+engine loop that is gone fails every request with a 503. A
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
 cancellation) has its request aborted and its KV blocks freed.
 
@@ -30,7 +33,7 @@ from aiohttp import web
 
 from pwruntime import api_request as api
 from pwruntime import api_tokens
-from pwruntime.engine_worker import EngineWorker, Live
+from pwruntime.engine_client import EngineClient, Live
 from pwruntime.metrics import scalar
 from pwruntime.sampling import SamplingParams
 
@@ -143,13 +146,12 @@ class _Reply:
 
 
 class Server:
-    """aiohttp application over an EngineWorker."""
+    """aiohttp application over an engine loop (its EngineClient)."""
 
-    def __init__(self, worker: EngineWorker, model_name: str, api_key: str | None = None) -> None:
+    def __init__(self, worker: EngineClient, model_name: str, api_key: str | None = None) -> None:
         """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
         self.worker, self.model_name = worker, model_name
-        self.tokenizer = worker.engine.tokenizer
-        self.vocab = worker.engine.model.config.vocab
+        self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
         self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []))
         self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
@@ -177,18 +179,14 @@ class Server:
         return web.json_response(self._model_card())
 
     async def metrics(self, request: web.Request) -> web.Response:
-        eng, m = self.worker.engine, dict(self.worker.metrics)
+        try:
+            stats = await self.worker.stats()  # asked of the engine loop, between two of its steps
+        except RuntimeError as e:
+            return _error(str(e), 503)
         lines = []
-        gauges = {"running_requests": len(eng.scheduler.running), "waiting_requests": len(eng.scheduler.waiting),
-                  "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
-                  "mean_committed_bits": eng.table.mean_bits(), "expert_resident_bytes": eng.table.resident_bytes(),
-                  "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps,
-                  "prefix_cache_hit_tokens_total": eng.scheduler.num_cached_tokens}
-        if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
-            gauges.update(eng.loop.mover.metrics())
-        for name, value in {**m, **gauges}.items():
+        for name, value in {**stats["counters"], **stats["gauges"]}.items():
             lines += scalar(name, "counter" if name in COUNTERS else "gauge", value)
-        lines += self.worker.request_metrics.render()
+        lines += stats["histograms"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _parsed(self, request: web.Request) -> dict:
@@ -242,7 +240,7 @@ class Server:
                 raise api.RequestError(f"'prompt' must be a string, got {api.brief(prompt)}")
             api.check_text(prompt, "prompt")
             ids = self.tokenizer.encode(prompt, add_special_tokens=flag_on("add_special_tokens"))
-        return web.json_response({"count": len(ids), "max_model_len": self.worker.engine.model.config.max_position,
+        return web.json_response({"count": len(ids), "max_model_len": self.worker.max_position,
                                   "tokens": ids})
 
     async def detokenize(self, request: web.Request) -> web.Response:
@@ -319,13 +317,15 @@ class Server:
         streams = [api_tokens.TextStream(self.tokenizer, hold) for _ in range(total)]
         outs = [None] * total
         shown: list[int | None] = [None] * total  # per choice, once its prompt went out: the prompt's characters
+        pending: list[bytes] = []  # the chunks not yet written
+        send = pending.append
         if reply.chat:
             for i in range(total):
-                await _sse(resp, reply.chunk(i, {"role": "assistant", "content": ""}, None, None))
+                send(_sse(reply.chunk(i, {"role": "assistant", "content": ""}, None, None)))
         while True:
             kind, payload = event
             if kind == "error":
-                await _sse(resp, _error_payload(payload[1], payload[0]))
+                send(_sse(_error_payload(payload[1], payload[0])))
                 break
             i = payload[0]
             if shown[i] is None:  # the choice's first event: its prompt first (echo, prompt_logprobs)
@@ -336,29 +336,33 @@ class Server:
                     chunk = reply.chunk(i, text, logprobs, None)
                     if reply.prompt_top is not None:
                         chunk["choices"][0]["prompt_logprobs"] = entries
-                    await _sse(resp, chunk)
+                    send(_sse(chunk))
                     shown[i] = len(text)
             offset = shown[i] + streams[i].sent_chars
             if kind == "delta":
                 text, pieces = streams[i].push(*payload[1:3])
                 if reply.generates and (text or (reply.logprobs and pieces)):
-                    await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset), None))
+                    send(_sse(reply.chunk(i, text, reply.logprobs_of(pieces, offset), None)))
             else:
                 outs[i] = payload[1]
                 text, pieces = streams[i].finish(outs[i])
                 if reply.generates:
-                    await _sse(resp, reply.chunk(i, text, reply.logprobs_of(pieces, offset),
-                                                 FINISH[outs[i].finish_reason]))
+                    send(_sse(reply.chunk(i, text, reply.logprobs_of(pieces, offset),
+                                          FINISH[outs[i].finish_reason])))
                 else:
-                    await _sse(resp, reply.chunk(i, "", reply.logprobs_of([], offset), "length"))
+                    send(_sse(reply.chunk(i, "", reply.logprobs_of([], offset), "length")))
                 if all(out is not None for out in outs):
                     if usage:
                         usage_chunk = {**reply.head(reply.chunk_object), "choices": [],
                                        "usage": _usage(outs, reply.n, reply.generates)}
-                        await _sse(resp, usage_chunk)
+                        send(_sse(usage_chunk))
                     break
+            if pending and events.empty():  # nothing more has arrived: what came so far goes out now
+                await resp.write(b"".join(pending))
+                pending.clear()
             event = await events.get()
-        await resp.write(b"data: [DONE]\n\n")
+        send(b"data: [DONE]\n\n")
+        await resp.write(b"".join(pending))
         await resp.write_eof()
 
 
@@ -377,5 +381,6 @@ def _joined(first: dict | None, then: dict | None) -> dict | None:
     return {key: first[key] + then[key] for key in first}
 
 
-async def _sse(resp: web.StreamResponse, data: dict) -> None:
-    await resp.write(f"data: {json.dumps(data)}\n\n".encode())
+def _sse(data: dict) -> bytes:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n".encode()

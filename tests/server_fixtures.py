@@ -18,7 +18,8 @@ from aiohttp import web
 from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.server import EngineWorker, Server
+from pwruntime.engine_client import EngineWorker
+from pwruntime.server import Server
 
 
 @pytest.fixture(scope="module")

@@ -76,12 +76,12 @@ def test_model_paths_name_the_problem(env, capsys):
 
 
 def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
-    import pwruntime.cmd_generate as cg
+    from pwruntime.engine_process import EngineProcess
 
-    def no_load(args):
-        raise AssertionError("the model was loaded before the address was checked")
+    def no_load(self):
+        raise AssertionError("the engine process was started before the address was checked")
 
-    monkeypatch.setattr(cg, "build_engine", no_load)
+    monkeypatch.setattr(EngineProcess, "start", no_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -92,6 +92,13 @@ def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
     assert "another --port" not in err
     for bad in ("0", "-1", "inf", "nan"):
         misuse(capsys, ["serve", "--port", "0", "--shutdown-timeout", bad], "--shutdown-timeout must be a number")
+
+
+def test_serve_reports_the_engine_process_user_error(env, capsys):
+    # the model is loaded in the engine's process: its user error is the server's, one line, exit 2
+    misuse(capsys, ["serve", "--port", "0", "--model", env["ap"]], "is an AP checkpoint", "--ap")
+    misuse(capsys, ["serve", "--port", "0", "--ap", env["ap"], "--policy", "pagedweight"], "needs a calibration",
+           "--calibration")
 
 
 # ----------------------------------------------------------------------------------------------- perplexity

@@ -1,6 +1,6 @@
 """`pwruntime serve` as a process: it answers the openai client, and a SIGTERM (or Ctrl-C) mid-request lets the
 requests in flight finish, refuses new connections and exits 0 (aiohttp's graceful shutdown, then the engine
-thread stops)."""
+process stops); an engine process that dies fails what is in flight, and everything after, with a 503."""
 from __future__ import annotations
 
 import signal
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -23,9 +24,10 @@ def _free_port() -> int:
 
 @pytest.fixture
 def server(request):
-    """A `pwruntime serve` process on the demo model (extra arguments: the test's `serve_args` parameter)."""
+    """A `pwruntime serve` process on the demo model, on the CPU whatever the machine (these tests need a stream
+    that lasts seconds; extra arguments: the test's `serve_args` parameter)."""
     port = _free_port()
-    extra = getattr(request, "param", [])
+    extra = ["--device", "cpu", *getattr(request, "param", [])]
     proc = subprocess.Popen([sys.executable, "-m", "pwruntime.cli", "serve", "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -85,4 +87,46 @@ def test_the_shutdown_timeout_cuts_what_is_still_running(server):
     except openai.APIConnectionError as e:  # the server closed the connection mid-stream
         assert "incomplete chunked read" in str(e.__cause__), e.__cause__
     assert finished < 8
+    assert proc.wait(60) == 0
+
+
+def _engine_pid(server_pid: int) -> int:
+    """The engine process `pwruntime serve` started (a spawned child; multiprocessing's resource tracker is the
+    other)."""
+    import os
+    from pathlib import Path
+
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == server_pid and b"spawn_main" in cmdline:
+            return int(stat.parent.name)
+    raise AssertionError(f"no engine process under {server_pid} ({os.getpid()})")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process tree from /proc")
+def test_an_engine_process_that_dies_fails_its_requests_and_health_says_so(server):
+    """A killed engine process: the stream in flight ends with an error naming it, /health and every later request
+    answer 503, and the server still shuts down cleanly."""
+    import os
+
+    proc, url = server
+    stream, _ = _long_stream(url)
+    os.kill(_engine_pid(proc.pid), signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="engine process exited"):
+        list(stream)
+    with pytest.raises(urllib.error.HTTPError) as health:
+        urllib.request.urlopen(f"{url}/health", timeout=5)
+    assert health.value.code == 503
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=30)
+    with pytest.raises(openai.InternalServerError, match="restart the server") as later:
+        client.completions.create(model="demo_model", prompt="And God said", max_tokens=4)
+    assert later.value.status_code == 503
+    with pytest.raises(urllib.error.HTTPError) as metrics:
+        urllib.request.urlopen(f"{url}/metrics", timeout=5)
+    assert metrics.value.code == 503
+    proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0

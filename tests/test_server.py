@@ -14,7 +14,7 @@ import pytest
 from pwruntime import api_tokens
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.sampling import SamplingParams
-from pwruntime.server import EngineWorker
+from pwruntime.engine_client import EngineWorker
 from server_fixtures import assert_idle, base_url, client, metric, model, post, serving  # noqa: F401 (fixtures)
 from traces.clikit import UserError
 
@@ -284,7 +284,7 @@ def test_a_choice_the_engine_refuses_fails_the_request_and_ends_the_others(model
     worker = EngineWorker(engine).start()
     try:
         assert _request_events(worker, 3) == [("error", (400, "injected refusal"))]
-        assert not engine.has_unfinished() and worker.metrics["requests_total"] == 0
+        assert not engine.has_unfinished() and worker.core.counters["requests_total"] == 0
         _serves_on(worker, 3)
     finally:
         worker.stop()

@@ -1,0 +1,141 @@
+"""EngineProcess: the engine loop (pwruntime.engine_core) in a process of its own, as vLLM's engine core runs.
+
+The HTTP server's process parses requests, tokenizes chats, turns tokens into text and writes the streams; the
+engine's process builds the model from the command line's options (pwruntime.cmd_generate.build_engine), captures
+its CUDA graphs and steps it. In one process the two would share the GIL: every chunk a stream writes would delay
+the next step. Requests go to the engine process and one batch of events per step comes back, each over a pipe of
+its own (pickled); a thread of the server's process hands the batches to the requests (EngineClient._deliver).
+
+The engine process ignores SIGINT (a Ctrl-C reaches the whole process group; the server's graceful shutdown decides
+when the engine stops) and exits when the server's process goes away. A model that cannot be loaded is the user's
+error, raised in the server's process with the same message; an engine process that dies while serving fails the
+requests in flight with a 503 and /health says so.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import signal
+import sys
+import threading
+import traceback
+
+from pwruntime.engine_client import EngineClient
+from pwruntime.engine_core import EngineCore
+from traces.clikit import UserError
+
+
+class EngineProcess(EngineClient):
+    """An EngineCore over the engine `args` (the options of pwruntime.cmd_generate.add_engine_args) describe, in a
+    child process."""
+
+    def __init__(self, args) -> None:
+        self._args = args
+        self._stopping = False
+
+    def start(self) -> "EngineProcess":
+        """Start the engine process and wait until its model is loaded (UserError: the message of its user error)."""
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's CUDA state or threads
+        inbox_read, self._inbox = ctx.Pipe(duplex=False)
+        self._outbox, outbox_write = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_engine_main, args=(self._args, inbox_read, outbox_write),
+                                 name="pagedweight-engine", daemon=True)
+        self._proc.start()
+        inbox_read.close()
+        outbox_write.close()
+        kind, *rest = self._first_message()
+        if kind == "failed":
+            raise UserError(rest[0])
+        if kind != "ready":
+            raise RuntimeError(f"the engine process failed while loading the model:\n{rest[0]}")
+        super().__init__(*rest)
+        self._send_lock = threading.Lock()
+        threading.Thread(target=self._read, name="pagedweight-engine-events", daemon=True).start()
+        return self
+
+    def _first_message(self) -> tuple:
+        while True:
+            try:
+                if self._outbox.poll(0.5):
+                    return self._outbox.recv()
+            except (EOFError, OSError):
+                pass
+            else:
+                if self._proc.is_alive():
+                    continue
+            self._proc.join()
+            raise RuntimeError(f"the engine process exited (exit code {self._proc.exitcode}) while loading the "
+                               "model; its messages are above")
+
+    @property
+    def alive(self) -> bool:
+        return super().alive and self._proc.is_alive()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Let the engine process finish its turn and exit (killed after `timeout` seconds)."""
+        self._stopping = True
+        self._send(None)
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def _send(self, item: tuple | None) -> None:
+        try:
+            with self._send_lock:
+                self._inbox.send(item)
+        except OSError:  # the engine process is gone: the reader fails what is in flight
+            pass
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self._deliver(self._outbox.recv())
+        except (EOFError, OSError):
+            pass
+        self._proc.join(5)
+        if self._stopping:
+            self._fail_all("the server is shutting down")
+        else:
+            self._fail_all(f"the engine process exited (exit code {self._proc.exitcode}); its messages are in the "
+                           "server's log; restart the server")
+
+
+def _forward(conn, inbox: queue.Queue) -> None:
+    """In the engine process: the server's items into the loop's inbox; None (stop) once the server is gone."""
+    try:
+        while True:
+            inbox.put(conn.recv())
+    except (EOFError, OSError):
+        inbox.put(None)
+
+
+def _engine_main(args, inbox, outbox) -> None:
+    """The engine process: build the engine, say so (or why not), then serve until told to stop."""
+    from policies.calibration import CalibrationError
+    from policies.registry import PolicyError
+    from pwruntime.cmd_generate import build_engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        engine = build_engine(args)[0]
+        engine.capture_graphs()  # before the first request, which would otherwise pay the captures its steps need
+    except (UserError, CalibrationError, PolicyError) as e:
+        outbox.send(("failed", str(e)))
+        return
+    except BaseException:
+        outbox.send(("crashed", traceback.format_exc()))
+        return
+    config = engine.model.config
+    outbox.send(("ready", engine.tokenizer, config.vocab, config.max_position))
+
+    def emit(events: list) -> None:
+        try:
+            outbox.send(events)
+        except OSError:  # the server is gone; _forward stops the loop
+            pass
+
+    core = EngineCore(engine, emit)
+    threading.Thread(target=_forward, args=(inbox, core.inbox), name="pagedweight-inbox", daemon=True).start()
+    core.run()
+    sys.stderr.flush()
