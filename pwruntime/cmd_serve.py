@@ -32,6 +32,9 @@ def register(subparsers) -> None:
                         "none: open)")
     p.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="on Ctrl-C or SIGTERM, how long requests in flight may take to finish (default 60)")
+    p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="while requests run, log a line of throughput, queue, KV cache and expert bits this often "
+                        "(default 10; 0: never, as vLLM's --disable-log-stats)")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -68,6 +71,9 @@ def run(args) -> int:
         raise UserError(f"--port must be in 0..65535, got {args.port}")
     if not 0 < args.shutdown_timeout < float("inf"):
         raise UserError(f"--shutdown-timeout must be a number of seconds > 0, got {args.shutdown_timeout}")
+    if not 0 <= args.log_stats_interval < float("inf"):
+        raise UserError(f"--log-stats-interval must be a number of seconds >= 0 (0: no stats lines), got "
+                        f"{args.log_stats_interval}")
     _check_listen(args.host, args.port)
     model_dir = engine_model_dir(args)
     worker = EngineProcess(args).start()  # loads the model and captures its CUDA graphs, in the engine's process

@@ -11,7 +11,8 @@ choice, one ("error", (status, message)) after which none of the request's choic
 dict). One list per step, not one message per event: the client side wakes once per step whatever the batch size.
 
 The loop steps the engine while any request is unfinished and sleeps on the inbox otherwise; a step that fails
-fails the requests in flight and the loop goes on. It runs in a thread beside the HTTP server
+fails the requests in flight and the loop goes on. With a StatsLog it writes the periodic stats line
+(pwruntime.stats_log) while it has work. It runs in a thread beside the HTTP server
 (pwruntime.engine_client.EngineWorker) or in a process of its own (pwruntime.engine_process), unchanged.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pwruntime.metrics import RequestMetrics
+from pwruntime.stats_log import StatsLog
 
 
 @dataclass
@@ -35,12 +37,14 @@ class _Choice:
 
 
 class EngineCore:
-    def __init__(self, engine, emit: Callable[[list], None]) -> None:
+    def __init__(self, engine, emit: Callable[[list], None], stats_log: StatsLog | None = None) -> None:
         """`engine`: a pwruntime.engine.LLMEngine; `emit(events)` is called from the loop's thread."""
-        self.engine, self.emit = engine, emit
+        self.engine, self.emit, self.stats_log = engine, emit, stats_log
         self.inbox: queue.Queue = queue.Queue()
-        self.counters = {"requests_total": 0, "generated_tokens_total": 0, "request_errors_total": 0,
-                         "aborted_total": 0}
+        # prompt_tokens_total: the prefill tokens computed (a preempted request's recompute too; what the prefix
+        # cache served is not)
+        self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generated_tokens_total": 0,
+                         "request_errors_total": 0, "aborted_total": 0}
         self.request_metrics = RequestMetrics(engine.model.config.max_position)
         self._live: dict[int, _Choice] = {}  # engine request id -> its choice
         self._out: list = []  # this turn's events
@@ -48,12 +52,15 @@ class EngineCore:
 
     def run(self) -> None:
         """Serve until None arrives in the inbox."""
-        eng = self.engine
+        eng, log = self.engine, self.stats_log
         while not self._stopped:
+            idle_s = (log.wait_s(self.counters) if log else None) if not eng.has_unfinished() else 0
             try:
-                item = self.inbox.get(timeout=None if not eng.has_unfinished() else 0)
+                item = self.inbox.get(timeout=idle_s)
             except queue.Empty:
                 item = ()
+            if log and idle_s is None:
+                log.resume()
             while item:
                 self._handle(item)
                 item = self._next()
@@ -68,6 +75,8 @@ class EngineCore:
             if self._out:
                 out, self._out = self._out, []
                 self.emit(out)
+            if log:
+                log.tick(self.counters, self._gauges)
 
     def _next(self):
         try:
@@ -120,7 +129,11 @@ class EngineCore:
 
     def _step(self) -> None:
         eng, out = self.engine, self._out
-        for result in eng.step():
+        results = eng.step()
+        batch = eng.last_batch
+        if batch is not None:
+            self.counters["prompt_tokens_total"] += batch.num_prefill_tokens
+        for result in results:
             choice = self._live.pop(result.request_id, None)
             self.counters["generated_tokens_total"] += len(result.token_ids)
             self.request_metrics.observe(result)
@@ -137,6 +150,10 @@ class EngineCore:
 
     def stats(self) -> dict:
         """What /metrics shows: {"counters": ..., "gauges": ..., "histograms": exposition lines}."""
+        return {"counters": dict(self.counters), "gauges": self._gauges(),
+                "histograms": self.request_metrics.render()}
+
+    def _gauges(self) -> dict:
         eng = self.engine
         gauges = {"running_requests": len(eng.scheduler.running), "waiting_requests": len(eng.scheduler.waiting),
                   "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
@@ -145,4 +162,4 @@ class EngineCore:
                   "prefix_cache_hit_tokens_total": eng.scheduler.num_cached_tokens}
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
-        return {"counters": dict(self.counters), "gauges": gauges, "histograms": self.request_metrics.render()}
+        return gauges

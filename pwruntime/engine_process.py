@@ -9,7 +9,8 @@ its own (pickled); a thread of the server's process hands the batches to the req
 The engine process ignores SIGINT (a Ctrl-C reaches the whole process group; the server's graceful shutdown decides
 when the engine stops) and exits when the server's process goes away. A model that cannot be loaded is the user's
 error, raised in the server's process with the same message; an engine process that dies while serving fails the
-requests in flight with a 503 and /health says so.
+requests in flight with a 503 and /health says so. Its stats lines (`--log-stats-interval`) go to its stderr, which
+is the server's.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import traceback
 
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
+from pwruntime.stats_log import StatsLog
 from traces.clikit import UserError
 
 
@@ -110,6 +112,10 @@ def _forward(conn, inbox: queue.Queue) -> None:
         inbox.put(None)
 
 
+def _log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def _engine_main(args, inbox, outbox) -> None:
     """The engine process: build the engine, say so (or why not), then serve until told to stop."""
     from policies.calibration import CalibrationError
@@ -135,7 +141,8 @@ def _engine_main(args, inbox, outbox) -> None:
         except OSError:  # the server is gone; _forward stops the loop
             pass
 
-    core = EngineCore(engine, emit)
+    log = StatsLog(args.log_stats_interval, _log_line) if args.log_stats_interval > 0 else None
+    core = EngineCore(engine, emit, log)
     threading.Thread(target=_forward, args=(inbox, core.inbox), name="pagedweight-inbox", daemon=True).start()
     core.run()
     sys.stderr.flush()

@@ -40,7 +40,7 @@ from pwruntime.sampling import SamplingParams
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
 
-COUNTERS = ("requests_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
+COUNTERS = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
             "steps_total", "prefix_cache_hit_tokens_total")
 
 

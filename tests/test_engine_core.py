@@ -1,11 +1,12 @@
 """EngineCore and its clients: one batch of events per engine step whatever the number of requests, the streamed
 deltas adding up to each choice's output, /metrics' numbers asked of the loop, and a client whose engine loop is
-gone answering every request, in flight or later, with a 503."""
+gone answering every request, in flight or later, with a 503; the periodic stats line."""
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
 
 import pytest
 
@@ -13,6 +14,7 @@ from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
 from pwruntime.sampling import SamplingParams
+from pwruntime.stats_log import StatsLog
 from server_fixtures import model  # noqa: F401 (fixture)
 
 PROMPT = "And God said"
@@ -114,3 +116,65 @@ def test_a_client_whose_engine_is_gone_fails_requests_in_flight_and_later_with_a
             await client.stats()
 
     asyncio.run(run())
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+GAUGES = {"running_requests": 2, "waiting_requests": 1, "kv_blocks_free": 75, "kv_blocks_total": 100,
+          "mean_committed_bits": 4.5, "expert_resident_bytes": 3 * 2**20, "plans_total": 7,
+          "prefix_cache_hit_tokens_total": 0}
+
+
+def test_the_stats_log_writes_rates_since_its_last_line_and_nothing_when_idle():
+    clock, lines = _Clock(), []
+    log = StatsLog(10.0, lines.append, clock)
+    counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0}
+    assert log.wait_s(counters) is None  # nothing happened yet: no line to wait for
+    counters = {"prompt_tokens_total": 400, "generated_tokens_total": 1000}
+    clock.t += 4
+    log.tick(counters, lambda: GAUGES)
+    assert lines == [] and log.wait_s(counters) == 6.0  # not due yet; an idle loop wakes when it is
+    clock.t += 6
+    log.tick(counters, lambda: GAUGES)
+    assert lines == ["engine: 40.0 prompt tokens/s, 100.0 generation tokens/s, 2 running, 1 waiting, KV cache 25.0% "
+                     "of 100 blocks used, experts at 4.50 mean bits, 3.0 MiB resident, 7 plans"]
+    assert log.wait_s(counters) is None  # nothing since: an idle loop sleeps until a request comes
+    clock.t += 20
+    idle = {**GAUGES, "running_requests": 0, "waiting_requests": 0}
+    log.tick(counters, lambda: idle)
+    assert len(lines) == 1  # an idle engine writes nothing
+    clock.t += 100  # idle, then a request wakes the loop
+    log.resume()
+    counters = {"prompt_tokens_total": 400, "generated_tokens_total": 1500}
+    clock.t += 10
+    log.tick(counters, lambda: {**idle, "plans_total": 9, "prefix_cache_hit_tokens_total": 32})
+    assert lines[1].startswith("engine: 0.0 prompt tokens/s, 50.0 generation tokens/s, 0 running, 0 waiting")
+    assert lines[1].endswith(", 2 plans, 32 prompt tokens from the prefix cache")  # since the last line
+
+
+def test_the_engine_loop_logs_while_it_works_and_once_after(model):  # noqa: F811
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
+    lines: list[str] = []
+    core = EngineCore(engine, lambda events: None, StatsLog(0.05, lines.append))
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    core.inbox.put(("add", "a", [(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))] * 2, False))
+    deadline = time.monotonic() + 60
+    while engine.num_steps < 40 or engine.has_unfinished():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    after = len(lines)
+    time.sleep(0.3)  # idle: no more lines
+    core.inbox.put(None)
+    thread.join(30)
+    assert after >= 1 and len(lines) == after
+    assert core.counters["prompt_tokens_total"] == 2 * len(engine.tokenizer.encode(PROMPT))
+    assert all(line.startswith("engine: ") and "generation tokens/s" in line for line in lines)
+    assert "0 running, 0 waiting" in lines[-1]  # the line after the work ended

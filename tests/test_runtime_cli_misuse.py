@@ -92,6 +92,8 @@ def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
     assert "another --port" not in err
     for bad in ("0", "-1", "inf", "nan"):
         misuse(capsys, ["serve", "--port", "0", "--shutdown-timeout", bad], "--shutdown-timeout must be a number")
+    for bad in ("-1", "inf", "nan"):
+        misuse(capsys, ["serve", "--port", "0", "--log-stats-interval", bad], "--log-stats-interval must be")
 
 
 def test_serve_reports_the_engine_process_user_error(env, capsys):

@@ -130,3 +130,18 @@ def test_an_engine_process_that_dies_fails_its_requests_and_health_says_so(serve
     assert metrics.value.code == 503
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
+
+
+@pytest.mark.parametrize("server", [["--log-stats-interval", "0.2"]], indirect=True)
+def test_the_engine_writes_stats_lines_while_it_works(server):
+    proc, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=120)
+    out = client.completions.create(model="demo_model", prompt="And God said", max_tokens=200, n=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 800
+    time.sleep(0.6)  # the line after the work ended
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    lines = [line for line in err.splitlines() if line.startswith("engine: ")]
+    assert lines and all("generation tokens/s" in line and "KV cache" in line for line in lines), err
+    assert "0 running, 0 waiting" in lines[-1]
