@@ -65,6 +65,11 @@ def add_engine_args(p) -> None:
     w.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="planner parameter (repeatable)")
     w.add_argument("--calibration", default=None, metavar="DIR",
                    help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")
+    w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
+                   help="memory for the routed experts and the KV cache together, as `pwsim run --budget` (e.g. "
+                        "48MiB, 20GiB): the KV pool starts with what the experts at the policy's starting bits and "
+                        "the allocator's slack leave, and grows as the planner offloads planes (instead of "
+                        "--num-kv-blocks)")
 
 
 def _load(args, dtype: str, device: str):
@@ -138,7 +143,21 @@ def _engine_config(args):
             raise UserError(f"{flag} must be >= 1, got {value}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs,
+    budget = None
+    if args.gpu_memory_budget is not None:
+        from traces.sizes import parse_size
+
+        if args.num_kv_blocks is not None:
+            raise UserError("give --gpu-memory-budget or --num-kv-blocks, not both: the budget sizes the KV pool")
+        if args.ap is None:
+            raise UserError("--gpu-memory-budget needs --ap DIR (it holds the AP experts and the KV cache); for "
+                            "--model's full-precision experts set --num-kv-blocks")
+        try:
+            budget = parse_size(args.gpu_memory_budget)
+        except UserError as e:
+            raise UserError(f"--gpu-memory-budget: {e}") from None
+    return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, gpu_memory_budget=budget,
+                        max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
                         mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling)
@@ -172,7 +191,7 @@ def build_engine(args):
         before = store.resident_bytes()
         store.sync()  # the policy's initial bits (its reset) reach the device before the first request
         freed = before - store.resident_bytes()
-        if config.num_kv_blocks is None and freed > 0:
+        if config.num_kv_blocks is None and config.gpu_memory_budget is None and freed > 0:
             # the pool was sized while every plane was resident: the planes just dropped become KV blocks
             torch.cuda.synchronize(store.device)
             store.deferred.collect()

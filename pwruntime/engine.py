@@ -58,9 +58,10 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
+from policies.memory_budget import allocator_slack_bytes, kv_room_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
-from policies.planners.base import never_plans
+from policies.planners.base import never_plans, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.kv_cache import KVCache
@@ -70,6 +71,7 @@ from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, Sampling
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
+from traces.sizes import format_size
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,10 @@ class StepPhases:
 @dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
-    num_kv_blocks: int | None = None  # None: from gpu_memory_fraction (CUDA) or cpu_kv_cache_bytes (CPU)
+    num_kv_blocks: int | None = None  # None: from gpu_memory_budget, else gpu_memory_fraction (CUDA) or
+    # cpu_kv_cache_bytes (CPU)
+    gpu_memory_budget: int | None = None  # bytes for the model's weights (the routed experts at the policy's starting
+    # bits) and the KV pool, as pwsim's --budget (policies.memory_budget); the pool starts with what weights leave
     gpu_memory_fraction: float = 0.9  # share of the GPU's total memory this process may fill (weights included)
     cpu_kv_cache_bytes: int = 256 << 20
     max_num_seqs: int = 32
@@ -175,13 +180,6 @@ class LLMEngine:
         if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
             raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
                             "record traces without prefix caching")
-        self.pool = BlockPool(self._initial_blocks(), cfg.block_size, prefix_caching=cfg.prefix_caching)
-        graphs = cfg.cuda_graphs and model.device.type == "cuda"
-        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
-        self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
-                                  graph_settle_steps=cfg.graph_settle_steps,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
-        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         n_moe = mc.num_moe_layers or mc.layers
         self.table = table if table is not None else PageTable(n_moe, mc.experts, mc.hidden, mc.expert_intermediate)
         if policy is None:
@@ -189,8 +187,15 @@ class LLMEngine:
                 policy = policies.get(cfg.policy, **dict(cfg.policy_params))
             except ValueError as e:
                 raise UserError(str(e)) from None
-        policy.reset(self.table, calibration)
+        policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
         self.policy = policy
+        self.pool = BlockPool(self._initial_blocks(), cfg.block_size, prefix_caching=cfg.prefix_caching)
+        graphs = cfg.cuda_graphs and model.device.type == "cuda"
+        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
+        self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
+                                  graph_settle_steps=cfg.graph_settle_steps,
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
+        self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release)
         self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
@@ -226,6 +231,8 @@ class LLMEngine:
             if cfg.num_kv_blocks < 1:
                 raise UserError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
             return int(cfg.num_kv_blocks)
+        if cfg.gpu_memory_budget is not None:
+            return self._budget_blocks(int(cfg.gpu_memory_budget))
         useful = cfg.max_num_seqs * -(-mc.max_position // cfg.block_size)
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
@@ -236,6 +243,25 @@ class LLMEngine:
         if n < 1:
             raise UserError(f"no memory left for the KV cache ({budget} bytes, {self.block_bytes} per block): "
                             "raise gpu_memory_fraction or set num_kv_blocks")
+        return int(n)
+
+    def _budget_blocks(self, budget: int) -> int:
+        """The KV blocks a memory budget leaves beside the model's weights (the routed experts at the policy's
+        starting bits) and the allocator's slack (policies.memory_budget: the simulator's --budget gives the same
+        pool)."""
+        own, experts = self.model.weight_bytes(), weight_bytes(self.policy, self.table)
+        n = kv_room_bytes(budget, own + experts) // self.block_bytes
+        if n < 1:
+            raise UserError(f"a memory budget of {format_size(budget)} cannot hold the model's weights "
+                            f"({format_size(own)}, and {format_size(experts)} of routed experts at the policy's "
+                            f"starting bits), the allocator's slack ({format_size(allocator_slack_bytes(budget))}) and "
+                            f"one KV block ({self.block_bytes} bytes): raise --gpu-memory-budget")
+        if self.model.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.model.device)[0]
+            if n * self.block_bytes > free:
+                raise UserError(f"a memory budget of {format_size(budget)} leaves the KV cache "
+                                f"{format_size(n * self.block_bytes)}, more than the {format_size(free)} free on "
+                                f"{self.model.device}: lower --gpu-memory-budget")
         return int(n)
 
     # ---------------------------------------------------------------- requests

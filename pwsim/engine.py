@@ -41,6 +41,7 @@ from policies.calibration import Calibration
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import PlanLoop, room_for
+from policies.memory_budget import kv_room_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
@@ -158,7 +159,7 @@ class Simulation:
                           else calibration.free_block_threshold if calibration is not None else 8)
         self._refresh()
         weights = self._weights
-        room = config.budget_bytes - config.allocator_slack_bytes - weights
+        room = kv_room_bytes(config.budget_bytes, weights, config.allocator_slack_bytes)
         if room < 0:
             raise BudgetError(f"budget {format_size(config.budget_bytes)} cannot hold the weights policy "
                               f"{getattr(policy, 'name', policy)!r} starts with ({format_size(weights)} + "

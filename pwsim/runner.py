@@ -13,14 +13,13 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
+from policies.memory_budget import allocator_slack_bytes
 from pwsim.defaults import DEFAULT_ROUTING, DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.engine import SimConfig, Simulation
 from pwsim.hardware import format_size, load_profile, parse_size
 from pwsim.recorder import SimResult
 from traces.clikit import UserError
 from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
-
-MiB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -65,7 +64,7 @@ class RunConfig:
     block_size: int = 16
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    allocator_slack_bytes: int | None = None  # None: 64 MiB, or 1/32 of a budget smaller than 2 GiB
+    allocator_slack_bytes: int | None = None  # None: policies.memory_budget.allocator_slack_bytes
     timeline_stride: int = 1
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
     async_scheduling: bool = False  # SimConfig.async_scheduling
@@ -96,7 +95,7 @@ class RunConfig:
     def slack_bytes(self) -> int:
         if self.allocator_slack_bytes is not None:
             return int(self.allocator_slack_bytes)
-        return min(64 * MiB, self.budget_bytes // 32)
+        return allocator_slack_bytes(self.budget_bytes)
 
     def sim_config(self) -> SimConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,

@@ -181,3 +181,42 @@ def test_room_a_plan_took_beyond_its_transitions_comes_back(ap_dir):
         assert [t.block for t in started] == [a] and [t.block for t, _ in rejected] == [b]
         after.append((engine.pool.capacity, engine._spare_bytes, engine.kv.num_blocks))
     assert after[0] == after[1] == (1, -first % B, 1)
+
+
+@pytest.mark.parametrize("budget", ["48MiB", "24MiB"])
+def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
+    """`--gpu-memory-budget` as `pwsim run --budget`: the same non-expert bytes (bf16, as the simulator's card counts
+    them), the same experts' bytes at the planner's starting bits, the same slack, so the same KV pool."""
+    import argparse
+
+    from policies.planners.base import weight_bytes
+    from pwruntime.cmd_generate import add_engine_args, build_engine
+    from pwsim.runner import build, make_config
+
+    sim = build(make_config(budget, policy="pagedweight"))
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    engine = build_engine(p.parse_args(["--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy",
+                                        "pagedweight", "--gpu-memory-budget", budget, "--dtype", "bf16",
+                                        "--device", "cpu"]))[0]
+    assert engine.block_bytes == sim.kv_block_bytes
+    assert engine.model.weight_bytes() == sim.nonexpert_bytes
+    assert weight_bytes(engine.policy, engine.table) == sim.expert_bytes()
+    assert engine.pool.capacity == sim.pool.capacity > 0
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--gpu-memory-budget", "1MiB"], ["cannot hold the model's weights", "raise --gpu-memory-budget"]),
+    (["--gpu-memory-budget", "48MiB", "--num-kv-blocks", "8"], ["not both"]),
+    (["--gpu-memory-budget", "48 MiBs"], ["--gpu-memory-budget", "cannot read size", "512MiB"]),
+])
+def test_memory_budget_misuse(ap_dir, capsys, extra, needles):
+    rc, _, err = _generate(capsys, "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
+                           "--prompt", "x", *extra)
+    assert rc == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert all(needle in err for needle in needles), err
+
+
+def test_memory_budget_without_ap_exit_2(capsys):
+    rc, _, err = _generate(capsys, "--gpu-memory-budget", "48MiB", "--prompt", "x")
+    assert rc == 2 and "needs --ap" in err and "--num-kv-blocks" in err

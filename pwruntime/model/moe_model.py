@@ -126,6 +126,12 @@ class MoEModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.device
 
+    def weight_bytes(self) -> int:
+        """Bytes of the model's own tensors: every weight but the routed experts (its expert store holds those),
+        a tensor shared by two names (tied embeddings) once."""
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.parameters()}
+        return sum(storages.values())
+
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False) -> KVCache:
         """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
         CUDA-graph decode batches need (see KVCache)."""

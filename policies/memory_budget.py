@@ -1,0 +1,24 @@
+"""How a memory budget splits between the model's weights, the KV pool and the allocator's slack.
+
+Both engines take one budget (`pwsim run --budget`, `pwruntime ... --gpu-memory-budget`): the model's weights (the
+non-expert ones at 16 bits, the routed experts at the policy's starting bits: `policies.planners.weight_bytes`) and
+the KV cache, with some slack kept out of the pool for the LUTs of transitions in flight and fragmentation. The
+pool starts with what is left; afterwards it grows by the bytes offloads free and shrinks by those reloads take, so
+the sum stays in the budget. Activations are outside it.
+"""
+from __future__ import annotations
+
+MiB = 1 << 20
+
+
+def allocator_slack_bytes(budget_bytes: int) -> int:
+    """The slack a budget keeps out of the KV pool: 64 MiB, or 1/32 of a budget under 2 GiB."""
+    return min(64 * MiB, budget_bytes // 32)
+
+
+def kv_room_bytes(budget_bytes: int, weight_bytes: int, slack_bytes: int | None = None) -> int:
+    # weight_bytes: every weight the budget holds, non-expert and routed experts
+    """What the budget leaves the KV pool at the start (negative: the weights and the slack alone exceed it);
+    `slack_bytes` None: allocator_slack_bytes(budget_bytes)."""
+    slack = allocator_slack_bytes(budget_bytes) if slack_bytes is None else slack_bytes
+    return budget_bytes - slack - weight_bytes
