@@ -7,7 +7,9 @@ output length, `ignore_eos`, greedy, streamed with usage. The client records whe
 stream ended (seconds from the trace's start, latencies measured from the scheduled arrival, as `pwruntime replay`
 measures them) and the output tokens the server counted; a request that fails (an HTTP error, an error event, a
 stream cut short, fewer tokens than asked) keeps its place with finish reason "error" and its message, so nothing is
-dropped silently. The result directory has the request columns and summary of `pwruntime replay` and `pwsim run`
+dropped silently. With `max_concurrency` N at most N requests are in flight, as vLLM's --max-concurrency (N
+users): a request whose arrival finds N in flight waits for one to end, and its latencies count from when it was
+sent; `time_scale` 0 sends the whole trace at once (vLLM's --request-rate inf). The result directory has the request columns and summary of `pwruntime replay` and `pwsim run`
 (traces.results): `pwsim fidelity --runtime DIR` and `--slo-*` read it, and it sets the HTTP server's costs beside
 the engine's own replay of the same trace.
 """
@@ -96,10 +98,19 @@ async def _one(session, url: str, body: dict, api_key: str | None, t0: float, ti
             timing.reason, timing.first_s, timing.finish_s = "error", float("nan"), float("nan")
 
 
-async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, api_key: str | None = None,
-                    model: str | None = None, timeout_s: float = 600.0, progress: bool = False) -> dict:
-    """Send every request of `trace` at its arrival time and wait for all; returns {"requests": columns (trace
-    order), "summary": ..., "model": the model asked}."""
+async def _limited(slots: asyncio.Semaphore, sent: np.ndarray, i: int, session, url: str, body: dict,
+                   api_key: str | None, t0: float, timing: Timing) -> None:
+    """`_one` once a slot is free; `sent[i]`: when it went (seconds from t0)."""
+    async with slots:
+        sent[i] = time.perf_counter() - t0
+        await _one(session, url, body, api_key, t0, timing)
+
+
+async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, max_concurrency: int | None = None,
+                    api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0,
+                    progress: bool = False) -> dict:
+    """Send every request of `trace` at its arrival time (with `max_concurrency`: once a slot is free) and wait for
+    all; returns {"requests": columns (trace order), "summary": ..., "model": the model asked}."""
     import aiohttp
     from tqdm import tqdm
 
@@ -110,6 +121,8 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, a
     timings = [Timing() for _ in range(len(trace))]
     arrival = np.asarray(trace.arrival_s, dtype=np.float64) * time_scale
     arrival = arrival - (arrival.min() if len(arrival) else 0.0)
+    sent = arrival.copy()  # when each request went: its arrival, or later when it waited for a slot
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=0)  # one connection per request in flight, as clients do
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         model = model or await served_model(session, url, api_key)
@@ -122,24 +135,28 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, a
             late = max(late, -wait)
             body = {"model": model, "prompt": trace.prompt_ids(int(i)).tolist(), "max_tokens": int(trace.output_tokens[i]),
                     "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-            task = asyncio.create_task(_one(session, url, body, api_key, t0, timings[i]))
+            if slots is None:
+                task = asyncio.create_task(_one(session, url, body, api_key, t0, timings[i]))
+            else:
+                task = asyncio.create_task(_limited(slots, sent, int(i), session, url, body, api_key, t0, timings[i]))
             task.add_done_callback(lambda _: bar.update(1))
             tasks.append(task)
         await asyncio.gather(*tasks)
         bar.close()
     first = np.array([t.first_s for t in timings])
     finish = np.array([t.finish_s for t in timings])
-    requests = request_columns(trace.request_id, trace.domain, arrival, trace.prompt_tokens,
+    requests = request_columns(trace.request_id, trace.domain, sent, trace.prompt_tokens,
                                np.array([t.tokens for t in timings]), first, finish, np.zeros(len(trace), np.int64),
                                np.array([t.reason for t in timings], dtype=object))
     errors = [f"request {trace.request_id[i]}: {t.error}" for i, t in enumerate(timings) if t.error is not None]
     summary = {**request_summary(requests), "failed": len(errors), "errors": errors[:10],
-               "max_send_lateness_s": late, "time_scale": time_scale}
+               "max_send_lateness_s": late, "time_scale": time_scale, "max_concurrency": max_concurrency}
     return {"requests": requests, "summary": summary, "model": model}
 
 
 # ---------------------------------------------------------------- the command
-SERVE_FLAGS = ("url", "trace", "time_scale", "max_requests", "api_key", "served_model_name", "slo_ttft", "slo_tpot")
+SERVE_FLAGS = ("url", "trace", "time_scale", "max_concurrency", "max_requests", "api_key", "served_model_name",
+               "slo_ttft", "slo_tpot")
 OTHER_FLAGS = ("models", "tokens", "reps", "prompts", "model", "steps", "prompt_tokens", "ap", "calibration", "policy",
                "num_kv_blocks", "temperature", "top_p", "routing", "profile_out", "plot_from", "dtype")
 
@@ -151,7 +168,11 @@ def add_args(parser) -> None:
     s.add_argument("--trace", default=None,
                    help="serve: trace directory with prompt token ids (default: the bundled demo trace)")
     s.add_argument("--time-scale", type=float, default=None, metavar="S",
-                   help="serve: multiply the arrival times by S (default 1; below 1 the load is heavier)")
+                   help="serve: multiply the arrival times by S (default 1; below 1 the load is heavier; 0: every "
+                        "request at once, as vLLM's --request-rate inf)")
+    s.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="serve: at most N requests in flight (N users, as vLLM's); one that arrives while N are in "
+                        "flight waits, and its latencies count from when it was sent (default: no limit)")
     s.add_argument("--max-requests", type=int, default=None, help="serve: only the trace's first N requests")
     s.add_argument("--api-key", default=None, help="serve: the server's API key (bearer token)")
     s.add_argument("--served-model-name", default=None, help="serve: the model to ask for (default: the server's)")
@@ -172,7 +193,7 @@ def run_cli(args, command: str) -> int:
     for name in OTHER_FLAGS:
         if getattr(args, name) is not None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench serve` (it takes --url, "
-                            "--trace, --time-scale, --max-requests, --api-key, --served-model-name, --slo-ttft, "
+                            "--trace, --time-scale, --max-concurrency, --max-requests, --api-key, --served-model-name, --slo-ttft, "
                             "--slo-tpot, --out, --force, --json)")
     if args.no_cuda_graphs or args.async_scheduling or args.max_tokens != 16 or args.bits != 4:
         raise UserError("`pwruntime bench serve` measures a running server: its engine options are `pwruntime "
@@ -180,14 +201,17 @@ def run_cli(args, command: str) -> int:
     if not args.url:
         raise UserError("`pwruntime bench serve` needs --url: the base URL of a running server (`pwruntime serve`)")
     scale = 1.0 if args.time_scale is None else args.time_scale
-    if not 0 < scale < float("inf"):
-        raise UserError(f"--time-scale must be a number > 0, got {scale}")
+    if not 0 <= scale < float("inf"):
+        raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {scale}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     trace = _requests(args.trace or str(Path(__file__).resolve().parents[1] / "traces/bundled/demo-trace"),
                       args.max_requests)
     slo = slo_bounds(args)
     out = args.out or Path("runs/bench-serve")
     prepare_dir(out, args.force, tool="bench serve")
-    result = asyncio.run(run_trace(args.url, trace, time_scale=scale, api_key=args.api_key,
+    result = asyncio.run(run_trace(args.url, trace, time_scale=scale, max_concurrency=args.max_concurrency,
+                                   api_key=args.api_key,
                                    model=args.served_model_name, progress=not args.json))
     summary = {**result["summary"], "url": args.url, "model": result["model"], "command": command}
     if slo is not None:

@@ -78,6 +78,9 @@ def run(args) -> int:
     if ts["sim"] != ts["runtime"]:
         print(f"note: the simulation ran the trace at --time-scale {ts['sim']:g} and the replay at {ts['runtime']:g}; "
               "their requests arrived at other rates (give both the same --time-scale)")
+    if report["client_max_concurrency"]:
+        print(f"note: the benchmark's client kept at most {report['client_max_concurrency']} requests in flight and "
+              "the simulation none; its requests went later than the trace has them")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

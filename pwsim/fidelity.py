@@ -127,9 +127,15 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "warmup_requests": {"sim": int(sim.config.get("warmup_requests") or 0),
                             "runtime": int(runtime.config.get("warmup_requests") or 0)},
         # what each side multiplied the trace's arrival times by (`--time-scale`; absent: 1)
-        "time_scale": {"sim": float(sim.config.get("time_scale") or 1.0),
-                       "runtime": float(runtime.config.get("time_scale") or 1.0)},
+        "time_scale": {"sim": _time_scale(sim.config), "runtime": _time_scale(runtime.config)},
+        # `pwruntime bench serve --max-concurrency`: the client's limit on requests in flight (the simulator has none)
+        "client_max_concurrency": runtime.config.get("max_concurrency"),
     }
+
+
+def _time_scale(config: dict) -> float:
+    value = config.get("time_scale")
+    return 1.0 if value is None else float(value)
 
 
 def routing_read_cost(timeline: dict[str, np.ndarray]) -> dict:

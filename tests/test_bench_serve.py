@@ -71,6 +71,23 @@ def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):
     assert not (tmp_path / "x").exists()  # nothing written
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--models", "olmoe-1b-7b"],
            "--models does not apply to `pwruntime bench serve`")
-    misuse(capsys, ["bench", "serve", "--url", "http://x", "--time-scale", "0"], "--time-scale must be a number > 0")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--time-scale", "-1"], "--time-scale must be a number >= 0")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be >= 1")
     misuse(capsys, ["bench", "kernels", "--url", "http://x"], "--url belongs to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--trace", tmp_path], "holds no requests.parquet")
+
+
+def test_max_concurrency_keeps_that_many_requests_in_flight(url, tmp_path, capsys):
+    """All at once (--time-scale 0) through 3 slots: never more than 3 requests between send and end, each timed
+    from its send, every one served."""
+    out = tmp_path / "bench"
+    assert main(["bench", "serve", "--url", url, "--trace", TRACE, "--max-requests", "12", "--time-scale", "0",
+                 "--max-concurrency", "3", "--out", str(out), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["completed"] == 12 and summary["max_concurrency"] == 3 and summary["time_scale"] == 0
+    _, requests, _, _ = read_result_dir(out)
+    sent, end = requests["arrival_s"], requests["arrival_s"] + requests["e2e_s"]
+    in_flight = [int(((sent <= t) & (end > t)).sum()) for t in sent]
+    assert max(in_flight) == 3  # as many as the slots, no more
+    assert sent.max() > end.min()  # the later ones went once earlier ones ended, not at the trace's arrival (0)
+    assert (requests["ttft_s"] > 0).all() and (requests["ttft_s"] < requests["e2e_s"]).all()
