@@ -1,0 +1,90 @@
+"""`pwsim chrome-trace`: a runtime replay and a simulation as one Trace Event Format file whose slices, counters and
+request spans say what their result directories say; misuse one clear error, nothing written."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pwsim.cli import main
+from traces.chrome_trace import chrome_trace
+from traces.results import read_result_dir
+
+REPLAY = Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-replay-h200" / "kv236-run1"
+
+
+@pytest.fixture(scope="module")
+def sim_dir(tmp_path_factory):
+    """The bundled default simulated at 24 MiB: the planner offloads, then reloads over the link."""
+    out = tmp_path_factory.mktemp("sim") / "run"
+    assert main(["run", "--policy", "pagedweight", "--budget", "24MiB", "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+def misuse(capsys, argv: list[str], needle: str) -> None:
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+
+
+def _of(trace: dict, pid: int, ph: str, cat: str | None = None) -> list[dict]:
+    return [e for e in trace["traceEvents"] if e["pid"] == pid and e["ph"] == ph and (cat is None or e.get("cat") == cat)]
+
+
+def test_a_replay_s_iterations_phases_and_requests():
+    _, requests, timeline, _ = read_result_dir(REPLAY)
+    trace = chrome_trace([REPLAY])
+    its = _of(trace, 1, "X", "iteration")
+    assert len(its) == len(timeline["time_s"])
+    ends = np.array([(e["ts"] + e["dur"]) / 1e6 for e in its])
+    assert np.allclose(ends, timeline["time_s"], atol=1e-5)
+    kinds = ["decode" if t == d else "mixed" for t, d in zip(timeline["batch_tokens"], timeline["decode_tokens"])]
+    assert [e["name"] for e in its] == kinds and {"decode", "mixed"} <= set(kinds)
+    # each phase lies inside its iteration, in the engine's order
+    phases = _of(trace, 1, "X", "phase")
+    assert {p["name"] for p in phases} <= {"schedule", "forward", "sample", "observe", "plan"} and phases
+    bounds = [(e["ts"], e["ts"] + e["dur"]) for e in its]
+    for p in phases:
+        assert any(lo - 1e-3 <= p["ts"] and p["ts"] + p["dur"] <= hi + 1e-3 for lo, hi in bounds), p
+    # every request: waiting for its first token from its arrival, then decoding to its end
+    begins, ends_ = _of(trace, 1, "b", "request"), _of(trace, 1, "e", "request")
+    assert len(begins) == len(ends_) == 2 * int(np.isfinite(requests["finish_s"]).sum())
+    first = [e for e in begins if e["name"] == "waiting for first token"]
+    assert np.allclose(sorted(e["ts"] / 1e6 for e in first), sorted(requests["arrival_s"]), atol=1e-5)
+    counters = _of(trace, 1, "C")
+    assert {c["name"] for c in counters} == {"requests", "KV blocks", "mean bits"}
+
+
+def test_a_simulation_s_link_transfers_and_plans(sim_dir):
+    events = json.loads((sim_dir / "events.json").read_text())
+    assert events["link_transfers"] and events["plans"]  # the fixture is under pressure
+    trace = chrome_trace([sim_dir])
+    link = _of(trace, 1, "X", "link")
+    assert len(link) == len(events["link_transfers"])
+    assert sorted(e["args"]["bytes"] for e in link) == sorted(t["bytes"] for t in events["link_transfers"])
+    assert len(_of(trace, 1, "i", "plan")) == len(events["plans"])
+    assert {c["name"] for c in _of(trace, 1, "C")} == {"requests", "KV blocks", "mean bits", "memory bytes"}
+    (name,) = [e["args"]["name"] for e in _of(trace, 1, "M") if e["name"] == "process_name"]
+    assert name == "run (simulation)"
+
+
+def test_the_command_writes_both_as_processes(sim_dir, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert main(["chrome-trace", str(sim_dir), str(REPLAY), "--label", "sim", "--label", "h200", "--out", str(out)]) == 0
+    assert "open it in https://ui.perfetto.dev" in capsys.readouterr().out
+    trace = json.loads(out.read_text())  # strict JSON: no NaN
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "sim", 2: "h200"}
+    assert _of(trace, 2, "X", "phase") and not _of(trace, 1, "X", "phase")  # only the replay times phases
+
+
+def test_chrome_trace_misuse(sim_dir, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    misuse(capsys, ["chrome-trace", str(sim_dir), "--label", "a", "--label", "b", "--out", str(out)],
+           "one --label per result directory")
+    misuse(capsys, ["chrome-trace", str(tmp_path), "--out", str(out)], "is not a result directory")
+    misuse(capsys, ["chrome-trace", str(sim_dir), "--out", str(tmp_path)], "is a directory")
+    assert not out.exists()
