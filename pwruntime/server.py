@@ -4,7 +4,7 @@ An EngineClient (pwruntime.engine_client) stands for the engine loop, which runs
 `pwruntime serve` (pwruntime.engine_process) or in a thread (EngineWorker, over an engine object); the handlers
 submit requests to it and answer from its events. A stream writes the chunks of all the events that have arrived
 in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with
-`stream`), `/v1/models`, `/health`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
+`stream`), `/v1/models`, `/health`, `/version`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
 the server's API key (when it has one) 401, and nothing a client
 sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
@@ -153,7 +153,8 @@ class Server:
         self.worker, self.model_name = worker, model_name
         self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
         self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []))
-        self.app.add_routes([web.get("/health", self.health), web.get("/v1/models", self.models),
+        self.app.add_routes([web.get("/health", self.health), web.get("/version", self.version),
+                             web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
                              web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
@@ -162,6 +163,15 @@ class Server:
         if not self.worker.alive:
             return web.json_response({"status": "engine stopped"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's /version: this server's package version."""
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            return web.json_response({"version": version("pagedweight")})
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            return web.json_response({"version": "unknown"})
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedweight"}

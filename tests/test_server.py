@@ -89,6 +89,8 @@ def test_a_prompt_reading_abort_is_served(client):
 def test_models_health_metrics(client, base_url):
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert urllib.request.urlopen(f"{base_url}/health").status == 200
+    from importlib.metadata import version
+    assert json.loads(urllib.request.urlopen(f"{base_url}/version").read()) == {"version": version("pagedweight")}
     metrics = urllib.request.urlopen(f"{base_url}/metrics").read().decode()
     assert "pagedweight_requests_total" in metrics and "pagedweight_kv_blocks_free" in metrics
     total = [line for line in metrics.splitlines() if line.startswith("pagedweight_requests_total")][0]
