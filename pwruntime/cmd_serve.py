@@ -76,7 +76,7 @@ def run(args) -> int:
                         f"{args.log_stats_interval}")
     _check_listen(args.host, args.port)
     model_dir = engine_model_dir(args)
-    worker = EngineProcess(args).start()  # loads the model and captures its CUDA graphs, in the engine's process
+    worker = EngineProcess.launch(args)  # loads the model and captures its CUDA graphs, in the engine's process
     server = Server(worker, args.served_model_name or model_dir.name, api_key=args.api_key or None)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:

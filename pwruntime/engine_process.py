@@ -31,43 +31,33 @@ class EngineProcess(EngineClient):
     """An EngineCore over the engine `args` (the options of pwruntime.cmd_generate.add_engine_args) describe, in a
     child process."""
 
-    def __init__(self, args) -> None:
-        self._args = args
-        self._stopping = False
-
-    def start(self) -> "EngineProcess":
+    @classmethod
+    def launch(cls, args) -> "EngineProcess":
         """Start the engine process and wait until its model is loaded (UserError: the message of its user error)."""
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing of this one's CUDA state or threads
-        inbox_read, self._inbox = ctx.Pipe(duplex=False)
-        self._outbox, outbox_write = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_engine_main, args=(self._args, inbox_read, outbox_write),
-                                 name="pagedweight-engine", daemon=True)
-        self._proc.start()
+        inbox_read, inbox = ctx.Pipe(duplex=False)
+        outbox, outbox_write = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_engine_main, args=(args, inbox_read, outbox_write), name="pagedweight-engine",
+                           daemon=True)
+        proc.start()
         inbox_read.close()
         outbox_write.close()
-        kind, *rest = self._first_message()
+        kind, *rest = _first_message(proc, outbox)
+        if kind != "ready":
+            proc.join(10)  # it returns after saying why
         if kind == "failed":
             raise UserError(rest[0])
         if kind != "ready":
             raise RuntimeError(f"the engine process failed while loading the model:\n{rest[0]}")
-        super().__init__(*rest)
+        return cls(proc, inbox, outbox, *rest)
+
+    def __init__(self, proc, inbox, outbox, tokenizer, vocab: int, max_position: int) -> None:
+        """Over a running engine process `proc` whose loop reads `inbox` and writes `outbox` (use `launch`)."""
+        super().__init__(tokenizer, vocab, max_position)
+        self._proc, self._inbox, self._outbox = proc, inbox, outbox
+        self._stopping = False
         self._send_lock = threading.Lock()
         threading.Thread(target=self._read, name="pagedweight-engine-events", daemon=True).start()
-        return self
-
-    def _first_message(self) -> tuple:
-        while True:
-            try:
-                if self._outbox.poll(0.5):
-                    return self._outbox.recv()
-            except (EOFError, OSError):
-                pass
-            else:
-                if self._proc.is_alive():
-                    continue
-            self._proc.join()
-            raise RuntimeError(f"the engine process exited (exit code {self._proc.exitcode}) while loading the "
-                               "model; its messages are above")
 
     @property
     def alive(self) -> bool:
@@ -101,6 +91,22 @@ class EngineProcess(EngineClient):
         else:
             self._fail_all(f"the engine process exited (exit code {self._proc.exitcode}); its messages are in the "
                            "server's log; restart the server")
+
+
+def _first_message(proc, outbox) -> tuple:
+    """The engine process's first message ("ready", "failed" or "crashed"); RuntimeError if it exits without one."""
+    while True:
+        try:
+            if outbox.poll(0.5):
+                return outbox.recv()
+        except (EOFError, OSError):
+            pass
+        else:
+            if proc.is_alive():
+                continue
+        proc.join()
+        raise RuntimeError(f"the engine process exited (exit code {proc.exitcode}) while loading the model; its "
+                           "messages are above")
 
 
 def _forward(conn, inbox: queue.Queue) -> None:

@@ -78,10 +78,10 @@ def test_model_paths_name_the_problem(env, capsys):
 def test_serve_checks_the_address_before_loading_the_model(capsys, monkeypatch):
     from pwruntime.engine_process import EngineProcess
 
-    def no_load(self):
+    def no_load(args):
         raise AssertionError("the engine process was started before the address was checked")
 
-    monkeypatch.setattr(EngineProcess, "start", no_load)
+    monkeypatch.setattr(EngineProcess, "launch", no_load)
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
