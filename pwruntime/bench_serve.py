@@ -9,9 +9,10 @@ measures them) and the output tokens the server counted; a request that fails (a
 stream cut short, fewer tokens than asked) keeps its place with finish reason "error" and its message, so nothing is
 dropped silently. With `max_concurrency` N at most N requests are in flight, as vLLM's --max-concurrency (N
 users): a request whose arrival finds N in flight waits for one to end, and its latencies count from when it was
-sent; `time_scale` 0 sends the whole trace at once (vLLM's --request-rate inf). The result directory has the request columns and summary of `pwruntime replay` and `pwsim run`
-(traces.results): `pwsim fidelity --runtime DIR` and `--slo-*` read it, and it sets the HTTP server's costs beside
-the engine's own replay of the same trace.
+sent; `time_scale` 0 sends the whole trace at once (vLLM's --request-rate inf). The result directory has the
+request columns and summary of `pwruntime replay` and `pwsim run` (traces.results): `pwsim fidelity --runtime DIR`
+and `--slo-*` read it, and it sets the HTTP server's costs beside the engine's own replay of the same trace. Several
+concurrency levels make a sweep (pwruntime.bench_serve_sweep).
 """
 from __future__ import annotations
 
@@ -170,9 +171,11 @@ def add_args(parser) -> None:
     s.add_argument("--time-scale", type=float, default=None, metavar="S",
                    help="serve: multiply the arrival times by S (default 1; below 1 the load is heavier; 0: every "
                         "request at once, as vLLM's --request-rate inf)")
-    s.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+    s.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
                    help="serve: at most N requests in flight (N users, as vLLM's); one that arrives while N are in "
-                        "flight waits, and its latencies count from when it was sent (default: no limit)")
+                        "flight waits, and its latencies count from when it was sent (default: no limit); several "
+                        "levels (1,4,16,64): one run each, a result directory each under --out, summary.json and "
+                        "sweep.png")
     s.add_argument("--max-requests", type=int, default=None, help="serve: only the trace's first N requests")
     s.add_argument("--api-key", default=None, help="serve: the server's API key (bearer token)")
     s.add_argument("--served-model-name", default=None, help="serve: the model to ask for (default: the server's)")
@@ -183,18 +186,20 @@ def add_args(parser) -> None:
 
 
 def run_cli(args, command: str) -> int:
-    """`pwruntime bench serve`: send the trace, write the result directory (--out, default runs/bench-serve)."""
+    """`pwruntime bench serve`: send the trace, write the result directory (--out, default runs/bench-serve); with
+    several --max-concurrency levels, one run per level (pwruntime.bench_serve_sweep)."""
     import sys
     from pathlib import Path
 
+    from pwruntime import bench_serve_sweep as sweep
     from pwruntime.cmd_replay import _requests
     from traces.results import prepare_dir, slo_attainment, slo_bounds, slo_line, write_result_dir
 
     for name in OTHER_FLAGS:
         if getattr(args, name) is not None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench serve` (it takes --url, "
-                            "--trace, --time-scale, --max-concurrency, --max-requests, --api-key, --served-model-name, --slo-ttft, "
-                            "--slo-tpot, --out, --force, --json)")
+                            "--trace, --time-scale, --max-concurrency, --max-requests, --api-key, "
+                            "--served-model-name, --slo-ttft, --slo-tpot, --out, --force, --json)")
     if args.no_cuda_graphs or args.async_scheduling or args.max_tokens != 16 or args.bits != 4:
         raise UserError("`pwruntime bench serve` measures a running server: its engine options are `pwruntime "
                         "serve`'s; give --url, --trace and --time-scale")
@@ -203,34 +208,57 @@ def run_cli(args, command: str) -> int:
     scale = 1.0 if args.time_scale is None else args.time_scale
     if not 0 <= scale < float("inf"):
         raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {scale}")
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise UserError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    levels = sweep.parse_levels(args.max_concurrency)
     trace = _requests(args.trace or str(Path(__file__).resolve().parents[1] / "traces/bundled/demo-trace"),
                       args.max_requests)
     slo = slo_bounds(args)
-    out = args.out or Path("runs/bench-serve")
+    out = Path(args.out or "runs/bench-serve")
     prepare_dir(out, args.force, tool="bench serve")
-    result = asyncio.run(run_trace(args.url, trace, time_scale=scale, max_concurrency=args.max_concurrency,
-                                   api_key=args.api_key,
-                                   model=args.served_model_name, progress=not args.json))
-    summary = {**result["summary"], "url": args.url, "model": result["model"], "command": command}
-    if slo is not None:
-        summary["slo"] = slo_attainment(result["requests"], *slo)
     config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
               "api_key": None, "argv": [a if a != args.api_key else "***" for a in sys.argv[1:]]}
-    write_result_dir(out, {"requests": result["requests"]}, {"summary": summary, "config": config},
-                     force=args.force, tool="bench serve")
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        t, f = summary["tpot_s"]["p50"], summary["ttft_s"]["p50"]
-        print(f"sent {summary['requests']} requests to {args.url}: {summary['completed']} completed, {summary['failed']} "
-              f"failed; {summary['output_tokens']} output tokens in {summary['makespan_s']:.2f} s, "
-              f"{summary['throughput_tokens_per_s']:.0f} tokens/s; median TTFT "
-              f"{'n/a' if f is None else f'{f * 1e3:.1f} ms'}, TPOT {'n/a' if t is None else f'{t * 1e3:.2f} ms'}")
-        for e in summary["errors"]:
-            print(f"  {e}")
+    runs = []  # (level, summary, requests)
+    for level in levels:
+        result = asyncio.run(run_trace(args.url, trace, time_scale=scale, max_concurrency=level, api_key=args.api_key,
+                                       model=args.served_model_name, progress=not args.json))
+        summary = {**result["summary"], "url": args.url, "model": result["model"], "command": command}
         if slo is not None:
-            print("SLO " + slo_line(summary["slo"]))
+            summary["slo"] = slo_attainment(result["requests"], *slo)
+        runs.append((level, summary, result["requests"]))
+    failed = sum(summary["failed"] for _, summary, _ in runs)
+    if len(runs) == 1:
+        _, summary, requests = runs[0]
+        write_result_dir(out, {"requests": requests},
+                         {"summary": summary, "config": {**config, "max_concurrency": levels[0]}},
+                         force=args.force, tool="bench serve")
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            _print_run(summary, args.url, slo_line(summary["slo"]) if slo is not None else None)
+    else:
+        rows = [sweep.sweep_row(level, summary) for level, summary, _ in runs]
+
+        def write_levels(tmp: Path) -> None:
+            for level, summary, requests in runs:
+                write_result_dir(tmp / f"c{level}", {"requests": requests},
+                                 {"summary": summary, "config": {**config, "max_concurrency": level}},
+                                 tool="bench serve")
+            sweep.plot_sweep(rows, tmp / "sweep.png", f"{command} ({trace.source})")
+
+        write_result_dir(out, {}, {"summary": {"sweep": rows, "url": args.url, "command": command},
+                                   "config": config}, extra=write_levels, force=args.force, tool="bench serve")
+        print(json.dumps(rows) if args.json else sweep.table(rows))
+    if not args.json:
         print(f"\nreproduce: {command}\nresults: {out}")
-    return 1 if summary["failed"] else 0
+    return 1 if failed else 0
+
+
+def _print_run(summary: dict, url: str, slo: str | None) -> None:
+    t, f = summary["tpot_s"]["p50"], summary["ttft_s"]["p50"]
+    print(f"sent {summary['requests']} requests to {url}: {summary['completed']} completed, {summary['failed']} "
+          f"failed; {summary['output_tokens']} output tokens in {summary['makespan_s']:.2f} s, "
+          f"{summary['throughput_tokens_per_s']:.0f} tokens/s; median TTFT "
+          f"{'n/a' if f is None else f'{f * 1e3:.1f} ms'}, TPOT {'n/a' if t is None else f'{t * 1e3:.2f} ms'}")
+    for e in summary["errors"]:
+        print(f"  {e}")
+    if slo is not None:
+        print("SLO " + slo)

@@ -72,7 +72,7 @@ def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--models", "olmoe-1b-7b"],
            "--models does not apply to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--time-scale", "-1"], "--time-scale must be a number >= 0")
-    misuse(capsys, ["bench", "serve", "--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be >= 1")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be an integer >= 1")
     misuse(capsys, ["bench", "kernels", "--url", "http://x"], "--url belongs to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--trace", tmp_path], "holds no requests.parquet")
 
@@ -91,3 +91,26 @@ def test_max_concurrency_keeps_that_many_requests_in_flight(url, tmp_path, capsy
     assert max(in_flight) == 3  # as many as the slots, no more
     assert sent.max() > end.min()  # the later ones went once earlier ones ended, not at the trace's arrival (0)
     assert (requests["ttft_s"] > 0).all() and (requests["ttft_s"] < requests["e2e_s"]).all()
+
+
+def test_a_concurrency_sweep_writes_a_run_per_level_a_table_and_a_figure(url, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["bench", "serve", "--url", url, "--trace", TRACE, "--max-requests", "8", "--time-scale", "0",
+                 "--max-concurrency", "1,4", "--out", str(out), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["max_concurrency"] for r in rows] == [1, 4] and all(r["completed"] == 8 for r in rows)
+    assert sorted(p.name for p in out.iterdir()) == ["c1", "c4", "config.json", "summary.json", "sweep.png"]
+    assert json.loads((out / "summary.json").read_text())["sweep"] == rows
+    for level, row in zip((1, 4), rows):
+        saved, requests, _, config = read_result_dir(out / f"c{level}")  # each level a result directory
+        assert config["max_concurrency"] == level and saved["throughput_tokens_per_s"] == row["throughput_tokens_per_s"]
+        sent, end = requests["arrival_s"], requests["arrival_s"] + requests["e2e_s"]
+        assert max(int(((sent <= t) & (end > t)).sum()) for t in sent) == level
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a second sweep into the same directory replaces the first; a list with a repeat or a 0 is refused
+    assert main(["bench", "serve", "--url", url, "--trace", TRACE, "--max-requests", "2", "--time-scale", "0",
+                 "--max-concurrency", "2,1", "--out", str(out), "--json"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["c1", "c2", "config.json", "summary.json", "sweep.png"]
+    capsys.readouterr()
+    misuse(capsys, ["bench", "serve", "--url", url, "--max-concurrency", "1,1"], "distinct")
+    misuse(capsys, ["bench", "serve", "--url", url, "--max-concurrency", "4,x"], "--max-concurrency must be")

@@ -1,0 +1,72 @@
+"""The concurrency sweep of `pwruntime bench serve --max-concurrency 1,4,16,64`: a row and a figure per sweep.
+
+Each level is one run of the trace (pwruntime.bench_serve.run_trace) with that many client slots. The sweep's
+directory holds a result directory per level (`c1`, `c4`, ...: each one as a single `bench serve` writes it, for
+`pwsim fidelity` or `pwsim chrome-trace`), `summary.json` (one row per level: throughput, TTFT and TPOT medians and
+99th percentiles, failures) and `sweep.png` (throughput against the level; the latencies against the level).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from traces.clikit import UserError
+
+
+def parse_levels(text: str | None) -> list[int | None]:
+    """`--max-concurrency`: one level ("8"), a list ("1,4,16,64"), or none (no limit: [None])."""
+    if text is None:
+        return [None]
+    try:
+        levels = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        levels = []
+    if not levels or any(n < 1 for n in levels) or len(set(levels)) != len(levels):
+        raise UserError(f"--max-concurrency must be an integer >= 1 or a list of distinct ones (1,4,16,64), got "
+                        f"{text!r}")
+    return levels
+
+
+def sweep_row(level: int, summary: dict) -> dict:
+    """What the sweep's table shows of one level's run (latencies in seconds, None where no request finished)."""
+    return {"max_concurrency": level, "requests": summary["requests"], "completed": summary["completed"],
+            "failed": summary["failed"], "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
+            "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
+            "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"]}
+
+
+def table(rows: list[dict]) -> str:
+    """The rows as a terminal table."""
+    def ms(v):
+        return "n/a" if v is None else f"{v * 1e3:.2f}"
+    lines = [f"{'N':>5} {'tokens/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} {'failed':>7}  (ms)"]
+    for r in rows:
+        lines.append(f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>9} "
+                     f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {r['failed']:>7}")
+    return "\n".join(lines)
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
+    """Throughput against the level (left); TTFT and TPOT, median and 99th percentile, against it (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [r["max_concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(levels, [r["throughput_tokens_per_s"] for r in rows], "o-")
+    left.set(xscale="log", xlabel="client slots (--max-concurrency)", ylabel="output tokens/s", title="throughput")
+    for key, label, color in (("ttft", "TTFT", "C0"), ("tpot", "TPOT", "C1")):
+        for pct, style in (("p50", "o-"), ("p99", "x--")):
+            values = [r[f"{key}_{pct}_s"] for r in rows]
+            right.plot(levels, [float("nan") if v is None else v * 1e3 for v in values], style, color=color,
+                       label=f"{label} {pct}")
+    right.set(xscale="log", yscale="log", xlabel="client slots (--max-concurrency)", ylabel="ms", title="latency")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.minorticks_off()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
