@@ -213,6 +213,7 @@ class LLMEngine:
         self._spare_bytes = 0  # released by weight pages and not yet given to the KV pool
         self.unclaimed: list[RequestOutput] = []  # outputs of requests finished inside another call's generate()
         self.num_steps = 0
+        self.num_generated_tokens = 0  # output tokens settled so far (each request's, as its outputs count them)
         self.last_observation: policies.Observation | None = None
         self.last_loop: LoopResult | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
@@ -402,6 +403,7 @@ class LLMEngine:
             launched.ready.synchronize()
         sampling, batch = launched.sampling, launched.batch
         live = [not r.seq.is_finished for r in sampling]
+        self.num_generated_tokens += sum(live)
         if launched.routing is not None:
             self._observe_routing(batch, launched.routing.arrays())
         if launched.prompt is not None:

@@ -133,9 +133,9 @@ class EngineCore:
         batch = eng.last_batch
         if batch is not None:
             self.counters["prompt_tokens_total"] += batch.num_prefill_tokens
+        self.counters["generated_tokens_total"] = eng.num_generated_tokens  # as the tokens come, not as requests end
         for result in results:
             choice = self._live.pop(result.request_id, None)
-            self.counters["generated_tokens_total"] += len(result.token_ids)
             self.request_metrics.observe(result)
             if choice is not None:
                 out.append((choice.key, ("done", (choice.index, result))))
@@ -159,6 +159,7 @@ class EngineCore:
                   "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
                   "mean_committed_bits": eng.table.mean_bits(), "expert_resident_bytes": eng.table.resident_bytes(),
                   "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps,
+                  "preemptions_total": eng.scheduler.num_preemptions,
                   "prefix_cache_hit_tokens_total": eng.scheduler.num_cached_tokens}
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())

@@ -19,11 +19,12 @@ import queue
 import signal
 import sys
 import threading
+import time
 import traceback
 
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
-from pwruntime.stats_log import StatsLog
+from pwruntime.stats_log import StatsLog, ready_line
 from traces.clikit import UserError
 
 
@@ -129,6 +130,7 @@ def _engine_main(args, inbox, outbox) -> None:
     from pwruntime.cmd_generate import build_engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start = time.perf_counter()
     try:
         engine = build_engine(args)[0]
         engine.capture_graphs()  # before the first request, which would otherwise pay the captures its steps need
@@ -139,6 +141,7 @@ def _engine_main(args, inbox, outbox) -> None:
         outbox.send(("crashed", traceback.format_exc()))
         return
     config = engine.model.config
+    _log_line(ready_line(engine, time.perf_counter() - start))
     outbox.send(("ready", engine.tokenizer, config.vocab, config.max_position))
 
     def emit(events: list) -> None:

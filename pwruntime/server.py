@@ -3,8 +3,8 @@
 An EngineClient (pwruntime.engine_client) stands for the engine loop, which runs in a process of its own under
 `pwruntime serve` (pwruntime.engine_process) or in a thread (EngineWorker, over an engine object); the handlers
 submit requests to it and answer from its events. A stream writes the chunks of all the events that have arrived
-in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with
-`stream`), `/v1/models`, `/health`, `/version`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
+in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`, `/health`,
+`/version`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
 the server's API key (when it has one) 401, and nothing a client
 sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
@@ -40,8 +40,8 @@ from pwruntime.sampling import SamplingParams
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
 
-COUNTERS = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "request_errors_total", "aborted_total", "plans_total",
-            "steps_total", "prefix_cache_hit_tokens_total")
+COUNTERS = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "request_errors_total", "aborted_total",
+            "plans_total", "steps_total", "preemptions_total", "prefix_cache_hit_tokens_total")
 
 
 def _error_payload(message: str, status: int = 400, code: str | None = None) -> dict:

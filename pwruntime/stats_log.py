@@ -58,6 +58,26 @@ class StatsLog:
         self._last_totals = {name: g.get(name, 0) for name in CUMULATIVE}
 
 
+def ready_line(engine, seconds: float) -> str:
+    """What the engine serves with, once it is ready (as vLLM's start-up lines: the KV cache and the room it
+    leaves)."""
+    cfg, pool, mc = engine.config, engine.pool, engine.model.config
+    blocks_per_request = -(-mc.max_position // cfg.block_size)
+    dtype = str(engine.model.dtype).removeprefix("torch.")
+    from pwruntime.model.experts import DenseExpertStore
+
+    if isinstance(engine.model.experts, DenseExpertStore):  # full precision: no page table of them
+        experts = f"experts in {dtype}"
+    else:  # AP experts: the page table describes them
+        experts = (f"experts at {engine.table.mean_bits():.2f} mean bits "
+                   f"({engine.table.resident_bytes() / 2**20:.1f} MiB), policy {engine.policy.name}")
+    return (f"engine: ready in {seconds:.1f} s on {engine.model.device} ({dtype}): {pool.capacity} KV blocks of "
+            f"{cfg.block_size} tokens ({pool.capacity * engine.block_bytes / 2**20:.1f} MiB), "
+            f"room for {pool.capacity / blocks_per_request:.1f} requests of the full {mc.max_position}-token context; "
+            f"{experts}; at most {cfg.max_num_seqs} sequences and {cfg.max_num_batched_tokens} "
+            "tokens a step")
+
+
 def stats_line(counters: dict, before: dict, gauges: dict, seconds: float) -> str:
     """One log line: rates over the `seconds` since the counters were `before`, then the gauges now."""
     def since(name: str) -> float:

@@ -71,6 +71,7 @@ def test_one_batch_per_step_carries_every_streaming_choice(model):  # noqa: F811
     assert stats[0] == "stats" and stats[1]["counters"]["requests_total"] == 4
     assert stats[1]["counters"]["generated_tokens_total"] == 3 * 12 + len(outputs[("c", 0)].token_ids)
     assert stats[1]["gauges"]["running_requests"] == 0 and stats[1]["gauges"]["steps_total"] == steps
+    assert stats[1]["gauges"]["preemptions_total"] == engine.scheduler.num_preemptions
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
 
 
@@ -178,3 +179,21 @@ def test_the_engine_loop_logs_while_it_works_and_once_after(model):  # noqa: F81
     assert core.counters["prompt_tokens_total"] == 2 * len(engine.tokenizer.encode(PROMPT))
     assert all(line.startswith("engine: ") and "generation tokens/s" in line for line in lines)
     assert "0 running, 0 waiting" in lines[-1]  # the line after the work ended
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_engine_counts_each_output_token_once_as_it_settles(model, asynchronous):  # noqa: F811
+    """The generation counter grows as tokens settle, and at the end equals the outputs' tokens: a sequence that
+    stopped is not counted for the step launched past its end (asynchronous scheduling launches one)."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, async_scheduling=asynchronous))
+    params = [SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=30, stop=("e",)),
+              SamplingParams(max_tokens=7, temperature=1.0, seed=3)]
+    ids = [engine.add_request(PROMPT, p) for p in params]
+    seen, outputs = [], {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        seen.append(engine.num_generated_tokens)
+    assert seen == sorted(seen) and len(set(seen)) > 5  # it grew step by step
+    assert engine.num_generated_tokens == sum(len(outputs[i].token_ids) for i in ids)
+    assert len(outputs[ids[1]].token_ids) < 30  # the stop string ended one early

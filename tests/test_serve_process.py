@@ -142,6 +142,7 @@ def test_the_engine_writes_stats_lines_while_it_works(server):
     time.sleep(0.6)  # the line after the work ended
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    lines = [line for line in err.splitlines() if line.startswith("engine: ")]
+    ready, *lines = [line for line in err.splitlines() if line.startswith("engine: ")]
+    assert ready.startswith("engine: ready in ") and "KV blocks of 16 tokens" in ready, err
     assert lines and all("generation tokens/s" in line and "KV cache" in line for line in lines), err
     assert "0 running, 0 waiting" in lines[-1]
