@@ -48,6 +48,9 @@ def add_engine_args(p) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from free memory)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="most sequences per batch (default 32)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step (default 512)")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="positions a request may use, prompt and output (default: the model's); longer prompts are "
+                        "refused, outputs stop there")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the cached KV blocks of a common prompt prefix between requests (default off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
@@ -157,7 +160,7 @@ def _engine_config(args):
         except UserError as e:
             raise UserError(f"--gpu-memory-budget: {e}") from None
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, gpu_memory_budget=budget,
-                        max_num_seqs=args.max_num_seqs,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
                         mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
                         async_scheduling=args.async_scheduling)

@@ -98,6 +98,7 @@ class EngineConfig:
     cpu_kv_cache_bytes: int = 256 << 20
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # positions a request may use (prompt and output); None: the model's
     policy: str = "noop"
     policy_params: dict = field(default_factory=dict)
     free_block_threshold: int = 8
@@ -176,6 +177,7 @@ class LLMEngine:
         cfg, mc = self.config, model.config
         self.tokenizer = model.tokenizer
         self.clock, self.t0 = clock, clock()
+        self.max_model_len = self._context_limit()
         self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype)
         if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
             raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
@@ -227,14 +229,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ set-up
     def _initial_blocks(self) -> int:
-        cfg, mc = self.config, self.model.config
+        cfg = self.config
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks < 1:
                 raise UserError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
             return int(cfg.num_kv_blocks)
         if cfg.gpu_memory_budget is not None:
             return self._budget_blocks(int(cfg.gpu_memory_budget))
-        useful = cfg.max_num_seqs * -(-mc.max_position // cfg.block_size)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
         if self.model.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.model.device)
             budget = int(total * cfg.gpu_memory_fraction) - (total - free)
@@ -245,6 +247,16 @@ class LLMEngine:
             raise UserError(f"no memory left for the KV cache ({budget} bytes, {self.block_bytes} per block): "
                             "raise gpu_memory_fraction or set num_kv_blocks")
         return int(n)
+
+    def _context_limit(self) -> int:
+        """Positions a request may use (prompt and output): max_model_len, at most the model's."""
+        limit, positions = self.config.max_model_len, self.model.config.max_position
+        if limit is None:
+            return positions
+        if not 2 <= limit <= positions:
+            raise UserError(f"max_model_len (--max-model-len) must be in 2..{positions} (the model's positions), got "
+                            f"{limit}")
+        return int(limit)
 
     def _budget_blocks(self, budget: int) -> int:
         """The KV blocks a memory budget leaves beside the model's weights (the routed experts at the policy's
@@ -281,12 +293,13 @@ class LLMEngine:
             raise UserError(f"prompt token ids must lie in 0..{mc.vocab - 1}")
         if params.logit_bias and params.logit_bias[-1][0] >= mc.vocab:
             raise UserError(f"logit_bias names token {params.logit_bias[-1][0]}; token ids lie in 0..{mc.vocab - 1}")
-        if len(ids) >= mc.max_position:
-            raise UserError(f"the prompt has {len(ids)} tokens but the model handles at most {mc.max_position} "
+        limit, whose = self.max_model_len, ("model's" if self.max_model_len == mc.max_position else "engine's")
+        if len(ids) >= limit:
+            raise UserError(f"the prompt has {len(ids)} tokens but the {whose} context holds at most {limit} "
                             "positions; shorten the prompt")
-        if not params.clip_to_context and len(ids) + params.max_tokens > mc.max_position:
+        if not params.clip_to_context and len(ids) + params.max_tokens > limit:
             raise UserError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, more than the "
-                            f"model's {mc.max_position} positions; ask for at most {mc.max_position - len(ids)} tokens")
+                            f"{whose} {limit} positions; ask for at most {limit - len(ids)} tokens")
         need = self.pool.blocks_for(len(ids) + 1)
         if need > self.pool.capacity:
             raise UserError(f"the prompt needs {need} KV blocks of {self.pool.block_size} tokens but the pool has "
@@ -294,7 +307,7 @@ class LLMEngine:
         rid = self._next_id
         self._next_id += 1
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
-        seq = Sequence(rid, ids, max_tokens=min(params.max_tokens, mc.max_position - len(ids)),
+        seq = Sequence(rid, ids, max_tokens=min(params.max_tokens, limit - len(ids)),
                        stop_token_ids=tuple(sorted(stop_ids)), params=params,
                        arrival_time=self._now() if arrival_time is None else float(arrival_time))
         draws = None

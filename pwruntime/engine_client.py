@@ -113,7 +113,7 @@ class EngineWorker(EngineClient):
 
     def __init__(self, engine) -> None:
         config = engine.model.config
-        super().__init__(engine.tokenizer, config.vocab, config.max_position)
+        super().__init__(engine.tokenizer, config.vocab, engine.max_model_len)
         self.engine = engine
         self.core = EngineCore(engine, self._deliver)
         self._thread = threading.Thread(target=self._run, name="pagedweight-engine", daemon=True)

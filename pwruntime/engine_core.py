@@ -45,7 +45,7 @@ class EngineCore:
         # cache served is not)
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generated_tokens_total": 0,
                          "request_errors_total": 0, "aborted_total": 0}
-        self.request_metrics = RequestMetrics(engine.model.config.max_position)
+        self.request_metrics = RequestMetrics(engine.max_model_len)
         self._live: dict[int, _Choice] = {}  # engine request id -> its choice
         self._out: list = []  # this turn's events
         self._stopped = False

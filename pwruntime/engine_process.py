@@ -142,7 +142,7 @@ def _engine_main(args, inbox, outbox) -> None:
         return
     config = engine.model.config
     _log_line(ready_line(engine, time.perf_counter() - start))
-    outbox.send(("ready", engine.tokenizer, config.vocab, config.max_position))
+    outbox.send(("ready", engine.tokenizer, config.vocab, engine.max_model_len))
 
     def emit(events: list) -> None:
         try:

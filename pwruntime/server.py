@@ -174,7 +174,8 @@ class Server:
             return web.json_response({"version": "unknown"})
 
     def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedweight"}
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedweight",
+                "max_model_len": self.worker.max_position}
 
     def _check_model(self, name) -> None:
         if name is not None and name != self.model_name:

@@ -61,8 +61,8 @@ class StatsLog:
 def ready_line(engine, seconds: float) -> str:
     """What the engine serves with, once it is ready (as vLLM's start-up lines: the KV cache and the room it
     leaves)."""
-    cfg, pool, mc = engine.config, engine.pool, engine.model.config
-    blocks_per_request = -(-mc.max_position // cfg.block_size)
+    cfg, pool, context = engine.config, engine.pool, engine.max_model_len
+    blocks_per_request = -(-context // cfg.block_size)
     dtype = str(engine.model.dtype).removeprefix("torch.")
     from pwruntime.model.experts import DenseExpertStore
 
@@ -73,7 +73,7 @@ def ready_line(engine, seconds: float) -> str:
                    f"({engine.table.resident_bytes() / 2**20:.1f} MiB), policy {engine.policy.name}")
     return (f"engine: ready in {seconds:.1f} s on {engine.model.device} ({dtype}): {pool.capacity} KV blocks of "
             f"{cfg.block_size} tokens ({pool.capacity * engine.block_bytes / 2**20:.1f} MiB), "
-            f"room for {pool.capacity / blocks_per_request:.1f} requests of the full {mc.max_position}-token context; "
+            f"room for {pool.capacity / blocks_per_request:.1f} requests of the full {context}-token context; "
             f"{experts}; at most {cfg.max_num_seqs} sequences and {cfg.max_num_batched_tokens} "
             "tokens a step")
 

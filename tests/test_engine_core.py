@@ -197,3 +197,19 @@ def test_the_engine_counts_each_output_token_once_as_it_settles(model, asynchron
     assert seen == sorted(seen) and len(set(seen)) > 5  # it grew step by step
     assert engine.num_generated_tokens == sum(len(outputs[i].token_ids) for i in ids)
     assert len(outputs[ids[1]].token_ids) < 30  # the stop string ended one early
+
+
+def test_max_model_len_bounds_prompts_and_outputs(model):  # noqa: F811
+    from traces.clikit import UserError
+
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, max_model_len=48))
+    ids = engine.tokenizer.encode(PROMPT)
+    with pytest.raises(UserError, match="the engine's context holds at most 48 positions"):
+        engine.add_request(list(range(5, 53)), SamplingParams(max_tokens=1))
+    with pytest.raises(UserError, match=f"ask for at most {48 - len(ids)} tokens"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=100, clip_to_context=False))
+    (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=100, ignore_eos=True))
+    assert len(out.token_ids) == 48 - len(ids) and out.finish_reason == "length"  # cut at the engine's context
+    positions = model.config.max_position
+    with pytest.raises(UserError, match=rf"max_model_len \(--max-model-len\) must be in 2..{positions}"):
+        LLMEngine(model, EngineConfig(num_kv_blocks=8, max_model_len=positions + 1))

@@ -60,6 +60,7 @@ def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
 @pytest.mark.parametrize("extra, needles", [
     (["--policy", "uniform-4"], ["--policy uniform-4 needs --ap"]),      # was: ran, the planner moving nothing
     (["--ap", "AP"], ["--model or --ap, not both"]),                      # was: --model silently ignored
+    (["--max-model-len", "1"], ["--max-model-len", "must be in 2.."]),
 ])
 def test_generate_incompatible_model_options(env, capsys, extra, needles):
     extra = [env["ap"] if a == "AP" else a for a in extra]

@@ -494,3 +494,22 @@ def test_an_api_key_guards_the_v1_routes(model):
         assert urllib.request.urlopen(f"{url}/health").status == 200
         assert post(url, "/tokenize", b'{"prompt": "hi"}')[0] == 200
         assert metric(url, "requests_total") == 1   # the refused requests never reached the engine
+
+
+def test_max_model_len_is_the_server_s_context(model):
+    """An engine with a shorter context than the model's: the model card and /tokenize say so, a request past it is
+    a 400 naming the room left, and a chat without max_tokens stops there."""
+    with serving(LLMEngine(model, EngineConfig(num_kv_blocks=64, max_model_len=64))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+        card = json.loads(urllib.request.urlopen(f"{url}/v1/models/demo").read())
+        assert card["max_model_len"] == 64
+        req = urllib.request.Request(f"{url}/tokenize", data=json.dumps({"prompt": PROMPT}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        tokens = json.loads(urllib.request.urlopen(req).read())
+        assert tokens["max_model_len"] == 64
+        with pytest.raises(openai.BadRequestError, match=f"ask for at most {64 - tokens['count']} tokens"):
+            client.completions.create(model="demo", prompt=PROMPT, max_tokens=100)
+        chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                              extra_body={"ignore_eos": True})
+        assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
+        assert chat.choices[0].finish_reason == "length"
