@@ -22,6 +22,7 @@ class StatsLog:
     interval_s: float
     write: Callable[[str], None]
     clock: Callable[[], float] = time.monotonic
+    ap_experts: bool = True  # whether the page table describes the experts (their bits go in the line)
     _last_t: float = field(init=False)
     _last: dict = field(init=False)  # the counters at the last line
     _last_totals: dict = field(init=False)  # the gauges that only grow (CUMULATIVE), at the last line
@@ -53,9 +54,17 @@ class StatsLog:
             return
         g = gauges()
         if self._changed(counters) or g["running_requests"] or g["waiting_requests"]:
-            self.write(stats_line(counters, {**self._last, **self._last_totals}, g, now - self._last_t))
+            self.write(stats_line(counters, {**self._last, **self._last_totals}, g, now - self._last_t,
+                                  self.ap_experts))
         self._last_t, self._last = now, dict(counters)
         self._last_totals = {name: g.get(name, 0) for name in CUMULATIVE}
+
+
+def serves_ap_experts(engine) -> bool:
+    """Whether the engine's experts are AP ones, which its page table describes (full-precision ones it does not)."""
+    from pwruntime.model.experts import DenseExpertStore
+
+    return not isinstance(engine.model.experts, DenseExpertStore)
 
 
 def ready_line(engine, seconds: float) -> str:
@@ -64,9 +73,7 @@ def ready_line(engine, seconds: float) -> str:
     cfg, pool, context = engine.config, engine.pool, engine.max_model_len
     blocks_per_request = -(-context // cfg.block_size)
     dtype = str(engine.model.dtype).removeprefix("torch.")
-    from pwruntime.model.experts import DenseExpertStore
-
-    if isinstance(engine.model.experts, DenseExpertStore):  # full precision: no page table of them
+    if not serves_ap_experts(engine):
         experts = f"experts in {dtype}"
     else:  # AP experts: the page table describes them
         experts = (f"experts at {engine.table.mean_bits():.2f} mean bits "
@@ -78,8 +85,9 @@ def ready_line(engine, seconds: float) -> str:
             "tokens a step")
 
 
-def stats_line(counters: dict, before: dict, gauges: dict, seconds: float) -> str:
-    """One log line: rates over the `seconds` since the counters were `before`, then the gauges now."""
+def stats_line(counters: dict, before: dict, gauges: dict, seconds: float, ap_experts: bool = True) -> str:
+    """One log line: rates over the `seconds` since the counters were `before`, then the gauges now (the experts'
+    bits when `ap_experts`)."""
     def since(name: str) -> float:
         return counters.get(name, 0) - before.get(name, 0)
 
@@ -88,9 +96,10 @@ def stats_line(counters: dict, before: dict, gauges: dict, seconds: float) -> st
     parts = [f"{since('prompt_tokens_total') / seconds:.1f} prompt tokens/s",
              f"{since('generated_tokens_total') / seconds:.1f} generation tokens/s",
              f"{gauges['running_requests']} running, {gauges['waiting_requests']} waiting",
-             f"KV cache {used:.1f}% of {total} blocks used",
-             f"experts at {gauges['mean_committed_bits']:.2f} mean bits, "
-             f"{gauges['expert_resident_bytes'] / 2**20:.1f} MiB resident"]
+             f"KV cache {used:.1f}% of {total} blocks used"]
+    if ap_experts:
+        parts.append(f"experts at {gauges['mean_committed_bits']:.2f} mean bits, "
+                     f"{gauges['expert_resident_bytes'] / 2**20:.1f} MiB resident")
     plans = gauges.get("plans_total", 0) - before.get("plans_total", 0)
     if plans:
         parts.append(f"{plans} plans")

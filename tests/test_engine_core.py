@@ -14,7 +14,7 @@ from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
 from pwruntime.sampling import SamplingParams
-from pwruntime.stats_log import StatsLog
+from pwruntime.stats_log import StatsLog, stats_line
 from server_fixtures import model  # noqa: F401 (fixture)
 
 PROMPT = "And God said"
@@ -157,6 +157,8 @@ def test_the_stats_log_writes_rates_since_its_last_line_and_nothing_when_idle():
     log.tick(counters, lambda: {**idle, "plans_total": 9, "prefix_cache_hit_tokens_total": 32})
     assert lines[1].startswith("engine: 0.0 prompt tokens/s, 50.0 generation tokens/s, 0 running, 0 waiting")
     assert lines[1].endswith(", 2 plans, 32 prompt tokens from the prefix cache")  # since the last line
+    dense = stats_line(counters, {}, GAUGES, 1.0, ap_experts=False)  # full-precision experts: no bits to show
+    assert "mean bits" not in dense and dense.endswith("KV cache 25.0% of 100 blocks used, 7 plans")
 
 
 def test_the_engine_loop_logs_while_it_works_and_once_after(model):  # noqa: F811

@@ -145,4 +145,5 @@ def test_the_engine_writes_stats_lines_while_it_works(server):
     ready, *lines = [line for line in err.splitlines() if line.startswith("engine: ")]
     assert ready.startswith("engine: ready in ") and "KV blocks of 16 tokens" in ready, err
     assert lines and all("generation tokens/s" in line and "KV cache" in line for line in lines), err
+    assert "experts in float32" in ready and not any("mean bits" in line for line in lines)  # not AP experts
     assert "0 running, 0 waiting" in lines[-1]
