@@ -87,6 +87,7 @@ def test_a_prompt_reading_abort_is_served(client):
 
 
 def test_models_health_metrics(client, base_url):
+    client.completions.create(model="demo", prompt=PROMPT, max_tokens=2)  # at least one request counted
     assert [m.id for m in client.models.list().data] == ["demo"]
     assert urllib.request.urlopen(f"{base_url}/health").status == 200
     from importlib.metadata import version
