@@ -78,9 +78,12 @@ def run(args) -> int:
     if ts["sim"] != ts["runtime"]:
         print(f"note: the simulation ran the trace at --time-scale {ts['sim']:g} and the replay at {ts['runtime']:g}; "
               "their requests arrived at other rates (give both the same --time-scale)")
-    if report["client_max_concurrency"]:
-        print(f"note: the benchmark's client kept at most {report['client_max_concurrency']} requests in flight and "
-              "the simulation none; its requests went later than the trace has them")
+    mc = report["max_concurrency"]
+    if mc["sim"] != mc["runtime"]:
+        def limit(n) -> str:
+            return "no limit" if n is None else f"at most {n} requests in flight"
+        print(f"note: the simulation's client had {limit(mc['sim'])} and the runtime's {limit(mc['runtime'])}; their "
+              "requests went at other times (give both the same --max-concurrency)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

@@ -53,6 +53,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate; default 1)")
+    g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+                   help="at most N requests in flight, as `pwruntime bench serve --max-concurrency N` (N users): one "
+                        "whose arrival finds N in flight is sent when one ends, its latencies counted from then "
+                        "(default: no limit)")
     e.add_argument("--warmup-requests", type=int, default=0, metavar="N",
                    help="as `pwruntime replay --warmup-requests N`: serve the trace's first N prompts at once (16 "
                         "tokens each) before the clock starts and outside every metric; what their pressure planned "
@@ -93,7 +97,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests,
-                       time_scale=args.time_scale)
+                       time_scale=args.time_scale, max_concurrency=args.max_concurrency)
 
 
 def validate_config(cfg) -> None:
@@ -130,6 +134,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         parts.append(f"--warmup-requests {args.warmup_requests}")
     if args.time_scale != 1.0:
         parts.append(f"--time-scale {args.time_scale:g}")
+    if args.max_concurrency is not None:
+        parts.append(f"--max-concurrency {args.max_concurrency}")
     return parts
 
 

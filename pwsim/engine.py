@@ -86,12 +86,16 @@ class SimConfig:
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
     warmup_requests: int = 0  # as `pwruntime replay --warmup-requests`: see `Simulation.run`
+    max_concurrency: int | None = None  # as `pwruntime bench serve --max-concurrency`: at most this many requests in
+    # flight; one whose arrival finds them all in flight is sent when one ends, its latencies counted from then
 
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
             raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
         if self.warmup_requests < 0:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,8 @@ class Simulation:
             workload.domain_idx] if len(workload) else np.zeros(0, np.int64)
         self.rec = Recorder(len(workload), workload.arrival_s, config.timeline_stride, self.kv_block_bytes)
         self._arrived = 0
+        self._finished = 0  # requests of the trace finished (in flight: arrived - finished)
+        self._slot: simpy.Event | None = None  # a request waits on it for a client slot (max_concurrency)
         self._on_finish: Callable[[], object] | None = None
         self._wake: simpy.Event | None = None
         self._step = 0
@@ -266,12 +272,17 @@ class Simulation:
 
     # ---------------------------------------------------------------- processes
     def _arrivals(self):
-        wl = self.workload
+        wl, limit = self.workload, self.cfg.max_concurrency
         for r in range(len(wl)):
             delay = float(wl.arrival_s[r]) - self.now
             if delay > 0:
                 yield self.env.timeout(delay)
-            self.sched.add(self._sequence(r, int(wl.output_tokens[r]), float(wl.arrival_s[r])))
+            while limit is not None and self._arrived - self._finished >= limit:
+                self._slot = self.env.event()
+                yield self._slot
+            arrival = max(float(wl.arrival_s[r]), self.now)  # later when it waited for a slot
+            self.rec.arrival[r] = arrival
+            self.sched.add(self._sequence(r, int(wl.output_tokens[r]), arrival))
             self._arrived += 1
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
@@ -437,6 +448,9 @@ class Simulation:
             release(int(seq.seq_id))
         self.rec.finish(int(seq.seq_id), self.now, seq.num_output_tokens, seq.finish_reason,
                         seq.num_preemptions)
+        self._finished += 1
+        if self._slot is not None and not self._slot.triggered:
+            self._slot.succeed()
         if self._on_finish is not None:
             self._on_finish()
 
@@ -466,4 +480,4 @@ class Simulation:
         self._arrived = k
         self.env.run(until=self.env.process(self._engine(k)))
         rec.keep_memory_checks(self.rec)  # a budget exceeded is never hidden, warm-up or not
-        self._arrived, self.rec, self.t0 = 0, rec, self.env.now
+        self._arrived, self._finished, self.rec, self.t0 = 0, 0, rec, self.env.now

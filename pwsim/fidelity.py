@@ -128,8 +128,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                             "runtime": int(runtime.config.get("warmup_requests") or 0)},
         # what each side multiplied the trace's arrival times by (`--time-scale`; absent: 1)
         "time_scale": {"sim": _time_scale(sim.config), "runtime": _time_scale(runtime.config)},
-        # `pwruntime bench serve --max-concurrency`: the client's limit on requests in flight (the simulator has none)
-        "client_max_concurrency": runtime.config.get("max_concurrency"),
+        # the client's limit on requests in flight (`--max-concurrency` of `pwruntime bench serve` and `pwsim run`)
+        "max_concurrency": {"sim": sim.config.get("max_concurrency"), "runtime": runtime.config.get("max_concurrency")},
     }
 
 

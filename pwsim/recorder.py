@@ -38,7 +38,7 @@ class Recorder:
         self.n = n_requests
         self.kv_block_bytes = kv_block_bytes
         self.peak_used = 0  # weights + KV blocks in use (not the whole pool), at iteration boundaries
-        self.arrival = np.asarray(arrival_s, dtype=np.float64)
+        self.arrival = np.array(arrival_s, dtype=np.float64)  # a copy: a request held for a client slot moves it
         self.first = np.full(n_requests, np.nan)
         self.finish_s = np.full(n_requests, np.nan)
         self.out_tokens = np.zeros(n_requests, dtype=np.int64)

@@ -70,10 +70,13 @@ class RunConfig:
     async_scheduling: bool = False  # SimConfig.async_scheduling
     warmup_requests: int = 0  # SimConfig.warmup_requests
     time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate)
+    max_concurrency: int | None = None  # SimConfig.max_concurrency (as `pwruntime bench serve --max-concurrency`)
 
     def __post_init__(self) -> None:
         if not 0 < self.time_scale < float("inf"):  # also refuses NaN
             raise UserError(f"--time-scale must be a number > 0, got {self.time_scale}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise UserError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
     @property
     def label(self) -> str:
@@ -102,7 +105,7 @@ class RunConfig:
                          max_num_batched_tokens=self.max_num_batched_tokens,
                          allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
                          prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling,
-                         warmup_requests=self.warmup_requests)
+                         warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 
     def to_json(self) -> dict:
         d = asdict(self)

@@ -299,6 +299,12 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-fast"), "--out",
                      str(tmp_path / "fid4")]) == 0
     assert "note: the simulation ran the trace at --time-scale 1 and the replay at 0.5" in capsys.readouterr().out
+    assert rep["max_concurrency"] == {"sim": None, "runtime": None}
+    _write_run(tmp_path / "rt-users", rt, max_concurrency=8)   # a benchmark of 8 users, a simulation without them
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-users"), "--out",
+                     str(tmp_path / "fid5")]) == 0
+    assert ("note: the simulation's client had no limit and the runtime's at most 8 requests in flight"
+            in capsys.readouterr().out)
 
 
 def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):

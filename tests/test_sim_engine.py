@@ -283,3 +283,17 @@ def test_warm_up_serves_the_first_prompts_before_the_clock_and_keeps_their_plans
     assert same_arrays(again.timeline, warm.timeline)
     none = tiny_sim("pagedweight", kv_blocks=12, n=30, warmup_requests=0).run()
     assert same_arrays(none.timeline, cold.timeline) and same_arrays(none.requests, cold.requests)
+
+
+def test_max_concurrency_holds_requests_until_a_slot_frees():
+    """As `pwruntime bench serve --max-concurrency`: never more than N requests between their send and their end,
+    each sent no earlier than its arrival and timed from its send; no limit is the unlimited run itself."""
+    arrivals = tiny_workload(tiny_card(), n=24).arrival_s
+    free = tiny_sim("noop", kv_blocks=64, n=24).run()
+    held = tiny_sim("noop", kv_blocks=64, n=24, max_concurrency=3).run()
+    sent = held.requests["arrival_s"]
+    end = sent + held.requests["e2e_s"]
+    assert max(int(((sent <= t) & (end > t)).sum()) for t in sent) == 3
+    assert np.all(sent >= arrivals - 1e-12) and np.any(sent > arrivals + 1e-9)  # some waited for a slot
+    assert np.allclose(free.requests["arrival_s"], arrivals)  # without a limit, the trace's own times
+    assert held.summary["completed"] == free.summary["completed"] == 24
