@@ -17,8 +17,8 @@ def allocator_slack_bytes(budget_bytes: int) -> int:
 
 
 def kv_room_bytes(budget_bytes: int, weight_bytes: int, slack_bytes: int | None = None) -> int:
-    # weight_bytes: every weight the budget holds, non-expert and routed experts
     """What the budget leaves the KV pool at the start (negative: the weights and the slack alone exceed it);
-    `slack_bytes` None: allocator_slack_bytes(budget_bytes)."""
+    `weight_bytes`: every weight the budget holds, non-expert and routed experts; `slack_bytes` None:
+    allocator_slack_bytes(budget_bytes)."""
     slack = allocator_slack_bytes(budget_bytes) if slack_bytes is None else slack_bytes
     return budget_bytes - slack - weight_bytes

@@ -69,10 +69,10 @@ def add_engine_args(p) -> None:
     w.add_argument("--calibration", default=None, metavar="DIR",
                    help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")
     w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
-                   help="memory for the routed experts and the KV cache together, as `pwsim run --budget` (e.g. "
-                        "48MiB, 20GiB): the KV pool starts with what the experts at the policy's starting bits and "
-                        "the allocator's slack leave, and grows as the planner offloads planes (instead of "
-                        "--num-kv-blocks)")
+                   help="memory for the model's weights and the KV cache together, as `pwsim run --budget` (e.g. "
+                        "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "
+                        "starting bits) and the allocator's slack leave, and grows as the planner offloads planes "
+                        "(instead of --num-kv-blocks)")
 
 
 def _load(args, dtype: str, device: str):
@@ -153,8 +153,8 @@ def _engine_config(args):
         if args.num_kv_blocks is not None:
             raise UserError("give --gpu-memory-budget or --num-kv-blocks, not both: the budget sizes the KV pool")
         if args.ap is None:
-            raise UserError("--gpu-memory-budget needs --ap DIR (it holds the AP experts and the KV cache); for "
-                            "--model's full-precision experts set --num-kv-blocks")
+            raise UserError("--gpu-memory-budget needs --ap DIR (the budget counts the AP experts at the planner's "
+                            "bits); for --model's full-precision experts set --num-kv-blocks")
         try:
             budget = parse_size(args.gpu_memory_budget)
         except UserError as e:

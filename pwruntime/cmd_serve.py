@@ -1,8 +1,9 @@
 """`pwruntime serve`: the OpenAI-compatible HTTP server (pwruntime.server) over one engine.
 
 Endpoints: POST /v1/completions and /v1/chat/completions (with `"stream": true` for server-sent
-events), GET /v1/models, /health and Prometheus /metrics, POST /tokenize and /detokenize. The same model, engine and planner
-options as `pwruntime generate`; the engine runs in a process of its own (pwruntime.engine_process) (--ap/--calibration/--policy serve AP experts with a planner).
+events), GET /v1/models, /health, /version and Prometheus /metrics, POST /tokenize and /detokenize. The same model,
+engine and planner options as `pwruntime generate` (--ap/--calibration/--policy serve AP experts with a planner); the
+engine runs in a process of its own (pwruntime.engine_process) and logs a stats line every --log-stats-interval.
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
 --shutdown-timeout seconds to finish (then cuts them), and exits 0.

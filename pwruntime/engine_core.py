@@ -54,7 +54,10 @@ class EngineCore:
         """Serve until None arrives in the inbox."""
         eng, log = self.engine, self.stats_log
         while not self._stopped:
-            idle_s = (log.wait_s(self.counters) if log else None) if not eng.has_unfinished() else 0
+            if eng.has_unfinished():
+                idle_s = 0  # step now
+            else:  # sleep until a request comes, or until the stats line after the work is due
+                idle_s = log.wait_s(self.counters) if log else None
             try:
                 item = self.inbox.get(timeout=idle_s)
             except queue.Empty:
