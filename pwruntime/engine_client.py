@@ -52,7 +52,8 @@ class EngineClient:
         """Queue one engine request per (prompt, params), all or none: choice i of the response is requests[i];
         `stream`: deltas come as tokens do (pwruntime.engine_core says what each event holds)."""
         live = self._open(len(requests))
-        self._send(("add", live.key, requests, stream))
+        if self.alive:  # else the request already has its 503
+            self._send(("add", live.key, requests, stream))
         return live
 
     def cancel(self, live: Live) -> None:
@@ -63,7 +64,8 @@ class EngineClient:
     async def stats(self) -> dict:
         """The engine loop's counters, gauges and histograms (EngineCore.stats); RuntimeError once it is gone."""
         live = self._open(1)
-        self._send(("stats", live.key))
+        if self.alive:
+            self._send(("stats", live.key))
         kind, payload = await live.events.get()
         if kind == "error":
             raise RuntimeError(payload[1])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pwruntime.metrics import RequestMetrics
-from pwruntime.stats_log import StatsLog
+from pwruntime.stats_log import StatsLog, serves_ap_experts
 
 
 @dataclass
@@ -46,6 +46,7 @@ class EngineCore:
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generated_tokens_total": 0,
                          "request_errors_total": 0, "aborted_total": 0}
         self.request_metrics = RequestMetrics(engine.max_model_len)
+        self.ap_experts = serves_ap_experts(engine)  # the page table describes the experts (their bits are gauges)
         self._live: dict[int, _Choice] = {}  # engine request id -> its choice
         self._out: list = []  # this turn's events
         self._stopped = False
@@ -160,10 +161,11 @@ class EngineCore:
         eng = self.engine
         gauges = {"running_requests": len(eng.scheduler.running), "waiting_requests": len(eng.scheduler.waiting),
                   "kv_blocks_free": eng.pool.num_free, "kv_blocks_total": eng.pool.capacity,
-                  "mean_committed_bits": eng.table.mean_bits(), "expert_resident_bytes": eng.table.resident_bytes(),
                   "plans_total": eng.loop.num_plans, "steps_total": eng.num_steps,
                   "preemptions_total": eng.scheduler.num_preemptions,
                   "prefix_cache_hit_tokens_total": eng.scheduler.num_cached_tokens}
+        if self.ap_experts:  # full-precision experts have no bits to show
+            gauges.update(mean_committed_bits=eng.table.mean_bits(), expert_resident_bytes=eng.table.resident_bytes())
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
         return gauges

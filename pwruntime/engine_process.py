@@ -24,7 +24,7 @@ import traceback
 
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
-from pwruntime.stats_log import StatsLog, ready_line, serves_ap_experts
+from pwruntime.stats_log import StatsLog, ready_line
 from traces.clikit import UserError
 
 
@@ -150,8 +150,7 @@ def _engine_main(args, inbox, outbox) -> None:
         except OSError:  # the server is gone; _forward stops the loop
             pass
 
-    log = (StatsLog(args.log_stats_interval, _log_line, ap_experts=serves_ap_experts(engine))
-           if args.log_stats_interval > 0 else None)
+    log = StatsLog(args.log_stats_interval, _log_line) if args.log_stats_interval > 0 else None
     core = EngineCore(engine, emit, log)
     threading.Thread(target=_forward, args=(inbox, core.inbox), name="pagedweight-inbox", daemon=True).start()
     core.run()

@@ -22,7 +22,6 @@ class StatsLog:
     interval_s: float
     write: Callable[[str], None]
     clock: Callable[[], float] = time.monotonic
-    ap_experts: bool = True  # whether the page table describes the experts (their bits go in the line)
     _last_t: float = field(init=False)
     _last: dict = field(init=False)  # the counters at the last line
     _last_totals: dict = field(init=False)  # the gauges that only grow (CUMULATIVE), at the last line
@@ -54,8 +53,7 @@ class StatsLog:
             return
         g = gauges()
         if self._changed(counters) or g["running_requests"] or g["waiting_requests"]:
-            self.write(stats_line(counters, {**self._last, **self._last_totals}, g, now - self._last_t,
-                                  self.ap_experts))
+            self.write(stats_line(counters, {**self._last, **self._last_totals}, g, now - self._last_t))
         self._last_t, self._last = now, dict(counters)
         self._last_totals = {name: g.get(name, 0) for name in CUMULATIVE}
 
@@ -85,9 +83,9 @@ def ready_line(engine, seconds: float) -> str:
             "tokens a step")
 
 
-def stats_line(counters: dict, before: dict, gauges: dict, seconds: float, ap_experts: bool = True) -> str:
+def stats_line(counters: dict, before: dict, gauges: dict, seconds: float) -> str:
     """One log line: rates over the `seconds` since the counters were `before`, then the gauges now (the experts'
-    bits when `ap_experts`)."""
+    bits when the gauges have them: AP experts)."""
     def since(name: str) -> float:
         return counters.get(name, 0) - before.get(name, 0)
 
@@ -97,7 +95,7 @@ def stats_line(counters: dict, before: dict, gauges: dict, seconds: float, ap_ex
              f"{since('generated_tokens_total') / seconds:.1f} generation tokens/s",
              f"{gauges['running_requests']} running, {gauges['waiting_requests']} waiting",
              f"KV cache {used:.1f}% of {total} blocks used"]
-    if ap_experts:
+    if "mean_committed_bits" in gauges:
         parts.append(f"experts at {gauges['mean_committed_bits']:.2f} mean bits, "
                      f"{gauges['expert_resident_bytes'] / 2**20:.1f} MiB resident")
     plans = gauges.get("plans_total", 0) - before.get("plans_total", 0)

@@ -85,6 +85,25 @@ def test_engine_records_the_steps_whose_planner_read_the_routing(ap_dir):
     assert any(reads) and not all(reads), reads
 
 
+def test_the_engine_loop_shows_ap_experts_bits_and_a_dense_model_none(ap_dir):
+    """/metrics' gauges (EngineCore.stats) carry the page table's bits and resident bytes for AP experts; a
+    full-precision model's experts have no committed bits, so its gauges leave them out."""
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.engine_core import EngineCore
+    from traces.clikit import build_parser
+    parse = build_parser("pwruntime", "", _registrars()).parse_args
+    ap, *_ = build_engine(parse(["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION),
+                                 "--num-kv-blocks", "12", "--prompt", "x"]))
+    gauges = EngineCore(ap, lambda events: None).stats()["gauges"]
+    assert gauges["mean_committed_bits"] == ap.table.mean_bits() < 16
+    assert gauges["expert_resident_bytes"] == ap.table.resident_bytes() > 0
+    dense, *_ = build_engine(parse(["generate", "--num-kv-blocks", "12", "--prompt", "x"]))
+    gauges = EngineCore(dense, lambda events: None).stats()["gauges"]
+    assert "mean_committed_bits" not in gauges and "expert_resident_bytes" not in gauges
+    assert gauges["kv_blocks_total"] == 12
+
+
 def test_a_plan_shrinks_the_kv_pool_once(ap_dir):
     """A plan's reservations shrink the KV pool once for all its transitions (`PlanLoop.room_left`) instead of once
     a transition: the same transitions begin and are refused, the pool has the same capacity and spare bytes after
