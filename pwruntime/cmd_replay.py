@@ -26,8 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("--trace", required=True, help="trace directory (or requests.parquet) with prompt token ids")
     p.add_argument("--out", required=True, help="result directory to write")
     p.add_argument("--time-scale", type=float, default=1.0,
-                   help="multiply the arrival times by this (> 1 spreads the requests out; default 1); give `pwsim "
-                        "run` the same --time-scale to compare the two with `pwsim fidelity`")
+                   help="multiply the arrival times by this (> 1 spreads the requests out, 0 sends them all at once; "
+                        "default 1); give `pwsim run` the same --time-scale to compare the two with `pwsim fidelity`")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from pwruntime.engine_core import EngineCore
 from pwruntime.sampling import SamplingParams
+from pwruntime.stats_log import serving_info
 
 
 @dataclass(eq=False)
@@ -33,12 +34,14 @@ def _put_all(items: list) -> None:
 
 
 class EngineClient:
-    """What the server needs of an engine, wherever its loop runs: the tokenizer, the model's vocabulary and
-    positions, and requests in and events out. A subclass sends the loop's inbox items (`_send`) and hands its
-    batches to `_deliver`."""
+    """What the server needs of an engine, wherever its loop runs: the tokenizer, the model's vocabulary, what the
+    engine serves with (`info`: pwruntime.stats_log.serving_info, its positions `max_model_len` among them), and
+    requests in and events out. A subclass sends the loop's inbox items (`_send`) and hands its batches to
+    `_deliver`."""
 
-    def __init__(self, tokenizer, vocab: int, max_position: int) -> None:
-        self.tokenizer, self.vocab, self.max_position = tokenizer, vocab, max_position
+    def __init__(self, tokenizer, vocab: int, info: dict) -> None:
+        self.tokenizer, self.vocab, self.info = tokenizer, vocab, info
+        self.max_position: int = info["max_model_len"]
         self._lives: dict[int, Live] = {}
         self._keys = itertools.count()
         self._gone: str | None = None  # why the engine loop is gone, once it is
@@ -115,7 +118,7 @@ class EngineWorker(EngineClient):
 
     def __init__(self, engine) -> None:
         config = engine.model.config
-        super().__init__(engine.tokenizer, config.vocab, engine.max_model_len)
+        super().__init__(engine.tokenizer, config.vocab, serving_info(engine))
         self.engine = engine
         self.core = EngineCore(engine, self._deliver)
         self._thread = threading.Thread(target=self._run, name="pagedweight-engine", daemon=True)

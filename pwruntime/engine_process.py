@@ -24,7 +24,7 @@ import traceback
 
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
-from pwruntime.stats_log import StatsLog, ready_line
+from pwruntime.stats_log import StatsLog, ready_line, serving_info
 from traces.clikit import UserError
 
 
@@ -52,9 +52,9 @@ class EngineProcess(EngineClient):
             raise RuntimeError(f"the engine process failed while loading the model:\n{rest[0]}")
         return cls(proc, inbox, outbox, *rest)
 
-    def __init__(self, proc, inbox, outbox, tokenizer, vocab: int, max_position: int) -> None:
+    def __init__(self, proc, inbox, outbox, tokenizer, vocab: int, info: dict) -> None:
         """Over a running engine process `proc` whose loop reads `inbox` and writes `outbox` (use `launch`)."""
-        super().__init__(tokenizer, vocab, max_position)
+        super().__init__(tokenizer, vocab, info)
         self._proc, self._inbox, self._outbox = proc, inbox, outbox
         self._stopping = False
         self._send_lock = threading.Lock()
@@ -140,9 +140,9 @@ def _engine_main(args, inbox, outbox) -> None:
     except BaseException:
         outbox.send(("crashed", traceback.format_exc()))
         return
-    config = engine.model.config
-    _log_line(ready_line(engine, time.perf_counter() - start))
-    outbox.send(("ready", engine.tokenizer, config.vocab, engine.max_model_len))
+    info = serving_info(engine)
+    _log_line(ready_line(info, time.perf_counter() - start))
+    outbox.send(("ready", engine.tokenizer, engine.model.config.vocab, info))
 
     def emit(events: list) -> None:
         try:

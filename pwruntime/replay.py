@@ -56,8 +56,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     if trace.token_ids.size and not 0 <= int(trace.token_ids.min()) <= int(trace.token_ids.max()) < vocab:
         raise UserError(f"{trace.source} has prompt token ids outside the model's vocabulary (0..{vocab - 1}): it was "
                         "recorded with another model's tokenizer; replay it with that model (--model or --ap)")
-    if time_scale <= 0:
-        raise UserError(f"--time-scale must be > 0, got {time_scale}")
+    if not 0 <= time_scale < float("inf"):  # also refuses NaN
+        raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {time_scale}")
     if engine.has_unfinished():
         raise ValueError("replay needs an engine with no queued requests")
     if warmup_requests < 0:

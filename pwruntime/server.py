@@ -4,7 +4,7 @@ An EngineClient (pwruntime.engine_client) stands for the engine loop, which runs
 `pwruntime serve` (pwruntime.engine_process) or in a thread (EngineWorker, over an engine object); the handlers
 submit requests to it and answer from its events. A stream writes the chunks of all the events that have arrived
 in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`, `/health`,
-`/version`, Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
+`/version`, `/server_info` (what the engine serves with), Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
 with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
 the server's API key (when it has one) 401, and nothing a client
 sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
@@ -36,6 +36,15 @@ from pwruntime import api_tokens
 from pwruntime.engine_client import EngineClient, Live
 from pwruntime.metrics import scalar
 from pwruntime.sampling import SamplingParams
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pagedweight")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
 
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
@@ -154,6 +163,7 @@ class Server:
         self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
         self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []))
         self.app.add_routes([web.get("/health", self.health), web.get("/version", self.version),
+                             web.get("/server_info", self.server_info),
                              web.get("/v1/models", self.models),
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
                              web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
@@ -166,12 +176,13 @@ class Server:
 
     async def version(self, request: web.Request) -> web.Response:
         """vLLM's /version: this server's package version."""
-        from importlib.metadata import PackageNotFoundError, version
+        return web.json_response({"version": _package_version()})
 
-        try:
-            return web.json_response({"version": version("pagedweight")})
-        except PackageNotFoundError:  # run from a source tree that was never installed
-            return web.json_response({"version": "unknown"})
+    async def server_info(self, request: web.Request) -> web.Response:
+        """What the server serves with (as vLLM's /server_info): the model's name, the package version, and the
+        engine's device, scheduler limits, KV pool at start and experts (pwruntime.stats_log.serving_info)."""
+        return web.json_response({"model": self.model_name, "version": _package_version(),
+                                  "engine": self.worker.info})
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "pagedweight",

@@ -65,21 +65,35 @@ def serves_ap_experts(engine) -> bool:
     return not isinstance(engine.model.experts, DenseExpertStore)
 
 
-def ready_line(engine, seconds: float) -> str:
-    """What the engine serves with, once it is ready (as vLLM's start-up lines: the KV cache and the room it
-    leaves)."""
-    cfg, pool, context = engine.config, engine.pool, engine.max_model_len
-    blocks_per_request = -(-context // cfg.block_size)
-    dtype = str(engine.model.dtype).removeprefix("torch.")
-    if not serves_ap_experts(engine):
-        experts = f"experts in {dtype}"
-    else:  # AP experts: the page table describes them
-        experts = (f"experts at {engine.table.mean_bits():.2f} mean bits "
-                   f"({engine.table.resident_bytes() / 2**20:.1f} MiB), policy {engine.policy.name}")
-    return (f"engine: ready in {seconds:.1f} s on {engine.model.device} ({dtype}): {pool.capacity} KV blocks of "
-            f"{cfg.block_size} tokens ({pool.capacity * engine.block_bytes / 2**20:.1f} MiB), "
-            f"room for {pool.capacity / blocks_per_request:.1f} requests of the full {context}-token context; "
-            f"{experts}; at most {cfg.max_num_seqs} sequences and {cfg.max_num_batched_tokens} "
+def serving_info(engine) -> dict:
+    """What the engine serves with, once it is ready: its device, scheduler limits, KV pool and experts (the server's
+    /server_info, the ready line, and what `pwruntime bench serve` records of the server). The scheduler keys are
+    named as `pwruntime replay` names them in its config.json."""
+    cfg, pool = engine.config, engine.pool
+    ap = serves_ap_experts(engine)
+    return {"device": str(engine.model.device), "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "block_size": cfg.block_size, "num_kv_blocks": pool.capacity,
+            "kv_cache_bytes": pool.capacity * engine.block_bytes, "max_model_len": engine.max_model_len,
+            "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
+            "ap_experts": ap, "policy": engine.policy.name if ap else None,
+            "mean_committed_bits": engine.table.mean_bits() if ap else None,
+            "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
+
+
+def ready_line(info: dict, seconds: float) -> str:
+    """The engine's start-up line (as vLLM's: the KV cache and the room it leaves), of its `serving_info`."""
+    blocks, context = info["num_kv_blocks"], info["max_model_len"]
+    blocks_per_request = -(-context // info["block_size"])
+    if info["ap_experts"]:  # the page table describes them
+        experts = (f"experts at {info['mean_committed_bits']:.2f} mean bits "
+                   f"({info['expert_resident_bytes'] / 2**20:.1f} MiB), policy {info['policy']}")
+    else:
+        experts = f"experts in {info['dtype']}"
+    return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} KV blocks of "
+            f"{info['block_size']} tokens ({info['kv_cache_bytes'] / 2**20:.1f} MiB), "
+            f"room for {blocks / blocks_per_request:.1f} requests of the full {context}-token context; "
+            f"{experts}; at most {info['max_num_seqs']} sequences and {info['max_num_batched_tokens']} "
             "tokens a step")
 
 

@@ -52,7 +52,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "the host's work")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
-                        "at twice the rate; default 1)")
+                        "at twice the rate, 0: all at once; default 1)")
     g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
                    help="at most N requests in flight, as `pwruntime bench serve --max-concurrency N` (N users): one "
                         "whose arrival finds N in flight is sent when one ends, its latencies counted from then "

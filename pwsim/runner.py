@@ -69,12 +69,13 @@ class RunConfig:
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
     async_scheduling: bool = False  # SimConfig.async_scheduling
     warmup_requests: int = 0  # SimConfig.warmup_requests
-    time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate)
+    time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate;
+    # 0: all at once, as `pwruntime bench serve --time-scale 0`)
     max_concurrency: int | None = None  # SimConfig.max_concurrency (as `pwruntime bench serve --max-concurrency`)
 
     def __post_init__(self) -> None:
-        if not 0 < self.time_scale < float("inf"):  # also refuses NaN
-            raise UserError(f"--time-scale must be a number > 0, got {self.time_scale}")
+        if not 0 <= self.time_scale < float("inf"):  # also refuses NaN
+            raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {self.time_scale}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise UserError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 

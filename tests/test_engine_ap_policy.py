@@ -86,11 +86,12 @@ def test_engine_records_the_steps_whose_planner_read_the_routing(ap_dir):
 
 
 def test_the_engine_loop_shows_ap_experts_bits_and_a_dense_model_none(ap_dir):
-    """/metrics' gauges (EngineCore.stats) carry the page table's bits and resident bytes for AP experts; a
-    full-precision model's experts have no committed bits, so its gauges leave them out."""
+    """/metrics' gauges (EngineCore.stats), /server_info and the ready line carry the page table's bits and resident
+    bytes for AP experts; a full-precision model's experts have no committed bits, so they leave them out."""
     from pwruntime.cli import _registrars
     from pwruntime.cmd_generate import build_engine
     from pwruntime.engine_core import EngineCore
+    from pwruntime.stats_log import ready_line, serving_info
     from traces.clikit import build_parser
     parse = build_parser("pwruntime", "", _registrars()).parse_args
     ap, *_ = build_engine(parse(["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION),
@@ -98,10 +99,16 @@ def test_the_engine_loop_shows_ap_experts_bits_and_a_dense_model_none(ap_dir):
     gauges = EngineCore(ap, lambda events: None).stats()["gauges"]
     assert gauges["mean_committed_bits"] == ap.table.mean_bits() < 16
     assert gauges["expert_resident_bytes"] == ap.table.resident_bytes() > 0
+    info = serving_info(ap)  # /server_info and the ready line say the same
+    assert info["ap_experts"] and info["policy"] == ap.policy.name and info["mean_committed_bits"] == ap.table.mean_bits()
+    assert f"experts at {ap.table.mean_bits():.2f} mean bits" in ready_line(info, 1.0)
     dense, *_ = build_engine(parse(["generate", "--num-kv-blocks", "12", "--prompt", "x"]))
     gauges = EngineCore(dense, lambda events: None).stats()["gauges"]
     assert "mean_committed_bits" not in gauges and "expert_resident_bytes" not in gauges
     assert gauges["kv_blocks_total"] == 12
+    info = serving_info(dense)
+    assert not info["ap_experts"] and info["mean_committed_bits"] is None and info["num_kv_blocks"] == 12
+    assert "mean bits" not in ready_line(info, 1.0) and "12 KV blocks of 16 tokens" in ready_line(info, 1.0)
 
 
 def test_a_plan_shrinks_the_kv_pool_once(ap_dir):

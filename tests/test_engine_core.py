@@ -90,7 +90,7 @@ class _Loopback(EngineClient):
     """A client whose engine loop is a queue the test reads, answering by hand."""
 
     def __init__(self) -> None:
-        super().__init__(tokenizer=None, vocab=10, max_position=64)
+        super().__init__(tokenizer=None, vocab=10, info={"max_model_len": 64})
         self.sent: queue.Queue = queue.Queue()
 
     def _send(self, item) -> None:

@@ -75,6 +75,16 @@ def test_replay_serves_each_request_at_its_arrival(ckpt):
     assert s["completed"] == 3 and s["output_tokens"] == sum(OUTPUTS) and s["iterations"] == len(tl["time_s"])
 
 
+def test_a_time_scale_of_zero_sends_every_request_at_once(ckpt):
+    from pwruntime.replay import replay
+    clock = VirtualClock()
+    res = replay(_engine(ckpt, clock), _trace(), time_scale=0.0, sleep=clock.sleep)
+    r = res.requests
+    assert clock.slept == [] and np.all(r["arrival_s"] == 0.0)  # nothing to wait for
+    np.testing.assert_array_equal(r["output_tokens"], OUTPUTS)
+    assert res.timeline["batch_tokens"][0] == 5 + 3 + 7  # the three prompts in the first step
+
+
 def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
     from pwruntime.replay import replay
     from traces.results import WARMUP_TOKENS
@@ -119,12 +129,12 @@ def test_replay_times_each_step_s_phases(ckpt):
     assert set(np.unique(tl["routing_read"])) <= {0, 1} and res.summary["routing_reads"] == int(tl["routing_read"].sum())
 
 
-def test_replay_needs_prompt_ids_and_a_positive_time_scale(ckpt):
+def test_replay_needs_prompt_ids_and_a_time_scale_of_zero_or_more(ckpt):
     from pwruntime.replay import replay
     with pytest.raises(UserError, match="prompt token ids"):
         replay(_engine(ckpt), _trace(with_ids=False))
-    with pytest.raises(UserError, match="time-scale"):
-        replay(_engine(ckpt), _trace(), time_scale=0)
+    with pytest.raises(UserError, match="time-scale must be a number >= 0"):
+        replay(_engine(ckpt), _trace(), time_scale=-1)
     with pytest.raises(UserError, match="warmup-requests"):
         replay(_engine(ckpt), _trace(), warmup_requests=-1)
 

@@ -92,6 +92,12 @@ def test_models_health_metrics(client, base_url):
     assert urllib.request.urlopen(f"{base_url}/health").status == 200
     from importlib.metadata import version
     assert json.loads(urllib.request.urlopen(f"{base_url}/version").read()) == {"version": version("pagedweight")}
+    info = json.loads(urllib.request.urlopen(f"{base_url}/server_info").read())
+    assert info["model"] == "demo" and info["version"] == version("pagedweight")
+    engine = info["engine"]  # the fixture's engine: EngineConfig(num_kv_blocks=256), a full-precision model
+    assert engine["num_kv_blocks"] == 256 and engine["block_size"] == 16 and engine["max_num_seqs"] == 32
+    assert engine["async_scheduling"] is False and engine["ap_experts"] is False and engine["policy"] is None
+    assert engine["max_model_len"] == client.models.list().data[0].model_extra["max_model_len"]
     metrics = urllib.request.urlopen(f"{base_url}/metrics").read().decode()
     assert "pagedweight_requests_total" in metrics and "pagedweight_kv_blocks_free" in metrics
     total = [line for line in metrics.splitlines() if line.startswith("pagedweight_requests_total")][0]

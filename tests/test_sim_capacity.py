@@ -82,8 +82,11 @@ def test_time_scale_moves_only_the_arrivals():
     assert RunConfig.from_json(replace(cfg, time_scale=0.5).to_json()).time_scale == 0.5
     arrivals = base.arrival_s
     assert base_rate_rps(cfg) == pytest.approx((len(arrivals) - 1) / (arrivals.max() - arrivals.min()))
-    with pytest.raises(UserError, match="--time-scale must be a number > 0"):
+    with pytest.raises(UserError, match="--time-scale must be a number >= 0"):
         replace(cfg, time_scale=-1.0)
+    at_once = execute(replace(cfg, time_scale=0.0))  # every request at 0 s (bench serve's --time-scale 0)
+    assert build_workload(replace(cfg, time_scale=0.0)).arrival_s.max() == 0.0
+    assert at_once.summary["completed"] == len(arrivals)
     # twice the rate queues requests longer behind each other
     assert execute(replace(cfg, time_scale=0.25)).summary["ttft_s"]["p99"] > execute(cfg).summary["ttft_s"]["p99"]
 
