@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pwruntime import server_probe
 from traces.clikit import UserError
 from traces.results import request_columns, request_summary
 from traces.schema import RequestTrace
@@ -111,7 +112,9 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
                     api_key: str | None = None, model: str | None = None, timeout_s: float = 600.0,
                     progress: bool = False) -> dict:
     """Send every request of `trace` at its arrival time (with `max_concurrency`: once a slot is free) and wait for
-    all; returns {"requests": columns (trace order), "summary": ..., "model": the model asked}."""
+    all; returns {"requests": columns (trace order), "summary": ..., "model": the model asked, "server_info": the
+    server's /server_info or None}. The summary's `server` holds what the run added to the engine's counters
+    (pwruntime.server_probe), and `plans` and `preemptions` are among them, as a replay's summary has them."""
     import aiohttp
     from tqdm import tqdm
 
@@ -127,6 +130,8 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
     connector = aiohttp.TCPConnector(limit=0)  # one connection per request in flight, as clients do
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
         model = model or await served_model(session, url, api_key)
+        info = await server_probe.server_info(session, url)
+        before = await server_probe.engine_counters(session, url)
         bar = tqdm(total=len(trace), desc="requests", unit="req", disable=not progress)
         t0, late, tasks = time.perf_counter(), 0.0, []
         for i in np.argsort(arrival, kind="stable"):
@@ -144,6 +149,7 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
             tasks.append(task)
         await asyncio.gather(*tasks)
         bar.close()
+        counted = server_probe.counter_deltas(before, await server_probe.engine_counters(session, url))
     first = np.array([t.first_s for t in timings])
     finish = np.array([t.finish_s for t in timings])
     requests = request_columns(trace.request_id, trace.domain, sent, trace.prompt_tokens,
@@ -151,8 +157,9 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
                                np.array([t.reason for t in timings], dtype=object))
     errors = [f"request {trace.request_id[i]}: {t.error}" for i, t in enumerate(timings) if t.error is not None]
     summary = {**request_summary(requests), "failed": len(errors), "errors": errors[:10],
-               "max_send_lateness_s": late, "time_scale": time_scale, "max_concurrency": max_concurrency}
-    return {"requests": requests, "summary": summary, "model": model}
+               "max_send_lateness_s": late, "time_scale": time_scale, "max_concurrency": max_concurrency,
+               "server": counted, **{k: counted[k] for k in ("plans", "preemptions") if k in counted}}
+    return {"requests": requests, "summary": summary, "model": model, "server_info": info}
 
 
 # ---------------------------------------------------------------- the command
@@ -214,8 +221,9 @@ def run_cli(args, command: str) -> int:
     slo = slo_bounds(args)
     out = Path(args.out or "runs/bench-serve")
     prepare_dir(out, args.force, tool="bench serve")
-    config = {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"},
-              "api_key": None, "argv": [a if a != args.api_key else "***" for a in sys.argv[1:]]}
+    config = {"command": "bench", "target": "serve", **{k: getattr(args, k) for k in SERVE_FLAGS},
+              "time_scale": scale, "out": str(out), "api_key": None,
+              "argv": [a if a != args.api_key else "***" for a in sys.argv[1:]]}
     runs = []  # (level, summary, requests)
     for level in levels:
         result = asyncio.run(run_trace(args.url, trace, time_scale=scale, max_concurrency=level, api_key=args.api_key,
@@ -223,6 +231,8 @@ def run_cli(args, command: str) -> int:
         summary = {**result["summary"], "url": args.url, "model": result["model"], "command": command}
         if slo is not None:
             summary["slo"] = slo_attainment(result["requests"], *slo)
+        # what the server ran with, its scheduler settings named as a replay's (what `pwsim fidelity` reads)
+        config.update(server=result["server_info"], **server_probe.engine_settings(result["server_info"]))
         runs.append((level, summary, result["requests"]))
     failed = sum(summary["failed"] for _, summary, _ in runs)
     if len(runs) == 1:
@@ -260,5 +270,9 @@ def _print_run(summary: dict, url: str, slo: str | None) -> None:
           f"{'n/a' if f is None else f'{f * 1e3:.1f} ms'}, TPOT {'n/a' if t is None else f'{t * 1e3:.2f} ms'}")
     for e in summary["errors"]:
         print(f"  {e}")
+    server = summary["server"]
+    if server:
+        print(f"the engine meanwhile: {server.get('steps', 'n/a')} steps, {server.get('plans', 'n/a')} plans, "
+              f"{server.get('preemptions', 'n/a')} preemptions")
     if slo is not None:
         print("SLO " + slo)

@@ -1,8 +1,8 @@
 """`pwsim fidelity`: a simulated run against the runtime's replay of the same trace, request by request.
 
-Give the --out of a `pwsim run` (--sim) and of a `pwruntime replay` (--runtime) of one request trace,
-with the same scheduler limits (--max-num-seqs, max batched tokens, block size) and a comparable KV
-pool. It writes `fidelity.json` (per metric the ratio sim / runtime and the median relative error,
+Give the --out of a `pwsim run` (--sim) and of a `pwruntime replay` or `pwruntime bench serve` (--runtime) of
+one request trace, with the same scheduler limits (--max-num-seqs, max batched tokens, block size; a note says
+where they differ) and a comparable KV pool. It writes `fidelity.json` (per metric the ratio sim / runtime and the median relative error,
 throughput and makespan ratios, the per-iteration overhead each engine pays; pwsim/fidelity.py) and
 `fidelity.png` (simulated against measured latencies per request, iteration time against batch tokens).
 With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
@@ -21,7 +21,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("fidelity", help="compare a pwsim run with a pwruntime replay of the same trace",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sim", required=True, metavar="DIR", help="result directory of `pwsim run`")
-    p.add_argument("--runtime", required=True, metavar="DIR", help="result directory of `pwruntime replay`")
+    p.add_argument("--runtime", required=True, metavar="DIR",
+                   help="result directory of `pwruntime replay` or `pwruntime bench serve` (one level)")
     p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png (default runs/fidelity)")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
                    help="also write the simulated run's hardware profile with the runtime's per-iteration overhead")
@@ -66,10 +67,17 @@ def run(args) -> int:
     r = report["requests"]
     print(f"{r['paired']} requests paired ({r['sim']} simulated, {r['runtime']} replayed)")
     a = report["async_scheduling"]
-    if a["sim"] != a["runtime"]:
+    if a["runtime"] is None:
+        print("note: the served run's server did not say how it scheduled (no /server_info), so neither this nor its "
+              "scheduler limits are checked")
+    elif a["sim"] != a["runtime"]:
         on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
         print(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
               "(run both with or both without --async-scheduling)")
+    differ = [f"{key} {v['sim']} simulated, {v['runtime']} on the runtime" for key, v in report["scheduler"].items()
+              if None not in (v["sim"], v["runtime"]) and v["sim"] != v["runtime"]]
+    if differ:
+        print(f"note: the scheduler limits differ ({'; '.join(differ)}); give both engines the same")
     w = report["warmup_requests"]
     if w["sim"] != w["runtime"]:
         print(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the state "
@@ -102,8 +110,11 @@ def run(args) -> int:
         for k in ("decode", "mixed"):
             print(f"{k} iterations: sim {kind(k, 'sim')}, runtime {kind(k, 'runtime')}")
     pl = report["planner"]
-    print(f"plans: {pl['plans']['sim']} simulated, {pl['plans']['runtime']} on the runtime; preemptions: "
-          f"{pl['preemptions']['sim']} and {pl['preemptions']['runtime']}")
+
+    def count(v) -> str:
+        return "not recorded" if v is None else str(v)
+    print(f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
+          f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}")
     for kind, ms in (report["runtime_phase_ms"] or {}).items():
         print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))
     rr = report["routing_reads"]

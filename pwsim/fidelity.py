@@ -120,9 +120,13 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
         "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)),
                           **routing_read_cost(runtime.timeline)},
-        # whether each side scheduled asynchronously (`--async-scheduling`; absent from older results: no)
+        # whether each side scheduled asynchronously (`--async-scheduling`; absent from older results: no; None: a
+        # served run whose server did not say)
         "async_scheduling": {"sim": bool(sim.config.get("async_scheduling", False)),
-                             "runtime": bool(runtime.config.get("async_scheduling", False))},
+                             "runtime": _setting(runtime.config, "async_scheduling", False)},
+        # the scheduler limits each side ran with (None: not recorded)
+        "scheduler": {key: {"sim": _setting(sim.config, sim_key, None), "runtime": _setting(runtime.config, key, None)}
+                      for key, sim_key in SCHEDULER_KEYS.items()},
         # how many requests each side served before its clock started (`--warmup-requests`; absent: none)
         "warmup_requests": {"sim": int(sim.config.get("warmup_requests") or 0),
                             "runtime": int(runtime.config.get("warmup_requests") or 0)},
@@ -131,6 +135,19 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         # the client's limit on requests in flight (`--max-concurrency` of `pwruntime bench serve` and `pwsim run`)
         "max_concurrency": {"sim": sim.config.get("max_concurrency"), "runtime": runtime.config.get("max_concurrency")},
     }
+
+
+# the scheduler settings both engines take: the runtime's config key -> the simulator's
+SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
+                  "block_size": "block_size", "enable_prefix_caching": "prefix_caching"}
+
+
+def _setting(config: dict, key: str, default):
+    """A setting of a result's config: `default` where an older result lacks it, None where a served run's server
+    did not say what it ran with (`pwruntime bench serve` against a server without /server_info)."""
+    if key in config:
+        return config[key]
+    return None if config.get("target") == "serve" else default
 
 
 def _time_scale(config: dict) -> float:

@@ -36,6 +36,14 @@ def test_every_request_is_served_and_timed_from_the_client(url, tmp_path, capsys
     assert summary["slo"]["met"] == 10
     saved, requests, timeline, config = read_result_dir(out)
     assert saved == summary and timeline == {} and config["api_key"] is None
+    # what the run added to the engine's counters (nothing else used the server meanwhile), and what it ran with
+    server = summary["server"]
+    assert server["generated_tokens"] == summary["output_tokens"] and server["steps"] >= max(trace.output_tokens[:10])
+    assert server["prompt_tokens_computed"] == int(trace.prompt_tokens[:10].sum())
+    assert summary["plans"] == server["plans"] == 0 and summary["preemptions"] == 0
+    assert config["server"]["engine"]["num_kv_blocks"] == config["num_kv_blocks"] == 256  # the fixture's pool
+    assert config["async_scheduling"] is False and config["max_num_seqs"] == 32 and config["time_scale"] == 0.5
+    assert "bits" not in config and "steps" not in config  # other targets' options are not this run's
     assert requests["output_tokens"].tolist() == trace.output_tokens[:10].tolist()
     assert requests["request_id"].tolist() == trace.request_id[:10].tolist()
     arrival = (trace.arrival_s[:10] - trace.arrival_s[:10].min()) * 0.5
@@ -62,6 +70,26 @@ def test_a_request_the_server_refuses_is_counted_as_failed(url, tmp_path, capsys
     _, requests, _, _ = read_result_dir(out)
     assert requests["finish_reason"].tolist() == ["length", "error", "length"]
     assert np.isnan(requests["e2e_s"][1]) and summary["unfinished"] == 1
+
+
+def test_the_probe_reads_our_counters_and_tolerates_a_server_without_them(url):
+    from pwruntime import server_probe
+
+    text = "# TYPE pagedweight_plans_total counter\npagedweight_plans_total 7\npagedweight_x_bucket{le=\"1\"} 3\nother 1\n"
+    assert server_probe.parse_counters(text) == {"plans_total": 7.0}
+    assert server_probe.counter_deltas({"plans_total": 7, "steps_total": 5}, {"plans_total": 9}) == {"plans": 2}
+    assert server_probe.engine_settings(None) == {}
+
+    async def probe(base: str):
+        import aiohttp
+        async with aiohttp.ClientSession() as session:
+            return await server_probe.server_info(session, base), await server_probe.engine_counters(session, base)
+
+    import asyncio
+    info, counters = asyncio.run(probe(url))
+    assert info["engine"]["num_kv_blocks"] == 256 and counters["kv_blocks_total"] == 256
+    assert asyncio.run(probe(f"{url}/v1")) == (None, {})  # no /server_info, no /metrics there: nothing known
+    assert asyncio.run(probe("http://127.0.0.1:9")) == (None, {})  # nothing listening
 
 
 def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):

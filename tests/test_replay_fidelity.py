@@ -315,6 +315,25 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
                      str(tmp_path / "fid5")]) == 0
     assert ("note: the simulation's client had no limit and the runtime's at most 8 requests in flight"
             in capsys.readouterr().out)
+    assert rep["scheduler"]["max_num_seqs"] == {"sim": None, "runtime": None}  # neither recorded: nothing to check
+    _write_run(tmp_path / "sim-32", sim, max_num_seqs=32, block_size=16, prefix_caching=False)
+    _write_run(tmp_path / "rt-16", rt, max_num_seqs=16, block_size=16, enable_prefix_caching=False)
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim-32"), "--runtime", str(tmp_path / "rt-16"), "--out",
+                     str(tmp_path / "fid6"), "--json"]) == 0
+    rep6 = json.loads(capsys.readouterr().out)
+    assert rep6["scheduler"]["max_num_seqs"] == {"sim": 32, "runtime": 16}
+    assert rep6["scheduler"]["enable_prefix_caching"] == {"sim": False, "runtime": False}
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim-32"), "--runtime", str(tmp_path / "rt-16"), "--out",
+                     str(tmp_path / "fid6")]) == 0
+    text = capsys.readouterr().out
+    assert "note: the scheduler limits differ (max_num_seqs 32 simulated, 16 on the runtime)" in text
+    # a served run whose server said nothing of itself (another server): its settings unknown, not "synchronous"
+    _write_run(tmp_path / "served", rt, target="serve", server=None, max_concurrency=8)
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim-32"), "--runtime", str(tmp_path / "served"), "--out",
+                     str(tmp_path / "fid7")]) == 0
+    text = capsys.readouterr().out
+    assert "server did not say how it scheduled" in text and "scheduler limits differ" not in text
+    assert "plans: not recorded simulated, not recorded on the runtime" in text
 
 
 def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
