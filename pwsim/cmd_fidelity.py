@@ -7,7 +7,7 @@ throughput and makespan ratios, the per-iteration overhead each engine pays; pws
 `fidelity.png` (simulated against measured latencies per request, iteration time against batch tokens).
 With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
 and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token
-costs (and, when the replay records which planner steps read the routing statistics, `routing_read_us` their
+costs (with --fit-per-sequence, from the fits with a per-sequence term, `sequence_overhead_us` too) (and, when the replay records which planner steps read the routing statistics, `routing_read_us` their
 measured cost): a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
 """
 from __future__ import annotations
@@ -26,6 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png (default runs/fidelity)")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
                    help="also write the simulated run's hardware profile with the runtime's per-iteration overhead")
+    p.add_argument("--fit-per-sequence", action="store_true",
+                   help="with --fit-profile: fit a host cost per sequence an iteration schedules too "
+                        "(sequence_overhead_us), from the fits with that term")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -44,6 +47,8 @@ def run(args) -> int:
     from pwsim.output import write_report
     from traces.results import dumps, read_result_dir
 
+    if args.fit_per_sequence and not args.fit_profile:
+        raise UserError("--fit-per-sequence fits the profile --fit-profile writes; give --fit-profile JSON too")
     sim = RunView(*read_result_dir(args.sim, "--sim"))
     rt = RunView(*read_result_dir(args.runtime, "--runtime"))
     report = compare(sim, rt)
@@ -54,9 +59,10 @@ def run(args) -> int:
         hw = sim.config.get("hardware")
         if not hw:
             raise UserError(f"--sim {args.sim} names no hardware profile in its config.json; is it a `pwsim run` result?")
-        fitted = fitted_profile(load_profile(hw), report)
+        fitted = fitted_profile(load_profile(hw), report, per_sequence=args.fit_per_sequence)
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "iteration_overhead_us": fitted.iteration_overhead_us,
+                                    "sequence_overhead_us": fitted.sequence_overhead_us,
                                     "token_overhead_us": fitted.token_overhead_us}
     out = write_report(args.out, "fidelity", report,
                        lambda png: plots.fidelity(paired_columns(sim, rt), sim.timeline, rt.timeline, report, png),
@@ -101,6 +107,10 @@ def run(args) -> int:
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
           f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
           " a token against the simulator")
+    seq = it["per_sequence"]
+    if seq is not None:
+        print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, {seq['per_seq_gap_us']:+.1f} "
+              f"us a sequence and {seq['per_token_gap_us']:+.1f} us a token (--fit-per-sequence fits these)")
     kinds = it["by_kind"]
     if kinds["sim"] and kinds["runtime"]:
         def kind(k: str, side: str) -> str:
@@ -124,6 +134,7 @@ def run(args) -> int:
               + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
-             f"{fitted.token_overhead_us:.1f} us a token, {fitted.routing_read_us:.0f} us a routing read) to "
+             f"{fitted.sequence_overhead_us:.1f} us a sequence, {fitted.token_overhead_us:.1f} us a token, "
+             f"{fitted.routing_read_us:.0f} us a routing read) to "
              f"{args.fit_profile}" if fitted is not None else ""))
     return 0

@@ -17,7 +17,8 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   plain fp16 matrices (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
-* overhead: the profile's per-iteration and per-layer launch costs, and its host cost per token computed.
+* overhead: the profile's per-iteration and per-layer launch costs, and its host costs per token computed and
+  per sequence scheduled.
 
 `iteration_cost` is a pure function of (card, profile, batch, committed bits, routed experts);
 `CostModel` is the same with the card- and profile-derived constants computed once (and the
@@ -119,6 +120,7 @@ class CostModel:
         self._fp16_time = (FP16 * self.block_params / self.bw["moe"])[None, :]  # [1, 2] seconds to stream fp16
         self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
         self.token_overhead = p.token_overhead_us * 1e-6
+        self.sequence_overhead = p.sequence_overhead_us * 1e-6
         self.prefill_layer_overhead = p.prefill_layer_overhead_us * 1e-6
 
     # ------------------------------------------------------------------ parts
@@ -192,7 +194,8 @@ class CostModel:
         if batch.num_tokens == 0:
             return CostBreakdown(overhead=self.overhead)
         return CostBreakdown(self.attention(batch), self.moe(q, expert_tokens, batch.num_tokens), self.dense(batch),
-                             self.lm_head(batch), self.overhead + batch.num_tokens * self.token_overhead)
+                             self.lm_head(batch), self.overhead + batch.num_tokens * self.token_overhead
+                             + len(batch.new_tokens) * self.sequence_overhead)
 
 
 def iteration_cost(card: ModelSpec, profile: HardwareProfile, batch: BatchShape, q: np.ndarray,

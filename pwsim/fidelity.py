@@ -9,9 +9,12 @@ the scheduler's preemptions on each side; and a least-squares fit
 engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
 what a hardware profile's `iteration_overhead_us` and `token_overhead_us` would need added to match
 the runtime (the runtime of a small model is bound by the host, which the cost model's roofline does
-not see); `fitted_profile` adds them. Where both timelines record each iteration's decode tokens, the
-decode-only and the mixed iterations are also compared apart (`iterations.by_kind`: count, mean time, mean
-tokens), which shows which kind of step a fit gets wrong. A replay that records which steps' planners read the routing statistics
+not see); `fitted_profile` adds them. Where both timelines give each iteration's sequences and their sizes tell the
+terms apart, the fit `a + c * sequences + b * tokens` too (`iterations.per_sequence`): a decode step's host work
+grows with its sequences, a mixed step's far less with its prompt tokens, which one slope cannot hold;
+`fitted_profile(per_sequence=True)` adds its three gaps, `sequence_overhead_us` among them. Where both timelines
+record each iteration's decode tokens, the decode-only and the mixed iterations are also compared apart
+(`iterations.by_kind`: count, mean time, mean tokens), which shows which kind of step a fit gets wrong. A replay that records which steps' planners read the routing statistics
 (`routing_read`) also gives their cost: the mean plan phase of those steps minus that of the others
 (`routing_reads.plan_gap_us`), which `fitted_profile` takes as `routing_read_us` (the simulator charges it after
 each boundary whose planner read them, and counts them: `counters.routing_reads`).
@@ -58,17 +61,41 @@ def metric_report(sim_v: np.ndarray, rt_v: np.ndarray) -> dict:
             "median_abs_rel_error": percentile(np.abs(ratio - 1.0), 50)}
 
 
-def iteration_fit(timeline: dict[str, np.ndarray]) -> dict:
-    """Least squares iter_s = a + b * batch_tokens over a run's iterations."""
+def batch_seqs(timeline: dict[str, np.ndarray]) -> np.ndarray | None:
+    """Each iteration's scheduled sequences: the timeline's `batch_seqs`, or for older results its decode tokens plus
+    one for a step with prompt tokens (most of the demo's mixed steps hold one prompt chunk); None without either."""
+    if "batch_seqs" in timeline:
+        return np.asarray(timeline["batch_seqs"], dtype=np.float64)
+    if "decode_tokens" not in timeline:
+        return None
+    decode = np.asarray(timeline["decode_tokens"], dtype=np.float64)
+    return decode + (np.asarray(timeline["batch_tokens"], dtype=np.float64) > decode)
+
+
+def iteration_fit(timeline: dict[str, np.ndarray], per_seq: bool = False) -> dict:
+    """Least squares iter_s = a + b * batch_tokens over a run's iterations, and with `per_seq` (the timeline has
+    `batch_seqs` or can estimate them) iter_s = a + c * batch_seqs + b * batch_tokens: a decode step's sequences
+    and a mixed step's prompt tokens cost the host differently. Where the sizes cannot tell the sequence term from
+    the token term (decode steps only), the first form, with `per_seq_s` None; where they cannot tell even the
+    token term (one size), the median iteration as the intercept. `per_seq_s` is in the result with `per_seq`
+    only."""
     t = np.asarray(timeline.get("iter_s", []), dtype=np.float64)
     x = np.asarray(timeline.get("batch_tokens", []), dtype=np.float64)
+    seqs = batch_seqs(timeline) if per_seq else None
     ok = np.isfinite(t) & (x > 0)
     t, x = t[ok], x[ok]
-    if t.size < 2 or np.ptp(x) == 0:
-        a, b = (float(np.median(t)) if t.size else None), None
-    else:
+    a = b = c = None
+    if seqs is not None and t.size >= 3:
+        design = np.stack([np.ones_like(x), seqs[ok], x], axis=1)
+        coef, _, rank, _ = np.linalg.lstsq(design, t, rcond=None)
+        if rank == 3:
+            a, c, b = (float(v) for v in coef)
+    if a is None and t.size >= 2 and np.ptp(x) > 0:
         b, a = (float(v) for v in np.polyfit(x, t, 1))
-    return {"iterations": int(t.size), "intercept_s": a, "per_token_s": b, "median_iter_s": percentile(t, 50)}
+    if a is None and t.size:
+        a = float(np.median(t))
+    return {"iterations": int(t.size), "intercept_s": a, "per_token_s": b, "median_iter_s": percentile(t, 50)} | (
+        {"per_seq_s": c} if per_seq else {})
 
 
 def iteration_kinds(timeline: dict[str, np.ndarray]) -> dict | None:
@@ -103,8 +130,6 @@ def compare(sim: RunView, runtime: RunView) -> dict:
     paired = paired_columns(sim, runtime)
     per = {m: metric_report(*paired[m]) for m in METRICS}
     fit_s, fit_r = iteration_fit(sim.timeline), iteration_fit(runtime.timeline)
-    def gap(key: str) -> float | None:
-        return None if None in (fit_r[key], fit_s[key]) else (fit_r[key] - fit_s[key]) * 1e6
     return {
         "requests": {"sim": len(sim.requests["request_id"]), "runtime": len(runtime.requests["request_id"]),
                      "paired": len(paired[METRICS[0]][0])},
@@ -112,9 +137,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
-        "iterations": {"sim": fit_s, "runtime": fit_r, "overhead_gap_us": gap("intercept_s"),
-                       "per_token_gap_us": gap("per_token_s"),
-                       "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)}},
+        "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r),
+                       "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)},
+                       "per_sequence": per_sequence_fit(sim.timeline, runtime.timeline)},
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
@@ -150,6 +175,25 @@ def _setting(config: dict, key: str, default):
     return None if config.get("target") == "serve" else default
 
 
+def _gaps(fit_s: dict, fit_r: dict) -> dict:
+    """What the runtime pays beyond the simulator, per term of the two fits (microseconds; None: not fitted)."""
+    def gap(key: str) -> float | None:
+        return None if None in (fit_r.get(key), fit_s.get(key)) else (fit_r[key] - fit_s[key]) * 1e6
+    return {"overhead_gap_us": gap("intercept_s"), "per_token_gap_us": gap("per_token_s")} | (
+        {"per_seq_gap_us": gap("per_seq_s")} if "per_seq_s" in fit_s else {})
+
+
+def per_sequence_fit(sim_timeline: dict, runtime_timeline: dict) -> dict | None:
+    """Both sides fitted with the per-sequence term, and its gaps; None where either timeline cannot give it (no
+    sequences, or sizes that cannot tell a sequence from a token)."""
+    if batch_seqs(sim_timeline) is None or batch_seqs(runtime_timeline) is None:
+        return None
+    fit_s, fit_r = iteration_fit(sim_timeline, True), iteration_fit(runtime_timeline, True)
+    if None in (fit_s["per_seq_s"], fit_r["per_seq_s"]):
+        return None
+    return {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r)}
+
+
 def _time_scale(config: dict) -> float:
     value = config.get("time_scale")
     return 1.0 if value is None else float(value)
@@ -173,16 +217,24 @@ def paired_columns(sim: RunView, runtime: RunView) -> dict[str, tuple[np.ndarray
             for m in METRICS}
 
 
-def fitted_profile(profile, report: dict):
+def fitted_profile(profile, report: dict, per_sequence: bool = False):
     """`profile` with the runtime's host costs: iteration_overhead_us plus the gap of the fitted intercepts,
-    token_overhead_us plus the gap of the fitted per-token slopes (each at least 0), and routing_read_us the measured
-    cost of reading the routing statistics where the replay has steps that did and steps that did not (else the
-    profile's own)."""
+    token_overhead_us plus the gap of the fitted per-token slopes (and with `per_sequence`, from the fits with the
+    per-sequence term, sequence_overhead_us plus the gap of those slopes; each at least 0), and routing_read_us the
+    measured cost of reading the routing statistics where the replay has steps that did and steps that did not
+    (else the profile's own)."""
     it = report["iterations"]
-    gap, slope = it["overhead_gap_us"], it["per_token_gap_us"]
+    if per_sequence:
+        it = it["per_sequence"]
+        if it is None:
+            raise UserError("cannot fit a per-sequence host cost: a run's timeline lacks each iteration's sequences "
+                            "(batch_seqs or decode_tokens), or its steps cannot tell a sequence from a token (it "
+                            "needs decode steps of several batch sizes and steps with prompt tokens)")
+    gap, slope, per_seq = it["overhead_gap_us"], it["per_token_gap_us"], it.get("per_seq_gap_us")
     if gap is None or slope is None:
         raise UserError("cannot fit the host costs: a run has fewer than two iterations of different sizes")
     read = report.get("routing_reads", {}).get("plan_gap_us")
+    seq_us = profile.sequence_overhead_us if per_seq is None else max(0.0, profile.sequence_overhead_us + per_seq)
     return replace(profile, name=f"{profile.name}-fit", iteration_overhead_us=max(0.0, profile.iteration_overhead_us + gap),
-                   token_overhead_us=max(0.0, profile.token_overhead_us + slope),
+                   token_overhead_us=max(0.0, profile.token_overhead_us + slope), sequence_overhead_us=seq_us,
                    routing_read_us=profile.routing_read_us if read is None else max(0.0, read))

@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TIMELINE_COLUMNS = ("time_s", "step", "weight_bytes", "kv_pool_bytes", "kv_used_bytes", "memory_bytes",
                     "free_blocks", "total_blocks", "mean_bits", "running", "waiting", "inflight_bytes",
-                    "iter_s", "batch_tokens", "decode_tokens")
+                    "iter_s", "batch_tokens", "decode_tokens", "batch_seqs")
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Recorder:
         self.stride = timeline_stride
         self._tl: list[tuple] = []
         self._boundaries = 0
-        self._pending_iter = (0.0, 0, 0)
+        self._pending_iter = (0.0, 0, 0, 0)
         self.iterations = 0
         self.decode_tokens = 0
         self.computed_tokens = 0
@@ -77,7 +77,7 @@ class Recorder:
         self.iterations += 1
         self.computed_tokens += tokens
         self.decode_tokens += decode_tokens
-        self._pending_iter = (dt, tokens, decode_tokens)
+        self._pending_iter = (dt, tokens, decode_tokens, seqs)
 
     def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
         self.out_tokens[reqs] += 1
@@ -140,15 +140,15 @@ class Recorder:
         if self._last_bits is not None:
             self.bits_time += self._last_bits * (now - self._last_t)
         self._last_t, self._last_bits = now, mean_bits
-        dt, tokens, decode = self._pending_iter
-        self._pending_iter = (0.0, 0, 0)
+        dt, tokens, decode, seqs = self._pending_iter
+        self._pending_iter = (0.0, 0, 0, 0)
         self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
         self._boundaries += 1
         if (self._boundaries - 1) % self.stride:
             return
         self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
                          pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,
-                         dt, tokens, decode))
+                         dt, tokens, decode, seqs))
 
     # ------------------------------------------------------------ result
     def result(self, sim: "Simulation") -> SimResult:

@@ -83,6 +83,7 @@ def test_a_time_scale_of_zero_sends_every_request_at_once(ckpt):
     assert clock.slept == [] and np.all(r["arrival_s"] == 0.0)  # nothing to wait for
     np.testing.assert_array_equal(r["output_tokens"], OUTPUTS)
     assert res.timeline["batch_tokens"][0] == 5 + 3 + 7  # the three prompts in the first step
+    assert res.timeline["batch_seqs"][0] == 3 and res.timeline["batch_seqs"][-1] == 1  # the longest ends alone
 
 
 def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
@@ -201,6 +202,42 @@ def test_fidelity_ratios_errors_and_overhead_gap():
     assert fit.iteration_overhead_us == pytest.approx(prof.iteration_overhead_us + 2000.0) and fit.name.endswith("-fit")
 
 
+def test_the_fit_tells_a_sequence_s_host_cost_from_a_token_s():
+    """Decode steps of several batch sizes and mixed steps with prompt chunks: the three-term fit recovers each
+    side's costs, their gaps move the profile's three terms, and old timelines estimate their sequences."""
+    seqs = np.array([1, 4, 16, 32, 2, 33, 8])
+    tokens = np.array([1, 4, 16, 32, 400, 512, 8])
+    decode = np.array([1, 4, 16, 32, 1, 32, 8])
+    runtime = _view([1], [0.1], [0.01], [1.0], 500e-6 + 20e-6 * seqs + 5e-6 * tokens, tokens)
+    sim = _view([1], [0.1], [0.01], [1.0], 400e-6 + 1e-6 * seqs + 2e-6 * tokens, tokens)
+    runtime.timeline.update(batch_seqs=seqs, decode_tokens=decode)
+    sim.timeline.update(batch_seqs=seqs, decode_tokens=decode)
+    fit = iteration_fit(runtime.timeline, per_seq=True)
+    assert (fit["intercept_s"], fit["per_seq_s"], fit["per_token_s"]) == (
+        pytest.approx(500e-6), pytest.approx(20e-6), pytest.approx(5e-6))
+    rep = compare(sim, runtime)
+    it = rep["iterations"]["per_sequence"]
+    assert it["overhead_gap_us"] == pytest.approx(100.0) and it["per_seq_gap_us"] == pytest.approx(19.0)
+    assert it["per_token_gap_us"] == pytest.approx(3.0)
+    assert "per_seq_gap_us" not in rep["iterations"]  # the two-term fit stays the report's first
+    prof = replace(load_profile("h200-roofline"), sequence_overhead_us=2.0, token_overhead_us=1.0)
+    fitted = fitted_profile(prof, rep, per_sequence=True)
+    assert fitted.sequence_overhead_us == pytest.approx(21.0) and fitted.token_overhead_us == pytest.approx(4.0)
+    assert fitted.iteration_overhead_us == pytest.approx(prof.iteration_overhead_us + 100.0)
+    assert fitted_profile(prof, rep).sequence_overhead_us == 2.0  # the two-term fit leaves it as it was
+    # a timeline from before `batch_seqs`: its decode tokens, plus one for a step with prompt tokens
+    del runtime.timeline["batch_seqs"]
+    assert compare(sim, runtime)["iterations"]["per_sequence"]["per_seq_gap_us"] == pytest.approx(19.0, abs=2.0)
+    del runtime.timeline["decode_tokens"]  # nothing to count sequences by
+    assert compare(sim, runtime)["iterations"]["per_sequence"] is None
+    with pytest.raises(UserError, match="per-sequence"):
+        fitted_profile(prof, compare(sim, runtime), per_sequence=True)
+    # decode steps alone cannot tell a sequence from a token: the two-term fit, no sequence term
+    only = {k: v[:4] for k, v in runtime.timeline.items()}
+    assert iteration_fit(only, per_seq=True)["per_seq_s"] is None
+    assert iteration_fit(only, per_seq=True)["per_token_s"] == pytest.approx(25e-6)
+
+
 def test_fidelity_compares_decode_and_mixed_iterations_apart():
     tokens = np.array([4, 4, 100, 4, 300, 0])
     decode = np.array([4, 4, 3, 4, 0, 0])
@@ -292,6 +329,14 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     assert (out / "fidelity.png").stat().st_size > 10_000
     fit = load_profile(tmp_path / "fit.json")
     assert fit.iteration_overhead_us == pytest.approx(load_profile("h200-roofline").iteration_overhead_us + 3000.0)
+    assert "with a per-sequence term: +3000 us an iteration, +0.0 us a sequence and +0.0 us a token" in text
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--out", str(out),
+                     "--fit-profile", str(tmp_path / "fit-seq.json"), "--fit-per-sequence"]) == 0
+    assert "0.0 us a sequence" in capsys.readouterr().out
+    assert load_profile(tmp_path / "fit-seq.json").iteration_overhead_us == pytest.approx(fit.iteration_overhead_us)
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--out", str(out),
+                     "--fit-per-sequence"]) == 2
+    assert "give --fit-profile JSON too" in capsys.readouterr().err
     assert rep["async_scheduling"] == {"sim": False, "runtime": False} and "note:" not in text
     _write_run(tmp_path / "rt-async", rt, async_scheduling=True)   # a replay scheduled asynchronously
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-async"), "--out",

@@ -33,6 +33,11 @@ def test_breakdown_sums_to_total_and_empty_batch_costs_only_overhead(qwen):
     empty = cm.iteration(BatchShape.of([], [], 0), q, np.zeros_like(et))
     overhead = (prof.iteration_overhead_us + card.layers * prof.layer_overhead_us) * 1e-6
     assert empty.total == empty.overhead == pytest.approx(overhead)
+    # the host's costs per token computed and per sequence scheduled (39 tokens of 3 sequences)
+    from dataclasses import replace
+    hosted = CostModel(card, replace(prof, token_overhead_us=2.0, sequence_overhead_us=30.0)).iteration(b, q, et)
+    assert hosted.overhead == pytest.approx(c.overhead + (39 * 2.0 + 3 * 30.0) * 1e-6)
+    assert hosted.moe == c.moe and hosted.attention == c.attention
 
 
 def test_moe_matches_the_design_roofline_anchors(qwen):

@@ -47,8 +47,10 @@ def test_timeline_records_each_iterations_decode_tokens():
     """As the runtime's replay does: an iteration's decode tokens (what `pwsim fidelity` splits iterations by)."""
     res = tiny_sim("pagedweight", kv_blocks=64, n=30).run()
     tl = res.timeline
-    batch, decode = tl["batch_tokens"], tl["decode_tokens"]
+    batch, decode, seqs = tl["batch_tokens"], tl["decode_tokens"], tl["batch_seqs"]
     assert ((0 <= decode) & (decode <= batch)).all()
+    assert ((decode <= seqs) & (seqs <= batch)).all()  # each decode a sequence; every sequence computes a token
+    assert (seqs[batch > decode] > decode[batch > decode]).all()  # a step with prompt tokens has a prompt's sequence
     assert ((batch > decode) & (batch > 0)).any() and ((batch == decode) & (batch > 0)).any()  # mixed and decode-only
 
 

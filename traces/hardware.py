@@ -19,6 +19,10 @@ Format (JSON object, `format_version` 1):
     token_overhead_us                   optional (default 0): host cost per token an iteration computes (the
                                         runtime's work that grows with the batch; `pwsim fidelity --fit-profile`
                                         measures it)
+    sequence_overhead_us                optional (default 0): host cost per sequence an iteration schedules
+                                        (staging its inputs, sampling and settling its token: what a decode
+                                        step of one sequence costs beyond one token; `pwsim fidelity
+                                        --fit-profile` measures it)
     routing_read_us                     optional (default 0): host cost of a planner step that reads the routing
                                         statistics (under pressure: the held routing folded, the prompt features
                                         merged, the steps scored, and the page moves and KV resizes its plan
@@ -80,6 +84,7 @@ class HardwareProfile:
     ap_efficiency_by_tokens: dict[int, dict[int, float]] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     token_overhead_us: float = 0.0
+    sequence_overhead_us: float = 0.0
     prefill_layer_overhead_us: float = 0.0
     ap_fused_launch_tokens: int = 64
     routing_read_us: float = 0.0
@@ -149,8 +154,8 @@ def validate(p: HardwareProfile) -> None:
     for f in ("gpu_memory_bytes", "hbm_gbps", "fp16_tflops", "achieved_flops_fraction", "pcie_h2d_gbps",
               "pcie_d2h_gbps", "ap_fused_max_tokens", "ap_fused_launch_tokens"):
         _positive(f, getattr(p, f))
-    for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "prefill_layer_overhead_us",
-              "routing_read_us"):
+    for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "sequence_overhead_us",
+              "prefill_layer_overhead_us", "routing_read_us"):
         _positive(f, getattr(p, f), allow_zero=True)
     if p.achieved_flops_fraction > 1:
         raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")
