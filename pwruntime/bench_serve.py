@@ -12,7 +12,7 @@ users): a request whose arrival finds N in flight waits for one to end, and its 
 sent; `time_scale` 0 sends the whole trace at once (vLLM's --request-rate inf). The result directory has the
 request columns and summary of `pwruntime replay` and `pwsim run` (traces.results): `pwsim fidelity --runtime DIR`
 and `--slo-*` read it, and it sets the HTTP server's costs beside the engine's own replay of the same trace. Several
-concurrency levels make a sweep (pwruntime.bench_serve_sweep).
+concurrency levels make a sweep (traces.sweep).
 """
 from __future__ import annotations
 
@@ -194,11 +194,11 @@ def add_args(parser) -> None:
 
 def run_cli(args, command: str) -> int:
     """`pwruntime bench serve`: send the trace, write the result directory (--out, default runs/bench-serve); with
-    several --max-concurrency levels, one run per level (pwruntime.bench_serve_sweep)."""
+    several --max-concurrency levels, one run per level (traces.sweep)."""
     import sys
     from pathlib import Path
 
-    from pwruntime import bench_serve_sweep as sweep
+    from traces import sweep
     from pwruntime.cmd_replay import _requests
     from traces.results import prepare_dir, slo_attainment, slo_bounds, slo_line, write_result_dir
 

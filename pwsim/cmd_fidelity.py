@@ -9,6 +9,11 @@ With --fit-profile it also writes the simulated run's hardware profile with `ite
 and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token
 costs (with --fit-per-sequence, from the fits with a per-sequence term, `sequence_overhead_us` too) (and, when the replay records which planner steps read the routing statistics, `routing_read_us` their
 measured cost): a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
+
+Two concurrency sweeps (`pwsim run --max-concurrency 1,4,16,64` and `pwruntime bench serve --max-concurrency
+1,4,16,64`) are compared level by level: `fidelity.json` holds a row per level both ran (the throughput ratio, the
+median latency ratios and errors) and each level's whole report, `fidelity.png` both sides' throughput and median
+TPOT against the level.
 """
 from __future__ import annotations
 
@@ -41,6 +46,71 @@ def _line(name: str, m: dict) -> str:
             f"{f(m['ratio_p90'], fmt='{:.2f}')}), median |error| {f(m['median_abs_rel_error'], 100, '{:.0f}')}%")
 
 
+def _sweep_summary(path) -> dict | None:
+    """The summary of a sweep directory (`{"sweep": rows}`), or None for any other path."""
+    import json
+    from pathlib import Path
+
+    try:
+        summary = json.loads((Path(path) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and isinstance(summary.get("sweep"), list) else None
+
+
+def run_sweeps(args, sim_summary: dict | None, rt_summary: dict | None) -> int:
+    """Two sweeps, level by level (the module docstring)."""
+    from pwsim import plots
+    from pwsim.fidelity import RunView, compare
+    from pwsim.output import write_report
+    from traces.results import dumps, read_result_dir
+    from traces.sweep import level_dirs
+
+    if sim_summary is None or rt_summary is None:
+        one, other = ("--sim", "--runtime") if sim_summary is not None else ("--runtime", "--sim")
+        raise UserError(f"{one} is a concurrency sweep and {other} is not: give two sweeps (`pwsim run` and "
+                        "`pwruntime bench serve` with --max-concurrency 1,4,...) or two single runs")
+    if args.fit_profile:
+        raise UserError("--fit-profile fits a profile from one pair of runs; give one level of each sweep "
+                        "(--sim DIR/c64 --runtime DIR/c64) or a replay")
+    sim_dirs, rt_dirs = level_dirs(args.sim, sim_summary), level_dirs(args.runtime, rt_summary)
+    levels = sorted(set(sim_dirs) & set(rt_dirs))
+    if not levels:
+        raise UserError(f"the sweeps share no --max-concurrency level (simulated {sorted(sim_dirs)}, served "
+                        f"{sorted(rt_dirs)}); run them over the same levels")
+    rows, reports = [], {}
+    for level in levels:
+        rep = compare(RunView(*read_result_dir(sim_dirs[level], "--sim")),
+                      RunView(*read_result_dir(rt_dirs[level], "--runtime")))
+        reports[str(level)] = rep
+        m = rep["metrics"]
+        rows.append({"max_concurrency": level, "throughput_ratio": rep["throughput_ratio"],
+                     **{f"{k}_ratio_p50": m[k]["ratio_p50"] for k in ("ttft_s", "tpot_s", "e2e_s")},
+                     "e2e_median_abs_rel_error": m["e2e_s"]["median_abs_rel_error"],
+                     "sim_tpot_p50_s": m["tpot_s"]["sim_p50"], "runtime_tpot_p50_s": m["tpot_s"]["runtime_p50"]})
+    sim_rows = {r["max_concurrency"]: r for r in sim_summary["sweep"]}
+    rt_rows = {r["max_concurrency"]: r for r in rt_summary["sweep"]}
+    for row in rows:
+        row["sim_tokens_per_s"] = sim_rows[row["max_concurrency"]]["throughput_tokens_per_s"]
+        row["runtime_tokens_per_s"] = rt_rows[row["max_concurrency"]]["throughput_tokens_per_s"]
+    report = {"levels": rows, "reports": reports, "inputs": {"sim": str(args.sim), "runtime": str(args.runtime)}}
+    out = write_report(args.out, "fidelity", report, lambda png: plots.fidelity_sweep(rows, png))
+    if args.json:
+        print(dumps(report))
+        return 0
+
+    def f(v, fmt="{:.2f}") -> str:
+        return "n/a" if v is None else fmt.format(v)
+    print(f"{'N':>5} {'sim tok/s':>10} {'runtime':>8} {'ratio':>6}  sim/runtime p50: {'TTFT':>5} {'TPOT':>5} "
+          f"{'e2e':>5}  |e2e error|")
+    for r in rows:
+        print(f"{r['max_concurrency']:>5} {r['sim_tokens_per_s']:>10.0f} {r['runtime_tokens_per_s']:>8.0f} "
+              f"{f(r['throughput_ratio']):>6}  {'':>16}{f(r['ttft_s_ratio_p50']):>5} {f(r['tpot_s_ratio_p50']):>5} "
+              f"{f(r['e2e_s_ratio_p50']):>5}  {f(r['e2e_median_abs_rel_error'], '{:.0%}'):>10}")
+    print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}")
+    return 0
+
+
 def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
@@ -49,6 +119,9 @@ def run(args) -> int:
 
     if args.fit_per_sequence and not args.fit_profile:
         raise UserError("--fit-per-sequence fits the profile --fit-profile writes; give --fit-profile JSON too")
+    sweeps = [_sweep_summary(path) for path in (args.sim, args.runtime)]
+    if any(s is not None for s in sweeps):
+        return run_sweeps(args, *sweeps)
     sim = RunView(*read_result_dir(args.sim, "--sim"))
     rt = RunView(*read_result_dir(args.runtime, "--runtime"))
     report = compare(sim, rt)

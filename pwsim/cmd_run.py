@@ -1,4 +1,5 @@
-"""`pwsim run`: simulate one policy at one memory budget; write Parquet, JSON and PNG results."""
+"""`pwsim run`: simulate one policy at one memory budget; write Parquet, JSON and PNG results (with several
+`--max-concurrency` levels, a sweep: a run per level, traces.sweep)."""
 from __future__ import annotations
 
 import argparse
@@ -53,18 +54,27 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate, 0: all at once; default 1)")
-    g.add_argument("--max-concurrency", type=int, default=None, metavar="N",
+    g.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
                    help="at most N requests in flight, as `pwruntime bench serve --max-concurrency N` (N users): one "
                         "whose arrival finds N in flight is sent when one ends, its latencies counted from then "
-                        "(default: no limit)")
+                        "(default: no limit); `run` takes several levels (1,4,16,64): a sweep, one run each, a result "
+                        "directory each under --out, summary.json and sweep.png, as bench serve's")
     e.add_argument("--warmup-requests", type=int, default=0, metavar="N",
                    help="as `pwruntime replay --warmup-requests N`: serve the trace's first N prompts at once (16 "
                         "tokens each) before the clock starts and outside every metric; what their pressure planned "
                         "(bits, KV pool) and the routing statistics stay (default 0)")
 
 
-def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str) -> RunConfig:
+def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict, budget: str,
+                     max_concurrency: int | None = None) -> RunConfig:
+    """The RunConfig the flags describe; `max_concurrency`: one level of `pwsim run`'s sweep (else the flag's one
+    level)."""
     from traces.generators import LengthDist
+    from traces.sweep import parse_levels
+    levels = parse_levels(args.max_concurrency)
+    if max_concurrency is None and len(levels) > 1:
+        raise UserError("--max-concurrency: several levels make a sweep, which `pwsim run` runs; give this command "
+                        "one level")
     for flag, spec in (("--prompt-dist", args.prompt_dist), ("--output-dist", args.output_dist)):
         try:
             LengthDist.parse(spec)
@@ -97,7 +107,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests,
-                       time_scale=args.time_scale, max_concurrency=args.max_concurrency)
+                       time_scale=args.time_scale,
+                       max_concurrency=levels[0] if max_concurrency is None else max_concurrency)
 
 
 def validate_config(cfg) -> None:
@@ -198,7 +209,11 @@ def _ms(v) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from pwsim import output, runner
+    from traces.sweep import parse_levels
     params = parse_policy(args.policy, args.policy_arg)
+    levels = parse_levels(args.max_concurrency)
+    if len(levels) > 1:
+        return run_sweep(args, params, levels)
     cfg = config_from_args(args, args.policy, params, args.budget)
     slo = slo_bounds(args)
     out = Path(args.out or f"runs/run-{cfg.policy}-{args.budget}")
@@ -214,6 +229,39 @@ def run(args: argparse.Namespace) -> int:
         print(describe(result.summary))
         print(f"wrote {path}/ (requests.parquet, timeline.parquet, summary.json, config.json, events.json"
               f"{', timeline.png, latency.png' if not args.no_plots else ''}) in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def run_sweep(args: argparse.Namespace, params: dict, levels: list[int]) -> int:
+    """One run per --max-concurrency level into `--out/c<N>`, their rows in `--out/summary.json`, a table and
+    `sweep.png` (traces.sweep), as `pwruntime bench serve` writes its sweep."""
+    import json
+
+    from pwsim import output, runner
+    from traces import sweep
+    from traces.results import write_result_dir
+    configs = [config_from_args(args, args.policy, params, args.budget, level) for level in levels]
+    slo = slo_bounds(args)
+    out = Path(args.out or f"runs/run-{configs[0].policy}-{args.budget}-sweep")
+    output.prepare_dir(out, args.force)
+    results = []
+    for cfg in configs:
+        result = runner.execute(cfg, progress=not (args.json or args.no_progress))
+        if slo is not None:
+            result.summary["slo"] = slo_attainment(result.requests, *slo)
+        results.append(result)
+    rows = [sweep.sweep_row(cfg.max_concurrency, r.summary) for cfg, r in zip(configs, results)]
+
+    def write_levels(tmp: Path) -> None:
+        for cfg, result in zip(configs, results):
+            output.write_run(result, cfg.to_json(), tmp / f"c{cfg.max_concurrency}", plots=not args.no_plots)
+        if not args.no_plots:
+            sweep.plot_sweep(rows, tmp / "sweep.png", f"pwsim run {configs[0].label} ({configs[0].hardware})")
+
+    write_result_dir(out, {}, {"summary": {"sweep": rows}, "config": {**configs[0].to_json(), "max_concurrency": levels}},
+                     extra=write_levels, force=args.force)
+    print(json.dumps(rows) if args.json else sweep.table(rows) + f"\nwrote {out}/ (c{levels[0]}/ ... c{levels[-1]}/, "
+          f"summary.json{', sweep.png' if not args.no_plots else ''})")
     return 0
 
 

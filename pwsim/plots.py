@@ -254,3 +254,23 @@ def prefill_fit(report: dict, path: Path) -> Path:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, path)
+
+
+def fidelity_sweep(rows: list[dict], path: Path) -> Path:
+    """Two concurrency sweeps level by level: both sides' throughput (left) and median TPOT (right) against the
+    client's concurrency limit."""
+    plt = _plt()
+    levels = [r["max_concurrency"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for side, style in (("sim", "o-"), ("runtime", "s--")):
+        left.plot(levels, [r[f"{side}_tokens_per_s"] for r in rows], style, label=side)
+        right.plot(levels, [float("nan") if r[f"{side}_tpot_p50_s"] is None else r[f"{side}_tpot_p50_s"] * 1e3
+                            for r in rows], style, label=side)
+    left.set(ylabel="output tokens/s", title="throughput")
+    right.set(ylabel="ms", title="TPOT p50")
+    for ax in (left, right):
+        ax.set(xscale="log", xlabel="client slots (--max-concurrency)")
+        ax.set_xticks(levels, [str(n) for n in levels])
+        ax.minorticks_off()
+        ax.legend(fontsize=8)
+    return _save(fig, path)

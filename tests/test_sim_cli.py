@@ -37,6 +37,37 @@ def test_run_writes_results_and_its_config_reproduces_them(tmp_path, capsys):
     assert again.summary["quality"]["mean_damage_per_token"] == pytest.approx(summary["quality"]["mean_damage_per_token"])
 
 
+def test_a_concurrency_sweep_runs_each_level_and_fidelity_pairs_two_sweeps(tmp_path, capsys):
+    """`pwsim run --max-concurrency 1,4` writes a run per level (as `pwruntime bench serve` does), and `pwsim
+    fidelity` compares two sweeps level by level; a sweep against a single run, or a sweep with --fit-profile, is
+    refused."""
+    out = tmp_path / "sweep"
+    assert main(["run", "--budget", "19GiB", "--max-concurrency", "1,4", "--out", str(out), "--no-plots", "--json",
+                 *SMALL]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["max_concurrency"] for r in rows] == [1, 4] and all(r["completed"] == r["requests"] == 10 for r in rows)
+    assert rows[0]["throughput_tokens_per_s"] < rows[1]["throughput_tokens_per_s"]  # one user is slower than four
+    assert sorted(p.name for p in out.iterdir()) == ["c1", "c4", "config.json", "summary.json"]
+    for level in (1, 4):
+        saved = json.loads((out / f"c{level}" / "summary.json").read_text())
+        assert saved["throughput_tokens_per_s"] == pytest.approx(rows[[1, 4].index(level)]["throughput_tokens_per_s"])
+        assert json.loads((out / f"c{level}" / "config.json").read_text())["max_concurrency"] == level
+    assert json.loads((out / "summary.json").read_text())["sweep"] == rows
+    # the same sweep against itself: every ratio 1
+    assert main(["fidelity", "--sim", str(out), "--runtime", str(out), "--out", str(tmp_path / "fid"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [r["max_concurrency"] for r in report["levels"]] == [1, 4] and set(report["reports"]) == {"1", "4"}
+    assert all(r["throughput_ratio"] == pytest.approx(1.0) and r["tpot_s_ratio_p50"] == pytest.approx(1.0)
+               for r in report["levels"])
+    assert (tmp_path / "fid" / "fidelity.png").stat().st_size > 10_000
+    for argv, needle in ((["--runtime", str(out / "c4")], "--sim is a concurrency sweep and --runtime is not"),
+                         (["--runtime", str(out), "--fit-profile", str(tmp_path / "p.json")], "give one level")):
+        assert main(["fidelity", "--sim", str(out), *argv, "--out", str(tmp_path / "fid2")]) == 2
+        assert needle in capsys.readouterr().err
+    assert main(["compare", "--max-concurrency", "1,4", "--out", str(tmp_path / "cmp"), *SMALL]) == 2
+    assert "which `pwsim run` runs" in capsys.readouterr().err
+
+
 def test_compare_table_is_the_same_with_one_or_two_jobs(tmp_path, capsys):
     args = ["compare", "--policies", "fp16,uniform-4,pagedweight", "--budgets", "19GiB,30GiB", "--json",
             "--no-progress", *SMALL]

@@ -99,7 +99,8 @@ def test_run_corrupt_calibration(tmp_path, capsys, how):
     (["--calibration", "synthetic:-1"], "the seed after 'synthetic:' must be an integer >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--warmup-requests", "-1"], "--warmup-requests must be >= 0"),
-    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+    (["--max-concurrency", "0"], "--max-concurrency must be an integer >= 1"),
+    (["--max-concurrency", "4,4"], "a list of distinct ones"),
     (["--rate", "nan"], "rate and burstiness must be positive and finite"),
     (["--prompt-dist", "fixed:inf"], "--prompt-dist: length distribution"),
 ])

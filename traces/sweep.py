@@ -1,9 +1,12 @@
-"""The concurrency sweep of `pwruntime bench serve --max-concurrency 1,4,16,64`: a row and a figure per sweep.
+"""A concurrency sweep (`--max-concurrency 1,4,16,64` of `pwruntime bench serve` and of `pwsim run`): its levels,
+a row per level, its table and its figure.
 
-Each level is one run of the trace (pwruntime.bench_serve.run_trace) with that many client slots. The sweep's
-directory holds a result directory per level (`c1`, `c4`, ...: each one as a single `bench serve` writes it, for
-`pwsim fidelity` or `pwsim chrome-trace`), `summary.json` (one row per level: throughput, TTFT and TPOT medians and
-99th percentiles, failures) and `sweep.png` (throughput against the level; the latencies against the level).
+Each level is one run of the trace with that many client slots (pwruntime.bench_serve.run_trace against a server;
+pwsim.runner with `RunConfig.max_concurrency` in the simulator). The sweep's directory holds a result directory per
+level (`c1`, `c4`, ...: each one as a single run writes it, for `pwsim fidelity` or `pwsim chrome-trace`),
+`summary.json` (`{"sweep": rows}`, one row per level: throughput, TTFT and TPOT medians and 99th percentiles,
+requests not completed) and `sweep.png` (throughput against the level; the latencies against the level).
+`pwsim fidelity` pairs two sweeps level by level (`level_dirs`).
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ def parse_levels(text: str | None) -> list[int | None]:
 
 
 def sweep_row(level: int, summary: dict) -> dict:
-    """What the sweep's table shows of one level's run (latencies in seconds, None where no request finished)."""
+    """What the sweep's table shows of one level's run (latencies in seconds, None where no request finished;
+    `failed`: the requests not completed, as the client counted them where it did)."""
     return {"max_concurrency": level, "requests": summary["requests"], "completed": summary["completed"],
-            "failed": summary["failed"], "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
+            "failed": summary.get("failed", summary["requests"] - summary["completed"]), "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
             "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"]}
 
@@ -43,6 +47,11 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>9} "
                      f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {r['failed']:>7}")
     return "\n".join(lines)
+
+
+def level_dirs(sweep_dir: Path, summary: dict) -> dict[int, Path]:
+    """A sweep directory's result directory per level (its summary's rows), by level."""
+    return {int(row["max_concurrency"]): Path(sweep_dir) / f"c{row['max_concurrency']}" for row in summary["sweep"]}
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
