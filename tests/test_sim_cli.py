@@ -66,6 +66,9 @@ def test_a_concurrency_sweep_runs_each_level_and_fidelity_pairs_two_sweeps(tmp_p
         assert needle in capsys.readouterr().err
     assert main(["compare", "--max-concurrency", "1,4", "--out", str(tmp_path / "cmp"), *SMALL]) == 2
     assert "which `pwsim run` runs" in capsys.readouterr().err
+    assert main(["chrome-trace", str(out), "--out", str(tmp_path / "t.json")]) == 2  # a sweep is not one run
+    assert f"is a concurrency sweep, not one run; give one of its levels ({out / 'c1'}, {out / 'c4'})" in \
+        capsys.readouterr().err
 
 
 def test_compare_table_is_the_same_with_one_or_two_jobs(tmp_path, capsys):

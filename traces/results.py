@@ -208,6 +208,10 @@ def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict,
     UserError."""
     path = Path(path)
     if not (path / RESULT_MARKER).is_file() or not (path / "requests.parquet").is_file():
+        levels = sorted(p.name for p in path.glob("c[0-9]*") if (p / "requests.parquet").is_file())
+        if levels:  # a concurrency sweep (traces.sweep): its levels are the result directories
+            raise UserError(f"{flag} {path} is a concurrency sweep, not one run; give one of its levels "
+                            f"({', '.join(str(path / name) for name in levels)})")
         raise UserError(f"{flag} {path} is not a result directory (no summary.json and requests.parquet); give the "
                         "--out of a `pwsim run` or `pwruntime replay`")
     fix = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
