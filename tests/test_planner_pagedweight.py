@@ -62,6 +62,26 @@ def test_target_is_eq7_then_adjusted_for_pending_flight_and_headroom():
     assert pressure and D == 9 * 10**6 - releasing
 
 
+def test_min_plan_blocks_makes_a_triggered_offload_free_at_least_that_many_blocks():
+    """Eq. 7 asks for the deficit alone, so a load that grows a block at a time plans on every step; with
+    `min_plan_blocks` a plan, once pressure triggers it, frees at least that many blocks' bytes. No pressure is
+    still no plan."""
+    table, cal = small()
+    pol = get("pagedweight", min_plan_blocks=6)
+    pol.reset(table, cal)
+    assert pol.target_bytes(table, obs(8, T=8, B=1000)) == (6000, True)  # deficit 1 -> 6 blocks
+    assert pol.target_bytes(table, obs(0, T=8, B=1000)) == (9000, True)  # a deficit past the floor stands
+    assert pol.target_bytes(table, obs(9, T=8, B=1000)) == (0, False)
+    assert pol.target_bytes(table, obs(8, T=8, B=1000, headroom_bytes=1500))[0] == 4500
+    plain = get("pagedweight")
+    plain.reset(table, cal)
+    small_plan, big_plan = plain.plan_step(table, obs(8, T=8, B=30_000)), pol.plan_step(table, obs(8, T=8, B=30_000))
+    assert sum(t.delta_bytes for t in big_plan.transitions) >= 6 * 30_000
+    assert sum(t.delta_bytes for t in small_plan.transitions) < sum(t.delta_bytes for t in big_plan.transitions)
+    with pytest.raises(ValueError, match="min_plan_blocks"):
+        get("pagedweight", min_plan_blocks=-1)
+
+
 def test_an_offload_in_flight_is_not_answered_twice():
     table, cal = small()
     pol = get("pagedweight")

@@ -8,7 +8,9 @@ One `plan_step`:
    the bytes in-flight offloads are about to release (they become KV blocks without a new plan, so
    a slow transfer is never answered by a second offload) and, with `count_headroom`, the
    allocator headroom the engine can turn into KV blocks without moving weights. With no pending
-   growth, nothing in flight and no headroom this is exactly Eq. 7.
+   growth, nothing in flight and no headroom this is exactly Eq. 7. `min_plan_blocks` (default 0) raises a
+   triggered deficit to at least that many blocks: a load that grows a block at a time then plans once every few
+   steps instead of on every one (a planning step costs a runtime milliseconds of host work).
 2. Scoring (Eqs. 4, 6, 8). Per block and step b->b' (adjacent supported bitwidths):
    `d = max(eps, mu[bucket] * g * eta)`; buckets from the observed routing mass (experts sorted
    per layer, hottest bucket first); `eta = exp(alpha * c_u * clip(w_u . phi_i + a_u))` from the
@@ -69,11 +71,12 @@ class PagedWeightParams:
     reload_cooldown_steps: int = 32  # no reload within this many steps after an offload plan (anti-thrash)
     reload_to: str = "initial"  # reload ceiling: "initial" assignment or "max" supported bits
     count_headroom: bool = True  # allocator headroom counts toward the byte target and reload budget
+    min_plan_blocks: int = 0  # an offload frees at least this many KV blocks' bytes (0: Eq. 7's deficit alone)
 
     def __post_init__(self) -> None:
         if self.reload_to not in ("initial", "max"):
             raise ValueError(f"reload_to must be 'initial' or 'max', got {self.reload_to!r}")
-        for name in ("reload_margin_blocks", "reload_cooldown_steps"):
+        for name in ("reload_margin_blocks", "reload_cooldown_steps", "min_plan_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.reload_threshold is not None and self.reload_threshold < 0:
@@ -209,9 +212,10 @@ class PagedWeightPolicy:
     def target_bytes(self, table, obs: Observation) -> tuple[int, bool]:
         """(byte target D, pressure triggered); see the module docstring, step 1."""
         free = obs.free_blocks - obs.pending_kv_blocks
-        raw = max(0, obs.free_block_threshold + 1 - free) * obs.kv_block_bytes
-        if raw <= 0:
+        deficit = max(0, obs.free_block_threshold + 1 - free)
+        if deficit <= 0:
             return 0, False
+        raw = max(deficit, self.params.min_plan_blocks) * obs.kv_block_bytes
         releasing, _ = in_flight_split(table, self._prepared().plane)
         headroom = max(0, obs.headroom_bytes) if self.params.count_headroom else 0
         return max(0, raw - releasing - headroom), True
