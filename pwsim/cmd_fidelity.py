@@ -205,9 +205,13 @@ def run(args) -> int:
         cost = rr["plan_gap_us"]
         print(f"planner steps that read the routing statistics: {rr['sim']} simulated, {rr['runtime']} on the runtime"
               + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
+        if rr.get("transition_us") is not None:
+            print(f"  the runtime's plan phase fitted: {rr['read_us']:.0f} us a read and {rr['transition_us']:.0f} us a "
+                  "transition its plan starts")
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
              f"{fitted.sequence_overhead_us:.1f} us a sequence, {fitted.token_overhead_us:.1f} us a token, "
-             f"{fitted.routing_read_us:.0f} us a routing read) to "
+             f"{fitted.routing_read_us:.0f} us a routing read, {fitted.plan_transition_us:.0f} us a plan "
+             "transition) to "
              f"{args.fit_profile}" if fitted is not None else ""))
     return 0

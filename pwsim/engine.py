@@ -415,6 +415,7 @@ class Simulation:
         if obs.routing_read:  # the planner read the routing statistics: host work
             self._extra_time += self.profile.routing_read_us * 1e-6  # the runtime pays before its next forward
             self.rec.count("routing_reads")
+        self._extra_time += self.profile.plan_transition_us * 1e-6 * len(res.started)  # the plan's moves begun
         if res.plan is not None or res.committed:
             self._refresh()  # exact recount after the plan's begins and this boundary's commits
         self.rec.plan(self.now, self._step, res)

@@ -17,7 +17,9 @@ record each iteration's decode tokens, the decode-only and the mixed iterations 
 (`iterations.by_kind`: count, mean time, mean tokens), which shows which kind of step a fit gets wrong. A replay that records which steps' planners read the routing statistics
 (`routing_read`) also gives their cost: the mean plan phase of those steps minus that of the others
 (`routing_reads.plan_gap_us`), which `fitted_profile` takes as `routing_read_us` (the simulator charges it after
-each boundary whose planner read them, and counts them: `counters.routing_reads`).
+each boundary whose planner read them, and counts them: `counters.routing_reads`); a replay that also records each
+step's plan transitions splits that into a read's fixed cost and a transition's (`routing_reads.read_us`,
+`transition_us`: `routing_read_us` and `plan_transition_us`).
 """
 from __future__ import annotations
 
@@ -201,13 +203,23 @@ def _time_scale(config: dict) -> float:
 
 def routing_read_cost(timeline: dict[str, np.ndarray]) -> dict:
     """The runtime's steps whose planner read the routing statistics and what reading cost: the mean plan phase of
-    those steps minus that of the others (None when the replay lacks the record or either kind of step)."""
+    those steps minus that of the others (None when the replay lacks the record or either kind of step). Where the
+    replay also records the transitions each step's plan started (`plan_transitions`), the plan phase fitted as
+    `base + read * read_us + transitions * transition_us` over all steps: a plan's page moves cost per block, so a
+    large plan's step costs more than a small one's (`read_us`, `transition_us`; None where the steps cannot tell
+    the terms apart)."""
     if "routing_read" not in timeline or "plan_s" not in timeline:
-        return {"runtime": None, "plan_gap_us": None}
+        return {"runtime": None, "plan_gap_us": None, "read_us": None, "transition_us": None}
     read = np.asarray(timeline["routing_read"]).astype(bool)
     plan = np.asarray(timeline["plan_s"], dtype=np.float64)
     gap = float(plan[read].mean() - plan[~read].mean()) * 1e6 if read.any() and (~read).any() else None
-    return {"runtime": int(read.sum()), "plan_gap_us": gap}
+    read_us = transition_us = None
+    if "plan_transitions" in timeline and plan.size >= 3:
+        design = np.stack([np.ones_like(plan), read, np.asarray(timeline["plan_transitions"], dtype=np.float64)], 1)
+        coef, _, rank, _ = np.linalg.lstsq(design, plan, rcond=None)
+        if rank == 3:
+            read_us, transition_us = float(coef[1]) * 1e6, float(coef[2]) * 1e6
+    return {"runtime": int(read.sum()), "plan_gap_us": gap, "read_us": read_us, "transition_us": transition_us}
 
 
 def paired_columns(sim: RunView, runtime: RunView) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -222,7 +234,8 @@ def fitted_profile(profile, report: dict, per_sequence: bool = False):
     token_overhead_us plus the gap of the fitted per-token slopes (and with `per_sequence`, from the fits with the
     per-sequence term, sequence_overhead_us plus the gap of those slopes; each at least 0), and routing_read_us the
     measured cost of reading the routing statistics where the replay has steps that did and steps that did not
-    (else the profile's own)."""
+    (else the profile's own); where the replay records its plans' transitions, routing_read_us and
+    plan_transition_us from the plan phase's fit (`routing_read_cost`)."""
     it = report["iterations"]
     if per_sequence:
         it = it["per_sequence"]
@@ -233,8 +246,13 @@ def fitted_profile(profile, report: dict, per_sequence: bool = False):
     gap, slope, per_seq = it["overhead_gap_us"], it["per_token_gap_us"], it.get("per_seq_gap_us")
     if gap is None or slope is None:
         raise UserError("cannot fit the host costs: a run has fewer than two iterations of different sizes")
-    read = report.get("routing_reads", {}).get("plan_gap_us")
+    reads = report.get("routing_reads", {})
+    read, per_transition = reads.get("plan_gap_us"), reads.get("transition_us")
+    if per_transition is not None:  # the plan phase split into a read's fixed part and each transition's
+        read = reads["read_us"]
     seq_us = profile.sequence_overhead_us if per_seq is None else max(0.0, profile.sequence_overhead_us + per_seq)
     return replace(profile, name=f"{profile.name}-fit", iteration_overhead_us=max(0.0, profile.iteration_overhead_us + gap),
                    token_overhead_us=max(0.0, profile.token_overhead_us + slope), sequence_overhead_us=seq_us,
-                   routing_read_us=profile.routing_read_us if read is None else max(0.0, read))
+                   routing_read_us=profile.routing_read_us if read is None else max(0.0, read),
+                   plan_transition_us=(profile.plan_transition_us if per_transition is None
+                                       else max(0.0, per_transition)))

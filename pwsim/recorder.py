@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TIMELINE_COLUMNS = ("time_s", "step", "weight_bytes", "kv_pool_bytes", "kv_used_bytes", "memory_bytes",
                     "free_blocks", "total_blocks", "mean_bits", "running", "waiting", "inflight_bytes",
-                    "iter_s", "batch_tokens", "decode_tokens", "batch_seqs")
+                    "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "plan_transitions")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Recorder:
         self._tl: list[tuple] = []
         self._boundaries = 0
         self._pending_iter = (0.0, 0, 0, 0)
+        self._plan_transitions = 0  # transitions the current boundary's plan started
         self.iterations = 0
         self.decode_tokens = 0
         self.computed_tokens = 0
@@ -122,6 +123,7 @@ class Recorder:
         self.violations.extend(other.violations[:10_000 - len(self.violations)])
 
     def plan(self, now: float, step: int, res) -> None:
+        self._plan_transitions = len(res.started)  # the boundary's timeline row carries it
         if res.plan is None and not res.committed:
             return
         for t in res.started:
@@ -142,13 +144,14 @@ class Recorder:
         self._last_t, self._last_bits = now, mean_bits
         dt, tokens, decode, seqs = self._pending_iter
         self._pending_iter = (0.0, 0, 0, 0)
+        transitions, self._plan_transitions = self._plan_transitions, 0
         self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
         self._boundaries += 1
         if (self._boundaries - 1) % self.stride:
             return
         self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
                          pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,
-                         dt, tokens, decode, seqs))
+                         dt, tokens, decode, seqs, transitions))
 
     # ------------------------------------------------------------ result
     def result(self, sim: "Simulation") -> SimResult:

@@ -84,6 +84,7 @@ def test_a_time_scale_of_zero_sends_every_request_at_once(ckpt):
     np.testing.assert_array_equal(r["output_tokens"], OUTPUTS)
     assert res.timeline["batch_tokens"][0] == 5 + 3 + 7  # the three prompts in the first step
     assert res.timeline["batch_seqs"][0] == 3 and res.timeline["batch_seqs"][-1] == 1  # the longest ends alone
+    assert (res.timeline["plan_transitions"] == 0).all()  # the noop policy never plans
 
 
 def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
@@ -271,8 +272,29 @@ def test_fidelity_measures_what_reading_the_routing_costs():
     assert compare(sim, runtime)["routing_reads"]["plan_gap_us"] is None
     del runtime.timeline["routing_read"]
     rep = compare(sim, runtime)
-    assert rep["routing_reads"] == {"sim": 4, "runtime": None, "plan_gap_us": None}
+    assert rep["routing_reads"] == {"sim": 4, "runtime": None, "plan_gap_us": None, "read_us": None,
+                                    "transition_us": None}
     assert fitted_profile(replace(prof, routing_read_us=80.0), rep).routing_read_us == 80.0
+
+
+def test_a_plan_s_transitions_are_fitted_apart_from_its_read():
+    """A planning step's cost grows with the transitions its plan starts (the runtime's page moves); a replay that
+    records them splits the plan phase into a read's fixed part and a transition's, and the fitted profile takes
+    both (the simulator then charges a small plan less than a large one)."""
+    tokens = np.array([1, 1, 2, 2, 4, 4, 4])
+    sim = _view([1], [0.1], [0.01], [1.0], 0.001 + 1e-4 * tokens, tokens)
+    runtime = _view([1], [0.1], [0.01], [1.0], 0.002 + 1e-4 * tokens, tokens)
+    read = np.array([0, 1, 0, 1, 0, 1, 1])
+    moves = np.array([0, 2, 0, 50, 3, 10, 0])  # a reload may start moves without reading
+    runtime.timeline.update(routing_read=read, plan_transitions=moves,
+                            plan_s=(50 + 1500 * read + 200 * moves) * 1e-6)
+    rr = compare(sim, runtime)["routing_reads"]
+    assert rr["read_us"] == pytest.approx(1500.0) and rr["transition_us"] == pytest.approx(200.0)
+    fit = fitted_profile(load_profile("h200-roofline"), compare(sim, runtime))
+    assert fit.routing_read_us == pytest.approx(1500.0) and fit.plan_transition_us == pytest.approx(200.0)
+    runtime.timeline["plan_transitions"] = np.zeros(7, int)  # nothing to tell the terms apart by
+    rr = compare(sim, runtime)["routing_reads"]
+    assert rr["transition_us"] is None and rr["plan_gap_us"] is not None
 
 
 def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
@@ -291,6 +313,25 @@ def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
     assert reads > 10 and runs[2000.0]["counters"]["routing_reads"] > 10
     extra = runs[2000.0]["makespan_s"] - runs[0.0]["makespan_s"]
     assert 0.5 * reads * 2e-3 < extra < 2.0 * reads * 2e-3
+
+
+def test_simulator_charges_each_plan_transition_and_records_them(tmp_path):
+    """The timeline records the transitions each boundary's plan started (their sum is every transition started);
+    with plan_transition_us each adds that much host time to the next iteration."""
+    from pwsim.runner import SyntheticWorkload, build, make_config, run_simulation
+    wl = SyntheticWorkload(requests=60, rate=50.0, burstiness=1.0, prompt="lognormal:512,0.5,16,2048",
+                           output="lognormal:256,0.5,16,1024", features=True)
+    runs = {}
+    for cost in (0.0, 500.0):
+        path = replace(load_profile("h200-measured"), plan_transition_us=cost).save(tmp_path / f"t{cost:.0f}.json")
+        cfg = make_config("20GiB", policy="pagedweight", policy_params={}, workload=wl, seed=0, hardware=str(path),
+                          model="Qwen1.5-MoE-A2.7B", calibration="synthetic", trace="synthetic", quality_fit=None)
+        runs[cost] = run_simulation(build(cfg))
+    free = runs[0.0]
+    moves = int(np.asarray(free.timeline["plan_transitions"]).sum())
+    assert moves == sum(free.summary["plans"]["transitions_started"].values()) > 20
+    extra = runs[500.0].summary["makespan_s"] - free.summary["makespan_s"]
+    assert 0.5 * moves * 5e-4 < extra < 2.0 * moves * 5e-4
 
 
 def test_fidelity_refuses_runs_of_different_traces():

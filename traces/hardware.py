@@ -28,6 +28,10 @@ Format (JSON object, `format_version` 1):
                                         merged, the steps scored, and the page moves and KV resizes its plan
                                         starts), charged to the next iteration; `pwsim fidelity` measures it from a
                                         replay that records which steps read them
+    plan_transition_us                  optional (default 0): host cost per transition a plan starts (its page
+                                        moves begun, the table's bookkeeping, its share of the KV resize),
+                                        charged to the next iteration beside routing_read_us; `pwsim fidelity`
+                                        measures both from a replay that records each step's transitions
     prefill_layer_overhead_us           optional (default 0): fixed cost of one MoE layer of a batch that takes the
                                         dequantize path (above ap_fused_max_tokens): the runtime's host work and
                                         launches for the layer's expert groups; `pwsim prefill-fit --fit-profile`
@@ -88,6 +92,7 @@ class HardwareProfile:
     prefill_layer_overhead_us: float = 0.0
     ap_fused_launch_tokens: int = 64
     routing_read_us: float = 0.0
+    plan_transition_us: float = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -155,7 +160,7 @@ def validate(p: HardwareProfile) -> None:
               "pcie_d2h_gbps", "ap_fused_max_tokens", "ap_fused_launch_tokens"):
         _positive(f, getattr(p, f))
     for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "sequence_overhead_us",
-              "prefill_layer_overhead_us", "routing_read_us"):
+              "prefill_layer_overhead_us", "routing_read_us", "plan_transition_us"):
         _positive(f, getattr(p, f), allow_zero=True)
     if p.achieved_flops_fraction > 1:
         raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")
