@@ -297,18 +297,25 @@ def test_a_plan_s_transitions_are_fitted_apart_from_its_read():
     assert rr["transition_us"] is None and rr["plan_gap_us"] is not None
 
 
-def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
-    """Under pressure the planner reads the routing statistics at most boundaries; with routing_read_us each read
-    adds that much host time, so the run takes longer by about reads x cost (the timing shifts decisions a little)."""
+def _runs_under_pressure(tmp_path, field: str, costs: tuple[float, ...]) -> dict:
+    """The large-model setup under pressure (pagedweight at 20 GiB), simulated with h200-measured's `field` at each
+    of `costs`: SimResult by cost."""
     from pwsim.runner import SyntheticWorkload, build, make_config, run_simulation
     wl = SyntheticWorkload(requests=60, rate=50.0, burstiness=1.0, prompt="lognormal:512,0.5,16,2048",
                            output="lognormal:256,0.5,16,1024", features=True)
     runs = {}
-    for cost in (0.0, 2000.0):
-        path = replace(load_profile("h200-measured"), routing_read_us=cost).save(tmp_path / f"read{cost:.0f}.json")
+    for cost in costs:
+        path = replace(load_profile("h200-measured"), **{field: cost}).save(tmp_path / f"{field}{cost:.0f}.json")
         cfg = make_config("20GiB", policy="pagedweight", policy_params={}, workload=wl, seed=0, hardware=str(path),
                           model="Qwen1.5-MoE-A2.7B", calibration="synthetic", trace="synthetic", quality_fit=None)
-        runs[cost] = run_simulation(build(cfg)).summary
+        runs[cost] = run_simulation(build(cfg))
+    return runs
+
+
+def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
+    """Under pressure the planner reads the routing statistics at most boundaries; with routing_read_us each read
+    adds that much host time, so the run takes longer by about reads x cost (the timing shifts decisions a little)."""
+    runs = {cost: r.summary for cost, r in _runs_under_pressure(tmp_path, "routing_read_us", (0.0, 2000.0)).items()}
     reads = runs[0.0]["counters"].get("routing_reads", 0)
     assert reads > 10 and runs[2000.0]["counters"]["routing_reads"] > 10
     extra = runs[2000.0]["makespan_s"] - runs[0.0]["makespan_s"]
@@ -318,15 +325,7 @@ def test_simulator_charges_each_routing_read_to_the_next_iteration(tmp_path):
 def test_simulator_charges_each_plan_transition_and_records_them(tmp_path):
     """The timeline records the transitions each boundary's plan started (their sum is every transition started);
     with plan_transition_us each adds that much host time to the next iteration."""
-    from pwsim.runner import SyntheticWorkload, build, make_config, run_simulation
-    wl = SyntheticWorkload(requests=60, rate=50.0, burstiness=1.0, prompt="lognormal:512,0.5,16,2048",
-                           output="lognormal:256,0.5,16,1024", features=True)
-    runs = {}
-    for cost in (0.0, 500.0):
-        path = replace(load_profile("h200-measured"), plan_transition_us=cost).save(tmp_path / f"t{cost:.0f}.json")
-        cfg = make_config("20GiB", policy="pagedweight", policy_params={}, workload=wl, seed=0, hardware=str(path),
-                          model="Qwen1.5-MoE-A2.7B", calibration="synthetic", trace="synthetic", quality_fit=None)
-        runs[cost] = run_simulation(build(cfg))
+    runs = _runs_under_pressure(tmp_path, "plan_transition_us", (0.0, 500.0))
     free = runs[0.0]
     moves = int(np.asarray(free.timeline["plan_transitions"]).sum())
     assert moves == sum(free.summary["plans"]["transitions_started"].values()) > 20
