@@ -93,17 +93,17 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
                 bar.update(len(out.token_ids))
             end = engine.clock() - engine.t0
             b = engine.last_batch
-            timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens, len(b.entries),
-                             len(engine.scheduler.running), len(engine.scheduler.waiting), engine.pool.capacity,
-                             engine.pool.num_free, mean_bits(), *astuple(engine.last_phases),
+            timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
+                             len(b.entries), len(engine.scheduler.running), len(engine.scheduler.waiting),
+                             engine.pool.capacity, engine.pool.num_free, mean_bits(), *astuple(engine.last_phases),
                              int(engine.last_routing_read), len(engine.last_loop.started) if engine.last_loop else 0))
     result = _result(trace, arrival, outputs, index, timeline, engine)
     result.summary["warmup_steps"] = first_step
     return result
 
 
-TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "running", "waiting", "total_blocks",
-            "free_blocks", "mean_bits", *StepPhases.PHASES, "routing_read", "plan_transitions")
+TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "running", "waiting",
+            "total_blocks", "free_blocks", "mean_bits", *StepPhases.PHASES, "routing_read", "plan_transitions")
 
 
 def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:

@@ -4,10 +4,10 @@ An EngineClient (pwruntime.engine_client) stands for the engine loop, which runs
 `pwruntime serve` (pwruntime.engine_process) or in a thread (EngineWorker, over an engine object); the handlers
 submit requests to it and answer from its events. A stream writes the chunks of all the events that have arrived
 in one write. Routes: `/v1/completions`, `/v1/chat/completions` (both with `stream`), `/v1/models`, `/health`,
-`/version`, `/server_info` (what the engine serves with), Prometheus `/metrics`, and vLLM's `/tokenize` and `/detokenize`. Bad requests get OpenAI's error shape
-with status 400 (pwruntime.api_request checks the fields), unknown models and routes 404, a /v1 request without
-the server's API key (when it has one) 401, and nothing a client
-sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
+`/version`, `/server_info` (what the engine serves with), Prometheus `/metrics`, and vLLM's `/tokenize` and
+`/detokenize`. Bad requests get OpenAI's error shape with status 400 (pwruntime.api_request checks the fields),
+unknown models and routes 404, a /v1 request without the server's API key (when it has one) 401, and nothing a
+client sends can stop the engine loop: a failing step fails the requests in it (status 500) and the loop goes on; an
 engine loop that is gone fails every request with a 503. A
 client that leaves (a closed stream, or a timed-out non-streaming request; the server runs with aiohttp's handler
 cancellation) has its request aborted and its KV blocks freed.

@@ -2,13 +2,15 @@
 
 Give the --out of a `pwsim run` (--sim) and of a `pwruntime replay` or `pwruntime bench serve` (--runtime) of
 one request trace, with the same scheduler limits (--max-num-seqs, max batched tokens, block size; a note says
-where they differ) and a comparable KV pool. It writes `fidelity.json` (per metric the ratio sim / runtime and the median relative error,
-throughput and makespan ratios, the per-iteration overhead each engine pays; pwsim/fidelity.py) and
-`fidelity.png` (simulated against measured latencies per request, iteration time against batch tokens).
-With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
-and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token
-costs (with --fit-per-sequence, from the fits with a per-sequence term, `sequence_overhead_us` too) (and, when the replay records which planner steps read the routing statistics, `routing_read_us` their
-measured cost): a profile of the runtime as it is (host included), for a second `pwsim run --hardware JSON`.
+where they differ) and a comparable KV pool. It writes `fidelity.json` (per metric the ratio sim / runtime and the
+median relative error, throughput and makespan ratios, the per-iteration overhead each engine pays;
+pwsim/fidelity.py) and `fidelity.png` (simulated against measured latencies per request, iteration time against
+batch tokens). With --fit-profile it also writes the simulated run's hardware profile with `iteration_overhead_us`
+and `token_overhead_us` moved by the gaps between the two engines' fitted per-iteration and per-token costs (with
+--fit-per-sequence, from the fits with a per-sequence term, `sequence_overhead_us` too), and, when the replay
+records which planner steps read the routing statistics, `routing_read_us` their measured cost (and where it
+records each step's plan transitions, `plan_transition_us`): a profile of the runtime as it is (host included),
+for a second `pwsim run --hardware JSON`.
 
 Two concurrency sweeps (`pwsim run --max-concurrency 1,4,16,64` and `pwruntime bench serve --max-concurrency
 1,4,16,64`) are compared level by level: `fidelity.json` holds a row per level both ran (the throughput ratio, the
@@ -182,8 +184,9 @@ def run(args) -> int:
           " a token against the simulator")
     seq = it["per_sequence"]
     if seq is not None:
-        print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, {seq['per_seq_gap_us']:+.1f} "
-              f"us a sequence and {seq['per_token_gap_us']:+.1f} us a token (--fit-per-sequence fits these)")
+        print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, "
+              f"{seq['per_seq_gap_us']:+.1f} us a sequence and {seq['per_token_gap_us']:+.1f} us a token "
+              "(--fit-per-sequence fits these)")
     kinds = it["by_kind"]
     if kinds["sim"] and kinds["runtime"]:
         def kind(k: str, side: str) -> str:
@@ -206,8 +209,8 @@ def run(args) -> int:
         print(f"planner steps that read the routing statistics: {rr['sim']} simulated, {rr['runtime']} on the runtime"
               + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
         if rr.get("transition_us") is not None:
-            print(f"  the runtime's plan phase fitted: {rr['read_us']:.0f} us a read and {rr['transition_us']:.0f} us a "
-                  "transition its plan starts")
+            print(f"  the runtime's plan phase fitted: {rr['read_us']:.0f} us a read and "
+                  f"{rr['transition_us']:.0f} us a transition its plan starts")
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
              f"{fitted.sequence_overhead_us:.1f} us a sequence, {fitted.token_overhead_us:.1f} us a token, "

@@ -258,8 +258,8 @@ def run_sweep(args: argparse.Namespace, params: dict, levels: list[int]) -> int:
         if not args.no_plots:
             sweep.plot_sweep(rows, tmp / "sweep.png", f"pwsim run {configs[0].label} ({configs[0].hardware})")
 
-    write_result_dir(out, {}, {"summary": {"sweep": rows}, "config": {**configs[0].to_json(), "max_concurrency": levels}},
-                     extra=write_levels, force=args.force)
+    config = {**configs[0].to_json(), "max_concurrency": levels}  # each level's own config is in its directory
+    write_result_dir(out, {}, {"summary": {"sweep": rows}, "config": config}, extra=write_levels, force=args.force)
     print(json.dumps(rows) if args.json else sweep.table(rows) + f"\nwrote {out}/ (c{levels[0]}/ ... c{levels[-1]}/, "
           f"summary.json{', sweep.png' if not args.no_plots else ''})")
     return 0

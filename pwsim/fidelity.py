@@ -14,11 +14,11 @@ terms apart, the fit `a + c * sequences + b * tokens` too (`iterations.per_seque
 grows with its sequences, a mixed step's far less with its prompt tokens, which one slope cannot hold;
 `fitted_profile(per_sequence=True)` adds its three gaps, `sequence_overhead_us` among them. Where both timelines
 record each iteration's decode tokens, the decode-only and the mixed iterations are also compared apart
-(`iterations.by_kind`: count, mean time, mean tokens), which shows which kind of step a fit gets wrong. A replay that records which steps' planners read the routing statistics
-(`routing_read`) also gives their cost: the mean plan phase of those steps minus that of the others
-(`routing_reads.plan_gap_us`), which `fitted_profile` takes as `routing_read_us` (the simulator charges it after
-each boundary whose planner read them, and counts them: `counters.routing_reads`); a replay that also records each
-step's plan transitions splits that into a read's fixed cost and a transition's (`routing_reads.read_us`,
+(`iterations.by_kind`: count, mean time, mean tokens), which shows which kind of step a fit gets wrong. A replay
+that records which steps' planners read the routing statistics (`routing_read`) also gives their cost: the mean
+plan phase of those steps minus that of the others (`routing_reads.plan_gap_us`), which `fitted_profile` takes as
+`routing_read_us` (the simulator charges it after each boundary whose planner read them, and counts them:
+`counters.routing_reads`); a replay that also records each step's plan transitions splits that into a read's fixed cost and a transition's (`routing_reads.read_us`,
 `transition_us`: `routing_read_us` and `plan_transition_us`).
 """
 from __future__ import annotations

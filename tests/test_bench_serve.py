@@ -75,7 +75,8 @@ def test_a_request_the_server_refuses_is_counted_as_failed(url, tmp_path, capsys
 def test_the_probe_reads_our_counters_and_tolerates_a_server_without_them(url):
     from pwruntime import server_probe
 
-    text = "# TYPE pagedweight_plans_total counter\npagedweight_plans_total 7\npagedweight_x_bucket{le=\"1\"} 3\nother 1\n"
+    text = ("# TYPE pagedweight_plans_total counter\npagedweight_plans_total 7\n"
+            "pagedweight_x_bucket{le=\"1\"} 3\nother 1\n")
     assert server_probe.parse_counters(text) == {"plans_total": 7.0}
     assert server_probe.counter_deltas({"plans_total": 7, "steps_total": 5}, {"plans_total": 9}) == {"plans": 2}
     assert server_probe.engine_settings(None) == {}

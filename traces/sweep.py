@@ -33,7 +33,8 @@ def sweep_row(level: int, summary: dict) -> dict:
     """What the sweep's table shows of one level's run (latencies in seconds, None where no request finished;
     `failed`: the requests not completed, as the client counted them where it did)."""
     return {"max_concurrency": level, "requests": summary["requests"], "completed": summary["completed"],
-            "failed": summary.get("failed", summary["requests"] - summary["completed"]), "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
+            "failed": summary.get("failed", summary["requests"] - summary["completed"]),
+            "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
             "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"]}
 
