@@ -163,14 +163,16 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
 
 
 # ---------------------------------------------------------------- the command
-SERVE_FLAGS = ("url", "trace", "time_scale", "max_concurrency", "max_requests", "api_key", "served_model_name",
-               "slo_ttft", "slo_tpot")
+SERVE_FLAGS = ("url", "trace", "time_scale", "request_rate", "burstiness", "max_concurrency", "max_requests",
+               "api_key", "served_model_name", "slo_ttft", "slo_tpot")
 OTHER_FLAGS = ("models", "tokens", "reps", "prompts", "model", "steps", "prompt_tokens", "ap", "calibration", "policy",
                "num_kv_blocks", "temperature", "top_p", "routing", "profile_out", "plot_from", "dtype")
 
 
 def add_args(parser) -> None:
     """The options of `pwruntime bench serve` (None by default: the other targets refuse them)."""
+    from pwruntime.cmd_replay import add_request_rate_flags
+
     s = parser.add_argument_group("serve (a running OpenAI-compatible server, from the client's side)")
     s.add_argument("--url", default=None, help="serve: the server's base URL, e.g. http://127.0.0.1:8000")
     s.add_argument("--trace", default=None,
@@ -178,6 +180,7 @@ def add_args(parser) -> None:
     s.add_argument("--time-scale", type=float, default=None, metavar="S",
                    help="serve: multiply the arrival times by S (default 1; below 1 the load is heavier; 0: every "
                         "request at once, as vLLM's --request-rate inf)")
+    add_request_rate_flags(s)
     s.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
                    help="serve: at most N requests in flight (N users, as vLLM's); one that arrives while N are in "
                         "flight waits, and its latencies count from when it was sent (default: no limit); several "
@@ -199,14 +202,15 @@ def run_cli(args, command: str) -> int:
     from pathlib import Path
 
     from traces import sweep
-    from pwruntime.cmd_replay import _requests
+    from pwruntime.cmd_replay import _requests, arrival_args
     from traces.results import prepare_dir, slo_attainment, slo_bounds, slo_line, write_result_dir
 
     for name in OTHER_FLAGS:
         if getattr(args, name) is not None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench serve` (it takes --url, "
-                            "--trace, --time-scale, --max-concurrency, --max-requests, --api-key, "
-                            "--served-model-name, --slo-ttft, --slo-tpot, --out, --force, --json)")
+                            "--trace, --time-scale, --request-rate, --burstiness, --seed, --max-concurrency, "
+                            "--max-requests, --api-key, --served-model-name, --slo-ttft, --slo-tpot, --out, --force, "
+                            "--json)")
     if args.no_cuda_graphs or args.async_scheduling or args.max_tokens != 16 or args.bits != 4:
         raise UserError("`pwruntime bench serve` measures a running server: its engine options are `pwruntime "
                         "serve`'s; give --url, --trace and --time-scale")
@@ -216,13 +220,14 @@ def run_cli(args, command: str) -> int:
     if not 0 <= scale < float("inf"):
         raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {scale}")
     levels = sweep.parse_levels(args.max_concurrency)
+    rate, burstiness = arrival_args(args)
     trace = _requests(args.trace or str(Path(__file__).resolve().parents[1] / "traces/bundled/demo-trace"),
-                      args.max_requests)
+                      args.max_requests, rate, burstiness, args.seed)
     slo = slo_bounds(args)
     out = Path(args.out or "runs/bench-serve")
     prepare_dir(out, args.force, tool="bench serve")
     config = {"command": "bench", "target": "serve", **{k: getattr(args, k) for k in SERVE_FLAGS},
-              "time_scale": scale, "out": str(out), "api_key": None,
+              "time_scale": scale, "seed": args.seed, "out": str(out), "api_key": None,
               "argv": [a if a != args.api_key else "***" for a in sys.argv[1:]]}
     runs = []  # (level, summary, requests)
     for level in levels:

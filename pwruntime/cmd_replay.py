@@ -28,6 +28,8 @@ def register(subparsers) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply the arrival times by this (> 1 spreads the requests out, 0 sends them all at once; "
                         "default 1); give `pwsim run` the same --time-scale to compare the two with `pwsim fidelity`")
+    add_request_rate_flags(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of --request-rate's arrival times (default 0)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "
@@ -39,7 +41,34 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def _requests(path: str, limit: int | None):
+def add_request_rate_flags(p) -> None:
+    """--request-rate and --burstiness, which `replay` and `bench serve` share."""
+    p.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="send the trace's requests at R per second instead of their recorded times (as vLLM's "
+                        "--request-rate; seeded by --seed); give `pwsim run` the same to compare them")
+    p.add_argument("--burstiness", type=float, default=None, metavar="CV",
+                   help="with --request-rate: the gaps' coefficient of variation (default 1: Poisson; above 1 "
+                        "burstier, as vLLM's --burstiness)")
+
+
+def arrival_args(args) -> tuple[float | None, float]:
+    """(--request-rate, --burstiness) checked: one arrival setting at a time."""
+    if args.request_rate is None:
+        if args.burstiness is not None:
+            raise UserError("--burstiness shapes the gaps of --request-rate; give --request-rate R too")
+        return None, 1.0
+    if args.time_scale not in (None, 1.0):
+        raise UserError("give --request-rate or --time-scale, not both: each sets when the requests arrive")
+    return args.request_rate, 1.0 if args.burstiness is None else args.burstiness
+
+
+def _requests(path: str, limit: int | None, request_rate: float | None = None, burstiness: float = 1.0,
+              seed: int = 0):
+    """The trace at `path` (its first `limit` requests), re-timed at `request_rate` when one is given
+    (traces.generators.retimed_arrivals)."""
+    from dataclasses import replace
+
+    from traces.generators import retimed_arrivals
     from traces.io import read_requests
     from traces.schema import RequestTrace
 
@@ -58,6 +87,8 @@ def _requests(path: str, limit: int | None):
         trace = RequestTrace.from_columns(trace.request_id[:k], trace.arrival_s[:k], trace.prompt_tokens[:k],
                                           trace.output_tokens[:k], trace.domain[:k], prompt_token_ids=ids,
                                           provenance=trace.provenance, source=trace.source)
+    if request_rate is not None:
+        trace = replace(trace, arrival_s=retimed_arrivals(trace.arrival_s, request_rate, burstiness, seed))
     return trace
 
 
@@ -66,7 +97,8 @@ def run(args) -> int:
     from pwruntime.replay import replay
     from traces.results import prepare_dir, write_result_dir
 
-    trace = _requests(args.trace, args.max_requests)
+    rate, burstiness = arrival_args(args)
+    trace = _requests(args.trace, args.max_requests, rate, burstiness, args.seed)
     slo = slo_bounds(args)
     out = Path(args.out)
     prepare_dir(out, args.force, tool="replay")

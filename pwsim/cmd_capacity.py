@@ -44,9 +44,10 @@ def _check_search(args: argparse.Namespace) -> None:
                         f"{args.max_rate:g}")
     if not 0 < args.tolerance <= 1:
         raise UserError(f"--tolerance must lie in (0, 1], got {args.tolerance:g}")
-    if args.time_scale != 1.0:
-        raise UserError("--time-scale: a capacity search sets the arrival rate itself; leave --time-scale out and "
-                        "bound the search with --min-rate / --max-rate")
+    if args.time_scale != 1.0 or args.request_rate is not None:
+        flag = "--time-scale" if args.time_scale != 1.0 else "--request-rate"
+        raise UserError(f"{flag}: a capacity search sets the arrival rate itself; leave {flag} out and bound the "
+                        "search with --min-rate / --max-rate")
 
 
 def table(searches: list[dict], slo: SLO) -> str:

@@ -167,6 +167,12 @@ def run(args) -> int:
     if ts["sim"] != ts["runtime"]:
         print(f"note: the simulation ran the trace at --time-scale {ts['sim']:g} and the replay at {ts['runtime']:g}; "
               "their requests arrived at other rates (give both the same --time-scale)")
+    rr_ = report["request_rate"]
+    if rr_["sim"] != rr_["runtime"]:
+        def sent(r) -> str:
+            return "at their recorded times" if r is None else f"at {r:g} per second"
+        print(f"note: the simulation sent the requests {sent(rr_['sim'])} and the runtime {sent(rr_['runtime'])} "
+              "(give both the same --request-rate)")
     mc = report["max_concurrency"]
     if mc["sim"] != mc["runtime"]:
         def limit(n) -> str:

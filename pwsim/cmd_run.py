@@ -30,7 +30,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("synthetic trace (with --trace synthetic)")
     s.add_argument("--requests", type=int, default=DEFAULT_WORKLOAD.requests)
     s.add_argument("--rate", type=float, default=DEFAULT_WORKLOAD.rate, help="requests per second")
-    s.add_argument("--burstiness", type=float, default=DEFAULT_WORKLOAD.burstiness)
+    s.add_argument("--burstiness", type=float, default=None, metavar="CV",
+                   help=f"coefficient of variation of the gaps between arrivals (synthetic: default "
+                        f"{DEFAULT_WORKLOAD.burstiness}; with --request-rate: default 1, Poisson)")
     s.add_argument("--prompt-dist", default=str(DEFAULT_WORKLOAD.prompt), help="e.g. lognormal:384,0.6")
     s.add_argument("--output-dist", default=str(DEFAULT_WORKLOAD.output), help="e.g. fixed:512")
     s.add_argument("--domains", default=",".join(DEFAULT_WORKLOAD.domains),
@@ -54,6 +56,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate, 0: all at once; default 1)")
+    g.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="send a trace's requests at R per second instead of their recorded times (gaps of CV "
+                        "--burstiness, 1: Poisson; seeded by --seed), as `pwruntime bench serve --request-rate`")
     g.add_argument("--max-concurrency", default=None, metavar="N[,N...]",
                    help="at most N requests in flight, as `pwruntime bench serve --max-concurrency N` (N users): one "
                         "whose arrival finds N in flight is sent when one ends, its latencies counted from then "
@@ -97,7 +102,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
         raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
                         "(and --shared-prefix-tokens N for prompts that share a prefix)")
-    wl = SyntheticWorkload(requests=args.requests, rate=args.rate, burstiness=args.burstiness,
+    wl = SyntheticWorkload(requests=args.requests, rate=args.rate,
+                           burstiness=DEFAULT_WORKLOAD.burstiness if args.burstiness is None else args.burstiness,
                            prompt=args.prompt_dist, output=args.output_dist, domains=domains,
                            token_ids_vocab=args.token_ids_vocab, shared_prefix_tokens=args.shared_prefix_tokens,
                            prefix_groups=args.prefix_groups)
@@ -107,7 +113,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests,
-                       time_scale=args.time_scale,
+                       time_scale=args.time_scale, request_rate=args.request_rate,
+                       request_burstiness=1.0 if args.burstiness is None else args.burstiness,
                        max_concurrency=levels[0] if max_concurrency is None else max_concurrency)
 
 
@@ -145,6 +152,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         parts.append(f"--warmup-requests {args.warmup_requests}")
     if args.time_scale != 1.0:
         parts.append(f"--time-scale {args.time_scale:g}")
+    if args.request_rate is not None:
+        parts.append(f"--request-rate {args.request_rate:g}")
     if args.max_concurrency is not None:
         parts.append(f"--max-concurrency {args.max_concurrency}")
     return parts

@@ -159,6 +159,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                             "runtime": int(runtime.config.get("warmup_requests") or 0)},
         # what each side multiplied the trace's arrival times by (`--time-scale`; absent: 1)
         "time_scale": {"sim": _time_scale(sim.config), "runtime": _time_scale(runtime.config)},
+        # the rate each side re-timed the trace's requests at (`--request-rate`; None: their recorded times)
+        "request_rate": {"sim": sim.config.get("request_rate"), "runtime": runtime.config.get("request_rate")},
         # the client's limit on requests in flight (`--max-concurrency` of `pwruntime bench serve` and `pwsim run`)
         "max_concurrency": {"sim": sim.config.get("max_concurrency"), "runtime": runtime.config.get("max_concurrency")},
     }

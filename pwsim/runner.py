@@ -72,10 +72,21 @@ class RunConfig:
     time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate;
     # 0: all at once, as `pwruntime bench serve --time-scale 0`)
     max_concurrency: int | None = None  # SimConfig.max_concurrency (as `pwruntime bench serve --max-concurrency`)
+    request_rate: float | None = None  # a trace's requests re-timed at this rate, gaps of CV request_burstiness
+    # (traces.generators.retimed_arrivals, seeded by `seed`), as `--request-rate` of replay and bench serve
+    request_burstiness: float = 1.0  # 1: Poisson, as vLLM's --burstiness default
 
     def __post_init__(self) -> None:
         if not 0 <= self.time_scale < float("inf"):  # also refuses NaN
             raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {self.time_scale}")
+        if self.request_rate is not None:
+            if not (0 < self.request_rate < float("inf") and 0 < self.request_burstiness < float("inf")):
+                raise UserError(f"--request-rate must be a number of requests per second > 0 and --burstiness a "
+                                f"number > 0, got {self.request_rate} and {self.request_burstiness}")
+            if self.trace == SYNTHETIC:
+                raise UserError("--request-rate re-times a trace's requests; a synthetic trace's rate is --rate")
+            if self.time_scale != 1.0:
+                raise UserError("give --request-rate or --time-scale, not both: each sets when the requests arrive")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise UserError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
@@ -163,8 +174,8 @@ def _calibration(source: str, card_name: str, seed: int):
 
 
 def build_workload(cfg: RunConfig):
-    """The run's requests and routing; arrivals scaled by `time_scale` after the routing is drawn (the same requests
-    and routing, closer together or further apart)."""
+    """The run's requests and routing; arrivals scaled by `time_scale`, or re-timed at `request_rate`, after the
+    routing is drawn (the same requests and routing, closer together or further apart)."""
     from pwsim import workload
     card = _card(cfg.model)
     if cfg.trace == SYNTHETIC:
@@ -175,6 +186,11 @@ def build_workload(cfg: RunConfig):
     if cfg.time_scale != 1.0:
         wl = replace(wl, arrival_s=wl.arrival_s * cfg.time_scale,
                      description={**wl.description, "time_scale": cfg.time_scale})
+    if cfg.request_rate is not None:
+        from traces.generators import retimed_arrivals
+        burst = cfg.request_burstiness
+        wl = replace(wl, arrival_s=retimed_arrivals(wl.arrival_s, cfg.request_rate, burst, cfg.seed),
+                     description={**wl.description, "request_rate": cfg.request_rate, "burstiness": burst})
     return wl
 
 

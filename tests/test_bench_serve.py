@@ -93,6 +93,20 @@ def test_the_probe_reads_our_counters_and_tolerates_a_server_without_them(url):
     assert asyncio.run(probe("http://127.0.0.1:9")) == (None, {})  # nothing listening
 
 
+def test_request_rate_sends_the_trace_at_that_rate(url, tmp_path, capsys):
+    """`--request-rate R --burstiness CV --seed S`: the trace's requests at the re-timed arrivals (those `pwsim run
+    --request-rate` simulates), recorded in config.json."""
+    from traces.generators import retimed_arrivals
+    out = tmp_path / "bench"
+    assert main(["bench", "serve", "--url", url, "--trace", TRACE, "--max-requests", "6", "--request-rate", "40",
+                 "--burstiness", "2", "--seed", "3", "--out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["completed"] == 6
+    _, requests, _, config = read_result_dir(out)
+    trace = read_requests(f"{TRACE}/requests.parquet")
+    assert np.allclose(requests["arrival_s"], retimed_arrivals(trace.arrival_s[:6], 40.0, 2.0, 3))
+    assert (config["request_rate"], config["burstiness"], config["seed"]) == (40.0, 2.0, 3)
+
+
 def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):
     misuse(capsys, ["bench", "serve"], "needs --url")
     misuse(capsys, ["bench", "serve", "--url", "http://127.0.0.1:9", "--out", tmp_path / "x"],
@@ -101,6 +115,9 @@ def test_bench_serve_misuse_is_one_clear_error(capsys, tmp_path):
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--models", "olmoe-1b-7b"],
            "--models does not apply to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--time-scale", "-1"], "--time-scale must be a number >= 0")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--request-rate", "5", "--time-scale", "2"], "not both")
+    misuse(capsys, ["bench", "serve", "--url", "http://x", "--burstiness", "2"], "give --request-rate R too")
+    misuse(capsys, ["bench", "kernels", "--request-rate", "5"], "--request-rate belongs to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--max-concurrency", "0"], "--max-concurrency must be an integer >= 1")
     misuse(capsys, ["bench", "kernels", "--url", "http://x"], "--url belongs to `pwruntime bench serve`")
     misuse(capsys, ["bench", "serve", "--url", "http://x", "--trace", tmp_path], "holds no requests.parquet")

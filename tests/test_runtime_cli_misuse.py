@@ -167,6 +167,10 @@ def test_replay_trace_dir_without_requests_and_planner_without_ap(env, capsys, t
     misuse(capsys, ["replay", "--trace", tmp_path, "--out", out], "--trace", "holds no requests.parquet")
     misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--policy", "pagedweight"],
            "--policy pagedweight needs --ap")
+    misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--request-rate", "5", "--time-scale", "2"],
+           "give --request-rate or --time-scale, not both")
+    misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--request-rate", "0"],
+           "rate and burstiness must be positive")
     assert not out.exists()
 
 

@@ -74,6 +74,29 @@ def test_slo_reads_its_percentile_and_needs_every_request_done():
             SLO(**kw)
 
 
+def test_request_rate_re_times_a_trace_as_replay_and_bench_serve_do(tmp_path, capsys):
+    """`--request-rate R` in the simulator sends the trace's requests at the times `pwruntime replay` and `bench
+    serve` send them with the same rate and seed; it needs a recorded trace, and excludes --time-scale and a
+    capacity search."""
+    from pwruntime.cmd_replay import _requests
+    cfg = make_config("32MiB")  # the bundled demo trace
+    fast = build_workload(replace(cfg, request_rate=40.0, seed=5))
+    assert fast.description["request_rate"] == 40.0
+    base = build_workload(cfg)
+    assert np.array_equal(fast.prompt_tokens, base.prompt_tokens)
+    served = _requests(cfg.trace, None, 40.0, 1.0, 5)
+    assert np.allclose(np.sort(fast.arrival_s), np.sort(served.arrival_s))
+    assert len(fast.arrival_s) / fast.arrival_s.max() == pytest.approx(40.0, rel=0.35)
+    with pytest.raises(UserError, match="not both"):
+        replace(cfg, request_rate=40.0, time_scale=0.5)
+    with pytest.raises(UserError, match="a synthetic trace's rate is --rate"):
+        replace(cfg, request_rate=40.0, trace="synthetic")
+    with pytest.raises(UserError, match="--request-rate must be"):
+        replace(cfg, request_rate=-1.0)
+    assert main(["capacity", *DEMO, "--request-rate", "10", "--out", str(tmp_path / "cap")]) == 2
+    assert "a capacity search sets the arrival rate itself" in capsys.readouterr().err
+
+
 def test_time_scale_moves_only_the_arrivals():
     cfg = make_config("32MiB")
     base, fast = build_workload(cfg), build_workload(replace(cfg, time_scale=0.5))

@@ -359,3 +359,14 @@ def test_compare_with_no_feasible_run_is_one_clear_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no run is feasible at --budgets 1KiB,2KiB" in err and "weights" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly():
+    """`pwsim models | head -1`: once the reader closes the pipe, the command stops with 141 and no traceback."""
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-m", "pwsim.cli", "models"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err

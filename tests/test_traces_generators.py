@@ -6,7 +6,7 @@ import pytest
 
 from traces.clikit import UserError
 from traces.generators import (LengthDist, RoutingSpec, WorkloadSpec, arrival_times, generate_requests,
-                               generate_routing, parse_domains)
+                               generate_routing, parse_domains, retimed_arrivals)
 from traces.model_card import load_card
 from traces.schema import RequestTrace
 
@@ -40,6 +40,21 @@ def test_arrivals_have_the_asked_rate_and_burstiness(cv):
     assert t[0] == 0 and (gaps >= 0).all()
     assert abs(gaps.mean() - 0.25) < 0.02 * (1 + cv)
     assert abs(gaps.std() / gaps.mean() - cv) < 0.08 * cv
+
+
+def test_a_trace_re_timed_keeps_its_order_and_takes_the_asked_rate():
+    """vLLM's --request-rate over a recorded trace: the same seed gives the same times; the requests keep their
+    order of arrival (ties in order of position); the rate and burstiness are those asked for."""
+    recorded = np.array([0.3, 0.1, 0.1, 0.2] * 2500)
+    new = retimed_arrivals(recorded, rate=50.0, burstiness=2.0, seed=3)
+    assert np.array_equal(new, retimed_arrivals(recorded, 50.0, 2.0, seed=3))
+    assert not np.array_equal(new, retimed_arrivals(recorded, 50.0, 2.0, seed=4))
+    order = np.argsort(recorded, kind="stable")
+    assert (np.diff(new[order]) >= 0).all() and new.min() == 0.0
+    gaps = np.diff(np.sort(new))
+    assert abs(gaps.mean() - 0.02) < 0.002 and abs(gaps.std() / gaps.mean() - 2.0) < 0.2
+    with pytest.raises(UserError, match="rate and burstiness must be positive"):
+        retimed_arrivals(recorded, 0.0, 1.0, seed=0)
 
 
 def test_length_distributions():

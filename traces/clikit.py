@@ -48,6 +48,9 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (`| head`): stop quietly, as the shell's own tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the interpreter's last flush is silent
+        return 141
 
 
 def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool = True) -> Path:

@@ -133,6 +133,18 @@ def arrival_times(n: int, rate: float, burstiness: float, rng: np.random.Generat
     return np.concatenate([[0.0], np.cumsum(gaps)])
 
 
+def retimed_arrivals(arrival_s: np.ndarray, rate: float, burstiness: float, seed: int) -> np.ndarray:
+    """New arrival times for a trace's requests, in their order of arrival, as a renewal process at `rate` requests
+    per second from 0 (gaps with coefficient of variation `burstiness`: 1 is Poisson; vLLM's --request-rate and
+    --burstiness), seeded by `seed`: the same requests, prompts and outputs at another load, so `pwsim run`,
+    `pwruntime replay` and `pwruntime bench serve` given the same numbers send them at the same times."""
+    arrival_s = np.asarray(arrival_s, dtype=np.float64)
+    order = np.argsort(arrival_s, kind="stable")
+    out = np.empty(len(arrival_s))
+    out[order] = arrival_times(len(arrival_s), rate, burstiness, np.random.default_rng([seed, 0x72617465]))
+    return out
+
+
 @dataclass(frozen=True)
 class WorkloadSpec:
     requests: int = 100
