@@ -48,6 +48,16 @@ def _line(name: str, m: dict) -> str:
             f"{f(m['ratio_p90'], fmt='{:.2f}')}), median |error| {f(m['median_abs_rel_error'], 100, '{:.0f}')}%")
 
 
+# the settings that decide when a run's requests went: report key, its value in words, the flag that sets it
+ARRIVAL_SETTINGS = (
+    ("time_scale", lambda s: f"at --time-scale {s:g}", "--time-scale"),
+    ("request_rate", lambda r: "at its recorded times" if r is None else f"at {r:g} requests per second",
+     "--request-rate"),
+    ("max_concurrency", lambda n: "with no client limit" if n is None else f"with at most {n} requests in flight",
+     "--max-concurrency"),
+)
+
+
 def _sweep_summary(path) -> dict | None:
     """The summary of a sweep directory (`{"sweep": rows}`), or None for any other path."""
     import json
@@ -163,22 +173,11 @@ def run(args) -> int:
     if w["sim"] != w["runtime"]:
         print(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the state "
               "their pressure left (bits, KV pool) differs at the start (give both the same --warmup-requests)")
-    ts = report["time_scale"]
-    if ts["sim"] != ts["runtime"]:
-        print(f"note: the simulation ran the trace at --time-scale {ts['sim']:g} and the replay at {ts['runtime']:g}; "
-              "their requests arrived at other rates (give both the same --time-scale)")
-    rr_ = report["request_rate"]
-    if rr_["sim"] != rr_["runtime"]:
-        def sent(r) -> str:
-            return "at their recorded times" if r is None else f"at {r:g} per second"
-        print(f"note: the simulation sent the requests {sent(rr_['sim'])} and the runtime {sent(rr_['runtime'])} "
-              "(give both the same --request-rate)")
-    mc = report["max_concurrency"]
-    if mc["sim"] != mc["runtime"]:
-        def limit(n) -> str:
-            return "no limit" if n is None else f"at most {n} requests in flight"
-        print(f"note: the simulation's client had {limit(mc['sim'])} and the runtime's {limit(mc['runtime'])}; their "
-              "requests went at other times (give both the same --max-concurrency)")
+    for key, describe, flag in ARRIVAL_SETTINGS:
+        v = report[key]
+        if v["sim"] != v["runtime"]:
+            print(f"note: the simulation ran the trace {describe(v['sim'])} and the runtime {describe(v['runtime'])}; "
+                  f"their requests went at other times (give both the same {flag})")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

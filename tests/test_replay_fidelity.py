@@ -393,12 +393,18 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     _write_run(tmp_path / "rt-fast", rt, time_scale=0.5)   # a replay at twice the trace's rate
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-fast"), "--out",
                      str(tmp_path / "fid4")]) == 0
-    assert "note: the simulation ran the trace at --time-scale 1 and the replay at 0.5" in capsys.readouterr().out
+    assert "note: the simulation ran the trace at --time-scale 1 and the runtime at --time-scale 0.5" in \
+        capsys.readouterr().out
     assert rep["max_concurrency"] == {"sim": None, "runtime": None}
     _write_run(tmp_path / "rt-users", rt, max_concurrency=8)   # a benchmark of 8 users, a simulation without them
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-users"), "--out",
                      str(tmp_path / "fid5")]) == 0
-    assert ("note: the simulation's client had no limit and the runtime's at most 8 requests in flight"
+    assert ("note: the simulation ran the trace with no client limit and the runtime with at most 8 requests in "
+            "flight" in capsys.readouterr().out)
+    _write_run(tmp_path / "rt-rate", rt, request_rate=40.0)   # a replay re-timed at 40 requests a second
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-rate"), "--out",
+                     str(tmp_path / "fid5b")]) == 0
+    assert ("note: the simulation ran the trace at its recorded times and the runtime at 40 requests per second"
             in capsys.readouterr().out)
     assert rep["scheduler"]["max_num_seqs"] == {"sim": None, "runtime": None}  # neither recorded: nothing to check
     _write_run(tmp_path / "sim-32", sim, max_num_seqs=32, block_size=16, prefix_caching=False)
