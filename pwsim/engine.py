@@ -176,7 +176,8 @@ class Simulation:
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
-        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin)
+        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
+                               offloads_wait_a_boundary=config.async_scheduling)
         self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,

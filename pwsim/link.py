@@ -3,7 +3,9 @@
 `LinkMover` implements `policies.loop.PageMover` for the simulated replica: a reload's bytes take
 `bytes / H2D bandwidth` on a `simpy.Resource` of capacity 1 (transfers serialize) and the block is
 reported as landed at the first boundary after its copy finished; an offload copies nothing and is
-reported at the boundary after the one that began it. `PlanTap` passes a policy's plans through
+reported at the boundary that began it when the engine schedules synchronously (as the runtime's CudaPageMover: no
+kernel is queued at a synchronous boundary, so the planes can go at once), else at the next one (with
+asynchronous scheduling the next batch, launched before the boundary, may still read them). `PlanTap` passes a policy's plans through
 unchanged and remembers the last one, so the engine can size the KV pool for a whole plan at once.
 """
 from __future__ import annotations
@@ -16,11 +18,14 @@ from policies.contract import Transition
 
 
 class LinkMover:
-    """The PCIe link as a simpy.Resource: reloads serialize on it; offloads land one boundary later."""
+    """The PCIe link as a simpy.Resource: reloads serialize on it; offloads land at once, or with
+    `offloads_wait_a_boundary` (asynchronous scheduling) one boundary later."""
 
     def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, on_landed_check: Callable[[], None],
-                 on_begin: Callable[[Transition, int], None] | None = None) -> None:
+                 on_begin: Callable[[Transition, int], None] | None = None,
+                 offloads_wait_a_boundary: bool = False) -> None:
         self.env, self.bw = env, float(h2d_bytes_per_s)
+        self.offloads_wait = offloads_wait_a_boundary
         self.link = simpy.Resource(env, capacity=1)
         self._offloads_new: list[int] = []
         self._offloads_due: list[int] = []
@@ -37,7 +42,7 @@ class LinkMover:
         if self._on_begin is not None:
             self._on_begin(t, nbytes)
         if t.is_offload:
-            self._offloads_new.append(t.block)
+            (self._offloads_new if self.offloads_wait else self._offloads_due).append(t.block)
             self.offload_bytes += int(nbytes)
         else:
             self.in_flight_reloads += 1

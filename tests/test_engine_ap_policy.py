@@ -232,6 +232,40 @@ def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
     assert engine.pool.capacity == sim.pool.capacity > 0
 
 
+def test_under_pressure_the_simulator_makes_the_runtime_s_decisions(ap_dir, tmp_path):
+    """The replay warm-up's load (the demo trace's first 32 prompts at once, 16 tokens each) at 24 MiB: the runtime
+    (CPU, bf16, synchronous) and the simulator run as many steps, plan as often and preempt as often; an offload's
+    planes reach the KV pool at the boundary that began it on both (the simulator once released them a boundary
+    later, and took 49 steps and 17 plans here)."""
+    import argparse
+
+    from pwruntime.cmd_generate import add_engine_args, build_engine
+    from pwruntime.replay import replay
+    from pwsim.runner import execute, make_config
+    from traces.io import read_requests, write_requests
+    from traces.schema import RequestTrace
+
+    full = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
+    k = 32
+    trace = RequestTrace.from_columns(full.request_id[:k], np.zeros(k), full.prompt_tokens[:k],
+                                      np.minimum(16, full.output_tokens[:k]), full.domain[:k],
+                                      prompt_token_ids=[full.prompt_ids(i) for i in range(k)])
+    (tmp_path / "trace").mkdir()
+    write_requests(tmp_path / "trace" / "requests.parquet", trace)
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    engine = build_engine(p.parse_args(["--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy",
+                                        "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
+                                        "--device", "cpu", "--max-num-seqs", "32",
+                                        "--max-num-batched-tokens", "512"]))[0]
+    ran = replay(engine, trace, time_scale=0.0).summary
+    sim = execute(make_config("24MiB", policy="pagedweight", trace=str(tmp_path / "trace"), calibration=str(CALIBRATION),
+                              max_num_seqs=32, max_num_batched_tokens=512, time_scale=0.0)).summary
+    assert ran["plans"] > 5 and ran["preemptions"] > 0  # the load is under pressure
+    assert (sim["iterations"], sim["plans"]["plans"], sim["preemptions"]) == \
+        (ran["iterations"], ran["plans"], ran["preemptions"])
+
+
 @pytest.mark.parametrize("extra, needles", [
     (["--gpu-memory-budget", "1MiB"], ["cannot hold the model's weights", "raise --gpu-memory-budget"]),
     (["--gpu-memory-budget", "48MiB", "--num-kv-blocks", "8"], ["not both"]),
