@@ -90,6 +90,8 @@ def run_sweeps(args, sim_summary: dict | None, rt_summary: dict | None) -> int:
     if not levels:
         raise UserError(f"the sweeps share no --max-concurrency level (simulated {sorted(sim_dirs)}, served "
                         f"{sorted(rt_dirs)}); run them over the same levels")
+    sim_rows = {r["max_concurrency"]: r for r in sim_summary["sweep"]}
+    rt_rows = {r["max_concurrency"]: r for r in rt_summary["sweep"]}
     rows, reports = [], {}
     for level in levels:
         rep = compare(RunView(*read_result_dir(sim_dirs[level], "--sim")),
@@ -99,12 +101,9 @@ def run_sweeps(args, sim_summary: dict | None, rt_summary: dict | None) -> int:
         rows.append({"max_concurrency": level, "throughput_ratio": rep["throughput_ratio"],
                      **{f"{k}_ratio_p50": m[k]["ratio_p50"] for k in ("ttft_s", "tpot_s", "e2e_s")},
                      "e2e_median_abs_rel_error": m["e2e_s"]["median_abs_rel_error"],
-                     "sim_tpot_p50_s": m["tpot_s"]["sim_p50"], "runtime_tpot_p50_s": m["tpot_s"]["runtime_p50"]})
-    sim_rows = {r["max_concurrency"]: r for r in sim_summary["sweep"]}
-    rt_rows = {r["max_concurrency"]: r for r in rt_summary["sweep"]}
-    for row in rows:
-        row["sim_tokens_per_s"] = sim_rows[row["max_concurrency"]]["throughput_tokens_per_s"]
-        row["runtime_tokens_per_s"] = rt_rows[row["max_concurrency"]]["throughput_tokens_per_s"]
+                     "sim_tpot_p50_s": m["tpot_s"]["sim_p50"], "runtime_tpot_p50_s": m["tpot_s"]["runtime_p50"],
+                     "sim_tokens_per_s": sim_rows[level]["throughput_tokens_per_s"],
+                     "runtime_tokens_per_s": rt_rows[level]["throughput_tokens_per_s"]})
     report = {"levels": rows, "reports": reports, "inputs": {"sim": str(args.sim), "runtime": str(args.runtime)}}
     out = write_report(args.out, "fidelity", report, lambda png: plots.fidelity_sweep(rows, png))
     if args.json:

@@ -18,8 +18,8 @@ record each iteration's decode tokens, the decode-only and the mixed iterations 
 that records which steps' planners read the routing statistics (`routing_read`) also gives their cost: the mean
 plan phase of those steps minus that of the others (`routing_reads.plan_gap_us`), which `fitted_profile` takes as
 `routing_read_us` (the simulator charges it after each boundary whose planner read them, and counts them:
-`counters.routing_reads`); a replay that also records each step's plan transitions splits that into a read's fixed cost and a transition's (`routing_reads.read_us`,
-`transition_us`: `routing_read_us` and `plan_transition_us`).
+`counters.routing_reads`); a replay that also records each step's plan transitions splits that into a read's fixed
+cost and a transition's (`routing_reads.read_us`, `transition_us`: `routing_read_us` and `plan_transition_us`).
 """
 from __future__ import annotations
 
@@ -63,6 +63,13 @@ def metric_report(sim_v: np.ndarray, rt_v: np.ndarray) -> dict:
             "median_abs_rel_error": percentile(np.abs(ratio - 1.0), 50)}
 
 
+def _full_rank_fit(y: np.ndarray, *columns: np.ndarray) -> list[float] | None:
+    """Least squares y = c0 + c1 * columns[0] + ...; None where the columns cannot tell their terms apart."""
+    design = np.stack([np.ones_like(y), *columns], axis=1)
+    coef, _, rank, _ = np.linalg.lstsq(design, y, rcond=None)
+    return [float(v) for v in coef] if rank == design.shape[1] else None
+
+
 def batch_seqs(timeline: dict[str, np.ndarray]) -> np.ndarray | None:
     """Each iteration's scheduled sequences: the timeline's `batch_seqs`, or for older results its decode tokens plus
     one for a step with prompt tokens (most of the demo's mixed steps hold one prompt chunk); None without either."""
@@ -88,10 +95,7 @@ def iteration_fit(timeline: dict[str, np.ndarray], per_seq: bool = False) -> dic
     t, x = t[ok], x[ok]
     a = b = c = None
     if seqs is not None and t.size >= 3:
-        design = np.stack([np.ones_like(x), seqs[ok], x], axis=1)
-        coef, _, rank, _ = np.linalg.lstsq(design, t, rcond=None)
-        if rank == 3:
-            a, c, b = (float(v) for v in coef)
+        a, c, b = _full_rank_fit(t, seqs[ok], x) or (None, None, None)
     if a is None and t.size >= 2 and np.ptp(x) > 0:
         b, a = (float(v) for v in np.polyfit(x, t, 1))
     if a is None and t.size:
@@ -217,10 +221,9 @@ def routing_read_cost(timeline: dict[str, np.ndarray]) -> dict:
     gap = float(plan[read].mean() - plan[~read].mean()) * 1e6 if read.any() and (~read).any() else None
     read_us = transition_us = None
     if "plan_transitions" in timeline and plan.size >= 3:
-        design = np.stack([np.ones_like(plan), read, np.asarray(timeline["plan_transitions"], dtype=np.float64)], 1)
-        coef, _, rank, _ = np.linalg.lstsq(design, plan, rcond=None)
-        if rank == 3:
-            read_us, transition_us = float(coef[1]) * 1e6, float(coef[2]) * 1e6
+        fit = _full_rank_fit(plan, read.astype(np.float64), np.asarray(timeline["plan_transitions"], dtype=np.float64))
+        if fit is not None:
+            read_us, transition_us = fit[1] * 1e6, fit[2] * 1e6
     return {"runtime": int(read.sum()), "plan_gap_us": gap, "read_us": read_us, "transition_us": transition_us}
 
 

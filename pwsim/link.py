@@ -4,9 +4,9 @@
 `bytes / H2D bandwidth` on a `simpy.Resource` of capacity 1 (transfers serialize) and the block is
 reported as landed at the first boundary after its copy finished; an offload copies nothing and is
 reported at the boundary that began it when the engine schedules synchronously (as the runtime's CudaPageMover: no
-kernel is queued at a synchronous boundary, so the planes can go at once), else at the next one (with
-asynchronous scheduling the next batch, launched before the boundary, may still read them). `PlanTap` passes a policy's plans through
-unchanged and remembers the last one, so the engine can size the KV pool for a whole plan at once.
+kernel is queued at a synchronous boundary, so the planes can go at once), else at the next one (with asynchronous
+scheduling the next batch, launched before the boundary, may still read them). `PlanTap` passes a policy's plans
+through unchanged and remembers the last one, so the engine can size the KV pool for a whole plan at once.
 """
 from __future__ import annotations
 
