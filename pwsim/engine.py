@@ -10,11 +10,13 @@ time and hardware:
   postprocess -> observe -> plan loop step (the iteration boundary) -> KV pool resize; with asynchronous
   scheduling (`SimConfig.async_scheduling`, the runtime's `--async-scheduling`) in the runtime's order instead:
   schedule -> advance -> settle the previous batch -> boundary -> (time passes: the longer of the forward's device
-  work and the host's, which overlap), so the same steps make the same decisions as there;
+  work and the host's, which overlap), so the same steps make the same decisions as there (the timeline's row of a
+  step holds the batch scheduled at it, as the runtime's does);
 * the PCIe link (`LinkMover`): a `simpy.Resource` of capacity 1; a reload's bytes take
   `bytes / H2D bandwidth` on it, one transfer at a time, and it is committed at the first boundary
-  after it lands; an offload copies nothing and is committed at the boundary after the one that
-  began it (the iteration in between may still be reading the planes);
+  after it lands; an offload copies nothing and is committed at the boundary that began it, or at the next one
+  when the forward launched before it (asynchronous scheduling) outlasts the host's work and so may still be
+  reading the planes as the host plans;
 * memory under one budget: non-expert fp16 weights + expert weight bytes (the page table's own
   accounting, or the policy's `weight_bytes`) + the KV pool's backed blocks (`id_limit`). The pool
   grows into the headroom after every boundary and shrinks over free blocks when a reload needs
@@ -176,8 +178,7 @@ class Simulation:
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
-        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
-                               offloads_wait_a_boundary=config.async_scheduling)
+        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin)
         self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,
@@ -326,7 +327,10 @@ class Simulation:
                 launched = yield from self._launch(batch)
                 if pending is not None:
                     self._settle(pending)
-                self._boundary()  # the plan overlaps this batch: its commits reach the next one
+                # the plan overlaps this batch (its commits reach the next one), which is still on the device as the
+                # host plans where its device work outlasts the host's
+                c = launched.cost
+                self._boundary(forward_in_flight=c.total - c.overhead > c.overhead)
                 yield from self._run(launched, overlap=True)
                 pending = launched
                 continue
@@ -362,7 +366,8 @@ class Simulation:
         dt = max(cost.total - cost.overhead, cost.overhead + extra) if overlap else cost.total + extra
         self.total_cost = self.total_cost + cost
         yield self.env.timeout(dt)
-        self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries))
+        self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries),
+                           launched_before_last_boundary=overlap)
         ends = np.cumsum(b.new)  # tokens sampled by this forward: the last position of every sampling entry
         self.quality_accrue(b.q_now, b.req[b.sample], b.routing.ids[:, (ends - 1)[b.sample], :])
 
@@ -404,8 +409,8 @@ class Simulation:
         if absent.any():
             self.rec.count("forwards_with_absent_experts")
 
-    def _boundary(self):
-        self.mover.boundary()
+    def _boundary(self, forward_in_flight: bool = False):
+        self.mover.boundary(forward_in_flight)
         obs = build_observation(step=self._step, time_s=self.now, pool=self.pool, scheduler=self.sched,
                                 kv_block_bytes=self.kv_block_bytes, free_block_threshold=self.threshold,
                                 routing=self.routing,

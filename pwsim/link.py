@@ -3,9 +3,10 @@
 `LinkMover` implements `policies.loop.PageMover` for the simulated replica: a reload's bytes take
 `bytes / H2D bandwidth` on a `simpy.Resource` of capacity 1 (transfers serialize) and the block is
 reported as landed at the first boundary after its copy finished; an offload copies nothing and is
-reported at the boundary that began it when the engine schedules synchronously (as the runtime's CudaPageMover: no
-kernel is queued at a synchronous boundary, so the planes can go at once), else at the next one (with asynchronous
-scheduling the next batch, launched before the boundary, may still read them). `PlanTap` passes a policy's plans
+reported at the boundary that began it when no forward that may read its planes is still running there (as the
+runtime's CudaPageMover: its mark, recorded behind the queued kernels, is done), else at the next one. The engine
+says which at each boundary (`boundary(forward_in_flight=...)`): never at a synchronous boundary; with asynchronous
+scheduling when the batch launched before the boundary is still on the device as the host plans. `PlanTap` passes a policy's plans
 through unchanged and remembers the last one, so the engine can size the KV pool for a whole plan at once.
 """
 from __future__ import annotations
@@ -18,14 +19,13 @@ from policies.contract import Transition
 
 
 class LinkMover:
-    """The PCIe link as a simpy.Resource: reloads serialize on it; offloads land at once, or with
-    `offloads_wait_a_boundary` (asynchronous scheduling) one boundary later."""
+    """The PCIe link as a simpy.Resource: reloads serialize on it; offloads land at once, or one boundary later when
+    a forward was still running at the boundary that began them."""
 
     def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, on_landed_check: Callable[[], None],
-                 on_begin: Callable[[Transition, int], None] | None = None,
-                 offloads_wait_a_boundary: bool = False) -> None:
+                 on_begin: Callable[[Transition, int], None] | None = None) -> None:
         self.env, self.bw = env, float(h2d_bytes_per_s)
-        self.offloads_wait = offloads_wait_a_boundary
+        self.offloads_wait = False  # this boundary's offloads wait for the next (a forward may still read them)
         self.link = simpy.Resource(env, capacity=1)
         self._offloads_new: list[int] = []
         self._offloads_due: list[int] = []
@@ -61,10 +61,12 @@ class LinkMover:
         for ev in waiters:
             ev.succeed()
 
-    def boundary(self) -> None:
-        """An iteration ended: offloads begun at the previous boundary may now release their planes."""
+    def boundary(self, forward_in_flight: bool = False) -> None:
+        """A boundary begins: offloads begun at the previous one may now release their planes; with
+        `forward_in_flight` (a launched forward still runs) those this one begins wait for the next."""
         self._offloads_due.extend(self._offloads_new)
         self._offloads_new = []
+        self.offloads_wait = forward_in_flight
 
     def landed(self) -> list[int]:
         self._check()  # the loop calls this after beginning the plan's transitions: memory peaks here

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 TIMELINE_COLUMNS = ("time_s", "step", "weight_bytes", "kv_pool_bytes", "kv_used_bytes", "memory_bytes",
                     "free_blocks", "total_blocks", "mean_bits", "running", "waiting", "inflight_bytes",
                     "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "plan_transitions")
+_ITER = TIMELINE_COLUMNS.index("iter_s")  # iter_s, batch_tokens, decode_tokens, batch_seqs: one forward's
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Recorder:
         self.stride = timeline_stride
         self._tl: list[tuple] = []
         self._boundaries = 0
+        self._last_row_kept = False  # whether the last boundary's row is in the timeline (`timeline_stride`)
         self._pending_iter = (0.0, 0, 0, 0)
         self._plan_transitions = 0  # transitions the current boundary's plan started
         self.iterations = 0
@@ -74,11 +76,18 @@ class Recorder:
         """The committed bits at simulated time 0."""
         self._last_t, self._last_bits = 0.0, bits
 
-    def iteration(self, now: float, dt: float, tokens: int, decode_tokens: int, seqs: int) -> None:
+    def iteration(self, now: float, dt: float, tokens: int, decode_tokens: int, seqs: int,
+                  launched_before_last_boundary: bool = False) -> None:
+        """A forward ran: its time and size go to the next boundary's row, or with `launched_before_last_boundary`
+        (asynchronous scheduling: the boundary came between its launch and its run) to that boundary's row, so a
+        row holds the batch its step scheduled, as the runtime's timeline does."""
         self.iterations += 1
         self.computed_tokens += tokens
         self.decode_tokens += decode_tokens
-        self._pending_iter = (dt, tokens, decode_tokens, seqs)
+        if not launched_before_last_boundary:
+            self._pending_iter = (dt, tokens, decode_tokens, seqs)
+        elif self._last_row_kept:
+            self._tl[-1] = self._tl[-1][:_ITER] + (dt, tokens, decode_tokens, seqs) + self._tl[-1][_ITER + 4:]
 
     def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
         self.out_tokens[reqs] += 1
@@ -147,7 +156,8 @@ class Recorder:
         transitions, self._plan_transitions = self._plan_transitions, 0
         self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
         self._boundaries += 1
-        if (self._boundaries - 1) % self.stride:
+        self._last_row_kept = not (self._boundaries - 1) % self.stride
+        if not self._last_row_kept:
             return
         self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
                          pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,

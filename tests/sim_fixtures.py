@@ -40,16 +40,17 @@ def weights_at(card: ModelSpec, bits: int) -> int:
 
 
 def tiny_sim(policy: str = "pagedweight", kv_blocks: int = 24, seed: int = 0, n: int = 24, card=None, cal=None,
-             workload=None, params: dict | None = None, slack: int = 0, **cfg) -> Simulation:
-    """A Simulation whose budget holds the 8-bit weights plus `kv_blocks` KV blocks (plus `slack`)."""
+             workload=None, params: dict | None = None, slack: int = 0, profile=None, **cfg) -> Simulation:
+    """A Simulation whose budget holds the 8-bit weights plus `kv_blocks` KV blocks (plus `slack`), on `profile`
+    (default h200-roofline)."""
     card = card or tiny_card()
     cal = cal if cal is not None else synthetic_calibration(card, seed=seed)
     workload = workload if workload is not None else tiny_workload(card, n=n, seed=seed)
     block = 16 * card.kv_bytes_per_token()
     budget = weights_at(card, 8) + kv_blocks * block + slack
     config = SimConfig(budget_bytes=budget, allocator_slack_bytes=slack, check_invariants=True, **cfg)
-    return Simulation(card, load_profile("h200-roofline"), workload, policies.get(policy, **(params or {})), cal,
-                      config)
+    return Simulation(card, profile or load_profile("h200-roofline"), workload, policies.get(policy, **(params or {})),
+                      cal, config)
 
 
 def summary_without_wall(summary: dict) -> dict:

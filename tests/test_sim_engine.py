@@ -1,11 +1,14 @@
 """The simulated replica: completion, KV pool bounds, the memory budget, the PCIe link, commit points, determinism."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from policies.page_table import PageTable
 from pwsim.engine import BudgetError
+from traces.hardware import load_profile
 from sim_fixtures import same_arrays, summary_without_wall, tiny_card, tiny_sim, tiny_workload, weights_at
 
 
@@ -102,9 +105,14 @@ def test_link_transfers_serialize_at_h2d_bandwidth():
     assert res.summary["page_traffic"]["reload_bytes"] == int(nbytes.sum())
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_table_changes_only_at_iteration_boundaries_and_reloads_commit_after_landing(asynchronous):
-    sim = tiny_sim("pagedweight", kv_blocks=16, n=40, slack=256 * 1024, async_scheduling=asynchronous)
+@pytest.mark.parametrize("asynchronous, slow_device", [(False, False), (True, False), (True, True)])
+def test_table_changes_only_at_iteration_boundaries_and_reloads_commit_after_landing(asynchronous, slow_device):
+    """slow_device: a device a thousand times slower, so a launched forward outlasts the host's work."""
+    profile = load_profile("h200-roofline")
+    if slow_device:
+        profile = replace(profile, hbm_gbps=profile.hbm_gbps / 1000, fp16_tflops=profile.fp16_tflops / 1000)
+    sim = tiny_sim("pagedweight", kv_blocks=16, n=40, slack=256 * 1024, async_scheduling=asynchronous,
+                   profile=profile)
     table: PageTable = sim.table
     commits: list[tuple[int, float]] = []
     boundary_times: list[float] = []
@@ -133,12 +141,21 @@ def test_table_changes_only_at_iteration_boundaries_and_reloads_commit_after_lan
         boundary_times.append(sim.env.now)
         return step(obs)
     sim.loop.step = step_logged
+    in_flight: dict[int, bool] = {}  # step -> whether a launched forward still ran on the device as its boundary planned
+    mover_boundary = sim.mover.boundary
+
+    def boundary_logged(forward_in_flight=False):
+        in_flight[sim._step] = forward_in_flight
+        return mover_boundary(forward_in_flight)
+    sim.mover.boundary = boundary_logged
     res = sim.run()
     assert commits and offload_steps, "the scenario must reload and offload"
-    # an offload's planes are released once no queued iteration can read them: at the boundary that began it when the
-    # engine schedules synchronously (nothing is queued there, as in the runtime), at the next one asynchronously
-    # (the next batch was launched before the boundary)
-    assert all(end == begin + asynchronous for begin, end in offload_steps)
+    # an offload's planes are released once no queued forward can read them: at the boundary that began it when
+    # nothing runs there (always when the engine schedules synchronously, as in the runtime), at the next one when the
+    # batch launched before the boundary (asynchronous scheduling) outlasts the host's work
+    assert all(end == begin + in_flight[begin] for begin, end in offload_steps)
+    assert any(in_flight.values()) == (asynchronous and slow_device)
+    assert any(end == begin + 1 for begin, end in offload_steps) == (asynchronous and slow_device)
     landed = {}
     for block, _, end, _ in res.transfers.tolist():
         landed.setdefault(int(block), []).append(end)
@@ -246,9 +263,9 @@ def test_async_iterations_take_the_longer_of_device_and_host_work():
             costs.append(b.cost)
             return run(b, overlap)
 
-        def iteration_logged(now, dt, *a, lasted=lasted, iteration=iteration):
+        def iteration_logged(now, dt, *a, lasted=lasted, iteration=iteration, **kw):
             lasted.append(dt)
-            return iteration(now, dt, *a)
+            return iteration(now, dt, *a, **kw)
         sim._run, sim.rec.iteration = run_logged, iteration_logged
         assert sim.run().summary["completed"] == 12
         assert len(costs) == len(lasted) > 12
