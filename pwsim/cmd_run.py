@@ -43,7 +43,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-batched-tokens", type=int, default=2048)
+    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens", type=int, default=2048,
+                   help="tokens an iteration may compute, prompt chunks and decodes together (vLLM's and `pwruntime`'s "
+                        "name; default 2048)")
     e.add_argument("--timeline-stride", type=int, default=1, help="record every n-th iteration boundary")
     e.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the cached KV blocks of common prompt prefixes between requests, as the runtime's "
@@ -92,7 +94,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if not domains:
         raise UserError("--domains needs at least one name")
     if min(args.block_size, args.max_num_seqs, args.max_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
-        raise UserError("--requests, --block-size, --max-num-seqs, --max-batched-tokens and --timeline-stride "
+        raise UserError("--requests, --block-size, --max-num-seqs, --max-num-batched-tokens and --timeline-stride "
                         "must be positive")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")

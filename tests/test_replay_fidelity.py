@@ -469,7 +469,7 @@ def test_fitted_profile_predicts_the_measured_runtime(tmp_path, budget, warm, co
     them; with the plain GPU profile it is 2.4-9x off end to end."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
-    args = ["run", "--policy", "pagedweight", "--budget", budget, "--max-num-seqs", "32", "--max-batched-tokens", "512",
+    args = ["run", "--policy", "pagedweight", "--budget", budget, "--max-num-seqs", "32", "--max-num-batched-tokens", "512",
             "--no-plots"]
     runs = {}
     for name, extra in (("fit", ["--hardware", "h200-demo-runtime"]), ("gpu", ["--hardware", "h200-measured"])):

@@ -37,6 +37,20 @@ def test_run_writes_results_and_its_config_reproduces_them(tmp_path, capsys):
     assert again.summary["quality"]["mean_damage_per_token"] == pytest.approx(summary["quality"]["mean_damage_per_token"])
 
 
+def test_max_num_batched_tokens_is_the_runtime_s_flag_and_the_old_name_still_works(tmp_path, capsys):
+    """`pwsim run --max-num-batched-tokens` (vLLM's and `pwruntime`'s name) limits each iteration's tokens; the
+    simulator's older `--max-batched-tokens` means the same."""
+    configs = []
+    for name, flag in (("new", "--max-num-batched-tokens"), ("old", "--max-batched-tokens")):
+        assert main(["run", "--policy", "pagedweight", "--budget", "19GiB", "--out", str(tmp_path / name), *SMALL,
+                     flag, "32"]) == 0
+        configs.append(json.loads((tmp_path / name / "config.json").read_text()))
+        tl = pq.read_table(tmp_path / name / "timeline.parquet").to_pydict()
+        assert max(tl["batch_tokens"]) == 32  # the 48-token prompts go in chunks
+    capsys.readouterr()
+    assert configs[0]["max_num_batched_tokens"] == configs[1]["max_num_batched_tokens"] == 32
+
+
 def test_a_concurrency_sweep_runs_each_level_and_fidelity_pairs_two_sweeps(tmp_path, capsys):
     """`pwsim run --max-concurrency 1,4` writes a run per level (as `pwruntime bench serve` does), and `pwsim
     fidelity` compares two sweeps level by level; a sweep against a single run, or a sweep with --fit-profile, is
