@@ -177,8 +177,9 @@ def engine_model_dir(args) -> Path:
     return Path(model_dir)
 
 
-def build_engine(args):
-    """(engine, model path, dtype, device) from the shared options (add_engine_args)."""
+def build_engine(args, recorder=None):
+    """(engine, model path, dtype, device) from the shared options (add_engine_args); `recorder`: a TraceRecorder
+    the engine feeds."""
     import torch
 
     from pwruntime.engine import LLMEngine
@@ -188,7 +189,7 @@ def build_engine(args):
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     model, table, policy, cal, mover = _load(args, dtype, device)
-    engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover)
+    engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover, recorder=recorder)
     if mover is not None:
         store = mover.store
         before = store.resident_bytes()

@@ -72,21 +72,12 @@ def _domains(args) -> dict[str, Path]:
     return files
 
 
-def _card_name(spec) -> str:
-    """The bundled card with this architecture (so pwsim can replay the trace), else the spec's own name."""
-    from traces.model_card import available_cards, load_card
-
-    matches = [n for n in available_cards() if load_card(n).fingerprint() == spec.fingerprint()]
-    return matches[0] if matches else spec.name
-
-
 def run(args) -> int:
     from pwruntime.cmd_perplexity import default_model_dir, read_text
     from pwruntime.engine import EngineConfig, LLMEngine
     from pwruntime.model import load_model
     from pwruntime.sampling import SamplingParams
-    from pwruntime.trace_recorder import TraceRecorder
-    from traces.model_card import ModelSpec
+    from pwruntime.trace_recorder import TraceRecorder, card_for
 
     p_lo, p_hi = _range("--prompt-tokens", args.prompt_tokens)
     o_lo, o_hi = _range("--output-tokens", args.output_tokens)
@@ -108,7 +99,7 @@ def run(args) -> int:
     if model_dir is None:
         raise UserError("no model: pass --model DIR")
     model = load_model(model_dir)
-    card = args.card or _card_name(ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text())))
+    card = args.card or card_for(model_dir)
     rng = np.random.default_rng(args.seed)
     jobs = []  # (domain, prompt ids, output tokens)
     for domain, path in files.items():

@@ -5,6 +5,12 @@ prompts and output lengths; the engine (the same options as `generate`: a model 
 with a planner) serves them under continuous batching. The result directory has the layout of a
 `pwsim run` result (requests.parquet, timeline.parquet, summary.json, config.json), so
 `pwsim fidelity --sim SIM_RUN --runtime THIS` measures how well the simulator predicts this run.
+
+With --record-routing the result also holds `trace/`: the replayed requests (before --request-rate
+re-times them) with the routing the engine computed for them, at the bits it served them with, so
+`pwsim run --trace OUT/trace` (with this replay's arrival flags) simulates the routing the runtime's
+planner saw, not the routing the trace was recorded with. Recording copies each step's routing to
+the host, which the run's times include.
 """
 from __future__ import annotations
 
@@ -34,6 +40,9 @@ def register(subparsers) -> None:
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "
                         "(first kernel launches, CUDA-graph captures) stay out of the replay (default 0)")
+    p.add_argument("--record-routing", action="store_true",
+                   help="also write OUT/trace: the replayed requests with the routing this run computed (for "
+                        "`pwsim run --trace OUT/trace`)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_slo_flags(p)
@@ -64,11 +73,23 @@ def arrival_args(args) -> tuple[float | None, float]:
 
 def _requests(path: str, limit: int | None, request_rate: float | None = None, burstiness: float = 1.0,
               seed: int = 0):
-    """The trace at `path` (its first `limit` requests), re-timed at `request_rate` when one is given
-    (traces.generators.retimed_arrivals)."""
+    """The trace at `path` (its first `limit` requests), re-timed at `request_rate` when one is given."""
+    return _retimed(_read_requests(path, limit), request_rate, burstiness, seed)
+
+
+def _retimed(trace, request_rate: float | None, burstiness: float, seed: int):
+    """`trace` with arrivals at `request_rate` per second (traces.generators.retimed_arrivals); unchanged without."""
     from dataclasses import replace
 
     from traces.generators import retimed_arrivals
+
+    if request_rate is None:
+        return trace
+    return replace(trace, arrival_s=retimed_arrivals(trace.arrival_s, request_rate, burstiness, seed))
+
+
+def _read_requests(path: str, limit: int | None):
+    """The request trace at `path` (a trace directory or requests.parquet), its first `limit` requests."""
     from traces.io import read_requests
     from traces.schema import RequestTrace
 
@@ -87,22 +108,31 @@ def _requests(path: str, limit: int | None, request_rate: float | None = None, b
         trace = RequestTrace.from_columns(trace.request_id[:k], trace.arrival_s[:k], trace.prompt_tokens[:k],
                                           trace.output_tokens[:k], trace.domain[:k], prompt_token_ids=ids,
                                           provenance=trace.provenance, source=trace.source)
-    if request_rate is not None:
-        trace = replace(trace, arrival_s=retimed_arrivals(trace.arrival_s, request_rate, burstiness, seed))
     return trace
 
 
 def run(args) -> int:
-    from pwruntime.cmd_generate import build_engine
+    from pwruntime.cmd_generate import build_engine, engine_model_dir
     from pwruntime.replay import replay
+    from pwruntime.trace_recorder import TraceRecorder, card_for
+    from traces.io import Trace, write_trace_dir
     from traces.results import prepare_dir, write_result_dir
 
     rate, burstiness = arrival_args(args)
-    trace = _requests(args.trace, args.max_requests, rate, burstiness, args.seed)
+    source = _read_requests(args.trace, args.max_requests)
+    trace = _retimed(source, rate, burstiness, args.seed)
     slo = slo_bounds(args)
     out = Path(args.out)
     prepare_dir(out, args.force, tool="replay")
-    engine, model_dir, dtype, device = build_engine(args)
+    recorder = None
+    if args.record_routing:
+        if args.enable_prefix_caching:
+            raise UserError("--record-routing records the routing of every prompt token, which prefix caching skips: "
+                            "drop --enable-prefix-caching")
+        model_dir = engine_model_dir(args)
+        recorder = TraceRecorder(card=card_for(model_dir),
+                                 provenance={"model": str(model_dir), "replayed": str(args.trace)})
+    engine, model_dir, dtype, device = build_engine(args, recorder)
     blocks = engine.pool.capacity
     start = time.perf_counter()
     result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
@@ -112,8 +142,11 @@ def run(args) -> int:
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
+    def write_routing(d: Path) -> None:  # the replayed requests and the routing computed for them, in OUT/trace
+        write_trace_dir(d / "trace", Trace(source, result.routing))
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
-                     {"summary": summary, "config": config}, force=args.force, tool="replay")
+                     {"summary": summary, "config": config}, extra=None if result.routing is None else write_routing,
+                     force=args.force, tool="replay")
     if args.json:
         print(json.dumps(summary))
     else:
@@ -121,6 +154,9 @@ def run(args) -> int:
         print(f"replayed {summary['requests']} requests ({summary['output_tokens']} output tokens) in "
               f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
               f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
+        if result.routing is not None:
+            print(f"the routing it computed: {out / 'trace'} (simulate it with `pwsim run --trace {out / 'trace'}` and "
+                  "this replay's arrival flags)")
         if slo is not None:
             print("SLO " + slo_line(summary["slo"]))
     return 0

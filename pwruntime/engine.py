@@ -191,7 +191,8 @@ class LLMEngine:
                 raise UserError(str(e)) from None
         policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
         self.policy = policy
-        self.pool = BlockPool(self._initial_blocks(), cfg.block_size, prefix_caching=cfg.prefix_caching)
+        blocks, self._spare_bytes = self._initial_blocks()  # spare: released or left over, not yet in the KV pool
+        self.pool = BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
@@ -212,7 +213,6 @@ class LLMEngine:
         self._requests: dict[int, _Request] = {}
         self._prompt_cursors: dict[int, int] = {}  # request id -> prompt positions asked for (pwruntime.prompt_logprobs)
         self._next_id = 0
-        self._spare_bytes = 0  # released by weight pages and not yet given to the KV pool
         self.unclaimed: list[RequestOutput] = []  # outputs of requests finished inside another call's generate()
         self.num_steps = 0
         self.num_generated_tokens = 0  # output tokens settled so far (each request's, as its outputs count them)
@@ -228,12 +228,14 @@ class LLMEngine:
         return self.last_observation is not None and self.last_observation.routing_read
 
     # ------------------------------------------------------------------ set-up
-    def _initial_blocks(self) -> int:
+    def _initial_blocks(self) -> tuple[int, int]:
+        """The KV pool's first blocks, and the spare bytes beside them that only a memory budget has (what its room
+        leaves short of one more block: released weight bytes join them, as the simulator's headroom counts them)."""
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             if cfg.num_kv_blocks < 1:
                 raise UserError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
-            return int(cfg.num_kv_blocks)
+            return int(cfg.num_kv_blocks), 0
         if cfg.gpu_memory_budget is not None:
             return self._budget_blocks(int(cfg.gpu_memory_budget))
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
@@ -246,7 +248,7 @@ class LLMEngine:
         if n < 1:
             raise UserError(f"no memory left for the KV cache ({budget} bytes, {self.block_bytes} per block): "
                             "raise gpu_memory_fraction or set num_kv_blocks")
-        return int(n)
+        return int(n), 0
 
     def _context_limit(self) -> int:
         """Positions a request may use (prompt and output): max_model_len, at most the model's."""
@@ -258,12 +260,13 @@ class LLMEngine:
                             f"{limit}")
         return int(limit)
 
-    def _budget_blocks(self, budget: int) -> int:
+    def _budget_blocks(self, budget: int) -> tuple[int, int]:
         """The KV blocks a memory budget leaves beside the model's weights (the routed experts at the policy's
         starting bits) and the allocator's slack (policies.memory_budget: the simulator's --budget gives the same
-        pool)."""
+        pool), and the room's remainder short of one more block."""
         own, experts = self.model.weight_bytes(), weight_bytes(self.policy, self.table)
-        n = kv_room_bytes(budget, own + experts) // self.block_bytes
+        room = kv_room_bytes(budget, own + experts)
+        n = room // self.block_bytes
         if n < 1:
             raise UserError(f"a memory budget of {format_size(budget)} cannot hold the model's weights "
                             f"({format_size(own)}, and {format_size(experts)} of routed experts at the policy's "
@@ -275,7 +278,7 @@ class LLMEngine:
                 raise UserError(f"a memory budget of {format_size(budget)} leaves the KV cache "
                                 f"{format_size(n * self.block_bytes)}, more than the {format_size(free)} free on "
                                 f"{self.model.device}: lower --gpu-memory-budget")
-        return int(n)
+        return int(n), int(room - n * self.block_bytes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,

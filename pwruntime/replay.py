@@ -8,8 +8,11 @@ records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
 observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's
-planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it). `ReplayResult` holds those columns and a summary with `pwsim run`'s metric
-names; `pwruntime replay` writes them as a result directory (`traces.results`) for `pwsim fidelity`.
+planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it). `ReplayResult`
+holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
+(`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
+for the replayed requests (the warm-up's left out), under the trace's request ids: the simulator replays exactly the
+routing the runtime planned with.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from traces.clikit import UserError
 from pwruntime.engine import StepPhases
 from pwruntime.sampling import SamplingParams
 from traces.results import WARMUP_TOKENS, request_columns, request_summary, stats
-from traces.schema import RequestTrace
+from traces.schema import RequestTrace, RoutingTrace
 
 
 @dataclass
@@ -31,6 +34,7 @@ class ReplayResult:
     requests: dict[str, np.ndarray]  # per request, in trace order
     timeline: dict[str, np.ndarray]  # per engine iteration
     summary: dict
+    routing: RoutingTrace | None = None  # what the engine's recorder saw of the replayed requests
 
 
 def warm_up(engine, trace: RequestTrace, requests: int) -> None:
@@ -99,6 +103,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
                              int(engine.last_routing_read), len(engine.last_loop.started) if engine.last_loop else 0))
     result = _result(trace, arrival, outputs, index, timeline, engine)
     result.summary["warmup_steps"] = first_step
+    if engine.recorder is not None:
+        result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
     return result
 
 

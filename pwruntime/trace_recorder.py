@@ -6,16 +6,29 @@ trace directory through `traces.io` (requests.parquet + routing.parquet, atomica
 recomputed after a preemption is recorded once (its first computation), so (request, position,
 layer) rows stay unique as the schema requires. Routing that reaches the recorder after its request finished (the
 one step an asynchronously scheduled sequence runs past its stop) is not recorded, as it was never computed
-without asynchronous scheduling.
+without asynchronous scheduling. `routing_trace(rename=...)` keeps some requests under other ids (a replay's, under
+its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import json
+
 import numpy as np
 
 from pwruntime.model_runner import RoutingArrays
+
+
+def card_for(model_dir) -> str:
+    """The bundled model card with the architecture of the checkpoint in `model_dir` (so `pwsim` can simulate its
+    traces), else the architecture's own name."""
+    from traces.model_card import ModelSpec, available_cards, load_card
+
+    spec = ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    matches = [n for n in available_cards() if load_card(n).fingerprint() == spec.fingerprint()]
+    return matches[0] if matches else spec.name
 
 
 @dataclass
@@ -73,7 +86,8 @@ class TraceRecorder:
             output_tokens=[max(1, r[2]) for r in rows], domain=[r[3] for r in rows],
             prompt_token_ids=[r[1] for r in rows], provenance={"source": "pwruntime", **self.provenance})
 
-    def routing_trace(self):
+    def routing_trace(self, rename: dict[int, int] | None = None):
+        """The recorded routing; with `rename` (engine request id -> id to record), only those requests', renamed."""
         from traces.schema import RoutingTrace
 
         if self._shape is None:
@@ -81,6 +95,10 @@ class TraceRecorder:
         layers, experts, top_k = self._shape
         rid, pos, layer, eids, w, gu, dn = [], [], [], [], [], [], []
         for r, first, ids, wt, g, d in self._chunks:
+            if rename is not None:
+                if r not in rename:
+                    continue
+                r = rename[r]
             n = ids.shape[1]
             rid.append(np.full(n * layers, r, dtype=np.int64))
             pos.append(np.repeat(np.arange(first, first + n, dtype=np.int32), layers))

@@ -10,7 +10,9 @@ and `token_overhead_us` moved by the gaps between the two engines' fitted per-it
 --fit-per-sequence, from the fits with a per-sequence term, `sequence_overhead_us` too), and, when the replay
 records which planner steps read the routing statistics, `routing_read_us` their measured cost (and where it
 records each step's plan transitions, `plan_transition_us`): a profile of the runtime as it is (host included),
-for a second `pwsim run --hardware JSON`.
+for a second `pwsim run --hardware JSON`. It also compares the two engines' decisions step by step (batches, KV
+pool, bits, plan transitions) and says what keeps them apart: arrivals over time, or the simulator's routing (a
+replay's `--record-routing` writes the routing the runtime computed, which `pwsim run --trace` then replays).
 
 Two concurrency sweeps (`pwsim run --max-concurrency 1,4,16,64` and `pwruntime bench serve --max-concurrency
 1,4,16,64`) are compared level by level: `fidelity.json` holds a row per level both ran (the throughput ratio, the
@@ -122,6 +124,37 @@ def run_sweeps(args, sim_summary: dict | None, rt_summary: dict | None) -> int:
     return 0
 
 
+def _decision_lines(report: dict, sim, runtime_dir) -> list[str]:
+    """The step-by-step comparison in words, and what keeps the two apart where it is not whole."""
+    from pathlib import Path
+
+    d = report["decisions"]
+    if d is None or not d["steps"]:
+        return []
+    if d["first_difference"] is None:
+        return [f"decisions: the same at all {d['steps']} steps both ran (batches, KV pool, bits, plan transitions)"]
+    lines = [f"decisions: the same at {d['agreeing_steps']} of the {d['steps']} steps both ran; first apart at step "
+             f"{d['first_difference']} ({', '.join(d['differing_columns'])})"]
+    ts = report["time_scale"]
+    if ts["sim"] != 0 or ts["runtime"] != 0 or report["request_rate"]["runtime"] is not None \
+            or report["max_concurrency"]["runtime"] is not None:
+        lines.append("  (with requests arriving over time, the step each one joins depends on both engines' speed)")
+    routing = report["sim_routing"] or ""
+    path = (sim.summary.get("workload") or {}).get("path")
+    own = Path(runtime_dir) / "trace"
+    try:
+        replayed_own = path is not None and own.exists() and Path(path).exists() and own.samefile(path)
+    except OSError:
+        replayed_own = False
+    if routing.startswith("synthetic"):
+        lines.append("  the simulator drew synthetic routing (its trace has no routing.parquet); a replay with "
+                     "--record-routing writes the routing the runtime computed, for `pwsim run --trace RUNTIME/trace`")
+    elif not replayed_own:
+        lines.append("  the simulator replayed the trace's recorded routing, not the routing this runtime computed at "
+                     "its own bits; a replay with --record-routing writes that, for `pwsim run --trace RUNTIME/trace`")
+    return lines
+
+
 def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
@@ -205,6 +238,8 @@ def run(args) -> int:
         return "not recorded" if v is None else str(v)
     print(f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
           f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}")
+    for line in _decision_lines(report, sim, args.runtime):
+        print(line)
     for kind, ms in (report["runtime_phase_ms"] or {}).items():
         print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))
     rr = report["routing_reads"]

@@ -20,6 +20,11 @@ plan phase of those steps minus that of the others (`routing_reads.plan_gap_us`)
 `routing_read_us` (the simulator charges it after each boundary whose planner read them, and counts them:
 `counters.routing_reads`); a replay that also records each step's plan transitions splits that into a read's fixed
 cost and a transition's (`routing_reads.read_us`, `transition_us`: `routing_read_us` and `plan_transition_us`).
+`decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
+same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
+Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
+`--time-scale 0`) and the same routing (`pwruntime replay --record-routing`) they differ only where time enters:
+when the runtime's page copies land against the simulator's link.
 """
 from __future__ import annotations
 
@@ -120,6 +125,28 @@ def iteration_kinds(timeline: dict[str, np.ndarray]) -> dict | None:
     return out
 
 
+# the timeline columns that record what an engine decided at a step (not how long it took)
+DECISION_COLUMNS = ("batch_tokens", "batch_seqs", "running", "waiting", "total_blocks", "free_blocks", "mean_bits",
+                    "plan_transitions")
+
+
+def decisions(sim_timeline: dict[str, np.ndarray], runtime_timeline: dict[str, np.ndarray]) -> dict | None:
+    """Over the steps both timelines record (joined on `step`), how many agree in every decision column both have,
+    and the first that does not with the columns it differs in; None where the timelines share no such column."""
+    cols = [c for c in DECISION_COLUMNS if c in sim_timeline and c in runtime_timeline]
+    if not cols or "step" not in sim_timeline or "step" not in runtime_timeline:
+        return None
+    steps, si, ri = np.intersect1d(np.asarray(sim_timeline["step"]), np.asarray(runtime_timeline["step"]),
+                                   return_indices=True)
+    equal = {c: np.isclose(np.asarray(sim_timeline[c], dtype=np.float64)[si],
+                           np.asarray(runtime_timeline[c], dtype=np.float64)[ri], rtol=0.0, atol=1e-6) for c in cols}
+    agree = np.logical_and.reduce([equal[c] for c in cols]) if steps.size else np.zeros(0, dtype=bool)
+    first = np.flatnonzero(~agree)
+    return {"steps": int(steps.size), "agreeing_steps": int(agree.sum()), "columns": cols,
+            "first_difference": None if not first.size else int(steps[first[0]]),
+            "differing_columns": [] if not first.size else [c for c in cols if not equal[c][first[0]]]}
+
+
 def _count(summary: dict, key: str) -> int | None:
     """A run's count of `key` (plans, preemptions): pwsim nests plans in a dict, the replay does not."""
     v = summary.get(key)
@@ -148,6 +175,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                        "per_sequence": per_sequence_fit(sim.timeline, runtime.timeline)},
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
+        "decisions": decisions(sim.timeline, runtime.timeline),
+        # where the simulator's routing came from (`pwsim run`'s workload: "recorded routing" or synthetic)
+        "sim_routing": (sim.summary.get("workload") or {}).get("routing"),
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
         "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)),
                           **routing_read_cost(runtime.timeline)},

@@ -230,40 +230,78 @@ def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
     assert engine.model.weight_bytes() == sim.nonexpert_bytes
     assert weight_bytes(engine.policy, engine.table) == sim.expert_bytes()
     assert engine.pool.capacity == sim.pool.capacity > 0
+    # what the room leaves short of one more block waits for released weight bytes on both (the runtime once dropped
+    # it, and held one KV block less than the simulator after the first plan)
+    assert engine._spare_bytes == sim._headroom() and 0 < engine._spare_bytes < engine.block_bytes
 
 
-def test_under_pressure_the_simulator_makes_the_runtime_s_decisions(ap_dir, tmp_path):
-    """The replay warm-up's load (the demo trace's first 32 prompts at once, 16 tokens each) at 24 MiB: the runtime
-    (CPU, bf16, synchronous) and the simulator run as many steps, plan as often and preempt as often; an offload's
-    planes reach the KV pool at the boundary that began it on both (the simulator once released them a boundary
-    later, and took 49 steps and 17 plans here)."""
-    import argparse
-
-    from pwruntime.cmd_generate import add_engine_args, build_engine
-    from pwruntime.replay import replay
-    from pwsim.runner import execute, make_config
+def _warm_up_load(path: Path, first_id: int = 100) -> Path:
+    """The replay warm-up's load: the demo trace's first 32 prompts at once, 16 tokens each (ids from first_id)."""
     from traces.io import read_requests, write_requests
     from traces.schema import RequestTrace
 
     full = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
     k = 32
-    trace = RequestTrace.from_columns(full.request_id[:k], np.zeros(k), full.prompt_tokens[:k],
+    trace = RequestTrace.from_columns(np.arange(first_id, first_id + k), np.zeros(k), full.prompt_tokens[:k],
                                       np.minimum(16, full.output_tokens[:k]), full.domain[:k],
                                       prompt_token_ids=[full.prompt_ids(i) for i in range(k)])
-    (tmp_path / "trace").mkdir()
-    write_requests(tmp_path / "trace" / "requests.parquet", trace)
-    p = argparse.ArgumentParser()
-    add_engine_args(p)
-    engine = build_engine(p.parse_args(["--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy",
-                                        "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
-                                        "--device", "cpu", "--max-num-seqs", "32",
-                                        "--max-num-batched-tokens", "512"]))[0]
-    ran = replay(engine, trace, time_scale=0.0).summary
-    sim = execute(make_config("24MiB", policy="pagedweight", trace=str(tmp_path / "trace"), calibration=str(CALIBRATION),
-                              max_num_seqs=32, max_num_batched_tokens=512, time_scale=0.0)).summary
-    assert ran["plans"] > 5 and ran["preemptions"] > 0  # the load is under pressure
-    assert (sim["iterations"], sim["plans"]["plans"], sim["preemptions"]) == \
-        (ran["iterations"], ran["plans"], ran["preemptions"])
+    path.mkdir()
+    write_requests(path / "requests.parquet", trace)
+    return path
+
+
+@pytest.mark.parametrize("schedule", [[], ["--async-scheduling"]])
+def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step(ap_dir, tmp_path, capsys, schedule):
+    """The warm-up load at 24 MiB (CPU, bf16; synchronous and asynchronous), after a warm-up of 4 requests:
+    `pwruntime replay --record-routing` writes the routing its forwards computed; `pwsim run` on it schedules the same
+    batches, holds the same KV pool and bits and begins the same plan transitions at every step (`pwsim fidelity`'s
+    decisions). Before a budget's spare bytes were kept alike on both they parted at the first plan, and the
+    asynchronous simulator recorded each step's batch a row late and held every offload a boundary; on the trace's
+    synthetic routing they part at the first plan whose experts differ."""
+    from pwsim.cli import main as sim_main
+    from traces.io import read_trace_dir
+
+    trace = _warm_up_load(tmp_path / "load")
+    limits = ["--max-num-seqs", "32", "--time-scale", "0", "--warmup-requests", "4", *schedule]
+    assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
+                 str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
+                 "--device", "cpu", "--max-num-batched-tokens", "512", "--record-routing", *limits]) == 0
+    assert "pwsim run --trace" in capsys.readouterr().out
+    recorded = read_trace_dir(tmp_path / "rt" / "trace")
+    ids = recorded.requests.request_id
+    assert ids.tolist() == list(range(100, 132))  # the trace's ids; the warm-up's requests are not in it
+    assert sorted(set(recorded.routing.request_id.tolist())) == ids.tolist()
+    rows = np.bincount(recorded.routing.request_id - 100) // recorded.routing.layers
+    assert (rows == recorded.requests.prompt_tokens + 15).all()  # each prompt and 15 fed-back outputs, once each
+
+    reports = {}
+    for name, source in (("own", tmp_path / "rt" / "trace"), ("synthetic", trace)):
+        assert sim_main(["run", "--budget", "24MiB", "--policy", "pagedweight", "--trace", str(source),
+                         "--calibration", str(CALIBRATION), "--max-num-batched-tokens", "512", *limits,
+                         "--out", str(tmp_path / name)]) == 0
+        capsys.readouterr()
+        assert sim_main(["fidelity", "--sim", str(tmp_path / name), "--runtime", str(tmp_path / "rt"), "--out",
+                         str(tmp_path / f"fid-{name}"), "--json"]) == 0
+        reports[name] = json.loads(capsys.readouterr().out)
+    own, synthetic = reports["own"], reports["synthetic"]
+    assert own["planner"]["plans"]["runtime"] > 5 and own["planner"]["preemptions"]["runtime"] > 0  # under pressure
+    d = own["decisions"]
+    ran = json.loads((tmp_path / "rt" / "summary.json").read_text())["iterations"]
+    assert d["steps"] == ran and d["first_difference"] is None, d
+    assert d["agreeing_steps"] == d["steps"] and "total_blocks" in d["columns"] and "mean_bits" in d["columns"]
+    assert synthetic["sim_routing"].startswith("synthetic") and synthetic["decisions"]["first_difference"] is not None
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
+                     str(tmp_path / "fid-own")]) == 0
+    assert f"the same at all {d['steps']} steps" in capsys.readouterr().out
+
+
+def test_record_routing_with_prefix_caching_exit_2(ap_dir, tmp_path, capsys):
+    trace = _warm_up_load(tmp_path / "load")
+    rc = main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--device", "cpu",
+               "--record-routing", "--enable-prefix-caching"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--record-routing" in err and "--enable-prefix-caching" in err and "Traceback" not in err
+    assert not (tmp_path / "rt").exists()
 
 
 @pytest.mark.parametrize("extra, needles", [
