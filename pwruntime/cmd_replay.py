@@ -7,10 +7,11 @@ with a planner) serves them under continuous batching. The result directory has 
 `pwsim fidelity --sim SIM_RUN --runtime THIS` measures how well the simulator predicts this run.
 
 With --record-routing the result also holds `trace/`: the replayed requests (before --request-rate
-re-times them) with the routing the engine computed for them, at the bits it served them with, so
-`pwsim run --trace OUT/trace` (with this replay's arrival flags) simulates the routing the runtime's
-planner saw, not the routing the trace was recorded with. Recording copies each step's routing to
-the host, which the run's times include.
+re-times them) with the routing the engine computed for them, at the bits it served them with, and
+the routing its warm-up computed for the trace's first prompts (`warmup_routing.parquet`), so
+`pwsim run --trace OUT/trace` (with this replay's arrival and warm-up flags) simulates the routing
+the runtime's planner saw, not the routing the trace was recorded with. Recording copies each
+step's routing to the host, which the run's times include.
 """
 from __future__ import annotations
 
@@ -91,7 +92,6 @@ def _retimed(trace, request_rate: float | None, burstiness: float, seed: int):
 def _read_requests(path: str, limit: int | None):
     """The request trace at `path` (a trace directory or requests.parquet), its first `limit` requests."""
     from traces.io import read_requests
-    from traces.schema import RequestTrace
 
     src = Path(path)
     if not src.exists():
@@ -103,11 +103,7 @@ def _read_requests(path: str, limit: int | None):
     if limit is not None:
         if limit < 1:
             raise UserError(f"--max-requests must be >= 1, got {limit}")
-        k = min(limit, len(trace))
-        ids = None if trace.token_ids is None else [trace.prompt_ids(i) for i in range(k)]
-        trace = RequestTrace.from_columns(trace.request_id[:k], trace.arrival_s[:k], trace.prompt_tokens[:k],
-                                          trace.output_tokens[:k], trace.domain[:k], prompt_token_ids=ids,
-                                          provenance=trace.provenance, source=trace.source)
+        trace = trace.head(limit)
     return trace
 
 
@@ -143,7 +139,7 @@ def run(args) -> int:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
     def write_routing(d: Path) -> None:  # the replayed requests and the routing computed for them, in OUT/trace
-        write_trace_dir(d / "trace", Trace(source, result.routing))
+        write_trace_dir(d / "trace", Trace(source, result.routing, result.warmup_routing))
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
                      {"summary": summary, "config": config}, extra=None if result.routing is None else write_routing,
                      force=args.force, tool="replay")

@@ -11,8 +11,8 @@ observe, plan), averaged per decode-only and mixed iteration in the summary's `p
 planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it). `ReplayResult`
 holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
 (`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
-for the replayed requests (the warm-up's left out), under the trace's request ids: the simulator replays exactly the
-routing the runtime planned with.
+for the replayed requests, under the trace's request ids, and apart from it the routing the warm-up computed for the
+trace's first prompts: the simulator replays exactly the routing the runtime planned with.
 """
 from __future__ import annotations
 
@@ -35,18 +35,21 @@ class ReplayResult:
     timeline: dict[str, np.ndarray]  # per engine iteration
     summary: dict
     routing: RoutingTrace | None = None  # what the engine's recorder saw of the replayed requests
+    warmup_routing: RoutingTrace | None = None  # and of the warm-up's (the trace's first prompts, served before)
 
 
-def warm_up(engine, trace: RequestTrace, requests: int) -> None:
+def warm_up(engine, trace: RequestTrace, requests: int) -> list[int]:
     """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each, and
     capture every CUDA graph the engine may replay: the runtime's one-off costs (first launches of each kernel,
-    CUDA-graph captures) then fall outside the replay."""
+    CUDA-graph captures) then fall outside the replay. Returns the engine's ids of those requests, in trace order."""
     k = min(requests, len(trace))
-    if k:
-        engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
-                        [SamplingParams(max_tokens=min(WARMUP_TOKENS, int(trace.output_tokens[i])), ignore_eos=True)
-                         for i in range(k)])
-        engine.capture_graphs()
+    if not k:
+        return []
+    outputs = engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
+                              [SamplingParams(max_tokens=min(WARMUP_TOKENS, int(trace.output_tokens[i])),
+                                              ignore_eos=True) for i in range(k)])
+    engine.capture_graphs()
+    return [o.request_id for o in outputs]
 
 
 def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,
@@ -66,7 +69,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
         raise ValueError("replay needs an engine with no queued requests")
     if warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
-    warm_up(engine, trace, warmup_requests)
+    warmed = warm_up(engine, trace, warmup_requests)
     first_step = engine.num_steps
 
     n = len(trace)
@@ -105,6 +108,9 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result.summary["warmup_steps"] = first_step
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
+        if warmed:
+            result.warmup_routing = engine.recorder.routing_trace(
+                {rid: int(trace.request_id[row]) for row, rid in enumerate(warmed)})
     return result
 
 

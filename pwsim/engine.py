@@ -114,6 +114,7 @@ class Workload:
     description: dict = field(default_factory=dict)
     token_offsets: np.ndarray | None = None  # int64 [n+1]: prompt ids of request r are token_ids[o[r]:o[r+1]]
     token_ids: np.ndarray | None = None  # int32 prompt token ids (None: lengths only)
+    warmup_routing: RoutingSource | None = None  # what a recorded warm-up routed for the first requests (`_warm_up`)
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -149,10 +150,11 @@ class Simulation:
                  calibration: Calibration | None, config: SimConfig, quality_fit: PerplexityFit | None = None) -> None:
         self.card, self.profile, self.workload, self.policy, self.cal, self.cfg = (
             card, profile, workload, policy, calibration, config)
-        r = workload.routing
-        if (r.layers, r.experts, r.top_k) != (card.moe_layers, card.experts, card.top_k):
-            raise UserError(f"routing has {r.layers} layers x {r.experts} experts top-{r.top_k}, the model card "
-                            f"{card.name} has {card.moe_layers} x {card.experts} top-{card.top_k}")
+        for r in (workload.routing, workload.warmup_routing):
+            if r is not None and (r.layers, r.experts, r.top_k) != (card.moe_layers, card.experts, card.top_k):
+                raise UserError(f"routing has {r.layers} layers x {r.experts} experts top-{r.top_k}, the model card "
+                                f"{card.name} has {card.moe_layers} x {card.experts} top-{card.top_k}")
+        self.routing_source = workload.routing  # what `_launch` routes tokens with (a recorded warm-up's in `_warm_up`)
         self.table = card.page_table(bits=calibration.bits if calibration is not None else DEFAULT_BITS)
         self._plane = plane_bytes_per_block(self.table)
         policy.reset(self.table, calibration)
@@ -348,7 +350,7 @@ class Simulation:
                          for e in entries], dtype=np.int64).reshape(-1, 5)
         req, start, new = cols[:, 0], cols[:, 1], cols[:, 2]
         sample, first = cols[:, 3].astype(bool), cols[:, 4].astype(bool)  # first: its first token is sampled now
-        routing = self.workload.routing.route(req, start, new)
+        routing = self.routing_source.route(req, start, new)
         L, E = self.card.moe_layers, self.card.experts
         flat = (np.arange(L)[:, None, None] * E + routing.ids).ravel()
         expert_tokens = np.bincount(flat, minlength=L * E).reshape(L, E)
@@ -450,7 +452,7 @@ class Simulation:
 
     def _finish(self, seq: Sequence) -> None:
         self._forget(seq)
-        release = getattr(self.workload.routing, "release", None)
+        release = getattr(self.routing_source, "release", None)
         if callable(release):
             release(int(seq.seq_id))
         self.rec.finish(int(seq.seq_id), self.now, seq.num_output_tokens, seq.finish_reason,
@@ -479,8 +481,15 @@ class Simulation:
         """The runtime's replay warm-up (`pwruntime replay --warmup-requests`): the trace's first `k` prompts at once,
         up to WARMUP_TOKENS tokens each, served before the trace's clock starts and left out of every metric. What
         they change stays, as it does on the runtime: the plans made under their pressure (the page table, the KV
-        pool), the routing statistics, the links' transfers. The trace's clock then starts at 0 (`now`, `t0`)."""
+        pool), the routing statistics, the links' transfers. The trace's clock then starts at 0 (`now`, `t0`). A
+        workload with a recorded warm-up's routing (`pwruntime replay --record-routing`) routes them with it."""
         wl, rec = self.workload, self.rec
+        if wl.warmup_routing is not None:
+            recorded = len(wl.warmup_routing.lens)
+            if k > recorded:
+                raise UserError(f"the trace's recorded warm-up routed its first {recorded} requests, not {k}: give "
+                                f"--warmup-requests {recorded} or fewer")
+            self.routing_source = wl.warmup_routing
         self.rec = Recorder(len(wl), wl.arrival_s, self.cfg.timeline_stride, self.kv_block_bytes)  # thrown away
         for r in range(k):
             self.sched.add(self._sequence(r, min(WARMUP_TOKENS, int(wl.output_tokens[r])), self.now))
@@ -488,3 +497,4 @@ class Simulation:
         self.env.run(until=self.env.process(self._engine(k)))
         rec.keep_memory_checks(self.rec)  # a budget exceeded is never hidden, warm-up or not
         self._arrived, self._finished, self.rec, self.t0 = 0, 0, rec, self.env.now
+        self.routing_source = wl.routing

@@ -2,7 +2,8 @@
 
 * `from_trace_dir(path, card)`: a trace directory (`requests.parquet`, optional `routing.parquet`,
   `traces.io`). With a routing trace the routing is replayed as recorded; without one it is
-  synthetic (`routing_spec`, seeded).
+  synthetic (`routing_spec`, seeded). A recorded warm-up's routing (`warmup_routing.parquet`, from
+  `pwruntime replay --record-routing`) routes the simulator's warm-up.
 * `synthetic(card, workload_spec, routing_spec, seed)`: requests from `traces.generators` and the
   fast synthetic routing source (`pwsim.routing.synthetic_routing`, same popularity model).
 
@@ -24,14 +25,15 @@ from traces.model_card import ModelSpec
 from traces.schema import RequestTrace
 
 
-def from_requests(requests: RequestTrace, routing: RoutingSource, description: dict | None = None) -> Workload:
+def from_requests(requests: RequestTrace, routing: RoutingSource, description: dict | None = None,
+                  warmup_routing: RoutingSource | None = None) -> Workload:
     return Workload(arrival_s=np.asarray(requests.arrival_s, dtype=np.float64),
                     prompt_tokens=np.asarray(requests.prompt_tokens, dtype=np.int64),
                     output_tokens=np.asarray(requests.output_tokens, dtype=np.int64),
                     domains=tuple(requests.domains), domain_idx=np.asarray(requests.domain_idx, dtype=np.int64),
                     routing=routing, request_id=np.asarray(requests.request_id),
                     description=dict(description or {}), token_offsets=requests.token_offsets,
-                    token_ids=requests.token_ids)
+                    token_ids=requests.token_ids, warmup_routing=warmup_routing)
 
 
 def synthetic(card: ModelSpec, workload_spec: WorkloadSpec, routing_spec: RoutingSpec, seed: int) -> Workload:
@@ -55,5 +57,10 @@ def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: Routi
     else:
         routing = synthetic_routing(requests, card, routing_spec or RoutingSpec(features=True), seed)
         kind = "synthetic routing (the trace has no routing.parquet)"
+    warmup = None
+    if trace.warmup_routing is not None:
+        first = requests.head(len(np.unique(trace.warmup_routing.request_id)))
+        warmup = TraceRouting.from_trace(trace.warmup_routing, first)
+        kind += f", and a recorded warm-up's for the first {len(first)} requests"
     return from_requests(requests, routing, {"kind": "trace", "path": str(path), "routing": kind,
-                                             "requests": requests.summary()})
+                                             "requests": requests.summary()}, warmup)

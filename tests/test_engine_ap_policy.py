@@ -252,17 +252,19 @@ def _warm_up_load(path: Path, first_id: int = 100) -> Path:
 
 @pytest.mark.parametrize("schedule", [[], ["--async-scheduling"]])
 def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step(ap_dir, tmp_path, capsys, schedule):
-    """The warm-up load at 24 MiB (CPU, bf16; synchronous and asynchronous), after a warm-up of 4 requests:
+    """The warm-up load at 24 MiB (CPU, bf16; synchronous and asynchronous), after a warm-up of 16 requests:
     `pwruntime replay --record-routing` writes the routing its forwards computed; `pwsim run` on it schedules the same
     batches, holds the same KV pool and bits and begins the same plan transitions at every step (`pwsim fidelity`'s
-    decisions). Before a budget's spare bytes were kept alike on both they parted at the first plan, and the
-    asynchronous simulator recorded each step's batch a row late and held every offload a boundary; on the trace's
-    synthetic routing they part at the first plan whose experts differ."""
+    decisions), its warm-up routed with the warm-up's recorded routing. Before a budget's spare bytes were kept alike
+    on both they parted at the first plan, and the asynchronous simulator recorded each step's batch a row late and
+    held every offload a boundary; with the replayed requests' routing in its warm-up (the same prompts, computed at
+    other bits) the simulator warms up differently; on the trace's synthetic routing they part at the first plan whose
+    experts differ."""
     from pwsim.cli import main as sim_main
     from traces.io import read_trace_dir
 
     trace = _warm_up_load(tmp_path / "load")
-    limits = ["--max-num-seqs", "32", "--time-scale", "0", "--warmup-requests", "4", *schedule]
+    limits = ["--max-num-seqs", "32", "--time-scale", "0", "--warmup-requests", "16", *schedule]
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
                  str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
                  "--device", "cpu", "--max-num-batched-tokens", "512", "--record-routing", *limits]) == 0
@@ -273,6 +275,10 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert sorted(set(recorded.routing.request_id.tolist())) == ids.tolist()
     rows = np.bincount(recorded.routing.request_id - 100) // recorded.routing.layers
     assert (rows == recorded.requests.prompt_tokens + 15).all()  # each prompt and 15 fed-back outputs, once each
+    # the warm-up's own routing of the trace's first 16 prompts (at the bits it ran with), for the simulator's
+    warm = recorded.warmup_routing
+    assert sorted(set(warm.request_id.tolist())) == list(range(100, 116))
+    assert len(warm) == int((recorded.requests.prompt_tokens[:16] + 15).sum()) * warm.layers
 
     reports = {}
     for name, source in (("own", tmp_path / "rt" / "trace"), ("synthetic", trace)):
@@ -293,6 +299,11 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
                      str(tmp_path / "fid-own")]) == 0
     assert f"the same at all {d['steps']} steps" in capsys.readouterr().out
+    # a longer warm-up than the one recorded is refused, naming the flag's limit
+    assert sim_main(["run", "--budget", "24MiB", "--trace", str(tmp_path / "rt" / "trace"), "--calibration",
+                     str(CALIBRATION), "--warmup-requests", "20", "--out", str(tmp_path / "long")]) == 2
+    err = capsys.readouterr().err
+    assert "--warmup-requests 16 or fewer" in err and "Traceback" not in err and not (tmp_path / "long").exists()
 
 
 def test_record_routing_with_prefix_caching_exit_2(ap_dir, tmp_path, capsys):

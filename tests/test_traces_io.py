@@ -83,6 +83,32 @@ def test_routing_round_trip_and_directory(tmp_path, small):
     assert tio.read_trace_dir(tmp_path / "t").routing is None
 
 
+def test_a_warm_up_s_routing_travels_with_the_trace_and_covers_its_first_requests(tmp_path, small):
+    """`warmup_routing.parquet` (a replay's --record-routing): the routing a warm-up computed for the trace's first
+    requests, read back beside the trace's own and checked against those requests."""
+    req, rt = small
+    first = req.head(2)
+    assert first.request_id.tolist() == req.request_id[:2].tolist()
+    assert list(first.prompt_ids(1)) == list(req.prompt_ids(1))
+    warm = generate_routing(first, CARD, RoutingSpec(features=True), seed=4)
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req, rt, warm))
+    assert sorted(os.listdir(tmp_path / "t")) == ["requests.parquet", "routing.parquet", "warmup_routing.parquet"]
+    back = tio.read_trace_dir(tmp_path / "t", model=CARD)
+    np.testing.assert_array_equal(back.warmup_routing.expert_ids, warm.expert_ids)
+    np.testing.assert_array_equal(back.routing.expert_ids, rt.expert_ids)
+    # a warm-up serves the trace's first requests: routing of others is refused, naming the fix
+    later = generate_routing(RequestTrace(req.request_id[2:4], req.arrival_s[2:4], req.prompt_tokens[2:4],
+                                          req.output_tokens[2:4], req.domain_idx[2:4], req.domains), CARD,
+                             RoutingSpec(), seed=4)
+    with pytest.raises(TraceError, match="first 2.*--warmup-requests N --record-routing"):
+        tio.write_trace_dir(tmp_path / "u", tio.Trace(req, rt, later))
+    tio.write_routing(tmp_path / "t" / "warmup_routing.parquet", later)
+    with pytest.raises(TraceError, match="other than the trace's first 2"):
+        tio.read_trace_dir(tmp_path / "t")
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req, rt))  # rewritten without one: the stale file goes
+    assert tio.read_trace_dir(tmp_path / "t").warmup_routing is None
+
+
 def test_empty_traces_round_trip(tmp_path):
     req = generate_requests(WorkloadSpec(requests=0), seed=0)
     rt = generate_routing(req, CARD, RoutingSpec(features=True), seed=0)

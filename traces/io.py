@@ -25,6 +25,8 @@ from traces.schema import (META_KEY, REQUEST_COLUMNS, REQUESTS, ROUTING, TOKEN_I
                            routing_columns)
 
 REQUESTS_FILE, ROUTING_FILE = "requests.parquet", "routing.parquet"
+# the routing a replay's warm-up computed for the trace's first requests (`pwruntime replay --record-routing`)
+WARMUP_ROUTING_FILE = "warmup_routing.parquet"
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Trace:
     """What a trace path holds: a directory has both parts (routing optional), a file one of them."""
     requests: RequestTrace | None = None
     routing: RoutingTrace | None = None
+    warmup_routing: RoutingTrace | None = None  # a directory's: its first requests' routing in a warm-up
 
 
 # ---------------------------------------------------------------- reading columns
@@ -205,7 +208,8 @@ def _as_model(model):
 
 # ---------------------------------------------------------------- directories
 def read_trace_dir(path: str | os.PathLike, model=None) -> Trace:
-    """`requests.parquet` (required) and `routing.parquet` (optional), checked against each other."""
+    """`requests.parquet` (required), `routing.parquet` and `warmup_routing.parquet` (optional), checked against
+    each other."""
     d = Path(path)
     if not d.is_dir():
         raise TraceError(str(d), "does not exist" if not d.exists() else "is not a directory",
@@ -218,11 +222,25 @@ def read_trace_dir(path: str | os.PathLike, model=None) -> Trace:
     routing = read_routing(d / ROUTING_FILE, model) if (d / ROUTING_FILE).exists() else None
     if routing is not None:
         check_routing_against_requests(routing, requests)
-    return Trace(requests, routing)
+    warmup = read_routing(d / WARMUP_ROUTING_FILE, model) if (d / WARMUP_ROUTING_FILE).exists() else None
+    if warmup is not None:
+        check_warmup_routing(warmup, requests)
+    return Trace(requests, routing, warmup)
+
+
+def check_warmup_routing(warmup: RoutingTrace, requests: RequestTrace) -> None:
+    """A warm-up's routing covers the trace's first requests, each inside its prompt and output."""
+    k = len(np.unique(warmup.request_id))
+    if not set(warmup.request_id.tolist()) <= set(requests.request_id[:k].tolist()):
+        raise TraceError(warmup.source, f"routes requests other than the trace's first {k}", column="request_id",
+                         fix="a warm-up serves the trace's first requests; record it with `pwruntime replay "
+                             "--warmup-requests N --record-routing`")
+    check_routing_against_requests(warmup, requests.head(k))
 
 
 def write_trace_dir(path: str | os.PathLike, trace: Trace) -> Path:
-    """Write both files (each atomically); a stale routing.parquet is removed when there is no routing."""
+    """Write its files (each atomically); a stale routing or warm-up routing file is removed where the trace has
+    none."""
     if trace.requests is None:
         raise ValueError("a trace directory needs requests")
     d = Path(path)
@@ -230,9 +248,13 @@ def write_trace_dir(path: str | os.PathLike, trace: Trace) -> Path:
     if trace.routing is not None:
         check_routing_against_requests(trace.routing, trace.requests)
         tables[d / ROUTING_FILE] = routing_table(trace.routing)
+    if trace.warmup_routing is not None:
+        check_warmup_routing(trace.warmup_routing, trace.requests)
+        tables[d / WARMUP_ROUTING_FILE] = routing_table(trace.warmup_routing)
     _atomic_replace(tables)
-    if trace.routing is None and (d / ROUTING_FILE).exists():
-        (d / ROUTING_FILE).unlink()
+    for part, name in ((trace.routing, ROUTING_FILE), (trace.warmup_routing, WARMUP_ROUTING_FILE)):
+        if part is None and (d / name).exists():
+            (d / name).unlink()
     return d
 
 

@@ -184,6 +184,16 @@ class RequestTrace:
     def with_source(self, source: str) -> "RequestTrace":
         return replace(self, source=source)
 
+    def head(self, k: int) -> "RequestTrace":
+        """The first `k` requests (all of them when there are no more)."""
+        k = min(int(k), len(self))
+        offsets = ids = None
+        if self.token_ids is not None:
+            offsets, ids = self.token_offsets[:k + 1], self.token_ids[:self.token_offsets[k]]
+        return replace(self, request_id=self.request_id[:k], arrival_s=self.arrival_s[:k],
+                       prompt_tokens=self.prompt_tokens[:k], output_tokens=self.output_tokens[:k],
+                       domain_idx=self.domain_idx[:k], token_offsets=offsets, token_ids=ids)
+
     def validate(self) -> None:
         f, n = self.source, len(self.request_id)
         for name in ("arrival_s", "prompt_tokens", "output_tokens", "domain_idx"):
