@@ -12,9 +12,10 @@ time and hardware:
   schedule -> advance -> settle the previous batch -> boundary -> (time passes: the longer of the forward's device
   work and the host's, which overlap), so the same steps make the same decisions as there (the timeline's row of a
   step holds the batch scheduled at it, as the runtime's does);
-* the PCIe link (`LinkMover`): a `simpy.Resource` of capacity 1; a reload's bytes take
-  `bytes / H2D bandwidth` on it, one transfer at a time, and it is committed at the first boundary
-  after it lands; an offload copies nothing and is committed at the boundary that began it, or at the next one
+* the PCIe link (`LinkMover`): a reload's bytes take `bytes / H2D bandwidth` on it, one transfer at a
+  time from when the plan's host work queues it (`plan_transition_us` a transition), and it is committed at
+  the boundary that began it when copied before the plan's moves end, else at the first boundary after it
+  lands; an offload copies nothing and is committed at the boundary that began it, or at the next one
   when the forward launched before it (asynchronous scheduling) outlasts the host's work and so may still be
   reading the planes as the host plans;
 * memory under one budget: non-expert fp16 weights + expert weight bytes (the page table's own
@@ -180,7 +181,8 @@ class Simulation:
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
-        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin)
+        self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
+                               transition_s=profile.plan_transition_us * 1e-6)
         self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,

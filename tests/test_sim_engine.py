@@ -319,3 +319,40 @@ def test_max_concurrency_holds_requests_until_a_slot_frees():
     assert np.all(sent >= arrivals - 1e-12) and np.any(sent > arrivals + 1e-9)  # some waited for a slot
     assert np.allclose(free.requests["arrival_s"], arrivals)  # without a limit, the trace's own times
     assert held.summary["completed"] == free.summary["completed"] == 24
+
+
+def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_began_them():
+    """`LinkMover`: transition k of a boundary is queued (k - 1) * plan_transition_us after it and the plan's moves end
+    n of them after it; a reload copied by then lands at that boundary (the runtime's `landed()` follows the plan),
+    a longer one at the first boundary after its copy; copies follow each other on the link; with no host cost per
+    transition nothing copied lands at the boundary that began it."""
+    import simpy
+
+    from policies.contract import Transition
+    from pwsim.link import LinkMover
+
+    def plan(transition_s: float, sizes: list[int]) -> tuple[LinkMover, list[int]]:
+        env = simpy.Environment()
+        mover = LinkMover(env, 1e9, lambda: None, transition_s=transition_s)  # 1 GB/s: 1 us a kB
+        mover.boundary()
+        for block, nbytes in enumerate(sizes):
+            mover.start(Transition(block, 3, 4, -nbytes), nbytes)
+        mover.start(Transition(9, 4, 3, 100), 0)  # an offload: its host work counts, it lands now
+        return mover, mover.landed()
+
+    # 3 transitions of 10 us: the moves end at 30 us; reloads queued at 0 and 10 us, copies of 5 and 40 us
+    mover, now = plan(10e-6, [5_000, 40_000])
+    assert sorted(now) == [0, 9] and mover.in_flight_reloads == 1
+    (_, s0, e0, _), (_, s1, e1, _) = mover.transfers
+    assert (s0, e0) == pytest.approx((0.0, 5e-6)) and (s1, e1) == pytest.approx((10e-6, 50e-6))
+    env = mover.env
+    env.run(until=env.process((lambda: (yield mover.next_landing()))()))
+    assert env.now == pytest.approx(50e-6) and mover.in_flight_reloads == 0
+    mover.boundary()
+    assert mover.landed() == [1]
+    # a copy queued behind a longer one waits for the link
+    mover, now = plan(10e-6, [40_000, 1_000])
+    assert sorted(now) == [9] and [round(t[1] * 1e6) for t in mover.transfers] == [0, 40]
+    # no host cost: the plan is instantaneous and every copy lands at a later boundary
+    mover, now = plan(0.0, [5_000, 1_000])
+    assert now == [9] and mover.in_flight_reloads == 2
