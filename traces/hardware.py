@@ -30,8 +30,10 @@ Format (JSON object, `format_version` 1):
                                         replay that records which steps read them
     plan_transition_us                  optional (default 0): host cost per transition a plan starts (its page
                                         moves begun, the table's bookkeeping, its share of the KV resize),
-                                        charged to the next iteration beside routing_read_us; `pwsim fidelity`
-                                        measures both from a replay that records each step's transitions
+                                        charged to the next iteration beside routing_read_us; a reload's copy
+                                        goes out when its transition's host work begins, so small reloads land
+                                        within a long plan (pwsim/link.py); `pwsim fidelity` measures both from
+                                        a replay that records each step's transitions
     prefill_layer_overhead_us           optional (default 0): fixed cost of one MoE layer of a batch that takes the
                                         dequantize path (above ap_fused_max_tokens): the runtime's host work and
                                         launches for the layer's expert groups; `pwsim prefill-fit --fit-profile`
