@@ -133,8 +133,9 @@ def _decision_lines(report: dict, sim, runtime_dir) -> list[str]:
         return []
     if d["first_difference"] is None:
         return [f"decisions: the same at all {d['steps']} steps both ran (batches, KV pool, bits, plan transitions)"]
+    there = ", ".join(f"{c} {v[0]:g} simulated / {v[1]:g} on the runtime" for c, v in d["values"].items())
     lines = [f"decisions: the same at {d['agreeing_steps']} of the {d['steps']} steps both ran; first apart at step "
-             f"{d['first_difference']} ({', '.join(d['differing_columns'])})"]
+             f"{d['first_difference']} ({there})"]
     ts = report["time_scale"]
     if ts["sim"] != 0 or ts["runtime"] != 0 or report["request_rate"]["runtime"] is not None \
             or report["max_concurrency"]["runtime"] is not None:

@@ -142,9 +142,12 @@ def decisions(sim_timeline: dict[str, np.ndarray], runtime_timeline: dict[str, n
                            np.asarray(runtime_timeline[c], dtype=np.float64)[ri], rtol=0.0, atol=1e-6) for c in cols}
     agree = np.logical_and.reduce([equal[c] for c in cols]) if steps.size else np.zeros(0, dtype=bool)
     first = np.flatnonzero(~agree)
+    differ = [] if not first.size else [c for c in cols if not equal[c][first[0]]]
     return {"steps": int(steps.size), "agreeing_steps": int(agree.sum()), "columns": cols,
-            "first_difference": None if not first.size else int(steps[first[0]]),
-            "differing_columns": [] if not first.size else [c for c in cols if not equal[c][first[0]]]}
+            "first_difference": None if not first.size else int(steps[first[0]]), "differing_columns": differ,
+            # each differing column there: [simulated, runtime]
+            "values": {c: [float(sim_timeline[c][si[first[0]]]), float(runtime_timeline[c][ri[first[0]]])]
+                       for c in differ}}
 
 
 def _count(summary: dict, key: str) -> int | None:

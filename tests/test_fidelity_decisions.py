@@ -21,6 +21,7 @@ def test_decisions_join_on_step_and_name_the_first_difference():
     # steps 4..7 are in both; 6 holds another pool; mean bits within float noise count as equal
     assert d["steps"] == 4 and d["agreeing_steps"] == 3
     assert d["first_difference"] == 6 and d["differing_columns"] == ["total_blocks"]
+    assert d["values"] == {"total_blocks": [12.0, 13.0]}  # simulated, runtime
     assert d["columns"] == ["total_blocks", "mean_bits"]  # only the decision columns both record
     same = decisions(sim, sim)
     assert same["first_difference"] is None and same["agreeing_steps"] == same["steps"] == 5
