@@ -193,10 +193,13 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
 
 
 def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: dict, path: Path) -> Path:
-    """Per request, simulated against measured TTFT / TPOT / end to end (log-log, y = x dashed); and iteration
-    time against batch tokens for both engines with their fitted lines."""
+    """Per request, simulated against measured TTFT / TPOT / end to end (log-log, y = x dashed); iteration time
+    against batch tokens for both engines with their fitted lines; and, where the timelines record them, both
+    engines' KV blocks and mean bits step by step, the first step they part at marked."""
     plt = _plt()
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8))
+    steps = report.get("decisions") is not None and all(
+        c in tl for tl in (sim_timeline, runtime_timeline) for c in ("step", "total_blocks", "mean_bits"))
+    fig, axes = plt.subplots(1, 5 if steps else 4, figsize=(19 if steps else 15, 3.8))
     for ax, (key, name) in zip(axes, (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end to end"))):
         s, r = paired[key]
         ok = np.isfinite(s) & np.isfinite(r) & (s > 0) & (r > 0)
@@ -228,7 +231,27 @@ def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: d
     ax.set_ylabel("iteration time (ms)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, which="both")
+    if steps:
+        _decisions_panel(axes[4], sim_timeline, runtime_timeline, report["decisions"])
     return _save(fig, path)
+
+
+def _decisions_panel(ax, sim_timeline: dict, runtime_timeline: dict, d: dict) -> None:
+    """KV blocks (solid) and mean bits (dashed, right axis) per step on both engines; the first step apart marked."""
+    bits = ax.twinx()
+    for tl, label, color in ((sim_timeline, "sim", "#4c72b0"), (runtime_timeline, "runtime", "#dd8452")):
+        step = np.asarray(tl["step"])
+        ax.plot(step, np.asarray(tl["total_blocks"]), color=color, lw=1.0, label=f"{label} KV blocks")
+        bits.plot(step, np.asarray(tl["mean_bits"]), color=color, lw=0.8, ls="--", label=f"{label} bits")
+    if d["first_difference"] is not None:
+        ax.axvline(d["first_difference"], color="k", lw=0.8, ls=":")
+    apart = "none apart" if d["first_difference"] is None else f"first apart at {d['first_difference']}"
+    ax.set_title(f"decisions: alike at {d['agreeing_steps']} of {d['steps']} steps ({apart})", fontsize=9)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV blocks")
+    bits.set_ylabel("mean committed bits")
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(alpha=0.3)
 
 
 def prefill_fit(report: dict, path: Path) -> Path:
