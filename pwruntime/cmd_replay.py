@@ -152,7 +152,7 @@ def run(args) -> int:
               f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (simulate it with `pwsim run --trace {out / 'trace'}` and "
-                  "this replay's arrival flags)")
+                  "this replay's arrival and warm-up flags)")
         if slo is not None:
             print("SLO " + slo_line(summary["slo"]))
     return 0

@@ -43,7 +43,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens", type=int, default=2048,
+    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens", type=int,
+                   default=2048,
                    help="tokens an iteration may compute, prompt chunks and decodes together (vLLM's and `pwruntime`'s "
                         "name; default 2048)")
     e.add_argument("--timeline-stride", type=int, default=1, help="record every n-th iteration boundary")
