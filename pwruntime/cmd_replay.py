@@ -91,9 +91,10 @@ def _retimed(trace, request_rate: float | None, burstiness: float, seed: int):
 
 def _read_requests(path: str, limit: int | None):
     """The request trace at `path` (a trace directory or requests.parquet), its first `limit` requests."""
-    from traces.io import read_requests
+    from traces.io import check_not_a_result, read_requests
 
     src = Path(path)
+    check_not_a_result(src)
     if not src.exists():
         raise UserError(f"--trace {src} does not exist; give a trace directory recorded by `pwruntime record-trace`")
     if src.is_dir() and not (src / "requests.parquet").is_file():

@@ -109,6 +109,21 @@ def test_a_warm_up_s_routing_travels_with_the_trace_and_covers_its_first_request
     assert tio.read_trace_dir(tmp_path / "t").warmup_routing is None
 
 
+def test_a_run_s_result_directory_is_refused_as_a_trace(tmp_path, small):
+    """A result directory's requests.parquet is what a run measured: read as a trace it would silently simulate
+    those requests on synthetic routing. The error names the trace a replay recorded beside it, when there is one."""
+    req, rt = small
+    run = tmp_path / "run"
+    tio.write_trace_dir(run, tio.Trace(req))  # a requests.parquet the reader would otherwise accept
+    (run / "summary.json").write_text("{}")
+    with pytest.raises(TraceError, match="result directory.*config.json names it"):
+        tio.read_trace_dir(run)
+    tio.write_trace_dir(run / "trace", tio.Trace(req, rt))
+    with pytest.raises(TraceError, match=f"give {run / 'trace'}"):
+        tio.read_trace_dir(run)
+    assert len(tio.read_trace_dir(run / "trace").routing) == len(rt)
+
+
 def test_empty_traces_round_trip(tmp_path):
     req = generate_requests(WorkloadSpec(requests=0), seed=0)
     rt = generate_routing(req, CARD, RoutingSpec(features=True), seed=0)

@@ -207,10 +207,24 @@ def _as_model(model):
 
 
 # ---------------------------------------------------------------- directories
+def check_not_a_result(path: str | os.PathLike) -> None:
+    """Refuse a run's result directory given as a trace: its requests.parquet holds what the run measured, not a
+    trace (a replay recorded with --record-routing keeps its trace in `trace/`)."""
+    from traces.results import RESULT_MARKER
+
+    d = Path(path)
+    if (d / RESULT_MARKER).is_file():
+        own = d / "trace"
+        fix = (f"give {own}, the trace its replay recorded" if (own / REQUESTS_FILE).is_file()
+               else "give the trace directory the run served (its config.json names it)")
+        raise TraceError(str(d), "is a run's result directory (summary.json), not a trace", fix=fix)
+
+
 def read_trace_dir(path: str | os.PathLike, model=None) -> Trace:
     """`requests.parquet` (required), `routing.parquet` and `warmup_routing.parquet` (optional), checked against
     each other."""
     d = Path(path)
+    check_not_a_result(d)
     if not d.is_dir():
         raise TraceError(str(d), "does not exist" if not d.exists() else "is not a directory",
                          fix=f"a trace directory holds {REQUESTS_FILE} and optionally {ROUTING_FILE}")
