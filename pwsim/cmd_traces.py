@@ -143,7 +143,7 @@ def _format_info(path: str, trace: Trace) -> str:
         lines += [f"  requests      {s['requests']} over {s['duration_s']:.1f} s ({s['rate_per_s']:.2f}/s)",
                   f"  prompt tokens mean {p['mean']:.0f}, p50 {p['p50']:.0f}, p99 {p['p99']:.0f}, max {p['max']}",
                   f"  output tokens mean {o['mean']:.0f}, p50 {o['p50']:.0f}, p99 {o['p99']:.0f}, max {o['max']}",
-                  f"  domains       " + ", ".join(f"{d} {c}" for d, c in s["domains"].items()),
+                  "  domains       " + ", ".join(f"{d} {c}" for d, c in s["domains"].items()),
                   f"  token ids     {'yes' if s['prompt_token_ids'] else 'no'}{_shared_prefix_note(trace)}"]
     if trace.routing is not None:
         s = trace.routing.summary()
@@ -151,6 +151,11 @@ def _format_info(path: str, trace: Trace) -> str:
                   f"  shape         {s['layers']} MoE layers x {s['experts']} experts, top-{s['top_k']}, "
                   f"features {'yes' if s['features'] else 'no'}",
                   f"  skew          hottest 10% of experts take {100 * s['hottest_10pct_mass']:.1f}% of routing mass"]
+    if trace.warmup_routing is not None:
+        s = trace.warmup_routing.summary()
+        n = s["requests"]
+        lines += [f"  warm-up       {s['rows']:,} rows: a recorded warm-up's routing of the first {n} "
+                  f"request{'s' if n != 1 else ''} (for --warmup-requests)"]
     return "\n".join(lines)
 
 
@@ -160,7 +165,9 @@ def run_info(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": args.path, "valid": True,
                           "requests": trace.requests.summary() if trace.requests is not None else None,
-                          "routing": trace.routing.summary() if trace.routing is not None else None}, indent=2))
+                          "routing": trace.routing.summary() if trace.routing is not None else None,
+                          "warmup_routing": None if trace.warmup_routing is None else trace.warmup_routing.summary()},
+                         indent=2))
     else:
         print(_format_info(args.path, trace))
     return 0

@@ -44,8 +44,18 @@ def test_gen_trace_then_trace_info(tmp_path, capsys):
     rc, out, _ = _run(capsys, "trace-info", str(out_dir), "--json", "--card", "OLMoE-1B-7B-0924")
     info = json.loads(out)
     assert rc == 0 and info["valid"] and info["routing"]["top_k"] == 8 and info["requests"]["requests"] == 5
+    assert info["warmup_routing"] is None
     rc, out, _ = _run(capsys, "trace-info", str(out_dir / "requests.parquet"))
     assert rc == 0 and "valid trace" in out and "routing" not in out
+    # a replay's recorded warm-up routing (`pwruntime replay --record-routing`) is described beside the trace's
+    from traces.io import ROUTING_FILE, WARMUP_ROUTING_FILE, read_routing, write_routing
+    routing = read_routing(out_dir / ROUTING_FILE)
+    first = routing.request_id == routing.request_id.min()
+    write_routing(out_dir / WARMUP_ROUTING_FILE, type(routing)(
+        routing.card, routing.layers, routing.experts, routing.top_k, routing.request_id[first],
+        routing.position[first], routing.layer[first], routing.expert_ids[first], routing.weights[first]))
+    rc, out, _ = _run(capsys, "trace-info", str(out_dir))
+    assert rc == 0 and f"warm-up       {int(first.sum()):,} rows" in out and "first 1 request (" in out
     # same seed, same files
     rc, _, _ = _run(capsys, "gen-trace", "--out", str(tmp_path / "again"), "--requests", "5", "--prompt-dist",
                     "uniform:2,6", "--output-dist", "fixed:3", "--domains", "chat:2,code:1", "--card",
