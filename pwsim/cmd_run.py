@@ -222,6 +222,11 @@ def _ms(v) -> str:
 def run(args: argparse.Namespace) -> int:
     from pwsim import output, runner
     from traces.sweep import parse_levels
+    if args.like_replay:
+        from pwsim import like_replay
+        taken = like_replay.apply(args, args.like_replay)
+        if not args.json:
+            print(f"as the replay {args.like_replay}: {' '.join(taken)}")
     params = parse_policy(args.policy, args.policy_arg)
     levels = parse_levels(args.max_concurrency)
     if len(levels) > 1:
@@ -286,6 +291,10 @@ def register(subparsers) -> None:
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="policy parameter (repeatable)")
     p.add_argument("--budget", default=DEFAULTS.budgets[1], help=f"GPU memory budget (default {DEFAULTS.budgets[1]})")
     p.add_argument("--out", default=None, help="result directory (default runs/run-POLICY-BUDGET)")
+    p.add_argument("--like-replay", default=None, metavar="DIR",
+                   help="simulate what a `pwruntime replay --record-routing` served: its trace and routing (DIR/trace) "
+                        "and its settings (budget, policy, calibration, scheduler limits, warm-up, arrivals), over "
+                        "the flags here; the hardware profile and the output stay as given (pwsim/like_replay.py)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a pwsim result")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (shown only on a terminal)")

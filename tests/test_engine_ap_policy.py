@@ -281,10 +281,11 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert len(warm) == int((recorded.requests.prompt_tokens[:16] + 15).sum()) * warm.layers
 
     reports = {}
-    for name, source in (("own", tmp_path / "rt" / "trace"), ("synthetic", trace)):
-        assert sim_main(["run", "--budget", "24MiB", "--policy", "pagedweight", "--trace", str(source),
-                         "--calibration", str(CALIBRATION), "--max-num-batched-tokens", "512", *limits,
-                         "--out", str(tmp_path / name)]) == 0
+    # the simulator on the replay's own trace and settings (`--like-replay`), and by hand on the synthetic routing
+    for name, argv in (("own", ["--like-replay", str(tmp_path / "rt")]),
+                       ("synthetic", ["--budget", "24MiB", "--policy", "pagedweight", "--trace", str(trace),
+                                      "--calibration", str(CALIBRATION), "--max-num-batched-tokens", "512", *limits])):
+        assert sim_main(["run", *argv, "--out", str(tmp_path / name)]) == 0
         capsys.readouterr()
         assert sim_main(["fidelity", "--sim", str(tmp_path / name), "--runtime", str(tmp_path / "rt"), "--out",
                          str(tmp_path / f"fid-{name}"), "--json"]) == 0
@@ -299,6 +300,19 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
                      str(tmp_path / "fid-own")]) == 0
     assert f"the same at all {d['steps']} steps" in capsys.readouterr().out
+    # --like-replay takes a replay that recorded its routing, and nothing else
+    import shutil
+    shutil.copytree(tmp_path / "rt", tmp_path / "rt-plain", ignore=shutil.ignore_patterns("trace"))
+    shutil.copytree(tmp_path / "rt", tmp_path / "rt-blocks")
+    config = json.loads((tmp_path / "rt-blocks" / "config.json").read_text())
+    (tmp_path / "rt-blocks" / "config.json").write_text(json.dumps({**config, "gpu_memory_budget": None,
+                                                                    "num_kv_blocks": 236}))
+    for src, needle in ((tmp_path / "own", "not a `pwruntime replay` result"),
+                        (tmp_path / "rt-plain", "--record-routing"), (tmp_path / "nowhere", "no readable config.json"),
+                        (tmp_path / "rt-blocks", "without --gpu-memory-budget")):
+        assert sim_main(["run", "--like-replay", str(src), "--out", str(tmp_path / "like")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     # a longer warm-up than the one recorded is refused, naming the flag's limit
     assert sim_main(["run", "--budget", "24MiB", "--trace", str(tmp_path / "rt" / "trace"), "--calibration",
                      str(CALIBRATION), "--warmup-requests", "20", "--out", str(tmp_path / "long")]) == 2

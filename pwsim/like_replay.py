@@ -1,0 +1,75 @@
+"""`pwsim run --like-replay DIR`: a runtime replay's settings as the simulator's flags, so it simulates what was served.
+
+A `pwruntime replay --record-routing` result holds the replayed requests and the routing they took (`DIR/trace`) and,
+in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
+trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
+prefix caching, asynchronous scheduling, the warm-up and the arrival settings. What the simulator adds of its own (the
+hardware profile, the output) stays as given. A replay whose KV pool was not sized by `--gpu-memory-budget` has no
+budget the simulator could take, and one that recorded no routing no trace of what it served: both are refused.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from traces.clikit import UserError
+
+# (the replay's config.json key, `pwsim run`'s argument, its flag)
+SETTINGS = (
+    ("gpu_memory_budget", "budget", "--budget"),
+    ("policy", "policy", "--policy"),
+    ("policy_arg", "policy_arg", "--policy-arg"),
+    ("calibration", "calibration", "--calibration"),
+    ("block_size", "block_size", "--block-size"),
+    ("max_num_seqs", "max_num_seqs", "--max-num-seqs"),
+    ("max_num_batched_tokens", "max_batched_tokens", "--max-num-batched-tokens"),
+    ("enable_prefix_caching", "enable_prefix_caching", "--enable-prefix-caching"),
+    ("async_scheduling", "async_scheduling", "--async-scheduling"),
+    ("warmup_requests", "warmup_requests", "--warmup-requests"),
+    ("time_scale", "time_scale", "--time-scale"),
+    ("request_rate", "request_rate", "--request-rate"),
+    ("burstiness", "burstiness", "--burstiness"),
+    ("seed", "seed", "--seed"),
+)
+
+
+def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
+    """Set `args` from the replay at `replay_dir`; returns the settings taken, as flags."""
+    from traces.io import ROUTING_FILE, read_routing
+
+    d = Path(replay_dir)
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"--like-replay {d}: no readable config.json; give the --out of a `pwruntime replay`") from None
+    if not isinstance(config, dict) or config.get("command") != "replay":
+        what = config.get("command") if isinstance(config, dict) else None
+        raise UserError(f"--like-replay {d} is not a `pwruntime replay` result (its config.json is "
+                        f"{what or 'another tool'}'s); give the --out of a replay")
+    trace = d / "trace"
+    if not (trace / ROUTING_FILE).is_file():
+        raise UserError(f"--like-replay {d}: the replay recorded no routing; run it again with --record-routing, "
+                        "which writes the requests it served and the routing they took")
+    if config.get("gpu_memory_budget") is None:
+        raise UserError(f"--like-replay {d}: the replay sized its KV pool without --gpu-memory-budget, which is what "
+                        "the simulator's --budget matches; replay with --gpu-memory-budget SIZE, or give pwsim run "
+                        "--trace DIR/trace --budget SIZE and the other flags yourself")
+    taken = [f"--trace {trace}"]
+    args.trace = str(trace)
+    args.model = read_routing(trace / ROUTING_FILE).card
+    taken.append(f"--model {args.model}")
+    for key, attr, flag in SETTINGS:
+        if key not in config or (key == "calibration" and not config[key]):
+            continue  # not recorded (an older replay), or no calibration given: the simulator's default stands
+        value = config[key]
+        setattr(args, attr, value)  # None too: what the replay ran without (--request-rate), the simulation does
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            taken += [flag] if value else []
+        elif isinstance(value, list):
+            taken += [f"{flag} {v}" for v in value]
+        else:
+            taken.append(f"{flag} {value}")
+    return taken
