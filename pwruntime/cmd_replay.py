@@ -9,8 +9,8 @@ with a planner) serves them under continuous batching. The result directory has 
 With --record-routing the result also holds `trace/`: the replayed requests (before --request-rate
 re-times them) with the routing the engine computed for them, at the bits it served them with, and
 the routing its warm-up computed for the trace's first prompts (`warmup_routing.parquet`), so
-`pwsim run --trace OUT/trace` (with this replay's arrival and warm-up flags) simulates the routing
-the runtime's planner saw, not the routing the trace was recorded with. Recording copies each
+`pwsim run --like-replay OUT` (its trace and this replay's settings) simulates the routing the
+runtime's planner saw, not the routing the trace was recorded with. Recording copies each
 step's routing to the host, which the run's times include.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ def register(subparsers) -> None:
                         "(first kernel launches, CUDA-graph captures) stay out of the replay (default 0)")
     p.add_argument("--record-routing", action="store_true",
                    help="also write OUT/trace: the replayed requests with the routing this run computed (for "
-                        "`pwsim run --trace OUT/trace`)")
+                        "`pwsim run --like-replay OUT`)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_slo_flags(p)
@@ -152,8 +152,8 @@ def run(args) -> int:
               f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
               f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
         if result.routing is not None:
-            print(f"the routing it computed: {out / 'trace'} (simulate it with `pwsim run --trace {out / 'trace'}` and "
-                  "this replay's arrival and warm-up flags)")
+            print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
+                  "replay's settings)")
         if slo is not None:
             print("SLO " + slo_line(summary["slo"]))
     return 0

@@ -149,10 +149,12 @@ def _decision_lines(report: dict, sim, runtime_dir) -> list[str]:
         replayed_own = False
     if routing.startswith("synthetic"):
         lines.append("  the simulator drew synthetic routing (its trace has no routing.parquet); a replay with "
-                     "--record-routing writes the routing the runtime computed, for `pwsim run --trace RUNTIME/trace`")
+                     "--record-routing writes the routing the runtime computed, which `pwsim run --like-replay "
+                     "RUNTIME` simulates")
     elif not replayed_own:
         lines.append("  the simulator replayed the trace's recorded routing, not the routing this runtime computed at "
-                     "its own bits; a replay with --record-routing writes that, for `pwsim run --trace RUNTIME/trace`")
+                     "its own bits; a replay with --record-routing writes that, which `pwsim run --like-replay "
+                     "RUNTIME` simulates")
     return lines
 
 

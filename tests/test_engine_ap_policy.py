@@ -268,7 +268,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
                  str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
                  "--device", "cpu", "--max-num-batched-tokens", "512", "--record-routing", *limits]) == 0
-    assert "pwsim run --trace" in capsys.readouterr().out
+    assert f"pwsim run --like-replay {tmp_path / 'rt'}" in capsys.readouterr().out
     recorded = read_trace_dir(tmp_path / "rt" / "trace")
     ids = recorded.requests.request_id
     assert ids.tolist() == list(range(100, 132))  # the trace's ids; the warm-up's requests are not in it
