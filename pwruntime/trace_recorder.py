@@ -11,10 +11,9 @@ its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import json
 
 import numpy as np
 

@@ -12,7 +12,7 @@ records which planner steps read the routing statistics, `routing_read_us` their
 records each step's plan transitions, `plan_transition_us`): a profile of the runtime as it is (host included),
 for a second `pwsim run --hardware JSON`. It also compares the two engines' decisions step by step (batches, KV
 pool, bits, plan transitions) and says what keeps them apart: arrivals over time, or the simulator's routing (a
-replay's `--record-routing` writes the routing the runtime computed, which `pwsim run --trace` then replays).
+replay's `--record-routing` writes the routing the runtime computed, which `pwsim run --like-replay` simulates).
 
 Two concurrency sweeps (`pwsim run --max-concurrency 1,4,16,64` and `pwruntime bench serve --max-concurrency
 1,4,16,64`) are compared level by level: `fidelity.json` holds a row per level both ran (the throughput ratio, the

@@ -64,8 +64,13 @@ class CostBreakdown:
     overhead: float = 0.0
 
     @property
+    def device(self) -> float:
+        """The GPU's work: every operator but the host's overhead."""
+        return self.attention + self.moe + self.dense + self.lm_head
+
+    @property
     def total(self) -> float:
-        return self.attention + self.moe + self.dense + self.lm_head + self.overhead
+        return self.device + self.overhead
 
     def __add__(self, other: "CostBreakdown") -> "CostBreakdown":
         return CostBreakdown(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))

@@ -333,8 +333,7 @@ class Simulation:
                     self._settle(pending)
                 # the plan overlaps this batch (its commits reach the next one), which is still on the device as the
                 # host plans where its device work outlasts the host's
-                c = launched.cost
-                self._boundary(forward_in_flight=c.total - c.overhead > c.overhead)
+                self._boundary(forward_in_flight=launched.cost.device > launched.cost.overhead)
                 yield from self._run(launched, overlap=True)
                 pending = launched
                 continue
@@ -367,7 +366,7 @@ class Simulation:
         """Time passes for the forward: its cost, or with asynchronous scheduling the longer of its device work and
         the host's work (which overlap); then the damage of the tokens it sampled accrues."""
         cost, extra = b.cost, self._take_extra()
-        dt = max(cost.total - cost.overhead, cost.overhead + extra) if overlap else cost.total + extra
+        dt = max(cost.device, cost.overhead + extra) if overlap else cost.total + extra
         self.total_cost = self.total_cost + cost
         yield self.env.timeout(dt)
         self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries),

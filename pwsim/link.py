@@ -39,8 +39,11 @@ class LinkMover:
         self._check = on_landed_check
         self._on_begin = on_begin
         self.transfers: list[tuple[int, float, float, int]] = []  # (block, start, end, bytes) of reloads
-        self.reload_bytes = 0
         self.offload_bytes = 0
+
+    @property
+    def reload_bytes(self) -> int:
+        return sum(nbytes for _, _, _, nbytes in self.transfers)
 
     @property
     def in_flight_reloads(self) -> int:
@@ -61,7 +64,6 @@ class LinkMover:
         self._link_free_at = end
         self._copies.append((end, t.block))
         self.transfers.append((t.block, start, end, int(nbytes)))
-        self.reload_bytes += int(nbytes)
 
     def boundary(self, forward_in_flight: bool = False) -> None:
         """A boundary begins: offloads begun at the previous one may now release their planes; with

@@ -50,7 +50,6 @@ class Recorder:
         self.stride = timeline_stride
         self._tl: list[tuple] = []
         self._boundaries = 0
-        self._last_row_kept = False  # whether the last boundary's row is in the timeline (`timeline_stride`)
         self._pending_iter = (0.0, 0, 0, 0)
         self._plan_transitions = 0  # transitions the current boundary's plan started
         self.iterations = 0
@@ -86,7 +85,7 @@ class Recorder:
         self.decode_tokens += decode_tokens
         if not launched_before_last_boundary:
             self._pending_iter = (dt, tokens, decode_tokens, seqs)
-        elif self._last_row_kept:
+        elif self._boundaries and not (self._boundaries - 1) % self.stride:  # the last boundary's row was kept
             self._tl[-1] = self._tl[-1][:_ITER] + (dt, tokens, decode_tokens, seqs) + self._tl[-1][_ITER + 4:]
 
     def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
@@ -156,8 +155,7 @@ class Recorder:
         transitions, self._plan_transitions = self._plan_transitions, 0
         self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
         self._boundaries += 1
-        self._last_row_kept = not (self._boundaries - 1) % self.stride
-        if not self._last_row_kept:
+        if (self._boundaries - 1) % self.stride:
             return
         self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
                          pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,
