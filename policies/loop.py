@@ -148,7 +148,7 @@ class PlanLoop:
         table, i = self.table, t.block
         if not 0 <= i < table.num_blocks:
             return f"block {i} out of range", 0
-        if table.busy[i]:
+        if table.target[i] >= 0:  # busy
             return "transfer already in flight", 0
         if int(table.q[i]) != t.from_bits:
             return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}", 0

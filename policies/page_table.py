@@ -184,7 +184,7 @@ class PageTable:
     def finish_offload(self, i: int) -> None:
         """Release the surplus planes and old LUT (after kernels stopped reading them)."""
         self._check_index(i)
-        if not self.busy[i] or self.target[i] > self.q[i] or not (self.planes[i] == PlaneState.TO_CPU).any():
+        if self.target[i] < 0 or self.target[i] > self.q[i] or not (self.planes[i] == PlaneState.TO_CPU).any():
             raise PageTableError(f"{self.block_id(i)} has no offload in flight")
         self.planes[i][self.planes[i] == PlaneState.TO_CPU] = PlaneState.CPU
         self.target[i] = -1
@@ -205,7 +205,7 @@ class PageTable:
     def finish_reload(self, i: int) -> None:
         """Planes landed: mark them GPU and only now raise the committed bits."""
         self._check_index(i)
-        if not self.busy[i] or self.target[i] <= self.q[i]:
+        if self.target[i] < 0 or self.target[i] <= self.q[i]:
             raise PageTableError(f"{self.block_id(i)} has no reload in flight")
         to_bits = int(self.target[i])
         if not (self.planes[i, self.q[i]:to_bits] == PlaneState.TO_GPU).all():
@@ -238,7 +238,7 @@ class PageTable:
 
     def _check_idle(self, i: int) -> None:
         self._check_index(i)
-        if self.busy[i]:
+        if self.target[i] >= 0:
             raise PageTableError(f"{self.block_id(i)} already has a transfer in flight")
 
     def _check_bits(self, i: int, bits: int) -> None:

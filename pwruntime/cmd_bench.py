@@ -1,6 +1,6 @@
-"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|serve`: time the AP kernels against torch fp16 (and write
-a measured hardware profile), the prefill MoE path against one launch set per expert, serving with prefix caching,
-where a decode or mixed step goes, or a running server from the client's side.
+"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|plans|serve`: time the AP kernels against torch fp16 (and
+write a measured hardware profile), the prefill MoE path against one launch set per expert, serving with prefix
+caching, where a decode or mixed step goes, what a plan's transitions cost, or a running server from the client's side.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -30,6 +30,11 @@ directory that `pwsim fidelity` reads.
 
 `bench mixed` times a mixed step's forward (`--prompts` decode rows beside one prompt of each `--tokens` size) run
 eagerly and from the piecewise graphs, in the same kind of engine (pwruntime/bench_mixed.py).
+
+`bench plans` plays plans that take every block of `--layers` random MoE layers per model shape down to `--bits` and
+back through the runtime's plan loop, page mover and expert store, and reports the host time a transition costs at
+each boundary and the reloads' copy rate (pwruntime/bench_plans.py). It runs on CUDA when there is a GPU, else on the
+CPU.
 """
 from __future__ import annotations
 
@@ -44,26 +49,30 @@ from traces.clikit import UserError, write_json_atomic
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "serve"],
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "plans", "serve"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
                         "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
                         "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs; "
+                        "plans: the host time of a plan's offloads and reloads, a transition at a time; "
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
-                        "olmoe-1b-7b, qwen3-moe-30b-a3b)")
+                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans also takes and starts with demo)")
     p.add_argument("--tokens", default=None,
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512; mixed: the prompt beside the decode rows, "
                         "default 20,150,488)")
-    p.add_argument("--bits", type=int, default=4, help="prefill: every expert block's committed bits (3..8)")
+    p.add_argument("--bits", type=int, default=4,
+                   help="prefill: every expert block's committed bits; plans: the bits its offloads lower every "
+                        "block to (3..7 there), default 4")
+    p.add_argument("--layers", type=int, default=None, help="plans: MoE layers of each model shape (default 1)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
                         "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA; "
                         "prefix-cache: the model's dtype, default bf16 on CUDA and fp32 on the CPU; fp32 only there)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
-                        "of (off, on) (default 2)")
+                        "of (off, on) (default 2); plans: rounds of offloads and reloads (default 5)")
     p.add_argument("--prompts", type=int, default=None,
                    help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32); "
                         "mixed: decode rows beside the prompt (default 24)")
@@ -302,7 +311,40 @@ def _run_decode(args) -> int:
     return _report(args, res, command, bd.print_table)
 
 
+def _run_plans(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_plans as bpl
+    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "plans",
+            " (it takes --models, --layers, --bits, --reps, --seed, --out, --json)")
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(bpl.SHAPES)
+    unknown = [m for m in models if m not in bpl.SHAPES]
+    if unknown:
+        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(bpl.SHAPES)}")
+    layers, reps = (1 if args.layers is None else args.layers), (5 if args.reps is None else args.reps)
+    if layers < 1 or reps < 1:
+        raise UserError(f"--layers and --reps must be positive, got {layers} and {reps}")
+    if not 3 <= args.bits < 8:
+        raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {args.bits}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {args.bits} "
+                       f"--reps {reps}")
+    cfg = bpl.PlansConfig(models, layers, args.bits, reps, args.seed)
+    with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
+        def progress(text: str) -> None:
+            bar.set_postfix_str(text)
+            if "round" in text:
+                bar.update()
+        res = bpl.run(cfg, device, progress)
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
+           "torch": torch.__version__, **res}
+    return _report(args, res, command, bpl.print_table)
+
+
 def run(args) -> int:
+    if args.layers is not None and args.target != "plans":
+        raise UserError("--layers belongs to `pwruntime bench plans`")
     if args.target == "serve":
         return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
     for name in bench_serve.SERVE_FLAGS:
@@ -324,6 +366,8 @@ def run(args) -> int:
     if args.prompts is not None or args.max_tokens != 16 or args.model is not None:
         raise UserError("--prompts, --max-tokens and --model belong to `pwruntime bench prefix-cache` (--prompts and "
                         "--model also to `bench decode` and `bench mixed`)")
+    if args.target == "plans":
+        return _run_plans(args)
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
     if args.routing is not None:

@@ -4,9 +4,11 @@ Memory: the 8-bit master (all planes, all LUTs of every block) stays in host mem
 device is CUDA. On the device, block i holds planes 0..q_i-1, one tensor per plane allocated through
 torch (dropping one really frees device memory), plus `LUT_{q_i}`; its
 `pwruntime.kernels.DeviceWeightTable` row names them. A block that `commit_in_place` holds (dp-llm)
-keeps its leading GPU planes above q. Every row change goes through `_write_row`, which returns the
-tensors the row stopped naming; they are freed only once the compute stream has passed that point
-(`retire`, a `stream_marks.DeferredFree`), because kernels queued earlier may still read them.
+keeps its leading GPU planes above q. Every row change goes through `_write_row`, which writes the
+table's host mirror and returns the tensors the row stopped naming; `flush()` sends the rows written
+since to the device in one copy and only then hands what was `retire`d to a `stream_marks.DeferredFree`,
+which frees it once the compute stream has passed that point, because kernels queued earlier may still
+read it. `sync()`, `moe()` and `weight()` flush; the page mover flushes at every iteration boundary.
 
 Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens (`FUSED_MAX_TOKENS`), and
 inside a CUDA-graph capture for any T whose prefill path would read counts back (`prefill_syncs`), a
@@ -121,6 +123,7 @@ class DeviceExpertStore:
         self.row_planes = np.zeros(n, dtype=np.int8)  # planes each row names
         self.row_nbytes = np.zeros(n, dtype=np.int64)  # device bytes each row names (planes + LUT)
         self.deferred = DeferredFree(self.device)
+        self._retiring: list[torch.Tensor] = []  # retired, freed after the next flush
         self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
         self._bits = np.zeros(n, dtype=np.int8)
         self.page_table = None
@@ -166,7 +169,7 @@ class DeviceExpertStore:
     def master_planes(self, i: int, lo: int, hi: int) -> list[torch.Tensor]:
         """Host planes lo..hi-1 of block i, each [out, words] int32 (slices of the pinned master)."""
         m, e = self._master_of(i)
-        return [m.planes[e, j] for j in range(lo, hi)]
+        return list(m.planes[e, lo:hi].unbind(0))
 
     def master_lut(self, i: int, bits: int) -> torch.Tensor:
         m, e = self._master_of(i)
@@ -202,22 +205,32 @@ class DeviceExpertStore:
         return tuple(planes)
 
     def retire(self, tensors) -> None:
-        """Free `tensors` once the current stream has passed this point."""
-        self.deferred.add(tensors)
+        """Free `tensors` once the current stream has passed the next `flush()`."""
+        self._retiring.extend(tensors)
+
+    def flush(self) -> None:
+        """The rows written since the last flush reach the device (one stream-ordered copy); what was retired
+        before is freed once the current stream has passed that copy."""
+        self.table.flush()
+        if self._retiring:
+            self.deferred.add(self._retiring)
+            self._retiring = []
 
     def _write_row(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor | None,
                    bits: int) -> list[torch.Tensor]:
-        """Point row i at `planes` and `lut`, committing `bits` (stream-ordered); returns what it stopped naming."""
+        """Point row i at `planes` and `lut`, committing `bits` (on the device at the next `flush()`); returns
+        what it stopped naming."""
         old = self._planes[i] + ((self._luts[i],) if self._luts[i] is not None else ())
         if bits == 0:
-            self.table.clear(i)
+            self.table.clear(i, flush=False)
             planes, lut = (), None
         else:
-            self.table.set_block(i, list(planes), lut, bits)
+            self.table.set_block(i, planes, lut, bits, flush=False)
         kept = planes + ((lut,) if lut is not None else ())
         self._planes[i], self._luts[i] = planes, lut
         self.row_bits[i], self.row_planes[i], self.row_nbytes[i] = bits, len(planes), tensor_bytes(kept)
-        return [t for t in old if not any(t is k for k in kept)]
+        kept_ids = {id(t) for t in kept}
+        return [t for t in old if id(t) not in kept_ids]
 
     def lower(self, i: int, to_bits: int) -> list[torch.Tensor]:
         """Offload commit on the current stream: LUT_to is uploaded and row i cut to planes 0..to-1.
@@ -282,6 +295,7 @@ class DeviceExpertStore:
         stale = np.flatnonzero(idle & ((self.row_bits != q) | (self.row_planes != keep)))
         for i in stale.tolist():
             self.follow(i, int(q[i]), int(keep[i]))
+        self.flush()
         return int(stale.size)
 
     def follow(self, i: int, q: int, keep: int) -> None:
@@ -295,9 +309,14 @@ class DeviceExpertStore:
         self.retire(self._write_row(i, planes, lut, q))
 
     def _follow_table(self) -> None:
+        """Before a compute call: rows brought to the table's bits and on the device (never while capturing)."""
+        if _capturing(self.device):
+            return
         pt = self.page_table
-        if pt is not None and not np.array_equal(self.row_bits, pt.q) and not _capturing(self.device):
+        if pt is not None and not np.array_equal(self.row_bits, pt.q):
             self.sync()
+        elif self.table.dirty or self._retiring:
+            self.flush()
 
     # ------------------------------------------------------------ compute
     def weight(self, layer: int, expert: int, kind: str) -> torch.Tensor:

@@ -5,18 +5,22 @@ then, at the same iteration boundary, `landed()`, and commits the blocks landed(
 PageTable (`finish_offload` / `finish_reload`). The device side follows the same order:
 
 * offload b -> b' (the loop has already committed b' in the PageTable): `start` uploads LUT_b' and
-  rewrites the block's DeviceWeightTable row to planes 0..b'-1 + LUT_b' on the compute stream
-  (stream-ordered: kernels queued before read the old row, kernels after the new one), then records
-  a mark (CUDA event) on the compute stream and keeps the surplus planes and the old LUT alive. The
-  block lands once the mark is done, i.e. no queued kernel can still read them; they are dropped
-  then and the loop's `finish_offload` hands their bytes to the KV pool.
+  rewrites the block's DeviceWeightTable row to planes 0..b'-1 + LUT_b' in the table's host mirror,
+  keeping the surplus planes and the old LUT alive. `landed()` first sends the rows of every offload
+  begun since the last boundary to the device in one copy on the compute stream (stream-ordered:
+  kernels queued before read the old rows, kernels after the new ones) and records one mark (CUDA
+  event) after it. A block lands once that mark is done, i.e. no queued kernel can still read its
+  surplus planes and old LUT; they are dropped then and the loop's `finish_offload` hands their bytes
+  to the KV pool.
 * reload b -> b'': `start` allocates fresh device tensors for planes b..b''-1 and LUT_b'' and copies
   them from the pinned master on a dedicated copy stream (non_blocking), recording a mark after the
   copies. The row is not touched, so kernels keep reading b bits. When the mark is done,
   **`landed()` commits the device row just before returning the block**: the compute stream waits
-  on the copy mark (the only point where it waits on the copy stream), the row gets the new planes,
-  LUT_b'' and bits b'', and the old LUT_b is freed once the compute stream passes that write. The
-  loop's `finish_reload` then raises q in the PageTable at the same boundary, before any kernel runs.
+  on the copy mark (the only point where it waits on the copy stream; the copies run in order, so one
+  wait on the last mark done covers every reload landing), the row gets the new planes, LUT_b'' and
+  bits b'' (all landing rows in one copy), and the old LUT_b is freed once the compute stream passes
+  that write. The loop's `finish_reload` then raises q in the PageTable at the same boundary, before any
+  kernel runs.
 * in place (dp-llm) and a policy's `initialize`: the loop commits them without the mover;
   `landed()` first calls `DeviceExpertStore.sync()`, which brings every idle row to `PageTable.q`.
 
@@ -71,8 +75,8 @@ class _Transfer:
     block: int
     to_bits: int
     nbytes: int  # what the loop passed to start()
-    done: Mark  # the block lands when this is done
-    begun: Mark  # start of the copy (reload) or of the offload
+    done: Mark | None  # the block lands when this is done (an offload's is recorded at the next landed())
+    begun: Mark  # start of the copy (reload) or of the offload (host time only)
     tensors: tuple[torch.Tensor, ...] = ()  # offload: surplus planes + old LUT; reload: new planes
     lut: torch.Tensor | None = None  # reload: LUT_to
 
@@ -109,6 +113,12 @@ class CudaPageMover:
             self._try_reload(transition, nbytes)
 
     def landed(self) -> list[int]:
+        begun = [tr for tr in self._pending if tr.done is None]  # offloads begun since the last boundary
+        if begun:
+            self.store.flush()
+            done = mark(self.device)
+            for tr in begun:
+                tr.done = done
         self.store.sync()
         due = [r for r in self._retry if r[2] < self._boundary]  # reloads that failed at an earlier boundary
         self._retry = [r for r in self._retry if r[2] >= self._boundary]
@@ -117,14 +127,16 @@ class CudaPageMover:
         self._boundary += 1
         out, keep = [], []
         for tr in self._pending:
-            if tr.done.done():
-                self._finish(tr)
-                out.append(tr.block)
-            else:
-                keep.append(tr)
+            (out if tr.done is not None and tr.done.done() else keep).append(tr)
         self._pending = keep
+        reloads = [tr for tr in out if not tr.is_offload]
+        if reloads:
+            wait_for(reloads[-1].done, self.device)  # the copy stream ran them in order: the last covers all
+        for tr in out:
+            self._finish(tr)
+        self.store.flush()
         self.store.deferred.collect()
-        return out
+        return [tr.block for tr in out]
 
     # ------------------------------------------------------------ views
     def inflight_bytes(self) -> int:
@@ -149,11 +161,11 @@ class CudaPageMover:
 
     # ------------------------------------------------------------ transfers
     def _start_offload(self, i: int, to_bits: int, nbytes: int) -> None:
-        begun = mark(self.device)
+        begun = Mark(None, time.perf_counter())
         surplus = self.store.lower(i, to_bits)
         if to_bits:
             self.stats.bytes_lut_uploaded += tensor_bytes(self.store.resident(i)[1:])
-        self._pending.append(_Transfer(i, to_bits, int(nbytes), mark(self.device), begun, tuple(surplus)))
+        self._pending.append(_Transfer(i, to_bits, int(nbytes), None, begun, tuple(surplus)))
 
     def _try_reload(self, t: Transition, nbytes: int) -> None:
         if not self._start_reload(int(t.block), t.to_bits, nbytes):
@@ -178,7 +190,6 @@ class CudaPageMover:
             self.stats.bytes_freed += tr.device_bytes
             self.stats.offload_seconds += time.perf_counter() - tr.begun.host_time
             return  # dropping `tr` frees the surplus planes and the old LUT
-        wait_for(tr.done, self.device)
         self.store.retire(self.store.raise_bits(tr.block, tr.tensors, tr.lut, tr.to_bits))
         seconds = seconds_between(tr.begun, tr.done)
         self.stats.reloads += 1

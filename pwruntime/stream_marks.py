@@ -59,7 +59,7 @@ def on_stream(stream: "torch.cuda.Stream | None"):
 
 
 def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.nbytes for t in tensors)
 
 
 @dataclass

@@ -153,3 +153,35 @@ def test_prefix_cache_bench_misuse_is_one_clear_error(capsys, target, argv, mess
     assert main(["bench", target, *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_plans_bench_times_every_boundary_and_leaves_the_blocks_at_8_bits(tmp_path, capsys):
+    """Every block of the demo shape's layer goes 8 -> 5 -> 8 bits through the plan loop and the page mover (on the
+    CPU here): a row per shape with each boundary's host time a transition, the reloads' bytes and copy rate."""
+    out = tmp_path / "plans.json"
+    assert main(["bench", "plans", "--models", "demo", "--bits", "5", "--reps", "2", "--seed", "3",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert (row["model"], row["blocks"], row["low_bits"], res["reps"]) == ("demo", 32, 5, 2)
+    phases = [row[f"{p}_us"] for p in ("begin_offload", "land_offload", "begin_reload", "land_reload")]
+    assert all(us > 0 for us in phases) and row["transition_us"] == pytest.approx(sum(phases) / 2)
+    # gate_up [256, 256] and down [256, 128]: planes 5..7 (three of 8 or 4 words a row) and LUT_8, on average
+    assert row["reload_bytes_per_block"] == (3 * 256 * 8 * 4 + 3 * 256 * 4 * 4) // 2 + 256 * 256 * 2
+    assert row["reload_copy_gbps"] > 0
+    text = capsys.readouterr().out
+    assert "begin off" in text and "reproduce: pwruntime bench plans --models demo --layers 1 --bits 5" in text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plans", "--bits", "8"], "--bits must lie in 3..7"),
+    (["plans", "--models", "gpt2"], "unknown model shape(s) ['gpt2']"),
+    (["plans", "--layers", "0"], "must be positive"),
+    (["plans", "--dtype", "bf16"], "--dtype does not apply"),
+    (["kernels", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
+    (["decode", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
+])
+def test_plans_bench_misuse_is_one_clear_error(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from policies.contract import Observation
+from policies.contract import Observation, Transition
 from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
@@ -187,6 +187,29 @@ def test_offload_lands_after_the_mark_and_frees_its_planes(ap_path, monkeypatch)
     assert mover.stats.offloads == 3 and mover.stats.bytes_freed == res.released_bytes
     assert_rows_follow(dev, table)
     table.check_invariants()
+
+
+def test_a_boundarys_row_writes_reach_the_device_together_and_marks_follow_them(ap_path, monkeypatch):
+    _, table, dev = stores(ap_path, 8)
+    marks = []
+    monkeypatch.setattr(page_mover, "mark", lambda device, stream=None, timing=False: marks.append(
+        (stream, dev.table.dirty)) or Mark(None, time.perf_counter()))
+    mover = CudaPageMover(dev)
+    rows = dev.table.table.clone()
+    for i in (3, 12, 20):
+        table.begin_offload(i, 4)
+        mover.start(Transition(i, 8, 4, 0), 0)
+    assert dev.table.dirty and torch.equal(dev.table.table, rows)  # kernels still read 8 bits
+    assert [int(dev.table.host[i, 9]) for i in (3, 12, 20)] == [4, 4, 4] and marks == []
+    assert sorted(mover.landed()) == [3, 12, 20]
+    assert marks == [(None, False)]  # one mark for the three offloads, recorded after their rows went out
+    assert not dev.table.dirty and torch.equal(dev.table.table, torch.from_numpy(dev.table.host))
+    for i in (3, 12, 20):
+        table.finish_offload(i)
+        table.begin_reload(i, 7)
+        mover.start(Transition(i, 4, 7, 0), 0)
+    assert sorted(mover.landed()) == [3, 12, 20]
+    assert not dev.table.dirty and [int(dev.table.table[i, 9]) for i in (3, 12, 20)] == [7, 7, 7]
 
 
 def test_reload_commits_only_when_landed_and_restores_the_planes(ap_path, monkeypatch):

@@ -350,6 +350,32 @@ def test_device_table_rows_and_validation():
         t.commit_bits(2, 3, luts[3])
 
 
+def test_device_table_defers_rows_to_one_flush():
+    rng = np.random.default_rng(8)
+    _, planes, luts = make_block(rng, 4, 64)
+    planes = device_layout(planes)
+    t = DeviceWeightTable(6, "cpu")
+    t.set_block(0, planes, luts[8], 8)
+    t.set_block(5, planes, luts[8], 8)
+    before = t.table.clone()
+    t.set_block(4, planes, luts[5], 5, flush=False)
+    t.clear(1, flush=False)
+    t.commit_bits(0, 4, luts[4])  # an immediate write sends the rows deferred before it too
+    assert not t.dirty and torch.equal(t.table, torch.from_numpy(t.host))
+    t.set_block(5, planes, luts[3], 3, flush=False)
+    t.set_block(2, planes, luts[6], 6, flush=False)
+    assert t.dirty and t.bits(5) == 3 and t.bits(2) == 6  # the mirror has them, the kernels' rows do not
+    assert torch.equal(t.table[2], before[2]) and torch.equal(t.table[5], before[5])
+    t.flush()
+    assert not t.dirty and torch.equal(t.table, torch.from_numpy(t.host)) and t.table[5, 9] == 3
+    # a row keeping its planes still checks what is new to it
+    with pytest.raises(ValueError, match="LUT_4"):
+        t.set_block(5, planes, luts[3], 4, flush=False)
+    with pytest.raises(ValueError, match=r"every plane must be \[out=2"):
+        t.set_block(5, planes, luts[4][:2], 4, flush=False)
+    assert not t.dirty and t.bits(5) == 3
+
+
 ARCHS = {  # hidden, intermediate, experts, top-k
     "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
     "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8),

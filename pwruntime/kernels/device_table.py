@@ -19,7 +19,11 @@ reference.
 
 The table also keeps a reference to every tensor it points at (so nothing it names is freed while
 it is named) and a host mirror of the rows; the pure-torch reference path computes from those
-tensors, which makes the same object usable on CPU.
+tensors, which makes the same object usable on CPU. A write goes to the mirror at once and to the
+device rows with `flush()`: at once by default, or, with `flush=False`, together with the other rows
+written since, in one copy (the page mover writes a plan's rows so, one copy a boundary instead of one
+a row). Until then kernels read the rows as they were, so a caller that defers must keep what those
+name alive and flush before what it wrote is needed.
 """
 from __future__ import annotations
 
@@ -130,6 +134,7 @@ class DeviceWeightTable:
         self.table = torch.zeros(self.num_blocks, TABLE_COLS, dtype=torch.int64, device=self.device)
         self.host = np.zeros((self.num_blocks, TABLE_COLS), dtype=np.int64)
         self._blocks: dict[int, ResidentBlock] = {}
+        self._dirty: tuple[int, int] | None = None  # rows lo..hi-1 hold writes the device has not had yet
 
     # ------------------------------------------------------------ reads
     def bits(self, block: int) -> int:
@@ -146,9 +151,10 @@ class DeviceWeightTable:
         return rb.bits * rb.out_features * rb.words * 4 + rb.lut.numel() * 2
 
     # ------------------------------------------------------------ writes
-    def set_block(self, block: int, planes, lut: torch.Tensor, bits: int | None = None) -> None:
+    def set_block(self, block: int, planes, lut: torch.Tensor, bits: int | None = None, flush: bool = True) -> None:
         """Point `block` at `planes` (at least `bits` of them, MSB first, in the device layout: see the
-        module docstring) and `LUT_bits`, committing `bits`.
+        module docstring) and `LUT_bits`, committing `bits`; the device row changes now, or with the next
+        `flush()` if `flush` is False.
 
         `bits` defaults to the number of planes given. Planes beyond `bits` are recorded too (they
         are resident, the kernels just do not read them), so `commit_bits` can raise q later.
@@ -156,13 +162,13 @@ class DeviceWeightTable:
         block = self._check(block)
         plist = _as_plane_list(planes)
         bits = len(plist) if bits is None else int(bits)
-        rb = self._validate(plist, lut, bits)
+        rb = self._validate(plist, lut, bits, self._blocks.get(block))
         row = np.zeros(TABLE_COLS, dtype=np.int64)
         for j, p in enumerate(plist):
             row[j] = p.data_ptr()
         row[COL_LUT] = lut.data_ptr()
         row[COL_BITS] = bits
-        self._write(block, row)
+        self._write(block, row, flush)
         self._blocks[block] = rb
 
     def commit_bits(self, block: int, bits: int, lut: torch.Tensor) -> None:
@@ -173,11 +179,32 @@ class DeviceWeightTable:
             raise ValueError(f"block {block} has no resident planes; call set_block first")
         self.set_block(block, rb.planes, lut, bits)
 
-    def clear(self, block: int) -> None:
+    def clear(self, block: int, flush: bool = True) -> None:
         """Mark a block not resident (q = 0); kernels then treat its weights as zero."""
         block = self._check(block)
-        self._write(block, np.zeros(TABLE_COLS, dtype=np.int64))
+        self._write(block, np.zeros(TABLE_COLS, dtype=np.int64), flush)
         self._blocks.pop(block, None)
+
+    @property
+    def dirty(self) -> bool:
+        """Whether rows were written with `flush=False` since the last `flush()`."""
+        return self._dirty is not None
+
+    def flush(self) -> None:
+        """Copy the rows written since the last flush to the device, stream-ordered on the current stream: the
+        span from the first to the last of them, in one copy from pinned memory (rows between are rewritten
+        with what they hold)."""
+        if self._dirty is None:
+            return
+        lo, hi = self._dirty
+        self._dirty = None
+        on_gpu = self.device.type == "cuda"
+        # a fresh buffer (torch's caching host allocator keeps it until the copy has run), not the mirror, which
+        # later writes change while the copy may still be queued
+        src = torch.empty((hi - lo, TABLE_COLS), dtype=torch.int64, pin_memory=on_gpu)
+        src.numpy()[:] = self.host[lo:hi]
+        # kernels queued before see the old rows, after it the new; from pinned memory the host does not wait
+        self.table[lo:hi].copy_(src, non_blocking=on_gpu)
 
     def upload(self, block: int, planes: torch.Tensor, lut: torch.Tensor, bits: int,
                planes_resident: int | None = None) -> ResidentBlock:
@@ -198,7 +225,9 @@ class DeviceWeightTable:
             raise IndexError(f"block {block} out of range for a table of {self.num_blocks} blocks")
         return block
 
-    def _validate(self, plist: Sequence[torch.Tensor], lut: torch.Tensor, bits: int) -> ResidentBlock:
+    def _validate(self, plist: Sequence[torch.Tensor], lut: torch.Tensor, bits: int,
+                  current: ResidentBlock | None) -> ResidentBlock:
+        """The row's checks; a tensor the block's `current` row already names passed them when it was set."""
         if not MIN_BITS <= bits <= MAX_BITS:
             raise ValueError(f"bits must be in {MIN_BITS}..{MAX_BITS} (planes 0..2 are stored together), got {bits}")
         if not bits <= len(plist) <= MAX_BITS:
@@ -208,7 +237,8 @@ class DeviceWeightTable:
         if lut.dtype != torch.float16:
             raise ValueError(f"LUTs are fp16 centroids, got {lut.dtype}")
         out = lut.shape[0]
-        tensors = list(plist) + [lut]
+        known = {id(t) for t in current.planes + (current.lut,)} if current is not None else set()
+        tensors = [t for t in list(plist) + [lut] if id(t) not in known]
         for p in plist:
             if p.dtype not in (torch.int32, torch.uint32):
                 raise ValueError(f"planes are 32-bit words (int32/uint32), got {p.dtype}")
@@ -226,12 +256,9 @@ class DeviceWeightTable:
             raise ValueError("empty planes")
         return ResidentBlock(tuple(plist), lut, bits)
 
-    def _write(self, block: int, row: np.ndarray) -> None:
+    def _write(self, block: int, row: np.ndarray, flush: bool) -> None:
         self.host[block] = row
-        src = torch.from_numpy(row.copy())
-        on_gpu = self.device.type == "cuda"
-        if on_gpu:
-            src = src.pin_memory()  # torch's caching host allocator keeps it until the copy below has run
-        # a stream-ordered copy into the device row: kernels queued before see the old row, after it the new;
-        # from pinned memory it does not make the host wait for the stream to drain
-        self.table[block].copy_(src, non_blocking=on_gpu)
+        lo, hi = self._dirty or (block, block + 1)
+        self._dirty = (min(lo, block), max(hi, block + 1))
+        if flush:
+            self.flush()

@@ -1,0 +1,153 @@
+"""`pwruntime bench plans`: what a plan's transitions cost the runtime's host, and its reloads the copy stream.
+
+For each model shape, `layers` MoE layers of random AP experts are served by the runtime's own plan machinery: a
+`DeviceExpertStore` following a `policies.PageTable`, a `CudaPageMover` and a `policies.PlanLoop`, driven by a
+policy that plays given plans. A round is four iteration boundaries: a plan offloading every block from 8 bits to
+`low_bits` (begin), the boundary after the device passed it (its offloads land), a plan reloading every block back
+to 8 bits (begin), and the boundary after the copies (its reloads land). Each boundary's host time (`PlanLoop.step`,
+what the engine's plan phase runs) is divided by the blocks it moved; the reloads' copy rate is their bytes over
+their copy time on the copy stream. The median of `reps` rounds is reported after one warm-up round.
+
+No forward runs between boundaries, so this is the plan loop's own cost: a replay's planning step adds the planner's
+`plan_step`, the routing read and the KV cache's resize (`pwsim fidelity --fit-profile` fits those from a replay).
+On the CPU the same code runs with CPU tensors, where every transfer lands at the boundary that began it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from policies.apformat import MAX_BITS
+from policies.contract import Observation, Plan, Transition
+from policies.loop import PlanLoop
+from policies.page_table import PageTable
+from pwruntime.device_store import DeviceExpertStore
+from pwruntime.kernels.bench import ARCHS
+from pwruntime.page_mover import CudaPageMover
+from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
+
+SHAPES: dict[str, tuple[int, int, int, int]] = {"demo": (256, 128, 16, 4), **ARCHS}  # hidden, intermediate, experts, k
+BITS = (3, 4, 5, 6, 7, 8)
+PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
+
+
+@dataclass(frozen=True)
+class PlansConfig:
+    models: tuple[str, ...] = tuple(SHAPES)
+    layers: int = 1
+    low_bits: int = 4
+    reps: int = 5
+    seed: int = 0
+
+
+class PlayedPlans:
+    """A policy that returns the plan it was handed, once."""
+
+    name = "played"
+
+    def __init__(self) -> None:
+        self.next: Plan | None = None
+
+    def reset(self, table, calibration) -> None:
+        return None
+
+    def plan_step(self, table, observation) -> Plan | None:
+        plan, self.next = self.next, None
+        return plan
+
+
+def random_layers(hidden: int, intermediate: int, experts: int, layers: int,
+                  gen: torch.Generator) -> list[dict[str, LayerBlocks]]:
+    """`layers` MoE layers of random AP experts on the host: random plane words and sorted random LUTs."""
+    out = []
+    for _ in range(layers):
+        kinds = {}
+        for kind, (rows, cols) in zip(KINDS, ((2 * intermediate, hidden), (hidden, intermediate))):
+            planes = torch.randint(-2 ** 31, 2 ** 31 - 1, (experts, MAX_BITS, rows, -(-cols // 32)),
+                                   dtype=torch.int32, generator=gen)
+            luts = {b: torch.sort(torch.randn(experts, rows, 1 << b, generator=gen), dim=-1)[0].half() for b in BITS}
+            kinds[kind] = LayerBlocks(planes, luts)
+        out.append(kinds)
+    return out
+
+
+def _plan(table: PageTable, to_bits: int) -> Plan:
+    return Plan(tuple(Transition(i, int(table.q[i]), to_bits, int(table.M[i, table.q[i]] - table.M[i, to_bits]))
+                      for i in range(table.num_blocks)))
+
+
+def _drain(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda s: None) -> dict:
+    """One model shape's row: host microseconds a transition for each boundary of `PHASES`, reload copy GB/s."""
+    hidden, intermediate, experts, _ = SHAPES[model]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    progress(f"{model}: random experts")
+    layers = random_layers(hidden, intermediate, experts, cfg.layers, gen)
+    table = PageTable(cfg.layers, experts, hidden, intermediate, bits=BITS)
+    store = DeviceExpertStore(layers, experts=experts, hidden=hidden, intermediate=intermediate, bits=BITS,
+                              device=device, table=table)
+    del layers  # the store holds its own (pinned) master
+    mover, policy = CudaPageMover(store), PlayedPlans()
+    loop = PlanLoop(policy, table, mover)
+    n = table.num_blocks
+    obs = Observation(step=0, time_s=0.0, free_blocks=0, total_blocks=0, kv_block_bytes=0, free_block_threshold=0)
+    per_round: dict[str, list[float]] = {p: [] for p in PHASES}
+    copy_bytes, copy_s = 0, 0.0
+    for r in range(cfg.reps + 1):
+        progress(f"{model}: round {r + 1} of {cfg.reps + 1}")
+        bytes0, seconds0 = mover.stats.bytes_reloaded, mover.stats.reload_seconds
+        for phase, to_bits in zip(PHASES, (cfg.low_bits, None, MAX_BITS, None)):
+            if to_bits is not None:
+                policy.next = _plan(table, to_bits)
+            else:
+                _drain(device)
+            t0 = time.perf_counter()
+            result = loop.step(obs)
+            us = (time.perf_counter() - t0) * 1e6
+            if to_bits is not None and len(result.started) != n:
+                raise RuntimeError(f"{model}: {len(result.rejected)} transitions refused: {result.rejected[:1]}")
+            if r:
+                per_round[phase].append(us / n)
+        _drain(device)
+        loop.step(obs)  # anything still in flight (none after the drains) lands before the next round
+        if r:
+            copy_bytes += mover.stats.bytes_reloaded - bytes0
+            copy_s += mover.stats.reload_seconds - seconds0
+    if not np.all(table.q == MAX_BITS) or mover.num_pending:
+        raise RuntimeError(f"{model}: blocks left at {sorted(set(table.q.tolist()))} bits, "
+                           f"{mover.num_pending} transfers pending")
+    row: dict = {"model": model, "layers": cfg.layers, "blocks": n, "low_bits": cfg.low_bits,
+                 "reload_bytes_per_block": copy_bytes // (cfg.reps * n)}
+    for phase in PHASES:
+        row[f"{phase}_us"] = statistics.median(per_round[phase])
+    row["transition_us"] = (sum(row[f"{p}_us"] for p in PHASES)) / 2
+    row["reload_copy_gbps"] = copy_bytes / copy_s / 1e9 if copy_s > 0 else None
+    return row
+
+
+def run(cfg: PlansConfig, device: torch.device, progress=lambda s: None) -> dict:
+    rows = []
+    for model in cfg.models:
+        rows.append(measure(model, cfg, device, progress))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"layers": cfg.layers, "low_bits": cfg.low_bits, "reps": cfg.reps, "seed": cfg.seed, "rows": rows}
+
+
+def print_table(res: dict) -> None:
+    print(f"plan transitions on {res['device']}: every block 8 -> {res['low_bits']} -> 8 bits, host us a transition "
+          f"(median of {res['reps']} rounds)")
+    print(f"{'model':<20}{'blocks':>7}{'begin off':>11}{'land off':>10}{'begin rel':>11}{'land rel':>10}"
+          f"{'a transition':>14}{'copy GB/s':>11}")
+    for r in res["rows"]:
+        gbps = "-" if r["reload_copy_gbps"] is None else f"{r['reload_copy_gbps']:.1f}"
+        print(f"{r['model']:<20}{r['blocks']:>7}{r['begin_offload_us']:>11.1f}{r['land_offload_us']:>10.1f}"
+              f"{r['begin_reload_us']:>11.1f}{r['land_reload_us']:>10.1f}{r['transition_us']:>14.1f}{gbps:>11}")
