@@ -17,6 +17,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -151,3 +152,30 @@ def print_table(res: dict) -> None:
         gbps = "-" if r["reload_copy_gbps"] is None else f"{r['reload_copy_gbps']:.1f}"
         print(f"{r['model']:<20}{r['blocks']:>7}{r['begin_offload_us']:>11.1f}{r['land_offload_us']:>10.1f}"
               f"{r['begin_reload_us']:>11.1f}{r['land_reload_us']:>10.1f}{r['transition_us']:>14.1f}{gbps:>11}")
+
+
+def plot(res: dict, png: Path) -> Path:
+    """A stacked bar per model shape: each boundary's host time a transition, the round's total on top."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = res["rows"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 4.2))
+    labels = {"begin_offload": "boundary beginning the offloads", "land_offload": "next boundary (offloads land)",
+              "begin_reload": "boundary beginning the reloads", "land_reload": "next boundary (reloads land)"}
+    bottom = [0.0] * len(rows)
+    for phase in PHASES:
+        values = [r[f"{phase}_us"] / 2 for r in rows]  # a round is two transitions a block
+        ax.bar(range(len(rows)), values, 0.6, bottom=bottom, label=labels[phase])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for x, r in enumerate(rows):
+        ax.annotate(f"{r['transition_us']:.0f}", (x, r["transition_us"]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"{r['model']}\n{r['blocks']} blocks" for r in rows], fontsize=7)
+    ax.set_ylabel("host us a transition")
+    ax.set_title(f"A plan's transitions, 8 -> {res['low_bits']} -> 8 bits ({res['device']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png

@@ -339,7 +339,7 @@ def _run_plans(args) -> int:
         res = bpl.run(cfg, device, progress)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
-    return _report(args, res, command, bpl.print_table)
+    return _report(args, res, command, bpl.print_table, bpl.plot)
 
 
 def run(args) -> int:

@@ -169,6 +169,7 @@ def test_plans_bench_times_every_boundary_and_leaves_the_blocks_at_8_bits(tmp_pa
     # gate_up [256, 256] and down [256, 128]: planes 5..7 (three of 8 or 4 words a row) and LUT_8, on average
     assert row["reload_bytes_per_block"] == (3 * 256 * 8 * 4 + 3 * 256 * 4 * 4) // 2 + 256 * 256 * 2
     assert row["reload_copy_gbps"] > 0
+    assert out.with_suffix(".png").stat().st_size > 0
     text = capsys.readouterr().out
     assert "begin off" in text and "reproduce: pwruntime bench plans --models demo --layers 1 --bits 5" in text
 
