@@ -1,15 +1,25 @@
-"""Maps policy names to their classes: `get(name, **params)`, `available()`, `parse_policy_args`.
+"""Maps policy names to their classes: `get(name, **params)`, `available()`, `parse_policy_args`, `describe`.
 
 Names are fixed at import (no run-time registration, no global mutable state). Each name has a
 frozen parameter dataclass; presets (`uniform-4`, `pagedweight-no-routing`, ...) are names whose
 parameters start from other defaults. CLIs turn `--policy-arg k=v` strings into typed parameters
 with `parse_policy_args(name, ["k=v", ...])`, converting each value by its dataclass field type.
+
+A planner of one's own needs no entry here: a name `MODULE:CLASS` (an importable module) or `FILE.py:CLASS` names
+a dataclass that implements `policies.Policy` (`name`, `reset`, `plan_step`); its fields are its parameters, so
+`--policy-arg` sets them as it sets a built-in's. Every engine resolves the name the same way (the simulator's
+workers and the server's engine process included), so a planner tried in `pwsim` runs unchanged in `pwruntime`.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
+import re
+import sys
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 from policies.contract import NoopPolicy, Policy
@@ -57,11 +67,60 @@ def available() -> list[str]:
     return sorted(_entries())
 
 
+def summary(name: str) -> str:
+    """One line on what a policy does (a planner of one's own: its docstring's first line)."""
+    return _entry(name).summary
+
+
 def _entry(name: str) -> _Entry:
+    if ":" in name:
+        return _user_entry(name)
     entries = _entries()
     if name not in entries:
-        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(sorted(entries))}")
+        raise PolicyError(f"unknown policy {name!r}; available: {', '.join(sorted(entries))}, or MODULE:CLASS / "
+                          "FILE.py:CLASS for a planner of your own")
     return entries[name]
+
+
+def _user_entry(spec: str) -> _Entry:
+    """The entry of a planner of one's own, `MODULE:CLASS` or `FILE.py:CLASS` (see the module docstring)."""
+    where, _, cls_name = spec.rpartition(":")
+    module = _import(where, spec)
+    cls = getattr(module, cls_name, None)
+    if not isinstance(cls, type):
+        raise PolicyError(f"policy {spec!r}: {where} has no class {cls_name!r}")
+    if not dataclasses.is_dataclass(cls):
+        raise PolicyError(f"policy {spec!r}: {cls_name} must be a dataclass (its fields are its --policy-arg "
+                          "parameters); decorate it with @dataclasses.dataclass")
+    missing = [m for m in ("name", "reset", "plan_step") if not hasattr(cls, m)]
+    if missing:
+        raise PolicyError(f"policy {spec!r}: {cls_name} does not implement policies.Policy, it lacks "
+                          f"{', '.join(missing)} (a name, reset(table, calibration), plan_step(table, observation))")
+    doc = (cls.__doc__ or "").strip().splitlines()
+    return _Entry(cls, lambda p, n: p, summary=doc[0] if doc and not doc[0].startswith(cls_name + "(") else "")
+
+
+def _import(where: str, spec: str):
+    """The module `where` names: a dotted module path, or a .py file (loaded once, as `pw_policy_<its path>`)."""
+    try:
+        if not where.endswith(".py"):
+            return importlib.import_module(where)
+        path = Path(where).resolve()
+        key = "pw_policy_" + re.sub(r"\W", "_", str(path))
+        if key not in sys.modules:
+            if not path.is_file():
+                raise FileNotFoundError(f"no file {where}")
+            loader_spec = importlib.util.spec_from_file_location(key, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[key] = module  # before running it, as an import does (dataclasses look the module up)
+            try:
+                loader_spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[key]
+                raise
+        return sys.modules[key]
+    except Exception as e:  # the planner's own code failed to import: say which and why
+        raise PolicyError(f"policy {spec!r}: cannot import {where} ({type(e).__name__}: {e})") from None
 
 
 def params_class(name: str) -> type:
@@ -89,7 +148,10 @@ def get(name: str, **params) -> Policy:
         p = entry.params(**{**entry.preset, **params})
     except (TypeError, ValueError) as e:
         raise PolicyError(f"bad parameters for policy {name!r}: {e}") from None
-    return entry.build(p, name)
+    policy = entry.build(p, name)
+    if not isinstance(getattr(policy, "name", None), str):
+        raise PolicyError(f"policy {name!r}: its name must be a string, got {getattr(policy, 'name', None)!r}")
+    return policy
 
 
 def parse_policy_args(name: str, args: Sequence[str]) -> dict:

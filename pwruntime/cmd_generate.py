@@ -64,7 +64,9 @@ def add_engine_args(p) -> None:
                              "stream; CPU: the pure-torch AP store)")
     w.add_argument("--ap", default=None, metavar="DIR",
                    help="serve the routed experts from this AP checkpoint (`pwruntime quantize`) instead of --model")
-    w.add_argument("--policy", default="noop", help="planner that moves expert bits under KV pressure (default noop)")
+    w.add_argument("--policy", default="noop",
+                   help="planner that moves expert bits under KV pressure (`pwsim policies` lists them), or one of "
+                        "your own as MODULE:CLASS or FILE.py:CLASS (default noop)")
     w.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="planner parameter (repeatable)")
     w.add_argument("--calibration", default=None, metavar="DIR",
                    help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")

@@ -137,7 +137,8 @@ def register(subparsers) -> None:
                                           "TPOT percentile stays within its bound (doubling, then bisection); "
                                           "writes capacity.json, capacity.csv and capacity.png.")
     p.add_argument("--policies", default=",".join(DEFAULTS.policies),
-                   help=f"comma-separated policy names (default {','.join(DEFAULTS.policies)})")
+                   help=f"comma-separated policy names, MODULE:CLASS or FILE.py:CLASS for one of your own "
+                        f"(default {','.join(DEFAULTS.policies)})")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",
                    help="parameter of the (single) policy searched (repeatable)")
     p.add_argument("--budgets", default=",".join(DEFAULTS.budgets),

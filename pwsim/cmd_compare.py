@@ -162,7 +162,8 @@ def register(subparsers) -> None:
                                           "compare.json, compare.csv and plots (quality vs memory, throughput, "
                                           "timelines). With no arguments: the bundled default setup.")
     p.add_argument("--policies", default=",".join(DEFAULTS.policies),
-                   help=f"comma-separated policy names (default {','.join(DEFAULTS.policies)})")
+                   help=f"comma-separated policy names, MODULE:CLASS or FILE.py:CLASS for one of your own "
+                        f"(default {','.join(DEFAULTS.policies)})")
     p.add_argument("--budgets", default=",".join(DEFAULTS.budgets),
                    help=f"comma-separated memory budgets (default {','.join(DEFAULTS.budgets)})")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",

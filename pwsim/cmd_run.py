@@ -287,7 +287,9 @@ def register(subparsers) -> None:
                               description="Simulate one serving replica running one policy under a GPU memory "
                                           "budget; writes per-request and timeline Parquet, a JSON summary, the "
                                           "config that reproduces it, and plots.")
-    p.add_argument("--policy", default="pagedweight", help="policy name, one of policies.available(): an unknown name lists them (default pagedweight)")
+    p.add_argument("--policy", default="pagedweight",
+                   help="policy name (`pwsim policies` lists them and their parameters), or a planner of your own as "
+                        "MODULE:CLASS or FILE.py:CLASS (default pagedweight)")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="policy parameter (repeatable)")
     p.add_argument("--budget", default=DEFAULTS.budgets[1], help=f"GPU memory budget (default {DEFAULTS.budgets[1]})")
     p.add_argument("--out", default=None, help="result directory (default runs/run-POLICY-BUDGET)")

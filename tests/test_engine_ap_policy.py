@@ -41,6 +41,21 @@ def test_pressure_lowers_bits_and_grows_the_kv_pool(ap_dir, capsys):
     assert all(o["finish_reason"] in ("stop", "length") for o in out["outputs"])
 
 
+def test_a_planner_of_ones_own_runs_unchanged_in_the_runtime(ap_dir, capsys, monkeypatch):
+    """The example planner the simulator runs by file name (tests/test_planner_plugins.py), in the runtime's engine."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    rc, out, _ = _generate(capsys, "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy",
+                           "policies/examples/coldest_first.py:ColdestFirst", "--policy-arg", "floor_bits=4",
+                           *PROMPTS, "--max-tokens", "64", "--num-kv-blocks", "12", "--block-size", "4")
+    assert rc == 0
+    stats = out["stats"]
+    assert stats["policy"] == "coldest-first" and stats["plans"] > 0
+    assert stats["mean_bits_end"] < stats["mean_bits_start"] and stats["kv_blocks"] > 12
+    rc, _, err = _generate(capsys, "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy",
+                           "policies/examples/coldest_first.py:ColdestFirst", "--policy-arg", "floor_bits=2", *PROMPTS)
+    assert rc == 2 and "floor_bits 2 is not a supported bitwidth" in err and "Traceback" not in err
+
+
 def test_without_pressure_nothing_moves(ap_dir, capsys):
     args = ["--ap", str(ap_dir), "--calibration", str(CALIBRATION), *PROMPTS, "--max-tokens", "16"]
     rc, paged, _ = _generate(capsys, *args, "--policy", "pagedweight", "--num-kv-blocks", "256")

@@ -1,0 +1,108 @@
+"""Planners of one's own (`--policy FILE.py:CLASS` / `MODULE:CLASS`): resolved by the registry as built-ins are,
+refused with one clear error when they cannot be, listed by `pwsim policies`, and run by both engines; the bundled
+example (`policies/examples/coldest_first.py`) lowers the coldest experts first and raises the hottest back."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from policies import Observation, PageTable, PolicyError, RoutingReadout, get, parse_policy_args
+from policies.examples.coldest_first import ColdestFirst
+from policies.registry import describe, summary
+from pwsim.cli import main as pwsim_main
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = "policies/examples/coldest_first.py:ColdestFirst"
+
+
+def test_a_planner_by_file_or_module_takes_typed_parameters(monkeypatch):
+    monkeypatch.chdir(ROOT)
+    by_file = get(EXAMPLE, **parse_policy_args(EXAMPLE, ["floor_bits=4", "reload_margin_blocks=2"]))
+    by_module = get("policies.examples.coldest_first:ColdestFirst", floor_bits=5)
+    assert type(by_file) is type(get(EXAMPLE))  # the file is loaded once
+    assert (by_file.floor_bits, by_file.reload_margin_blocks, by_file.name) == (4, 2, "coldest-first")
+    assert isinstance(by_module, ColdestFirst) and by_module.floor_bits == 5
+    assert ("floor_bits", "an integer", 3) in describe(EXAMPLE)
+    assert summary(EXAMPLE).startswith("Under KV pressure, lower the least-routed experts' blocks")
+    with pytest.raises(PolicyError, match=r"expects an integer, got 'low'"):
+        parse_policy_args(EXAMPLE, ["floor_bits=low"])
+    with pytest.raises(PolicyError, match="has no parameter 'floor'; its parameters: floor_bits"):
+        get(EXAMPLE, floor=3)
+
+
+@pytest.mark.parametrize("source,spec,match", [
+    (None, "missing.py:X", r"cannot import missing.py \(FileNotFoundError: no file missing.py\)"),
+    (None, "no_such_module_pw:X", r"cannot import no_such_module_pw \(ModuleNotFoundError"),
+    ("x = 1\n", "p.py:Planner", "p.py has no class 'Planner'"),
+    ("class Planner:\n    name = 'p'\n", "p.py:Planner", "must be a dataclass"),
+    ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: str = 'p'\n"
+     "    def reset(self, table, calibration): pass\n", "p.py:Planner", "lacks plan_step"),
+    ("def broken(:\n", "p.py:Planner", r"cannot import p.py \(SyntaxError"),
+    ("raise RuntimeError('no GPU here')\n", "p.py:Planner", r"cannot import p.py \(RuntimeError: no GPU here\)"),
+    ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: int = 3\n"
+     "    def reset(self, table, calibration): pass\n    def plan_step(self, table, obs): pass\n",
+     "p.py:Planner", "its name must be a string"),
+])
+def test_a_planner_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch, source, spec, match):
+    monkeypatch.chdir(tmp_path)
+    if source is not None:
+        (tmp_path / spec.partition(":")[0]).write_text(source)
+    with pytest.raises(PolicyError, match=match):
+        get(spec)
+
+
+def test_pwsim_policies_lists_builtins_and_describes_ones_own(capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    assert pwsim_main(["policies"]) == 0
+    text = capsys.readouterr().out
+    assert "pagedweight: PagedWeight planner (paper Algorithm 1)" in text
+    assert "--policy-arg min_plan_blocks=...  an integer, default 0" in text and "FILE.py:CLASS" in text
+    assert pwsim_main(["policies", EXAMPLE, "uniform-4", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == [EXAMPLE, "uniform-4"]
+    assert {"name": "reload_margin_blocks", "type": "an integer", "default": 16} in rows[0]["parameters"]
+    assert rows[1]["parameters"] == [{"name": "bits", "type": "an integer", "default": 4}]
+    assert pwsim_main(["policies", "nope.py:Planner"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import nope.py" in err and "Traceback" not in err
+
+
+def test_the_simulator_runs_ones_own_planner_under_pressure(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "run"
+    assert pwsim_main(["run", "--policy", EXAMPLE, "--policy-arg", "floor_bits=4", "--budget", "24MiB",
+                       "--out", str(out), "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["completed"] == s["requests"] and s["plans"]["plans"] > 0 and s["plans"]["transitions_started"]["offload"] > 0
+    assert 4 <= s["mean_committed_bits"] < 8
+    assert json.loads((out / "config.json").read_text())["policy"] == EXAMPLE
+
+
+def _obs(free: int, mass: np.ndarray | None, threshold: int = 4) -> Observation:
+    return Observation(step=1, time_s=0.0, free_blocks=free, total_blocks=100, kv_block_bytes=4096,
+                       free_block_threshold=threshold, routing=RoutingReadout(mass=mass))
+
+
+def test_the_example_lowers_the_coldest_first_and_raises_the_hottest_back():
+    table = PageTable(2, 4, 256, 128, bits=(3, 4, 6, 8))
+    planner = ColdestFirst(floor_bits=4, reload_margin_blocks=2)
+    planner.reset(table, None)
+    mass = np.array([[0.4, 0.1, 0.3, 0.2], [0.05, 0.5, 0.25, 0.2]])
+    plan = planner.plan_step(table, _obs(free=2, mass=mass))  # 3 blocks short of the threshold + 1
+    blocks = [t.block for t in plan.transitions]
+    heat = [mass[table.layer[i], table.expert[i]] for i in blocks]
+    assert heat == sorted(heat) and heat[0] == 0.05  # coldest first: layer 1's expert 0
+    assert all((t.from_bits, t.to_bits) == (8, 6) for t in plan.transitions)
+    assert sum(t.delta_bytes for t in plan.transitions) >= 3 * 4096
+    assert sum(t.delta_bytes for t in plan.transitions[:-1]) < 3 * 4096  # no more than it needs
+    for t in plan.transitions:
+        table.begin_offload(t.block, t.to_bits)
+        table.finish_offload(t.block)
+    assert planner.plan_step(table, _obs(free=6, mass=mass)) is None  # not short, not above the margin
+    back = planner.plan_step(table, _obs(free=40, mass=mass))
+    heat_back = [mass[table.layer[t.block], table.expert[t.block]] for t in back.transitions]
+    assert heat_back == sorted(heat_back, reverse=True) and all(t.to_bits == 8 for t in back.transitions)
+    assert {t.block for t in back.transitions} == set(blocks)
