@@ -102,6 +102,8 @@ def test_the_example_lowers_the_coldest_first_and_raises_the_hottest_back():
         table.begin_offload(t.block, t.to_bits)
         table.finish_offload(t.block)
     assert planner.plan_step(table, _obs(free=6, mass=mass)) is None  # not short, not above the margin
+    small_room = _obs(free=7, mass=mass)  # one KV block of room: less than any block's planes
+    assert planner.plan_step(table, small_room) is None and not small_room.routing_read  # decided without a read
     back = planner.plan_step(table, _obs(free=40, mass=mass))
     heat_back = [mass[table.layer[t.block], table.expert[t.block]] for t in back.transitions]
     assert heat_back == sorted(heat_back, reverse=True) and all(t.to_bits == 8 for t in back.transitions)

@@ -61,13 +61,13 @@ class ColdestFirst:
             return make_plan(table, order[:k], to[:k], 0.0, f"coldest-first: {need} bytes")
         room = (free - obs.free_block_threshold - self.reload_margin_blocks) * obs.kv_block_bytes
         raise_ = np.flatnonzero(idle & (table.q < self._start))
-        if room <= 0 or raise_.size == 0:
-            return None
-        order = raise_[np.argsort(-self._heat(table, obs)[raise_], kind="stable")]  # hottest first
-        to = np.minimum(self._up[table.q[order]], self._start[order])
-        cost = np.cumsum(table.M[order, to] - table.M[order, table.q[order]])
-        k = int(np.searchsorted(cost, room, side="right"))  # as many hottest blocks as the room holds
-        return make_plan(table, order[:k], to[:k], 0.0, "coldest-first: reload") if k else None
+        to = np.minimum(self._up[table.q[raise_]], self._start[raise_])
+        cost = table.M[raise_, to] - table.M[raise_, table.q[raise_]]
+        if room <= 0 or raise_.size == 0 or cost.min() > room:
+            return None  # decided without the routing statistics, which cost an engine a read
+        order = np.argsort(-self._heat(table, obs)[raise_], kind="stable")  # hottest first
+        k = int(np.searchsorted(np.cumsum(cost[order]), room, side="right"))  # as many as the room holds
+        return make_plan(table, raise_[order[:k]], to[order[:k]], 0.0, "coldest-first: reload")
 
     @staticmethod
     def _heat(table: PageTable, obs: Observation) -> np.ndarray:
