@@ -3,7 +3,7 @@
 The trace's requests arrive at their recorded times (scaled by --time-scale), with their recorded
 prompts and output lengths; the engine (the same options as `generate`: a model or an AP checkpoint
 with a planner) serves them under continuous batching. The result directory has the layout of a
-`pwsim run` result (requests.parquet, timeline.parquet, summary.json, config.json), so
+`pwsim run` result (requests.parquet, timeline.parquet, plans.parquet, summary.json, config.json), so
 `pwsim fidelity --sim SIM_RUN --runtime THIS` measures how well the simulator predicts this run.
 
 With --record-routing the result also holds `trace/`: the replayed requests (before --request-rate
@@ -141,7 +141,7 @@ def run(args) -> int:
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
     def write_routing(d: Path) -> None:  # the replayed requests and the routing computed for them, in OUT/trace
         write_trace_dir(d / "trace", Trace(source, result.routing, result.warmup_routing))
-    write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
+    write_result_dir(out, {"requests": result.requests, "timeline": result.timeline, "plans": result.plans},
                      {"summary": summary, "config": config}, extra=None if result.routing is None else write_routing,
                      force=args.force, tool="replay")
     if args.json:

@@ -8,7 +8,8 @@ records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
 observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's
-planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it). `ReplayResult`
+planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it), and every
+transition its plan loop began, refused or landed (`policies.plan_log`, the simulator's log too). `ReplayResult`
 holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
 (`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
 for the replayed requests, under the trace's request ids, and apart from it the routing the warm-up computed for the
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 
 import numpy as np
 
+from policies.plan_log import PlanLog
 from traces.clikit import UserError
 from pwruntime.engine import StepPhases
 from pwruntime.sampling import SamplingParams
@@ -34,6 +36,7 @@ class ReplayResult:
     requests: dict[str, np.ndarray]  # per request, in trace order
     timeline: dict[str, np.ndarray]  # per engine iteration
     summary: dict
+    plans: dict[str, np.ndarray] = field(default_factory=dict)  # policies.plan_log columns: a row a transition
     routing: RoutingTrace | None = None  # what the engine's recorder saw of the replayed requests
     warmup_routing: RoutingTrace | None = None  # and of the warm-up's (the trace's first prompts, served before)
 
@@ -77,6 +80,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     outputs: dict[int, object] = {}
     index: dict[int, int] = {}  # engine request id -> trace row
     timeline: list[tuple] = []
+    plan_log = PlanLog()
     mean_bits = engine.table.mean_bits
     engine.t0 = engine.clock()  # the engine's clock is the trace's from here on
     nxt = 0
@@ -104,7 +108,10 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
                              len(b.entries), len(engine.scheduler.running), len(engine.scheduler.waiting),
                              engine.pool.capacity, engine.pool.num_free, mean_bits(), *astuple(engine.last_phases),
                              int(engine.last_routing_read), len(engine.last_loop.started) if engine.last_loop else 0))
+            if engine.last_loop is not None:
+                plan_log.add(engine.num_steps - 1, end, engine.last_loop, engine.table)
     result = _result(trace, arrival, outputs, index, timeline, engine)
+    result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})

@@ -158,19 +158,40 @@ def _decision_lines(report: dict, sim, runtime_dir) -> list[str]:
     return lines
 
 
+def _transition_lines(report: dict) -> list[str]:
+    """The plan logs compared transition by transition, in words."""
+    t = report["transitions"]
+    if t is None or not t["rows"]:
+        return []
+
+    def counts(side: dict) -> str:
+        return f"{side['started']} begun, {side['rejected']} refused, {side['landed']} landed"
+
+    line = (f"plan transitions: {counts(t['sim'])} simulated; {counts(t['runtime'])} on the runtime; "
+            f"{t['alike']} of {t['rows']} alike (step, block, bits and status)")
+    if t["first_difference"] is None:
+        return [line]
+
+    def rows(side: list[dict]) -> str:
+        return ", ".join(f"block {r['block']} {r['from_bits']}->{r['to_bits']} {r['status']}" for r in side) or "none"
+
+    return [line, f"  first apart at step {t['first_difference']}: the simulator's only {rows(t['sim_only'])}; "
+                  f"the runtime's only {rows(t['runtime_only'])}"]
+
+
 def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
     from pwsim.output import write_report
-    from traces.results import dumps, read_result_dir
+    from traces.results import dumps, read_plan_log, read_result_dir
 
     if args.fit_per_sequence and not args.fit_profile:
         raise UserError("--fit-per-sequence fits the profile --fit-profile writes; give --fit-profile JSON too")
     sweeps = [_sweep_summary(path) for path in (args.sim, args.runtime)]
     if any(s is not None for s in sweeps):
         return run_sweeps(args, *sweeps)
-    sim = RunView(*read_result_dir(args.sim, "--sim"))
-    rt = RunView(*read_result_dir(args.runtime, "--runtime"))
+    sim = RunView(*read_result_dir(args.sim, "--sim"), plans=read_plan_log(args.sim, "--sim"))
+    rt = RunView(*read_result_dir(args.runtime, "--runtime"), plans=read_plan_log(args.runtime, "--runtime"))
     report = compare(sim, rt)
     report["inputs"] = {"sim": str(args.sim), "runtime": str(args.runtime)}
     fitted = None
@@ -241,7 +262,7 @@ def run(args) -> int:
         return "not recorded" if v is None else str(v)
     print(f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
           f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}")
-    for line in _decision_lines(report, sim, args.runtime):
+    for line in _decision_lines(report, sim, args.runtime) + _transition_lines(report):
         print(line)
     for kind, ms in (report["runtime_phase_ms"] or {}).items():
         print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))

@@ -427,7 +427,7 @@ class Simulation:
         self._extra_time += self.profile.plan_transition_us * 1e-6 * len(res.started)  # the plan's moves begun
         if res.plan is not None or res.committed:
             self._refresh()  # exact recount after the plan's begins and this boundary's commits
-        self.rec.plan(self.now, self._step, res)
+        self.rec.plan(self.now, self._step, res, self.table)
         self._grow_pool()
         self._check_memory("boundary")
         if self.cfg.check_invariants:

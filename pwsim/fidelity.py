@@ -45,6 +45,7 @@ class RunView:
     requests: dict[str, np.ndarray]
     timeline: dict[str, np.ndarray]
     config: dict = field(default_factory=dict)
+    plans: dict[str, np.ndarray] = field(default_factory=dict)  # the plan log (`traces.results.read_plan_log`)
 
 
 def _pair(sim: RunView, rt: RunView) -> tuple[np.ndarray, np.ndarray]:
@@ -150,6 +151,35 @@ def decisions(sim_timeline: dict[str, np.ndarray], runtime_timeline: dict[str, n
                        for c in differ}}
 
 
+PLAN_KEY = ("step", "block", "from_bits", "to_bits", "status")  # what makes two plan-log rows the same event
+
+
+def transitions(sim: RunView, runtime: RunView) -> dict | None:
+    """Transition by transition, over the steps both timelines record: each engine's rows by status (begun, refused,
+    landed), how many rows the other engine has too (the same step, block, bits and status), and the first step with a
+    row only one of them has, with those rows there (up to five a side). None where either run wrote no plan log."""
+    if not sim.plans or not runtime.plans or "step" not in sim.timeline or "step" not in runtime.timeline:
+        return None
+    last = min(int(np.max(sim.timeline["step"], initial=-1)), int(np.max(runtime.timeline["step"], initial=-1)))
+
+    def rows(log: dict) -> set[tuple]:
+        keep = np.asarray(log["step"]) <= last
+        return set(zip(*(np.asarray(log[c])[keep].tolist() for c in PLAN_KEY)))
+
+    s, r = rows(sim.plans), rows(runtime.plans)
+    only = (s - r) | (r - s)
+    first = min(row[0] for row in only) if only else None
+
+    def at_first(own: set) -> list[dict]:
+        return [dict(zip(PLAN_KEY, row)) for row in sorted(own & only) if row[0] == first][:5]
+
+    def by_status(own: set) -> dict[str, int]:
+        return {st: sum(row[4] == st for row in own) for st in ("started", "rejected", "landed")}
+
+    return {"sim": by_status(s), "runtime": by_status(r), "alike": len(s & r), "rows": len(s | r),
+            "first_difference": first, "sim_only": at_first(s) if only else [], "runtime_only": at_first(r) if only else []}
+
+
 def _count(summary: dict, key: str) -> int | None:
     """A run's count of `key` (plans, preemptions): pwsim nests plans in a dict, the replay does not."""
     v = summary.get(key)
@@ -179,6 +209,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         "decisions": decisions(sim.timeline, runtime.timeline),
+        "transitions": transitions(sim, runtime),
         # where the simulator's routing came from (`pwsim run`'s workload: "recorded routing" or synthetic)
         "sim_routing": (sim.summary.get("workload") or {}).get("routing"),
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)

@@ -1,7 +1,7 @@
 """Writing results: a run directory (Parquet + JSON + PNG) and JSON/CSV tables, all atomically.
 
 A run directory holds `requests.parquet` (per request), `timeline.parquet` (per iteration
-boundary), `summary.json` (metrics), `config.json` (the typed `RunConfig` that reproduces it),
+boundary), `plans.parquet` (every transition begun, refused or landed: `policies.plan_log`), `summary.json` (metrics), `config.json` (the typed `RunConfig` that reproduces it),
 `events.json` (budget violations, stalls, plans, link transfers) and `timeline.png`,
 `latency.png`. It is assembled in a temporary sibling directory and renamed into place
 (`traces.results`, which `pwruntime replay` writes through as well).
@@ -30,7 +30,7 @@ def write_run(result, config_json: dict, out: str | os.PathLike, plots: bool = T
         P.run_timeline(result, tmp / "timeline.png")
         P.run_latency(result, tmp / "latency.png")
 
-    return write_result_dir(out, {"requests": result.requests, "timeline": result.timeline},
+    return write_result_dir(out, {"requests": result.requests, "timeline": result.timeline, "plans": result.plan_log},
                             {"summary": result.summary, "config": config_json, "events": events},
                             draw if plots else None, force)
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from policies.plan_log import PlanLog
+
 from traces.results import request_columns, request_summary
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -32,6 +34,7 @@ class SimResult:
     violations: list[dict] = field(default_factory=list)
     stalls: list[dict] = field(default_factory=list)
     plans: list[dict] = field(default_factory=list)  # (step, time, transitions started/rejected/committed)
+    plan_log: dict[str, np.ndarray] = field(default_factory=dict)  # policies.plan_log columns: a row a transition
 
 
 class Recorder:
@@ -62,6 +65,7 @@ class Recorder:
         self.violations: list[dict] = []
         self.peak = {"memory_bytes": 0, "weight_bytes": 0, "kv_pool_bytes": 0}
         self.plan_list: list[dict] = []
+        self.plan_log = PlanLog()
         self.started = Counter()
         self.rejected = Counter()
         self.committed = 0
@@ -130,8 +134,9 @@ class Recorder:
         self.counters["budget_violations"] += other.counters["budget_violations"]
         self.violations.extend(other.violations[:10_000 - len(self.violations)])
 
-    def plan(self, now: float, step: int, res) -> None:
+    def plan(self, now: float, step: int, res, table) -> None:
         self._plan_transitions = len(res.started)  # the boundary's timeline row carries it
+        self.plan_log.add(step, now, res, table)
         if res.plan is None and not res.committed:
             return
         for t in res.started:
@@ -209,4 +214,5 @@ class Recorder:
             "wall_s": wall, "sim_tokens_per_wall_s": (self.computed_tokens / wall) if wall > 0 else None,
             "output_tokens_per_wall_s": out_total / wall if wall > 0 else None,
         }
-        return SimResult(requests, tl, summary, transfers, self.violations, self.stall_list, self.plan_list)
+        return SimResult(requests, tl, summary, transfers, self.violations, self.stall_list, self.plan_list,
+                         self.plan_log.columns())

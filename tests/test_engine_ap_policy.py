@@ -311,6 +311,13 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     ran = json.loads((tmp_path / "rt" / "summary.json").read_text())["iterations"]
     assert d["steps"] == ran and d["first_difference"] is None, d
     assert d["agreeing_steps"] == d["steps"] and "total_blocks" in d["columns"] and "mean_bits" in d["columns"]
+    # ... and, transition by transition (both plan logs), the same blocks begun, refused and landed at the same steps
+    t = own["transitions"]
+    assert t["first_difference"] is None and t["alike"] == t["rows"] and t["sim"] == t["runtime"], t
+    assert t["runtime"]["started"] > 20 and t["runtime"]["landed"] > 0
+    import pyarrow.parquet as pq
+    timeline = pq.read_table(tmp_path / "rt" / "timeline.parquet").column("plan_transitions").to_pylist()
+    assert t["runtime"]["started"] == sum(timeline)  # a row for each transition the timeline counts
     assert synthetic["sim_routing"].startswith("synthetic") and synthetic["decisions"]["first_difference"] is not None
     assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
                      str(tmp_path / "fid-own")]) == 0

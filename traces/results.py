@@ -3,7 +3,8 @@
 `pwsim run` and `pwruntime replay` describe a served trace the same way, so `pwsim fidelity` can put
 one beside the other: `requests.parquet` (one row per request: request_id, arrival_s, first_token_s,
 finish_s, ttft_s, tpot_s, e2e_s, output_tokens, ...), `timeline.parquet` (one row per iteration
-boundary: time_s, iter_s, batch_tokens, ...), `summary.json` and `config.json`. Times are seconds
+boundary: time_s, iter_s, batch_tokens, ...), `plans.parquet` (one row per plan transition begun, refused or
+landed: `policies.plan_log`; `read_plan_log`), `summary.json` and `config.json`. Times are seconds
 from the start of the trace (its arrival clock). Both may warm up first (`--warmup-requests N`): the trace's first N
 prompts at once, WARMUP_TOKENS output tokens each, before the clock starts and outside every metric.
 """
@@ -201,6 +202,19 @@ def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def read_plan_log(path: str | os.PathLike, flag: str = "--run") -> dict[str, np.ndarray]:
+    """The plan log of a result directory (`plans.parquet`, `policies.plan_log` columns); empty where the run wrote
+    none (an older result, a served run)."""
+    file = Path(path) / "plans.parquet"
+    if not file.is_file():
+        return {}
+    try:
+        return read_columns(file)
+    except (OSError, pa.ArrowException) as e:
+        raise UserError(f"{flag} {path}: plans.parquet is not a readable Parquet file ({str(e).splitlines()[0][:160]}); "
+                        "run it again") from None
 
 
 def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray], dict]:

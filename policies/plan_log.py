@@ -1,0 +1,55 @@
+"""PlanLog: every transition a plan loop began, refused or landed, a row each, as both engines record it.
+
+Each engine adds its `PlanLoop.step` results at the boundaries it times (`add(step, time_s, result, table)`); a
+result directory holds the rows as `plans.parquet` (`columns()`), which `pwsim fidelity` compares transition by
+transition. Columns: `step`, `time_s`, `block`, `layer`, `expert`, `kind` (0 gate_up, 1 down), `from_bits`,
+`to_bits`, `delta_bytes` (GPU bytes the transition frees, negative for a reload), `status` (`started`, `rejected` or
+`landed`: a transfer the mover reported finished, with the bits its start row had) and `reason` (the plan's reason, or
+why the loop refused it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from policies.contract import Transition
+from policies.loop import LoopResult
+from policies.page_table import PageTable
+
+COLUMNS = ("step", "time_s", "block", "layer", "expert", "kind", "from_bits", "to_bits", "delta_bytes", "status",
+           "reason")
+STATUSES = ("started", "rejected", "landed")
+
+
+@dataclass
+class PlanLog:
+    """The rows so far (see the module docstring)."""
+    rows: list[tuple] = field(default_factory=list)
+    _moving: dict[int, Transition] = field(default_factory=dict)  # block -> its transition in flight
+
+    def add(self, step: int, time_s: float, result: LoopResult, table: PageTable) -> None:
+        reason = result.plan.reason if result.plan is not None else ""
+        for t in result.started:
+            self._row(step, time_s, t, "started", reason, table)
+            if not t.in_place:  # an in-place commit lands as it starts
+                self._moving[t.block] = t
+        for t, why in result.rejected:
+            self._row(step, time_s, t, "rejected", why, table)
+        for block in result.committed:
+            t = self._moving.pop(block, None)
+            if t is not None:  # begun before the log started (a warm-up's transfer) otherwise
+                self._row(step, time_s, t, "landed", "", table)
+
+    def _row(self, step: int, time_s: float, t: Transition, status: str, reason: str, table: PageTable) -> None:
+        i = t.block
+        where = ((int(table.layer[i]), int(table.expert[i]), int(table.kind[i])) if 0 <= i < table.num_blocks
+                 else (-1, -1, -1))
+        self.rows.append((step, time_s, i, *where, t.from_bits, t.to_bits, t.delta_bytes, status, reason))
+
+    def columns(self) -> dict[str, np.ndarray]:
+        """The rows as typed columns (`COLUMNS`), for a Parquet table."""
+        types = (np.int64, np.float64, np.int64, np.int32, np.int32, np.int8, np.int8, np.int8, np.int64, object,
+                 object)
+        cols = list(zip(*self.rows)) if self.rows else [()] * len(COLUMNS)
+        return {name: np.array(col, dtype=dt) for name, col, dt in zip(COLUMNS, cols, types)}
