@@ -2,9 +2,10 @@
 
 The engine calls `on_arrival`, `on_routing` (after every forward) and `on_finish`; the recorder keeps
 numpy columns, builds `traces.schema.RequestTrace` / `RoutingTrace` on demand and `write(dir)`s a
-trace directory through `traces.io` (requests.parquet + routing.parquet, atomically). A position
-recomputed after a preemption is recorded once (its first computation), so (request, position,
-layer) rows stay unique as the schema requires. Routing that reaches the recorder after its request finished (the
+trace directory through `traces.io` (requests.parquet + routing.parquet, atomically). Positions
+recomputed after a preemption are recorded again, as the request's next attempt (the schema's `attempt`
+column: the recompute runs at the bits of its time and may route otherwise), so the simulator's recompute
+replays them. Routing that reaches the recorder after its request finished (the
 one step an asynchronously scheduled sequence runs past its stop) is not recorded, as it was never computed
 without asynchronous scheduling. `routing_trace(rename=...)` keeps some requests under other ids (a replay's, under
 its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture.
@@ -37,7 +38,8 @@ class TraceRecorder:
     domain: str = "unknown"
     provenance: dict = field(default_factory=dict)
     _requests: dict = field(default_factory=dict)  # request id -> [arrival_s, prompt ids, outputs, domain]
-    _recorded: dict = field(default_factory=dict)  # request id -> positions recorded so far
+    _next: dict = field(default_factory=dict)  # request id -> the position after the last one routed
+    _attempt: dict = field(default_factory=dict)  # request id -> its computation (0, then 1 after a preemption, ...)
     _finished: set = field(default_factory=set)
     _chunks: list = field(default_factory=list)
     _shape: tuple[int, int, int] | None = None  # layers, experts, top_k
@@ -45,22 +47,24 @@ class TraceRecorder:
     def on_arrival(self, request_id: int, arrival_s: float, prompt_token_ids: list[int], domain: str | None = None,
                    ) -> None:
         self._requests[request_id] = [float(arrival_s), list(prompt_token_ids), 0, domain or self.domain]
-        self._recorded[request_id] = 0
+        self._next[request_id], self._attempt[request_id] = 0, 0
 
     def set_model(self, layers: int, experts: int, top_k: int) -> None:
         self._shape = (layers, experts, top_k)
 
     def on_routing(self, entries: list[tuple[int, int, int]], routing: RoutingArrays) -> None:
-        """`entries`: (request id, start position, new tokens) in the batch's flattening order."""
+        """`entries`: (request id, start position, new tokens) in the batch's flattening order. Positions routed again
+        (a recompute after preemption, at the bits of its time) are recorded as the request's next attempt."""
         offset = 0
         for rid, start, n in entries:
-            done = self._recorded.get(rid, 0)
-            first = max(start, done)  # skip positions already recorded (recompute after preemption)
-            if first < start + n and rid not in self._finished:
-                sl = slice(offset + first - start, offset + n)
-                self._chunks.append((rid, first, routing.topk_ids[:, sl], routing.topk_weights[:, sl],
-                                     routing.gate_up_in_norm[:, sl], routing.down_in_norm[:, sl]))
-                self._recorded[rid] = start + n
+            if rid not in self._finished:
+                if start < self._next.get(rid, 0):
+                    self._attempt[rid] = self._attempt.get(rid, 0) + 1
+                self._next[rid] = start + n
+                sl = slice(offset, offset + n)
+                self._chunks.append((rid, self._attempt.get(rid, 0), start, routing.topk_ids[:, sl],
+                                     routing.topk_weights[:, sl], routing.gate_up_in_norm[:, sl],
+                                     routing.down_in_norm[:, sl]))
             offset += n
 
     def on_finish(self, request_id: int, num_output_tokens: int) -> None:
@@ -92,14 +96,15 @@ class TraceRecorder:
         if self._shape is None:
             raise ValueError("set_model() was not called: the routing trace needs layers, experts and top_k")
         layers, experts, top_k = self._shape
-        rid, pos, layer, eids, w, gu, dn = [], [], [], [], [], [], []
-        for r, first, ids, wt, g, d in self._chunks:
+        rid, att, pos, layer, eids, w, gu, dn = [], [], [], [], [], [], [], []
+        for r, a, first, ids, wt, g, d in self._chunks:
             if rename is not None:
                 if r not in rename:
                     continue
                 r = rename[r]
             n = ids.shape[1]
             rid.append(np.full(n * layers, r, dtype=np.int64))
+            att.append(np.full(n * layers, a, dtype=np.int16))
             pos.append(np.repeat(np.arange(first, first + n, dtype=np.int32), layers))
             layer.append(np.tile(np.arange(layers, dtype=np.int16), n))
             eids.append(ids.transpose(1, 0, 2).reshape(-1, top_k))
@@ -114,4 +119,5 @@ class TraceRecorder:
             cat(layer, np.int16, (0,)), cat(eids, np.int16, (0, top_k)), cat(w, np.float32, (0, top_k)),
             cat(gu, np.float32, (0,)) if self.features else None,
             cat(dn, np.float32, (0, top_k)) if self.features else None,
-            provenance={"source": "pwruntime", **self.provenance}).sorted()
+            provenance={"source": "pwruntime", **self.provenance},
+            attempt=attempts if (attempts := cat(att, np.int16, (0,))).any() else None).sorted()

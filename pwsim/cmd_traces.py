@@ -147,7 +147,8 @@ def _format_info(path: str, trace: Trace) -> str:
                   f"  token ids     {'yes' if s['prompt_token_ids'] else 'no'}{_shared_prefix_note(trace)}"]
     if trace.routing is not None:
         s = trace.routing.summary()
-        lines += [f"  routing       {s['rows']:,} rows, {s['requests']} requests, model card {s['card']}",
+        again = f" ({s['recomputed_rows']:,} of them recomputes after preemption)" if s.get("recomputed_rows") else ""
+        lines += [f"  routing       {s['rows']:,} rows{again}, {s['requests']} requests, model card {s['card']}",
                   f"  shape         {s['layers']} MoE layers x {s['experts']} experts, top-{s['top_k']}, "
                   f"features {'yes' if s['features'] else 'no'}",
                   f"  skew          hottest 10% of experts take {100 * s['hottest_10pct_mass']:.1f}% of routing mass"]

@@ -486,7 +486,7 @@ class Simulation:
         workload with a recorded warm-up's routing (`pwruntime replay --record-routing`) routes them with it."""
         wl, rec = self.workload, self.rec
         if wl.warmup_routing is not None:
-            recorded = len(wl.warmup_routing.lens)
+            recorded = wl.warmup_routing.num_requests
             if k > recorded:
                 raise UserError(f"the trace's recorded warm-up routed its first {recorded} requests, not {k}: give "
                                 f"--warmup-requests {recorded} or fewer")

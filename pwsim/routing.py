@@ -5,10 +5,11 @@ over tokens or layers): sequence `s` computes positions `[start[s], start[s] + n
 is laid out like the runtime's flattened batch (sequence 0's tokens, then sequence 1's, ...) as
 `[layers, tokens, k]` arrays, the layout `policies.observe` takes.
 
-Routing is a pure function of (request, position, layer): a sequence recomputed after preemption
-sees the same routing again, as it would in a recorded trace.
+Synthetic routing is a pure function of (request, position, layer): a sequence recomputed after preemption sees
+the same routing again. Recorded routing follows the recording: a runtime recomputes at the bits of its time and
+records that computation as the request's next attempt, which `TraceRouting` replays for the simulator's recompute.
 
-* `TraceRouting`: per request, the recorded `[positions, layers, k]` ids and weights (and optional
+* `TraceRouting`: per request and attempt, the recorded `[positions, layers, k]` ids and weights (and optional
   norms), e.g. read from a routing trace.
 * `PopularityRouting`: synthetic. Expert popularity per (domain, layer) (rows of `popularity`),
   optionally drifting with the position in the request. Top-k without replacement drawn by
@@ -301,15 +302,19 @@ def _probit(u: np.ndarray) -> np.ndarray:
 
 
 class TraceRouting:
-    """Recorded routing: per request index r, positions `0..lens[r]-1`, each `[layers, k]` ids and weights.
+    """Recorded routing: per record (a request index and attempt), positions `0..lens[rec]-1`, each `[layers, k]` ids
+    and weights.
 
-    Stored flat: request r's rows are `offsets[r]:offsets[r+1]` of `ids [rows, layers, k]` (and of
-    `weights`, and of the optional norms `gate_up_norm [rows, layers]`, `down_norm [rows, layers, k]`).
-    Positions past the end of a request's record reuse its last recorded position (a trace recorded
-    with fewer tokens than the simulation computes)."""
+    Stored flat: record rec's rows are `offsets[rec]:offsets[rec+1]` of `ids [rows, layers, k]` (and of
+    `weights`, and of the optional norms `gate_up_norm [rows, layers]`, `down_norm [rows, layers, k]`); records
+    0..R-1 are the requests' first computations, `attempt_records[r, a]` request r's a-th (its first where the trace
+    has no such recompute). `route` counts a request's attempts as the recorder did: a call for a position before the
+    ones it routed last is a recompute. Positions past the end of a record reuse its last recorded position (a
+    trace recorded with fewer tokens than the simulation computes)."""
 
     def __init__(self, ids: np.ndarray, weights: np.ndarray, lens: np.ndarray, experts: int,
-                 gate_up_norm: np.ndarray | None = None, down_norm: np.ndarray | None = None) -> None:
+                 gate_up_norm: np.ndarray | None = None, down_norm: np.ndarray | None = None,
+                 attempt_records: np.ndarray | None = None) -> None:
         self._ids = np.asarray(ids, dtype=np.int64)
         self._w = np.asarray(weights, dtype=np.float32)
         if self._ids.ndim != 3 or self._ids.shape != self._w.shape:
@@ -321,50 +326,80 @@ class TraceRouting:
         self.offsets = np.concatenate([[0], np.cumsum(self.lens)])
         self._gu = None if gate_up_norm is None else np.asarray(gate_up_norm, dtype=np.float64)
         self._dn = None if down_norm is None else np.asarray(down_norm, dtype=np.float64)
+        self.attempt_records = (np.arange(len(self.lens))[:, None] if attempt_records is None
+                                else np.asarray(attempt_records, dtype=np.int64))
+        requests = len(self.attempt_records)
+        self._next = np.zeros(requests, dtype=np.int64)  # per request: the position after the last one routed
+        self._attempt = np.zeros(requests, dtype=np.int64)  # per request: its computation now
 
     @classmethod
     def from_trace(cls, routing, requests) -> "TraceRouting":
         """From a `traces.schema.RoutingTrace` and its `RequestTrace` (request index = request-trace row)."""
         from traces.schema import TraceError
 
-        L, k = routing.layers, routing.top_k
+        L, k, R = routing.layers, routing.top_k, len(requests)
         order_req = np.argsort(requests.request_id, kind="stable")
         ridx = order_req[np.searchsorted(requests.request_id[order_req], routing.request_id)]
-        order = np.lexsort((routing.layer, routing.position, ridx))
-        r_s, p_s, l_s = ridx[order], routing.position[order].astype(np.int64), routing.layer[order]
+        att = routing.attempts.astype(np.int64)
+        # records: every request's first computation (rec = r), then each (request, attempt > 0) the trace has
+        again = np.unique(np.stack([ridx[att > 0], att[att > 0]], axis=1), axis=0).reshape(-1, 2)
+        rec = ridx.copy()
+        if len(again):
+            rec[att > 0] = R + np.searchsorted(again[:, 0] * (att.max() + 1) + again[:, 1],
+                                               ridx[att > 0] * (att.max() + 1) + att[att > 0])
+        order = np.lexsort((routing.layer, routing.position, rec))
+        r_s, p_s, l_s = rec[order], routing.position[order].astype(np.int64), routing.layer[order]
         n = len(order)
         if n % L or not (l_s.reshape(-1, L) == np.arange(L)).all():
             raise TraceError(routing.source, f"some (request, position) lacks one of the {L} layers", column="layer",
                              fix="record every MoE layer for every routed token")
         r_tok, p_tok = r_s[::L], p_s[::L]
-        lens = np.bincount(r_tok, minlength=len(requests))
-        if (lens == 0).any():
-            missing = int(requests.request_id[np.flatnonzero(lens == 0)[0]])
+        lens = np.bincount(r_tok, minlength=R + len(again))
+        if (lens[:R] == 0).any():
+            missing = int(requests.request_id[np.flatnonzero(lens[:R] == 0)[0]])
             raise TraceError(routing.source, f"request {missing} has no routing rows", column="request_id",
                              fix="route every request (or simulate without the routing trace)")
         starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
         expect = np.arange(len(r_tok)) - np.repeat(starts, lens)
         if (p_tok != expect).any():
             at = int(np.flatnonzero(p_tok != expect)[0])
-            raise TraceError(routing.source, f"request {int(requests.request_id[r_tok[at]])} has a gap in its "
+            who = r_tok[at] if r_tok[at] < R else again[r_tok[at] - R, 0]
+            raise TraceError(routing.source, f"request {int(requests.request_id[who])} has a gap in its "
                              f"positions (position {int(expect[at])} missing)", column="position",
-                             fix="routing positions of a request must run 0, 1, 2, ... without gaps")
+                             fix="routing positions of a request (and of each recompute) must run 0, 1, 2, ... "
+                                 "without gaps")
+        attempt_records = np.repeat(np.arange(R)[:, None], int(att.max(initial=0)) + 1, axis=1)
+        for j, (r, a) in enumerate(again.tolist()):  # a request's later attempts fall back on its latest before
+            attempt_records[r, a:] = R + j
         ids = routing.expert_ids[order].reshape(-1, L, k)
         w = routing.weights[order].reshape(-1, L, k)
         gu = dn = None
         if routing.has_features:
             gu = routing.gate_up_in_norm[order].reshape(-1, L)
             dn = routing.down_in_norm[order].reshape(-1, L, k)
-        return cls(ids, w, lens, routing.experts, gu, dn)
+        return cls(ids, w, lens, routing.experts, gu, dn, attempt_records)
 
     def route(self, requests: np.ndarray, start: np.ndarray, n: np.ndarray) -> StepRouting:
-        req, pos = flat_positions(requests, start, n)
-        row = self.offsets[req] + np.minimum(pos, self.lens[req] - 1)
+        requests, start = np.asarray(requests, dtype=np.int64), np.asarray(start, dtype=np.int64)
+        self._attempt[requests] += start < self._next[requests]  # positions routed before: a recompute
+        self._next[requests] = start + np.asarray(n, dtype=np.int64)
+        attempt = np.minimum(self._attempt[requests], self.attempt_records.shape[1] - 1)
+        rec = np.repeat(self.attempt_records[requests, attempt], np.asarray(n, dtype=np.int64))
+        _, pos = flat_positions(requests, start, n)
+        row = self.offsets[rec] + np.minimum(pos, self.lens[rec] - 1)
         ids = np.ascontiguousarray(self._ids[row].transpose(1, 0, 2))
         w = np.ascontiguousarray(self._w[row].transpose(1, 0, 2))
         gu = None if self._gu is None else np.ascontiguousarray(self._gu[row].T)
         dn = None if self._dn is None else np.ascontiguousarray(self._dn[row].transpose(1, 0, 2))
         return StepRouting(ids, w, gu, dn)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.attempt_records)
+
+    def release(self, request: int) -> None:
+        """A finished request starts over at its first computation if served again (a warm-up's, then the trace's)."""
+        self._next[int(request)] = self._attempt[int(request)] = 0
 
 
 def synthetic_routing(requests, model, spec, seed: int, drift_steps: int = 8) -> PopularityRouting:

@@ -265,6 +265,19 @@ def _warm_up_load(path: Path, first_id: int = 100) -> Path:
     return path
 
 
+def _computed(routing, ids) -> list[int]:
+    """Per request: the positions of its last computation, after checking that each of its computations (attempts)
+    runs from position 0 without a gap."""
+    out = []
+    for rid in ids.tolist():
+        mine = routing.request_id == rid
+        for a in range(int(routing.attempts[mine].max()) + 1):
+            pos = np.sort(routing.position[mine & (routing.attempts == a)])[::routing.layers]
+            assert pos.tolist() == list(range(len(pos))), (rid, a)
+        out.append(len(pos))
+    return out
+
+
 @pytest.mark.parametrize("schedule", [[], ["--async-scheduling"]])
 def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step(ap_dir, tmp_path, capsys, schedule):
     """The warm-up load at 24 MiB (CPU, bf16; synchronous and asynchronous), after a warm-up of 16 requests:
@@ -288,12 +301,14 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     ids = recorded.requests.request_id
     assert ids.tolist() == list(range(100, 132))  # the trace's ids; the warm-up's requests are not in it
     assert sorted(set(recorded.routing.request_id.tolist())) == ids.tolist()
-    rows = np.bincount(recorded.routing.request_id - 100) // recorded.routing.layers
-    assert (rows == recorded.requests.prompt_tokens + 15).all()  # each prompt and 15 fed-back outputs, once each
+    # each computation of a request as an attempt (a recompute after preemption the next), from its first position;
+    # the last one whole: each prompt and 15 fed-back outputs, once each
+    assert recorded.routing.attempts.max() >= 1
+    assert _computed(recorded.routing, ids) == (recorded.requests.prompt_tokens + 15).tolist()
     # the warm-up's own routing of the trace's first 16 prompts (at the bits it ran with), for the simulator's
     warm = recorded.warmup_routing
     assert sorted(set(warm.request_id.tolist())) == list(range(100, 116))
-    assert len(warm) == int((recorded.requests.prompt_tokens[:16] + 15).sum()) * warm.layers
+    assert _computed(warm, ids[:16]) == (recorded.requests.prompt_tokens[:16] + 15).tolist()
 
     reports = {}
     # the simulator on the replay's own trace and settings (`--like-replay`), and by hand on the synthetic routing

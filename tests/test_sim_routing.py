@@ -105,3 +105,74 @@ def test_trace_routing_replays_a_generated_trace(olmoe):
                     gate_up_in_norm=gen.gate_up_in_norm[keep], down_in_norm=gen.down_in_norm[keep])
     with pytest.raises(TraceError, match="gap"):
         TraceRouting.from_trace(holed, req)
+
+
+def _routing_with_a_recompute():
+    """Request 10: positions 0..4, then a recompute of 0..2 that chose other experts; request 11: 0..1 once."""
+    from traces.schema import RoutingTrace
+    rows = [(10, 0, p, [0, 1]) for p in range(5)] + [(10, 1, p, [2, 3]) for p in range(3)] \
+        + [(11, 0, p, [1, 2]) for p in range(2)]
+    rid, att, pos, ids = zip(*rows)
+    return RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
+                        np.full((len(rows), 2), 0.5), attempt=np.array(att))
+
+
+def test_trace_routing_replays_a_recompute_with_its_own_attempt():
+    from traces.schema import RequestTrace
+    requests = RequestTrace.from_columns(np.array([10, 11]), np.zeros(2), np.array([3, 1]), np.array([2, 1]),
+                                         np.array(["x", "x"], dtype=object))
+    tr = TraceRouting.from_trace(_routing_with_a_recompute(), requests)
+    first = tr.route(np.array([0, 1]), np.array([0, 0]), np.array([3, 2]))
+    assert first.ids[0].tolist() == [[0, 1]] * 3 + [[1, 2]] * 2
+    assert tr.route(np.array([0]), np.array([3]), np.array([2])).ids[0].tolist() == [[0, 1]] * 2
+    # positions routed before: a recompute, which replays the trace's attempt 1 (its last position past its end)
+    assert tr.route(np.array([0]), np.array([0]), np.array([4])).ids[0].tolist() == [[2, 3]] * 4
+    # request 11's recompute: the trace has none, so its first computation again
+    assert tr.route(np.array([1]), np.array([0]), np.array([2])).ids[0].tolist() == [[1, 2]] * 2
+    tr.release(0)  # finished: served again (a warm-up's request, then the trace's), it starts at attempt 0
+    assert tr.route(np.array([0]), np.array([0]), np.array([1])).ids[0].tolist() == [[0, 1]]
+
+
+def test_a_routing_trace_keeps_its_attempts(tmp_path):
+    from traces.io import read_routing, write_routing
+    trace = _routing_with_a_recompute()
+    back = read_routing(write_routing(tmp_path / "routing.parquet", trace))
+    assert back.attempts.tolist() == trace.attempts.tolist() and back.summary()["recomputed_rows"] == 3
+    assert read_routing(write_routing(tmp_path / "plain.parquet", _without_attempts(trace))).attempt is None
+    with pytest.raises(TraceError, match=r"duplicate \(request 10, attempt 1, position 0"):
+        _with_attempts(trace, np.where(np.arange(len(trace)) == 0, 1, trace.attempts))
+    with pytest.raises(TraceError, match="negative attempt"):
+        _with_attempts(trace, -trace.attempts)
+
+
+def _without_attempts(trace):
+    from dataclasses import replace
+    first = trace.attempts == 0
+    return replace(trace, request_id=trace.request_id[first], position=trace.position[first],
+                   layer=trace.layer[first], expert_ids=trace.expert_ids[first], weights=trace.weights[first],
+                   attempt=None)
+
+
+def _with_attempts(trace, attempt):
+    from dataclasses import replace
+    return replace(trace, attempt=attempt)
+
+
+def test_the_recorder_records_a_recompute_as_the_next_attempt():
+    from pwruntime.model_runner import RoutingArrays
+    from pwruntime.trace_recorder import TraceRecorder
+    rec = TraceRecorder(card="demo")
+    rec.set_model(1, 4, 2)
+    rec.on_arrival(5, 0.0, [1, 2, 3])
+
+    def step(start: int, n: int, expert: int) -> None:
+        ids = np.full((1, n, 2), [expert, expert + 1])
+        rec.on_routing([(5, start, n)], RoutingArrays(ids, np.full((1, n, 2), 0.5, np.float32),
+                                                      np.ones((1, n), np.float32), np.ones((1, n, 2), np.float32), (n,)))
+    step(0, 3, 0)
+    step(3, 1, 0)
+    step(0, 4, 2)  # preempted, computed again from the start (at other bits: other experts)
+    step(4, 1, 2)
+    r = rec.routing_trace()
+    assert r.attempts.tolist() == [0] * 4 + [1] * 5 and r.position.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    assert r.expert_ids[:, 0].tolist() == [0] * 4 + [2] * 5

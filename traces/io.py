@@ -173,11 +173,13 @@ def read_routing(path: str | os.PathLike, model=None) -> RoutingTrace:
         gu = _floats(c("gate_up_in_norm"), file, "gate_up_in_norm", np.float32)
         _, dn = _lists(c("down_in_norm"), file, "down_in_norm", k, lambda a, f, n: _floats(a, f, n, np.float32))
         dn = as2d(dn)
+    attempt = _ints(c("attempt"), file, "attempt", np.int16) if "attempt" in table.column_names else None
     trace = RoutingTrace(card=meta["card"], layers=meta["layers"], experts=meta["experts"], top_k=k,
                          request_id=_ints(c("request_id"), file, "request_id", np.int64),
                          position=_ints(c("position"), file, "position", np.int32),
                          layer=_ints(c("layer"), file, "layer", np.int16), expert_ids=as2d(ids), weights=as2d(w),
-                         gate_up_in_norm=gu, down_in_norm=dn, provenance=meta.get("provenance") or {}, source=file)
+                         gate_up_in_norm=gu, down_in_norm=dn, provenance=meta.get("provenance") or {}, source=file,
+                         attempt=attempt)
     if model is not None:
         trace.check_model(_as_model(model))
     return trace
@@ -190,7 +192,9 @@ def routing_table(trace: RoutingTrace) -> pa.Table:
             "layer": pa.array(trace.layer), "expert_ids": fixed(trace.expert_ids), "weights": fixed(trace.weights)}
     if trace.has_features:
         cols.update(gate_up_in_norm=pa.array(trace.gate_up_in_norm), down_in_norm=fixed(trace.down_in_norm))
-    table = pa.table(cols, schema=pa.schema(routing_columns(k, trace.has_features)))
+    if trace.attempt is not None:
+        cols["attempt"] = pa.array(trace.attempt)
+    table = pa.table(cols, schema=pa.schema(routing_columns(k, trace.has_features, trace.attempt is not None)))
     return table.replace_schema_metadata(encode_metadata(
         ROUTING, trace.provenance, card=trace.card, layers=trace.layers, experts=trace.experts, top_k=k))
 

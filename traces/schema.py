@@ -12,7 +12,10 @@ routing traces, also "card" (the model card name), "layers" (MoE layers), "exper
   ordinal), expert_ids fixed_size_list<int16>[top_k] (distinct, in 0..experts-1), weights
   fixed_size_list<float32>[top_k] (router weights, >= 0), optional gate_up_in_norm float32 (norm
   of the tokens' input to the experts' gate_up blocks) and down_in_norm
-  fixed_size_list<float32>[top_k] (norm of each selected expert's input to its down block).
+  fixed_size_list<float32>[top_k] (norm of each selected expert's input to its down block), optional
+  attempt int16 (>= 0; absent: 0): which computation of the position the row is, 1 for the recompute after a
+  request's first preemption and so on (a runtime recomputes at the bits of its time, so it may route otherwise);
+  rows are then unique per (request_id, attempt, position, layer).
 
 In memory both are frozen dataclasses of numpy arrays (no per-row Python objects) that validate
 on construction. Every problem raises one `TraceError` naming the file, the column and (0-based)
@@ -37,11 +40,13 @@ REQUEST_COLUMNS = {"request_id": pa.int64(), "arrival_s": pa.float64(), "prompt_
 TOKEN_IDS_TYPE = pa.list_(pa.int32())
 
 
-def routing_columns(top_k: int, features: bool) -> dict[str, pa.DataType]:
+def routing_columns(top_k: int, features: bool, attempts: bool = False) -> dict[str, pa.DataType]:
     cols = {"request_id": pa.int64(), "position": pa.int32(), "layer": pa.int16(),
             "expert_ids": pa.list_(pa.int16(), top_k), "weights": pa.list_(pa.float32(), top_k)}
     if features:
         cols.update(gate_up_in_norm=pa.float32(), down_in_norm=pa.list_(pa.float32(), top_k))
+    if attempts:
+        cols["attempt"] = pa.int16()
     return cols
 
 
@@ -261,12 +266,15 @@ class RoutingTrace:
     down_in_norm: np.ndarray | None = None  # float32 [n, top_k]
     provenance: dict = field(default_factory=dict)
     source: str = "<in-memory routing trace>"
+    attempt: np.ndarray | None = None  # int16 [n]: the computation of the position (None: every row the first)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         for name, dt, nd in (("request_id", np.int64, 1), ("position", np.int32, 1), ("layer", np.int16, 1),
                              ("expert_ids", np.int16, 2), ("weights", np.float32, 2)):
             set_(name, _as(name, getattr(self, name), dt, nd))
+        if self.attempt is not None:
+            set_("attempt", _as("attempt", self.attempt, np.int16))
         if (self.gate_up_in_norm is None) != (self.down_in_norm is None):
             raise ValueError("gate_up_in_norm and down_in_norm go together")
         if self.gate_up_in_norm is not None:
@@ -296,6 +304,8 @@ class RoutingTrace:
         shapes = {"position": (n,), "layer": (n,), "expert_ids": (n, k), "weights": (n, k)}
         if self.has_features:
             shapes.update(gate_up_in_norm=(n,), down_in_norm=(n, k))
+        if self.attempt is not None:
+            shapes.update(attempt=(n,))
         for name, shape in shapes.items():
             if getattr(self, name).shape != shape:
                 raise TraceError(f, f"has shape {getattr(self, name).shape}, expected {shape} (top_k {k})", column=name)
@@ -314,29 +324,43 @@ class RoutingTrace:
             for name in ("gate_up_in_norm", "down_in_norm"):
                 v = getattr(self, name)
                 _check(~np.isfinite(v) | (v < 0), f, name, v, "norm {v} must be finite and >= 0")
-        dup = None if self.is_sorted(strict=True) else _duplicates_at([self.request_id, self.position, self.layer])
+        if self.attempt is not None:
+            _check(self.attempt < 0, f, "attempt", self.attempt, "negative attempt {v}")
+        key = [self.request_id, self.attempts, self.position, self.layer]
+        dup = None if self.is_sorted(strict=True) else _duplicates_at(key)
         if dup is not None:
-            raise TraceError(f, f"duplicate (request {self.request_id[dup]}, position {self.position[dup]}, layer "
-                             f"{self.layer[dup]})", column="layer", row=dup, fix="one row per (request, position, layer)")
+            again = f", attempt {self.attempts[dup]}" if self.attempt is not None else ""
+            raise TraceError(f, f"duplicate (request {self.request_id[dup]}{again}, position {self.position[dup]}, "
+                             f"layer {self.layer[dup]})", column="layer", row=dup,
+                             fix="one row per (request, attempt, position, layer)")
+
+    @property
+    def attempts(self) -> np.ndarray:
+        """Each row's computation of its position: 0 the first, 1 the recompute after a first preemption, ..."""
+        return self.attempt if self.attempt is not None else np.zeros(len(self.request_id), dtype=np.int16)
 
     def is_sorted(self, strict: bool = False) -> bool:
-        """Rows ordered by (request_id, position, layer); `strict` also rules out equal keys."""
-        r, p, l = self.request_id, self.position, self.layer
+        """Rows ordered by (request_id, attempt, position, layer); `strict` also rules out equal keys."""
+        r = self.request_id
         if len(r) < 2:
             return True
-        dr, dp, dl = np.diff(r), np.diff(p.astype(np.int64)), np.diff(l.astype(np.int64))
-        ok = (dr > 0) | ((dr == 0) & ((dp > 0) | ((dp == 0) & ((dl > 0) if strict else (dl >= 0)))))
+        dr = np.diff(r)
+        da = np.diff(self.attempts.astype(np.int64))
+        dp, dl = np.diff(self.position.astype(np.int64)), np.diff(self.layer.astype(np.int64))
+        same_pos = (dl > 0) if strict else (dl >= 0)
+        ok = (dr > 0) | ((dr == 0) & ((da > 0) | ((da == 0) & ((dp > 0) | ((dp == 0) & same_pos)))))
         return bool(ok.all())
 
     def sorted(self) -> "RoutingTrace":
-        """A copy ordered by (request_id, position, layer)."""
+        """A copy ordered by (request_id, attempt, position, layer)."""
         if self.is_sorted():
             return self
-        order = np.lexsort((self.layer, self.position, self.request_id))
+        order = np.lexsort((self.layer, self.position, self.attempts, self.request_id))
         take = lambda a: None if a is None else a[order]  # noqa: E731
         return replace(self, request_id=take(self.request_id), position=take(self.position), layer=take(self.layer),
                        expert_ids=take(self.expert_ids), weights=take(self.weights),
-                       gate_up_in_norm=take(self.gate_up_in_norm), down_in_norm=take(self.down_in_norm))
+                       gate_up_in_norm=take(self.gate_up_in_norm), down_in_norm=take(self.down_in_norm),
+                       attempt=take(self.attempt))
 
     def request_ranges(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(request ids, start rows, stop rows) of a sorted trace: rows of ids[j] are start[j]:stop[j]."""
@@ -373,6 +397,7 @@ class RoutingTrace:
         used = mass.sum(axis=1) > 0
         return {"card": self.card, "layers": self.layers, "experts": self.experts, "top_k": self.top_k,
                 "rows": len(self), "requests": int(np.unique(self.request_id).size),
+                "recomputed_rows": int((self.attempts > 0).sum()),
                 "features": self.has_features,
                 "hottest_10pct_mass": float(top[used, :hot].sum(axis=1).mean()) if used.any() else 0.0}
 
