@@ -23,16 +23,16 @@ import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from policies.contract import Observation, Plan, Transition
+from policies.contract import Observation, Plan
 from policies.loop import PlanLoop
 from policies.page_table import PageTable
+from policies.planners.base import make_plan
 from pwruntime.device_store import DeviceExpertStore
-from pwruntime.kernels.bench import ARCHS
+from pwruntime.kernels.bench import ARCHS, BITS, random_luts, random_planes
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"demo": (256, 128, 16, 4), **ARCHS}  # hidden, intermediate, experts, k
-BITS = (3, 4, 5, 6, 7, 8)
 PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
 
 
@@ -63,22 +63,10 @@ class PlayedPlans:
 
 def random_layers(hidden: int, intermediate: int, experts: int, layers: int,
                   gen: torch.Generator) -> list[dict[str, LayerBlocks]]:
-    """`layers` MoE layers of random AP experts on the host: random plane words and sorted random LUTs."""
-    out = []
-    for _ in range(layers):
-        kinds = {}
-        for kind, (rows, cols) in zip(KINDS, ((2 * intermediate, hidden), (hidden, intermediate))):
-            planes = torch.randint(-2 ** 31, 2 ** 31 - 1, (experts, MAX_BITS, rows, -(-cols // 32)),
-                                   dtype=torch.int32, generator=gen)
-            luts = {b: torch.sort(torch.randn(experts, rows, 1 << b, generator=gen), dim=-1)[0].half() for b in BITS}
-            kinds[kind] = LayerBlocks(planes, luts)
-        out.append(kinds)
-    return out
-
-
-def _plan(table: PageTable, to_bits: int) -> Plan:
-    return Plan(tuple(Transition(i, int(table.q[i]), to_bits, int(table.M[i, table.q[i]] - table.M[i, to_bits]))
-                      for i in range(table.num_blocks)))
+    """`layers` MoE layers of random AP experts on the generator's device: random plane words and sorted random LUTs."""
+    return [{kind: LayerBlocks(random_planes(experts, rows, cols, gen), random_luts(experts, rows, cols, gen))
+             for kind, (rows, cols) in zip(KINDS, ((2 * intermediate, hidden), (hidden, intermediate)))}
+            for _ in range(layers)]
 
 
 def _drain(device: torch.device) -> None:
@@ -107,7 +95,7 @@ def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda 
         bytes0, seconds0 = mover.stats.bytes_reloaded, mover.stats.reload_seconds
         for phase, to_bits in zip(PHASES, (cfg.low_bits, None, MAX_BITS, None)):
             if to_bits is not None:
-                policy.next = _plan(table, to_bits)
+                policy.next = make_plan(table, np.arange(n), np.full(n, to_bits), 0.0, f"every block to {to_bits} bits")
             else:
                 _drain(device)
             t0 = time.perf_counter()

@@ -58,11 +58,10 @@ class TraceRecorder:
         offset = 0
         for rid, start, n in entries:
             if rid not in self._finished:
-                if start < self._next.get(rid, 0):
-                    self._attempt[rid] = self._attempt.get(rid, 0) + 1
-                self._next[rid] = start + n
+                attempt = self._attempt.get(rid, 0) + (start < self._next.get(rid, 0))  # positions routed before
+                self._attempt[rid], self._next[rid] = attempt, start + n
                 sl = slice(offset, offset + n)
-                self._chunks.append((rid, self._attempt.get(rid, 0), start, routing.topk_ids[:, sl],
+                self._chunks.append((rid, attempt, start, routing.topk_ids[:, sl],
                                      routing.topk_weights[:, sl], routing.gate_up_in_norm[:, sl],
                                      routing.down_in_norm[:, sl]))
             offset += n

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from policies.plan_log import STATUSES
 from traces.clikit import UserError
 from traces.results import percentile
 
@@ -174,10 +175,10 @@ def transitions(sim: RunView, runtime: RunView) -> dict | None:
         return [dict(zip(PLAN_KEY, row)) for row in sorted(own & only) if row[0] == first][:5]
 
     def by_status(own: set) -> dict[str, int]:
-        return {st: sum(row[4] == st for row in own) for st in ("started", "rejected", "landed")}
+        return {st: sum(row[4] == st for row in own) for st in STATUSES}
 
     return {"sim": by_status(s), "runtime": by_status(r), "alike": len(s & r), "rows": len(s | r),
-            "first_difference": first, "sim_only": at_first(s) if only else [], "runtime_only": at_first(r) if only else []}
+            "first_difference": first, "sim_only": at_first(s), "runtime_only": at_first(r)}
 
 
 def _count(summary: dict, key: str) -> int | None:

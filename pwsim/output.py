@@ -1,7 +1,8 @@
 """Writing results: a run directory (Parquet + JSON + PNG) and JSON/CSV tables, all atomically.
 
 A run directory holds `requests.parquet` (per request), `timeline.parquet` (per iteration
-boundary), `plans.parquet` (every transition begun, refused or landed: `policies.plan_log`), `summary.json` (metrics), `config.json` (the typed `RunConfig` that reproduces it),
+boundary), `plans.parquet` (every transition begun, refused or landed: `policies.plan_log`), `summary.json`
+(metrics), `config.json` (the typed `RunConfig` that reproduces it),
 `events.json` (budget violations, stalls, plans, link transfers) and `timeline.png`,
 `latency.png`. It is assembled in a temporary sibling directory and renamed into place
 (`traces.results`, which `pwruntime replay` writes through as well).

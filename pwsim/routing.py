@@ -341,12 +341,11 @@ class TraceRouting:
         order_req = np.argsort(requests.request_id, kind="stable")
         ridx = order_req[np.searchsorted(requests.request_id[order_req], routing.request_id)]
         att = routing.attempts.astype(np.int64)
-        # records: every request's first computation (rec = r), then each (request, attempt > 0) the trace has
-        again = np.unique(np.stack([ridx[att > 0], att[att > 0]], axis=1), axis=0).reshape(-1, 2)
-        rec = ridx.copy()
-        if len(again):
-            rec[att > 0] = R + np.searchsorted(again[:, 0] * (att.max() + 1) + again[:, 1],
-                                               ridx[att > 0] * (att.max() + 1) + att[att > 0])
+        # records: every request's first computation (record r), then each (request, attempt > 0) the trace has
+        width = int(att.max(initial=0)) + 1
+        key = ridx * width + att
+        again = np.unique(key[att > 0])  # sorted by request, then attempt
+        rec = np.where(att > 0, R + np.searchsorted(again, key), ridx)
         order = np.lexsort((routing.layer, routing.position, rec))
         r_s, p_s, l_s = rec[order], routing.position[order].astype(np.int64), routing.layer[order]
         n = len(order)
@@ -363,13 +362,13 @@ class TraceRouting:
         expect = np.arange(len(r_tok)) - np.repeat(starts, lens)
         if (p_tok != expect).any():
             at = int(np.flatnonzero(p_tok != expect)[0])
-            who = r_tok[at] if r_tok[at] < R else again[r_tok[at] - R, 0]
+            who = r_tok[at] if r_tok[at] < R else again[r_tok[at] - R] // width
             raise TraceError(routing.source, f"request {int(requests.request_id[who])} has a gap in its "
                              f"positions (position {int(expect[at])} missing)", column="position",
                              fix="routing positions of a request (and of each recompute) must run 0, 1, 2, ... "
                                  "without gaps")
-        attempt_records = np.repeat(np.arange(R)[:, None], int(att.max(initial=0)) + 1, axis=1)
-        for j, (r, a) in enumerate(again.tolist()):  # a request's later attempts fall back on its latest before
+        attempt_records = np.repeat(np.arange(R)[:, None], width, axis=1)
+        for j, (r, a) in enumerate(divmod(int(x), width) for x in again):  # later attempts fall back on the latest
             attempt_records[r, a:] = R + j
         ids = routing.expert_ids[order].reshape(-1, L, k)
         w = routing.weights[order].reshape(-1, L, k)

@@ -76,7 +76,8 @@ def test_the_simulator_runs_ones_own_planner_under_pressure(tmp_path, capsys, mo
     assert pwsim_main(["run", "--policy", EXAMPLE, "--policy-arg", "floor_bits=4", "--budget", "24MiB",
                        "--out", str(out), "--no-progress"]) == 0
     s = json.loads((out / "summary.json").read_text())
-    assert s["completed"] == s["requests"] and s["plans"]["plans"] > 0 and s["plans"]["transitions_started"]["offload"] > 0
+    assert s["completed"] == s["requests"] and s["plans"]["plans"] > 0
+    assert s["plans"]["transitions_started"]["offload"] > 0
     assert 4 <= s["mean_committed_bits"] < 8
     assert json.loads((out / "config.json").read_text())["policy"] == EXAMPLE
 

@@ -1,1 +1,1 @@
-"""Example planners of one's own, run by name as `--policy FILE.py:CLASS` or `--policy MODULE:CLASS` (policies.registry)."""
+"""Example planners of one's own, run by name as `--policy FILE.py:CLASS` or `MODULE:CLASS` (policies.registry)."""

@@ -95,12 +95,14 @@ def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
     return 2 * n ** 3 / ms / 1e9
 
 
-def _random_planes(n: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
+def random_planes(n: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
+    """`n` blocks of random AP plane words, [n, 8, out, words] int32, on the generator's device."""
     return torch.randint(-2**31, 2**31 - 1, (n, 8, out, -(-inp // 32)), dtype=torch.int32, device=gen.device,
                          generator=gen)
 
 
-def _random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
+def random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
+    """Per bitwidth 3..8: `n` blocks' sorted random fp16 LUTs, [n, out, 2^b] (never zeros)."""
     return {b: (torch.sort(torch.randn(n, out, 1 << b, device=gen.device, generator=gen), dim=-1)[0]
                 / inp ** 0.5).half() for b in BITS}
 
@@ -108,8 +110,8 @@ def _random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, 
 # ------------------------------------------------------------------ one linear-block
 def _random_table(copies: int, out: int, inp: int, gen: torch.Generator):
     """(table of `copies` random [out, inp] blocks, all 8 planes resident at 8 bits; their LUTs per bitwidth)."""
-    planes = _random_planes(copies, out, inp, gen)
-    luts = _random_luts(copies, out, inp, gen)
+    planes = random_planes(copies, out, inp, gen)
+    luts = random_luts(copies, out, inp, gen)
     table = DeviceWeightTable(copies, gen.device)
     for c in range(copies):
         table.set_block(c, device_layout(planes[c]), luts[8][c], 8)
@@ -176,7 +178,7 @@ class APLayers:
         for layer in range(layers):
             per_kind = []
             for kind, (o, inp) in enumerate(self.dims):
-                planes, luts = _random_planes(e, o, inp, gen), _random_luts(e, o, inp, gen)
+                planes, luts = random_planes(e, o, inp, gen), random_luts(e, o, inp, gen)
                 for ex in range(e):
                     self.table.set_block(shape.block(layer, ex, kind), device_layout(planes[ex]), luts[8][ex], 8)
                 per_kind.append((planes, luts))
