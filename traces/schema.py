@@ -347,8 +347,8 @@ class RoutingTrace:
         dr = np.diff(r)
         da = np.diff(self.attempts.astype(np.int64))
         dp, dl = np.diff(self.position.astype(np.int64)), np.diff(self.layer.astype(np.int64))
-        same_pos = (dl > 0) if strict else (dl >= 0)
-        ok = (dr > 0) | ((dr == 0) & ((da > 0) | ((da == 0) & ((dp > 0) | ((dp == 0) & same_pos)))))
+        layer_ok = (dl > 0) if strict else (dl >= 0)
+        ok = (dr > 0) | ((dr == 0) & ((da > 0) | ((da == 0) & ((dp > 0) | ((dp == 0) & layer_ok)))))
         return bool(ok.all())
 
     def sorted(self) -> "RoutingTrace":
