@@ -315,8 +315,8 @@ class DeviceExpertStore:
         pt = self.page_table
         if pt is not None and not np.array_equal(self.row_bits, pt.q):
             self.sync()
-        elif self.table.dirty or self._retiring:
-            self.flush()
+        else:
+            self.flush()  # rows written since (nothing when none were)
 
     # ------------------------------------------------------------ compute
     def weight(self, layer: int, expert: int, kind: str) -> torch.Tensor:

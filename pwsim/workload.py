@@ -59,7 +59,7 @@ def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: Routi
         kind = "synthetic routing (the trace has no routing.parquet)"
     warmup = None
     if trace.warmup_routing is not None:
-        first = requests.head(len(np.unique(trace.warmup_routing.request_id)))
+        first = requests.head(trace.warmup_routing.num_requests)
         warmup = TraceRouting.from_trace(trace.warmup_routing, first)
         kind += f", and a recorded warm-up's for the first {len(first)} requests"
     return from_requests(requests, routing, {"kind": "trace", "path": str(path), "routing": kind,

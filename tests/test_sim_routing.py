@@ -1,6 +1,8 @@
 """Routing sources: synthetic (the generator's popularity model, drawn per request) and recorded traces."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -140,22 +142,16 @@ def test_a_routing_trace_keeps_its_attempts(tmp_path):
     assert back.attempts.tolist() == trace.attempts.tolist() and back.summary()["recomputed_rows"] == 3
     assert read_routing(write_routing(tmp_path / "plain.parquet", _without_attempts(trace))).attempt is None
     with pytest.raises(TraceError, match=r"duplicate \(request 10, attempt 1, position 0"):
-        _with_attempts(trace, np.where(np.arange(len(trace)) == 0, 1, trace.attempts))
+        replace(trace, attempt=np.where(np.arange(len(trace)) == 0, 1, trace.attempts))
     with pytest.raises(TraceError, match="negative attempt"):
-        _with_attempts(trace, -trace.attempts)
+        replace(trace, attempt=-trace.attempts)
 
 
 def _without_attempts(trace):
-    from dataclasses import replace
     first = trace.attempts == 0
     return replace(trace, request_id=trace.request_id[first], position=trace.position[first],
                    layer=trace.layer[first], expert_ids=trace.expert_ids[first], weights=trace.weights[first],
                    attempt=None)
-
-
-def _with_attempts(trace, attempt):
-    from dataclasses import replace
-    return replace(trace, attempt=attempt)
 
 
 def test_the_recorder_records_a_recompute_as_the_next_attempt():

@@ -248,7 +248,7 @@ def read_trace_dir(path: str | os.PathLike, model=None) -> Trace:
 
 def check_warmup_routing(warmup: RoutingTrace, requests: RequestTrace) -> None:
     """A warm-up's routing covers the trace's first requests, each inside its prompt and output."""
-    k = len(np.unique(warmup.request_id))
+    k = warmup.num_requests
     if not set(warmup.request_id.tolist()) <= set(requests.request_id[:k].tolist()):
         raise TraceError(warmup.source, f"routes requests other than the trace's first {k}", column="request_id",
                          fix="a warm-up serves the trace's first requests; record it with `pwruntime replay "

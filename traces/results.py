@@ -204,17 +204,23 @@ def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents:
     return out
 
 
+_INCOMPLETE = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
+
+
+def _result_table(path: Path, name: str, flag: str) -> dict[str, np.ndarray]:
+    """The Parquet table `name` of the result directory `path`; an unreadable one is a UserError naming it."""
+    try:
+        return read_columns(path / name)
+    except (OSError, pa.ArrowException) as e:
+        reason = str(e).splitlines()[0][:160]
+        raise UserError(f"{flag} {path}: {name} is not a readable Parquet file ({reason}); {_INCOMPLETE}") from None
+
+
 def read_plan_log(path: str | os.PathLike, flag: str = "--run") -> dict[str, np.ndarray]:
     """The plan log of a result directory (`plans.parquet`, `policies.plan_log` columns); empty where the run wrote
     none (an older result, a served run)."""
-    file = Path(path) / "plans.parquet"
-    if not file.is_file():
-        return {}
-    try:
-        return read_columns(file)
-    except (OSError, pa.ArrowException) as e:
-        raise UserError(f"{flag} {path}: plans.parquet is not a readable Parquet file ({str(e).splitlines()[0][:160]}); "
-                        "run it again") from None
+    path = Path(path)
+    return _result_table(path, "plans.parquet", flag) if (path / "plans.parquet").is_file() else {}
 
 
 def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict, dict[str, np.ndarray], dict[str, np.ndarray], dict]:
@@ -228,29 +234,21 @@ def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict,
                             f"({', '.join(str(path / name) for name in levels)})")
         raise UserError(f"{flag} {path} is not a result directory (no summary.json and requests.parquet); give the "
                         "--out of a `pwsim run` or `pwruntime replay`")
-    fix = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
 
     def document(name: str) -> dict:
         try:
             doc = json.loads((path / name).read_text())
         except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise UserError(f"{flag} {path}: {name} is not readable JSON ({e}); {fix}") from None
+            raise UserError(f"{flag} {path}: {name} is not readable JSON ({e}); {_INCOMPLETE}") from None
         if not isinstance(doc, dict):
-            raise UserError(f"{flag} {path}: {name} is not a JSON object; {fix}")
+            raise UserError(f"{flag} {path}: {name} is not a JSON object; {_INCOMPLETE}")
         return doc
 
-    def table(name: str) -> dict[str, np.ndarray]:
-        try:
-            return read_columns(path / name)
-        except (OSError, pa.ArrowException) as e:
-            reason = str(e).splitlines()[0][:160]
-            raise UserError(f"{flag} {path}: {name} is not a readable Parquet file ({reason}); {fix}") from None
-
     summary = document(RESULT_MARKER)
-    requests = table("requests.parquet")
+    requests = _result_table(path, "requests.parquet", flag)
     missing = [c for c in REQUIRED_REQUEST_COLUMNS if c not in requests]
     if missing:
-        raise UserError(f"{flag} {path}: requests.parquet lacks column(s) {', '.join(missing)}; {fix}")
-    timeline = table("timeline.parquet") if (path / "timeline.parquet").is_file() else {}
+        raise UserError(f"{flag} {path}: requests.parquet lacks column(s) {', '.join(missing)}; {_INCOMPLETE}")
+    timeline = _result_table(path, "timeline.parquet", flag) if (path / "timeline.parquet").is_file() else {}
     config = document("config.json") if (path / "config.json").is_file() else {}
     return summary, requests, timeline, config

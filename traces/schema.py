@@ -335,6 +335,11 @@ class RoutingTrace:
                              fix="one row per (request, attempt, position, layer)")
 
     @property
+    def num_requests(self) -> int:
+        """Requests the trace routes."""
+        return int(np.unique(self.request_id).size)
+
+    @property
     def attempts(self) -> np.ndarray:
         """Each row's computation of its position: 0 the first, 1 the recompute after a first preemption, ..."""
         return self.attempt if self.attempt is not None else np.zeros(len(self.request_id), dtype=np.int16)
@@ -396,7 +401,7 @@ class RoutingTrace:
         hot = max(1, self.experts // 10)
         used = mass.sum(axis=1) > 0
         return {"card": self.card, "layers": self.layers, "experts": self.experts, "top_k": self.top_k,
-                "rows": len(self), "requests": int(np.unique(self.request_id).size),
+                "rows": len(self), "requests": self.num_requests,
                 "recomputed_rows": int((self.attempts > 0).sum()),
                 "features": self.has_features,
                 "hottest_10pct_mass": float(top[used, :hot].sum(axis=1).mean()) if used.any() else 0.0}
