@@ -44,7 +44,7 @@ class PageMover(Protocol):
 
 @dataclass
 class ImmediateMover:
-    """Every transfer lands at once (full-precision weights, or a zero-cost model)."""
+    """Every transfer lands at once (full-precision weights, the CPU runtime's AP experts, or a zero-cost model)."""
 
     _pending: list[int] = field(default_factory=list)
     bytes_moved: int = 0

@@ -109,6 +109,7 @@ def _read_requests(path: str, limit: int | None):
 
 
 def run(args) -> int:
+    from policies.loop import ImmediateMover
     from pwruntime.cmd_generate import build_engine, engine_model_dir
     from pwruntime.replay import replay
     from pwruntime.trace_recorder import TraceRecorder, card_for
@@ -135,7 +136,8 @@ def run(args) -> int:
     result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
                     progress=not args.json)
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
-               "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks}
+               "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks,
+               "instant_page_moves": isinstance(engine.loop.mover, ImmediateMover)}  # no copy stream (the CPU's)
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}

@@ -56,6 +56,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
                         "the host's work")
+    e.add_argument("--instant-page-moves", action="store_true",
+                   help="land every page move at the iteration boundary that began it, the link taking no time, as "
+                        "the CPU runtime does (no copy stream); `--like-replay` of a CPU replay sets it")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate, 0: all at once; default 1)")
@@ -115,7 +118,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
-                       async_scheduling=args.async_scheduling, warmup_requests=args.warmup_requests,
+                       async_scheduling=args.async_scheduling, instant_page_moves=args.instant_page_moves,
+                       warmup_requests=args.warmup_requests,
                        time_scale=args.time_scale, request_rate=args.request_rate,
                        request_burstiness=1.0 if args.burstiness is None else args.burstiness,
                        max_concurrency=levels[0] if max_concurrency is None else max_concurrency)
@@ -151,6 +155,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         parts.append("--enable-prefix-caching")
     if args.async_scheduling:
         parts.append("--async-scheduling")
+    if args.instant_page_moves:
+        parts.append("--instant-page-moves")
     if args.warmup_requests:
         parts.append(f"--warmup-requests {args.warmup_requests}")
     if args.time_scale != 1.0:

@@ -88,6 +88,7 @@ class SimConfig:
     max_iterations: int = 50_000_000
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
+    instant_page_moves: bool = False  # every page move lands at the boundary that began it, as the CPU runtime's
     warmup_requests: int = 0  # as `pwruntime replay --warmup-requests`: see `Simulation.run`
     max_concurrency: int | None = None  # as `pwruntime bench serve --max-concurrency`: at most this many requests in
     # flight; one whose arrival finds them all in flight is sent when one ends, its latencies counted from then
@@ -182,7 +183,7 @@ class Simulation:
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
         self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
-                               transition_s=profile.plan_transition_us * 1e-6)
+                               transition_s=profile.plan_transition_us * 1e-6, instant=config.instant_page_moves)
         self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,

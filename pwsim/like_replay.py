@@ -3,8 +3,9 @@
 A `pwruntime replay --record-routing` result holds the replayed requests and the routing they took (`DIR/trace`) and,
 in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
-prefix caching, asynchronous scheduling, the warm-up and the arrival settings. What the simulator adds of its own (the
-hardware profile, the output) stays as given. A replay whose KV pool was not sized by `--gpu-memory-budget` has no
+prefix caching, asynchronous scheduling, the warm-up and the arrival settings, and, from its `summary.json`, whether
+its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
+simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by `--gpu-memory-budget` has no
 budget the simulator could take, and one that recorded no routing no trace of what it served: both are refused.
 """
 from __future__ import annotations
@@ -72,4 +73,20 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
             taken += [f"{flag} {v}" for v in value]
         else:
             taken.append(f"{flag} {value}")
+    if _instant_page_moves(d):
+        args.instant_page_moves = True
+        taken.append("--instant-page-moves")
     return taken
+
+
+def _instant_page_moves(d: Path) -> bool:
+    """Whether the replay's page moves landed at the boundary that began them: its summary says so (a replay before
+    it did: one on the CPU, whose runtime has no copy stream)."""
+    try:
+        summary = json.loads((d / "summary.json").read_text())
+    except (OSError, ValueError):
+        raise UserError(f"--like-replay {d}: no readable summary.json; give the --out of a finished "
+                        "`pwruntime replay`") from None
+    if not isinstance(summary, dict):
+        raise UserError(f"--like-replay {d}: its summary.json holds no summary; give the --out of a `pwruntime replay`")
+    return bool(summary.get("instant_page_moves", summary.get("device") == "cpu"))

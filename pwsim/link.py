@@ -11,7 +11,9 @@ its small copies to finish), else at the first boundary after its copy ends. An 
 reported at the boundary that began it when no forward that may read its planes is still running there (as the
 runtime's CudaPageMover: its mark, recorded behind the queued kernels, is done), else at the next one. The engine
 says which at each boundary (`boundary(forward_in_flight=...)`): never at a synchronous boundary; with asynchronous
-scheduling when the batch launched before the boundary is still on the device as the host plans.
+scheduling when the batch launched before the boundary is still on the device as the host plans. With `instant`
+every transfer lands at the boundary that began it, as the CPU runtime's moves (no copy stream: a reload's planes
+are copied before its transition returns), and the link takes no time.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ class LinkMover:
     one boundary later when a forward was still running at the boundary that began them."""
 
     def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, on_landed_check: Callable[[], None],
-                 on_begin: Callable[[Transition, int], None] | None = None, transition_s: float = 0.0) -> None:
-        self.env, self.bw = env, float(h2d_bytes_per_s)
+                 on_begin: Callable[[Transition, int], None] | None = None, transition_s: float = 0.0,
+                 instant: bool = False) -> None:
+        self.env, self.bw, self.instant = env, float(h2d_bytes_per_s), instant
         self.transition_s = float(transition_s)  # host time to begin one transition (the profile's)
         self.offloads_wait = False  # this boundary's offloads wait for the next (a forward may still read them)
         self._link_free_at = 0.0  # when the link finishes the copies queued so far
@@ -58,9 +61,12 @@ class LinkMover:
             (self._offloads_new if self.offloads_wait else self._offloads_due).append(t.block)
             self.offload_bytes += int(nbytes)
             return
-        queued = self.env.now + (self._begun - 1) * self.transition_s  # its copy goes out as its host work begins
-        start = max(queued, self._link_free_at)
-        end = start + int(nbytes) / self.bw
+        if self.instant:
+            start = end = self.env.now
+        else:
+            queued = self.env.now + (self._begun - 1) * self.transition_s  # its copy goes out as its host work begins
+            start = max(queued, self._link_free_at)
+            end = start + int(nbytes) / self.bw
         self._link_free_at = end
         self._copies.append((end, t.block))
         self.transfers.append((t.block, start, end, int(nbytes)))
@@ -70,7 +76,7 @@ class LinkMover:
         `forward_in_flight` (a launched forward still runs) those this one begins wait for the next."""
         self._offloads_due.extend(self._offloads_new)
         self._offloads_new = []
-        self.offloads_wait = forward_in_flight
+        self.offloads_wait = forward_in_flight and not self.instant
         self._begun = 0
 
     def landed(self) -> list[int]:

@@ -250,15 +250,16 @@ def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
     assert engine._spare_bytes == sim._headroom() and 0 < engine._spare_bytes < engine.block_bytes
 
 
-def _warm_up_load(path: Path, first_id: int = 100) -> Path:
-    """The replay warm-up's load: the demo trace's first 32 prompts at once, 16 tokens each (ids from first_id)."""
+def _first_prompts(path: Path, max_tokens: int = 16, first_id: int = 100) -> Path:
+    """The demo trace's first 32 prompts at once, at most `max_tokens` output tokens each (16: the replay warm-up's
+    load), ids from first_id."""
     from traces.io import read_requests, write_requests
     from traces.schema import RequestTrace
 
     full = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
     k = 32
     trace = RequestTrace.from_columns(np.arange(first_id, first_id + k), np.zeros(k), full.prompt_tokens[:k],
-                                      np.minimum(16, full.output_tokens[:k]), full.domain[:k],
+                                      np.minimum(max_tokens, full.output_tokens[:k]), full.domain[:k],
                                       prompt_token_ids=[full.prompt_ids(i) for i in range(k)])
     path.mkdir()
     write_requests(path / "requests.parquet", trace)
@@ -280,10 +281,12 @@ def _computed(routing, ids) -> list[int]:
 
 @pytest.mark.parametrize("schedule", [[], ["--async-scheduling"]])
 def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step(ap_dir, tmp_path, capsys, schedule):
-    """The warm-up load at 24 MiB (CPU, bf16; synchronous and asynchronous), after a warm-up of 16 requests:
-    `pwruntime replay --record-routing` writes the routing its forwards computed; `pwsim run` on it schedules the same
-    batches, holds the same KV pool and bits and begins the same plan transitions at every step (`pwsim fidelity`'s
-    decisions), its warm-up routed with the warm-up's recorded routing. Before a budget's spare bytes were kept alike
+    """The trace's first 32 prompts, 48 tokens each, at 24 MiB (CPU, bf16; synchronous and asynchronous), after a
+    warm-up of 16 requests: `pwruntime replay --record-routing` writes the routing its forwards computed; `pwsim run`
+    on it schedules the same batches, holds the same KV pool and bits and begins and lands the same plan transitions
+    at every step (`pwsim fidelity`'s decisions), its warm-up routed with the warm-up's recorded routing, its page
+    moves landing at once as the CPU runtime's (`--instant-page-moves`; with the link's timing, the first reload
+    lands a boundary later and the runs part there). Before a budget's spare bytes were kept alike
     on both they parted at the first plan, and the asynchronous simulator recorded each step's batch a row late and
     held every offload a boundary; with the replayed requests' routing in its warm-up (the same prompts, computed at
     other bits) the simulator warms up differently; on the trace's synthetic routing they part at the first plan whose
@@ -291,7 +294,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     from pwsim.cli import main as sim_main
     from traces.io import read_trace_dir
 
-    trace = _warm_up_load(tmp_path / "load")
+    trace = _first_prompts(tmp_path / "load", max_tokens=48)
     limits = ["--max-num-seqs", "32", "--time-scale", "0", "--warmup-requests", "16", *schedule]
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
                  str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
@@ -302,13 +305,14 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert ids.tolist() == list(range(100, 132))  # the trace's ids; the warm-up's requests are not in it
     assert sorted(set(recorded.routing.request_id.tolist())) == ids.tolist()
     # each computation of a request as an attempt (a recompute after preemption the next), from its first position;
-    # the last one whole: each prompt and 15 fed-back outputs, once each
+    # the last one whole: each prompt and its fed-back outputs, once each
     assert recorded.routing.attempts.max() >= 1
-    assert _computed(recorded.routing, ids) == (recorded.requests.prompt_tokens + 15).tolist()
+    assert _computed(recorded.routing, ids) == (recorded.requests.prompt_tokens + recorded.requests.output_tokens
+                                                 - 1).tolist()
     # the warm-up's own routing of the trace's first 16 prompts (at the bits it ran with), for the simulator's
     warm = recorded.warmup_routing
     assert sorted(set(warm.request_id.tolist())) == list(range(100, 116))
-    assert _computed(warm, ids[:16]) == (recorded.requests.prompt_tokens[:16] + 15).tolist()
+    assert _computed(warm, ids[:16]) == (recorded.requests.prompt_tokens[:16] + 15).tolist()  # 16 tokens each
 
     reports = {}
     # the simulator on the replay's own trace and settings (`--like-replay`), and by hand on the synthetic routing
@@ -316,7 +320,8 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
                        ("synthetic", ["--budget", "24MiB", "--policy", "pagedweight", "--trace", str(trace),
                                       "--calibration", str(CALIBRATION), "--max-num-batched-tokens", "512", *limits])):
         assert sim_main(["run", *argv, "--out", str(tmp_path / name)]) == 0
-        capsys.readouterr()
+        # the CPU runtime lands its page moves at once (no copy stream): the replay says so, the simulator does so
+        assert ("--instant-page-moves" in capsys.readouterr().out) == (name == "own")
         assert sim_main(["fidelity", "--sim", str(tmp_path / name), "--runtime", str(tmp_path / "rt"), "--out",
                          str(tmp_path / f"fid-{name}"), "--json"]) == 0
         reports[name] = json.loads(capsys.readouterr().out)
@@ -331,6 +336,8 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert t["first_difference"] is None and t["alike"] == t["rows"] and t["sim"] == t["runtime"], t
     assert t["runtime"]["started"] > 20 and t["runtime"]["landed"] > 0
     import pyarrow.parquet as pq
+    log = pq.read_table(tmp_path / "rt" / "plans.parquet").to_pydict()
+    assert sum(s == "landed" and b > a for s, a, b in zip(log["status"], log["from_bits"], log["to_bits"])) > 20
     timeline = pq.read_table(tmp_path / "rt" / "timeline.parquet").column("plan_transitions").to_pylist()
     assert t["runtime"]["started"] == sum(timeline)  # a row for each transition the timeline counts
     assert synthetic["sim_routing"].startswith("synthetic") and synthetic["decisions"]["first_difference"] is not None
@@ -344,7 +351,9 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     config = json.loads((tmp_path / "rt-blocks" / "config.json").read_text())
     (tmp_path / "rt-blocks" / "config.json").write_text(json.dumps({**config, "gpu_memory_budget": None,
                                                                     "num_kv_blocks": 236}))
+    shutil.copytree(tmp_path / "rt", tmp_path / "rt-unfinished", ignore=shutil.ignore_patterns("summary.json"))
     for src, needle in ((tmp_path / "own", "not a `pwruntime replay` result"),
+                        (tmp_path / "rt-unfinished", "no readable summary.json"),
                         (tmp_path / "rt-plain", "--record-routing"), (tmp_path / "nowhere", "no readable config.json"),
                         (tmp_path / "rt-blocks", "without --gpu-memory-budget")):
         assert sim_main(["run", "--like-replay", str(src), "--out", str(tmp_path / "like")]) == 2
@@ -358,7 +367,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
 
 
 def test_record_routing_with_prefix_caching_exit_2(ap_dir, tmp_path, capsys):
-    trace = _warm_up_load(tmp_path / "load")
+    trace = _first_prompts(tmp_path / "load")
     rc = main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--device", "cpu",
                "--record-routing", "--enable-prefix-caching"])
     err = capsys.readouterr().err

@@ -356,3 +356,27 @@ def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_beg
     # no host cost: the plan is instantaneous and every copy lands at a later boundary
     mover, now = plan(0.0, [5_000, 1_000])
     assert now == [9] and mover.in_flight_reloads == 2
+
+
+def test_instant_page_moves_land_every_transfer_at_the_boundary_that_began_it():
+    """`LinkMover(instant=True)`, the CPU runtime's moves: reloads of any size land at the boundary that began them
+    and take no link time; offloads begun while a forward may still read their planes land at once too (the
+    link's default holds them a boundary)."""
+    import simpy
+
+    from policies.contract import Transition
+    from pwsim.link import LinkMover
+
+    def plan(instant: bool) -> tuple[LinkMover, list[int]]:
+        mover = LinkMover(simpy.Environment(), 1e9, lambda: None, instant=instant)
+        mover.boundary(forward_in_flight=True)
+        for block, nbytes in enumerate([5_000, 4_000_000]):
+            mover.start(Transition(block, 3, 4, -nbytes), nbytes)
+        mover.start(Transition(9, 4, 3, 100), 0)
+        return mover, mover.landed()
+
+    mover, now = plan(instant=True)
+    assert sorted(now) == [0, 1, 9] and mover.in_flight_reloads == 0 and mover.reload_bytes == 4_005_000
+    assert all(start == end == 0.0 for _, start, end, _ in mover.transfers)
+    mover, now = plan(instant=False)
+    assert now == [] and mover.in_flight_reloads == 2
