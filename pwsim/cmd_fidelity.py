@@ -221,6 +221,11 @@ def run(args) -> int:
         on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
         print(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
               "(run both with or both without --async-scheduling)")
+    m = report["instant_page_moves"]
+    if m["runtime"] is not None and m["sim"] != m["runtime"]:
+        print(f"note: the {'simulation' if m['sim'] else 'replay'}'s page moves landed at the boundary that began them "
+              f"and the {'replay' if m['sim'] else 'simulation'}'s did not; their reloads land at other steps (the "
+              "CPU runtime's land at once: simulate it with --instant-page-moves, as --like-replay does)")
     differ = [f"{key} {v['sim']} simulated, {v['runtime']} on the runtime" for key, v in report["scheduler"].items()
               if None not in (v["sim"], v["runtime"]) and v["sim"] != v["runtime"]]
     if differ:

@@ -24,7 +24,8 @@ cost and a transition's (`routing_reads.read_us`, `transition_us`: `routing_read
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
 `--time-scale 0`) and the same routing (`pwruntime replay --record-routing`) they differ only where time enters:
-when the runtime's page copies land against the simulator's link.
+when the runtime's page copies land against the simulator's link (the CPU runtime's land at once, as the simulator's
+do with `--instant-page-moves`).
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from policies.plan_log import STATUSES
 from traces.clikit import UserError
-from traces.results import percentile
+from traces.results import instant_page_moves, percentile
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 
@@ -220,6 +221,10 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         # served run whose server did not say)
         "async_scheduling": {"sim": bool(sim.config.get("async_scheduling", False)),
                              "runtime": _setting(runtime.config, "async_scheduling", False)},
+        # whether each side's page moves landed at the boundary that began them (`--instant-page-moves`, the CPU
+        # runtime's; None: the runtime's result does not say)
+        "instant_page_moves": {"sim": bool(sim.config.get("instant_page_moves", False)),
+                               "runtime": instant_page_moves(runtime.summary)},
         # the scheduler limits each side ran with (None: not recorded)
         "scheduler": {key: {"sim": _setting(sim.config, sim_key, None), "runtime": _setting(runtime.config, key, None)}
                       for key, sim_key in SCHEDULER_KEYS.items()},

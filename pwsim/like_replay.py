@@ -80,8 +80,8 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
 
 
 def _instant_page_moves(d: Path) -> bool:
-    """Whether the replay's page moves landed at the boundary that began them: its summary says so (a replay before
-    it did: one on the CPU, whose runtime has no copy stream)."""
+    """Whether the replay's page moves landed at the boundary that began them (`traces.results.instant_page_moves`)."""
+    from traces.results import instant_page_moves
     try:
         summary = json.loads((d / "summary.json").read_text())
     except (OSError, ValueError):
@@ -89,4 +89,4 @@ def _instant_page_moves(d: Path) -> bool:
                         "`pwruntime replay`") from None
     if not isinstance(summary, dict):
         raise UserError(f"--like-replay {d}: its summary.json holds no summary; give the --out of a `pwruntime replay`")
-    return bool(summary.get("instant_page_moves", summary.get("device") == "cpu"))
+    return bool(instant_page_moves(summary))

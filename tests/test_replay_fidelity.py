@@ -383,6 +383,16 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
                      str(tmp_path / "fid2")]) == 0
     assert "note: the replay scheduled asynchronously and the simulation did not" in capsys.readouterr().out
     assert json.loads((tmp_path / "fid2" / "fidelity.json").read_text())["async_scheduling"]["runtime"] is True
+    assert rep["instant_page_moves"] == {"sim": False, "runtime": None}  # the runtime's summary does not say
+    cpu = replace(rt, summary={**rt.summary, "instant_page_moves": True})  # a CPU replay: its moves landed at once
+    _write_run(tmp_path / "rt-cpu", cpu)
+    _write_run(tmp_path / "sim-instant", sim, instant_page_moves=True)
+    for name, note in (("sim", True), ("sim-instant", False)):
+        assert sim_main(["fidelity", "--sim", str(tmp_path / name), "--runtime", str(tmp_path / "rt-cpu"), "--out",
+                         str(tmp_path / "fid-cpu")]) == 0
+        text = capsys.readouterr().out
+        assert ("note: the replay's page moves landed at the boundary that began them and the simulation's did not"
+                in text) == note and ("--instant-page-moves" in text) == note
     assert rep["warmup_requests"] == {"sim": 0, "runtime": 0}
     _write_run(tmp_path / "rt-warm", rt, warmup_requests=32)   # a replay that warmed up, a simulation that did not
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt-warm"), "--out",

@@ -204,6 +204,15 @@ def write_result_dir(out: str | os.PathLike, tables: dict[str, dict], documents:
     return out
 
 
+def instant_page_moves(summary: dict) -> bool | None:
+    """Whether a runtime result's page moves landed at the boundary that began them: a replay's summary says so; one
+    older than that did when it ran on the CPU (its runtime has no copy stream); None where a result does not say
+    (a served run)."""
+    if "instant_page_moves" in summary:
+        return bool(summary["instant_page_moves"])
+    return summary["device"] == "cpu" if "device" in summary else None
+
+
 _INCOMPLETE = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
 
 
