@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict
 
 from pwsim.capacity import PERCENTILES, SLO
-from pwsim.cmd_run import (add_common, common_flags, config_from_args, parse_policy, policies_and_budgets,
-                           validate_config)
+from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
+                           policy_variants, validate_config, variant_flags)
 from pwsim.defaults import DEFAULTS
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError, check_output
@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--curve-budget {curve_budget} is not one of --budgets {','.join(budgets)}")
     slo = _slo(args)
     _check_search(args)
-    params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
-    configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
+    configs = [(p, b, config_from_args(args, p, kw, b)) for p, kw in policy_variants(args, policy_names)
+               for b in budgets]
     jobs = worker_count(args.jobs, len(configs))
     out = check_output(args.out)  # written only once every search is done
     validate_config(configs[0][2])
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     found = map_jobs(search_one, [(cfg.to_json(), slo_json, args.min_rate, args.max_rate, args.tolerance)
                                   for _, _, cfg in configs], jobs, "capacity searches", "search",
                      progress=not args.no_progress)
-    searches = [{"policy": p, "budget": b, **cap} for (p, b, _), (cap, _) in zip(configs, found)]
+    searches = [{"policy": cfg.policy_label, "budget": b, **cap} for (_, b, cfg), (cap, _) in zip(configs, found)]
     first = found[0][1]
     meta = {"command": _command(args, policy_names, budgets), "budgets": budgets, "curve_budget": curve_budget,
             "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _command(args: argparse.Namespace, policies: list[str], budgets: list[str]) -> str:
     parts = ["pwsim capacity", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
-    parts += [f"--policy-arg {a}" for a in args.policy_arg]
+    parts += variant_flags(args)
     if args.slo_ttft is not None:
         parts.append(f"--slo-ttft {args.slo_ttft:g}")
     if args.slo_tpot is not None:
@@ -141,6 +141,7 @@ def register(subparsers) -> None:
                         f"(default {','.join(DEFAULTS.policies)})")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",
                    help="parameter of the (single) policy searched (repeatable)")
+    add_sweep_flag(p)
     p.add_argument("--budgets", default=",".join(DEFAULTS.budgets),
                    help=f"comma-separated memory budgets (default {','.join(DEFAULTS.budgets)})")
     p.add_argument("--curve-budget", default=None,

@@ -10,8 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
-from pwsim.cmd_run import (add_common, common_flags, config_from_args, parse_policy, policies_and_budgets,
-                           validate_config)
+from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
+                           policy_variants, validate_config, variant_flags)
 from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
@@ -26,7 +26,7 @@ COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", 
 
 
 def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
-    base = {"policy": cfg.policy + "".join(f",{k}={v}" for k, v in cfg.policy_params), "budget": budget}
+    base = {"policy": cfg.policy_label, "budget": budget}
     if summary is None:
         return {**base, "status": "infeasible", "note": error}
     m, q = summary["memory"], summary["quality"]
@@ -105,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     policy_names, budgets = policies_and_budgets(args)
-    params = {p: parse_policy(p, args.policy_arg) for p in policy_names}
-    configs = [(p, b, config_from_args(args, p, params[p], b)) for p in policy_names for b in budgets]
+    configs = [(p, b, config_from_args(args, p, kw, b)) for p, kw in policy_variants(args, policy_names)
+               for b in budgets]
     jobs, slo = worker_count(args.jobs, len(configs)), slo_bounds(args)
     tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
     if tl_budget not in budgets:
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
             "quality_note": first["quality"]["note"], "hardware": first["hardware"],
             "calibration": first["calibration"], "workload": first["workload"], "model": first["model"]}
-    timelines = {cfg.policy: results[k][1] for k, (p, b, cfg) in enumerate(configs)
+    timelines = {cfg.policy_label: results[k][1] for k, (p, b, cfg) in enumerate(configs)
                  if b == tl_budget and results[k][1] is not None}
 
     def write_json(path: Path) -> None:
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _command(args, policies, budgets) -> str:
     return " ".join(["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}",
-                     *common_flags(args)])
+                     *variant_flags(args), *common_flags(args)])
 
 
 def register(subparsers) -> None:
@@ -168,6 +168,7 @@ def register(subparsers) -> None:
                    help=f"comma-separated memory budgets (default {','.join(DEFAULTS.budgets)})")
     p.add_argument("--policy-arg", action="append", default=[], metavar="K=V",
                    help="parameter of the (single) policy compared (repeatable)")
+    add_sweep_flag(p)
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: available cores)")
     p.add_argument("--timeline-budget", default=None, help="budget whose timelines are plotted (default: the middle one)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")

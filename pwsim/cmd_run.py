@@ -182,6 +182,55 @@ def policies_and_budgets(args: argparse.Namespace) -> tuple[list[str], list[str]
     return policy_names, budgets
 
 
+def add_sweep_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sweep", action="append", default=[], metavar="K=V1,V2,...",
+                        help="run each policy that has parameter K once per value (repeatable: every combination); "
+                             "the others once, e.g. --policies pagedweight,uniform-4 --sweep min_plan_blocks=1,4,16")
+
+
+def policy_variants(args: argparse.Namespace, policy_names: list[str]) -> list[tuple[str, dict]]:
+    """(policy, parameters) of every planner to run: each policy with its `--policy-arg`, once per combination of
+    the `--sweep` values of the parameters it has (once if it has none of them)."""
+    import itertools
+
+    from policies.registry import PolicyError, describe
+    sweeps: dict[str, list[str]] = {}
+    for spec in args.sweep:
+        key, sep, raw = spec.partition("=")
+        values = [v.strip() for v in raw.split(",") if v.strip()]
+        if not sep or not key.strip() or not values:
+            raise UserError(f"--sweep {spec!r} is not K=V1,V2,... (e.g. --sweep min_plan_blocks=1,4,16)")
+        key = key.strip()
+        if key in sweeps:
+            raise UserError(f"--sweep {key} given twice; give its values in one list")
+        if len(set(values)) < len(values):
+            raise UserError(f"--sweep {key}: a value is given twice ({raw})")
+        if any(a.partition("=")[0].strip() == key for a in args.policy_arg):
+            raise UserError(f"--sweep {key} and --policy-arg {key}=... both set {key}; give one")
+        sweeps[key] = values
+    taken: set[str] = set()
+    out = []
+    for name in policy_names:
+        try:
+            known = {p for p, _, _ in describe(name)}
+        except PolicyError as e:
+            raise UserError(str(e)) from None
+        keys = [k for k in sweeps if k in known]
+        taken.update(keys)
+        for combo in itertools.product(*(sweeps[k] for k in keys)):
+            out.append((name, parse_policy(name, [*args.policy_arg, *(f"{k}={v}" for k, v in zip(keys, combo))])))
+    unused = [k for k in sweeps if k not in taken]
+    if unused:
+        raise UserError(f"--sweep {unused[0]}: no policy of --policies {','.join(policy_names)} has that parameter "
+                        "(`pwsim policies NAME` lists a policy's)")
+    return out
+
+
+def variant_flags(args: argparse.Namespace) -> list[str]:
+    """`--policy-arg` and `--sweep` as a command line gives them (the reproduce lines)."""
+    return [f"--policy-arg {a}" for a in args.policy_arg] + [f"--sweep {s}" for s in args.sweep]
+
+
 def parse_policy(name: str, args_list: list[str]) -> dict:
     import policies
     try:

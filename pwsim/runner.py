@@ -92,9 +92,13 @@ class RunConfig:
             raise UserError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
 
     @property
+    def policy_label(self) -> str:
+        """The policy and the parameters it was given: `pagedweight,min_plan_blocks=4`."""
+        return self.policy + "".join(f",{k}={v}" for k, v in self.policy_params)
+
+    @property
     def label(self) -> str:
-        args = "".join(f",{k}={v}" for k, v in self.policy_params)
-        return f"{self.policy}{args}@{format_size(self.budget_bytes)}"
+        return f"{self.policy_label}@{format_size(self.budget_bytes)}"
 
     @property
     def uses_quality_fit(self) -> bool:

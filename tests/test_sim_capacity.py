@@ -160,6 +160,21 @@ def test_capacity_command_end_to_end(tmp_path, capsys):
     assert res["multiplier"] >= caps["pagedweight"]["multiplier"]
 
 
+def test_capacity_sweeps_a_planner_parameter(tmp_path, capsys):
+    """`--sweep`: a search per value, labelled with it, each the search `--policy-arg` gives; the reproduce line
+    carries the sweep."""
+    argv = ["capacity", "--policies", "pagedweight", "--jobs", "1", "--no-progress", *DEMO]
+    assert main([*argv, "--sweep", "min_plan_blocks=0,16", "--out", str(tmp_path / "sweep")]) == 0
+    assert "reproduce: pwsim capacity --policies pagedweight --budgets 32MiB --sweep min_plan_blocks=0,16" in \
+        capsys.readouterr().out
+    searches = json.loads((tmp_path / "sweep" / "capacity.json").read_text())["searches"]
+    assert [s["policy"] for s in searches] == ["pagedweight,min_plan_blocks=0", "pagedweight,min_plan_blocks=16"]
+    assert main([*argv, "--policy-arg", "min_plan_blocks=16", "--out", str(tmp_path / "one")]) == 0
+    capsys.readouterr()
+    (one,) = json.loads((tmp_path / "one" / "capacity.json").read_text())["searches"]
+    assert one == searches[1]
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--budgets", "32MiB"], "needs a TTFT or a TPOT bound"),
     (["--slo-ttft", "1", "--budgets", "24MiB,32MiB", "--curve-budget", "48MiB"], "--curve-budget 48MiB is not one of"),

@@ -107,6 +107,49 @@ def test_compare_table_is_the_same_with_one_or_two_jobs(tmp_path, capsys):
     assert len(csv_lines) == 7 and csv_lines[0].startswith("policy,budget,status")
 
 
+def test_compare_sweeps_a_planner_parameter_beside_policies_without_it(tmp_path, capsys):
+    """`--sweep K=V1,V2` runs each policy that has K once per value (a row each, labelled with the value) and the
+    others once; each row is the run `--policy-arg K=V` gives; the reproduce line carries the sweep (the bundled
+    demo default under pressure, 24 MiB)."""
+    args = ["compare", "--policies", "pagedweight,uniform-4", "--budgets", "24MiB", "--sweep", "min_plan_blocks=1,16",
+            "--sweep", "alpha=0.5,1", "--no-progress", "--jobs", "1"]
+    assert main([*args, "--out", str(tmp_path / "cmp")]) == 0
+    text = capsys.readouterr().out
+    report = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    labels = [r["policy"] for r in report["rows"]]
+    assert labels == ["pagedweight,alpha=0.5,min_plan_blocks=1", "pagedweight,alpha=1.0,min_plan_blocks=1",
+                      "pagedweight,alpha=0.5,min_plan_blocks=16", "pagedweight,alpha=1.0,min_plan_blocks=16",
+                      "uniform-4"]  # the first --sweep's values in the outer loop
+    assert "--sweep min_plan_blocks=1,16 --sweep alpha=0.5,1" in text
+    rows = {r["policy"]: r for r in report["rows"]}
+    # each parameter reached the planner
+    assert rows["pagedweight,alpha=0.5,min_plan_blocks=16"]["mean_bits"] != \
+        rows["pagedweight,alpha=1.0,min_plan_blocks=16"]["mean_bits"]
+    assert rows["pagedweight,alpha=0.5,min_plan_blocks=1"]["throughput_tok_s"] != \
+        rows["pagedweight,alpha=0.5,min_plan_blocks=16"]["throughput_tok_s"]
+    assert main(["run", "--policy", "pagedweight", "--policy-arg", "alpha=0.5", "--policy-arg", "min_plan_blocks=16",
+                 "--budget", "24MiB", "--json", "--no-plots", "--out", str(tmp_path / "one")]) == 0
+    one = json.loads(capsys.readouterr().out)
+    row = rows["pagedweight,alpha=0.5,min_plan_blocks=16"]
+    assert (one["throughput_tokens_per_s"], one["mean_committed_bits"]) == (row["throughput_tok_s"], row["mean_bits"])
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["compare", "--sweep", "min_plan_blocks"], "is not K=V1,V2"),
+    (["compare", "--sweep", "min_plan_blocks=1,1"], "a value is given twice"),
+    (["compare", "--sweep", "min_plan_blocks=1", "--sweep", "min_plan_blocks=2"], "given twice"),
+    (["compare", "--policies", "uniform-4,fp16", "--sweep", "alpha=1,2"], "no policy of --policies uniform-4,fp16"),
+    (["compare", "--policies", "pagedweight", "--sweep", "alpha=1,2", "--policy-arg", "alpha=3"], "give one"),
+    (["compare", "--policies", "pagedweight", "--sweep", "min_plan_blocks=1,lots"], "expects an integer"),
+    (["capacity", "--slo-ttft", "1", "--policies", "uniform-4", "--sweep", "alpha=1,2"], "has that parameter"),
+])
+def test_sweep_misuse_is_one_line_and_writes_nothing(tmp_path, capsys, argv, needle):
+    assert main([*argv, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["run", "--budget", "lots"], "cannot read size"),
     (["run", "--trace", "/no/such/trace"], "not a trace directory"),
