@@ -6,7 +6,9 @@ engine and planner options as `pwruntime generate` (--ap/--calibration/--policy 
 engine runs in a process of its own (pwruntime.engine_process) and logs a stats line every --log-stats-interval.
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
---shutdown-timeout seconds to finish (then cuts them), and exits 0.
+--shutdown-timeout seconds to finish (then cuts them), and exits 0. With --record-trace DIR the engine records the
+requests it served (arrival times, prompt token ids, output lengths) and the routing its forwards computed for them,
+and writes them as a trace directory when the server stops: `pwsim run --trace DIR` simulates what was served.
 """
 from __future__ import annotations
 
@@ -36,8 +38,32 @@ def register(subparsers) -> None:
     p.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
                    help="while requests run, log a line of throughput, queue, KV cache and expert bits this often "
                         "(default 10; 0: never, as vLLM's --disable-log-stats)")
+    p.add_argument("--record-trace", default=None, metavar="DIR",
+                   help="record the requests served and the routing computed for them; written to DIR (a new "
+                        "directory) as a trace when the server stops, for `pwsim run --trace DIR`")
+    p.add_argument("--record-trace-max-requests", type=int, default=1000, metavar="N",
+                   help="record the first N requests (default 1000; a request's routing takes about "
+                        "layers x top_k x 12 bytes a token of host memory)")
     add_engine_args(p)
     p.set_defaults(func=run)
+
+
+def _check_record_trace(args) -> None:
+    from pathlib import Path
+
+    if args.record_trace is None:
+        return
+    out = Path(args.record_trace)
+    if out.exists():
+        raise UserError(f"--record-trace {out} exists; give a new directory (a trace is written there when the "
+                        "server stops)")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise UserError(f"--record-trace {out}: cannot write in {out.parent}; give a directory in a writable folder")
+    if args.record_trace_max_requests < 1:
+        raise UserError(f"--record-trace-max-requests must be >= 1, got {args.record_trace_max_requests}")
+    if args.enable_prefix_caching:
+        raise UserError("--record-trace records the routing of every prompt token, which prefix caching skips: "
+                        "drop --enable-prefix-caching")
 
 
 def _listen_error(host: str, port: int, e: OSError) -> UserError:
@@ -76,6 +102,7 @@ def run(args) -> int:
         raise UserError(f"--log-stats-interval must be a number of seconds >= 0 (0: no stats lines), got "
                         f"{args.log_stats_interval}")
     _check_listen(args.host, args.port)
+    _check_record_trace(args)
     model_dir = engine_model_dir(args)
     worker = EngineProcess.launch(args)  # loads the model and captures its CUDA graphs, in the engine's process
     server = Server(worker, args.served_model_name or model_dir.name, api_key=args.api_key or None)
@@ -87,5 +114,5 @@ def run(args) -> int:
     except OSError as e:
         raise _listen_error(args.host, args.port, e) from None
     finally:
-        worker.stop()
+        worker.stop(timeout=10.0 if args.record_trace is None else 600.0)  # the engine writes the trace, then exits
     return 0

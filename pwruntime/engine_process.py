@@ -10,7 +10,8 @@ The engine process ignores SIGINT (a Ctrl-C reaches the whole process group; the
 when the engine stops) and exits when the server's process goes away. A model that cannot be loaded is the user's
 error, raised in the server's process with the same message; an engine process that dies while serving fails the
 requests in flight with a 503 and /health says so. Its stats lines (`--log-stats-interval`) go to its stderr, which
-is the server's.
+is the server's. With `--record-trace DIR` its engine records what it serves (pwruntime.trace_recorder) and the
+process writes the trace once its loop has stopped, before it exits.
 """
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def _engine_main(args, inbox, outbox) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start = time.perf_counter()
     try:
-        engine = build_engine(args)[0]
+        recorder = _recorder(args)
+        engine = build_engine(args, recorder)[0]
         engine.capture_graphs()  # before the first request, which would otherwise pay the captures its steps need
     except (UserError, CalibrationError, PolicyError) as e:
         outbox.send(("failed", str(e)))
@@ -154,4 +156,32 @@ def _engine_main(args, inbox, outbox) -> None:
     core = EngineCore(engine, emit, log)
     threading.Thread(target=_forward, args=(inbox, core.inbox), name="pagedweight-inbox", daemon=True).start()
     core.run()
+    if recorder is not None:
+        _write_trace(recorder, args.record_trace)
     sys.stderr.flush()
+
+
+def _recorder(args):
+    """The TraceRecorder `--record-trace` asks for (None without it)."""
+    if args.record_trace is None:
+        return None
+    from pwruntime.cmd_generate import engine_model_dir
+    from pwruntime.trace_recorder import TraceRecorder, card_for
+
+    model_dir = engine_model_dir(args)
+    return TraceRecorder(card=card_for(model_dir), domain="served", max_requests=args.record_trace_max_requests,
+                         provenance={"model": str(model_dir), "recorded_by": "pwruntime serve"})
+
+
+def _write_trace(recorder, out: str) -> None:
+    if recorder.num_requests == 0:
+        _log_line(f"no request was served: no trace written to {out}")
+        return
+    try:
+        recorder.write(out, from_first_arrival=True)
+    except (OSError, UserError) as e:  # a full disk, a folder gone, a trace the schema refuses
+        _log_line(f"could not write the recorded trace to {out}: {e}")
+        return
+    skipped = f"; {recorder.skipped} later requests not recorded (--record-trace-max-requests)" if recorder.skipped else ""
+    _log_line(f"recorded {recorder.num_requests} requests and their routing to {out} (`pwsim run --trace {out}`)"
+              f"{skipped}")

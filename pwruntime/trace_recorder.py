@@ -8,7 +8,9 @@ column: the recompute runs at the bits of its time and may route otherwise), so 
 replays them. Routing that reaches the recorder after its request finished (the
 one step an asynchronously scheduled sequence runs past its stop) is not recorded, as it was never computed
 without asynchronous scheduling. `routing_trace(rename=...)` keeps some requests under other ids (a replay's, under
-its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture.
+its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture. A server's recorder
+(`pwruntime serve --record-trace`) keeps at most `max_requests` requests (the later ones are counted in `skipped`),
+and its trace holds only the requests that were computed (a request aborted before its first step has no routing).
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ class TraceRecorder:
     features: bool = True  # record gate_up / down input norms
     domain: str = "unknown"
     provenance: dict = field(default_factory=dict)
+    max_requests: int | None = None  # record the first this many requests (None: all)
+    skipped: int = 0  # requests that arrived past max_requests, not recorded
     _requests: dict = field(default_factory=dict)  # request id -> [arrival_s, prompt ids, outputs, domain]
     _next: dict = field(default_factory=dict)  # request id -> the position after the last one routed
     _attempt: dict = field(default_factory=dict)  # request id -> its computation (0, then 1 after a preemption, ...)
@@ -46,6 +50,9 @@ class TraceRecorder:
 
     def on_arrival(self, request_id: int, arrival_s: float, prompt_token_ids: list[int], domain: str | None = None,
                    ) -> None:
+        if self.max_requests is not None and len(self._requests) >= self.max_requests:
+            self.skipped += 1
+            return
         self._requests[request_id] = [float(arrival_s), list(prompt_token_ids), 0, domain or self.domain]
         self._next[request_id], self._attempt[request_id] = 0, 0
 
@@ -57,9 +64,11 @@ class TraceRecorder:
         (a recompute after preemption, at the bits of its time) are recorded as the request's next attempt."""
         offset = 0
         for rid, start, n in entries:
-            if rid not in self._finished:
+            if rid in self._requests and rid not in self._finished:
                 attempt = self._attempt.get(rid, 0) + (start < self._next.get(rid, 0))  # positions routed before
                 self._attempt[rid], self._next[rid] = attempt, start + n
+                req = self._requests[rid]  # outputs so far, at least (a request cut before it finished keeps them)
+                req[2] = max(req[2], start + n - len(req[1]) + 1)
                 sl = slice(offset, offset + n)
                 self._chunks.append((rid, attempt, start, routing.topk_ids[:, sl],
                                      routing.topk_weights[:, sl], routing.gate_up_in_norm[:, sl],
@@ -71,20 +80,31 @@ class TraceRecorder:
             self._requests[request_id][2] = int(num_output_tokens)
             self._finished.add(request_id)
 
-    def write(self, path) -> "Path":
-        """Write requests.parquet and routing.parquet (when routing was recorded) into directory `path`."""
+    @property
+    def num_requests(self) -> int:
+        """Requests the trace holds: those recorded that were computed."""
+        return len(self._computed())
+
+    def write(self, path, from_first_arrival: bool = False) -> "Path":
+        """Write requests.parquet and routing.parquet (when routing was recorded) into directory `path`; with
+        `from_first_arrival`, arrival times count from the first request's (a server's clock starts before it)."""
         from traces.io import Trace, write_trace_dir
 
         routing = self.routing_trace() if self._shape is not None and self._chunks else None
-        return write_trace_dir(path, Trace(self.request_trace(), routing))
+        return write_trace_dir(path, Trace(self.request_trace(from_first_arrival), routing))
 
-    def request_trace(self):
+    def _computed(self) -> list[int]:
+        """Ids of the recorded requests that were routed (all of them when no routing is recorded)."""
+        return [r for r in self._requests if self._next[r] > 0 or not self._chunks]
+
+    def request_trace(self, from_first_arrival: bool = False):
         from traces.schema import RequestTrace
 
-        ids = sorted(self._requests, key=lambda r: (self._requests[r][0], r))
+        ids = sorted(self._computed(), key=lambda r: (self._requests[r][0], r))
         rows = [self._requests[r] for r in ids]
+        t0 = rows[0][0] if from_first_arrival and rows else 0.0
         return RequestTrace.from_columns(
-            request_id=ids, arrival_s=[r[0] for r in rows], prompt_tokens=[len(r[1]) for r in rows],
+            request_id=ids, arrival_s=[r[0] - t0 for r in rows], prompt_tokens=[len(r[1]) for r in rows],
             output_tokens=[max(1, r[2]) for r in rows], domain=[r[3] for r in rows],
             prompt_token_ids=[r[1] for r in rows], provenance={"source": "pwruntime", **self.provenance})
 

@@ -3,6 +3,7 @@ requests in flight finish, refuses new connections and exits 0 (aiohttp's gracef
 process stops); an engine process that dies fails what is in flight, and everything after, with a 503."""
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -12,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 
+import numpy as np
 import openai
 import pytest
 
@@ -26,10 +28,17 @@ def _free_port() -> int:
 def server(request):
     """A `pwruntime serve` process on the demo model, on the CPU whatever the machine (these tests need a stream
     that lasts seconds; extra arguments: the test's `serve_args` parameter)."""
+    with _serving(getattr(request, "param", [])) as running:
+        yield running
+
+
+@contextlib.contextmanager
+def _serving(extra: list[str]):
+    """(process, base URL) of `pwruntime serve --device cpu *extra` once /health answers; killed after the block if
+    still running."""
     port = _free_port()
-    extra = ["--device", "cpu", *getattr(request, "param", [])]
-    proc = subprocess.Popen([sys.executable, "-m", "pwruntime.cli", "serve", "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pwruntime.cli", "serve", "--port", str(port), "--device", "cpu",
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
@@ -147,3 +156,51 @@ def test_the_engine_writes_stats_lines_while_it_works(server):
     assert lines and all("generation tokens/s" in line and "KV cache" in line for line in lines), err
     assert "experts in float32" in ready and not any("mean bits" in line for line in lines)  # not AP experts
     assert "0 running, 0 waiting" in lines[-1]
+
+
+def test_a_recorded_trace_holds_what_was_served_and_the_simulator_runs_it(tmp_path):
+    """`--record-trace DIR --record-trace-max-requests 3`: when the server stops, DIR holds the first three requests
+    (their prompt token ids, the outputs they got, arrivals from the first one's) and the routing the engine computed
+    for every position of each; the fourth is counted, not recorded; `pwsim run --trace DIR` serves them again."""
+    from pwsim.cli import main as sim_main
+    from traces.io import read_trace_dir
+
+    out = tmp_path / "served"
+    with _serving(["--record-trace", str(out), "--record-trace-max-requests", "3"]) as (proc, url):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+        usage = []
+        for prompt, n in (("And God said", 5), ("The os module provides a portable way", 9), ("A fool", 3),
+                          ("Not recorded", 4)):
+            r = client.completions.create(model="demo_model", prompt=prompt, max_tokens=n, temperature=0,
+                                          extra_body={"ignore_eos": True})
+            usage.append((r.usage.prompt_tokens, r.usage.completion_tokens))
+        assert not out.exists()  # written when the server stops
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+    assert f"recorded 3 requests and their routing to {out}" in err and "1 later requests not recorded" in err
+    trace = read_trace_dir(out)
+    req, routing = trace.requests, trace.routing
+    assert list(zip(req.prompt_tokens.tolist(), req.output_tokens.tolist())) == usage[:3] == [
+        (usage[0][0], 5), (usage[1][0], 9), (usage[2][0], 3)]
+    assert req.arrival_s[0] == 0 and (np.diff(req.arrival_s) > 0).all() and set(req.domain) == {"served"}
+    assert routing.card == "PagedWeight-demo" and routing.has_features
+    for rid, prompt, outputs in zip(req.request_id, req.prompt_tokens, req.output_tokens):
+        positions = np.unique(routing.position[routing.request_id == rid])
+        assert positions.tolist() == list(range(prompt + outputs - 1))  # each prompt token and fed-back output
+    assert sim_main(["run", "--trace", str(out), "--budget", "48MiB", "--no-plots", "--json",
+                     "--out", str(tmp_path / "sim")]) == 0
+
+
+def test_record_trace_misuse_is_one_line_before_the_model_loads(tmp_path, capsys):
+    from pwruntime.cli import main
+
+    (tmp_path / "taken").mkdir()
+    for argv, needle in ((["--record-trace", str(tmp_path / "taken")], "exists; give a new directory"),
+                         (["--record-trace", str(tmp_path / "no" / "dir")], "cannot write in"),
+                         (["--record-trace", str(tmp_path / "t"), "--record-trace-max-requests", "0"], ">= 1"),
+                         (["--record-trace", str(tmp_path / "t"), "--enable-prefix-caching"], "prefix caching")):
+        assert main(["serve", "--port", str(_free_port()), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "t").exists()
