@@ -88,3 +88,27 @@ def test_chrome_trace_misuse(sim_dir, tmp_path, capsys):
     misuse(capsys, ["chrome-trace", str(tmp_path), "--out", str(out)], "is not a result directory")
     misuse(capsys, ["chrome-trace", str(sim_dir), "--out", str(tmp_path)], "is a directory")
     assert not out.exists()
+
+
+def test_page_moves_come_from_the_plan_log(sim_dir):
+    """Each transition the plan log shows begun and landed is one async slice from its start to its landing (a reload
+    or an offload, its block and bits in its args); each refused one an instant naming why; a result without a plan
+    log (a replay older than it) has none."""
+    from traces.results import read_plan_log
+
+    plans = read_plan_log(sim_dir)
+    trace = chrome_trace([sim_dir])
+    begins, ends = _of(trace, 1, "b", "page move"), _of(trace, 1, "e", "page move")
+    landed = plans["status"] == "landed"
+    assert len(begins) == len(ends) == int(landed.sum()) > 0
+    assert {e["name"] for e in begins} == {"reload", "offload"}  # at 24 MiB the planner lowers, then raises back
+    end_of = {e["id"]: e["ts"] for e in ends}
+    assert all(end_of[b["id"]] >= b["ts"] for b in begins)
+    assert np.allclose(sorted(end_of.values()), sorted(np.round(plans["time_s"][landed] * 1e6, 3)))
+    for b in begins:
+        lo, hi = (int(x) for x in b["args"]["bits"].split("->"))
+        assert (hi > lo) == (b["name"] == "reload") and b["args"]["kind"] in ("gate_up", "down")
+    refused = _of(trace, 1, "i", "page move")
+    assert len(refused) == int((plans["status"] == "rejected").sum()) > 0
+    assert all(r["args"]["reason"] for r in refused)
+    assert not _of(chrome_trace([REPLAY]), 1, "b", "page move")

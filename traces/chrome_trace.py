@@ -8,6 +8,9 @@ on the trace's clock (0: its first arrival), so a simulation and a replay of the
 - counters: requests running and waiting, free and total KV blocks, the experts' mean committed bits, and (in a
   simulation) the bytes of weights and KV pool;
 - "link transfers" (a simulation's reloads on the PCIe link), "stalls" and "plans" (instants) from `events.json`;
+- page moves from the plan log (`plans.parquet`, both engines write it): each transition an async slice "reload" or
+  "offload" from the boundary that began it to the one it landed at (its block, layer, expert, kind and bits in its
+  args), and each one the plan loop refused an instant on the "refused moves" thread, with the reason;
 - "requests": per request, an async slice from its arrival to its first token ("waiting for first token") and one
   from there to its end ("decoding"), each with its request id, prompt and output tokens.
 Times are microseconds (the format's unit).
@@ -19,13 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.results import read_result_dir
+from traces.results import read_plan_log, read_result_dir
 
 US = 1e6
 PHASES = ("schedule_s", "forward_s", "sample_s", "observe_s", "plan_s")
 COUNTERS = {"requests": ("running", "waiting"), "KV blocks": ("free_blocks", "total_blocks"),
             "mean bits": ("mean_bits",), "memory bytes": ("weight_bytes", "kv_pool_bytes")}
-TID_ITERATIONS, TID_LINK, TID_STALLS, TID_PLANS = 1, 2, 3, 4
+TID_ITERATIONS, TID_LINK, TID_STALLS, TID_PLANS, TID_REFUSED = 1, 2, 3, 4, 5
+KINDS = ("gate_up", "down")
 
 
 def result_events(path: str | Path, pid: int, label: str | None = None) -> list[dict]:
@@ -39,6 +43,7 @@ def result_events(path: str | Path, pid: int, label: str | None = None) -> list[
     events += _iterations(timeline, pid)
     events += _counters(timeline, pid)
     events += _events_file(path / "events.json", pid)
+    events += _page_moves(read_plan_log(path, flag="a result directory"), pid)
     events += _requests(requests, pid)
     return events
 
@@ -121,6 +126,35 @@ def _events_file(path: Path, pid: int) -> list[dict]:
         if "time_s" in p:
             out.append({"ph": "i", "s": "t", "pid": pid, "tid": TID_PLANS, "name": "plan", "cat": "plan",
                         "ts": _us(p["time_s"]), "args": {k: v for k, v in p.items() if k != "time_s"}})
+    return out
+
+
+def _page_moves(plans: dict[str, np.ndarray], pid: int) -> list[dict]:
+    """The plan log's transitions: an async slice from each start row to its block's next landed row (one begun in
+    place, or not landed when the run ended, is left out), and an instant for each refused one."""
+    if not plans or not len(plans["step"]):
+        return []
+    out = [_meta(pid, TID_REFUSED, "thread_name", "refused moves")]
+    begun: dict[int, int] = {}  # block -> its start row, until it lands
+    for i, status in enumerate(plans["status"]):
+        block = int(plans["block"][i])
+        name = "reload" if plans["to_bits"][i] > plans["from_bits"][i] else "offload"
+        args = {"block": block, "layer": int(plans["layer"][i]), "expert": int(plans["expert"][i]),
+                "kind": KINDS[int(plans["kind"][i])] if 0 <= plans["kind"][i] < len(KINDS) else "-",
+                "bits": f"{int(plans['from_bits'][i])}->{int(plans['to_bits'][i])}", "step": int(plans["step"][i])}
+        if status == "started":
+            begun[block] = i
+        elif status == "rejected":
+            out.append({"ph": "i", "s": "t", "pid": pid, "tid": TID_REFUSED, "name": f"refused {name}",
+                        "cat": "page move", "ts": _us(plans["time_s"][i]),
+                        "args": {**args, "reason": str(plans["reason"][i])}})
+        elif status == "landed" and block in begun:
+            s = begun.pop(block)
+            ident = f"{pid}-move-{s}"
+            out.append({"ph": "b", "pid": pid, "cat": "page move", "id": ident, "name": name,
+                        "ts": _us(plans["time_s"][s]), "args": {**args, "reason": str(plans["reason"][s])}})
+            out.append({"ph": "e", "pid": pid, "cat": "page move", "id": ident, "name": name,
+                        "ts": _us(plans["time_s"][i])})
     return out
 
 
