@@ -297,3 +297,28 @@ def fidelity_sweep(rows: list[dict], path: Path) -> Path:
         ax.minorticks_off()
         ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def plan_log(logs: dict[str, dict], summaries: list[dict], path: Path) -> Path:
+    """Per run (`pwsim plan-log`): the offloads and reloads begun, cumulated over the steps (left), and the GPU bytes
+    its reloads took back, those that closed round trips apart (right)."""
+    plt = _plt()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    for k, (label, plans) in enumerate(logs.items()):
+        started = np.asarray(plans["status"], dtype=object) == "started"
+        up = np.asarray(plans["to_bits"]) > np.asarray(plans["from_bits"])
+        for mask, style, what in ((started & ~up, "-", "offloads"), (started & up, "--", "reloads")):
+            steps = np.sort(np.asarray(plans["step"])[mask])
+            left.step(steps, np.arange(1, len(steps) + 1), style, color=f"C{k}", where="post", label=f"{label}: {what}")
+    left.set(xlabel="engine step", ylabel="transitions begun (cumulative)", title="page moves")
+    left.legend(fontsize=7)
+    div, unit = memory_unit(max([s["taken_bytes"] for s in summaries] + [1]))
+    x = np.arange(len(summaries))
+    trips = np.array([s["round_trips"]["taken_bytes"] for s in summaries]) / div
+    rest = np.array([s["taken_bytes"] for s in summaries]) / div - trips
+    right.bar(x, trips, color="C3", label="closing a round trip")
+    right.bar(x, rest, bottom=trips, color="C0", label="other reloads")
+    right.set_xticks(x, list(logs), rotation=20, fontsize=7)
+    right.set(ylabel=unit, title="GPU bytes the reloads took back")
+    right.legend(fontsize=7)
+    return _save(fig, path)
