@@ -13,6 +13,7 @@ from pathlib import Path
 from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
                            policy_variants, validate_config, variant_flags)
 from pwsim.parallel import map_jobs, worker_count
+from pwsim.plan_stats import summarize
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
 from traces.clikit import UserError, check_output
@@ -22,7 +23,7 @@ GiB = 2**30
 COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "e2e_p50_s", "completed", "requests", "preemptions",
            "stall_s", "budget_violations", "reloaded_gib", "damage_per_token", "predicted_ppl", "slo_attainment",
-           "goodput_rps", "wall_s", "note"]
+           "goodput_rps", "round_trips", "round_trip_share", "wall_s", "note"]
 
 
 def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
@@ -42,7 +43,9 @@ def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
             "damage_per_token": q.get("mean_damage_per_token"), "predicted_ppl": q.get("predicted_ppl"),
             "quality_fit": q.get("fit"), "wall_s": summary["wall_s"], "note": "",
             "slo_attainment": (summary.get("slo") or {}).get("attainment"),
-            "goodput_rps": (summary.get("slo") or {}).get("goodput_rps")}
+            "goodput_rps": (summary.get("slo") or {}).get("goodput_rps"),
+            "round_trips": summary["round_trips"]["count"],
+            "round_trip_share": summary["round_trips"]["share_of_taken_bytes"]}
 
 
 def run_one(cfg_json: dict, keep_timeline: bool, slo: tuple | None = None):
@@ -57,6 +60,7 @@ def run_one(cfg_json: dict, keep_timeline: bool, slo: tuple | None = None):
         return None, None, str(e)
     if slo is not None:
         res.summary["slo"] = slo_attainment(res.requests, *slo)
+    res.summary["round_trips"] = summarize(res.plan_log)["round_trips"]
     res.plans.clear()
     return res.summary, (res if keep_timeline else None), None
 

@@ -132,6 +132,12 @@ def test_compare_sweeps_a_planner_parameter_beside_policies_without_it(tmp_path,
     one = json.loads(capsys.readouterr().out)
     row = rows["pagedweight,alpha=0.5,min_plan_blocks=16"]
     assert (one["throughput_tokens_per_s"], one["mean_committed_bits"]) == (row["throughput_tok_s"], row["mean_bits"])
+    # each row also counts its planner's round trips, as `pwsim plan-log` does on the run's plan log
+    from pwsim.plan_stats import summarize
+    from traces.results import read_plan_log
+    trips = summarize(read_plan_log(tmp_path / "one"))["round_trips"]
+    assert (row["round_trips"], row["round_trip_share"]) == (trips["count"], trips["share_of_taken_bytes"])
+    assert row["round_trips"] > 0 and rows["uniform-4"]["round_trips"] == 0
 
 
 @pytest.mark.parametrize("argv,needle", [
