@@ -12,7 +12,8 @@ dict). One list per step, not one message per event: the client side wakes once 
 
 The loop steps the engine while any request is unfinished and sleeps on the inbox otherwise; a step that fails
 fails the requests in flight and the loop goes on. With a StatsLog it writes the periodic stats line
-(pwruntime.stats_log) while it has work. It runs in a thread beside the HTTP server
+(pwruntime.stats_log) while it has work; with a PlanLog it logs every transition each step's plan loop began,
+refused or landed (policies.plan_log; `pwruntime serve --record-trace`). It runs in a thread beside the HTTP server
 (pwruntime.engine_client.EngineWorker) or in a process of its own (pwruntime.engine_process), unchanged.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from policies.plan_log import PlanLog
 from pwruntime.metrics import RequestMetrics
 from pwruntime.stats_log import StatsLog, serves_ap_experts
 
@@ -37,9 +39,10 @@ class _Choice:
 
 
 class EngineCore:
-    def __init__(self, engine, emit: Callable[[list], None], stats_log: StatsLog | None = None) -> None:
+    def __init__(self, engine, emit: Callable[[list], None], stats_log: StatsLog | None = None,
+                 plan_log: PlanLog | None = None) -> None:
         """`engine`: a pwruntime.engine.LLMEngine; `emit(events)` is called from the loop's thread."""
-        self.engine, self.emit, self.stats_log = engine, emit, stats_log
+        self.engine, self.emit, self.stats_log, self.plan_log = engine, emit, stats_log, plan_log
         self.inbox: queue.Queue = queue.Queue()
         # prompt_tokens_total: the prefill tokens computed (a preempted request's recompute too; what the prefix
         # cache served is not)
@@ -134,6 +137,8 @@ class EngineCore:
     def _step(self) -> None:
         eng, out = self.engine, self._out
         results = eng.step()
+        if self.plan_log is not None and eng.last_loop is not None:
+            self.plan_log.add(eng.num_steps - 1, eng.clock() - eng.t0, eng.last_loop, eng.table)
         batch = eng.last_batch
         if batch is not None:
             self.counters["prompt_tokens_total"] += batch.num_prefill_tokens

@@ -10,8 +10,9 @@ The engine process ignores SIGINT (a Ctrl-C reaches the whole process group; the
 when the engine stops) and exits when the server's process goes away. A model that cannot be loaded is the user's
 error, raised in the server's process with the same message; an engine process that dies while serving fails the
 requests in flight with a 503 and /health says so. Its stats lines (`--log-stats-interval`) go to its stderr, which
-is the server's. With `--record-trace DIR` its engine records what it serves (pwruntime.trace_recorder) and the
-process writes the trace once its loop has stopped, before it exits.
+is the server's. With `--record-trace DIR` its engine records what it serves (pwruntime.trace_recorder) and its loop
+what the planner did (policies.plan_log), and the process writes both (the trace, and its `plans.parquet`) once its
+loop has stopped, before it exits.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import threading
 import time
 import traceback
 
+from policies.plan_log import PlanLog
 from pwruntime.engine_client import EngineClient
 from pwruntime.engine_core import EngineCore
 from pwruntime.stats_log import StatsLog, ready_line, serving_info
@@ -153,11 +155,11 @@ def _engine_main(args, inbox, outbox) -> None:
             pass
 
     log = StatsLog(args.log_stats_interval, _log_line) if args.log_stats_interval > 0 else None
-    core = EngineCore(engine, emit, log)
+    core = EngineCore(engine, emit, log, plan_log=PlanLog() if recorder is not None else None)
     threading.Thread(target=_forward, args=(inbox, core.inbox), name="pagedweight-inbox", daemon=True).start()
     core.run()
     if recorder is not None:
-        _write_trace(recorder, args.record_trace)
+        _write_trace(recorder, core.plan_log, args.record_trace)
     sys.stderr.flush()
 
 
@@ -173,15 +175,15 @@ def _recorder(args):
                          provenance={"model": str(model_dir), "recorded_by": "pwruntime serve"})
 
 
-def _write_trace(recorder, out: str) -> None:
+def _write_trace(recorder, plan_log: PlanLog, out: str) -> None:
     if recorder.num_requests == 0:
         _log_line(f"no request was served: no trace written to {out}")
         return
     try:
-        recorder.write(out, from_first_arrival=True)
+        recorder.write(out, from_first_arrival=True, plans=plan_log.columns())
     except (OSError, UserError) as e:  # a full disk, a folder gone, a trace the schema refuses
         _log_line(f"could not write the recorded trace to {out}: {e}")
         return
     skipped = f"; {recorder.skipped} later requests not recorded (--record-trace-max-requests)" if recorder.skipped else ""
-    _log_line(f"recorded {recorder.num_requests} requests and their routing to {out} (`pwsim run --trace {out}`)"
-              f"{skipped}")
+    _log_line(f"recorded {recorder.num_requests} requests and their routing to {out} (`pwsim run --trace {out}`), "
+              f"and the {len(plan_log.rows)} rows of the planner's log (`pwsim plan-log {out}`){skipped}")

@@ -85,13 +85,23 @@ class TraceRecorder:
         """Requests the trace holds: those recorded that were computed."""
         return len(self._computed())
 
-    def write(self, path, from_first_arrival: bool = False) -> "Path":
+    def write(self, path, from_first_arrival: bool = False, plans: dict | None = None) -> "Path":
         """Write requests.parquet and routing.parquet (when routing was recorded) into directory `path`; with
-        `from_first_arrival`, arrival times count from the first request's (a server's clock starts before it)."""
+        `from_first_arrival`, arrival times count from the first request's (a server's clock starts before it); with
+        `plans` (a `policies.plan_log` PlanLog's columns, on the engine's clock too) also plans.parquet."""
         from traces.io import Trace, write_trace_dir
 
         routing = self.routing_trace() if self._shape is not None and self._chunks else None
-        return write_trace_dir(path, Trace(self.request_trace(from_first_arrival), routing))
+        requests = self.request_trace(from_first_arrival)
+        out = write_trace_dir(path, Trace(requests, routing))
+        if plans:
+            from traces.results import write_table_atomic
+            t0 = self._first_arrival() if from_first_arrival else 0.0
+            write_table_atomic(out / "plans.parquet", {**plans, "time_s": plans["time_s"] - t0})
+        return out
+
+    def _first_arrival(self) -> float:
+        return min((self._requests[r][0] for r in self._computed()), default=0.0)
 
     def _computed(self) -> list[int]:
         """Ids of the recorded requests that were routed (all of them when no routing is recorded)."""
@@ -102,7 +112,7 @@ class TraceRecorder:
 
         ids = sorted(self._computed(), key=lambda r: (self._requests[r][0], r))
         rows = [self._requests[r] for r in ids]
-        t0 = rows[0][0] if from_first_arrival and rows else 0.0
+        t0 = self._first_arrival() if from_first_arrival else 0.0
         return RequestTrace.from_columns(
             request_id=ids, arrival_s=[r[0] - t0 for r in rows], prompt_tokens=[len(r[1]) for r in rows],
             output_tokens=[max(1, r[2]) for r in rows], domain=[r[3] for r in rows],

@@ -127,6 +127,43 @@ def test_the_engine_loop_shows_ap_experts_bits_and_a_dense_model_none(ap_dir):
     assert "mean bits" not in ready_line(info, 1.0) and "12 KV blocks of 16 tokens" in ready_line(info, 1.0)
 
 
+def test_the_serving_loop_logs_what_its_planner_did(ap_dir):
+    """EngineCore with a PlanLog (what `pwruntime serve --record-trace` writes beside the trace): under pressure every
+    transition the engine's plan loop began is a row, and each one landed (the CPU lands them at once), at steps the
+    engine ran."""
+    import threading
+
+    from policies.plan_log import PlanLog
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.engine_core import EngineCore
+    from pwruntime.sampling import SamplingParams
+    from traces.clikit import build_parser
+    engine, *_ = build_engine(build_parser("pwruntime", "", _registrars()).parse_args(
+        ["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
+         "--num-kv-blocks", "12", "--block-size", "4", "--prompt", "x"]))
+    done, finished, prompts = threading.Event(), [], PROMPTS[1::2]
+
+    def emit(events: list) -> None:
+        finished.extend(e for _, e in events if e[0] == "done")
+        if len(finished) == len(prompts):
+            done.set()
+
+    core = EngineCore(engine, emit, plan_log=PlanLog())
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    core.inbox.put(("add", "k", [(p, params) for p in prompts], False))
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    assert done.wait(120)
+    core.inbox.put(None)
+    thread.join(30)
+    log = core.plan_log.columns()
+    started, landed = (log["status"] == s for s in ("started", "landed"))
+    assert engine.loop.num_plans > 0 and started.sum() >= engine.loop.num_plans
+    assert started.sum() == landed.sum() and sorted(log["block"][started]) == sorted(log["block"][landed])
+    assert 0 <= log["step"].min() and log["step"].max() < engine.num_steps and (np.diff(log["time_s"]) >= 0).all()
+
+
 def test_a_plan_shrinks_the_kv_pool_once(ap_dir):
     """A plan's reservations shrink the KV pool once for all its transitions (`PlanLoop.room_left`) instead of once
     a transition: the same transitions begin and are refused, the pool has the same capacity and spare bytes after

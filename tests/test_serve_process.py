@@ -179,6 +179,7 @@ def test_a_recorded_trace_holds_what_was_served_and_the_simulator_runs_it(tmp_pa
         assert proc.wait(60) == 0
         err = proc.stderr.read()
     assert f"recorded 3 requests and their routing to {out}" in err and "1 later requests not recorded" in err
+    assert f"rows of the planner's log (`pwsim plan-log {out}`)" in err
     trace = read_trace_dir(out)
     req, routing = trace.requests, trace.routing
     assert list(zip(req.prompt_tokens.tolist(), req.output_tokens.tolist())) == usage[:3] == [
@@ -190,6 +191,8 @@ def test_a_recorded_trace_holds_what_was_served_and_the_simulator_runs_it(tmp_pa
         assert positions.tolist() == list(range(prompt + outputs - 1))  # each prompt token and fed-back output
     assert sim_main(["run", "--trace", str(out), "--budget", "48MiB", "--no-plots", "--json",
                      "--out", str(tmp_path / "sim")]) == 0
+    # beside the trace, the planner's log (full-precision experts: nothing to move, nothing logged)
+    assert sim_main(["plan-log", str(out), "--json"]) == 0
 
 
 def test_record_trace_misuse_is_one_line_before_the_model_loads(tmp_path, capsys):
