@@ -8,7 +8,8 @@ Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every 
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
 --shutdown-timeout seconds to finish (then cuts them), and exits 0. With --record-trace DIR the engine records the
 requests it served (arrival times, prompt token ids, output lengths) and the routing its forwards computed for them,
-and writes them as a trace directory when the server stops: `pwsim run --trace DIR` simulates what was served.
+and writes them as a trace directory when the server stops, the planner's log beside them: `pwsim run --trace DIR`
+simulates what was served, `pwsim plan-log DIR` shows what the planner moved.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def register(subparsers) -> None:
                    help="while requests run, log a line of throughput, queue, KV cache and expert bits this often "
                         "(default 10; 0: never, as vLLM's --disable-log-stats)")
     p.add_argument("--record-trace", default=None, metavar="DIR",
-                   help="record the requests served and the routing computed for them; written to DIR (a new "
-                        "directory) as a trace when the server stops, for `pwsim run --trace DIR`")
+                   help="record the requests served, the routing computed for them and the planner's log; written "
+                        "to DIR (a new directory) as a trace when the server stops, for `pwsim run --trace DIR` and "
+                        "`pwsim plan-log DIR`")
     p.add_argument("--record-trace-max-requests", type=int, default=1000, metavar="N",
                    help="record the first N requests (default 1000; a request's routing takes about "
                         "layers x top_k x 12 bytes a token of host memory)")
