@@ -169,14 +169,19 @@ def _transition_lines(report: dict) -> list[str]:
 
     line = (f"plan transitions: {counts(t['sim'])} simulated; {counts(t['runtime'])} on the runtime; "
             f"{t['alike']} of {t['rows']} alike (step, block, bits and status)")
+    trips = report["round_trips"]
+    share = lambda rt: "-" if rt["share_of_taken_bytes"] is None else f"{100 * rt['share_of_taken_bytes']:.0f}%"  # noqa: E731
+    trip_line = (f"round trips (a block lowered, then raised again): {trips['sim']['count']} simulated, "
+                 f"{trips['runtime']['count']} on the runtime ({share(trips['sim'])} and {share(trips['runtime'])} of "
+                 "the bytes their reloads took back)")
     if t["first_difference"] is None:
-        return [line]
+        return [line, trip_line]
 
     def rows(side: list[dict]) -> str:
         return ", ".join(f"block {r['block']} {r['from_bits']}->{r['to_bits']} {r['status']}" for r in side) or "none"
 
     return [line, f"  first apart at step {t['first_difference']}: the simulator's only {rows(t['sim_only'])}; "
-                  f"the runtime's only {rows(t['runtime_only'])}"]
+                  f"the runtime's only {rows(t['runtime_only'])}", trip_line]
 
 
 def run(args) -> int:

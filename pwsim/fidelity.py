@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from policies.plan_log import STATUSES
+from pwsim.plan_stats import summarize
 from traces.clikit import UserError
 from traces.results import instant_page_moves, percentile
 
@@ -212,6 +213,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
                     for k in ("plans", "preemptions")},
         "decisions": decisions(sim.timeline, runtime.timeline),
         "transitions": transitions(sim, runtime),
+        # each planner's round trips (a block lowered, then raised again: `pwsim plan-log`) over its whole log
+        "round_trips": ({side: summarize(run.plans)["round_trips"] for side, run in (("sim", sim), ("runtime", runtime))}
+                        if sim.plans and runtime.plans else None),
         # where the simulator's routing came from (`pwsim run`'s workload: "recorded routing" or synthetic)
         "sim_routing": (sim.summary.get("workload") or {}).get("routing"),
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)

@@ -372,6 +372,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     t = own["transitions"]
     assert t["first_difference"] is None and t["alike"] == t["rows"] and t["sim"] == t["runtime"], t
     assert t["runtime"]["started"] > 20 and t["runtime"]["landed"] > 0
+    assert own["round_trips"]["sim"] == own["round_trips"]["runtime"]  # alike logs undo alike
     import pyarrow.parquet as pq
     log = pq.read_table(tmp_path / "rt" / "plans.parquet").to_pydict()
     assert sum(s == "landed" and b > a for s, a, b in zip(log["status"], log["from_bits"], log["to_bits"])) > 20

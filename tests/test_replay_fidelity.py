@@ -384,6 +384,7 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     assert "note: the replay scheduled asynchronously and the simulation did not" in capsys.readouterr().out
     assert json.loads((tmp_path / "fid2" / "fidelity.json").read_text())["async_scheduling"]["runtime"] is True
     assert rep["instant_page_moves"] == {"sim": False, "runtime": None}  # the runtime's summary does not say
+    assert rep["round_trips"] is None  # neither wrote a plan log
     cpu = replace(rt, summary={**rt.summary, "instant_page_moves": True})  # a CPU replay: its moves landed at once
     _write_run(tmp_path / "rt-cpu", cpu)
     _write_run(tmp_path / "sim-instant", sim, instant_page_moves=True)
