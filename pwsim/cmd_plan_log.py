@@ -1,6 +1,7 @@
 """`pwsim plan-log RUN [RUN ...]`: what each run's planner moved, where and why, and what it undid (`plan_stats`).
 
-RUN is the result directory of a `pwsim run` or a `pwruntime replay` (both write the plan log, `plans.parquet`).
+RUN is the result directory of a `pwsim run` or a `pwruntime replay`, or what `pwruntime serve --record-trace DIR`
+wrote (each holds the plan log, `plans.parquet`).
 Prints a summary per run (or `--json`); `--plot FILE` draws the transitions begun step by step and the GPU bytes
 the reloads took back, those of round trips apart, one series per run.
 """
@@ -20,7 +21,7 @@ def _read(path: str) -> dict:
     d = Path(path)
     if not (d / "plans.parquet").is_file():
         raise UserError(f"{d} holds no plan log (plans.parquet); give the --out of a `pwsim run` or a "
-                        "`pwruntime replay` (both write one)")
+                        "`pwruntime replay`, or the --record-trace DIR of a `pwruntime serve` (each writes one)")
     return read_plan_log(d, flag="pwsim plan-log")
 
 
