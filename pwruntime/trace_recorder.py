@@ -95,9 +95,10 @@ class TraceRecorder:
         requests = self.request_trace(from_first_arrival)
         out = write_trace_dir(path, Trace(requests, routing))
         if plans:
-            from traces.results import write_table_atomic
+            from traces.io import write_tables_atomic
+            from traces.results import columns_table
             t0 = self._first_arrival() if from_first_arrival else 0.0
-            write_table_atomic(out / "plans.parquet", {**plans, "time_s": plans["time_s"] - t0})
+            write_tables_atomic({out / "plans.parquet": columns_table({**plans, "time_s": plans["time_s"] - t0})})
         return out
 
     def _first_arrival(self) -> float:

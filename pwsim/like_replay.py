@@ -5,8 +5,9 @@ in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments 
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
 prefix caching, asynchronous scheduling, the warm-up and the arrival settings, and, from its `summary.json`, whether
 its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
-simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by `--gpu-memory-budget` has no
-budget the simulator could take, and one that recorded no routing no trace of what it served: both are refused.
+simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by
+`--gpu-memory-budget` has no budget the simulator could take, and one that recorded no routing no trace of what it
+served: both are refused.
 """
 from __future__ import annotations
 

@@ -151,7 +151,7 @@ def requests_table(trace: RequestTrace) -> pa.Table:
 
 
 def write_requests(path: str | os.PathLike, trace: RequestTrace) -> Path:
-    return _atomic_replace({Path(path): requests_table(trace)})[0]
+    return write_tables_atomic({Path(path): requests_table(trace)})[0]
 
 
 # ---------------------------------------------------------------- routing traces
@@ -200,7 +200,7 @@ def routing_table(trace: RoutingTrace) -> pa.Table:
 
 
 def write_routing(path: str | os.PathLike, trace: RoutingTrace) -> Path:
-    return _atomic_replace({Path(path): routing_table(trace)})[0]
+    return write_tables_atomic({Path(path): routing_table(trace)})[0]
 
 
 def _as_model(model):
@@ -269,7 +269,7 @@ def write_trace_dir(path: str | os.PathLike, trace: Trace) -> Path:
     if trace.warmup_routing is not None:
         check_warmup_routing(trace.warmup_routing, trace.requests)
         tables[d / WARMUP_ROUTING_FILE] = routing_table(trace.warmup_routing)
-    _atomic_replace(tables)
+    write_tables_atomic(tables)
     for part, name in ((trace.routing, ROUTING_FILE), (trace.warmup_routing, WARMUP_ROUTING_FILE)):
         if part is None and (d / name).exists():
             (d / name).unlink()
@@ -294,8 +294,8 @@ def _schema_kind(p: Path) -> str | None:
         return None  # the reader gives the proper error
 
 
-def _atomic_replace(tables: dict[Path, pa.Table]) -> list[Path]:
-    """Write every table to a temporary sibling, then move them all into place."""
+def write_tables_atomic(tables: dict[Path, pa.Table]) -> list[Path]:
+    """Write every table to a temporary sibling, then move them all into place (none is ever half-written)."""
     done: list[tuple[str, Path]] = []
     try:
         for path, table in tables.items():

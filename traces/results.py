@@ -151,19 +151,6 @@ def columns_table(cols: dict) -> pa.Table:
     return pa.table(out)
 
 
-def write_table_atomic(path: Path, cols: dict) -> Path:
-    """Write the columns as one Parquet file at `path` through a temporary sibling: never half-written."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        pq.write_table(columns_table(cols), tmp, compression="zstd")
-        os.replace(default_mode(tmp), path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
 def read_columns(path: Path) -> dict[str, np.ndarray]:
     table = pq.read_table(path)
     return {name: table.column(name).to_numpy(zero_copy_only=False) for name in table.column_names}
