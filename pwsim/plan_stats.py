@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 
-KINDS = ("gate_up", "down")
+from policies.page_table import KINDS
 
 
 def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
@@ -44,7 +44,7 @@ def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
     layer, expert, kind = (np.asarray(plans.get(c, []), dtype=np.int64) for c in ("layer", "expert", "kind"))
     first_row = {int(b): int(i) for i, b in reversed(list(enumerate(block)))}
     out["most_moved"] = [{"block": b, "layer": int(layer[first_row[b]]), "expert": int(expert[first_row[b]]),
-                          "kind": KINDS[int(kind[first_row[b]])] if 0 <= kind[first_row[b]] < 2 else "-",
+                          "kind": KINDS[int(kind[first_row[b]])] if 0 <= kind[first_row[b]] < len(KINDS) else "-",
                           "transitions": n} for b, n in moved.most_common(top)]
     out["round_trips"] = _round_trips(block[started], step[started], up[started], -delta[started],
                                       out["taken_bytes"])

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from policies.page_table import KINDS
 from traces.results import read_plan_log, read_result_dir
 
 US = 1e6
@@ -29,7 +30,6 @@ PHASES = ("schedule_s", "forward_s", "sample_s", "observe_s", "plan_s")
 COUNTERS = {"requests": ("running", "waiting"), "KV blocks": ("free_blocks", "total_blocks"),
             "mean bits": ("mean_bits",), "memory bytes": ("weight_bytes", "kv_pool_bytes")}
 TID_ITERATIONS, TID_LINK, TID_STALLS, TID_PLANS, TID_REFUSED = 1, 2, 3, 4, 5
-KINDS = ("gate_up", "down")
 
 
 def result_events(path: str | Path, pid: int, label: str | None = None) -> list[dict]:
