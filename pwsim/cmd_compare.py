@@ -13,7 +13,6 @@ from pathlib import Path
 from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
                            policy_variants, validate_config, variant_flags)
 from pwsim.parallel import map_jobs, worker_count
-from pwsim.plan_stats import summarize
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
 from traces.clikit import UserError, check_output
@@ -44,8 +43,8 @@ def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
             "quality_fit": q.get("fit"), "wall_s": summary["wall_s"], "note": "",
             "slo_attainment": (summary.get("slo") or {}).get("attainment"),
             "goodput_rps": (summary.get("slo") or {}).get("goodput_rps"),
-            "round_trips": summary["round_trips"]["count"],
-            "round_trip_share": summary["round_trips"]["share_of_taken_bytes"]}
+            "round_trips": summary["plans"]["round_trips"]["count"],
+            "round_trip_share": summary["plans"]["round_trips"]["share_of_taken_bytes"]}
 
 
 def run_one(cfg_json: dict, keep_timeline: bool, slo: tuple | None = None):
@@ -60,7 +59,6 @@ def run_one(cfg_json: dict, keep_timeline: bool, slo: tuple | None = None):
         return None, None, str(e)
     if slo is not None:
         res.summary["slo"] = slo_attainment(res.requests, *slo)
-    res.summary["round_trips"] = summarize(res.plan_log)["round_trips"]
     res.plans.clear()
     return res.summary, (res if keep_timeline else None), None
 

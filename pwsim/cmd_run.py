@@ -254,7 +254,8 @@ def describe(summary: dict) -> str:
         f"budget violations {m['budget_violations']}",
         f"  mean committed bits {summary['mean_committed_bits']:.2f}; page traffic "
         f"{format_size(summary['page_traffic']['reload_bytes'])} reloaded in {summary['page_traffic']['reloads']} "
-        f"transfers; plans {summary['plans']['plans']}; preemptions {summary['preemptions']}; stalls "
+        f"transfers; plans {summary['plans']['plans']} ({summary['plans']['round_trips']['count']} round trips); "
+        f"preemptions {summary['preemptions']}; stalls "
         f"{ {k: v['count'] for k, v in summary['stalls'].items()} or 'none'}",
     ]
     if (summary.get("config") or {}).get("prefix_caching"):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from policies.plan_log import PlanLog
+from pwsim.plan_stats import summarize
 
 from traces.results import request_columns, request_summary
 
@@ -189,6 +190,7 @@ class Recorder:
         transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
         transfers[:, 1:3] -= sim.t0  # on the trace's clock (a warm-up's transfers before 0)
         cost = sim.total_cost
+        log = self.plan_log.columns()
         summary = {
             **about, "iterations": self.iterations, "boundaries": self._boundaries,
             "computed_tokens": self.computed_tokens,
@@ -205,7 +207,8 @@ class Recorder:
                              "offload_bytes_released": int(sim.mover.offload_bytes), "reloads": int(len(transfers)),
                              "link_busy_s": float((transfers[:, 2] - transfers[:, 1]).sum())},
             "plans": {"plans": int(sim.loop.num_plans), "transitions_started": dict(self.started),
-                      "transitions_rejected": dict(self.rejected), "commits": int(self.committed)},
+                      "transitions_rejected": dict(self.rejected), "commits": int(self.committed),
+                      "round_trips": summarize(log)["round_trips"]},  # blocks lowered, then raised (`pwsim plan-log`)
             "stalls": {k: {"count": int(self.stall_count[k]), "time_s": float(self.stall_time[k])} for k in
                        sorted(self.stall_count)},
             "counters": {k: int(v) for k, v in sorted(self.counters.items()) if k != "budget_violations"},
@@ -214,5 +217,4 @@ class Recorder:
             "wall_s": wall, "sim_tokens_per_wall_s": (self.computed_tokens / wall) if wall > 0 else None,
             "output_tokens_per_wall_s": out_total / wall if wall > 0 else None,
         }
-        return SimResult(requests, tl, summary, transfers, self.violations, self.stall_list, self.plan_list,
-                         self.plan_log.columns())
+        return SimResult(requests, tl, summary, transfers, self.violations, self.stall_list, self.plan_list, log)

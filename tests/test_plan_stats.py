@@ -66,6 +66,7 @@ def test_plan_log_command_on_two_runs(tmp_path, capsys):
     pw, cold = json.loads(capsys.readouterr().out)
     summary = json.loads((runs["pw"] / "summary.json").read_text())
     assert pw["transitions"]["started"] == sum(summary["plans"]["transitions_started"].values())
+    assert summary["plans"]["round_trips"] == pw["round_trips"]  # the run's own summary counts them too
     share = lambda s: s["round_trips"]["share_of_taken_bytes"]  # noqa: E731
     assert cold["round_trips"]["count"] > 2 * pw["round_trips"]["count"] and share(cold) > share(pw)
 
