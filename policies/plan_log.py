@@ -2,7 +2,7 @@
 
 Each engine adds its `PlanLoop.step` results at the boundaries it times (`add(step, time_s, result, table)`); a
 result directory holds the rows as `plans.parquet` (`columns()`), which `pwsim fidelity` compares transition by
-transition. Columns: `step`, `time_s`, `block`, `layer`, `expert`, `kind` (0 gate_up, 1 down), `from_bits`,
+transition. Columns: `step`, `time_s`, `block`, `layer`, `expert`, `kind` (0 gate_up, 1 down: `kind_name`), `from_bits`,
 `to_bits`, `delta_bytes` (GPU bytes the transition frees, negative for a reload), `status` (`started`, `rejected` or
 `landed`: a transfer the mover reported finished, with the bits its start row had) and `reason` (the plan's reason, or
 why the loop refused it).
@@ -15,11 +15,16 @@ import numpy as np
 
 from policies.contract import Transition
 from policies.loop import LoopResult
-from policies.page_table import PageTable
+from policies.page_table import KINDS, PageTable
 
 COLUMNS = ("step", "time_s", "block", "layer", "expert", "kind", "from_bits", "to_bits", "delta_bytes", "status",
            "reason")
 STATUSES = ("started", "rejected", "landed")
+
+
+def kind_name(kind: int) -> str:
+    """The `kind` column's name for a block kind (`-` for a block the table did not know)."""
+    return KINDS[kind] if 0 <= kind < len(KINDS) else "-"
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 `summarize(plans)` reads the columns of a plan log (`policies.plan_log`, `plans.parquet` of a `pwsim run` or a
 `pwruntime replay`) and returns a JSON-able dict: transitions begun, refused and landed; offloads and reloads begun
-and their net GPU bytes (what offloads freed, what reloads took back: planes and LUTs, the old LUT
-netted out); the planning steps; the transitions begun per layer and per kind; the plans'
-reasons (the text before the first ':') and the refusals' reasons; the blocks moved most; and round trips: a block
-lowered and later raised again, whose reload copies back planes the planner had dropped. Round trips are the
+and their net GPU bytes (what offloads freed, what reloads took back: planes and LUTs, the old LUT netted out);
+the planning steps; the transitions begun per layer and per kind; the plans' reasons (the text before the first
+':') and the refusals' reasons; the blocks moved most; and round trips: a block lowered and later raised again,
+whose reload copies back planes the planner had dropped. Round trips are the
 planner's cost of changing its mind; how many, how far apart and what share of the reload bytes they take is what
 a planner's design can act on (`pwsim plan-log`).
 """
@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 
-from policies.page_table import KINDS
+from policies.plan_log import kind_name
 
 
 def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
@@ -33,7 +33,7 @@ def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
         "freed_bytes": int(delta[offloads].sum()), "taken_bytes": int(-delta[reloads].sum()),
         "planning_steps": int(len(np.unique(step[started]))),
         "by_layer": _counts(np.asarray(plans.get("layer", []))[started], offloads[started]),
-        "by_kind": {KINDS[k] if 0 <= k < len(KINDS) else str(k): v
+        "by_kind": {kind_name(k): v
                     for k, v in _counts(np.asarray(plans.get("kind", []))[started], offloads[started]).items()},
         "plan_reasons": dict(Counter(str(r).split(":")[0] for r in np.asarray(plans.get("reason", []))[started])
                              .most_common()),
@@ -44,7 +44,7 @@ def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
     layer, expert, kind = (np.asarray(plans.get(c, []), dtype=np.int64) for c in ("layer", "expert", "kind"))
     first_row = {int(b): int(i) for i, b in reversed(list(enumerate(block)))}
     out["most_moved"] = [{"block": b, "layer": int(layer[first_row[b]]), "expert": int(expert[first_row[b]]),
-                          "kind": KINDS[int(kind[first_row[b]])] if 0 <= kind[first_row[b]] < len(KINDS) else "-",
+                          "kind": kind_name(int(kind[first_row[b]])),
                           "transitions": n} for b, n in moved.most_common(top)]
     out["round_trips"] = _round_trips(block[started], step[started], up[started], -delta[started],
                                       out["taken_bytes"])

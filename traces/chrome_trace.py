@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from policies.page_table import KINDS
+from policies.plan_log import kind_name
 from traces.results import read_plan_log, read_result_dir
 
 US = 1e6
@@ -140,7 +140,7 @@ def _page_moves(plans: dict[str, np.ndarray], pid: int) -> list[dict]:
         block = int(plans["block"][i])
         name = "reload" if plans["to_bits"][i] > plans["from_bits"][i] else "offload"
         args = {"block": block, "layer": int(plans["layer"][i]), "expert": int(plans["expert"][i]),
-                "kind": KINDS[int(plans["kind"][i])] if 0 <= plans["kind"][i] < len(KINDS) else "-",
+                "kind": kind_name(int(plans["kind"][i])),
                 "bits": f"{int(plans['from_bits'][i])}->{int(plans['to_bits'][i])}", "step": int(plans["step"][i])}
         if status == "started":
             begun[block] = i
