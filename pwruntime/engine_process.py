@@ -184,6 +184,7 @@ def _write_trace(recorder, plan_log: PlanLog, out: str) -> None:
     except (OSError, UserError) as e:  # a full disk, a folder gone, a trace the schema refuses
         _log_line(f"could not write the recorded trace to {out}: {e}")
         return
-    skipped = f"; {recorder.skipped} later requests not recorded (--record-trace-max-requests)" if recorder.skipped else ""
+    skipped = (f"; {recorder.skipped} later requests not recorded (--record-trace-max-requests)"
+               if recorder.skipped else "")
     _log_line(f"recorded {recorder.num_requests} requests and their routing to {out} (`pwsim run --trace {out}`), "
               f"and the {len(plan_log.rows)} rows of the planner's log (`pwsim plan-log {out}`){skipped}")

@@ -170,7 +170,8 @@ def _transition_lines(report: dict) -> list[str]:
     line = (f"plan transitions: {counts(t['sim'])} simulated; {counts(t['runtime'])} on the runtime; "
             f"{t['alike']} of {t['rows']} alike (step, block, bits and status)")
     trips = report["round_trips"]
-    share = lambda rt: "-" if rt["share_of_taken_bytes"] is None else f"{100 * rt['share_of_taken_bytes']:.0f}%"  # noqa: E731
+    def share(rt: dict) -> str:
+        return "-" if rt["share_of_taken_bytes"] is None else f"{100 * rt['share_of_taken_bytes']:.0f}%"
     trip_line = (f"round trips (a block lowered, then raised again): {trips['sim']['count']} simulated, "
                  f"{trips['runtime']['count']} on the runtime ({share(trips['sim'])} and {share(trips['runtime'])} of "
                  "the bytes their reloads took back)")

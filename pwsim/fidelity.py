@@ -214,7 +214,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "decisions": decisions(sim.timeline, runtime.timeline),
         "transitions": transitions(sim, runtime),
         # each planner's round trips (a block lowered, then raised again: `pwsim plan-log`) over its whole log
-        "round_trips": ({side: summarize(run.plans)["round_trips"] for side, run in (("sim", sim), ("runtime", runtime))}
+        "round_trips": ({"sim": summarize(sim.plans)["round_trips"], "runtime": summarize(runtime.plans)["round_trips"]}
                         if sim.plans and runtime.plans else None),
         # where the simulator's routing came from (`pwsim run`'s workload: "recorded routing" or synthetic)
         "sim_routing": (sim.summary.get("workload") or {}).get("routing"),

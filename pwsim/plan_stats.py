@@ -53,8 +53,8 @@ def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
 
 def _counts(keys: np.ndarray, is_offload: np.ndarray) -> dict:
     """{key: {"offloads": n, "reloads": m}} in key order."""
-    return {int(k): {"offloads": int((is_offload & (keys == k)).sum()), "reloads": int((~is_offload & (keys == k)).sum())}
-            for k in np.unique(keys)}
+    return {int(k): {"offloads": int((is_offload & (keys == k)).sum()),
+                     "reloads": int((~is_offload & (keys == k)).sum())} for k in np.unique(keys)}
 
 
 def _round_trips(block: np.ndarray, step: np.ndarray, up: np.ndarray, taken: np.ndarray, all_taken: int) -> dict:
