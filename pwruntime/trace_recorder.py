@@ -92,12 +92,11 @@ class TraceRecorder:
         from traces.io import Trace, write_trace_dir
 
         routing = self.routing_trace() if self._shape is not None and self._chunks else None
-        requests = self.request_trace(from_first_arrival)
-        out = write_trace_dir(path, Trace(requests, routing))
+        t0 = self._first_arrival() if from_first_arrival else 0.0
+        out = write_trace_dir(path, Trace(self.request_trace(t0), routing))
         if plans:
             from traces.io import write_tables_atomic
             from traces.results import columns_table
-            t0 = self._first_arrival() if from_first_arrival else 0.0
             write_tables_atomic({out / "plans.parquet": columns_table({**plans, "time_s": plans["time_s"] - t0})})
         return out
 
@@ -108,12 +107,12 @@ class TraceRecorder:
         """Ids of the recorded requests that were routed (all of them when no routing is recorded)."""
         return [r for r in self._requests if self._next[r] > 0 or not self._chunks]
 
-    def request_trace(self, from_first_arrival: bool = False):
+    def request_trace(self, t0: float = 0.0):
+        """The recorded requests that were computed, in arrival order, their arrival times counted from `t0`."""
         from traces.schema import RequestTrace
 
         ids = sorted(self._computed(), key=lambda r: (self._requests[r][0], r))
         rows = [self._requests[r] for r in ids]
-        t0 = self._first_arrival() if from_first_arrival else 0.0
         return RequestTrace.from_columns(
             request_id=ids, arrival_s=[r[0] - t0 for r in rows], prompt_tokens=[len(r[1]) for r in rows],
             output_tokens=[max(1, r[2]) for r in rows], domain=[r[3] for r in rows],

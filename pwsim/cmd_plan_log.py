@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from pwsim.plan_stats import summarize
 from traces.clikit import UserError, check_output
@@ -18,11 +17,11 @@ from traces.sizes import format_size
 
 
 def _read(path: str) -> dict:
-    d = Path(path)
-    if not (d / "plans.parquet").is_file():
-        raise UserError(f"{d} holds no plan log (plans.parquet); give the --out of a `pwsim run` or a "
+    plans = read_plan_log(path, flag="pwsim plan-log")  # {} where the directory holds none
+    if not plans:
+        raise UserError(f"{path} holds no plan log (plans.parquet); give the --out of a `pwsim run` or a "
                         "`pwruntime replay`, or the --record-trace DIR of a `pwruntime serve` (each writes one)")
-    return read_plan_log(d, flag="pwsim plan-log")
+    return plans
 
 
 def describe(label: str, s: dict) -> str:
