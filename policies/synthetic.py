@@ -27,6 +27,21 @@ from policies.calibration import NB, Calibration, model_fingerprint
 from policies.page_table import DEFAULT_BITS, PageTable
 from policies.planners.allocation import sensitivity_optimal_bits
 
+SYNTHETIC = "synthetic"  # a calibration source meaning "synthetic_calibration, seeded": `synthetic` or `synthetic:S`
+
+
+def synthetic_seed(source: str, default: int) -> int | None:
+    """The seed a calibration source `synthetic[:S]` names (`default` without `:S`); None for any other source.
+    Raises ValueError for a seed that is not an integer >= 0."""
+    if source != SYNTHETIC and not source.startswith(SYNTHETIC + ":"):
+        return None
+    _, _, s = source.partition(":")
+    if s and not (s.isascii() and s.isdigit()):
+        raise ValueError(f"calibration {source!r}: the seed after 'synthetic:' must be an integer >= 0, e.g. "
+                         "synthetic:3")
+    return int(s) if s else default
+
+
 PHI0 = {0: np.array([1.0, 1.15, 3.0]), 1: np.array([0.5, 0.6, 2.0])}  # typical phi per kind
 
 

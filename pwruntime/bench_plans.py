@@ -28,9 +28,9 @@ from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
 from pwruntime.device_store import DeviceExpertStore
-from pwruntime.kernels.bench import ARCHS, BITS, random_luts, random_planes
+from pwruntime.kernels.bench import ARCHS, BITS
 from pwruntime.page_mover import CudaPageMover
-from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
+from pwruntime.quant.dummy import random_layers
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"demo": (256, 128, 16, 4), **ARCHS}  # hidden, intermediate, experts, k
 PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
@@ -59,14 +59,6 @@ class PlayedPlans:
     def plan_step(self, table, observation) -> Plan | None:
         plan, self.next = self.next, None
         return plan
-
-
-def random_layers(hidden: int, intermediate: int, experts: int, layers: int,
-                  gen: torch.Generator) -> list[dict[str, LayerBlocks]]:
-    """`layers` MoE layers of random AP experts on the generator's device: random plane words and sorted random LUTs."""
-    return [{kind: LayerBlocks(random_planes(experts, rows, cols, gen), random_luts(experts, rows, cols, gen))
-             for kind, (rows, cols) in zip(KINDS, ((2 * intermediate, hidden), (hidden, intermediate)))}
-            for _ in range(layers)]
 
 
 def _drain(device: torch.device) -> None:

@@ -69,7 +69,10 @@ def add_engine_args(p) -> None:
                         "your own as MODULE:CLASS or FILE.py:CLASS (default noop)")
     w.add_argument("--policy-arg", action="append", default=[], metavar="K=V", help="planner parameter (repeatable)")
     w.add_argument("--calibration", default=None, metavar="DIR",
-                   help="the model's `pwruntime calibrate` output (checked against the model's fingerprint)")
+                   help="the model's `pwruntime calibrate` output (checked against the model's fingerprint), or "
+                        "synthetic[:S]: a synthetic calibration of the model's shape, seed S (default 0), as `pwsim "
+                        "run --calibration synthetic:S` makes it (for a dummy checkpoint, `quantize --load-format "
+                        "dummy`)")
     w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
                    help="memory for the model's weights and the KV cache together, as `pwsim run --budget` (e.g. "
                         "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "
@@ -100,8 +103,6 @@ def _load(args, dtype: str, device: str):
             raise UserError(f"--policy {args.policy} needs --ap DIR (the planner moves the bits of AP expert weights; "
                             "--model's experts are full precision): make one with `pwruntime quantize`")
         return load_model(engine_model_dir(args), dtype=dtype, device=device), None, policy, None, None
-    from policies.calibration import Calibration
-    from pwruntime.calibrate.inputs import model_fingerprint_of
     from pwruntime.kernels.device_table import MIN_BITS
     from pwruntime.quant.store import load_ap_model
 
@@ -123,8 +124,26 @@ def _load(args, dtype: str, device: str):
         mover = CudaPageMover(model.experts)
     else:
         store.attach_table(table)  # the store reads the committed bits q on every call
-    cal = Calibration.load(args.calibration, expect_fingerprint=model_fingerprint_of(args.ap)) if args.calibration else None
-    return model, table, policy, cal, mover
+    return model, table, policy, _calibration(args.calibration, table, args.ap), mover
+
+
+def _calibration(source: str | None, table, ap_dir: str):
+    """The planner's calibration: `--calibration DIR` (checked against the model), `synthetic[:S]`
+    (policies.synthetic, seed S or 0, as `pwsim run --calibration synthetic:S` makes it for the same model), or
+    none."""
+    from policies.calibration import Calibration
+    from policies.synthetic import synthetic_calibration, synthetic_seed
+    from pwruntime.calibrate.inputs import model_fingerprint_of
+
+    if not source:
+        return None
+    try:
+        seed = synthetic_seed(source, default=0)
+    except ValueError as e:
+        raise UserError(f"--calibration: {e}") from None
+    if seed is not None:
+        return synthetic_calibration(table, seed=seed)
+    return Calibration.load(source, expect_fingerprint=model_fingerprint_of(ap_dir))
 
 
 def _params(args):

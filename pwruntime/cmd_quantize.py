@@ -5,6 +5,11 @@ lowest requested bitwidth, upscaled to 8 bits); everything else is copied throug
 Weighting: `hessian` (E[x_j^2] of each block's inputs on calibration text), `fisher` (sum of squared
 LM-loss gradients on calibration text), or `none`; `auto` is hessian when --calib-data is given,
 else none.
+
+`--load-format dummy` (vLLM's name) reads no weights: the experts get random codes and LUTs, the rest random
+weights (pwruntime.quant.dummy), from --model's config.json and tokenizer, or from a bundled model card named by
+--model (`pwsim models`; the demo model's tokenizer): a checkpoint of a real model's size in seconds, to benchmark
+serving, paging and planning at that size (with `--calibration synthetic`) without its weights or a k-means pass.
 """
 from __future__ import annotations
 
@@ -37,7 +42,12 @@ def parse_bits(text: str) -> tuple[int, ...]:
 def register(subparsers) -> None:
     p = subparsers.add_parser("quantize", help="quantize a model's routed experts into an AP checkpoint",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="source HuggingFace checkpoint directory")
+    p.add_argument("--model", required=True,
+                   help="source HuggingFace checkpoint directory (with --load-format dummy: config.json and "
+                        "tokenizer.json are enough, or a bundled model card's name)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: read --model's weights; dummy: random weights of --model's shapes, no k-means "
+                        "(for benchmarks; default auto)")
     p.add_argument("--out", required=True, help="output AP checkpoint directory (written atomically)")
     p.add_argument("--weighting", choices=WEIGHTINGS, default="auto", help="k-means weights (default: auto)")
     p.add_argument("--calib-data", nargs="+", default=[], metavar="FILE",
@@ -55,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
     from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 
     bits = parse_bits(args.bits)
+    if args.load_format == "dummy":
+        return _dummy(args, bits)
     weighting = args.weighting
     if weighting == "auto":
         weighting = "hessian" if args.calib_data else "none"
@@ -78,4 +90,24 @@ def run(args: argparse.Namespace) -> int:
               f"({summary['weighting']} weighting)")
         print(f"time to quantize: {summary['quantize_seconds']:.1f} s (k-means {summary['kmeans_seconds']:.1f} s, "
               f"weights {summary['weighting_seconds']:.1f} s, total {summary['total_seconds']:.1f} s)")
+    return 0
+
+
+def _dummy(args: argparse.Namespace, bits: tuple[int, ...]) -> int:
+    """`--load-format dummy`: random experts and weights of --model's shapes (pwruntime.quant.dummy)."""
+    from pwruntime.quant.dummy import write_dummy_checkpoint
+
+    if args.weighting not in ("auto", "none") or args.calib_data:
+        raise UserError("--load-format dummy makes random weights, which no k-means weighting applies to: drop "
+                        "--weighting and --calib-data")
+    check_output(args.out)
+    if Path(args.model).is_dir() and Path(args.out).resolve() == Path(args.model).resolve():
+        raise UserError(f"--out {args.out} is the --model directory; write the AP checkpoint to another directory")
+    summary = write_dummy_checkpoint(args.model, args.out, bits=bits, seed=args.seed, overwrite=args.overwrite)
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        print(f"wrote {summary['out']}: {summary['blocks']} expert blocks at bits {summary['bits']}, random (dummy) "
+              f"weights, in {summary['total_seconds']:.1f} s")
     return 0

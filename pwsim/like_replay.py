@@ -15,6 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
+from policies.synthetic import SYNTHETIC
 from traces.clikit import UserError
 
 # (the replay's config.json key, `pwsim run`'s argument, its flag)
@@ -65,6 +66,8 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
         if key not in config or (key == "calibration" and not config[key]):
             continue  # not recorded (an older replay), or no calibration given: the simulator's default stands
         value = config[key]
+        if key == "calibration" and value == SYNTHETIC:
+            value = f"{SYNTHETIC}:0"  # the runtime's seed for a plain `synthetic` (pwruntime.cmd_generate)
         setattr(args, attr, value)  # None too: what the replay ran without (--request-rate), the simulation does
         if value is None:
             continue

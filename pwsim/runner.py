@@ -158,13 +158,13 @@ def _card(name: str):
 @lru_cache(maxsize=4)
 def _calibration(source: str, card_name: str, seed: int):
     card = _card(card_name)
-    if source == SYNTHETIC or source.startswith(SYNTHETIC + ":"):
-        from policies.synthetic import synthetic_calibration
-        _, _, s = source.partition(":")
-        if s and not (s.isascii() and s.isdigit()):
-            raise UserError(f"calibration {source!r}: the seed after 'synthetic:' must be an integer >= 0, "
-                            "e.g. synthetic:3")
-        return synthetic_calibration(card, seed=int(s) if s else seed)
+    from policies.synthetic import synthetic_calibration, synthetic_seed
+    try:
+        synthetic = synthetic_seed(source, default=seed)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if synthetic is not None:
+        return synthetic_calibration(card, seed=synthetic)
     from policies.calibration import Calibration, CalibrationError
     if not Path(source).is_dir():
         raise UserError(f"calibration {source!r} is not a directory; pass a calibration directory "

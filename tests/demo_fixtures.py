@@ -1,4 +1,5 @@
-"""Shared fixtures for the demo-model tests: a tiny synthetic three-domain corpus and a tiny config."""
+"""Shared fixtures for the demo-model tests: a tiny synthetic three-domain corpus, a tiny config, the demo trace's
+first prompts as a load."""
 from __future__ import annotations
 
 import gzip
@@ -51,3 +52,21 @@ def run_tiny(corpus: Path, out: Path, cfg=None, **opts):
     from pwruntime.demo.train import RunOptions, train
 
     return train(corpus, out, cfg or tiny_config(), RunOptions(progress=False, **opts), echo=lambda s: None)
+
+
+def first_prompts(path: Path, max_tokens: int = 16, first_id: int = 100) -> Path:
+    """The demo trace's first 32 prompts at once, at most `max_tokens` output tokens each (16: the replay warm-up's
+    load), ids from first_id."""
+    import numpy as np
+
+    from traces.io import read_requests, write_requests
+    from traces.schema import RequestTrace
+
+    full = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
+    k = 32
+    trace = RequestTrace.from_columns(np.arange(first_id, first_id + k), np.zeros(k), full.prompt_tokens[:k],
+                                      np.minimum(max_tokens, full.output_tokens[:k]), full.domain[:k],
+                                      prompt_token_ids=[full.prompt_ids(i) for i in range(k)])
+    path.mkdir()
+    write_requests(path / "requests.parquet", trace)
+    return path

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from policies.calibration import Calibration
+from demo_fixtures import first_prompts
 from pwruntime.cli import main
 from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
@@ -287,22 +288,6 @@ def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
     assert engine._spare_bytes == sim._headroom() and 0 < engine._spare_bytes < engine.block_bytes
 
 
-def _first_prompts(path: Path, max_tokens: int = 16, first_id: int = 100) -> Path:
-    """The demo trace's first 32 prompts at once, at most `max_tokens` output tokens each (16: the replay warm-up's
-    load), ids from first_id."""
-    from traces.io import read_requests, write_requests
-    from traces.schema import RequestTrace
-
-    full = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
-    k = 32
-    trace = RequestTrace.from_columns(np.arange(first_id, first_id + k), np.zeros(k), full.prompt_tokens[:k],
-                                      np.minimum(max_tokens, full.output_tokens[:k]), full.domain[:k],
-                                      prompt_token_ids=[full.prompt_ids(i) for i in range(k)])
-    path.mkdir()
-    write_requests(path / "requests.parquet", trace)
-    return path
-
-
 def _computed(routing, ids) -> list[int]:
     """Per request: the positions of its last computation, after checking that each of its computations (attempts)
     runs from position 0 without a gap."""
@@ -331,7 +316,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     from pwsim.cli import main as sim_main
     from traces.io import read_trace_dir
 
-    trace = _first_prompts(tmp_path / "load", max_tokens=48)
+    trace = first_prompts(tmp_path / "load", max_tokens=48)
     limits = ["--max-num-seqs", "32", "--time-scale", "0", "--warmup-requests", "16", *schedule]
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
                  str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
@@ -405,7 +390,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
 
 
 def test_record_routing_with_prefix_caching_exit_2(ap_dir, tmp_path, capsys):
-    trace = _first_prompts(tmp_path / "load")
+    trace = first_prompts(tmp_path / "load")
     rc = main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--device", "cpu",
                "--record-routing", "--enable-prefix-caching"])
     err = capsys.readouterr().err

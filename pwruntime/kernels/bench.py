@@ -19,6 +19,7 @@ from policies.apformat import ap_block_bytes, fp16_bytes
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import DeviceWeightTable, device_layout
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, ap_linear, fused_moe
+from pwruntime.quant.dummy import random_luts, random_planes
 
 ARCHS: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, top-k
     "qwen1.5-moe-a2.7b": (2048, 1408, 60, 4),
@@ -93,18 +94,6 @@ def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
     b = torch.randn(n, n, device="cuda", dtype=torch.float16)
     ms = _events_ms(lambda: a @ b, reps, 3)
     return 2 * n ** 3 / ms / 1e9
-
-
-def random_planes(n: int, out: int, inp: int, gen: torch.Generator) -> torch.Tensor:
-    """`n` blocks of random AP plane words, [n, 8, out, words] int32, on the generator's device."""
-    return torch.randint(-2**31, 2**31 - 1, (n, 8, out, -(-inp // 32)), dtype=torch.int32, device=gen.device,
-                         generator=gen)
-
-
-def random_luts(n: int, out: int, inp: int, gen: torch.Generator) -> dict[int, torch.Tensor]:
-    """Per bitwidth 3..8: `n` blocks' sorted random fp16 LUTs, [n, out, 2^b] (never zeros)."""
-    return {b: (torch.sort(torch.randn(n, out, 1 << b, device=gen.device, generator=gen), dim=-1)[0]
-                / inp ** 0.5).half() for b in BITS}
 
 
 # ------------------------------------------------------------------ one linear-block

@@ -37,7 +37,9 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def find_files(path: str | Path) -> CheckpointFiles:
+def find_files(path: str | Path, weights: bool = True) -> CheckpointFiles:
+    """The checkpoint's files; `weights=False`: config.json and the tokenizer only (dummy weights are made, not
+    read: pwruntime.model.dummy)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         what = "is a file, not a directory" if root.exists() else "does not exist"
@@ -46,20 +48,22 @@ def find_files(path: str | Path) -> CheckpointFiles:
     if not config.is_file():
         raise CheckpointError(f"{root} has no config.json ({_LAYOUT_HINT})")
     index = root / "model.safetensors.index.json"
-    if index.is_file():
+    if not weights:
+        weights_found: tuple[Path, ...] = ()
+    elif index.is_file():
         weight_map = _read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index} has no weight_map; re-download the checkpoint's index file")
-        weights = tuple(root / name for name in sorted(set(weight_map.values())))
-        missing = [w.name for w in weights if not w.is_file()]
+        weights_found = tuple(root / name for name in sorted(set(weight_map.values())))
+        missing = [w.name for w in weights_found if not w.is_file()]
         if missing:
             raise CheckpointError(f"{root} lacks shard(s) {', '.join(missing[:3])}"
                                   f"{' ...' if len(missing) > 3 else ''} listed in {index.name}; download them")
     elif (root / "model.safetensors").is_file():
-        weights = (root / "model.safetensors",)
+        weights_found = (root / "model.safetensors",)
     else:
-        weights = tuple(sorted(root.glob("*.safetensors")))
-    if not weights:
+        weights_found = tuple(sorted(root.glob("*.safetensors")))
+    if weights and not weights_found:
         bins = list(root.glob("*.bin")) + list(root.glob("*.pt"))
         hint = " (found PyTorch .bin/.pt files: convert them to safetensors)" if bins else ""
         raise CheckpointError(f"{root} has no *.safetensors weights{hint} ({_LAYOUT_HINT})")
@@ -68,7 +72,7 @@ def find_files(path: str | Path) -> CheckpointFiles:
         raise CheckpointError(f"{root} has no tokenizer.json; save the fast tokenizer there "
                               f"(AutoTokenizer.from_pretrained(...).save_pretrained(DIR))")
     tok_cfg, gen_cfg = root / "tokenizer_config.json", root / "generation_config.json"
-    return CheckpointFiles(root, config, weights, tokenizer,
+    return CheckpointFiles(root, config, weights_found, tokenizer,
                            tok_cfg if tok_cfg.is_file() else None, gen_cfg if gen_cfg.is_file() else None)
 
 

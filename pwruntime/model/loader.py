@@ -14,6 +14,7 @@ from tqdm import tqdm
 from pwruntime.model.attention import Attention
 from pwruntime.model.checkpoint import TensorReader, find_files, read_config
 from pwruntime.model.config import CheckpointError, ModelConfig
+from pwruntime.model.dummy import DummyTensorReader
 from pwruntime.model.experts import DenseExpertStore, ExpertStore
 from pwruntime.model.layers import DenseMLP, RMSNorm
 from pwruntime.model.moe_model import DecoderLayer, MoEBlock, MoEModel
@@ -93,17 +94,18 @@ def _experts(r: TensorReader, c: ModelConfig, p: str) -> tuple[torch.Tensor, tor
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               experts: ExpertStore | None = None) -> MoEModel:
+               experts: ExpertStore | None = None, reader: DummyTensorReader | None = None) -> MoEModel:
     """Load a Mixtral / Qwen2-MoE / OLMoE / Qwen3-MoE checkpoint. With `experts` given, routed-expert
-    tensors are not read and that store serves them. Raises CheckpointError (a UserError)."""
+    tensors are not read and that store serves them; with a `reader` (pwruntime.model.dummy), the tensors come
+    from it and `path` needs config.json and the tokenizer only. Raises CheckpointError (a UserError)."""
     dtype, dev = parse_dtype(dtype), check_device(device)
-    files = find_files(path)
+    files = find_files(path, weights=reader is None)
     if experts is None and (files.root / "ap_config.json").is_file():
         raise CheckpointError(f"{files.root} is an AP checkpoint (`pwruntime quantize` output), not a full-precision "
                               "model: pass it with --ap, or give the HuggingFace model it was quantized from")
     c = read_config(files)
     tokenizer = Tokenizer(files.tokenizer, files.tokenizer_config, c.eos_token_id)
-    r = TensorReader(files, dtype, dev)
+    r = reader if reader is not None else TensorReader(files, dtype, dev)
     embed = r.get("model.embed_tokens.weight", (c.vocab, c.hidden))
     layers, gate_ups, downs = [], [], []
     for i in tqdm(range(c.layers), desc="loading layers", unit="layer", disable=None, leave=False):
