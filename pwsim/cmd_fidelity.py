@@ -253,7 +253,7 @@ def run(args) -> int:
     slope = it["per_token_gap_us"]
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
           f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
-          " a token against the simulator")
+          f" a token against the simulator{' besides planning' if it.get('net_of_planning') else ''}")
     seq = it["per_sequence"]
     if seq is not None:
         print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, "

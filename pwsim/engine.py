@@ -200,7 +200,8 @@ class Simulation:
         self._wake: simpy.Event | None = None
         self._step = 0
         self.t0 = 0.0  # simulated time at which the trace's clock starts (after a warm-up)
-        self._extra_time = 0.0  # KV compaction copies, charged to the next iteration
+        self._extra_time = 0.0  # host work charged to the next iteration: KV compaction copies, planning
+        self._plan_time = 0.0  # the planning part of it
         self.in_boundary = False
         self.total_cost = CostBreakdown()
 
@@ -325,7 +326,7 @@ class Simulation:
                 self._settle(pending)
                 pending = None
             elif batch.is_empty:
-                dt = self.cost.overhead + self._take_extra()
+                dt = self.cost.overhead + self._take_extra()[0]
                 self.rec.stall(self.now, dt, "memory")
                 yield self.env.timeout(dt)
             elif self.cfg.async_scheduling:
@@ -366,11 +367,11 @@ class Simulation:
     def _run(self, b: "_Launched", overlap: bool):
         """Time passes for the forward: its cost, or with asynchronous scheduling the longer of its device work and
         the host's work (which overlap); then the damage of the tokens it sampled accrues."""
-        cost, extra = b.cost, self._take_extra()
+        cost, (extra, plan_s) = b.cost, self._take_extra()
         dt = max(cost.device, cost.overhead + extra) if overlap else cost.total + extra
         self.total_cost = self.total_cost + cost
         yield self.env.timeout(dt)
-        self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries),
+        self.rec.iteration(self.now, dt, b.num_tokens, b.batch.num_decode_tokens, len(b.batch.entries), plan_s,
                            launched_before_last_boundary=overlap)
         ends = np.cumsum(b.new)  # tokens sampled by this forward: the last position of every sampling entry
         self.quality_accrue(b.q_now, b.req[b.sample], b.routing.ids[:, (ends - 1)[b.sample], :])
@@ -422,10 +423,15 @@ class Simulation:
         self.in_boundary = True  # the page table changes only inside this call (tests check it)
         res = self.loop.step(obs)
         self.in_boundary = False
-        if obs.routing_read:  # the planner read the routing statistics: host work
-            self._extra_time += self.profile.routing_read_us * 1e-6  # the runtime pays before its next forward
+        # the planner's host work, which the runtime pays before its next forward: reading the routing statistics
+        # and beginning the plan's moves
+        read_s = self.profile.routing_read_us * 1e-6 if obs.routing_read else 0.0
+        if obs.routing_read:
+            self._extra_time += read_s
             self.rec.count("routing_reads")
-        self._extra_time += self.profile.plan_transition_us * 1e-6 * len(res.started)  # the plan's moves begun
+        moves_s = self.profile.plan_transition_us * 1e-6 * len(res.started)
+        self._extra_time += moves_s
+        self._plan_time += read_s + moves_s
         if res.plan is not None or res.committed:
             self._refresh()  # exact recount after the plan's begins and this boundary's commits
         self.rec.plan(self.now, self._step, res, self.table)
@@ -445,9 +451,11 @@ class Simulation:
         """Mean committed bits over the expert blocks (16 for full-precision weights)."""
         return 16.0 if self.full_precision else float(self.table.q.mean())
 
-    def _take_extra(self) -> float:
-        dt, self._extra_time = self._extra_time, 0.0
-        return dt
+    def _take_extra(self) -> tuple[float, float]:
+        """The host time charged to the next forward (or stall), and the planning part of it."""
+        taken = (self._extra_time, self._plan_time)
+        self._extra_time = self._plan_time = 0.0
+        return taken
 
     def _forget(self, seq: Sequence) -> None:
         self.routing.drop(seq.seq_id)

@@ -20,6 +20,9 @@ plan phase of those steps minus that of the others (`routing_reads.plan_gap_us`)
 `routing_read_us` (the simulator charges it after each boundary whose planner read them, and counts them:
 `counters.routing_reads`); a replay that also records each step's plan transitions splits that into a read's fixed
 cost and a transition's (`routing_reads.read_us`, `transition_us`: `routing_read_us` and `plan_transition_us`).
+Where the replay records its plans' transitions and the simulation the planning it charged each step (`plan_s`),
+the iteration fits leave each side's planning out (`host_timelines`; `iterations.net_of_planning`), so a fitted
+profile charges a runtime's planning once, as reads and transitions.
 `decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
@@ -195,10 +198,40 @@ def _ratio(a, b) -> float | None:
     return float(a) / float(b) if a is not None and b not in (None, 0) else None
 
 
+def plan_terms(reads: dict) -> tuple[float, float] | None:
+    """(microseconds a routing read, a plan transition) that a fitted profile charges for planning, from the plan
+    phase's two-term fit (`routing_read_cost`); None where the replay does not record its plans' transitions."""
+    if reads.get("transition_us") is None:
+        return None
+    return max(0.0, reads["read_us"]), max(0.0, reads["transition_us"])
+
+
+def _net_of_planning(timeline: dict[str, np.ndarray], planning_s: np.ndarray) -> dict[str, np.ndarray]:
+    return {**timeline, "iter_s": np.asarray(timeline["iter_s"], dtype=np.float64) - planning_s}
+
+
+def host_timelines(sim: RunView, runtime: RunView, reads: dict) -> tuple[dict, dict, bool]:
+    """The two timelines the host-cost fits read, and whether planning was taken out of them. Where the simulator
+    records the planning it charged each iteration (`plan_s`) and the runtime's plan phase gives the terms a fitted
+    profile charges for planning (`plan_terms`), each iteration's time less that planning: the simulator's own
+    charge, the runtime's reads and transitions at those terms (what else its plan phase does stays in the step).
+    Else the iteration and token terms would absorb the runtime's planning, which the fitted profile charges again
+    as reads and transitions (twice, where planning is a large part of a step)."""
+    terms = plan_terms(reads)
+    if terms is None or "plan_s" not in sim.timeline:
+        return sim.timeline, runtime.timeline, False
+    read = np.asarray(runtime.timeline["routing_read"], dtype=np.float64)
+    moves = np.asarray(runtime.timeline["plan_transitions"], dtype=np.float64)
+    return (_net_of_planning(sim.timeline, np.asarray(sim.timeline["plan_s"], dtype=np.float64)),
+            _net_of_planning(runtime.timeline, (read * terms[0] + moves * terms[1]) * 1e-6), True)
+
+
 def compare(sim: RunView, runtime: RunView) -> dict:
     paired = paired_columns(sim, runtime)
     per = {m: metric_report(*paired[m]) for m in METRICS}
-    fit_s, fit_r = iteration_fit(sim.timeline), iteration_fit(runtime.timeline)
+    reads = routing_read_cost(runtime.timeline)
+    sim_host, runtime_host, net = host_timelines(sim, runtime, reads)
+    fit_s, fit_r = iteration_fit(sim_host), iteration_fit(runtime_host)
     return {
         "requests": {"sim": len(sim.requests["request_id"]), "runtime": len(runtime.requests["request_id"]),
                      "paired": len(paired[METRICS[0]][0])},
@@ -206,9 +239,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
-        "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r),
+        "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r), "net_of_planning": net,
                        "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)},
-                       "per_sequence": per_sequence_fit(sim.timeline, runtime.timeline)},
+                       "per_sequence": per_sequence_fit(sim_host, runtime_host)},
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         "decisions": decisions(sim.timeline, runtime.timeline),
@@ -219,8 +252,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         # where the simulator's routing came from (`pwsim run`'s workload: "recorded routing" or synthetic)
         "sim_routing": (sim.summary.get("workload") or {}).get("routing"),
         "runtime_phase_ms": runtime.summary.get("phase_ms"),  # where a runtime iteration goes (replays that time it)
-        "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)),
-                          **routing_read_cost(runtime.timeline)},
+        "routing_reads": {"sim": int(sim.summary.get("counters", {}).get("routing_reads", 0)), **reads},
         # whether each side scheduled asynchronously (`--async-scheduling`; absent from older results: no; None: a
         # served run whose server did not say)
         "async_scheduling": {"sim": bool(sim.config.get("async_scheduling", False)),
@@ -314,7 +346,8 @@ def fitted_profile(profile, report: dict, per_sequence: bool = False):
     per-sequence term, sequence_overhead_us plus the gap of those slopes; each at least 0), and routing_read_us the
     measured cost of reading the routing statistics where the replay has steps that did and steps that did not
     (else the profile's own); where the replay records its plans' transitions, routing_read_us and
-    plan_transition_us from the plan phase's fit (`routing_read_cost`)."""
+    plan_transition_us from the plan phase's fit (`routing_read_cost`), the other terms then fitted without the
+    planning either side charged (`host_timelines`)."""
     it = report["iterations"]
     if per_sequence:
         it = it["per_sequence"]
@@ -326,12 +359,9 @@ def fitted_profile(profile, report: dict, per_sequence: bool = False):
     if gap is None or slope is None:
         raise UserError("cannot fit the host costs: a run has fewer than two iterations of different sizes")
     reads = report.get("routing_reads", {})
-    read, per_transition = reads.get("plan_gap_us"), reads.get("transition_us")
-    if per_transition is not None:  # the plan phase split into a read's fixed part and each transition's
-        read = reads["read_us"]
+    read, per_transition = plan_terms(reads) or (reads.get("plan_gap_us"), None)
     seq_us = profile.sequence_overhead_us if per_seq is None else max(0.0, profile.sequence_overhead_us + per_seq)
     return replace(profile, name=f"{profile.name}-fit", iteration_overhead_us=max(0.0, profile.iteration_overhead_us + gap),
                    token_overhead_us=max(0.0, profile.token_overhead_us + slope), sequence_overhead_us=seq_us,
                    routing_read_us=profile.routing_read_us if read is None else max(0.0, read),
-                   plan_transition_us=(profile.plan_transition_us if per_transition is None
-                                       else max(0.0, per_transition)))
+                   plan_transition_us=profile.plan_transition_us if per_transition is None else per_transition)

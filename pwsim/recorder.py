@@ -22,8 +22,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 TIMELINE_COLUMNS = ("time_s", "step", "weight_bytes", "kv_pool_bytes", "kv_used_bytes", "memory_bytes",
                     "free_blocks", "total_blocks", "mean_bits", "running", "waiting", "inflight_bytes",
-                    "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "plan_transitions")
-_ITER = TIMELINE_COLUMNS.index("iter_s")  # iter_s, batch_tokens, decode_tokens, batch_seqs: one forward's
+                    "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "plan_s", "plan_transitions")
+_ITER = TIMELINE_COLUMNS.index("iter_s")  # iter_s, batch_tokens, decode_tokens, batch_seqs, plan_s: one forward's
+_EMPTY_ITER = (0.0, 0, 0, 0, 0.0)
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Recorder:
         self.stride = timeline_stride
         self._tl: list[tuple] = []
         self._boundaries = 0
-        self._pending_iter = (0.0, 0, 0, 0)
+        self._pending_iter = _EMPTY_ITER
         self._plan_transitions = 0  # transitions the current boundary's plan started
         self.iterations = 0
         self.decode_tokens = 0
@@ -80,18 +81,20 @@ class Recorder:
         """The committed bits at simulated time 0."""
         self._last_t, self._last_bits = 0.0, bits
 
-    def iteration(self, now: float, dt: float, tokens: int, decode_tokens: int, seqs: int,
+    def iteration(self, now: float, dt: float, tokens: int, decode_tokens: int, seqs: int, plan_s: float = 0.0,
                   launched_before_last_boundary: bool = False) -> None:
-        """A forward ran: its time and size go to the next boundary's row, or with `launched_before_last_boundary`
-        (asynchronous scheduling: the boundary came between its launch and its run) to that boundary's row, so a
-        row holds the batch its step scheduled, as the runtime's timeline does."""
+        """A forward ran: its time (`plan_s` of it the planning host work charged to it) and size go to the next
+        boundary's row, or with `launched_before_last_boundary` (asynchronous scheduling: the boundary came between
+        its launch and its run) to that boundary's row, so a row holds the batch its step scheduled, as the runtime's
+        timeline does."""
         self.iterations += 1
         self.computed_tokens += tokens
         self.decode_tokens += decode_tokens
+        row = (dt, tokens, decode_tokens, seqs, plan_s)
         if not launched_before_last_boundary:
-            self._pending_iter = (dt, tokens, decode_tokens, seqs)
+            self._pending_iter = row
         elif self._boundaries and not (self._boundaries - 1) % self.stride:  # the last boundary's row was kept
-            self._tl[-1] = self._tl[-1][:_ITER] + (dt, tokens, decode_tokens, seqs) + self._tl[-1][_ITER + 4:]
+            self._tl[-1] = self._tl[-1][:_ITER] + row + self._tl[-1][_ITER + len(row):]
 
     def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
         self.out_tokens[reqs] += 1
@@ -156,8 +159,7 @@ class Recorder:
         if self._last_bits is not None:
             self.bits_time += self._last_bits * (now - self._last_t)
         self._last_t, self._last_bits = now, mean_bits
-        dt, tokens, decode, seqs = self._pending_iter
-        self._pending_iter = (0.0, 0, 0, 0)
+        row, self._pending_iter = self._pending_iter, _EMPTY_ITER
         transitions, self._plan_transitions = self._plan_transitions, 0
         self.peak_used = max(self.peak_used, weights + pool.num_used * self.kv_block_bytes)
         self._boundaries += 1
@@ -165,7 +167,7 @@ class Recorder:
             return
         self._tl.append((now, step, weights, kv, pool.num_used, weights + kv,
                          pool.num_free, pool.capacity, mean_bits, len(sched.running), len(sched.waiting), inflight,
-                         dt, tokens, decode, seqs, transitions))
+                         *row, transitions))
 
     # ------------------------------------------------------------ result
     def result(self, sim: "Simulation") -> SimResult:

@@ -297,6 +297,35 @@ def test_a_plan_s_transitions_are_fitted_apart_from_its_read():
     assert rr["transition_us"] is None and rr["plan_gap_us"] is not None
 
 
+def test_the_host_fit_leaves_planning_to_the_plan_terms():
+    """Where planning is a large part of a step (a model of OLMoE's size reads its routing statistics in 6 ms), the
+    iteration and token terms are fitted without each side's planning (the simulator's own charge, the runtime's
+    reads and moves at the fitted terms), so the fitted profile charges it once: as reads and transitions."""
+    tokens = np.array([1, 1, 2, 2, 4, 4, 4])
+    read = np.array([0, 1, 0, 1, 0, 1, 1])
+    moves = np.array([0, 2, 0, 50, 3, 10, 0])
+    runtime_plan = (50 + 6000 * read + 400 * moves) * 1e-6  # 50 us of commits every step
+    sim_plan = (100 * read + 10 * moves) * 1e-6  # the profile the simulator ran with charges less
+    sim = _view([1], [0.1], [0.01], [1.0], 0.001 + 1e-4 * tokens + sim_plan, tokens)
+    runtime = _view([1], [0.1], [0.01], [1.0], 0.002 + 1e-4 * tokens + runtime_plan, tokens)
+    sim.timeline["plan_s"] = sim_plan
+    runtime.timeline.update(routing_read=read, plan_transitions=moves, plan_s=runtime_plan)
+    rep = compare(sim, runtime)
+    it = rep["iterations"]
+    assert it["net_of_planning"]
+    assert it["overhead_gap_us"] == pytest.approx(1050.0) and it["per_token_gap_us"] == pytest.approx(0.0, abs=1e-6)
+    prof = load_profile("h200-roofline")
+    fit = fitted_profile(prof, rep)
+    assert fit.routing_read_us == pytest.approx(6000.0) and fit.plan_transition_us == pytest.approx(400.0)
+    # what the fitted profile charges a step is what the runtime paid beyond the simulator's device and host work
+    charged = (fit.iteration_overhead_us - prof.iteration_overhead_us) + 6000 * read + 400 * moves
+    assert np.allclose(charged * 1e-6, runtime.timeline["iter_s"] - (0.001 + 1e-4 * tokens))
+    # a simulation that does not record its planning: the host terms absorb the runtime's (as before)
+    del sim.timeline["plan_s"]
+    old = compare(sim, runtime)["iterations"]
+    assert not old["net_of_planning"] and old["overhead_gap_us"] > 2000.0
+
+
 def _runs_under_pressure(tmp_path, field: str, costs: tuple[float, ...]) -> dict:
     """The large-model setup under pressure (pagedweight at 20 GiB), simulated with h200-measured's `field` at each
     of `costs`: SimResult by cost."""
@@ -331,6 +360,12 @@ def test_simulator_charges_each_plan_transition_and_records_them(tmp_path):
     assert moves == sum(free.summary["plans"]["transitions_started"].values()) > 20
     extra = runs[500.0].summary["makespan_s"] - free.summary["makespan_s"]
     assert 0.5 * moves * 5e-4 < extra < 2.0 * moves * 5e-4
+    # ... and each iteration the planning charged to it (`plan_s`: reads and moves begun), which fidelity's host fit
+    # leaves out; a boundary whose next step stalls charges the stall instead
+    costly = runs[500.0]
+    charged = (np.asarray(costly.timeline["plan_transitions"]).sum() * 5e-4
+               + costly.summary["counters"].get("routing_reads", 0) * load_profile("h200-measured").routing_read_us * 1e-6)
+    assert 0.9 * charged <= np.asarray(costly.timeline["plan_s"]).sum() <= charged + 1e-9
 
 
 def test_fidelity_refuses_runs_of_different_traces():
