@@ -38,10 +38,12 @@ class KVCache:
                            device=self.device)
 
     def _publish(self) -> None:
-        """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones)."""
+        """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones). The copy does
+        not wait for the stream: a blocking one would hold the host until the resize's copies had run (a KV cache of
+        gigabytes: about a millisecond)."""
         if self.ptrs is not None:
             self.ptrs.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)],
-                                         dtype=torch.int64).reshape(self.num_layers, 2))
+                                         dtype=torch.int64).reshape(self.num_layers, 2), non_blocking=True)
 
     def layer_ptrs(self, layer: int) -> torch.Tensor | None:
         """Layer `layer`'s [K, V] addresses on the device (None off CUDA)."""
@@ -68,8 +70,9 @@ class KVCache:
         keep = min(num_blocks, self.num_blocks)
         for tensors in (self.k, self.v):
             for i, old in enumerate(tensors):
-                new = self._alloc(num_blocks)
+                new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype, device=self.device)
                 new[:keep].copy_(old[:keep])
+                new[keep:].zero_()   # the blocks added and the scratch block
                 tensors[i] = new     # the old tensor is released here, layer by layer
         self.num_blocks = num_blocks
         self.generation += 1

@@ -133,9 +133,10 @@ def test_kv_cache_scratch_block_and_generation():
     assert kv.nbytes == 5 * KVCache.bytes_per_block(2, 2, 1, 8, torch.float16)
     kv.k[1][:4].normal_()
     before = kv.k[1][:4].clone()
+    kv.k[1][4].fill_(7.0)                                   # what padded rows wrote
     kv.resize(7)
     assert kv.scratch_block == 7 and kv.k[1].shape[0] == 8 and kv.generation == 1
-    assert torch.equal(kv.k[1][:4], before)
+    assert torch.equal(kv.k[1][:4], before) and not kv.k[1][4:].any()   # new blocks and the scratch block zero
     kv.resize(7)
     assert kv.generation == 1                               # nothing replaced
     kv.resize(3)
