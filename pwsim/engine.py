@@ -425,8 +425,9 @@ class Simulation:
         self.in_boundary = False
         # the planner's host work, which the runtime pays before its next forward: reading the routing statistics
         # and beginning the plan's moves
-        read_s = self.profile.routing_read_us * 1e-6 if obs.routing_read else 0.0
+        read_s = 0.0
         if obs.routing_read:
+            read_s = self.profile.routing_read_us * 1e-6
             self._extra_time += read_s
             self.rec.count("routing_reads")
         moves_s = self.profile.plan_transition_us * 1e-6 * len(res.started)

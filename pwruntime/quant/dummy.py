@@ -80,7 +80,7 @@ def write_dummy_checkpoint(source: str, out_dir: str | Path, *, bits: tuple[int,
 
 
 def _write(folder: Path, source: str, out_dir, bits, seed, overwrite, progress) -> dict:
-    from pwruntime.model import load_model
+    from pwruntime.model import DenseExpertStore, load_model
     from pwruntime.model.checkpoint import find_files, read_config
     from pwruntime.model.dummy import DummyTensorReader
     from pwruntime.quant.build import source_fingerprint
@@ -96,7 +96,7 @@ def _write(folder: Path, source: str, out_dir, bits, seed, overwrite, progress) 
             blocks = random_layers(c.hidden, c.expert_intermediate, c.experts, 1, gen, bits)[0]
             writer.write_layer(layer, blocks["gate_up"], blocks["down"])
         reader = DummyTensorReader(c, torch.bfloat16, "cpu", seed)
-        load_model(folder, dtype=torch.bfloat16, experts=_NO_EXPERTS, reader=reader)
+        load_model(folder, dtype=torch.bfloat16, experts=DenseExpertStore([], []), reader=reader)  # experts: above
         writer.write_nonexpert(reader.made)
         writer.copy_from_source(folder)
         hf_config = json.loads(files.config.read_text(encoding="utf-8"))
@@ -113,10 +113,3 @@ def _write(folder: Path, source: str, out_dir, bits, seed, overwrite, progress) 
     blocks = c.num_moe_layers * c.experts * len(KINDS)
     return {"out": str(out), "blocks": blocks, "bits": list(bits), "load_format": "dummy",
             "fingerprint": meta["source"]["fingerprint"], "total_seconds": seconds}
-
-
-class _NoExperts:
-    """The loader's expert store while only the full-precision rest is made (the experts are written apart)."""
-
-
-_NO_EXPERTS = _NoExperts()
