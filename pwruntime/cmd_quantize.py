@@ -62,29 +62,18 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
-
     bits = parse_bits(args.bits)
-    if args.load_format == "dummy":
-        return _dummy(args, bits)
-    weighting = args.weighting
-    if weighting == "auto":
-        weighting = "hessian" if args.calib_data else "none"
-    if weighting != "none" and not args.calib_data:
-        raise UserError(f"--weighting {weighting} needs calibration text: pass --calib-data FILE...")
-    if args.calib_tokens < 2 or args.calib_seq_len < 2:
-        raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
-    check_files(args.calib_data, "calibration file", "--calib-data")
+    write = _dummy(args, bits) if args.load_format == "dummy" else _kmeans(args, bits)
     check_output(args.out)
-    if Path(args.out).resolve() == Path(args.model).resolve():
+    if Path(args.model).is_dir() and Path(args.out).resolve() == Path(args.model).resolve():
         raise UserError(f"--out {args.out} is the --model directory; write the AP checkpoint to another directory")
-    opts = QuantizeOptions(bits=bits, weighting=weighting, calib_files=tuple(args.calib_data),
-                           calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, seed=args.seed,
-                           overwrite=args.overwrite)
-    summary = quantize_checkpoint(args.model, args.out, opts)
+    summary = write()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
+    elif args.load_format == "dummy":
+        print(f"wrote {summary['out']}: {summary['blocks']} expert blocks at bits {summary['bits']}, random (dummy) "
+              f"weights, in {summary['total_seconds']:.1f} s")
     else:
         print(f"wrote {summary['out']}: {summary['blocks']} expert blocks at bits {summary['bits']} "
               f"({summary['weighting']} weighting)")
@@ -93,21 +82,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dummy(args: argparse.Namespace, bits: tuple[int, ...]) -> int:
-    """`--load-format dummy`: random experts and weights of --model's shapes (pwruntime.quant.dummy)."""
+def _kmeans(args: argparse.Namespace, bits: tuple[int, ...]):
+    """The checked options of a quantization of --model's weights, as a call that writes it (pwruntime.quant.build)."""
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+
+    weighting = args.weighting
+    if weighting == "auto":
+        weighting = "hessian" if args.calib_data else "none"
+    if weighting != "none" and not args.calib_data:
+        raise UserError(f"--weighting {weighting} needs calibration text: pass --calib-data FILE...")
+    if args.calib_tokens < 2 or args.calib_seq_len < 2:
+        raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
+    check_files(args.calib_data, "calibration file", "--calib-data")
+    opts = QuantizeOptions(bits=bits, weighting=weighting, calib_files=tuple(args.calib_data),
+                           calib_tokens=args.calib_tokens, calib_seq_len=args.calib_seq_len, seed=args.seed,
+                           overwrite=args.overwrite)
+    return lambda: quantize_checkpoint(args.model, args.out, opts)
+
+
+def _dummy(args: argparse.Namespace, bits: tuple[int, ...]):
+    """`--load-format dummy`: random experts and weights of --model's shapes (pwruntime.quant.dummy), as a call."""
     from pwruntime.quant.dummy import write_dummy_checkpoint
 
     if args.weighting not in ("auto", "none") or args.calib_data:
         raise UserError("--load-format dummy makes random weights, which no k-means weighting applies to: drop "
                         "--weighting and --calib-data")
-    check_output(args.out)
-    if Path(args.model).is_dir() and Path(args.out).resolve() == Path(args.model).resolve():
-        raise UserError(f"--out {args.out} is the --model directory; write the AP checkpoint to another directory")
-    summary = write_dummy_checkpoint(args.model, args.out, bits=bits, seed=args.seed, overwrite=args.overwrite)
-    if args.json:
-        json.dump(summary, sys.stdout, indent=2)
-        print()
-    else:
-        print(f"wrote {summary['out']}: {summary['blocks']} expert blocks at bits {summary['bits']}, random (dummy) "
-              f"weights, in {summary['total_seconds']:.1f} s")
-    return 0
+    return lambda: write_dummy_checkpoint(args.model, args.out, bits=bits, seed=args.seed, overwrite=args.overwrite)
