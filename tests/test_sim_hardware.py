@@ -90,3 +90,23 @@ def test_atomic_json_write_leaves_nothing_behind_when_it_fails(tmp_path):
         write_text_atomic(path, "\ud800")
     assert json.loads(path.read_text()) == {"x": 1}
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json"]  # no temporary file left
+
+
+def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys):
+    from pwsim.cli import main
+    from pwsim.cmd_hardware import HOST_TERMS
+
+    assert main(["hardware", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in rows] == bundled_profiles()
+    for r in rows:
+        p = load_profile(r["name"])
+        assert all(r[k] == getattr(p, k) for k in HOST_TERMS) and r["measured"] == p.measured
+    olmoe = next(r for r in rows if r["name"] == "h200-olmoe-runtime")
+    assert olmoe["plan_transition_us"] > 0 and olmoe["origin"].startswith("h200-measured with the host costs")
+    assert main(["hardware", "h200-roofline"]) == 0
+    out = capsys.readouterr().out
+    assert "h200-roofline" in out and "h200-measured " not in out and "Roofline profile" in out
+    assert main(["hardware", "no-such-profile"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-profile" in err and "h200-olmoe-runtime" in err and "Traceback" not in err

@@ -1,0 +1,56 @@
+"""`pwsim hardware`: the bundled hardware profiles `--hardware` takes, with the host costs each charges and its origin."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from traces.hardware import HardwareProfile, bundled_profiles, load_profile
+
+HOST_TERMS = ("iteration_overhead_us", "sequence_overhead_us", "token_overhead_us", "routing_read_us",
+              "plan_transition_us")
+
+
+def origin(profile: HardwareProfile, limit: int = 240) -> str:
+    """The first sentence of how the profile was made (its `fitted` note, else its `note`), cut at `limit`."""
+    text = str(profile.metadata.get("fitted") or profile.metadata.get("note") or "")
+    head, dot, _ = text.partition(". ")
+    head += "." if dot else ""
+    return head if len(head) <= limit else head[:limit - 3].rstrip() + "..."
+
+
+def profile_row(name: str) -> dict:
+    p = load_profile(name)
+    return {"name": p.name, "device": p.device, "measured": p.measured, "hbm_gbps": p.hbm_gbps,
+            **{k: getattr(p, k) for k in HOST_TERMS}, "origin": origin(p)}
+
+
+def _table(rows: list[dict]) -> str:
+    head = ("profile", "measured", "step us", "seq us", "token us", "routing read us", "plan transition us")
+    body = [(r["name"], "yes" if r["measured"] else "no", *(f"{r[k]:,.0f}" if k != "token_overhead_us" else
+                                                              f"{r[k]:.1f}" for k in HOST_TERMS)) for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    lines = [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(b) for b in body]
+    return "\n".join(lines + [""] + [f"{r['name']}: {r['origin']}" for r in rows])
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = [profile_row(name) for name in (args.names or bundled_profiles())]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print(_table(rows))
+        print("\nThe host costs the simulator charges besides the kernels' time (`pwsim fidelity --fit-profile` fits "
+              "them from a replay); the full profile: traces/hardware/<profile>.json.")
+    return 0
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("hardware", help="list the bundled hardware profiles",
+                              description="List the hardware profiles `--hardware` takes by name: whether each is "
+                                          "measured, the host costs it charges (a step, a sequence, a token, a read "
+                                          "of the routing statistics, a plan transition) and how it was made.")
+    p.add_argument("names", nargs="*", metavar="PROFILE", help="profiles to show (a bundled name or a JSON path; "
+                                                               "default: every bundled one)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
