@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from traces.clikit import UserError, check_output, write_json_atomic
+from traces.clikit import UserError, check_output, text_table, write_json_atomic
 
 BLOCK_TOKENS = 16
 LIMIT_MS = 2.0  # the acceptance bound at the Gemma-4-26B-A4B size
@@ -164,9 +164,7 @@ def _table(rows: list[dict]) -> str:
     body = [(r["model"], f"{r['blocks']:,}", f"{r['offload_plans']}/{r['reload_plans']}",
              f"{r['cpu_ms']['median']:.3f}", f"{r['cpu_ms']['p99']:.3f}", f"{r['wall_ms']['median']:.3f}",
              f"{r['wall_ms']['p99']:.3f}") for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(b) for b in body])
+    return text_table(head, body, left=1)
 
 
 def run_planner(args: argparse.Namespace) -> int:

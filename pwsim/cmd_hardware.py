@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from traces.clikit import text_table
 from traces.hardware import HardwareProfile, bundled_profiles, load_profile
 
 HOST_TERMS = ("iteration_overhead_us", "sequence_overhead_us", "token_overhead_us", "routing_read_us",
@@ -28,10 +29,7 @@ def _table(rows: list[dict]) -> str:
     head = ("profile", "measured", "step us", "seq us", "token us", "routing read us", "plan transition us")
     body = [(r["name"], "yes" if r["measured"] else "no", *(f"{r[k]:,.0f}" if k != "token_overhead_us" else
                                                               f"{r[k]:.1f}" for k in HOST_TERMS)) for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    lines = [fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(b) for b in body]
-    return "\n".join(lines + [""] + [f"{r['name']}: {r['origin']}" for r in rows])
+    return "\n".join([text_table(head, body, left=2), ""] + [f"{r['name']}: {r['origin']}" for r in rows])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from traces.clikit import text_table
 from traces.model_card import ModelSpec, available_cards, load_card
 
 GIB = 1 << 30
@@ -32,9 +33,7 @@ def _table(rows: list[dict]) -> str:
              f"{100 * r['expert_share']:.1f}", f"{r['kv_bytes_per_token']:,}",
              "-" if r["published_deviation"] is None else
              f"{r['published_params'] / 1e9:.1f}B ({100 * r['published_deviation']:+.2f}%)") for r in rows]
-    widths = [max(len(x) for x in col) for col in zip(head, *body)]
-    fmt = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
-    return "\n".join([fmt(head), fmt(tuple("-" * w for w in widths))] + [fmt(b) for b in body])
+    return text_table(head, body, left=2)
 
 
 def run(args: argparse.Namespace) -> int:

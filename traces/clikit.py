@@ -1,4 +1,5 @@
-"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files.
+"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files,
+fixed-width text tables.
 
 A command module exposes `register(subparsers)` which adds its parser and sets `func=run`.
 `UserError` (and its subclasses across the project) print one line `error: ...` and exit 2;
@@ -104,3 +105,13 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """`obj` as indented JSON with a final newline, written atomically (see `write_text_atomic`)."""
     return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def text_table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
+    """Cells as a terminal table: each column as wide as its widest cell, the first `left` columns left-aligned and
+    the others right-aligned, a rule of dashes under the header."""
+    widths = [max(len(c) for c in col) for col in zip(head, *rows)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
