@@ -18,6 +18,13 @@ While a plan's transitions are begun, `room_left()` says how many bytes those no
 so an engine whose `reserve` must shrink the KV pool shrinks it once for the whole plan (both engines do: one
 compaction and one resize of the cache a plan instead of one a transition).
 
+An offload's lower-bitwidth LUT is on the GPU beside the planes it replaces until the offload lands. With
+`lut_slack_bytes` (both engines pass their budget's allocator slack, policies.memory_budget, which is kept out of the
+KV pool for this) that room is borrowed from the slack, as far as the LUTs in flight fit in it, instead of asked of
+`reserve`; the offload repays it when it lands, out of the bytes it frees, and `release` gets the rest. An offload
+plan then neither shrinks the KV pool nor is refused for want of free blocks (it used to be shrunk for a plan's LUTs
+and grown again when they landed: two resizes of the cache a plan). `lut_borrowed` is what offloads in flight hold.
+
 The simulator and the runtime differ only in their mover (a PCIe link model vs. copy streams) and
 in the `reserve`/`release` callbacks; the loop is the same object, so the same observations give
 the same plans.
@@ -82,11 +89,16 @@ class PlanLoop:
 
     def __init__(self, policy: Policy, table: PageTable, mover: PageMover | None = None,
                  reserve: Callable[[int], bool] | None = None,
-                 release: Callable[[int], None] | None = None) -> None:
+                 release: Callable[[int], None] | None = None, lut_slack_bytes: int = 0) -> None:
+        if lut_slack_bytes < 0:
+            raise ValueError(f"lut_slack_bytes must be >= 0, got {lut_slack_bytes}")
         self.policy, self.table = policy, table
         self.mover = mover if mover is not None else ImmediateMover()
         self._reserve, self._release = reserve, release
+        self.lut_slack_bytes = int(lut_slack_bytes)
         self._release_on_commit: dict[int, int] = {}  # block -> GPU bytes freed when its transfer commits
+        self._borrowed: dict[int, int] = {}  # block -> LUT bytes its offload in flight borrowed from the slack
+        self.lut_borrowed = 0  # their sum
         self.num_plans = 0
         self._beginning: Plan | None = None  # the plan whose transitions step() is beginning
 
@@ -115,7 +127,7 @@ class PlanLoop:
                 self.table.finish_reload(i)
             else:
                 self.table.finish_offload(i)
-            released += self._release_on_commit.pop(i, 0)
+            released += self._release_on_commit.pop(i, 0) - self._repay(i)
             committed.append(i)
         if released and self._release is not None:
             self._release(released)
@@ -126,10 +138,17 @@ class PlanLoop:
         one being reserved for included); 0 outside a plan."""
         if self._beginning is None:
             return 0
-        table = self.table
-        return sum(room_for(table, t) for t in self._beginning.transitions
-                   if t.to_bits != t.from_bits and not getattr(t, "in_place", False) and 0 <= t.block < table.num_blocks
-                   and table.target[t.block] < 0 and table.q[t.block] == t.from_bits)
+        table, total, slack = self.table, 0, self.lut_slack_bytes - self.lut_borrowed
+        for t in self._beginning.transitions:
+            if (t.to_bits == t.from_bits or getattr(t, "in_place", False) or not 0 <= t.block < table.num_blocks
+                    or table.target[t.block] >= 0 or table.q[t.block] != t.from_bits):
+                continue
+            room = room_for(table, t)
+            if t.is_offload and room <= slack:  # borrowed from the slack, as `_begin` will
+                slack -= room
+            else:
+                total += room
+        return total
 
     def kv_blocks_to_free(self, nbytes: int, spare_bytes: int, block_bytes: int, free_blocks: int) -> int | None:
         """How many KV blocks an engine's `reserve` of `nbytes` takes from its pool, holding `spare_bytes` and
@@ -142,6 +161,12 @@ class PlanLoop:
         if need > free_blocks:
             return None
         return min(max(need, -(-(self.room_left() - spare_bytes) // block_bytes)), free_blocks)
+
+    def _repay(self, i: int) -> int:
+        """The slack block i's landed offload borrowed for its LUT, returned to the slack (0 if none)."""
+        borrowed = self._borrowed.pop(i, 0)
+        self.lut_borrowed -= borrowed
+        return borrowed
 
     def _begin(self, t: Transition) -> tuple[str | None, int]:
         """Begin one transition; returns (why it was refused or None, bytes moved)."""
@@ -162,14 +187,18 @@ class PlanLoop:
                 # the lower bits' LUT must be on the GPU before they are committed, while the
                 # surplus planes and the old LUT stay until the commit: ask for the LUT's room first
                 new_lut = room_for(table, t)
-                if new_lut and self._reserve is not None and not self._reserve(new_lut):
+                borrow = new_lut if 0 < new_lut <= self.lut_slack_bytes - self.lut_borrowed else 0
+                if new_lut and not borrow and self._reserve is not None and not self._reserve(new_lut):
                     return "no room for the lower bitwidth's LUT", 0
                 try:
                     nbytes = table.begin_offload(i, t.to_bits)
                 except PageTableError:
-                    if new_lut and self._reserve is not None and self._release is not None:
+                    if new_lut and not borrow and self._reserve is not None and self._release is not None:
                         self._release(new_lut)
                     raise
+                if borrow:
+                    self._borrowed[i] = borrow
+                    self.lut_borrowed += borrow
                 self._release_on_commit[i] = nbytes + new_lut  # surplus planes and the old LUT
             else:
                 # planes q..to-1 plus LUT_to must fit before the copy starts; LUT_q goes at commit

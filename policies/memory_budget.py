@@ -5,10 +5,15 @@ non-expert ones at 16 bits, the routed experts at the policy's starting bits: `p
 the KV cache, with some slack kept out of the pool for the LUTs of transitions in flight and fragmentation. The
 pool starts with what is left; afterwards it grows by the bytes offloads free and shrinks by those reloads take, so
 the sum stays in the budget. Activations are outside it.
+
+`LUT_ROOMS`: where an offload's lower-bitwidth LUT finds room while the offload is in flight, an engine setting
+(`--lut-room`): "slack", borrowed from the allocator slack (policies.loop), or "pool", the KV pool shrunk over free
+blocks for it and grown again when the offload lands (every runtime and simulation before session 38).
 """
 from __future__ import annotations
 
 MiB = 1 << 20
+LUT_ROOMS = ("slack", "pool")
 
 
 def allocator_slack_bytes(budget_bytes: int) -> int:

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from policies.memory_budget import LUT_ROOMS
 from traces.clikit import UserError
 
 
@@ -60,6 +61,10 @@ def add_engine_args(p) -> None:
     p.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch the next step before the last one's tokens reach the host, so host "
                         "work overlaps the GPU's; tokens show a step later (default off)")
+    p.add_argument("--lut-room", choices=LUT_ROOMS, default="slack",
+                   help="where an offload's lower-bitwidth LUT finds room while the planes it replaces are still on "
+                        "the GPU: the --gpu-memory-budget's allocator slack (default), or the KV pool, shrunk over free "
+                        "blocks for it and grown again when the offload lands (before session 38)")
     w = p.add_argument_group("any-precision experts and a planner (CUDA: AP kernels, planes paged on a copy "
                              "stream; CPU: the pure-torch AP store)")
     w.add_argument("--ap", default=None, metavar="DIR",
@@ -184,7 +189,7 @@ def _engine_config(args):
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
                         mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
-                        async_scheduling=args.async_scheduling)
+                        async_scheduling=args.async_scheduling, lut_room=args.lut_room)
 
 
 def engine_model_dir(args) -> Path:

@@ -58,7 +58,7 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
-from policies.memory_budget import allocator_slack_bytes, kv_room_bytes
+from policies.memory_budget import LUT_ROOMS, allocator_slack_bytes, kv_room_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
 from policies.planners.base import never_plans, weight_bytes
@@ -113,6 +113,12 @@ class EngineConfig:
     # not), steps of each kind (decode, mixed) that run eagerly before its graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
     async_scheduling: bool = False  # schedule and launch the next step before settling this one (module docstring)
+    lut_room: str = "slack"  # where an offload's lower LUT finds room in flight (policies.memory_budget.LUT_ROOMS);
+    # the slack is a memory budget's (none without one, or with num_kv_blocks)
+
+    def __post_init__(self) -> None:
+        if self.lut_room not in LUT_ROOMS:
+            raise ValueError(f"lut_room must be one of {LUT_ROOMS}, got {self.lut_room!r}")
 
 
 @dataclass(frozen=True)
@@ -199,7 +205,10 @@ class LLMEngine:
                                   graph_settle_steps=cfg.graph_settle_steps,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
-        self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release)
+        slack = (allocator_slack_bytes(cfg.gpu_memory_budget) if cfg.lut_room == "slack"
+                 and cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None else 0)
+        self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release,
+                             lut_slack_bytes=slack)
         self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:

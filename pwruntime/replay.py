@@ -148,6 +148,7 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         "preemptions": int(engine.scheduler.num_preemptions),
         "routing_reads": int(np.asarray(tl["routing_read"]).sum()) if timeline else 0,
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
+        "kv_resizes": int(engine.kv.generation),  # the KV cache's resizes (the warm-up's too, as the plans)
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
                      for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},
     }

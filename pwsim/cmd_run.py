@@ -6,6 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
+from policies.memory_budget import LUT_ROOMS
 from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
@@ -59,6 +60,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e.add_argument("--instant-page-moves", action="store_true",
                    help="land every page move at the iteration boundary that began it, the link taking no time, as "
                         "the CPU runtime does (no copy stream); `--like-replay` of a CPU replay sets it")
+    e.add_argument("--lut-room", choices=LUT_ROOMS, default="slack",
+                   help="where an offload's lower-bitwidth LUT finds room while the offload is in flight, as the "
+                        "runtime's --lut-room: the budget's allocator slack (default), or the KV pool, shrunk over free "
+                        "blocks for it (every run before session 38; `--like-replay` of such a replay sets it)")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate, 0: all at once; default 1)")
@@ -119,6 +124,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        async_scheduling=args.async_scheduling, instant_page_moves=args.instant_page_moves,
+                       lut_room=args.lut_room,
                        warmup_requests=args.warmup_requests,
                        time_scale=args.time_scale, request_rate=args.request_rate,
                        request_burstiness=1.0 if args.burstiness is None else args.burstiness,
@@ -157,6 +163,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         parts.append("--async-scheduling")
     if args.instant_page_moves:
         parts.append("--instant-page-moves")
+    if args.lut_room != "slack":
+        parts.append(f"--lut-room {args.lut_room}")
     if args.warmup_requests:
         parts.append(f"--warmup-requests {args.warmup_requests}")
     if args.time_scale != 1.0:

@@ -21,7 +21,8 @@ time and hardware:
 * memory under one budget: non-expert fp16 weights + expert weight bytes (the page table's own
   accounting, or the policy's `weight_bytes`) + the KV pool's backed blocks (`id_limit`). The pool
   grows into the headroom after every boundary and shrinks over free blocks when a reload needs
-  room (compacting when retired blocks leave holes); every check that finds the budget exceeded is
+  room (compacting when retired blocks leave holes); an offload's lower LUT borrows the allocator slack while it
+  is in flight (`SimConfig.lut_room`, policies.loop); every check that finds the budget exceeded is
   recorded, never hidden;
 * stalls: iterations with unfinished requests but nothing schedulable (memory), and forwards that
   wait for absent experts (q = 0) to be fetched;
@@ -44,7 +45,7 @@ from policies.calibration import Calibration
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import PlanLoop, room_for
-from policies.memory_budget import kv_room_bytes
+from policies.memory_budget import LUT_ROOMS, kv_room_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
@@ -89,6 +90,7 @@ class SimConfig:
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
     instant_page_moves: bool = False  # every page move lands at the boundary that began it, as the CPU runtime's
+    lut_room: str = "slack"  # where offloads' lower LUTs find room in flight (policies.memory_budget.LUT_ROOMS)
     warmup_requests: int = 0  # as `pwruntime replay --warmup-requests`: see `Simulation.run`
     max_concurrency: int | None = None  # as `pwruntime bench serve --max-concurrency`: at most this many requests in
     # flight; one whose arrival finds them all in flight is sent when one ends, its latencies counted from then
@@ -100,6 +102,8 @@ class SimConfig:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.lut_room not in LUT_ROOMS:
+            raise ValueError(f"lut_room must be one of {LUT_ROOMS}, got {self.lut_room!r}")
 
 
 @dataclass(frozen=True)
@@ -184,7 +188,8 @@ class Simulation:
         self.env = simpy.Environment()
         self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
                                transition_s=profile.plan_transition_us * 1e-6, instant=config.instant_page_moves)
-        self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None)
+        self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None,
+                             lut_slack_bytes=config.allocator_slack_bytes if config.lut_room == "slack" else 0)
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,
                                     features=config.prompt_features and not never_plans(policy))
@@ -226,8 +231,10 @@ class Simulation:
         return self._weights, self.pool.id_limit * self.kv_block_bytes
 
     def _headroom(self) -> int:
+        """The budget beside the weights, the KV pool and the allocator slack; LUTs of offloads in flight that the
+        slack holds (policies.loop: `lut_borrowed`) are the slack's, not the headroom's."""
         w, kv = self.used_bytes()
-        return self.cfg.budget_bytes - self.cfg.allocator_slack_bytes - w - kv
+        return self.cfg.budget_bytes - self.cfg.allocator_slack_bytes + self.loop.lut_borrowed - w - kv
 
     def _check_memory(self, where: str) -> None:
         w, kv = self.used_bytes()

@@ -3,7 +3,8 @@
 A `pwruntime replay --record-routing` result holds the replayed requests and the routing they took (`DIR/trace`) and,
 in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
-prefix caching, asynchronous scheduling, the warm-up and the arrival settings, and, from its `summary.json`, whether
+prefix caching, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for a replay older than
+the flag), the warm-up and the arrival settings, and, from its `summary.json`, whether
 its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
 simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by
 `--gpu-memory-budget` has no budget the simulator could take, and one that recorded no routing no trace of what it
@@ -29,6 +30,7 @@ SETTINGS = (
     ("max_num_batched_tokens", "max_batched_tokens", "--max-num-batched-tokens"),
     ("enable_prefix_caching", "enable_prefix_caching", "--enable-prefix-caching"),
     ("async_scheduling", "async_scheduling", "--async-scheduling"),
+    ("lut_room", "lut_room", "--lut-room"),
     ("warmup_requests", "warmup_requests", "--warmup-requests"),
     ("time_scale", "time_scale", "--time-scale"),
     ("request_rate", "request_rate", "--request-rate"),
@@ -62,6 +64,8 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     args.trace = str(trace)
     args.model = read_routing(trace / ROUTING_FILE).card
     taken.append(f"--model {args.model}")
+    if "lut_room" not in config:  # a replay before session 38, whose offloads' LUTs took their room from the KV pool
+        config = {**config, "lut_room": "pool"}
     for key, attr, flag in SETTINGS:
         if key not in config or (key == "calibration" and not config[key]):
             continue  # not recorded (an older replay), or no calibration given: the simulator's default stands

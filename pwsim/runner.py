@@ -69,6 +69,7 @@ class RunConfig:
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
     async_scheduling: bool = False  # SimConfig.async_scheduling
     instant_page_moves: bool = False  # SimConfig.instant_page_moves
+    lut_room: str = "slack"  # SimConfig.lut_room
     warmup_requests: int = 0  # SimConfig.warmup_requests
     time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate;
     # 0: all at once, as `pwruntime bench serve --time-scale 0`)
@@ -122,7 +123,7 @@ class RunConfig:
                          max_num_batched_tokens=self.max_num_batched_tokens,
                          allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
                          prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling,
-                         instant_page_moves=self.instant_page_moves,
+                         instant_page_moves=self.instant_page_moves, lut_room=self.lut_room,
                          warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 
     def to_json(self) -> dict:

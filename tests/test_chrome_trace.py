@@ -17,9 +17,11 @@ REPLAY = Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-repl
 
 @pytest.fixture(scope="module")
 def sim_dir(tmp_path_factory):
-    """The bundled default simulated at 24 MiB: the planner offloads, then reloads over the link."""
+    """The bundled default simulated at 24 MiB: the planner offloads, then reloads over the link; its offloads' LUTs
+    take room from the KV pool (`--lut-room pool`), so some are refused for want of it."""
     out = tmp_path_factory.mktemp("sim") / "run"
-    assert main(["run", "--policy", "pagedweight", "--budget", "24MiB", "--no-progress", "--out", str(out)]) == 0
+    assert main(["run", "--policy", "pagedweight", "--budget", "24MiB", "--lut-room", "pool", "--no-progress", "--out",
+                 str(out)]) == 0
     return out
 
 

@@ -205,6 +205,51 @@ def test_a_plan_shrinks_the_kv_pool_once(ap_dir):
     assert resizes < ref_resizes
 
 
+def test_offload_luts_in_flight_stay_in_the_budget(ap_dir):
+    """Under a memory budget, every step: the weights (the page table's bytes, transfers in flight included), the KV
+    pool and the spare bytes fill the budget less the allocator slack, plus the LUTs of offloads in flight that the
+    slack holds (`--lut-room slack`, the default; never more than the slack, and nothing once they landed). Offload
+    plans then shrink the pool for their LUTs, and are refused for want of room for them, only where the slack (here
+    1/32 of 24 MiB) cannot hold them all: far less often than with `--lut-room pool`."""
+    from policies.memory_budget import allocator_slack_bytes
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.sampling import SamplingParams
+    from traces.clikit import build_parser
+    from traces.io import read_requests
+
+    trace = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
+    budget, slack = 24 << 20, allocator_slack_bytes(24 << 20)
+
+    def run(lut_room: str) -> tuple[int, int, int]:
+        args = build_parser("pwruntime", "", _registrars()).parse_args(
+            ["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
+             "--gpu-memory-budget", "24MiB", "--lut-room", lut_room, "--dtype", "bf16", "--prompt", "x"])
+        engine, *_ = build_engine(args)
+        own, B = engine.model.weight_bytes(), engine.block_bytes
+        repaid, repay = [], engine.loop._repay  # the LUT bytes each landed offload had borrowed from the slack
+        engine.loop._repay = lambda i: repaid.append(repay(i)) or repaid[-1]
+        for i in range(32):  # the demo trace's first prompts, 48 tokens each: pressure at 24 MiB
+            engine.add_request(trace.prompt_ids(i), SamplingParams(max_tokens=48, ignore_eos=True))
+        offload_shrinks = lut_refusals = 0
+        while engine.has_unfinished():
+            capacity = engine.pool.capacity
+            engine.step()
+            loop = engine.last_loop
+            used = own + engine.table.resident_bytes() + engine.pool.id_limit * B + engine._spare_bytes
+            assert used == budget - slack + engine.loop.lut_borrowed and 0 <= engine.loop.lut_borrowed <= slack
+            offloads = [t for t in loop.started if t.is_offload]
+            offload_shrinks += bool(offloads) and len(offloads) == len(loop.started) and engine.pool.capacity < capacity
+            lut_refusals += sum(why == "no room for the lower bitwidth's LUT" for _, why in loop.rejected)
+        assert engine.loop.num_plans > 5 and engine.loop.lut_borrowed == 0
+        return sum(r > 0 for r in repaid), offload_shrinks, lut_refusals
+
+    borrowed, shrinks, refusals = run("slack")
+    none_borrowed, pool_shrinks, pool_refusals = run("pool")
+    assert borrowed > 20 and none_borrowed == 0
+    assert shrinks + refusals < (pool_shrinks + pool_refusals) / 4, (shrinks, refusals, pool_shrinks, pool_refusals)
+
+
 def test_room_a_plan_took_beyond_its_transitions_comes_back(ap_dir):
     """A plan whose first reload finds room and whose second does not: shrinking for the whole plan takes every free
     block, the second reload is refused, and the blocks it would have used return to the pool after the step (while
@@ -382,6 +427,13 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
         assert sim_main(["run", "--like-replay", str(src), "--out", str(tmp_path / "like")]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    # a replay from before --lut-room, whose offloads' LUTs took their room from the KV pool, is simulated so
+    shutil.copytree(tmp_path / "rt", tmp_path / "rt-old")
+    (tmp_path / "rt-old" / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "lut_room"}))
+    assert config["lut_room"] == "slack"
+    assert sim_main(["run", "--like-replay", str(tmp_path / "rt-old"), "--out", str(tmp_path / "old"), "--no-plots"]) == 0
+    assert "--lut-room pool" in capsys.readouterr().out
+    assert json.loads((tmp_path / "old" / "config.json").read_text())["lut_room"] == "pool"
     # a longer warm-up than the one recorded is refused, naming the flag's limit
     assert sim_main(["run", "--budget", "24MiB", "--trace", str(tmp_path / "rt" / "trace"), "--calibration",
                      str(CALIBRATION), "--warmup-requests", "20", "--out", str(tmp_path / "long")]) == 2

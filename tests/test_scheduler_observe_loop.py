@@ -306,6 +306,39 @@ def test_kv_blocks_to_free_covers_the_rest_of_the_plan_as_far_as_free_blocks_go(
     assert loop.kv_blocks_to_free(301, 0, 100, 20) == 4
 
 
+def test_offload_luts_borrow_the_slack_while_in_flight_and_repay_it_when_they_land():
+    """With `lut_slack_bytes`, an offload's lower LUT is held by the slack while the offload is in flight, not asked of
+    `reserve`: as far as the LUTs in flight fit (the one that does not asks, and `room_left` counts only it); when an
+    offload lands, `release` gets what it frees less the LUT it borrowed, and the slack is whole again."""
+    from policies.apformat import lut_bytes
+    table = PageTable(1, 3, hidden=64, intermediate=32, initial_bits=8)
+    lut = [lut_bytes(int(table.shapes[i][0]), 4) for i in range(3)]
+    plan = Plan(tuple(Transition(i, 8, 4, int(table.M[i, 8] - table.M[i, 4])) for i in range(3)))
+    asked, released, left = [], [], []
+    loop = PlanLoop(ScriptedPolicy([plan, None]), table, _SlowMover(),
+                    reserve=lambda b: asked.append(b) or left.append(loop.room_left()) or True,
+                    release=released.append, lut_slack_bytes=lut[0] + lut[1])
+    r0 = loop.step(_obs(0))
+    assert r0.started == plan.transitions and r0.committed == ()
+    assert asked == [lut[2]] and left == [lut[2]]  # blocks 0 and 1 borrowed theirs; block 2's did not fit
+    assert loop.lut_borrowed == lut[0] + lut[1] and table.busy[:3].all()
+    r1 = loop.step(_obs(1))
+    assert r1.committed == (0, 1, 2) and loop.lut_borrowed == 0
+    frees = sum(t.delta_bytes for t in plan.transitions)  # the surplus planes and LUT_8 less LUT_4, for each block
+    assert released == [r1.released_bytes] and r1.released_bytes == frees + lut[2]
+    table.check_invariants()
+
+
+def test_without_slack_an_offload_asks_the_engine_for_its_lut():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    off = Transition(0, 8, 4, int(table.M[0, 8] - table.M[0, 4]))
+    refused = PlanLoop(ScriptedPolicy([Plan((off,))]), table, reserve=lambda b: False)
+    r = refused.step(_obs(0))
+    assert r.rejected[0][1] == "no room for the lower bitwidth's LUT" and table.q[0] == 8 and refused.lut_borrowed == 0
+    with pytest.raises(ValueError, match="lut_slack_bytes"):
+        PlanLoop(ScriptedPolicy([]), table, lut_slack_bytes=-1)
+
+
 class _SlowMover:
     """Lands each transfer one step after it started (an async copy stream in miniature)."""
 

@@ -194,6 +194,31 @@ def test_budget_pressure_lowers_bits_and_quality_damage():
     assert tight.summary["quality"]["mean_damage_per_token"] > roomy.summary["quality"]["mean_damage_per_token"]
 
 
+def test_offload_luts_borrow_the_slack_within_the_budget():
+    """An offload's lower LUT is held by the allocator slack while in flight (`lut_room="slack"`, the runtime's
+    default): every boundary within the budget, and what the slack holds back in it once the offload lands; with
+    `lut_room="pool"` the pool is shrunk for the LUTs instead and plans are refused for want of them."""
+    runs = {}
+    for room in ("slack", "pool"):
+        sim = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024, lut_room=room)
+        borrowed, repay = [], sim.loop._repay  # what each landing offload had borrowed
+
+        def repaid(i, _repay=repay, _loop=sim.loop):
+            borrowed.append(_loop.lut_borrowed)
+            assert 0 <= _loop.lut_borrowed <= _loop.lut_slack_bytes
+            return _repay(i)
+        sim.loop._repay = repaid
+        res = sim.run()
+        assert sim.loop.lut_borrowed == 0
+        s = res.summary
+        assert s["memory"]["budget_violations"] == 0 and s["plans"]["plans"] > 5
+        runs[room] = (max(borrowed), sum(s["plans"]["transitions_rejected"].values()))
+    assert runs["slack"][0] > 0 and runs["pool"][0] == 0
+    assert runs["slack"][1] < runs["pool"][1], runs
+    with pytest.raises(ValueError, match="lut_room"):
+        tiny_sim("pagedweight", lut_room="kv")
+
+
 def test_weight_accounting_matches_the_page_table():
     sim = tiny_sim("pagedweight", kv_blocks=16, n=20, slack=256 * 1024)
     sim.run()

@@ -83,7 +83,7 @@ def test_planner_decisions_match_a_runtime_driver_of_the_same_loop(policy, param
         return ok
 
     mover = ScriptedMover(log["landed"])
-    loop = PlanLoop(pol, table, mover, reserve=reserve)
+    loop = PlanLoop(pol, table, mover, reserve=reserve, lut_slack_bytes=sim.loop.lut_slack_bytes)
     for k, (obs, sim_res) in enumerate(zip(log["obs"], log["res"])):
         res = loop.step(obs)
         assert res.plan == sim_res.plan, f"step {k}: plans differ"
