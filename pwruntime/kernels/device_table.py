@@ -239,10 +239,13 @@ class DeviceWeightTable:
         out = lut.shape[0]
         known = {id(t) for t in current.planes + (current.lut,)} if current is not None else set()
         tensors = [t for t in list(plist) + [lut] if id(t) not in known]
-        for p in plist:
+        # the planes the row names passed these checks against its LUT's rows; a LUT of other rows checks them all
+        same_rows = current is not None and current.lut.shape[0] == out
+        shape = (out, plist[0].shape[1] if plist[0].dim() == 2 else -1)
+        for p in [p for p in plist if id(p) not in known] if same_rows else plist:
             if p.dtype not in (torch.int32, torch.uint32):
                 raise ValueError(f"planes are 32-bit words (int32/uint32), got {p.dtype}")
-            if p.dim() != 2 or p.shape[0] != out or tuple(p.shape) != tuple(plist[0].shape):
+            if p.dim() != 2 or tuple(p.shape) != shape:
                 raise ValueError(f"every plane must be [out={out}, words], got {tuple(p.shape)}")
         for t in tensors:
             if t.device != self.device and not (t.device.type == self.device.type == "cuda"
