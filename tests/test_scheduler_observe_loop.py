@@ -256,12 +256,16 @@ def test_plan_loop_offload_then_reload_with_immediate_mover():
     table.check_invariants()
 
 
-def test_plan_loop_reload_refused_without_room():
-    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=4)
-    up = Transition(0, 4, 8, int(table.M[0, 4] - table.M[0, 8]))
-    loop = PlanLoop(ScriptedPolicy([Plan((up,))]), table, reserve=lambda b: False)
+@pytest.mark.parametrize("start, to, why", [(4, 8, "no room for the reload"),
+                                             (8, 4, "no room for the lower bitwidth's LUT")])
+def test_plan_loop_refuses_a_transition_without_room(start, to, why):
+    """The engine's `reserve` finds no room: a reload is refused, and so is an offload with no slack to borrow for its
+    lower LUT (`lut_slack_bytes` 0)."""
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=start)
+    t = Transition(0, start, to, int(table.M[0, start] - table.M[0, to]))
+    loop = PlanLoop(ScriptedPolicy([Plan((t,))]), table, reserve=lambda b: False)
     r = loop.step(_obs(0))
-    assert r.started == () and r.rejected[0][1] == "no room for the reload" and table.q[0] == 4
+    assert r.started == () and r.rejected[0][1] == why and table.q[0] == start and loop.lut_borrowed == 0
 
 
 
@@ -327,14 +331,6 @@ def test_offload_luts_borrow_the_slack_while_in_flight_and_repay_it_when_they_la
     frees = sum(t.delta_bytes for t in plan.transitions)  # the surplus planes and LUT_8 less LUT_4, for each block
     assert released == [r1.released_bytes] and r1.released_bytes == frees + lut[2]
     table.check_invariants()
-
-
-def test_without_slack_an_offload_asks_the_engine_for_its_lut():
-    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
-    off = Transition(0, 8, 4, int(table.M[0, 8] - table.M[0, 4]))
-    refused = PlanLoop(ScriptedPolicy([Plan((off,))]), table, reserve=lambda b: False)
-    r = refused.step(_obs(0))
-    assert r.rejected[0][1] == "no room for the lower bitwidth's LUT" and table.q[0] == 8 and refused.lut_borrowed == 0
     with pytest.raises(ValueError, match="lut_slack_bytes"):
         PlanLoop(ScriptedPolicy([]), table, lut_slack_bytes=-1)
 
