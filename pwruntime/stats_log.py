@@ -76,7 +76,7 @@ def serving_info(engine) -> dict:
             "kv_cache_bytes": pool.capacity * engine.block_bytes, "max_model_len": engine.max_model_len,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
-            "ap_experts": ap, "policy": engine.policy.name if ap else None,
+            "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": cfg.lut_room if ap else None,
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
 
