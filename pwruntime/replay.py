@@ -27,6 +27,7 @@ from policies.plan_log import PlanLog
 from traces.clikit import UserError
 from pwruntime.engine import StepPhases
 from pwruntime.sampling import SamplingParams
+from pwruntime.stats_log import lut_room
 from traces.results import WARMUP_TOKENS, request_columns, request_summary, stats
 from traces.schema import RequestTrace, RoutingTrace
 
@@ -149,6 +150,7 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         "routing_reads": int(np.asarray(tl["routing_read"]).sum()) if timeline else 0,
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
         "kv_resizes": int(engine.kv.generation),  # the KV cache's resizes (the warm-up's too, as the plans)
+        "lut_room": lut_room(engine),  # where its offloads' LUTs found room (pwsim fidelity checks the simulation's)
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
                      for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},
     }

@@ -65,6 +65,12 @@ def serves_ap_experts(engine) -> bool:
     return not isinstance(engine.model.experts, DenseExpertStore)
 
 
+def lut_room(engine) -> str:
+    """Where the engine's offloads find room for their lower LUTs in flight: "slack" where its plan loop may borrow a
+    budget's allocator slack (`--lut-room slack` with `--gpu-memory-budget`), else "pool" (policies.memory_budget)."""
+    return "slack" if engine.loop.lut_slack_bytes else "pool"
+
+
 def serving_info(engine) -> dict:
     """What the engine serves with, once it is ready: its device, scheduler limits, KV pool and experts (the server's
     /server_info, the ready line, and what `pwruntime bench serve` records of the server). The scheduler keys are
@@ -76,7 +82,7 @@ def serving_info(engine) -> dict:
             "kv_cache_bytes": pool.capacity * engine.block_bytes, "max_model_len": engine.max_model_len,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
-            "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": cfg.lut_room if ap else None,
+            "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
 

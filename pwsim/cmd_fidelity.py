@@ -245,6 +245,11 @@ def run(args) -> int:
         if v["sim"] != v["runtime"]:
             print(f"note: the simulation ran the trace {describe(v['sim'])} and the runtime {describe(v['runtime'])}; "
                   f"their requests went at other times (give both the same {flag})")
+    lut = report["lut_room"]
+    planned = any(v for v in report["planner"]["plans"].values())
+    if planned and None not in lut.values() and lut["sim"] != lut["runtime"]:
+        print(f"note: the runtime's offloads found room for their lower LUTs in the {lut['runtime']}, the simulation's "
+              f"in the {lut['sim']}; their plans part (simulate with --lut-room {lut['runtime']}, as --like-replay does)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]
@@ -254,6 +259,15 @@ def run(args) -> int:
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
           f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
           f" a token against the simulator{' besides planning' if it.get('net_of_planning') else ''}")
+    one = report["one_off_steps"]["runtime"]
+    if one and one["steps"]:
+        without = report["throughput_ratio_without_one_off"]
+        print(f"  the runtime's one-off steps: {one['steps']} far longer than the typical step of their kind and size "
+              f"(a new batch shape's graph capture or first launch), {one['excess_s']:.2f} s beyond it, "
+              f"{one['share']:.0%} of its iteration time, which the simulator does not charge"
+              + ("" if without is None else f"; without them throughput sim/runtime about {without:.2f}")
+              + ("" if report["warmup_requests"]["runtime"] else
+                 " (`pwruntime replay --warmup-requests N` captures the graphs before the clock)"))
     seq = it["per_sequence"]
     if seq is not None:
         print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, "

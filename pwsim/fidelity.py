@@ -23,6 +23,12 @@ cost and a transition's (`routing_reads.read_us`, `transition_us`: `routing_read
 Where the replay records its plans' transitions and the simulation the planning it charged each step (`plan_s`),
 the iteration fits leave each side's planning out (`host_timelines`; `iterations.net_of_planning`), so a fitted
 profile charges a runtime's planning once, as reads and transitions.
+`one_off_steps` finds a run's steps far longer than the typical step of their kind and size: on the runtime, the
+first step of each new batch shape captures its graphs and launches (or compiles) its kernels for the first time,
+inside the clock of a replay without a warm-up, which the simulator does not charge; the report gives their excess
+and the throughput ratio without it (`throughput_ratio_without_one_off`). `lut_room` is where each side's offloads
+found room for their lower LUTs (`--lut-room`; the runtime's as its engine had it: a pool sized by blocks has no
+slack; results before session 38: the pool).
 `decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
@@ -132,6 +138,54 @@ def iteration_kinds(timeline: dict[str, np.ndarray]) -> dict | None:
     return out
 
 
+ONE_OFF_FACTOR = 4.0  # a step this many times the median step of its kind and size ...
+ONE_OFF_MIN_S = 0.02  # ... and this much longer is one-off work (a graph capture, a first launch, a compile)
+
+
+def one_off_steps(timeline: dict[str, np.ndarray]) -> dict | None:
+    """A run's steps far longer than the median step of their kind (decode or mixed) among the steps whose tokens
+    are within a factor of two of theirs (`ONE_OFF_FACTOR` times it and `ONE_OFF_MIN_S` more): their count, the seconds
+    they took beyond those medians and that excess's share of the run's iteration time; None without decode_tokens.
+    A size whose every step is one-off (a shape seen once) shows none: the count is a floor."""
+    if "decode_tokens" not in timeline:
+        return None
+    t = np.asarray(timeline.get("iter_s", []), dtype=np.float64)
+    tokens = np.asarray(timeline.get("batch_tokens", []), dtype=np.int64)
+    decode = tokens == np.asarray(timeline["decode_tokens"], dtype=np.int64)
+    key = 2 * np.floor(np.log2(np.maximum(tokens, 1))).astype(np.int64) + decode
+    excess = np.zeros_like(t)
+    for k in np.unique(key[tokens > 0]):
+        rows = (key == k) & (tokens > 0)
+        typical = float(np.median(t[rows]))
+        over = rows & (t > ONE_OFF_FACTOR * typical) & (t - typical > ONE_OFF_MIN_S)
+        excess[over] = t[over] - typical
+    total = float(t.sum())
+    return {"steps": int((excess > 0).sum()), "excess_s": float(excess.sum()),
+            "share": float(excess.sum()) / total if total > 0 else 0.0}
+
+
+def _without_one_off(sim: RunView, runtime: RunView, one_off: dict | None) -> float | None:
+    """Sim / runtime throughput had the runtime's one-off excess not delayed its makespan (an estimate: every later
+    step moves up by it, as a load that is all at once or queued does)."""
+    tokens, makespan = runtime.summary.get("output_tokens"), runtime.summary.get("makespan_s")
+    if not one_off or not one_off["steps"] or not tokens or not makespan or makespan <= one_off["excess_s"]:
+        return None
+    return _ratio(sim.summary.get("throughput_tokens_per_s"), tokens / (makespan - one_off["excess_s"]))
+
+
+def lut_room_of(view: RunView, simulated: bool) -> str | None:
+    """Where a run's offloads found room for their lower LUTs: a simulation's `--lut-room`, a replay's as its engine
+    had it (`lut_room` in its summary), a served run's as its server said; "pool" for results from before the choice
+    (session 38); None where a served run's server did not say."""
+    if simulated:
+        return view.config.get("lut_room", "pool")
+    if "lut_room" in view.summary:
+        return view.summary["lut_room"]
+    if "server" in view.config:  # a served run (`pwruntime bench serve`): what its server's /server_info said
+        return view.config.get("lut_room")
+    return "pool"
+
+
 # the timeline columns that record what an engine decided at a step (not how long it took)
 DECISION_COLUMNS = ("batch_tokens", "batch_seqs", "running", "waiting", "total_blocks", "free_blocks", "mean_bits",
                     "plan_transitions")
@@ -232,6 +286,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
     reads = routing_read_cost(runtime.timeline)
     sim_host, runtime_host, net = host_timelines(sim, runtime, reads)
     fit_s, fit_r = iteration_fit(sim_host), iteration_fit(runtime_host)
+    one_off = {"sim": one_off_steps(sim.timeline), "runtime": one_off_steps(runtime.timeline)}
     return {
         "requests": {"sim": len(sim.requests["request_id"]), "runtime": len(runtime.requests["request_id"]),
                      "paired": len(paired[METRICS[0]][0])},
@@ -239,6 +294,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
+        "one_off_steps": one_off,
+        "throughput_ratio_without_one_off": _without_one_off(sim, runtime, one_off["runtime"]),
+        "lut_room": {"sim": lut_room_of(sim, True), "runtime": lut_room_of(runtime, False)},
         "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r), "net_of_planning": net,
                        "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)},
                        "per_sequence": per_sequence_fit(sim_host, runtime_host)},

@@ -17,6 +17,7 @@ from traces.io import write_requests
 from traces.results import read_result_dir, write_result_dir
 from traces.schema import RequestTrace
 
+BUNDLED = "traces/bundled/demo-replay-h200"
 ARRIVALS = (0.0, 0.02, 0.25)
 OUTPUTS = (5, 3, 4)
 
@@ -368,6 +369,45 @@ def test_simulator_charges_each_plan_transition_and_records_them(tmp_path):
     assert 0.9 * charged <= np.asarray(costly.timeline["plan_s"]).sum() <= charged + 1e-9
 
 
+def test_one_off_steps_are_those_far_above_their_kind_and_size():
+    """A step 4x the median of its kind among steps of its size (and 20 ms more) is one-off work, counted with its
+    excess over that median; a step of another size or kind is judged among its own; a uniform run has none."""
+    from pwsim.fidelity import one_off_steps
+    tokens = np.array([32] * 20 + [512] * 6 + [32, 512, 600])
+    decode = np.array([32] * 20 + [0] * 6 + [32, 0, 0])
+    t = np.array([0.010] * 20 + [0.030] * 6 + [0.500, 0.100, 0.400])
+    r = one_off_steps({"iter_s": t, "batch_tokens": tokens, "decode_tokens": decode})
+    assert r["steps"] == 2  # the 0.5 s decode step and the 0.4 s mixed one; the 0.1 s mixed step is under 4x
+    assert r["excess_s"] == pytest.approx(0.49 + (0.4 - 0.03)) and r["share"] == pytest.approx(r["excess_s"] / t.sum())
+    assert one_off_steps({"iter_s": np.full(9, 0.01), "batch_tokens": np.full(9, 8), "decode_tokens": np.full(9, 8)}
+                         )["steps"] == 0
+    assert one_off_steps({"iter_s": t, "batch_tokens": tokens}) is None  # an older timeline
+
+
+def test_fidelity_notes_a_cold_replay_s_one_off_steps_and_another_lut_room(tmp_path, capsys):
+    """Against a bundled replay without a warm-up (its offloads' LUTs in the pool, a fixed-size pool having no
+    slack): the report counts the runtime's one-off steps and the throughput ratio without them, and notes that the
+    simulation (the default `--lut-room slack`) found its LUTs' room elsewhere; simulated with `--lut-room pool`, it
+    does not."""
+    from pathlib import Path
+    replay = Path(__file__).resolve().parents[1] / BUNDLED / "kv236-run1"
+    args = ["run", "--policy", "pagedweight", "--budget", "24MiB", "--max-num-seqs", "32", "--max-num-batched-tokens",
+            "512", "--hardware", "h200-demo-runtime", "--no-plots", "--no-progress"]
+    for room in ("slack", "pool"):
+        assert sim_main([*args, "--lut-room", room, "--out", str(tmp_path / room)]) == 0
+        capsys.readouterr()
+        assert sim_main(["fidelity", "--sim", str(tmp_path / room), "--runtime", str(replay), "--out",
+                         str(tmp_path / f"fid-{room}")]) == 0
+        out = capsys.readouterr().out
+        report = json.loads((tmp_path / f"fid-{room}" / "fidelity.json").read_text())
+        assert report["lut_room"] == {"sim": room, "runtime": "pool"}
+        assert ("found room for their lower LUTs in the pool, the simulation's in the slack" in out) == (room == "slack")
+        one = report["one_off_steps"]["runtime"]
+        assert one["steps"] > 5 and 0.2 < one["share"] < 0.6 and "the runtime's one-off steps" in out
+        assert "--warmup-requests N" in out  # the replay had none
+        assert report["throughput_ratio_without_one_off"] < report["throughput_ratio"]
+
+
 def test_fidelity_refuses_runs_of_different_traces():
     a = _view([1, 2], [0.1, 0.1], [0.01, 0.01], [1, 1], [0.001, 0.002], [1, 2])
     b = _view([3, 4], [0.1, 0.1], [0.01, 0.01], [1, 1], [0.001, 0.002], [1, 2])
@@ -496,7 +536,6 @@ def test_fidelity_cli_out_that_is_a_file_exit_2(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- the bundled measurement
-BUNDLED = "traces/bundled/demo-replay-h200"
 
 
 @pytest.mark.parametrize("budget, warm, cold", [
