@@ -74,7 +74,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     if warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
     warmed = warm_up(engine, trace, warmup_requests)
-    first_step = engine.num_steps
+    first_step, first_resize = engine.num_steps, engine.kv.generation
 
     n = len(trace)
     arrival = np.asarray(trace.arrival_s, dtype=np.float64) * time_scale
@@ -114,6 +114,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result = _result(trace, arrival, outputs, index, timeline, engine)
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
+    result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
         if warmed:
@@ -149,7 +150,6 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         "preemptions": int(engine.scheduler.num_preemptions),
         "routing_reads": int(np.asarray(tl["routing_read"]).sum()) if timeline else 0,
         "mean_committed_bits_end": float(engine.table.mean_bits()), "plans": int(engine.loop.num_plans),
-        "kv_resizes": int(engine.kv.generation),  # the KV cache's resizes (the warm-up's too, as the plans)
         "lut_room": lut_room(engine),  # where its offloads' LUTs found room (pwsim fidelity checks the simulation's)
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
                      for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},

@@ -286,7 +286,9 @@ def run(args) -> int:
     def count(v) -> str:
         return "not recorded" if v is None else str(v)
     print(f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
-          f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}")
+          f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}"
+          + ("" if report["kv_resizes"]["runtime"] is None else
+             f"; KV cache resizes: {count(report['kv_resizes']['sim'])} and {report['kv_resizes']['runtime']}"))
     for line in _decision_lines(report, sim, args.runtime) + _transition_lines(report):
         print(line)
     for kind, ms in (report["runtime_phase_ms"] or {}).items():

@@ -21,9 +21,9 @@ time and hardware:
 * memory under one budget: non-expert fp16 weights + expert weight bytes (the page table's own
   accounting, or the policy's `weight_bytes`) + the KV pool's backed blocks (`id_limit`). The pool
   grows into the headroom after every boundary and shrinks over free blocks when a reload needs
-  room (compacting when retired blocks leave holes); an offload's lower LUT borrows the allocator slack while it
-  is in flight (`SimConfig.lut_room`, policies.loop); every check that finds the budget exceeded is
-  recorded, never hidden;
+  room (compacting when retired blocks leave holes), each resize of its id space charging the copy the runtime's
+  cache makes (`_resized`); an offload's lower LUT borrows the allocator slack while it is in flight
+  (`SimConfig.lut_room`, policies.loop); every check that finds the budget exceeded is recorded, never hidden;
 * stalls: iterations with unfinished requests but nothing schedulable (memory), and forwards that
   wait for absent experts (q = 0) to be fetched;
 * a warm-up (`SimConfig.warmup_requests`, the runtime replay's `--warmup-requests`): the trace's first prompts
@@ -277,13 +277,29 @@ class Simulation:
             self.rec.count("kv_compactions")
             self.rec.count("kv_blocks_moved", len(moves))
             self._extra_time += 2 * len(moves) * B / self.profile.bandwidth("kv")
+        self._resized(before)
         return self._headroom() >= nbytes
 
     def _grow_pool(self) -> None:
         head = self._headroom()
         n = self.pool.hole_blocks + max(0, head // self.kv_block_bytes)
         if n > 0:
+            before = self.pool.id_limit
             self.pool.grow(int(n))
+            self._resized(before)
+
+    def _resized(self, before: int) -> None:
+        """The pool's id space went from `before` blocks to `id_limit`: the runtime's KV cache copies the blocks it
+        keeps into new tensors and zeroes those it adds (`pwruntime.kv_cache.KVCache.resize`), device time the next
+        forward waits for, which grows with the cache. A streaming copy, charged at the `dense` class's bandwidth: on
+        the H200 at OLMoE's shapes a resize's copy read and wrote 3.5-3.9 TB/s (1.7 ms at 2.9 GB of cache, 6.1 ms at
+        11.7, 19.9 ms at 39; session 38), `h200-measured`'s dense class 3.8. Its host work is in the profile's plan
+        terms, fitted with it."""
+        after = self.pool.id_limit
+        if after != before:
+            moved = 2 * min(before, after) + max(0, after - before)  # blocks read and written
+            self._extra_time += moved * self.kv_block_bytes / self.profile.bandwidth("dense")
+            self.rec.count("kv_resizes")
 
     # ---------------------------------------------------------------- processes
     def _arrivals(self):

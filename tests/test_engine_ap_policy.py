@@ -402,6 +402,8 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     # ... and, transition by transition (both plan logs), the same blocks begun, refused and landed at the same steps
     t = own["transitions"]
     assert t["first_difference"] is None and t["alike"] == t["rows"] and t["sim"] == t["runtime"], t
+    k = own["kv_resizes"]  # the same pool, so the same resizes of the runtime's cache and the simulator's charges
+    assert k["sim"] == k["runtime"] > 5, k
     assert t["runtime"]["started"] > 20 and t["runtime"]["landed"] > 0
     assert own["round_trips"]["sim"] == own["round_trips"]["runtime"]  # alike logs undo alike
     import pyarrow.parquet as pq

@@ -219,6 +219,21 @@ def test_offload_luts_borrow_the_slack_within_the_budget():
         tiny_sim("pagedweight", lut_room="kv")
 
 
+def test_a_kv_pool_resize_charges_the_cache_s_copy():
+    """A resize of the pool's id space charges the next forward the runtime's copy of the blocks kept and zeroing of
+    those added (read and written at the profile's streaming bandwidth), and counts it; no change, no charge."""
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024)
+    B, bw, before = sim.kv_block_bytes, sim.profile.bandwidth("dense"), sim.pool.id_limit
+    sim._extra_time = 0.0
+    sim._resized(before)
+    assert sim._extra_time == 0.0 and sim.rec.counters["kv_resizes"] == 0
+    sim.pool.grow(5)
+    sim._resized(before)
+    assert sim._extra_time == pytest.approx((2 * before + 5) * B / bw) and sim.rec.counters["kv_resizes"] == 1
+    res = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024).run()
+    assert res.summary["counters"]["kv_resizes"] > 5  # under pressure the pool follows the planes
+
+
 def test_weight_accounting_matches_the_page_table():
     sim = tiny_sim("pagedweight", kv_blocks=16, n=20, slack=256 * 1024)
     sim.run()
