@@ -506,6 +506,7 @@ class Simulation:
             self._warm_up(min(self.cfg.warmup_requests, len(self.workload)))
         self._on_finish = on_finish
         self.rec.start(self._mean_bits())
+        self.rec.count("kv_resizes", 0)  # counted from here, none included (pwsim fidelity tells it from "not counted")
         self.env.process(self._arrivals())
         proc = self.env.process(self._engine(len(self.workload)))
         self.env.run(until=proc)

@@ -303,8 +303,8 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "planner": {k: {"sim": _count(sim.summary, k), "runtime": _count(runtime.summary, k)}
                     for k in ("plans", "preemptions")},
         # the KV cache's resizes after the warm-up (None: a result from before they were counted)
-        "kv_resizes": {"sim": (sim.summary.get("counters") or {}).get("kv_resizes", 0) if "counters" in sim.summary
-                       else None, "runtime": runtime.summary.get("kv_resizes")},
+        "kv_resizes": {"sim": (sim.summary.get("counters") or {}).get("kv_resizes"),
+                       "runtime": runtime.summary.get("kv_resizes")},
         "decisions": decisions(sim.timeline, runtime.timeline),
         "transitions": transitions(sim, runtime),
         # each planner's round trips (a block lowered, then raised again: `pwsim plan-log`) over its whole log
