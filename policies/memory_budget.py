@@ -21,6 +21,14 @@ def allocator_slack_bytes(budget_bytes: int) -> int:
     return min(64 * MiB, budget_bytes // 32)
 
 
+def lut_slack_bytes(lut_room: str, slack_bytes: int) -> int:
+    """The slack an engine's plan loop may lend offloads' LUTs in flight (`PlanLoop(lut_slack_bytes=)`): all of
+    `slack_bytes` under "slack", none under "pool". Raises ValueError for a room not in LUT_ROOMS."""
+    if lut_room not in LUT_ROOMS:
+        raise ValueError(f"lut_room must be one of {LUT_ROOMS}, got {lut_room!r}")
+    return slack_bytes if lut_room == "slack" else 0
+
+
 def kv_room_bytes(budget_bytes: int, weight_bytes: int, slack_bytes: int | None = None) -> int:
     """What the budget leaves the KV pool at the start (negative: the weights and the slack alone exceed it);
     `weight_bytes`: every weight the budget holds, non-expert and routed experts; `slack_bytes` None:

@@ -58,7 +58,7 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
-from policies.memory_budget import LUT_ROOMS, allocator_slack_bytes, kv_room_bytes
+from policies.memory_budget import allocator_slack_bytes, kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
 from policies.planners.base import never_plans, weight_bytes
@@ -117,8 +117,7 @@ class EngineConfig:
     # the slack is a memory budget's (none without one, or with num_kv_blocks)
 
     def __post_init__(self) -> None:
-        if self.lut_room not in LUT_ROOMS:
-            raise ValueError(f"lut_room must be one of {LUT_ROOMS}, got {self.lut_room!r}")
+        lut_slack_bytes(self.lut_room, 0)  # refuses a room it does not know
 
 
 @dataclass(frozen=True)
@@ -205,10 +204,10 @@ class LLMEngine:
                                   graph_settle_steps=cfg.graph_settle_steps,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
-        slack = (allocator_slack_bytes(cfg.gpu_memory_budget) if cfg.lut_room == "slack"
-                 and cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None else 0)
+        budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack
+        slack = allocator_slack_bytes(cfg.gpu_memory_budget) if budget_sized else 0
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release,
-                             lut_slack_bytes=slack)
+                             lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack))
         self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:

@@ -9,9 +9,9 @@ from traces.clikit import build_parser, run_main
 def _registrars():
     from pwsim import (cmd_bench, cmd_capacity, cmd_chrome_trace, cmd_compare, cmd_fidelity, cmd_hardware,
                        cmd_models, cmd_plan_log, cmd_policies, cmd_prefill_fit, cmd_run, cmd_traces)
-    return [cmd_models.register, cmd_hardware.register, cmd_policies.register, cmd_traces.register, cmd_bench.register, cmd_run.register,
-            cmd_compare.register, cmd_capacity.register, cmd_fidelity.register, cmd_prefill_fit.register,
-            cmd_chrome_trace.register, cmd_plan_log.register]
+    return [cmd_models.register, cmd_hardware.register, cmd_policies.register, cmd_traces.register,
+            cmd_bench.register, cmd_run.register, cmd_compare.register, cmd_capacity.register, cmd_fidelity.register,
+            cmd_prefill_fit.register, cmd_chrome_trace.register, cmd_plan_log.register]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

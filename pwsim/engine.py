@@ -45,7 +45,7 @@ from policies.calibration import Calibration
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import PlanLoop, room_for
-from policies.memory_budget import LUT_ROOMS, kv_room_bytes
+from policies.memory_budget import kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
@@ -102,8 +102,7 @@ class SimConfig:
             raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.lut_room not in LUT_ROOMS:
-            raise ValueError(f"lut_room must be one of {LUT_ROOMS}, got {self.lut_room!r}")
+        lut_slack_bytes(self.lut_room, self.allocator_slack_bytes)  # refuses a room it does not know
 
 
 @dataclass(frozen=True)
@@ -189,7 +188,7 @@ class Simulation:
         self.mover = LinkMover(self.env, profile.h2d_bytes_per_s, self._check_memory_in_step, self._on_begin,
                                transition_s=profile.plan_transition_us * 1e-6, instant=config.instant_page_moves)
         self.loop = PlanLoop(policy, self.table, self.mover, reserve=self._reserve, release=None,
-                             lut_slack_bytes=config.allocator_slack_bytes if config.lut_room == "slack" else 0)
+                             lut_slack_bytes=lut_slack_bytes(config.lut_room, config.allocator_slack_bytes))
         L, E = card.moe_layers, card.experts
         self.routing = RoutingStats(L, E, config.routing_half_life_tokens,
                                     features=config.prompt_features and not never_plans(policy))
