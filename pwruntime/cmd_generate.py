@@ -216,6 +216,10 @@ def build_engine(args, recorder=None):
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     model, table, policy, cal, mover = _load(args, dtype, device)
     engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover, recorder=recorder)
+    builds, seconds = engine.compile_kernels()
+    if seconds > 1.0:
+        print(f"compiled {builds} CUDA kernel builds in {seconds:.1f} s (CuPy keeps them on disk for the next start)",
+              file=sys.stderr)
     if mover is not None:
         store = mover.store
         before = store.resident_bytes()

@@ -40,7 +40,8 @@ from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
 from pwruntime.kernels.layer_ops import row_norms
-from pwruntime.kernels.moe import MAX_TOKENS
+from pwruntime.kernels import dequant
+from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
 from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
@@ -328,6 +329,13 @@ class DeviceExpertStore:
 
     def moe_shape(self, top_k: int) -> MoEShape:
         return MoEShape(self.experts, self.hidden, self.intermediate, int(top_k))
+
+    def kernel_variants(self, top_k: int) -> set:
+        """The CUDA builds `moe` launches with `top_k` experts a token: the fused kernel's at 1..64 tokens a launch and
+        the prefill's dequantization (none off CUDA or in fp32, where the fallbacks run)."""
+        if self.device.type != "cuda" or self.dtype not in (torch.float16, torch.bfloat16):
+            return set()
+        return layer_variants(self.moe_shape(top_k), self.dtype, self.device) | {dequant.variant(self.dtype)}
 
     def workspace(self, tokens: int, dtype: torch.dtype, top_k: int) -> MoEWorkspace:
         """The workspace of `tokens`' bucket (created once, then reused by every layer and step)."""

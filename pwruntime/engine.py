@@ -341,6 +341,10 @@ class LLMEngine:
         self.routing.drop(request_id)
         return self._output(seq)
 
+    def compile_kernels(self) -> tuple[int, float]:
+        """Compile the CUDA kernels this engine's steps can launch now, not inside its first steps (ModelRunner)."""
+        return self.runner.compile_kernels()
+
     def capture_graphs(self) -> None:
         """Capture the runner's CUDA graphs for every decode size and mixed-step bucket now, as this engine's steps
         will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA."""

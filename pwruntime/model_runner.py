@@ -27,6 +27,7 @@ from policies.kv_blocks import BlockPool
 from policies.scheduler import ScheduledBatch
 from policies.sequence import PENDING_TOKEN
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows, take_sampled
+from pwruntime.kernels.compile import compile_variants
 from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import AttentionMetadata, batch_metadata
@@ -114,6 +115,13 @@ class ModelRunner:
                                        "none for it; keep_sampled must follow every step that samples")
                 src[end], ids[end] = row, 0
         return src
+
+    def compile_kernels(self) -> tuple[int, float]:
+        """Compile every CUDA kernel build the model's forwards can launch (`MoEModel.kernel_variants`), or load it from
+        CuPy's disk cache, before the first step: a build's first use would otherwise wait for NVRTC inside that step
+        (7 s an ap_moe.cu build on the H200). Returns (builds, seconds); (0, 0.0) off CUDA."""
+        wanted = self.model.kernel_variants()
+        return len(wanted), (compile_variants(self.model.device, wanted) if wanted else 0.0)
 
     def capture_graphs(self, record: bool) -> None:
         """Capture every decode size and mixed-step bucket now (before serving) instead of on first use."""

@@ -465,6 +465,33 @@ def test_gpu_engine_moves_pages_under_graph_replays(ap_path, asynchronous):
     assert tokens[True] == tokens[False]
 
 
+def test_cpu_engine_has_no_kernels_to_compile(ap_path):
+    engine = _engine(ap_path, Scripted({}), True, block_size=4, num_kv_blocks=64)
+    assert engine.model.kernel_variants() == set() and engine.compile_kernels() == (0, 0.0)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_compiles_every_kernel_its_steps_launch(ap_path, monkeypatch):
+    """After `compile_kernels` no step asks for a kernel build it did not compile (a first use would wait for NVRTC
+    inside the step): prefill (dequantized experts), mixed and decode steps of 1..150 tokens, eager and captured."""
+    from pwruntime.kernels import compile as kc
+
+    asked, real = [], kc._module
+    monkeypatch.setattr(kc, "_module", lambda *key: asked.append(key) or real(*key))
+    kc._function.cache_clear()  # so every build a step launches is asked of _module again
+    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, device="cuda", dtype="fp16", block_size=4,
+                     num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, cuda_graphs=True)
+    builds, _ = engine.compile_kernels()
+    compiled = set(asked)
+    assert builds == len(compiled) == len(asked) and {key[2] for key in compiled} >= {
+        "ap_moe.cu", "ap_dequant.cu", "layer_ops.cu", "kv_write.cu", "paged_attention.cu"}
+    asked.clear()
+    prompts = [[(7 * j + n) % 50 + 3 for j in range(n)] for n in (1, 5, 17, 33, 40, 64, 100, 150)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert asked and set(asked) <= compiled, set(asked) - compiled
+
+
 @pytest.mark.gpu
 def test_gpu_generate_cli_uses_the_device_store(demo_ap, capsys):
     from pwruntime.cli import main

@@ -17,11 +17,11 @@ import torch
 
 from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize_blocks, fused_moe
 from pwruntime.kernels import compile as kc
-from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.attention import decode_variant, paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
 from pwruntime.kernels.moe import (BLOCK_LUT_SLICE, BLOCK_XS_CAP, LUT_SLICE, MAX_TOKENS, SMEM_LIMIT, XS_CAP, XS_CHUNK,
-                                   group_tokens, linear_grid, moe_plans, overflow_slots, plan_launch,
-                                   single_block_plan)
+                                   group_tokens, layer_variants, linear_grid, moe_plans, overflow_slots,
+                                   plan_launch, single_block_plan)
 from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
 from pwruntime.quant.pack import pack_planes
@@ -786,3 +786,50 @@ def test_load_pattern_ref_is_the_xor_of_all_words():
     want = np.bitwise_xor.reduce(np.concatenate([p.numpy().ravel().view(np.uint32) for p in planes]))
     assert load_pattern_ref(planes) == int(want)
     assert load_pattern_ref([torch.zeros(4, dtype=torch.int32)] * 3) == 0
+
+
+def test_an_engine_compiles_the_builds_its_launches_name():
+    # an engine compiles `layer_variants` before it serves: the builds its MoE layers' launches run at 1..64 tokens, in
+    # both dtypes, each in the warm-up CLI's list for the four architectures and the demo model
+    built = set(kc.variants())
+    for h, i, e, k in list(ARCHS.values()) + [(256, 128, 16, 4)]:
+        shape = MoEShape(e, h, i, k)
+        for dtype in (torch.float16, torch.bfloat16):
+            got = layer_variants(shape, dtype)
+            assert got == {p.variant(dtype) for t in range(1, MAX_TOKENS + 1) for p in moe_plans(shape, t)}
+            assert got <= built and {dict(d)["PW_NT"] for _, d in got} >= {1, 2, 4}
+            assert all(name == "ap_moe.cu" and dict(d)["PW_BF16"] == (dtype == torch.bfloat16) for name, d in got)
+
+
+def test_decode_variant_names_the_kernel_paged_attention_runs():
+    # the GQA kernel for 16-bit caches of heads 64/128/256 wide (heads a CTA: a divisor of the group), the generic one
+    # for fp32 and other multiples of 32 up to 256 (or when asked), None where the reference runs
+    assert decode_variant(torch.bfloat16, 128, 4) == ("paged_attention_gqa.cu", (("PW_DT", 1), ("PW_D", 128), ("PW_G", 4)))
+    assert decode_variant(torch.float16, 64, 6) == ("paged_attention_gqa.cu", (("PW_DT", 0), ("PW_D", 64), ("PW_G", 3)))
+    assert decode_variant(torch.float32, 128, 4) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 4)))
+    assert decode_variant(torch.float16, 96, 1) == ("paged_attention.cu", (("PW_DT", 0), ("PW_DPL", 3)))
+    assert decode_variant(torch.float16, 128, 4, generic=True)[0] == "paged_attention.cu"
+    assert decode_variant(torch.float16, 48, 1) is None and decode_variant(torch.float16, 288, 1) is None
+    assert decode_variant(torch.int8, 128, 1) is None
+
+
+def test_compile_variants_builds_each_asked_variant_once_in_threads(monkeypatch):
+    # every distinct (source, defines) once, on the device's index and capability, as many at a time as asked and
+    # the machine has cores
+    import os
+    import threading
+    import time
+
+    seen, threads = [], set()
+
+    def fake_module(index, cap, name, defines):
+        seen.append((index, cap, name, defines))
+        threads.add(threading.get_ident())
+        time.sleep(0.05)
+
+    monkeypatch.setattr(kc, "_module", fake_module)
+    monkeypatch.setattr(kc, "_capability", lambda index: (9, 0))
+    wanted = kc.variants()
+    kc.compile_variants(3, wanted + wanted[:5], jobs=4)
+    assert sorted(seen) == sorted((3, (9, 0), name, defines) for name, defines in wanted)
+    assert len(threads) == min(4, os.cpu_count() or 1)

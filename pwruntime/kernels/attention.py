@@ -39,6 +39,20 @@ def heads_per_cta(group: int, dim: int) -> int:
     return max(g for g in range(1, cap + 1) if group % g == 0)
 
 
+def decode_variant(dtype: torch.dtype, dim: int, group: int, generic: bool = False) -> kc.Variant | None:
+    """The build `paged_attention_decode` runs on CUDA over a `dtype` cache of `dim`-wide heads with `group` query heads
+    a KV head: the GQA kernel where it applies, else the generic one; None where the reference runs (a dtype other
+    than fp16, bf16 and fp32, or dim not a multiple of 32 in 32..256)."""
+    if dtype not in _DT or dim % 32 or not 32 <= dim <= 256:
+        return None
+    if gqa_kernel_applies(dtype, dim) and not generic:
+        return "paged_attention_gqa.cu", (("PW_DT", _DT[dtype]), ("PW_D", dim), ("PW_G", heads_per_cta(group, dim)))
+    return "paged_attention.cu", (("PW_DT", _DT[dtype]), ("PW_DPL", dim // 32))
+
+
+KV_WRITE: kc.Variant = ("kv_write.cu", ())  # write_kv's kernel
+
+
 def context_parts(ctas: int, max_tokens: int, num_sms: int) -> int:
     """Parts to cut each context into so that `ctas` (sequence, head-slice) CTAs still fill the GPU (1 = no split).
 
@@ -64,7 +78,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v = (t.to(k_cache.dtype) if t.stride(-1) == 1 else t.to(k_cache.dtype).contiguous() for t in (k, v))
     if not k.shape[0]:
         return
-    fn = kc.get_kernel(k.device, "kv_write.cu", "pw_kv_write", ())
+    name, defines = KV_WRITE
+    fn = kc.get_kernel(k.device, name, "pw_kv_write", defines)
     kc.launch(fn, k.device, (k.shape[0],), (128,), (
         kc.ptr(k), kc.i64(k.stride(0)), kc.i64(k.stride(1)), kc.ptr(v), kc.i64(v.stride(0)), kc.i64(v.stride(1)),
         kc.ptr(slots), kc.ptr(kv_ptrs), kc.i32(heads), kc.i32(dim)))
@@ -86,9 +101,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
     scale = 1.0 / math.sqrt(dim) if scale is None else float(scale)
-    usable = (q.is_cuda and q.dtype in _DT and dim % 32 == 0 and 32 <= dim <= 256 and k_cache.is_contiguous()
-              and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == q.dtype)
-    if not usable:
+    variant = decode_variant(q.dtype, dim, heads // kv_heads, generic) if q.is_cuda else None
+    if variant is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()
+                               and k_cache.dtype == v_cache.dtype == q.dtype):
         return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
     dev = q.device
     q = q.contiguous()
@@ -97,23 +112,22 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     common = (kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(kv_ptrs), kc.ptr(bt),
               kc.i32(bt.shape[1]), kc.ptr(cl))
-    if gqa_kernel_applies(q.dtype, dim) and not generic:
-        _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads)
+    name, defines = variant
+    if name == "paged_attention_gqa.cu":
+        _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads, defines)
         return out
-    k = kc.get_kernel(dev, "paged_attention.cu", "pw_paged_attention_decode",
-                      (("PW_DT", _DT[q.dtype]), ("PW_DPL", dim // 32)))
+    k = kc.get_kernel(dev, name, "pw_paged_attention_decode", defines)
     kc.launch(k, dev, (n_seq, heads), (THREADS,), common + (
         kc.i32(heads), kc.i32(kv_heads), kc.i32(k_cache.shape[1]), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim)))
     return out
 
 
 def _gqa(q: torch.Tensor, k_cache: torch.Tensor, bt: torch.Tensor, out: torch.Tensor, common: tuple,
-         scale: float, group: int) -> None:
+         scale: float, group: int, defines: tuple) -> None:
     n_seq, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     dev = q.device
     per_cta = heads_per_cta(group, dim)
-    defines = (("PW_DT", _DT[q.dtype]), ("PW_D", dim), ("PW_G", per_cta))
     max_tokens = bt.shape[1] * block_size
     slices = kv_heads * (group // per_cta)
     parts = context_parts(n_seq * slices, max_tokens, torch.cuda.get_device_properties(dev).multi_processor_count)

@@ -7,24 +7,29 @@ compiling, so that cache key covers the headers too. Arguments are passed zero-c
 raw device pointers (`data_ptr()`), scalars as fixed-width numpy scalars matching the C types.
 CuPy is imported only here and only when a CUDA kernel is actually requested.
 
-`python -m pwruntime.kernels.compile` compiles every variant the runtime and the benchmark use,
-several at a time in separate processes, so that the first forward pass does not wait for NVRTC.
+`compile_variants` compiles (or loads from that cache) many variants at once in threads: NVRTC releases the GIL
+while it compiles, so a fresh machine compiles them side by side. An engine compiles the variants its model can use
+before it serves (`ModelRunner.compile_kernels`): a first use inside a step took that step 7 s an ap_moe.cu variant
+on the H200. `python -m pwruntime.kernels.compile` compiles every variant the runtime and the benchmark use.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import functools
+import os
 import re
-from concurrent.futures import ProcessPoolExecutor
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
 
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 BASE_OPTIONS = ("-std=c++17",)
+Variant = tuple[str, tuple[tuple[str, int], ...]]  # (source file, defines), as get_kernel asks for them
 _INCLUDE = re.compile(r'^#include "([^"]+)"[ \t]*$', re.M)
 
 
@@ -242,7 +247,7 @@ def f32(v: float) -> np.float32:
 
 
 # ------------------------------------------------------------------ warm-up
-def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
+def variants() -> list[Variant]:
     """Every (source, defines) the runtime and `pwruntime bench kernels` compile."""
     out = []
     for bf in (0, 1):
@@ -265,19 +270,17 @@ def variants() -> list[tuple[str, tuple[tuple[str, int], ...]]]:
     return out
 
 
-def _compile_one(job: tuple[int, str, tuple[tuple[str, int], ...]]) -> str:
-    index, name, defines = job
-    cap = torch.cuda.get_device_capability(index)
-    _module(index, tuple(cap), name, defines)
-    return f"{name} {dict(defines)}"
-
-
-def warm(device_index: int = 0, jobs: int = 8) -> list[str]:
-    """Compile all variants in `jobs` processes; they land in CuPy's on-disk cache."""
-    work = [(device_index, n, d) for n, d in variants()]
-    import multiprocessing as mp
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
-        return list(pool.map(_compile_one, work))
+def compile_variants(device: torch.device | int, wanted: Iterable[Variant], jobs: int = 8) -> float:
+    """Compile every (source, defines) in `wanted` for `device`, or load it from CuPy's disk cache, `jobs` at a time in
+    threads (NVRTC releases the GIL); returns the seconds it took. Later `get_kernel` calls find them compiled."""
+    index = device if isinstance(device, int) else (device.index if device.index is not None
+                                                     else torch.cuda.current_device())
+    cap = _capability(index)
+    todo = sorted(set(wanted))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, min(jobs, len(todo), os.cpu_count() or 1))) as pool:
+        list(pool.map(lambda v: _module(index, cap, v[0], tuple(v[1])), todo))
+    return time.perf_counter() - start
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -285,11 +288,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=8)
     args = ap.parse_args(argv)
-    import time
-    t0 = time.perf_counter()
-    for line in warm(args.device, args.jobs):
-        print("compiled", line)
-    print(f"compiled {len(variants())} variants in {time.perf_counter() - t0:.1f} s")
+    seconds = compile_variants(args.device, variants(), args.jobs)
+    print(f"compiled {len(variants())} variants in {seconds:.1f} s")
     return 0
 
 

@@ -12,6 +12,11 @@ from pwruntime.kernels.reference import dequantize_resident
 THREADS = 128
 
 
+def variant(dtype: torch.dtype) -> kc.Variant:
+    """The cuda/ap_dequant.cu build that dequantizes to `dtype`."""
+    return "ap_dequant.cu", (("PW_BF16", int(dtype == torch.bfloat16)),)
+
+
 def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Tensor, out_features: int,
                       in_features: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """W_q [n, out, in] of same-shape blocks, one launch on CUDA; a block at 0 bits gives zeros. Block ids given as
@@ -34,7 +39,8 @@ def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Te
     idx = (blocks.to(torch.int64).contiguous() if on_device
            else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True))
     words = -(-in_features // 32)
-    k = kc.get_kernel(dev, "ap_dequant.cu", "pw_ap_dequant", (("PW_BF16", int(dtype == torch.bfloat16)),))
+    name, defines = variant(dtype)
+    k = kc.get_kernel(dev, name, "pw_ap_dequant", defines)
     grid = (-(-out_features * words // THREADS), n)
     kc.launch(k, dev, grid, (THREADS,), (kc.ptr(table.table), kc.ptr(idx), kc.i32(out_features),
                                          kc.i32(in_features), kc.ptr(dst)))

@@ -26,8 +26,14 @@ def _applies(*tensors: torch.Tensor) -> bool:
     return first.is_cuda and first.dtype in _DTYPES and all(t.is_cuda and t.dtype == first.dtype for t in tensors)
 
 
+def variant(dtype: torch.dtype) -> kc.Variant:
+    """The cuda/layer_ops.cu build for activations of `dtype`."""
+    return "layer_ops.cu", (("PW_BF16", int(dtype == torch.bfloat16)),)
+
+
 def _kernel(t: torch.Tensor, func: str):
-    return kc.get_kernel(t.device, "layer_ops.cu", func, (("PW_BF16", int(t.dtype == torch.bfloat16)),))
+    name, defines = variant(t.dtype)
+    return kc.get_kernel(t.device, name, func, defines)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,14 @@ class LaunchPlan:
         return ((("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
                 + ((("PW_OVERFLOW", 1),) if self.overflow else ()))
 
+    def variant(self, dtype: torch.dtype) -> kc.Variant:
+        """The cuda/ap_moe.cu build this launch runs for activations of `dtype`."""
+        return "ap_moe.cu", (("PW_BF16", int(dtype == torch.bfloat16)),) + self.defines
+
     def kernel(self, device: torch.device, dtype: torch.dtype):
-        """The compiled cuda/ap_moe.cu variant this launch runs for activations of `dtype`."""
-        return kc.get_kernel(device, "ap_moe.cu", "pw_ap_moe",
-                             (("PW_BF16", int(dtype == torch.bfloat16)),) + self.defines, self.smem)
+        """The compiled `variant`."""
+        name, defines = self.variant(dtype)
+        return kc.get_kernel(device, name, "pw_ap_moe", defines, self.smem)
 
     def resplit(self, m_rows: int, rows_per_warp: int, warps: int, ksplit: int) -> "LaunchPlan":
         """The same launch with CTAs of `warps` warps splitting K `ksplit` ways: its row tiles, grid (the same CTAs
@@ -246,6 +250,14 @@ def layer_launches(shape: MoEShape, tokens: int, sm_count: int, knobs: tuple) ->
     constant or planner plans afresh."""
     p1, p2 = moe_plans(shape, tokens, sm_count)
     return p1, p2, layer_carveout(p1, p2)
+
+
+def layer_variants(shape: MoEShape, dtype: torch.dtype, device: torch.device | None = None) -> set[kc.Variant]:
+    """Every ap_moe.cu build a MoE layer of `shape` launches for 1..MAX_TOKENS tokens of `dtype` activations on
+    `device` (what an engine compiles before it serves, `kc.compile_variants`)."""
+    sm_count, knobs = _sm_count(device), planner_knobs()
+    return {p.variant(dtype) for tokens in range(1, MAX_TOKENS + 1)
+            for p in layer_launches(shape, tokens, sm_count, knobs)[:2]}
 
 
 def group_tokens(tokens: int) -> int:

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pwruntime.kernels import layer_ops
+from pwruntime.kernels.attention import KV_WRITE, decode_variant
 from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import Attention, AttentionMetadata, AttentionPlan
@@ -131,6 +133,18 @@ class MoEModel(nn.Module):
         a tensor shared by two names (tied embeddings) once."""
         storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.parameters()}
         return sum(storages.values())
+
+    def kernel_variants(self) -> set:
+        """Every CUDA kernel build (`kernels.compile.Variant`) a forward of this model can launch: the layers' ops, the
+        paged-attention decode and K/V write of its dtype and heads, and its expert store's (none off CUDA)."""
+        c, dtype = self.config, self.dtype
+        if self.device.type != "cuda":
+            return set()
+        out = {decode_variant(dtype, c.head_dim, c.heads // c.kv_heads)} - {None}
+        if dtype in (torch.float16, torch.bfloat16):
+            out |= {layer_ops.variant(dtype), KV_WRITE}
+        store_variants = getattr(self.experts, "kernel_variants", None)
+        return out | (store_variants(c.top_k) if store_variants is not None else set())
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False) -> KVCache:
         """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
