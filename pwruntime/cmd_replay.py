@@ -40,7 +40,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="first serve the trace's first N prompts, untimed, for up to 16 tokens each, so one-off costs "
-                        "(first kernel launches, CUDA-graph captures) stay out of the replay (default 0)")
+                        "(first kernel launches; the CUDA graphs are captured before the clock either way) stay out of "
+                        "the replay (default 0)")
     p.add_argument("--record-routing", action="store_true",
                    help="also write OUT/trace: the replayed requests with the routing this run computed (for "
                         "`pwsim run --like-replay OUT`)")

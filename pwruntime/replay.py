@@ -3,7 +3,9 @@
 `replay(engine, trace)` adds each request of a `traces.schema.RequestTrace` (its recorded prompt
 token ids; its recorded output length, forced with ignore_eos) once the wall clock reaches its
 arrival time, steps the engine whenever it has work and sleeps until the next arrival when it has
-none (after an optional untimed warm-up on the trace's first prompts). It records what the simulator
+none. Before its clock starts the engine captures every CUDA graph it may replay, as `pwruntime serve` does before
+its first request (a replay measures that server, not its start-up), after an optional untimed warm-up on the trace's
+first prompts. It records what the simulator
 records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
@@ -43,23 +45,23 @@ class ReplayResult:
 
 
 def warm_up(engine, trace: RequestTrace, requests: int) -> list[int]:
-    """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each, and
-    capture every CUDA graph the engine may replay: the runtime's one-off costs (first launches of each kernel,
-    CUDA-graph captures) then fall outside the replay. Returns the engine's ids of those requests, in trace order."""
+    """Serve the first `requests` prompts of the trace at once, untimed, for up to WARMUP_TOKENS tokens each: the
+    runtime's one-off costs that graphs do not cover (first launches, allocations) and the pressure those prompts
+    make then fall outside the replay. Returns the engine's ids of those requests, in trace order."""
     k = min(requests, len(trace))
     if not k:
         return []
     outputs = engine.generate([trace.prompt_ids(i).tolist() for i in range(k)],
                               [SamplingParams(max_tokens=min(WARMUP_TOKENS, int(trace.output_tokens[i])),
                                               ignore_eos=True) for i in range(k)])
-    engine.capture_graphs()
     return [o.request_id for o in outputs]
 
 
 def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,
            sleep: Callable[[float], None] = time.sleep, progress: bool = False) -> ReplayResult:
     """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`.
-    With `warmup_requests`, `warm_up` runs first (it leaves the engine's routing statistics fed with its tokens)."""
+    With `warmup_requests`, `warm_up` runs first (it leaves the engine's routing statistics fed with its tokens); the
+    engine's CUDA graphs are captured before the clock starts either way."""
     if trace.token_ids is None:
         raise UserError(f"{trace.source} has no prompt token ids (prompt_token_ids); replay needs the prompts "
                         "themselves: record the trace with `pwruntime record-trace`")
@@ -74,6 +76,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     if warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
     warmed = warm_up(engine, trace, warmup_requests)
+    engine.capture_graphs()  # before the clock, as a server captures them before its first request
     first_step, first_resize = engine.num_steps, engine.kv.generation
 
     n = len(trace)

@@ -24,8 +24,9 @@ Where the replay records its plans' transitions and the simulation the planning 
 the iteration fits leave each side's planning out (`host_timelines`; `iterations.net_of_planning`), so a fitted
 profile charges a runtime's planning once, as reads and transitions.
 `one_off_steps` finds a run's steps far longer than the typical step of their kind and size: on the runtime, the
-first step of each new batch shape captures its graphs and launches (or compiles) its kernels for the first time,
-inside the clock of a replay without a warm-up, which the simulator does not charge; the report gives their excess
+first step of each new batch shape launches its kernels for the first time (and, in replays before session 39,
+captured its graphs or compiled its kernels) inside the clock of a replay without a warm-up, which the simulator does
+not charge; the report gives their excess
 and the throughput ratio without it (`throughput_ratio_without_one_off`). `lut_room` is where each side's offloads
 found room for their lower LUTs (`--lut-room`; the runtime's as its engine had it: a pool sized by blocks has no
 slack; results before session 38: the pool).

@@ -103,6 +103,20 @@ def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
     assert res.summary["iterations"] == len(res.timeline["step"])
 
 
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_graphs_are_captured_before_the_clock_with_or_without_a_warm_up(ckpt, monkeypatch, warmup):
+    # as a server captures them before its first request: no replayed step pays a capture
+    from pwruntime.replay import replay
+    clock = VirtualClock()
+    engine = _engine(ckpt, clock)
+    captured = []
+    monkeypatch.setattr(engine, "capture_graphs", lambda: captured.append(engine.num_steps))
+    res = replay(engine, _trace(), warmup_requests=warmup, sleep=clock.sleep)
+    # once, after the warm-up's steps and before the first replayed one
+    assert captured == [res.summary["warmup_steps"]] == [res.timeline["step"][0]]
+    assert (warmup > 0) == (captured[0] > 0)
+
+
 def test_replay_on_the_wall_clock_never_serves_early(ckpt):
     from pwruntime.replay import replay
     res = replay(_engine(ckpt), _trace())
