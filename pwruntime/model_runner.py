@@ -27,6 +27,7 @@ from policies.kv_blocks import BlockPool
 from policies.scheduler import ScheduledBatch
 from policies.sequence import PENDING_TOKEN
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows, take_sampled
+from pwruntime.host_copy import to_device
 from pwruntime.kernels.compile import compile_variants
 from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
@@ -172,9 +173,9 @@ class ModelRunner:
             if self.mixed_graphs is not None:
                 out = self.mixed_graphs.forward(input_ids, positions, meta, record, src)
             if out is None:
-                ids = torch.tensor(input_ids, dtype=torch.long).to(self.model.device, non_blocking=True)
+                ids = to_device(torch.tensor(input_ids, dtype=torch.long), self.model.device)
                 if src is not None:
-                    src_ids = torch.tensor(src, dtype=torch.long).to(self.model.device, non_blocking=True)
+                    src_ids = to_device(torch.tensor(src, dtype=torch.long), self.model.device)
                     ids = take_sampled(ids, src_ids, self.sampled)
                 out = self.model.forward(ids, torch.tensor(positions, dtype=torch.long), self.kv, meta, record=record)
         else:  # one row per entry
@@ -185,7 +186,7 @@ class ModelRunner:
             routing = routing_to_host(out.routing, tuple(e.num_new_tokens for e in batch.entries), out.routing_words)
         extra = None
         if extra_rows:
-            extra = out.hidden[torch.tensor(extra_rows, dtype=torch.long).to(out.hidden.device, non_blocking=True)]
+            extra = out.hidden[to_device(torch.tensor(extra_rows, dtype=torch.long), out.hidden.device)]
         return StepOutput(logits, routing, extra)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], uniforms: list[float | None]) -> torch.Tensor:
@@ -203,8 +204,8 @@ class ModelRunner:
         if not moves:
             return
         dev = self.kv.k[0].device if self.kv.k else "cpu"
-        src = torch.tensor([m[0] for m in moves], dtype=torch.long, device=dev)
-        dst = torch.tensor([m[1] for m in moves], dtype=torch.long, device=dev)
+        src = to_device(torch.tensor([m[0] for m in moves], dtype=torch.long), dev)
+        dst = to_device(torch.tensor([m[1] for m in moves], dtype=torch.long), dev)
         for tensors in (self.kv.k, self.kv.v):
             for t in tensors:
                 t[dst] = t[src]
@@ -215,7 +216,7 @@ def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     copies the indices to the device)."""
     if rows == list(range(len(rows))):
         return hidden[:len(rows)]
-    return hidden[torch.tensor(rows, dtype=torch.long, device=hidden.device)]
+    return hidden[to_device(torch.tensor(rows, dtype=torch.long), hidden.device)]
 
 
 def routing_to_host(layers: list[LayerRouting], query_lens: tuple[int, ...],

@@ -32,6 +32,8 @@ from typing import Collection, Sequence as Seq
 
 import torch
 
+from pwruntime.host_copy import to_device
+
 
 GREEDY_BELOW = 1e-5
 
@@ -190,7 +192,7 @@ def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: 
     for j in rows:
         p, h, row = params[j], histories[j], out[j]
         if p.logit_bias:
-            row[_ids([t for t, _ in p.logit_bias], row)] += torch.tensor([b for _, b in p.logit_bias], device=row.device)
+            row[_ids([t for t, _ in p.logit_bias], row)] += to_device(torch.tensor([b for _, b in p.logit_bias]), row.device)
         if len(h.output_ids) < p.min_tokens and h.stop_ids:
             row[_ids(h.stop_ids, row)] = float("-inf")
         if p.repetition_penalty != 1.0:
@@ -204,7 +206,7 @@ def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: 
 
 
 def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(list(ids), dtype=torch.long, device=like.device)
+    return to_device(torch.tensor(list(ids), dtype=torch.long), like.device)
 
 
 ROW_VALUES = 5  # a row's sampling values: temperature, top-p reach, its number u, k - 1 of its top-k, its min-p
@@ -259,7 +261,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: 
     vocab = logits.shape[-1]
     values = [row_values(params[j], uniforms[j], vocab) for j in rows]
     per_row = torch.tensor(values, dtype=torch.float32).to(logits.device, non_blocking=True)  # float32: u, k-1 exact
-    index = None if every else torch.tensor(rows, device=logits.device)
+    index = None if every else to_device(torch.tensor(rows), logits.device)
     picked = sample_rows(logits if every else logits[index], per_row, *needed_cuts(values, vocab))
     return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)
 
@@ -293,7 +295,7 @@ def logprobs_on_device(logits: torch.Tensor, params: list[SamplingParams],
     rows = [j for j, p in enumerate(params) if p.logprobs is not None]
     if not rows:
         return None
-    index = torch.tensor(rows, device=logits.device)
+    index = to_device(torch.tensor(rows), logits.device)
     chosen_ids = tokens.to(logits.device)[index]
     chosen, top_ids, top_logprobs = token_logprobs(logits[index], chosen_ids, max(params[j].logprobs for j in rows))
     return PendingLogprobs(len(params), rows, chosen, top_ids, top_logprobs, chosen_ids)

@@ -493,6 +493,41 @@ def test_gpu_engine_compiles_every_kernel_its_steps_launch(ap_path, monkeypatch)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_gpu_a_step_s_forward_and_sampling_never_wait_for_the_gpu(ap_path, monkeypatch, graphs):
+    """No forward (`ModelRunner.run`: inputs, attention metadata, experts, the sampled rows' logits) and no sampling
+    (`ModelRunner.sample`) synchronizes with the device, so the host prepares the next work while the GPU runs
+    (under torch's sync debug mode a synchronizing call raises): decode and mixed steps of 1..150 new tokens, greedy
+    and sampled rows, bf16 (the prefill's grouped GEMM, which reads nothing back)."""
+    from pwruntime.model_runner import ModelRunner
+
+    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, device="cuda", dtype="bf16", block_size=4,
+                     num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=256, cuda_graphs=graphs)
+    engine.compile_kernels()
+    engine.capture_graphs()
+    forwards = []
+
+    def checked(fn):
+        def call(self, *args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    monkeypatch.setattr(ModelRunner, "sample", checked(ModelRunner.sample))
+    run = checked(ModelRunner.run)
+    monkeypatch.setattr(ModelRunner, "run", lambda self, batch, *a, **k: forwards.append(batch.num_tokens) or run(
+        self, batch, *a, **k))
+    prompts = [[(7 * j + n) % 50 + 3 for j in range(n)] for n in (1, 5, 17, 40, 100, 150)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=3) for t in (0.0, 0.8, 0.0, 1.0, 0.7, 0.0)]
+    outs = engine.generate(prompts, params)
+    assert all(len(o.token_ids) == 6 for o in outs)
+    assert max(forwards) > 128 and min(forwards) <= 8  # prefill, mixed and decode steps all ran
+
+
+@pytest.mark.gpu
 def test_gpu_generate_cli_uses_the_device_store(demo_ap, capsys):
     from pwruntime.cli import main
 

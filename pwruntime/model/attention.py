@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from pwruntime.host_copy import to_device
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.layer_ops import rotary_kv
 from pwruntime.model.config import ModelConfig
@@ -77,8 +78,8 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
     slots = flat[(np.cumsum(lengths) - lengths)[seq_of] + pos // block_size] * block_size + pos % block_size
     host = torch.from_numpy(table)
-    return AttentionMetadata(qlen.tolist(), ctx.tolist(), host.to(device), torch.from_numpy(slots).to(device),
-                             host_tables=host)
+    return AttentionMetadata(qlen.tolist(), ctx.tolist(), to_device(host, device),
+                             to_device(torch.from_numpy(slots), device), host_tables=host)
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
@@ -150,7 +151,7 @@ class VarlenChunks:
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
         slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(k_lens), block_size)
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
-        flat = torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])).to(device, non_blocking=True)
+        flat = to_device(torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])), device)
         tq, tk, g = len(rows), int(k_lens.sum()), len(seqs)
         cu_dev = flat[tq + tk:].to(torch.int32)
         return cls(flat[:tq], flat[tq:tq + tk], cu_dev[:g + 1], cu_dev[g + 1:], int(q_lens.max()), int(k_lens.max()))
@@ -195,7 +196,7 @@ class AttentionPlan:
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
               dtype: torch.dtype | None = None) -> AttentionPlan:
-        plan = cls(meta.slot_mapping.to(device=device, dtype=torch.int64), meta, block_size, device,
+        plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
                    cls._decode_batch(meta, device))
         if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
             plan.varlen  # build (and validate the block tables) now; the groups only if a windowed layer asks
@@ -214,13 +215,13 @@ class AttentionPlan:
         if len(seqs) == len(meta.query_lens):  # pure decode: every row, the tables as they are
             lens = meta.seq_lens
             if lens is None:
-                lens = torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32, device=device)
-            return DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32),
-                               lens.to(device=device, dtype=torch.int32), max_len)
+                lens = to_device(torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32), device)
+            return DecodeBatch(to_device(meta.block_tables, device, torch.int32), to_device(lens, device, torch.int32),
+                               max_len)
         starts = np.cumsum([0] + meta.query_lens)
         host = torch.from_numpy(np.array([seqs, [meta.context_lens[s] + 1 for s in seqs], starts[seqs]], np.int64))
-        index, lens, rows = host.to(device).unbind(0)  # one copy to the device
-        return DecodeBatch(meta.block_tables.to(device=device, dtype=torch.int32)[index], lens.to(torch.int32),
+        index, lens, rows = to_device(host, device).unbind(0)  # one copy to the device
+        return DecodeBatch(to_device(meta.block_tables, device, torch.int32)[index], lens.to(torch.int32),
                            max_len, rows)
 
     @cached_property
@@ -260,7 +261,7 @@ class AttentionPlan:
         qi = torch.arange(q_max)
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
-        to = lambda t: t.to(device, non_blocking=True)
+        to = lambda t: to_device(t, device)  # noqa: E731
         span = (starts[seqs[0]], starts[seqs[0] + 1]) if len(seqs) == 1 else None
         return _GatherGroup(to(token_idx), to(dest), to(key_slots), to(in_seq), to(ctx[:, None] + qi[None, :]),
                             to(qi[None, :] < q_lens[:, None]), span=span)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pwruntime.host_copy import to_device
 from pwruntime.kernels import layer_ops
 from pwruntime.kernels.attention import KV_WRITE, decode_variant
 from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
@@ -160,7 +161,7 @@ class MoEModel(nn.Module):
                              f"{meta.num_tokens} tokens in the metadata")
         dev = self.device
         plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
-        x, cos, sin = self.embed_tokens(input_ids.to(dev), positions.to(dev))
+        x, cos, sin = self.embed_tokens(to_device(input_ids, dev), to_device(positions, dev))
         records: list[LayerRouting] | None = [] if record else None
         delta = None
         for i, layer in enumerate(self.layers):
