@@ -37,10 +37,9 @@ import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequantize_blocks, fused_moe
+from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequant, dequantize_blocks, fused_moe
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
 from pwruntime.kernels.layer_ops import row_norms
-from pwruntime.kernels import dequant
 from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
 from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks

@@ -5,8 +5,7 @@ token ids; its recorded output length, forced with ignore_eos) once the wall clo
 arrival time, steps the engine whenever it has work and sleeps until the next arrival when it has
 none. Before its clock starts the engine captures every CUDA graph it may replay, as `pwruntime serve` does before
 its first request (a replay measures that server, not its start-up), after an optional untimed warm-up on the trace's
-first prompts. It records what the simulator
-records for the same trace: per request the arrival, first-token
+first prompts. It records what the simulator records for the same trace: per request the arrival, first-token
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
 observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's

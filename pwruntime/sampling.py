@@ -192,7 +192,8 @@ def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: 
     for j in rows:
         p, h, row = params[j], histories[j], out[j]
         if p.logit_bias:
-            row[_ids([t for t, _ in p.logit_bias], row)] += to_device(torch.tensor([b for _, b in p.logit_bias]), row.device)
+            bias = to_device(torch.tensor([b for _, b in p.logit_bias]), row.device)
+            row[_ids([t for t, _ in p.logit_bias], row)] += bias
         if len(h.output_ids) < p.min_tokens and h.stop_ids:
             row[_ids(h.stop_ids, row)] = float("-inf")
         if p.repetition_penalty != 1.0:
@@ -260,7 +261,7 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: 
     every = len(rows) == len(params)
     vocab = logits.shape[-1]
     values = [row_values(params[j], uniforms[j], vocab) for j in rows]
-    per_row = torch.tensor(values, dtype=torch.float32).to(logits.device, non_blocking=True)  # float32: u, k-1 exact
+    per_row = to_device(torch.tensor(values, dtype=torch.float32), logits.device)  # float32: u, k-1 exact
     index = None if every else to_device(torch.tensor(rows), logits.device)
     picked = sample_rows(logits if every else logits[index], per_row, *needed_cuts(values, vocab))
     return picked if every else torch.argmax(logits, dim=-1).index_copy_(0, index, picked)

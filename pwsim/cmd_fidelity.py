@@ -263,7 +263,8 @@ def run(args) -> int:
     if one and one["steps"]:
         without = report["throughput_ratio_without_one_off"]
         print(f"  the runtime's one-off steps: {one['steps']} far longer than the typical step of their kind and size "
-              f"(a new batch shape's first launch; before session 39 its graph capture), {one['excess_s']:.2f} s beyond it, "
+              f"(a new batch shape's first launch; before session 39 its graph capture), "
+              f"{one['excess_s']:.2f} s beyond it, "
               f"{one['share']:.0%} of its iteration time, which the simulator does not charge"
               + ("" if without is None else f"; without them throughput sim/runtime about {without:.2f}")
               + ("" if report["warmup_requests"]["runtime"] else

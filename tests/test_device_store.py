@@ -521,7 +521,8 @@ def test_gpu_a_step_s_forward_and_sampling_never_wait_for_the_gpu(ap_path, monke
     monkeypatch.setattr(ModelRunner, "run", lambda self, batch, *a, **k: forwards.append(batch.num_tokens) or run(
         self, batch, *a, **k))
     prompts = [[(7 * j + n) % 50 + 3 for j in range(n)] for n in (1, 5, 17, 40, 100, 150)]
-    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=3) for t in (0.0, 0.8, 0.0, 1.0, 0.7, 0.0)]
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=t, seed=3)
+              for t in (0.0, 0.8, 0.0, 1.0, 0.7, 0.0)]
     outs = engine.generate(prompts, params)
     assert all(len(o.token_ids) == 6 for o in outs)
     assert max(forwards) > 128 and min(forwards) <= 8  # prefill, mixed and decode steps all ran

@@ -5,6 +5,7 @@ from typing import Sequence
 
 import torch
 
+from pwruntime.host_copy import to_device
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.device_table import DeviceWeightTable
 from pwruntime.kernels.reference import dequantize_resident
@@ -37,7 +38,7 @@ def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Te
     dev = table.device
     dst = torch.empty(n, out_features, in_features, dtype=dtype, device=dev)
     idx = (blocks.to(torch.int64).contiguous() if on_device
-           else torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True))
+           else to_device(torch.tensor(ids, dtype=torch.int64), dev))
     words = -(-in_features // 32)
     name, defines = variant(dtype)
     k = kc.get_kernel(dev, name, "pw_ap_dequant", defines)

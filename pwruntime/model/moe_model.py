@@ -141,7 +141,8 @@ class MoEModel(nn.Module):
         c, dtype = self.config, self.dtype
         if self.device.type != "cuda":
             return set()
-        out = {decode_variant(dtype, c.head_dim, c.heads // c.kv_heads)} - {None}
+        attention = decode_variant(dtype, c.head_dim, c.heads // c.kv_heads)  # None: the reference runs
+        out = {attention} if attention is not None else set()
         if dtype in (torch.float16, torch.bfloat16):
             out |= {layer_ops.variant(dtype), KV_WRITE}
         store_variants = getattr(self.experts, "kernel_variants", None)
