@@ -12,6 +12,10 @@ the routing its warm-up computed for the trace's first prompts (`warmup_routing.
 `pwsim run --like-replay OUT` (its trace and this replay's settings) simulates the routing the
 runtime's planner saw, not the routing the trace was recorded with. Recording copies each
 step's routing to the host, which the run's times include.
+
+With --sample-host-stacks the result also holds `host_stacks.json`: the stretches in which the host's main thread
+stood still for over half a second, from loading the model to the replay's end (pwruntime.host_stacks), on the
+replay's clock; a step's one-off compile or a wait shows there with the Python line that made it.
 """
 from __future__ import annotations
 
@@ -45,6 +49,10 @@ def register(subparsers) -> None:
     p.add_argument("--record-routing", action="store_true",
                    help="also write OUT/trace: the replayed requests with the routing this run computed (for "
                         "`pwsim run --like-replay OUT`)")
+    p.add_argument("--sample-host-stacks", action="store_true",
+                   help="also write OUT/host_stacks.json: where the host stood still for over 0.5 s (the main "
+                        "thread's Python stack sampled every 50 ms from loading to the end; start_s on the replay's "
+                        "clock, negative before it), longest first")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out that is not a result directory")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_slo_flags(p)
@@ -112,6 +120,7 @@ def _read_requests(path: str, limit: int | None):
 def run(args) -> int:
     from policies.loop import ImmediateMover
     from pwruntime.cmd_generate import build_engine, engine_model_dir
+    from pwruntime.host_stacks import HostStackSampler
     from pwruntime.replay import replay
     from pwruntime.trace_recorder import TraceRecorder, card_for
     from traces.io import Trace, write_trace_dir
@@ -131,21 +140,30 @@ def run(args) -> int:
         model_dir = engine_model_dir(args)
         recorder = TraceRecorder(card=card_for(model_dir),
                                  provenance={"model": str(model_dir), "replayed": str(args.trace)})
-    engine, model_dir, dtype, device = build_engine(args, recorder)
-    blocks = engine.pool.capacity
-    start = time.perf_counter()
-    result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
-                    progress=not args.json)
+    sampler = HostStackSampler().start() if args.sample_host_stacks else None
+    try:
+        engine, model_dir, dtype, device = build_engine(args, recorder)
+        blocks = engine.pool.capacity
+        start = time.perf_counter()
+        result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
+                        progress=not args.json)
+    finally:
+        if sampler is not None:
+            sampler.stop()
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
                "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks,
                "instant_page_moves": isinstance(engine.loop.mover, ImmediateMover)}  # no copy stream (the CPU's)
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
+    documents = {"summary": summary, "config": config}
+    if sampler is not None:
+        documents["host_stacks"] = {"interval_s": sampler.interval_s, "min_stretch_s": sampler.min_stretch_s,
+                                    "samples": sampler.num_samples, "stretches": sampler.stretches(engine.t0)}
     def write_routing(d: Path) -> None:  # the replayed requests and the routing computed for them, in OUT/trace
         write_trace_dir(d / "trace", Trace(source, result.routing, result.warmup_routing))
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline, "plans": result.plans},
-                     {"summary": summary, "config": config}, extra=None if result.routing is None else write_routing,
+                     documents, extra=None if result.routing is None else write_routing,
                      force=args.force, tool="replay")
     if args.json:
         print(json.dumps(summary))
@@ -159,4 +177,7 @@ def run(args) -> int:
                   "replay's settings)")
         if slo is not None:
             print("SLO " + slo_line(summary["slo"]))
+        if sampler is not None:
+            for s in documents["host_stacks"]["stretches"][:3]:
+                print(f"the host stood {s['seconds']:.2f} s at {s['start_s']:+.2f} s in {' <- '.join(s['stack'][:3])}")
     return 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -174,6 +175,22 @@ def test_replay_cli_writes_a_result_directory(ckpt, tmp_path, capsys):
     assert json.loads((out / "summary.json").read_text())["slo"]["attainment"] == 1.0
     assert rt_main(args + ["--slo-ttft", "60", "--slo-tpot", "1e-9", "--force"]) == 0
     assert json.loads(capsys.readouterr().out)["slo"]["met"] == 0
+
+
+def test_replay_cli_samples_where_the_host_stood_still(ckpt, tmp_path, capsys, monkeypatch):
+    # a capture that takes 0.8 s before the clock shows as a stretch there, with the line that made it
+    from pwruntime.engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "capture_graphs", lambda self: time.sleep(0.8))
+    write_requests(tmp_path / "t" / "requests.parquet", _trace())
+    out = tmp_path / "run"
+    assert rt_main(["replay", "--trace", str(tmp_path / "t"), "--out", str(out), "--model", str(ckpt),
+                    "--block-size", "4", "--num-kv-blocks", "64", "--max-requests", "2", "--sample-host-stacks"]) == 0
+    doc = json.loads((out / "host_stacks.json").read_text())
+    assert doc["samples"] > 10 and doc["interval_s"] == 0.05
+    top = doc["stretches"][0]
+    assert 0.5 <= top["seconds"] <= 1.0 and -5 < top["start_s"] < 0 and top["stack"][0].endswith("<lambda>")
+    assert f"the host stood {top['seconds']:.2f} s" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("setup, needle", [("no-ids", "prompt token ids"), ("missing", "does not exist"),
