@@ -22,7 +22,8 @@ class HostStackSampler:
                  clock: Callable[[], float] = time.monotonic) -> None:
         if interval_s <= 0 or min_stretch_s < 0 or depth < same_frames or same_frames < 1:
             raise ValueError("need interval_s > 0, min_stretch_s >= 0 and depth >= same_frames >= 1")
-        self.interval_s, self.min_stretch_s, self.depth, self.same_frames = interval_s, min_stretch_s, depth, same_frames
+        self.interval_s, self.min_stretch_s = interval_s, min_stretch_s
+        self.depth, self.same_frames = depth, same_frames
         self.clock = clock
         self._target = threading.get_ident()
         self._samples: list[tuple[float, tuple[str, ...]]] = []

@@ -7,8 +7,11 @@ on contiguous K/V; plus the device table's bookkeeping and the launch planner's 
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -817,10 +820,6 @@ def test_decode_variant_names_the_kernel_paged_attention_runs():
 def test_compile_variants_builds_each_asked_variant_once_in_threads(monkeypatch):
     # every distinct (source, defines) once, on the device's index and capability, as many at a time as asked and
     # the machine has cores
-    import os
-    import threading
-    import time
-
     seen, threads = [], set()
 
     def fake_module(index, cap, name, defines):
