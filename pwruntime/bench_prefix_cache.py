@@ -51,6 +51,7 @@ def sync_device(device: torch.device) -> None:
 def _round(model, caching: bool, texts: list[str], params: SamplingParams, blocks: int,
            reference: list[list[int]] | None) -> tuple[RoundResult, list[list[int]]]:
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=blocks, prefix_caching=caching))
+    engine.compile_kernels()  # every build the timed prompts may launch, not only the warm-up's
     engine.generate([f"warm-up {i}" for i in range(len(texts))], params)
     sync_device(model.device)
     t0 = time.perf_counter()
