@@ -833,3 +833,10 @@ def test_compile_variants_builds_each_asked_variant_once_in_threads(monkeypatch)
     kc.compile_variants(3, wanted + wanted[:5], jobs=4)
     assert sorted(seen) == sorted((3, (9, 0), name, defines) for name, defines in wanted)
     assert len(threads) == min(4, os.cpu_count() or 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU it compiles")
+def test_compile_cli_without_a_gpu_is_one_clear_error(capsys):
+    assert kc.main([]) == 2 and kc.main(["--device", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error: --device") == 2 and "0 CUDA device(s)" in err and "Traceback" not in err

@@ -19,6 +19,7 @@ import ctypes
 import functools
 import os
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -288,7 +289,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=8)
     args = ap.parse_args(argv)
-    seconds = compile_variants(args.device, variants(), args.jobs)
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not 0 <= args.device < devices:
+        print(f"error: --device {args.device}: this machine has {devices} CUDA device(s); the kernels compile for a "
+              "CUDA GPU (run this on one)", file=sys.stderr)
+        return 2
+    try:
+        seconds = compile_variants(args.device, variants(), args.jobs)
+    except KernelUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"compiled {len(variants())} variants in {seconds:.1f} s")
     return 0
 
