@@ -42,6 +42,11 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def signed(value: float, digits: int) -> str:
+    """`value` with its sign at `digits` decimals, a rounded zero as +0 (never "-0.0")."""
+    return f"{round(value, digits) + 0.0:+.{digits}f}"
+
+
 def _line(name: str, m: dict) -> str:
     def f(v, scale=1.0, fmt="{:.3g}"):
         return "n/a" if v is None else fmt.format(v * scale)
@@ -257,7 +262,8 @@ def run(args) -> int:
     gap = it["overhead_gap_us"]
     slope = it["per_token_gap_us"]
     print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
-          f"{'n/a' if gap is None else f'{gap:+.0f} us'} an iteration and {'n/a' if slope is None else f'{slope:+.1f} us'}"
+          f"{'n/a' if gap is None else f'{signed(gap, 0)} us'} an iteration and "
+          f"{'n/a' if slope is None else f'{signed(slope, 1)} us'}"
           f" a token against the simulator{' besides planning' if it.get('net_of_planning') else ''}")
     one = report["one_off_steps"]["runtime"]
     if one and one["steps"]:
@@ -271,8 +277,8 @@ def run(args) -> int:
                  " (`pwruntime replay --warmup-requests N` serves a warm-up before the clock)"))
     seq = it["per_sequence"]
     if seq is not None:
-        print(f"  with a per-sequence term: {seq['overhead_gap_us']:+.0f} us an iteration, "
-              f"{seq['per_seq_gap_us']:+.1f} us a sequence and {seq['per_token_gap_us']:+.1f} us a token "
+        print(f"  with a per-sequence term: {signed(seq['overhead_gap_us'], 0)} us an iteration, "
+              f"{signed(seq['per_seq_gap_us'], 1)} us a sequence and {signed(seq['per_token_gap_us'], 1)} us a token "
               "(--fit-per-sequence fits these)")
     kinds = it["by_kind"]
     if kinds["sim"] and kinds["runtime"]:
