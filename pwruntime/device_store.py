@@ -5,8 +5,10 @@ device is CUDA. On the device, block i holds planes 0..q_i-1, one tensor per pla
 torch (dropping one really frees device memory), plus `LUT_{q_i}`; its
 `pwruntime.kernels.DeviceWeightTable` row names them. A block that `commit_in_place` holds (dp-llm)
 keeps its leading GPU planes above q. Every row change goes through `_write_row`, which writes the
-table's host mirror and returns the tensors the row stopped naming; `flush()` sends the rows written
-since to the device in one copy and only then hands what was `retire`d to a `stream_marks.DeferredFree`,
+table's host mirror and returns the tensors the row stopped naming; the tensors a new row names are
+allocated at once and filled from the master by a `CopyBatch` that `flush()` issues (one driver call where the
+driver can) before it sends the rows written since to the device in one copy; only then does it hand what
+was `retire`d to a `stream_marks.DeferredFree`,
 which frees it once the compute stream has passed that point, because kernels queued earlier may still
 read it. `sync()`, `moe()` and `weight()` flush; the page mover flushes at every iteration boundary.
 
@@ -38,12 +40,13 @@ import torch
 
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequant, dequantize_blocks, fused_moe
-from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes
+from pwruntime.copy_batch import CopyBatch
+from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
 from pwruntime.kernels.layer_ops import row_norms
 from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
 from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
-from pwruntime.stream_marks import DeferredFree, on_stream, tensor_bytes
+from pwruntime.stream_marks import DeferredFree, tensor_bytes
 
 # Batches of up to this many tokens run the fused kernel, in launches of at most MAX_TOKENS (64); larger ones
 # dequantize (prefill). Two launches of the fused kernel took 0.30-0.65 of the dequantize path's time at 65-128
@@ -126,6 +129,7 @@ class DeviceExpertStore:
         self.row_nbytes = np.zeros(n, dtype=np.int64)  # device bytes each row names (planes + LUT)
         self.deferred = DeferredFree(self.device)
         self._retiring: list[torch.Tensor] = []  # retired, freed after the next flush
+        self._uploads = CopyBatch(self.device)  # what the rows written since the last flush need, issued by it
         self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
         self._bits = np.zeros(n, dtype=np.int8)
         self.page_table = None
@@ -187,29 +191,27 @@ class DeviceExpertStore:
         """(planes, LUT) that row i names."""
         return self._planes[i], self._luts[i]
 
-    def upload(self, src: torch.Tensor) -> torch.Tensor:
-        """A new device tensor holding `src`, copied on the current stream (asynchronously from pinned memory)."""
-        if self.device.type != "cuda":
-            return src.clone()
-        return src.to(self.device, non_blocking=True)  # one call: a third cheaper on the host than empty + copy_
-
-    def upload_planes(self, i: int, lo: int, hi: int) -> tuple[torch.Tensor, ...]:
-        """New device tensors for planes lo..hi-1 of block i in the table's layout: planes 0..2 go up
-        together and are nibble-packed on the device (`device_table.pack_top_planes`)."""
+    def stage(self, i: int, lo: int, hi: int, lut_bits: int | None,
+              batch: CopyBatch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """New device tensors for planes lo..hi-1 of block i in the table's layout (and LUT_lut_bits), filled when
+        `batch` is issued. Planes 0..2 move together and are nibble-packed on the device, in place, right after the
+        batch's copies (`device_table.pack_top_planes_`)."""
         if 0 < lo < TOP_PLANES or 0 == lo < hi < TOP_PLANES:
             raise ValueError(f"block {i}: planes 0..{TOP_PLANES - 1} move together, asked for {lo}..{hi - 1}")
-        planes = [self.upload(p) for p in self.master_planes(i, lo, hi)]
+        planes = tuple(batch.upload(p) for p in self.master_planes(i, lo, hi))
         if lo == 0 and hi > 0:
-            planes[:TOP_PLANES] = pack_top_planes(planes[:TOP_PLANES])
-        return tuple(planes)
+            top = planes[:TOP_PLANES]
+            batch.after(lambda: pack_top_planes_(top))
+        return planes, None if lut_bits is None else batch.upload(self.master_lut(i, lut_bits))
 
     def retire(self, tensors) -> None:
         """Free `tensors` once the current stream has passed the next `flush()`."""
         self._retiring.extend(tensors)
 
     def flush(self) -> None:
-        """The rows written since the last flush reach the device (one stream-ordered copy); what was retired
-        before is freed once the current stream has passed that copy."""
+        """The rows written since the last flush reach the device (one stream-ordered copy), after the uploads they
+        need (one batch); what was retired before is freed once the current stream has passed that copy."""
+        self._uploads.issue()
         self.table.flush()
         if self._retiring:
             self.deferred.add(self._retiring)
@@ -232,19 +234,20 @@ class DeviceExpertStore:
         return [t for t in old if id(t) not in kept_ids]
 
     def lower(self, i: int, to_bits: int) -> list[torch.Tensor]:
-        """Offload commit on the current stream: LUT_to is uploaded and row i cut to planes 0..to-1.
+        """Offload commit on the current stream: LUT_to is uploaded and row i cut to planes 0..to-1 (both reach the
+        device at the next `flush()`).
 
         Returns the surplus planes and the old LUT: queued kernels may still read them, so the caller
         frees them after a mark it records now."""
         if to_bits == 0:
             return self._write_row(i, (), None, 0)
-        return self._write_row(i, self._planes[i][:to_bits], self.upload(self.master_lut(i, to_bits)), to_bits)
+        lut = self._uploads.upload(self.master_lut(i, to_bits))
+        return self._write_row(i, self._planes[i][:to_bits], lut, to_bits)
 
-    def stage_planes(self, i: int, to_bits: int, stream=None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-        """Reload copy on `stream`: new device tensors for planes q..to-1 and LUT_to (row i unchanged)."""
-        lo = len(self._planes[i])
-        with on_stream(stream):
-            return self.upload_planes(i, lo, to_bits), self.upload(self.master_lut(i, to_bits))
+    def stage_planes(self, i: int, to_bits: int, batch: CopyBatch) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Reload staging into `batch` (the caller issues it on its copy stream): new device tensors for planes
+        q..to-1 and LUT_to (row i unchanged)."""
+        return self.stage(i, len(self._planes[i]), to_bits, to_bits, batch)
 
     def raise_bits(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor,
                    to_bits: int) -> list[torch.Tensor]:
@@ -298,14 +301,14 @@ class DeviceExpertStore:
         return int(stale.size)
 
     def follow(self, i: int, q: int, keep: int) -> None:
-        """Rewrite row i to `q` bits naming planes 0..keep-1 (uploading what it lacks, retiring the rest)."""
+        """Rewrite row i to `q` bits naming planes 0..keep-1 (uploading what it lacks, retiring the rest; on the
+        device at the next `flush()`)."""
         if q == 0:
             self.retire(self._write_row(i, (), None, 0))
             return
         have = self._planes[i]
-        planes = have[:keep] + (self.upload_planes(i, len(have), keep) if keep > len(have) else ())
-        lut = self._luts[i] if self.row_bits[i] == q else self.upload(self.master_lut(i, q))
-        self.retire(self._write_row(i, planes, lut, q))
+        new, lut = self.stage(i, len(have), max(keep, len(have)), None if self.row_bits[i] == q else q, self._uploads)
+        self.retire(self._write_row(i, have[:keep] + new, self._luts[i] if lut is None else lut, q))
 
     def _follow_table(self) -> None:
         """Before a compute call: rows brought to the table's bits and on the device (never while capturing)."""

@@ -12,9 +12,11 @@ PageTable (`finish_offload` / `finish_reload`). The device side follows the same
   event) after it. A block lands once that mark is done, i.e. no queued kernel can still read its
   surplus planes and old LUT; they are dropped then and the loop's `finish_offload` hands their bytes
   to the KV pool.
-* reload b -> b'': `start` allocates fresh device tensors for planes b..b''-1 and LUT_b'' and copies
-  them from the pinned master on a dedicated copy stream (non_blocking), recording a mark after the
-  copies. The row is not touched, so kernels keep reading b bits. When the mark is done,
+* reload b -> b'': `start` queues it; at the same boundary `landed()` stages every reload queued since on a
+  dedicated copy stream: fresh device tensors for planes b..b''-1 and LUT_b'' (a tensor a plane, so that a
+  later offload frees exactly its surplus), all copied from the pinned master as one `CopyBatch` (one driver
+  call on CUDA) between two marks the boundary's reloads share. The row is not touched, so kernels keep
+  reading b bits. When the mark is done,
   **`landed()` commits the device row just before returning the block**: the compute stream waits
   on the copy mark (the only point where it waits on the copy stream; the copies run in order, so one
   wait on the last mark done covers every reload landing), the row gets the new planes, LUT_b'' and
@@ -39,8 +41,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from policies.contract import Transition
+from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore
-from pwruntime.stream_marks import Mark, mark, seconds_between, side_stream, tensor_bytes, wait_for
+from pwruntime.stream_marks import Mark, mark, on_stream, seconds_between, side_stream, tensor_bytes, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +57,8 @@ class MoverStats:
     bytes_freed: int = 0  # device bytes landed offloads dropped: surplus planes + old LUT (what the loop releases)
     bytes_reloaded: int = 0  # host-to-device bytes of landed reloads (planes + LUT)
     bytes_lut_uploaded: int = 0  # host-to-device bytes of the lower LUTs offloads upload
-    reload_seconds: float = 0.0  # copy time of landed reloads (device time on CUDA)
-    reload_seconds_max: float = 0.0
+    reload_seconds: float = 0.0  # copy time of landed reloads (device time on CUDA; a batch's split by bytes)
+    reload_seconds_max: float = 0.0  # the longest batch of reloads (those a boundary began)
     offload_seconds: float = 0.0  # start -> landed of offloads (host time)
 
     @property
@@ -79,6 +82,7 @@ class _Transfer:
     begun: Mark  # start of the copy (reload) or of the offload (host time only)
     tensors: tuple[torch.Tensor, ...] = ()  # offload: surplus planes + old LUT; reload: new planes
     lut: torch.Tensor | None = None  # reload: LUT_to
+    share: float = 1.0  # reload: its part of its batch's bytes (the batch's copy time is split by bytes)
 
     @property
     def is_offload(self) -> bool:
@@ -95,12 +99,14 @@ class CudaPageMover:
     store: DeviceExpertStore
     stats: MoverStats = field(default_factory=MoverStats)
     _pending: list[_Transfer] = field(default_factory=list)
+    _staging: list[tuple[Transition, int]] = field(default_factory=list)  # reloads begun since the last boundary
     _retry: list[tuple[Transition, int, int]] = field(default_factory=list)  # (transition, nbytes, failed at boundary)
     _boundary: int = 0  # landed() calls so far
 
     def __post_init__(self) -> None:
         self.device = self.store.device
         self.copy_stream = side_stream(self.device)
+        self._batch = CopyBatch(self.device)
 
     # ------------------------------------------------------------ PageMover
     def start(self, transition: Transition, nbytes: int) -> None:
@@ -110,7 +116,7 @@ class CudaPageMover:
         if transition.is_offload:
             self._start_offload(i, transition.to_bits, nbytes)
         else:
-            self._try_reload(transition, nbytes)
+            self._staging.append((transition, int(nbytes)))
 
     def landed(self) -> list[int]:
         begun = [tr for tr in self._pending if tr.done is None]  # offloads begun since the last boundary
@@ -122,18 +128,25 @@ class CudaPageMover:
         self.store.sync()
         due = [r for r in self._retry if r[2] < self._boundary]  # reloads that failed at an earlier boundary
         self._retry = [r for r in self._retry if r[2] >= self._boundary]
-        for t, nbytes, _ in due:
-            self._try_reload(t, nbytes)
+        self._stage_reloads(self._staging + [(t, nbytes) for t, nbytes, _ in due])
+        self._staging = []
         self._boundary += 1
+        passed: dict[int, bool] = {}  # a boundary's transfers share marks: each is queried once
         out, keep = [], []
         for tr in self._pending:
-            (out if tr.done is not None and tr.done.done() else keep).append(tr)
+            m = tr.done
+            if m is not None and id(m) not in passed:
+                passed[id(m)] = m.done()
+            (out if m is not None and passed[id(m)] else keep).append(tr)
         self._pending = keep
         reloads = [tr for tr in out if not tr.is_offload]
         if reloads:
             wait_for(reloads[-1].done, self.device)  # the copy stream ran them in order: the last covers all
+        batch_seconds: dict[int, float] = {}
         for tr in out:
-            self._finish(tr)
+            if not tr.is_offload and id(tr.done) not in batch_seconds:
+                batch_seconds[id(tr.done)] = seconds_between(tr.begun, tr.done)
+            self._finish(tr, batch_seconds.get(id(tr.done), 0.0))
         self.store.flush()
         self.store.deferred.collect()
         return [tr.block for tr in out]
@@ -149,7 +162,7 @@ class CudaPageMover:
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending) + len(self._retry)
+        return len(self._pending) + len(self._staging) + len(self._retry)
 
     def metrics(self) -> dict[str, float]:
         return self.stats.metrics()
@@ -167,32 +180,39 @@ class CudaPageMover:
             self.stats.bytes_lut_uploaded += tensor_bytes(self.store.resident(i)[1:])
         self._pending.append(_Transfer(i, to_bits, int(nbytes), None, begun, tuple(surplus)))
 
-    def _try_reload(self, t: Transition, nbytes: int) -> None:
-        if not self._start_reload(int(t.block), t.to_bits, nbytes):
-            self._retry.append((t, nbytes, self._boundary))
-
-    def _start_reload(self, i: int, to_bits: int, nbytes: int) -> bool:
-        try:
+    def _stage_reloads(self, reloads: list[tuple[Transition, int]]) -> None:
+        """Allocate and copy `reloads` as one batch on the copy stream; a reload whose allocation fails is retried at
+        the next boundary (its block stays at the lower bits)."""
+        if not reloads:
+            return
+        staged = []
+        with on_stream(self.copy_stream):
             begun = mark(self.device, self.copy_stream, timing=True)
-            planes, lut = self.store.stage_planes(i, to_bits, self.copy_stream)
+            for t, nbytes in reloads:
+                try:
+                    planes, lut = self.store.stage_planes(int(t.block), t.to_bits, self._batch)
+                except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+                    self.stats.failed_reloads += 1
+                    log.warning("reload of block %d to %d bits failed (%s); it stays at the lower bits and is "
+                                "retried", t.block, t.to_bits, e)
+                    self._retry.append((t, nbytes, self._boundary))
+                    continue
+                staged.append(_Transfer(int(t.block), t.to_bits, nbytes, None, begun, planes, lut))
+            self._batch.issue()
             done = mark(self.device, self.copy_stream, timing=True)
-        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
-            self.stats.failed_reloads += 1
-            log.warning("reload of block %d to %d bits failed (%s); it stays at the lower bits and is retried",
-                        i, to_bits, e)
-            return False
-        self._pending.append(_Transfer(i, to_bits, int(nbytes), done, begun, planes, lut))
-        return True
+        total = sum(tr.device_bytes for tr in staged)
+        for tr in staged:
+            tr.done, tr.share = done, tr.device_bytes / total if total else 1.0
+        self._pending.extend(staged)
 
-    def _finish(self, tr: _Transfer) -> None:
+    def _finish(self, tr: _Transfer, batch_seconds: float) -> None:
         if tr.is_offload:
             self.stats.offloads += 1
             self.stats.bytes_freed += tr.device_bytes
             self.stats.offload_seconds += time.perf_counter() - tr.begun.host_time
             return  # dropping `tr` frees the surplus planes and the old LUT
         self.store.retire(self.store.raise_bits(tr.block, tr.tensors, tr.lut, tr.to_bits))
-        seconds = seconds_between(tr.begun, tr.done)
         self.stats.reloads += 1
         self.stats.bytes_reloaded += tr.device_bytes
-        self.stats.reload_seconds += seconds
-        self.stats.reload_seconds_max = max(self.stats.reload_seconds_max, seconds)
+        self.stats.reload_seconds += batch_seconds * tr.share
+        self.stats.reload_seconds_max = max(self.stats.reload_seconds_max, batch_seconds)

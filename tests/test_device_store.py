@@ -204,12 +204,16 @@ def test_a_boundarys_row_writes_reach_the_device_together_and_marks_follow_them(
     assert sorted(mover.landed()) == [3, 12, 20]
     assert marks == [(None, False)]  # one mark for the three offloads, recorded after their rows went out
     assert not dev.table.dirty and torch.equal(dev.table.table, torch.from_numpy(dev.table.host))
-    for i in (3, 12, 20):
+    for i, to in ((3, 7), (12, 5), (20, 8)):
         table.finish_offload(i)
-        table.begin_reload(i, 7)
-        mover.start(Transition(i, 4, 7, 0), 0)
+        table.begin_reload(i, to)
+        mover.start(Transition(i, 4, to, 0), 0)
+    assert len(mover._batch) == 0 and mover.num_pending == 3  # queued: staged at the boundary, in one batch
     assert sorted(mover.landed()) == [3, 12, 20]
-    assert not dev.table.dirty and [int(dev.table.table[i, 9]) for i in (3, 12, 20)] == [7, 7, 7]
+    assert not dev.table.dirty and [int(dev.table.table[i, 9]) for i in (3, 12, 20)] == [7, 5, 8]
+    assert len(marks) == 3  # the three reloads' copies share one batch between two marks
+    stats = mover.stats  # the batch's time counted once, split by the reloads' bytes
+    assert stats.reloads == 3 and stats.reload_seconds == pytest.approx(stats.reload_seconds_max)
 
 
 def test_reload_commits_only_when_landed_and_restores_the_planes(ap_path, monkeypatch):

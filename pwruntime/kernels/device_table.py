@@ -14,7 +14,7 @@ in nibble s the 3-bit top code (plane 0 as its MSB) of element j + 4s, and in bi
 plane-j bit of element 3 + 4s. The fused kernel then gets the nibble codes of three of every four
 elements with one AND, instead of shifting and merging three planes. Blocks are therefore never
 below 3 bits (the AP format's floor). Callers holding planes in the AP layout pack them
-(`pack_top_planes`, or `upload`, which does it); `ResidentBlock.stacked()` unpacks for the
+(`pack_top_planes`, `pack_top_planes_` in place, or `upload`, which does it); `ResidentBlock.stacked()` unpacks for the
 reference.
 
 The table also keeps a reference to every tensor it points at (so nothing it names is freed while
@@ -68,6 +68,12 @@ def pack_top_planes(planes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             | (_shift(p[2], -j) & _i32(0x11111111)) | (p[j] & _i32(0x88888888))
         out.append(n)
     return out
+
+
+def pack_top_planes_(planes: Sequence[torch.Tensor]) -> None:
+    """`pack_top_planes` in place: the three tensors then hold the device's nibble-packed words 0..2."""
+    for t, packed in zip(planes, pack_top_planes(planes)):
+        t.copy_(packed)
 
 
 def unpack_top_planes(words: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -131,6 +137,7 @@ class DeviceWeightTable:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = int(num_blocks)
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self.table = torch.zeros(self.num_blocks, TABLE_COLS, dtype=torch.int64, device=self.device)
         self.host = np.zeros((self.num_blocks, TABLE_COLS), dtype=np.int64)
         self._blocks: dict[int, ResidentBlock] = {}
@@ -163,11 +170,7 @@ class DeviceWeightTable:
         plist = _as_plane_list(planes)
         bits = len(plist) if bits is None else int(bits)
         rb = self._validate(plist, lut, bits, self._blocks.get(block))
-        row = np.zeros(TABLE_COLS, dtype=np.int64)
-        for j, p in enumerate(plist):
-            row[j] = p.data_ptr()
-        row[COL_LUT] = lut.data_ptr()
-        row[COL_BITS] = bits
+        row = [p.data_ptr() for p in plist] + [0] * (COL_LUT - len(plist)) + [lut.data_ptr(), bits]
         self._write(block, row, flush)
         self._blocks[block] = rb
 
@@ -227,7 +230,8 @@ class DeviceWeightTable:
 
     def _validate(self, plist: Sequence[torch.Tensor], lut: torch.Tensor, bits: int,
                   current: ResidentBlock | None) -> ResidentBlock:
-        """The row's checks; a tensor the block's `current` row already names passed them when it was set."""
+        """The row's checks; a tensor the block's `current` row already names passed them when it was set (the page
+        mover rewrites rows on every transition, so the checks touch only what is new to the row)."""
         if not MIN_BITS <= bits <= MAX_BITS:
             raise ValueError(f"bits must be in {MIN_BITS}..{MAX_BITS} (planes 0..2 are stored together), got {bits}")
         if not bits <= len(plist) <= MAX_BITS:
@@ -237,29 +241,35 @@ class DeviceWeightTable:
         if lut.dtype != torch.float16:
             raise ValueError(f"LUTs are fp16 centroids, got {lut.dtype}")
         out = lut.shape[0]
-        known = {id(t) for t in current.planes + (current.lut,)} if current is not None else set()
-        tensors = [t for t in list(plist) + [lut] if id(t) not in known]
-        # the planes the row names passed these checks against its LUT's rows; a LUT of other rows checks them all
-        same_rows = current is not None and current.lut.shape[0] == out
+        known = set(map(id, current.planes)) if current is not None else set()
+        new = [p for p in plist if id(p) not in known]
+        # the planes the row names passed the shape checks against its LUT's rows; a LUT of other rows checks them all
         shape = (out, plist[0].shape[1] if plist[0].dim() == 2 else -1)
-        for p in [p for p in plist if id(p) not in known] if same_rows else plist:
+        for p in new if current is not None and current.lut.shape[0] == out else plist:
             if p.dtype not in (torch.int32, torch.uint32):
                 raise ValueError(f"planes are 32-bit words (int32/uint32), got {p.dtype}")
-            if p.dim() != 2 or tuple(p.shape) != shape:
+            if p.shape != shape:
                 raise ValueError(f"every plane must be [out={out}, words], got {tuple(p.shape)}")
-        for t in tensors:
-            if t.device != self.device and not (t.device.type == self.device.type == "cuda"
-                                                and self.device.index is None):
-                raise ValueError(f"tensor on {t.device}, table on {self.device}")
-            if not t.is_contiguous():
-                raise ValueError("planes and LUTs must be contiguous")
-            if self.device.type == "cuda" and t.data_ptr() % ALIGN:
-                raise ValueError(f"planes and LUTs must be {ALIGN}-byte aligned on the device")
-        if plist[0].shape[1] * WORD_BITS <= 0:
+        if current is None or lut is not current.lut:
+            new.append(lut)
+        for t in new:
+            self._check_placed(t)
+        if shape[1] * WORD_BITS <= 0:
             raise ValueError("empty planes")
         return ResidentBlock(tuple(plist), lut, bits)
 
-    def _write(self, block: int, row: np.ndarray, flush: bool) -> None:
+    def _check_placed(self, t: torch.Tensor) -> None:
+        """`t` is on this table's device (any CUDA device when it names none), contiguous and aligned there."""
+        elsewhere = (not t.is_cuda or self.device.index not in (None, t.get_device())) if self._cuda \
+            else t.device != self.device
+        if elsewhere:
+            raise ValueError(f"tensor on {t.device}, table on {self.device}")
+        if not t.is_contiguous():
+            raise ValueError("planes and LUTs must be contiguous")
+        if self._cuda and t.data_ptr() % ALIGN:
+            raise ValueError(f"planes and LUTs must be {ALIGN}-byte aligned on the device")
+
+    def _write(self, block: int, row, flush: bool) -> None:
         self.host[block] = row
         lo, hi = self._dirty or (block, block + 1)
         self._dirty = (min(lo, block), max(hi, block + 1))
