@@ -84,6 +84,12 @@ def room_for(table: PageTable, t: Transition) -> int:
     return lut_bytes(out, t.to_bits) if t.to_bits > 0 else 0
 
 
+def borrows_from_slack(lut_bytes: int, slack: int) -> bool:
+    """Whether an offload's LUT of `lut_bytes` takes its room from the LUT slack, `slack` bytes of it left, rather than
+    from the engine's `reserve`."""
+    return 0 < lut_bytes <= slack
+
+
 class PlanLoop:
     """One policy over one page table, with a mover and the engine's memory callbacks."""
 
@@ -144,7 +150,7 @@ class PlanLoop:
                     or table.target[t.block] >= 0 or table.q[t.block] != t.from_bits):
                 continue
             room = room_for(table, t)
-            if t.is_offload and room <= slack:  # borrowed from the slack, as `_begin` will
+            if t.is_offload and borrows_from_slack(room, slack):  # as `_begin` will
                 slack -= room
             else:
                 total += room
@@ -187,7 +193,7 @@ class PlanLoop:
                 # the lower bits' LUT must be on the GPU before they are committed, while the
                 # surplus planes and the old LUT stay until the commit: ask for the LUT's room first
                 new_lut = room_for(table, t)
-                borrow = new_lut if 0 < new_lut <= self.lut_slack_bytes - self.lut_borrowed else 0
+                borrow = new_lut if borrows_from_slack(new_lut, self.lut_slack_bytes - self.lut_borrowed) else 0
                 if new_lut and not borrow and self._reserve is not None and not self._reserve(new_lut):
                     return "no room for the lower bitwidth's LUT", 0
                 try:
