@@ -76,10 +76,6 @@ class CopyBatch:
         """Run `fn` (device work on the same stream) right after the copies are queued."""
         self._after.append(fn)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self._srcs)
-
     def __len__(self) -> int:
         return len(self._dsts)
 
