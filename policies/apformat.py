@@ -34,6 +34,12 @@ def lut_bytes(out_features: int, bits: int) -> int:
     return out_features * (1 << bits) * LUT_DTYPE_BYTES
 
 
+def lut_bytes_of(out_features: np.ndarray, bits: np.ndarray | int) -> np.ndarray:
+    """Bytes of LUT_bits for rows of `out_features` (0 where bits is 0); vectorised `lut_bytes`."""
+    bits = np.asarray(bits, dtype=np.int64)
+    return np.where(bits > 0, out_features * (np.int64(1) << np.clip(bits, 0, MAX_BITS)) * LUT_DTYPE_BYTES, 0)
+
+
 def ap_block_bytes(out_features: int, in_features: int, bits: int) -> int:
     """GPU bytes of a block at `bits`: planes 0..bits-1 plus LUT_bits; 0 bits means not resident."""
     if bits == 0:

@@ -31,7 +31,7 @@ from enum import IntEnum
 
 import numpy as np
 
-from policies.apformat import MAX_BITS, byte_table, lut_bytes, plane_bytes
+from policies.apformat import MAX_BITS, byte_table, lut_bytes, lut_bytes_of, plane_bytes
 
 KINDS = ("gate_up", "down")
 GATE_UP, DOWN = 0, 1
@@ -119,17 +119,22 @@ class PageTable:
         """Blocks with a transfer in flight (no new transition may start on them)."""
         return self.target >= 0
 
+    def in_flight(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(blocks with a transfer in flight, the GPU bytes each holds beyond M[i, q_i], whether it is a reload): a
+        reload holds its TO_GPU planes and the new LUT, an offload its TO_CPU planes and the old LUT."""
+        idx = np.flatnonzero(self.target >= 0)
+        q, target = self.q[idx].astype(np.int64), self.target[idx].astype(np.int64)
+        moving = (self.planes[idx] >= PlaneState.TO_GPU).sum(axis=1)
+        reload = target > q
+        extra = moving * self._plane[idx] + lut_bytes_of(self.shapes[idx, 0], np.where(reload, target, q + moving))
+        return idx, extra, reload
+
     def in_flight_bytes(self) -> np.ndarray:
         """Per block: bytes held on the GPU beyond M[i, q_i] because of a transfer."""
-        if not self.busy.any():  # the common step: nothing moves
-            return np.zeros(self.num_blocks, dtype=np.int64)
-        moving = ((self.planes == PlaneState.TO_GPU) | (self.planes == PlaneState.TO_CPU)).sum(axis=1)
-        extra_lut = np.zeros(self.num_blocks, dtype=np.int64)
-        for i in np.flatnonzero(self.busy):
-            # offload holds the old LUT (b = old q > q); reload holds the new one (target > q)
-            other = int(self.target[i]) if self.target[i] > self.q[i] else self._old_bits(i)
-            extra_lut[i] = lut_bytes(int(self.shapes[i, 0]), other) if other > 0 else 0
-        return moving * self._plane + extra_lut
+        out = np.zeros(self.num_blocks, dtype=np.int64)
+        idx, extra, _ = self.in_flight()
+        out[idx] = extra
+        return out
 
     def committed_bytes(self) -> int:
         return int(self.M[np.arange(self.num_blocks), self.q].sum())
@@ -144,9 +149,6 @@ class PageTable:
     def leading_gpu_planes(self) -> np.ndarray:
         on_gpu = self.planes == PlaneState.GPU
         return np.where(on_gpu.all(axis=1), MAX_BITS, np.argmin(on_gpu, axis=1))
-
-    def _old_bits(self, i: int) -> int:
-        return int(self.q[i] + (self.planes[i] == PlaneState.TO_CPU).sum())
 
     # ------------------------------------------------------------ protocol
     def initialize(self, bits: int | np.ndarray) -> None:

@@ -48,7 +48,7 @@ from policies.loop import PlanLoop, room_for
 from policies.memory_budget import kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
-from policies.planners.base import in_flight_split, never_plans, plane_bytes_per_block, weight_bytes
+from policies.planners.base import in_flight_split, never_plans, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
@@ -161,7 +161,6 @@ class Simulation:
                                 f"{card.name} has {card.moe_layers} x {card.experts} top-{card.top_k}")
         self.routing_source = workload.routing  # what `_launch` routes tokens with (a recorded warm-up's in `_warm_up`)
         self.table = card.page_table(bits=calibration.bits if calibration is not None else DEFAULT_BITS)
-        self._plane = plane_bytes_per_block(self.table)
         policy.reset(self.table, calibration)
         self.full_precision = bool(getattr(policy, "full_precision", False))
         self._own_bytes = getattr(policy, "weight_bytes", None)
@@ -213,7 +212,7 @@ class Simulation:
     def expert_bytes(self) -> int:
         """GPU bytes of the routed experts: the policy's own figure, else the page table's accounting
         (committed planes and LUTs plus transfers in flight, as `PageTable.resident_bytes`)."""
-        off, rel = in_flight_split(self.table, self._plane)
+        off, rel = in_flight_split(self.table)
         self._inflight = off + rel
         if callable(self._own_bytes):
             own = self._own_bytes(self.table)

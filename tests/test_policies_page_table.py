@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from policies import PageTable, PageTableError, PlaneState
 from policies.apformat import ap_block_bytes, lut_bytes, plane_bytes
+from policies.planners.base import in_flight_split
 
 OPS = ("begin_offload", "finish_offload", "begin_reload", "finish_reload")
 
@@ -20,21 +21,26 @@ def snapshot(t: PageTable) -> tuple:
     return tuple(a.copy().tobytes() for a in (t.q, t.d, t.planes, t.target))
 
 
-def expected_resident(t: PageTable) -> int:
-    """Independent recomputation: committed bytes + bytes of planes in flight + the extra LUT held."""
-    total = 0
+def expected_in_flight(t: PageTable) -> tuple[int, int]:
+    """Independent recomputation of (what offloads in flight hold, what reloads in flight hold) beyond M[i, q]: their
+    planes in flight and the extra LUT (an offload's old one, a reload's new one)."""
+    offloads = reloads = 0
     for i in range(t.num_blocks):
         out_f, in_f = (int(x) for x in t.shapes[i])
         q = int(t.q[i])
-        total += ap_block_bytes(out_f, in_f, q)
-        moving = int(np.isin(t.planes[i], (PlaneState.TO_GPU, PlaneState.TO_CPU)).sum())
-        total += moving * plane_bytes(out_f, in_f)
+        moving = int(np.isin(t.planes[i], (PlaneState.TO_GPU, PlaneState.TO_CPU)).sum()) * plane_bytes(out_f, in_f)
         if t.target[i] > q:  # reload: the new LUT is being copied in
-            total += lut_bytes(out_f, int(t.target[i]))
+            reloads += moving + lut_bytes(out_f, int(t.target[i]))
         elif t.target[i] >= 0:  # offload: the old LUT is still held
             old = q + int((t.planes[i] == PlaneState.TO_CPU).sum())
-            total += lut_bytes(out_f, old)
-    return total
+            offloads += moving + lut_bytes(out_f, old)
+    return offloads, reloads
+
+
+def expected_resident(t: PageTable) -> int:
+    """Independent recomputation: committed bytes + bytes of planes in flight + the extra LUT held."""
+    committed = sum(ap_block_bytes(*(int(x) for x in t.shapes[i]), int(t.q[i])) for i in range(t.num_blocks))
+    return committed + sum(expected_in_flight(t))
 
 
 def check_invariants(t: PageTable) -> None:
@@ -42,6 +48,7 @@ def check_invariants(t: PageTable) -> None:
     lead = t.leading_gpu_planes()
     assert (t.q <= lead).all(), "q exceeds the leading GPU-resident planes"
     assert t.resident_bytes() == expected_resident(t)
+    assert in_flight_split(t) == expected_in_flight(t)
 
 
 op_strategy = st.lists(

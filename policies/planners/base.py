@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from policies.apformat import LUT_DTYPE_BYTES, MAX_BITS, WORD_BITS
+from policies.apformat import WORD_BITS
 from policies.contract import NoopPolicy, Plan, Transition
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,29 +41,9 @@ def plane_bytes_per_block(table: "PageTable") -> np.ndarray:
     return out * (-(-inp // WORD_BITS)) * (WORD_BITS // 8)
 
 
-def lut_bytes_of(out_features: np.ndarray, bits: np.ndarray | int) -> np.ndarray:
-    """Bytes of LUT_bits for rows of `out_features` (0 where bits is 0); vectorised `apformat.lut_bytes`."""
-    bits = np.asarray(bits, dtype=np.int64)
-    return np.where(bits > 0, out_features * (np.int64(1) << np.clip(bits, 0, MAX_BITS)) * LUT_DTYPE_BYTES, 0)
-
-
-def in_flight_split(table: "PageTable", plane: np.ndarray | None = None) -> tuple[int, int]:
-    """(bytes that in-flight offloads will release, bytes in-flight reloads hold), vectorised.
-
-    Equals `table.in_flight_bytes()` split by direction: an offload in flight (target == q) still
-    holds its TO_CPU planes and the old LUT; a reload (target > q) holds its TO_GPU planes and the
-    new LUT.
-    """
-    busy = table.target >= 0
-    if not busy.any():
-        return 0, 0
-    plane = plane_bytes_per_block(table) if plane is None else plane
-    idx = np.flatnonzero(busy)
-    q, tgt = table.q[idx].astype(np.int64), table.target[idx].astype(np.int64)
-    moving = (table.planes[idx] >= 2).sum(axis=1)  # TO_GPU = 2, TO_CPU = 3
-    reload = tgt > q
-    other = np.where(reload, tgt, q + moving)  # the extra LUT: new (reload) or old (offload)
-    extra = moving * plane[idx] + lut_bytes_of(table.shapes[idx, 0], other)
+def in_flight_split(table: "PageTable") -> tuple[int, int]:
+    """(bytes that in-flight offloads will release, bytes in-flight reloads hold): `table.in_flight()` by direction."""
+    _, extra, reload = table.in_flight()
     return int(extra[~reload].sum()), int(extra[reload].sum())
 
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from policies.apformat import lut_bytes_of
 from policies.contract import Observation, Plan
-from policies.planners.base import PolicyError, check_calibration, lut_bytes_of, make_plan
+from policies.planners.base import PolicyError, check_calibration, make_plan
 from policies.planners.scoring import block_chain_greedy
 
 

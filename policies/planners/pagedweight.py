@@ -49,10 +49,10 @@ from functools import cached_property
 
 import numpy as np
 
-from policies.apformat import MAX_BITS
+from policies.apformat import MAX_BITS, lut_bytes_of
 from policies.contract import Observation, Plan, Transition
 from policies.planners.allocation import sensitivity_optimal_bits
-from policies.planners.base import (PolicyError, check_calibration, in_flight_split, lut_bytes_of, make_plan,
+from policies.planners.base import (PolicyError, check_calibration, in_flight_split, make_plan,
                                     plane_bytes_per_block)
 from policies.planners.scoring import (MatrixChains, Scorer, StepHeads, StepTable, build_step_table,
                                        chain_greedy_stages, expert_buckets, first_bad, fit_in_order)
@@ -216,7 +216,7 @@ class PagedWeightPolicy:
         if deficit <= 0:
             return 0, False
         raw = max(deficit, self.params.min_plan_blocks) * obs.kv_block_bytes
-        releasing, _ = in_flight_split(table, self._prepared().plane)
+        releasing, _ = in_flight_split(table)
         headroom = max(0, obs.headroom_bytes) if self.params.count_headroom else 0
         return max(0, raw - releasing - headroom), True
 
@@ -322,7 +322,7 @@ class PagedWeightPolicy:
             return None
         if self._last_offload_step is not None and obs.step - self._last_offload_step < prm.reload_cooldown_steps:
             return None
-        _, reloading = in_flight_split(table, p.plane)
+        _, reloading = in_flight_split(table)
         budget = (free - keep) * obs.kv_block_bytes - reloading
         budget += max(0, obs.headroom_bytes) if prm.count_headroom else 0
         q = table.q.astype(np.int64)
