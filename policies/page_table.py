@@ -45,6 +45,11 @@ class PlaneState(IntEnum):
     TO_CPU = 3
 
 
+# The states as plain ints for the numpy work of the protocol methods, which run for every transition: numpy takes
+# 3.7 us to compare or assign an IntEnum member on Python 3.11 (it probes the member's attributes), 0.5 us an int.
+_CPU, _GPU, _TO_GPU, _TO_CPU = (int(state) for state in PlaneState)
+
+
 class PageTableError(RuntimeError):
     """An illegal page-table transition; the table is unchanged."""
 
@@ -124,7 +129,7 @@ class PageTable:
         reload holds its TO_GPU planes and the new LUT, an offload its TO_CPU planes and the old LUT."""
         idx = np.flatnonzero(self.target >= 0)
         q, target = self.q[idx].astype(np.int64), self.target[idx].astype(np.int64)
-        moving = (self.planes[idx] >= PlaneState.TO_GPU).sum(axis=1)
+        moving = (self.planes[idx] >= _TO_GPU).sum(axis=1)
         reload = target > q
         extra = moving * self._plane[idx] + lut_bytes_of(self.shapes[idx, 0], np.where(reload, target, q + moving))
         return idx, extra, reload
@@ -147,7 +152,7 @@ class PageTable:
         return float(self.q.mean())
 
     def leading_gpu_planes(self) -> np.ndarray:
-        on_gpu = self.planes == PlaneState.GPU
+        on_gpu = self.planes == _GPU
         return np.where(on_gpu.all(axis=1), MAX_BITS, np.argmin(on_gpu, axis=1))
 
     # ------------------------------------------------------------ protocol
@@ -163,7 +168,7 @@ class PageTable:
         self.q[:] = arr
         self.d[:] = arr
         self.held[:] = False
-        self.planes[:] = np.where(np.arange(MAX_BITS)[None, :] < arr[:, None], PlaneState.GPU, PlaneState.CPU)
+        self.planes[:] = np.where(np.arange(MAX_BITS)[None, :] < arr[:, None], _GPU, _CPU)
 
     def set_desired(self, i: int, bits: int) -> None:
         self._check_bits(i, bits)
@@ -179,16 +184,16 @@ class PageTable:
             raise PageTableError(f"offload of {self.block_id(i)} must lower bits: {q} -> {to_bits}")
         self.q[i] = to_bits  # commit the lower bitwidth first
         self.d[i] = to_bits
-        self.planes[i, to_bits:q] = PlaneState.TO_CPU
+        self.planes[i, to_bits:q] = _TO_CPU
         self.target[i] = to_bits
         return int(self.M[i, q] - self.M[i, to_bits])
 
     def finish_offload(self, i: int) -> None:
         """Release the surplus planes and old LUT (after kernels stopped reading them)."""
         self._check_index(i)
-        if self.target[i] < 0 or self.target[i] > self.q[i] or not (self.planes[i] == PlaneState.TO_CPU).any():
+        if self.target[i] < 0 or self.target[i] > self.q[i] or not (self.planes[i] == _TO_CPU).any():
             raise PageTableError(f"{self.block_id(i)} has no offload in flight")
-        self.planes[i][self.planes[i] == PlaneState.TO_CPU] = PlaneState.CPU
+        self.planes[i][self.planes[i] == _TO_CPU] = _CPU
         self.target[i] = -1
 
     def begin_reload(self, i: int, to_bits: int) -> int:
@@ -199,7 +204,7 @@ class PageTable:
         q = int(self.q[i])
         if to_bits <= q:
             raise PageTableError(f"reload of {self.block_id(i)} must raise bits: {q} -> {to_bits}")
-        self.planes[i, q:to_bits] = PlaneState.TO_GPU
+        self.planes[i, q:to_bits] = _TO_GPU
         self.target[i] = to_bits
         self.d[i] = to_bits
         return int((to_bits - q) * self._plane[i] + lut_bytes(int(self.shapes[i, 0]), to_bits))
@@ -210,9 +215,9 @@ class PageTable:
         if self.target[i] < 0 or self.target[i] <= self.q[i]:
             raise PageTableError(f"{self.block_id(i)} has no reload in flight")
         to_bits = int(self.target[i])
-        if not (self.planes[i, self.q[i]:to_bits] == PlaneState.TO_GPU).all():
+        if not (self.planes[i, self.q[i]:to_bits] == _TO_GPU).all():
             raise PageTableError(f"{self.block_id(i)}: reload planes are not all in flight")
-        self.planes[i, self.q[i]:to_bits] = PlaneState.GPU
+        self.planes[i, self.q[i]:to_bits] = _GPU
         self.q[i] = to_bits
         self.target[i] = -1
 
@@ -220,7 +225,7 @@ class PageTable:
         """Set q to `bits` among planes already on the GPU; no plane moves (dp-llm baseline only)."""
         self._check_idle(i)
         self._check_bits(i, bits)
-        on_gpu = self.planes[i] == PlaneState.GPU
+        on_gpu = self.planes[i] == _GPU
         lead = MAX_BITS if on_gpu.all() else int(np.argmin(on_gpu))
         if not 1 <= bits <= lead:
             raise PageTableError(f"{self.block_id(i)}: cannot commit {bits} bits in place, "
@@ -256,7 +261,7 @@ class PageTable:
             i = int(np.flatnonzero(self.q > lead)[0])
             raise PageTableError(f"{self.block_id(i)}: q={self.q[i]} exceeds leading GPU planes {lead[i]}")
         for i in np.flatnonzero(~self.busy):
-            if (self.planes[i] >= PlaneState.TO_GPU).any():
+            if (self.planes[i] >= _TO_GPU).any():
                 raise PageTableError(f"{self.block_id(i)}: planes in flight but no transfer recorded")
-            if not self.held[i] and (self.planes[i, self.q[i]:] == PlaneState.GPU).any():
+            if not self.held[i] and (self.planes[i, self.q[i]:] == _GPU).any():
                 raise PageTableError(f"{self.block_id(i)}: GPU planes above q={self.q[i]} while idle")
