@@ -1,6 +1,7 @@
 """The policy/engine contract: what an engine observes, what a policy returns, the Policy protocol."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
@@ -20,18 +21,21 @@ class RoutingReadout:
     PHI_NAMES) an Observation carries. Each is an array, None, or a function of no arguments that computes it when
     first read: an engine defers that work (policies.observe.RoutingStats), since most steps' planners read neither."""
 
-    __slots__ = ("_values", "read")
+    __slots__ = ("_values", "read", "seconds")
 
     def __init__(self, mass: np.ndarray | Callable[[], np.ndarray] | None = None,
                  features: np.ndarray | Callable[[], np.ndarray | None] | None = None) -> None:
         self._values = {"mass": mass, "features": features}
         self.read = False  # whether a planner read either (engines charge or record the work: routing_read_us)
+        self.seconds = 0.0  # host time computing them (the runtime's replay records it)
 
     def _get(self, key: str) -> np.ndarray | None:
         self.read = True
         value = self._values[key]
         if callable(value):
+            start = time.perf_counter()
             value = self._values[key] = value()
+            self.seconds += time.perf_counter() - start
         return value
 
     def mass(self) -> np.ndarray | None:

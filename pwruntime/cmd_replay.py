@@ -172,6 +172,11 @@ def run(args) -> int:
         print(f"replayed {summary['requests']} requests ({summary['output_tokens']} output tokens) in "
               f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
               f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
+        plan = summary["plan_ms"]
+        if plan is not None:
+            print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "
+                  f"{plan['plan']:.2f} ms each: routing read {plan['read']:.2f}, page moves {plan['moves']:.2f}, "
+                  f"KV resizes {plan['kv']:.2f}, the rest {plan['other']:.2f}")
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
                   "replay's settings)")

@@ -88,6 +88,17 @@ class StepPhases:
 
 
 @dataclass(frozen=True)
+class PlanCosts:
+    """Host seconds of three parts of one step's plan phase (`StepPhases.plan_s`); the rest is the planner's decisions
+    and the plan loop's bookkeeping."""
+    read_s: float  # computing the routing statistics the planner read (folding the held steps, merging features)
+    moves_s: float  # the page mover's `start` and `landed` (CudaPageMover; the CPU's immediate mover does nothing)
+    kv_s: float  # resizing the KV cache (and compacting its pool) to give bytes to reloads or take freed ones back
+
+    PARTS = ("read_s", "moves_s", "kv_s")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: from gpu_memory_budget, else gpu_memory_fraction (CUDA) or
@@ -228,6 +239,8 @@ class LLMEngine:
         self.last_loop: LoopResult | None = None
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
+        self.last_plan_costs: PlanCosts | None = None  # and parts of its plan phase
+        self._kv_seconds = 0.0  # host time resizing the KV cache so far
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
     @property
@@ -393,10 +406,14 @@ class LLMEngine:
             routing=self.routing if self._record else None,
             headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
         marks.append(self.clock())
+        kv, moves = self._kv_seconds, self._mover_seconds()
         self.last_loop = self.loop.step(self.last_observation)
         self._release(0)  # the whole blocks a plan's reservations took beyond its needs come back
         marks.append(self.clock())
         self.last_phases = StepPhases(*np.diff(marks).tolist())
+        routing = self.last_observation.routing
+        self.last_plan_costs = PlanCosts(0.0 if routing is None else routing.seconds, self._mover_seconds() - moves,
+                                         self._kv_seconds - kv)
         self.num_steps += 1
         return outputs
 
@@ -549,18 +566,27 @@ class LLMEngine:
     # ------------------------------------------------------- KV pool capacity
     def grow_kv(self, num_blocks: int) -> None:
         """Add blocks to the pool and back them with cache memory."""
+        start = time.perf_counter()
         self.pool.grow(num_blocks)
         self.kv.resize(self.pool.id_limit)
+        self._kv_seconds += time.perf_counter() - start
 
     def shrink_kv(self, num_blocks: int) -> bool:
         """Remove free blocks (compacting live ones downwards if needed); False if too few are free."""
         if num_blocks > self.pool.num_free:
             return False
+        start = time.perf_counter()
         self.pool.shrink(num_blocks)
         if self.pool.hole_blocks:
             self.runner.copy_blocks(self.pool.compact())
         self.kv.resize(self.pool.id_limit)
+        self._kv_seconds += time.perf_counter() - start
         return True
+
+    def _mover_seconds(self) -> float:
+        """Host time the page mover has spent so far (0 for one that keeps no such count)."""
+        stats = getattr(self.loop.mover, "stats", None)
+        return float(getattr(stats, "host_seconds", 0.0))
 
     def give_weight_bytes(self, nbytes: int) -> int:
         """Expert bytes freed outside the plan loop (the policy's initial bits) grow the KV pool; returns blocks added."""

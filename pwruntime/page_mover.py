@@ -60,6 +60,7 @@ class MoverStats:
     reload_seconds: float = 0.0  # copy time of landed reloads (device time on CUDA; a batch's split by bytes)
     reload_seconds_max: float = 0.0  # the longest batch of reloads (those a boundary began)
     offload_seconds: float = 0.0  # start -> landed of offloads (host time)
+    host_seconds: float = 0.0  # host time in `start` and `landed`: what the page moves cost the plan phase
 
     @property
     def bytes_moved(self) -> int:
@@ -110,6 +111,7 @@ class CudaPageMover:
 
     # ------------------------------------------------------------ PageMover
     def start(self, transition: Transition, nbytes: int) -> None:
+        began = time.perf_counter()
         i = int(transition.block)
         if int(self.store.row_bits[i]) != transition.from_bits:  # a commit no boundary has synced yet
             self.store.follow(i, transition.from_bits, transition.from_bits)
@@ -117,8 +119,15 @@ class CudaPageMover:
             self._start_offload(i, transition.to_bits, nbytes)
         else:
             self._staging.append((transition, int(nbytes)))
+        self.stats.host_seconds += time.perf_counter() - began
 
     def landed(self) -> list[int]:
+        began = time.perf_counter()
+        out = self._land()
+        self.stats.host_seconds += time.perf_counter() - began
+        return out
+
+    def _land(self) -> list[int]:
         begun = [tr for tr in self._pending if tr.done is None]  # offloads begun since the last boundary
         if begun:
             self.store.flush()

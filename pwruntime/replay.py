@@ -9,7 +9,9 @@ first prompts. It records what the simulator records for the same trace: per req
 and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
 committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
 observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's
-planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it), and every
+planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it) and three parts
+of its plan phase (`PlanCosts`: `plan_read_s`, `plan_moves_s`, `plan_kv_s`; their means over the planning steps in
+the summary's `plan_ms`), and every
 transition its plan loop began, refused or landed (`policies.plan_log`, the simulator's log too). `ReplayResult`
 holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
 (`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
@@ -26,7 +28,7 @@ import numpy as np
 
 from policies.plan_log import PlanLog
 from traces.clikit import UserError
-from pwruntime.engine import StepPhases
+from pwruntime.engine import PlanCosts, StepPhases
 from pwruntime.sampling import SamplingParams
 from pwruntime.stats_log import lut_room
 from traces.results import WARMUP_TOKENS, request_columns, request_summary, stats
@@ -110,7 +112,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
             timeline.append((end, engine.num_steps - 1, end - start, b.num_tokens, b.num_decode_tokens,
                              len(b.entries), len(engine.scheduler.running), len(engine.scheduler.waiting),
                              engine.pool.capacity, engine.pool.num_free, mean_bits(), *astuple(engine.last_phases),
-                             int(engine.last_routing_read), len(engine.last_loop.started) if engine.last_loop else 0))
+                             int(engine.last_routing_read), len(engine.last_loop.started) if engine.last_loop else 0,
+                             *astuple(engine.last_plan_costs)))
             if engine.last_loop is not None:
                 plan_log.add(engine.num_steps - 1, end, engine.last_loop, engine.table)
     result = _result(trace, arrival, outputs, index, timeline, engine)
@@ -126,7 +129,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
 
 
 TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "batch_seqs", "running", "waiting",
-            "total_blocks", "free_blocks", "mean_bits", *StepPhases.PHASES, "routing_read", "plan_transitions")
+            "total_blocks", "free_blocks", "mean_bits", *StepPhases.PHASES, "routing_read", "plan_transitions",
+            *(f"plan_{part}" for part in PlanCosts.PARTS))
 
 
 def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
@@ -155,5 +159,21 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         "lut_room": lut_room(engine),  # where its offloads' LUTs found room (pwsim fidelity checks the simulation's)
         "phase_ms": {kind: {p[:-2]: round(1e3 * float(np.mean(np.asarray(tl[p])[sel])), 4) for p in StepPhases.PHASES}
                      for kind, sel in (("decode", is_decode), ("mixed", ~is_decode)) if sel.any()},
+        "plan_ms": _plan_ms(tl),
     }
     return ReplayResult(requests, tl, summary)
+
+
+def _plan_ms(tl: dict) -> dict | None:
+    """The plan phase of the steps that began transitions, in milliseconds a step: in all, its parts (`PlanCosts`) and
+    the rest (the planner's decisions, the loop's bookkeeping); None when no step planned."""
+    transitions = np.asarray(tl["plan_transitions"])
+    planning = transitions > 0
+    if not planning.any():
+        return None
+    mean = {"plan": float(np.mean(np.asarray(tl["plan_s"])[planning]))}
+    for part in PlanCosts.PARTS:
+        mean[part[:-2]] = float(np.mean(np.asarray(tl[f"plan_{part}"])[planning]))
+    mean["other"] = mean["plan"] - sum(mean[part[:-2]] for part in PlanCosts.PARTS)
+    return {"steps": int(planning.sum()), "transitions_per_step": float(np.mean(transitions[planning])),
+            **{k: round(1e3 * v, 4) for k, v in mean.items()}}

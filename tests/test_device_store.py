@@ -341,6 +341,29 @@ def test_engine_outputs_equal_the_ap_store_while_pages_move(ap_path, observe, as
     assert mover.stats.offloads == 10 and mover.stats.reloads == 5
 
 
+def test_engine_times_the_parts_of_its_plan_phase(ap_path):
+    """`last_plan_costs`: the page mover's host time (it runs at every boundary, longer where transitions begin or
+    land), the KV cache's resizes exactly on the steps where a plan's reloads shrink the pool or landed offloads grow
+    it, each part inside the plan phase."""
+    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, block_size=4)
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    costs, moved, resized = [], [], []
+    while engine.has_unfinished():
+        capacity, moves = engine.pool.capacity, engine.loop.mover.stats.offloads + engine.loop.mover.stats.reloads
+        engine.step()
+        c = engine.last_plan_costs
+        costs.append(c)
+        moved.append(bool(engine.last_loop.started) or engine.loop.mover.stats.offloads
+                     + engine.loop.mover.stats.reloads > moves)
+        resized.append(engine.pool.capacity != capacity)
+        assert c.read_s == 0.0  # a scripted planner reads no routing
+        assert 0 <= c.moves_s + c.kv_s <= engine.last_phases.plan_s
+    assert any(moved) and all(c.moves_s > 0 for c in costs)
+    assert any(resized) and all(c.kv_s > 0 for c, r in zip(costs, resized) if r)
+    assert all(c.kv_s == 0 for c, r in zip(costs, resized) if not r)
+
+
 @pytest.fixture(scope="module")
 def demo_ap(tmp_path_factory) -> Path:
     from pwruntime.cmd_perplexity import default_model_dir

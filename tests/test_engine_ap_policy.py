@@ -367,7 +367,8 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap_dir), "--calibration",
                  str(CALIBRATION), "--policy", "pagedweight", "--gpu-memory-budget", "24MiB", "--dtype", "bf16",
                  "--device", "cpu", "--max-num-batched-tokens", "512", "--record-routing", *limits]) == 0
-    assert f"pwsim run --like-replay {tmp_path / 'rt'}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"pwsim run --like-replay {tmp_path / 'rt'}" in printed and " planning steps (" in printed
     recorded = read_trace_dir(tmp_path / "rt" / "trace")
     ids = recorded.requests.request_id
     assert ids.tolist() == list(range(100, 132))  # the trace's ids; the warm-up's requests are not in it
@@ -411,6 +412,9 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert sum(s == "landed" and b > a for s, a, b in zip(log["status"], log["from_bits"], log["to_bits"])) > 20
     timeline = pq.read_table(tmp_path / "rt" / "timeline.parquet").column("plan_transitions").to_pylist()
     assert t["runtime"]["started"] == sum(timeline)  # a row for each transition the timeline counts
+    plan = json.loads((tmp_path / "rt" / "summary.json").read_text())["plan_ms"]  # the planning steps' plan phase
+    assert plan["steps"] == sum(n > 0 for n in timeline) and plan["read"] > 0 and plan["kv"] > 0
+    assert plan["moves"] == 0 and plan["plan"] >= plan["read"] + plan["kv"]  # the CPU's mover lands at once, no work
     assert synthetic["sim_routing"].startswith("synthetic") and synthetic["decisions"]["first_difference"] is not None
     assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
                      str(tmp_path / "fid-own")]) == 0

@@ -130,7 +130,7 @@ def test_replay_on_the_wall_clock_never_serves_early(ckpt):
 def test_replay_times_each_step_s_phases(ckpt):
     """The engine's phase times (StepPhases) land in the timeline: they cover the step (the replay's own clock reads
     around it add next to nothing), the forward takes time in every step, and the summary averages them per kind."""
-    from pwruntime.engine import StepPhases
+    from pwruntime.engine import PlanCosts, StepPhases
     from pwruntime.replay import replay
     res = replay(_engine(ckpt), _trace())
     tl = res.timeline
@@ -145,6 +145,9 @@ def test_replay_times_each_step_s_phases(ckpt):
     assert set(got) == {"decode", "mixed"} and set(got["decode"]) == {p[:-2] for p in StepPhases.PHASES}
     assert got["mixed"]["forward"] == pytest.approx(1e3 * np.mean(phases[1][~decode]), abs=1e-3)
     assert set(np.unique(tl["routing_read"])) <= {0, 1} and res.summary["routing_reads"] == int(tl["routing_read"].sum())
+    parts = np.stack([np.asarray(tl[f"plan_{p}"]) for p in PlanCosts.PARTS])  # parts of the plan phase, inside it
+    assert np.all(parts >= 0) and np.all(parts.sum(axis=0) <= np.asarray(tl["plan_s"]) + 1e-9)
+    assert res.summary["plan_ms"] is None  # the noop policy never plans
 
 
 def test_replay_needs_prompt_ids_and_a_time_scale_of_zero_or_more(ckpt):
