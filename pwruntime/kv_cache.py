@@ -40,10 +40,10 @@ class KVCache:
     def _publish(self) -> None:
         """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones). The copy does
         not wait for the stream: a blocking one would hold the host until the resize's copies had run (a KV cache of
-        gigabytes: about a millisecond)."""
+        gigabytes: about a millisecond), so it comes from pinned memory, as `pwruntime.host_copy` explains."""
         if self.ptrs is not None:
-            self.ptrs.copy_(torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)],
-                                         dtype=torch.int64).reshape(self.num_layers, 2), non_blocking=True)
+            addresses = torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(self.k, self.v)], dtype=torch.int64)
+            self.ptrs.copy_(addresses.reshape(self.num_layers, 2).pin_memory(), non_blocking=True)
 
     def layer_ptrs(self, layer: int) -> torch.Tensor | None:
         """Layer `layer`'s [K, V] addresses on the device (None off CUDA)."""

@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 import torch
 
 from policies.scheduler import ScheduledBatch
+from pwruntime.host_copy import to_device
 from pwruntime.sampling import TokenLogprob, token_logprobs
 
 SLICE_ROWS = 256
@@ -81,7 +82,7 @@ def on_device(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
               needed: PromptRows) -> PendingPromptLogprobs:
     """The records of `needed`'s rows from their final hidden states `hidden` [rows, H] (`logits_of`: the model's
     head, hidden -> fp32 logits), queued on the device a slice of rows at a time."""
-    targets = torch.tensor(needed.targets, dtype=torch.long).to(hidden.device, non_blocking=True)
+    targets = to_device(torch.tensor(needed.targets, dtype=torch.long), hidden.device)
     k = max(owner[3] for owner in needed.owners)
     parts = []
     for a in range(0, hidden.shape[0], SLICE_ROWS):
