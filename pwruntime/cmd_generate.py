@@ -208,11 +208,14 @@ def build_engine(args, recorder=None):
     the engine feeds."""
     import torch
 
+    from pwruntime.cuda_memory import use_expandable_segments
     from pwruntime.engine import LLMEngine
 
     config = _engine_config(args)
     model_dir = engine_model_dir(args)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        use_expandable_segments()  # before the weights and the KV cache take their memory (pwruntime.cuda_memory)
     dtype = args.dtype if args.dtype != "auto" else ("fp32" if device == "cpu" else "bf16")
     model, table, policy, cal, mover = _load(args, dtype, device)
     engine = LLMEngine(model, config, policy=policy, table=table, calibration=cal, mover=mover, recorder=recorder)

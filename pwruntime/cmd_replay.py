@@ -177,6 +177,11 @@ def run(args) -> int:
             print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "
                   f"{plan['plan']:.2f} ms each: routing read {plan['read']:.2f}, page moves {plan['moves']:.2f}, "
                   f"KV resizes {plan['kv']:.2f}, the rest {plan['other']:.2f}")
+        mem = summary["gpu_memory"]
+        if mem is not None:
+            budget = f" (budget {args.gpu_memory_budget})" if args.gpu_memory_budget else ""
+            print(f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in tensors, {mem['peak_reserved_gib']:.2f} GiB "
+                  f"reserved by the allocator{budget}")
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
                   "replay's settings)")

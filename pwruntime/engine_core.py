@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from policies.plan_log import PlanLog
+from pwruntime.cuda_memory import memory_gauges
 from pwruntime.metrics import RequestMetrics
 from pwruntime.stats_log import StatsLog, serves_ap_experts
 
@@ -173,4 +174,5 @@ class EngineCore:
             gauges.update(mean_committed_bits=eng.table.mean_bits(), expert_resident_bytes=eng.table.resident_bytes())
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
+        gauges.update(memory_gauges(eng.kv.device))  # on CUDA: the device memory the process holds
         return gauges

@@ -12,7 +12,8 @@ observe, plan), averaged per decode-only and mixed iteration in the summary's `p
 planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it) and three parts
 of its plan phase (`PlanCosts`: `plan_read_s`, `plan_moves_s`, `plan_kv_s`; their means over the planning steps in
 the summary's `plan_ms`), and every
-transition its plan loop began, refused or landed (`policies.plan_log`, the simulator's log too). `ReplayResult`
+transition its plan loop began, refused or landed (`policies.plan_log`, the simulator's log too); on CUDA the summary's
+`gpu_memory` says what the device held (pwruntime.cuda_memory.memory_report), to set beside the memory budget. `ReplayResult`
 holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
 (`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
 for the replayed requests, under the trace's request ids, and apart from it the routing the warm-up computed for the
@@ -28,6 +29,7 @@ import numpy as np
 
 from policies.plan_log import PlanLog
 from traces.clikit import UserError
+from pwruntime.cuda_memory import memory_report
 from pwruntime.engine import PlanCosts, StepPhases
 from pwruntime.sampling import SamplingParams
 from pwruntime.stats_log import lut_room
@@ -120,6 +122,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
+    result.summary["gpu_memory"] = memory_report(engine.kv.device)  # None off CUDA
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
         if warmed:
