@@ -72,6 +72,16 @@ class CopyBatch:
             self._srcs.append(src)
         return dst
 
+    def savepoint(self) -> tuple[int, int]:
+        """Where the batch stands now (its copies and `after` work so far), for `rollback`."""
+        return len(self._dsts), len(self._after)
+
+    def rollback(self, point: tuple[int, int]) -> None:
+        """Forget the copies and `after` work added since `point` (none of it has been queued): the destinations
+        allocated since are dropped unwritten."""
+        n, m = point
+        del self._dsts[n:], self._srcs[n:], self._after[m:]
+
     def after(self, fn: Callable[[], None]) -> None:
         """Run `fn` (device work on the same stream) right after the copies are queued."""
         self._after.append(fn)

@@ -5,7 +5,8 @@ each time to a new size. With torch's default allocator every new size is a new 
 longer fit, so the process reserves more and more device memory it does not use (60 resizes of a 3.5 GiB cache
 reserved 27.6 GiB on the H200) and calls cudaMalloc/cudaFree on the way. Expandable segments (torch's
 `expandable_segments:True`) map physical pages into one growing address range instead: the same 60 resizes reserved
-4.9 GiB, and a 12 GiB-budget OLMoE replay's allocator held at most 22 GiB instead of all 139 GiB of the GPU.
+4.9 GiB, and a 12 GiB-budget OLMoE replay's allocator held at most 22 GiB instead of all 139 GiB of the GPU
+(18.3-18.7 GiB since reloads allocate on the compute stream, pwruntime.page_mover).
 `use_expandable_segments` turns them on unless the user configured the allocator; `memory_report` (a replay's summary)
 and `memory_gauges` (/metrics) say what the device held, to set beside `--gpu-memory-budget`.
 """

@@ -12,10 +12,11 @@ PageTable (`finish_offload` / `finish_reload`). The device side follows the same
   event) after it. A block lands once that mark is done, i.e. no queued kernel can still read its
   surplus planes and old LUT; they are dropped then and the loop's `finish_offload` hands their bytes
   to the KV pool.
-* reload b -> b'': `start` queues it; at the same boundary `landed()` stages every reload queued since on a
-  dedicated copy stream: fresh device tensors for planes b..b''-1 and LUT_b'' (a tensor a plane, so that a
-  later offload frees exactly its surplus), all copied from the pinned master as one `CopyBatch` (one driver
-  call on CUDA) between two marks the boundary's reloads share. The row is not touched, so kernels keep
+* reload b -> b'': `start` queues it; at the same boundary `landed()` stages every reload queued since:
+  fresh device tensors for planes b..b''-1 and LUT_b'' (a tensor a plane, so that a later offload frees
+  exactly its surplus; allocated on the compute stream, where offloads free theirs), all copied from the
+  pinned master as one `CopyBatch` (one driver call on CUDA) on a dedicated copy stream, after the work the
+  compute stream has queued, between two marks the boundary's reloads share. The row is not touched, so kernels keep
   reading b bits. When the mark is done,
   **`landed()` commits the device row just before returning the block**: the compute stream waits
   on the copy mark (the only point where it waits on the copy stream; the copies run in order, so one
@@ -190,23 +191,36 @@ class CudaPageMover:
         self._pending.append(_Transfer(i, to_bits, int(nbytes), None, begun, tuple(surplus)))
 
     def _stage_reloads(self, reloads: list[tuple[Transition, int]]) -> None:
-        """Allocate and copy `reloads` as one batch on the copy stream; a reload whose allocation fails is retried at
-        the next boundary (its block stays at the lower bits)."""
+        """Allocate `reloads` on the compute stream and copy them as one batch on the copy stream; a reload whose
+        allocation fails is retried at the next boundary (its block stays at the lower bits).
+
+        The caching allocator hands a freed block only to the stream it was allocated on. Planes allocated on the
+        copy stream would leave what offloads free on the compute stream (the model's planes were loaded there)
+        cached for nothing, and the other way round: about 3 GiB of the 11.5 the small pool reserved in a 12 GiB OLMoE
+        replay. So the destinations come from the compute stream, and the copy stream waits for the compute
+        stream's work queued so far (whatever used that memory before) before it writes them."""
         if not reloads:
             return
         staged = []
+        for t, nbytes in reloads:
+            point = self._batch.savepoint()
+            try:
+                planes, lut = self.store.stage_planes(int(t.block), t.to_bits, self._batch)
+            except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+                self._batch.rollback(point)  # what it allocated before failing is freed, never written
+                self.stats.failed_reloads += 1
+                log.warning("reload of block %d to %d bits failed (%s); it stays at the lower bits and is "
+                            "retried", t.block, t.to_bits, e)
+                self._retry.append((t, nbytes, self._boundary))
+                continue
+            staged.append((t, nbytes, planes, lut))
+        compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         with on_stream(self.copy_stream):
+            if compute is not None:
+                self.copy_stream.wait_stream(compute)
             begun = mark(self.device, self.copy_stream, timing=True)
-            for t, nbytes in reloads:
-                try:
-                    planes, lut = self.store.stage_planes(int(t.block), t.to_bits, self._batch)
-                except (torch.cuda.OutOfMemoryError, MemoryError) as e:
-                    self.stats.failed_reloads += 1
-                    log.warning("reload of block %d to %d bits failed (%s); it stays at the lower bits and is "
-                                "retried", t.block, t.to_bits, e)
-                    self._retry.append((t, nbytes, self._boundary))
-                    continue
-                staged.append(_Transfer(int(t.block), t.to_bits, nbytes, None, begun, planes, lut))
+            staged = [_Transfer(int(t.block), t.to_bits, nbytes, None, begun, planes, lut)
+                      for t, nbytes, planes, lut in staged]
             self._batch.issue()
             done = mark(self.device, self.copy_stream, timing=True)
         total = sum(tr.device_bytes for tr in staged)

@@ -22,6 +22,7 @@ from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
 from pwruntime import page_mover
+from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.kernels.device_table import device_layout
@@ -274,23 +275,30 @@ def test_offload_to_zero_bits_and_back(ap_path):
     assert mover.device_bytes() == table.resident_bytes()
 
 
-def test_failed_reload_stays_low_and_is_retried(ap_path, monkeypatch):
+@pytest.mark.parametrize("partly", [False, True], ids=["at-once", "after-some-planes"])
+def test_failed_reload_stays_low_and_is_retried(ap_path, monkeypatch, partly):
     _, table, dev = stores(ap_path, 4)
     mover = CudaPageMover(dev)
     real = dev.stage_planes
-    calls = []
+    calls, issued = [], []
 
     def flaky(*a, **kw):
         calls.append(a)
         if len(calls) == 1:
+            if partly:  # some of its planes were allocated and added to the batch before the allocation failed
+                real(*a, **kw)
             raise torch.cuda.OutOfMemoryError("no room")
         return real(*a, **kw)
 
+    issue = CopyBatch.issue
+    monkeypatch.setattr(CopyBatch, "issue", lambda self: (issued.append(len(self)), issue(self))[1])
     monkeypatch.setattr(dev, "stage_planes", flaky)
     loop = PlanLoop(Scripted({0: [(1, 7)]}), table, mover)
     res = loop.step(observation(0))  # the allocation fails: nothing crashes, the block keeps 4 bits
     assert res.started and res.committed == () and table.q[1] == 4 and dev.row_bits[1] == 4
     assert mover.stats.failed_reloads == 1 and mover.num_pending == 1
+    # the failed reload's copies were dropped before the batch went out: its tensors are freed unwritten
+    assert mover._batch.savepoint() == (0, 0) and all(n == 0 for n in issued)
     res = loop.step(observation(1))  # retried at the next boundary
     assert res.committed == (1,) and table.q[1] == 7 and mover.num_pending == 0
     assert_rows_follow(dev, table)
@@ -457,10 +465,13 @@ def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path):
     assert mover.device_bytes() == table.resident_bytes()
     out, want, _, _ = moe_pair(ref, dev, 1, 4, torch.float16, "cuda")  # 4 tokens: no new workspace
     assert float((out - want).norm() / want.norm()) < 5e-3
+    reserved = torch.cuda.memory_reserved()
     committed = loop.step(observation(2)).committed  # reloads start on the copy stream
     mover.drain()
     committed += loop.step(observation(3)).committed
     assert sorted(committed) == [i for i, _ in moved] and (table.q == 8).all()
+    # their tensors came from the compute stream's cache, where the offloads left theirs: nothing new reserved
+    assert torch.cuda.memory_reserved() == reserved
     assert_rows_follow(dev, table)
     torch.cuda.synchronize()
     dev.deferred.collect()  # the old LUT_3s: freed once the compute stream passed the row writes
