@@ -196,12 +196,12 @@ class CudaPageMover:
 
         The caching allocator hands a freed block only to the stream it was allocated on. Planes allocated on the
         copy stream would leave what offloads free on the compute stream (the model's planes were loaded there)
-        cached for nothing, and the other way round: about 3 GiB of the 11.5 the small pool reserved in a 12 GiB OLMoE
-        replay. So the destinations come from the compute stream, and the copy stream waits for the compute
+        cached for nothing, and the other way round: about 3 GiB of the 11.5 the small pool reserved in a 12 GiB
+        OLMoE replay. So the destinations come from the compute stream, and the copy stream waits for the compute
         stream's work queued so far (whatever used that memory before) before it writes them."""
         if not reloads:
             return
-        staged = []
+        allocated = []
         for t, nbytes in reloads:
             point = self._batch.savepoint()
             try:
@@ -213,14 +213,14 @@ class CudaPageMover:
                             "retried", t.block, t.to_bits, e)
                 self._retry.append((t, nbytes, self._boundary))
                 continue
-            staged.append((t, nbytes, planes, lut))
+            allocated.append((t, nbytes, planes, lut))
         compute = torch.cuda.current_stream(self.device) if self.copy_stream is not None else None
         with on_stream(self.copy_stream):
             if compute is not None:
                 self.copy_stream.wait_stream(compute)
             begun = mark(self.device, self.copy_stream, timing=True)
             staged = [_Transfer(int(t.block), t.to_bits, nbytes, None, begun, planes, lut)
-                      for t, nbytes, planes, lut in staged]
+                      for t, nbytes, planes, lut in allocated]
             self._batch.issue()
             done = mark(self.device, self.copy_stream, timing=True)
         total = sum(tr.device_bytes for tr in staged)

@@ -1,23 +1,22 @@
 """Trace replay on the runtime: a request trace's arrivals served in real time, timed as `pwsim run` times them.
 
-`replay(engine, trace)` adds each request of a `traces.schema.RequestTrace` (its recorded prompt
-token ids; its recorded output length, forced with ignore_eos) once the wall clock reaches its
-arrival time, steps the engine whenever it has work and sleeps until the next arrival when it has
-none. Before its clock starts the engine captures every CUDA graph it may replay, as `pwruntime serve` does before
-its first request (a replay measures that server, not its start-up), after an optional untimed warm-up on the trace's
-first prompts. It records what the simulator records for the same trace: per request the arrival, first-token
-and finish times (seconds from the trace's start), per iteration its end, duration, tokens and the
-committed mean bits, the engine's own phase times (`StepPhases`: schedule, forward, sample,
-observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether the step's
-planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it) and three parts
-of its plan phase (`PlanCosts`: `plan_read_s`, `plan_moves_s`, `plan_kv_s`; their means over the planning steps in
-the summary's `plan_ms`), and every
-transition its plan loop began, refused or landed (`policies.plan_log`, the simulator's log too); on CUDA the summary's
-`gpu_memory` says what the device held (pwruntime.cuda_memory.memory_report), to set beside the memory budget. `ReplayResult`
-holds those columns and a summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory
-(`traces.results`) for `pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed
-for the replayed requests, under the trace's request ids, and apart from it the routing the warm-up computed for the
-trace's first prompts: the simulator replays exactly the routing the runtime planned with.
+`replay(engine, trace)` adds each request of a `traces.schema.RequestTrace` (its recorded prompt token ids; its
+recorded output length, forced with ignore_eos) once the wall clock reaches its arrival time, steps the engine
+whenever it has work and sleeps until the next arrival when it has none. Before its clock starts the engine captures
+every CUDA graph it may replay, as `pwruntime serve` does before its first request (a replay measures that server, not
+its start-up), after an optional untimed warm-up on the trace's first prompts. It records what the simulator records
+for the same trace: per request the arrival, first-token and finish times (seconds from the trace's start), per
+iteration its end, duration, tokens and the committed mean bits, the engine's own phase times (`StepPhases`: schedule,
+forward, sample, observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether
+the step's planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it) and
+three parts of its plan phase (`PlanCosts`: `plan_read_s`, `plan_moves_s`, `plan_kv_s`; their means over the planning
+steps in the summary's `plan_ms`), and every transition its plan loop began, refused or landed (`policies.plan_log`,
+the simulator's log too); on CUDA the summary's `gpu_memory` says what the device held
+(pwruntime.cuda_memory.memory_report), to set beside the memory budget. `ReplayResult` holds those columns and a
+summary with `pwsim run`'s metric names; `pwruntime replay` writes them as a result directory (`traces.results`) for
+`pwsim fidelity`. An engine with a trace recorder also gives the routing its forwards computed for the replayed
+requests, under the trace's request ids, and apart from it the routing the warm-up computed for the trace's first
+prompts: the simulator replays exactly the routing the runtime planned with.
 """
 from __future__ import annotations
 

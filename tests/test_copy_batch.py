@@ -53,7 +53,8 @@ def test_gpu_batch_copies_with_one_driver_call_on_a_side_stream_and_on_the_defau
     assert torch.equal(dsts[-1].cpu(), srcs[-1] * 2)
     assert all(torch.equal(d.cpu(), s) for d, s in zip(dsts[:-1], srcs[:-1]))
     with torch.cuda.stream(torch.cuda.default_stream(dev)):  # whatever an earlier test left current
-        batch = CopyBatch(dev)  # the legacy default stream, which cuMemcpyBatchAsync rejects: a side stream joined to it
+        # the legacy default stream, which cuMemcpyBatchAsync rejects: a side stream joined to it
+        batch = CopyBatch(dev)
         assert torch.cuda.current_stream(dev).cuda_stream == 0
         dsts = [batch.upload(s) for s in srcs]
         batch.after(lambda: dsts[0].add_(1))
