@@ -298,7 +298,7 @@ def test_failed_reload_stays_low_and_is_retried(ap_path, monkeypatch, partly):
     assert res.started and res.committed == () and table.q[1] == 4 and dev.row_bits[1] == 4
     assert mover.stats.failed_reloads == 1 and mover.num_pending == 1
     # the failed reload's copies were dropped before the batch went out: its tensors are freed unwritten
-    assert mover._batch.savepoint() == (0, 0) and all(n == 0 for n in issued)
+    assert issued and all(n == 0 for n in issued)
     res = loop.step(observation(1))  # retried at the next boundary
     assert res.committed == (1,) and table.q[1] == 7 and mover.num_pending == 0
     assert_rows_follow(dev, table)
