@@ -180,8 +180,9 @@ def run(args) -> int:
         mem = summary["gpu_memory"]
         if mem is not None:
             budget = f" (budget {args.gpu_memory_budget})" if args.gpu_memory_budget else ""
-            print(f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in tensors, {mem['peak_reserved_gib']:.2f} GiB "
-                  f"reserved by the allocator{budget}")
+            print(f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in the allocator's tensors, "
+                  f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by "
+                  f"the KV cache{budget}")
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
                   "replay's settings)")

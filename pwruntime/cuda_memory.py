@@ -7,8 +7,10 @@ reserved 27.6 GiB on the H200) and calls cudaMalloc/cudaFree on the way. Expanda
 `expandable_segments:True`) map physical pages into one growing address range instead: the same 60 resizes reserved
 4.9 GiB, and a 12 GiB-budget OLMoE replay's allocator held at most 22 GiB instead of all 139 GiB of the GPU
 (18.3-18.7 GiB since reloads allocate on the compute stream, pwruntime.page_mover).
-`use_expandable_segments` turns them on unless the user configured the allocator; `memory_report` (a replay's summary)
-and `memory_gauges` (/metrics) say what the device held, to set beside `--gpu-memory-budget`.
+The KV cache itself no longer goes through the allocator on CUDA: it maps its own memory (pwruntime.vmm), so the
+allocator's numbers leave it out. `use_expandable_segments` turns them on unless the user configured the allocator;
+`memory_report` (a replay's summary) and `memory_gauges` (/metrics) say what the device held, the KV cache's mapped
+memory included, to set beside `--gpu-memory-budget`.
 """
 from __future__ import annotations
 
@@ -43,27 +45,34 @@ def use_expandable_segments() -> bool:
     return True
 
 
-def memory_gauges(device: torch.device | str) -> dict:
-    """The bytes the process's tensors take and the allocator holds now (/metrics' gauges); empty off CUDA."""
+def memory_gauges(device: torch.device | str, kv_mapped_bytes: int = 0) -> dict:
+    """The bytes the process's tensors take and the allocator holds now, and the bytes the KV cache maps itself
+    (KVCache.mapped_bytes), /metrics' gauges; empty off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
     return {"gpu_memory_allocated_bytes": torch.cuda.memory_allocated(device),
-            "gpu_memory_reserved_bytes": torch.cuda.memory_reserved(device)}
+            "gpu_memory_reserved_bytes": torch.cuda.memory_reserved(device),
+            "gpu_memory_kv_mapped_bytes": int(kv_mapped_bytes)}
 
 
-def memory_report(device: torch.device | str) -> dict | None:
-    """GiB the process's tensors took at most (`peak_allocated_gib`) and the allocator held at most from the device
+def memory_report(device: torch.device | str, kv_mapped_bytes: int = 0, kv_peak_mapped_bytes: int = 0) -> dict | None:
+    """GiB the allocator's tensors took at most (`peak_allocated_gib`) and the allocator held at most from the device
     (`peak_reserved_gib`), what it holds now (`reserved_gib`), in how many segments and how many of them expandable,
-    and the user's allocator configuration if any; None off CUDA."""
+    the KV cache's own mapped memory now and at most (`kv_mapped_gib`, `kv_peak_mapped_gib`), their sum of peaks
+    (`peak_held_gib`: at most what the two held at once), and the user's allocator configuration if any; None off
+    CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
     gib = 2 ** 30
+    peak_reserved = torch.cuda.max_memory_reserved(index)
     return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(index) / gib, 3),
-            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(index) / gib, 3),
+            "peak_reserved_gib": round(peak_reserved / gib, 3),
             "reserved_gib": round(torch.cuda.memory_reserved(index) / gib, 3),
+            "kv_mapped_gib": round(kv_mapped_bytes / gib, 3), "kv_peak_mapped_gib": round(kv_peak_mapped_bytes / gib, 3),
+            "peak_held_gib": round((peak_reserved + kv_peak_mapped_bytes) / gib, 3),
             "segments": len(segments), "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
             "user_alloc_conf": user_alloc_conf()}

@@ -10,25 +10,40 @@ that replaced the tensors. On CUDA, `ptrs` [layers, 2] int64 holds every layer's
 each resize rewrites it: the decode kernels and the K/V writes read the caches through it
 (pwruntime.kernels.attention), so a captured graph stays valid across resizes (`graph_epoch` stays 0). Elsewhere a
 graph would have baked the addresses, and `graph_epoch` is the generation.
+
+On CUDA each layer's K and V live in a GrowableBuffer (pwruntime.vmm): an address range reserved once, with physical
+memory mapped behind the blocks in use. A resize maps or unmaps memory at the end and copies nothing; the tensors'
+addresses never change. (With torch tensors a resize copied the whole cache into new ones, several GiB at a real
+model's size, and every new size left the caching allocator a hole of the old one: a 12 GiB OLMoE replay's
+allocator held 10.5 GiB of large blocks for about 7 GiB of tensors.) `growable=False` keeps torch tensors on CUDA too.
 """
 from __future__ import annotations
 
 import torch
+
+from pwruntime.vmm import GrowableBuffer
 
 
 class KVCache:
     """Per layer K and V tensors [num_blocks (+1 scratch), block_size, num_kv_heads, head_dim]."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", scratch: bool = False):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", scratch: bool = False,
+                 growable: bool | None = None):
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_layers, self.block_size = num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
-        self.k: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
+        self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
+        self._rows: list[torch.Tensor] = []       # a [capacity, block_size, heads, head_dim] view of each buffer
+        if growable if growable is not None else self.device.type == "cuda":
+            self._reserve()
+            self._resize_buffers(num_blocks, keep=0)
+        else:
+            self.k: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
+            self.v: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
         self.ptrs: torch.Tensor | None = (torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
                                           if self.device.type == "cuda" else None)
         self._publish()
@@ -36,6 +51,17 @@ class KVCache:
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.zeros(n + self.scratch, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
                            device=self.device)
+
+    def _reserve(self) -> None:
+        """One buffer per layer's K and V, each large enough to take the whole device (the ranges are addresses only)."""
+        block = self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        capacity = (total // (2 * self.num_layers) // block + 1) * block
+        row = (self.block_size, self.num_kv_heads, self.head_dim)
+        for _ in range(2 * self.num_layers):
+            buffer = GrowableBuffer(capacity, self.device)
+            self.buffers.append(buffer)
+            self._rows.append(buffer.rows(row, self.dtype))
 
     def _publish(self) -> None:
         """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones). The copy does
@@ -68,15 +94,39 @@ class KVCache:
         if num_blocks == self.num_blocks:
             return
         keep = min(num_blocks, self.num_blocks)
-        for tensors in (self.k, self.v):
-            for i, old in enumerate(tensors):
-                new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype, device=self.device)
-                new[:keep].copy_(old[:keep])
-                new[keep:].zero_()   # the blocks added and the scratch block
-                tensors[i] = new     # the old tensor is released here, layer by layer
+        if self.buffers:
+            self._resize_buffers(num_blocks, keep)   # the addresses stay: nothing to publish
+        else:
+            for tensors in (self.k, self.v):
+                for i, old in enumerate(tensors):
+                    new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype,
+                                      device=self.device)
+                    new[:keep].copy_(old[:keep])
+                    new[keep:].zero_()   # the blocks added and the scratch block
+                    tensors[i] = new     # the old tensor is released here, layer by layer
+            self._publish()
         self.num_blocks = num_blocks
         self.generation += 1
-        self._publish()
+
+    def _resize_buffers(self, num_blocks: int, keep: int) -> None:
+        rows = num_blocks + self.scratch
+        for buffer, full in zip(self.buffers, self._rows):
+            buffer.resize(rows * full[0].nbytes)
+        tensors = [full[:rows] for full in self._rows]
+        for t in tensors:
+            t[keep:].zero_()     # the blocks added and the scratch block
+        self.k, self.v = tensors[0::2], tensors[1::2]
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Device memory the growable buffers hold now (0 without them); at most one handle a buffer above nbytes,
+        plus what a shrink retired and the device still uses."""
+        return sum(b.mapped for b in self.buffers)
+
+    @property
+    def peak_mapped_bytes(self) -> int:
+        """The most the growable buffers held (the sum of their peaks: they grow and shrink together)."""
+        return sum(b.peak_mapped for b in self.buffers)
 
     @property
     def nbytes(self) -> int:

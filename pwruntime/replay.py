@@ -121,7 +121,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
-    result.summary["gpu_memory"] = memory_report(engine.kv.device)  # None off CUDA
+    result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.kv.mapped_bytes,
+                                                 engine.kv.peak_mapped_bytes)  # None off CUDA
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
         if warmed:

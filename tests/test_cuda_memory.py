@@ -57,7 +57,7 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     per_block = KVCache.bytes_per_block(8, 16, 8, 128, torch.bfloat16)  # 512 KiB a block over 8 layers, K and V
-    kv = KVCache(8, 1024, 16, 8, 128, torch.bfloat16, "cuda", scratch=True)  # 512 MiB
+    kv = KVCache(8, 1024, 16, 8, 128, torch.bfloat16, "cuda", scratch=True, growable=False)  # 512 MiB, torch's
     gen = torch.Generator().manual_seed(0)
     for _ in range(40):  # a new size each time, as plans trade planes for blocks
         kv.resize(int(torch.randint(700, 1400, (1,), generator=gen)))
@@ -65,8 +65,11 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     grown = torch.cuda.memory_reserved() - before
     # the default allocator's fixed segments reserve several times the cache here (8x over 60 resizes of 3.5 GiB)
     assert grown < 2.5 * 1400 * per_block, grown / 2 ** 20
-    report = cuda_memory.memory_report("cuda")
+    report = cuda_memory.memory_report("cuda", 3 * 2 ** 30, 5 * 2 ** 30)
     assert report["expandable_segments"] >= 1 and report["user_alloc_conf"] is None
     assert report["peak_reserved_gib"] >= report["reserved_gib"] > 0
-    gauges = cuda_memory.memory_gauges("cuda")
+    assert report["kv_mapped_gib"] == 3 and report["kv_peak_mapped_gib"] == 5
+    assert report["peak_held_gib"] == pytest.approx(report["peak_reserved_gib"] + 5, abs=2e-3)
+    gauges = cuda_memory.memory_gauges("cuda", 7)
     assert gauges["gpu_memory_reserved_bytes"] >= gauges["gpu_memory_allocated_bytes"] >= kv.nbytes
+    assert gauges["gpu_memory_kv_mapped_bytes"] == 7

@@ -148,11 +148,13 @@ class MoEModel(nn.Module):
         store_variants = getattr(self.experts, "kernel_variants", None)
         return out | (store_variants(c.top_k) if store_variants is not None else set())
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False) -> KVCache:
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False,
+                     growable: bool | None = None) -> KVCache:
         """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
-        CUDA-graph decode batches need (see KVCache)."""
+        CUDA-graph decode batches need, `growable` picks its memory (see KVCache)."""
         c = self.config
-        return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device, scratch)
+        return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device, scratch,
+                       growable)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,

@@ -1,0 +1,229 @@
+"""GrowableBuffer: device memory at a fixed address whose size follows demand (the CUDA driver's virtual memory calls).
+
+A buffer reserves an address range once and maps physical memory (`cuMemCreate` + `cuMemMap`) into its front as it
+grows; shrinking unmaps the tail. Its address never changes and growing copies nothing, so the KV cache
+(pwruntime.kv_cache) can follow every plan's trade of expert planes for KV blocks without copying the cache or
+leaving the caching allocator holes of the old size. The physical memory a shrink gives up goes back to the driver,
+where torch's allocator can take it for the planes the plan reloads.
+
+Unmapping is not stream-ordered: kernels queued before the shrink may still read the tail. So a shrink only marks
+the tail's handles retiring, with an event recorded on the current stream, and they are unmapped once the event has
+completed (checked at every resize; never waited for). A grow takes retiring handles back first: still mapped,
+nothing to call. The bindings go through ctypes to libcuda, loaded on first use, so importing this module needs no
+GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+_PINNED, _LOCATION_DEVICE, _READ_WRITE, _GRANULARITY_RECOMMENDED, _OUT_OF_MEMORY = 1, 1, 3, 1, 2
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocationProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Location),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", ctypes.c_ubyte * 8)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
+
+
+class VmmError(RuntimeError):
+    """A CUDA driver call of the virtual memory API failed (the message names the call and the driver's error)."""
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1")
+    u64, size_t = ctypes.c_uint64, ctypes.c_size_t
+    lib.cuMemAddressReserve.argtypes = [ctypes.POINTER(u64), size_t, size_t, u64, u64]
+    lib.cuMemAddressFree.argtypes = [u64, size_t]
+    lib.cuMemCreate.argtypes = [ctypes.POINTER(u64), size_t, ctypes.POINTER(_AllocationProp), u64]
+    lib.cuMemRelease.argtypes = [u64]
+    lib.cuMemMap.argtypes = [u64, size_t, size_t, u64, u64]
+    lib.cuMemUnmap.argtypes = [u64, size_t]
+    lib.cuMemSetAccess.argtypes = [u64, size_t, ctypes.POINTER(_AccessDesc), size_t]
+    lib.cuMemGetAllocationGranularity.argtypes = [ctypes.POINTER(size_t), ctypes.POINTER(_AllocationProp),
+                                                  ctypes.c_int]
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _check(name: str, result: int) -> None:
+    if result != 0:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise VmmError(f"{name} failed: CUDA driver error {result} ({(text.value or b'?').decode()})")
+
+
+def _prop(device_index: int) -> _AllocationProp:
+    return _AllocationProp(type=_PINNED, location=_Location(_LOCATION_DEVICE, device_index))
+
+
+def granularity(device_index: int) -> int:
+    """The driver's recommended size step for physical memory on this device (2 MiB on the H200)."""
+    out = ctypes.c_size_t()
+    _check("cuMemGetAllocationGranularity",
+           _driver().cuMemGetAllocationGranularity(ctypes.byref(out), ctypes.byref(_prop(device_index)),
+                                                   _GRANULARITY_RECOMMENDED))
+    return out.value
+
+
+def round_up(nbytes: int, step: int) -> int:
+    return -(-nbytes // step) * step
+
+
+def handle_sizes(start: int, end: int, step: int, max_handle: int) -> list[int]:
+    """Sizes of the physical handles that map [start, end) (start a multiple of `step`): multiples of `step` of at
+    most `max_handle` each, so a later shrink can give back all but one handle's worth above what it keeps."""
+    total = round_up(max(end - start, 0), step)
+    cap = max(step, max_handle // step * step)
+    return [min(cap, total - done) for done in range(0, total, cap)]
+
+
+@dataclass
+class _Handle:
+    offset: int
+    size: int
+    handle: int
+    retiring: torch.cuda.Event | None = None   # set while the handle waits to be unmapped
+
+
+class GrowableBuffer:
+    """`capacity` bytes of address space on a CUDA device, of which the first `mapped` are backed by memory.
+
+    `_handles` are the physical handles in address order, each mapped at its offset; the first `_active` back the
+    buffer, the rest are retiring (a shrink let them go; they are unmapped once the device is done with them)."""
+
+    def __init__(self, capacity: int, device: torch.device | str, max_handle: int = 8 << 20):
+        torch.cuda.init()   # the driver calls below run in torch's context
+        self.device = torch.device(device)
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self._prop = _prop(self.index)
+        self._access = _AccessDesc(_Location(_LOCATION_DEVICE, self.index), _READ_WRITE)
+        self.step = granularity(self.index)
+        self.capacity = round_up(max(capacity, 1), self.step)
+        self.max_handle = max_handle
+        base = ctypes.c_uint64()
+        _check("cuMemAddressReserve", _driver().cuMemAddressReserve(ctypes.byref(base), self.capacity, 0, 0, 0))
+        self.ptr: int | None = base.value
+        self._handles: list[_Handle] = []
+        self._active = 0
+        self.mapped = 0          # bytes backed by physical memory, retiring handles included
+        self.peak_mapped = 0
+        self._grow(self.step)    # the first step stays mapped: torch wraps only an address it can see is on the device
+
+    def _active_end(self) -> int:
+        return self._handles[self._active - 1].offset + self._handles[self._active - 1].size if self._active else 0
+
+    def resize(self, nbytes: int) -> None:
+        """Make [ptr, ptr + nbytes) usable: map memory behind it, or retire the handles wholly above it."""
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes exceed the buffer's reserved {self.capacity}")
+        self.release_retired()
+        if nbytes > self._active_end():
+            self._grow(nbytes)
+            return
+        keep = max(round_up(nbytes, self.step), self.step)
+        first_above = next((i for i in range(self._active) if self._handles[i].offset >= keep), self._active)
+        if first_above < self._active:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            for h in self._handles[first_above:self._active]:
+                h.retiring = event
+            self._active = first_above
+
+    def _grow(self, nbytes: int) -> None:
+        while self._active < len(self._handles) and self._active_end() < nbytes:
+            self._handles[self._active].retiring = None   # still mapped: taken back without a driver call
+            self._active += 1
+        start = self._active_end()
+        if start >= nbytes:
+            return
+        lib, offset = _driver(), start
+        try:
+            for size in handle_sizes(start, nbytes, self.step, self.max_handle):
+                self._map(offset, size)
+                offset += size
+        finally:   # one access grant for all that got mapped: the driver charges about 25 us a call, whatever its size
+            if offset > start:
+                _check("cuMemSetAccess",
+                       lib.cuMemSetAccess(self.ptr + start, offset - start, ctypes.byref(self._access), 1))
+            self.peak_mapped = max(self.peak_mapped, self.mapped)
+
+    def _map(self, offset: int, size: int) -> None:
+        lib, handle = _driver(), ctypes.c_uint64()
+        result = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0)
+        if result == _OUT_OF_MEMORY:   # torch's allocator may be caching what we need: as it does itself, free and retry
+            torch.cuda.empty_cache()
+            result = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0)
+        _check("cuMemCreate", result)
+        result = lib.cuMemMap(self.ptr + offset, size, 0, handle.value, 0)
+        if result != 0:
+            lib.cuMemRelease(handle.value)
+            _check("cuMemMap", result)
+        self._handles.insert(self._active, _Handle(offset, size, handle.value))
+        self._active += 1
+        self.mapped += size
+
+    def release_retired(self, wait: bool = False) -> int:
+        """Unmap the retiring handles whose event has completed (all of them, after waiting, with `wait`), from the
+        top down; returns the bytes given back to the driver."""
+        lib, freed = _driver(), 0
+        while len(self._handles) > self._active:
+            h = self._handles[-1]
+            if wait:
+                h.retiring.synchronize()
+            elif not h.retiring.query():
+                break
+            _check("cuMemUnmap", lib.cuMemUnmap(self.ptr + h.offset, h.size))
+            _check("cuMemRelease", lib.cuMemRelease(h.handle))
+            self._handles.pop()
+            self.mapped -= h.size
+            freed += h.size
+        return freed
+
+    def close(self) -> None:
+        """Wait for the device, unmap everything and give the address range back (the buffer is unusable after)."""
+        if self.ptr is None:
+            return
+        torch.cuda.synchronize(self.device)
+        for h in self._handles:
+            h.retiring = torch.cuda.Event()   # never recorded: complete
+        self._active = 0
+        self.release_retired(wait=True)
+        _driver().cuMemAddressFree(self.ptr, self.capacity)
+        self.ptr = None
+
+    def __del__(self):
+        try:
+            if not torch.cuda.is_current_stream_capturing():   # (close waits for the device, which a capture forbids:
+                self.close()                                    # then the range stays, until the process ends)
+        except Exception:   # interpreter shutdown: the driver reclaims everything with the context
+            pass
+
+    def rows(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor [rows, *row_shape] over the whole reserved range. Only the rows inside the mapped front may be
+        touched: slice it to the size asked for. It does not own the memory, so it must not outlive the buffer."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        shape = (self.capacity // (torch.Size(row_shape).numel() * elem), *row_shape)
+        holder = _ArrayInterface(self.ptr, shape, f"<i{elem}", self)   # an integer of the same width: bf16 has no code
+        return torch.as_tensor(holder, device=self.device).view(dtype)
+
+
+class _ArrayInterface:
+    """What torch.as_tensor needs to wrap device memory it does not own (the CUDA array interface); `owner` keeps the
+    buffer alive as long as the tensor."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: GrowableBuffer):
+        self.owner = owner
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
+                                         "strides": None}

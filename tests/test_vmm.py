@@ -1,0 +1,98 @@
+"""pwruntime.vmm and the KV cache on it: a fixed address whose mapped memory follows resizes, content kept, the memory
+a shrink gives up returned to the driver once the device is done with it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pwruntime import vmm
+from pwruntime.kv_cache import KVCache
+
+MIB = 1 << 20
+
+
+def test_handle_sizes_cover_the_range_in_steps_no_larger_than_the_cap():
+    assert vmm.handle_sizes(0, 1, 2 * MIB, 32 * MIB) == [2 * MIB]
+    assert vmm.handle_sizes(4 * MIB, 4 * MIB, 2 * MIB, 32 * MIB) == []
+    assert vmm.handle_sizes(2 * MIB, 71 * MIB, 2 * MIB, 32 * MIB) == [32 * MIB, 32 * MIB, 6 * MIB]
+    assert vmm.handle_sizes(0, 5 * MIB, 2 * MIB, 3 * MIB) == [2 * MIB, 2 * MIB, 2 * MIB]  # a cap below a step: steps
+    assert vmm.round_up(0, 8) == 0 and vmm.round_up(9, 8) == 16 and vmm.round_up(16, 8) == 16
+
+
+def test_the_kv_cache_off_cuda_is_torch_tensors_and_maps_nothing():
+    kv = KVCache(2, 6, 4, 2, 8, scratch=True)
+    assert not kv.buffers and kv.mapped_bytes == 0 and kv.peak_mapped_bytes == 0
+    kv.k[0][:6] = 1.0
+    kv.resize(9)
+    assert kv.k[0].shape == (10, 4, 2, 8) and bool((kv.k[0][:6] == 1).all()) and bool((kv.k[0][6:] == 0).all())
+
+
+@pytest.mark.gpu
+def test_gpu_buffer_grows_in_place_keeps_content_and_unmaps_a_shrinks_tail_once_the_device_is_done():
+    buf = vmm.GrowableBuffer(1 << 30, "cuda", max_handle=4 * MIB)
+    step = buf.step
+    rows = buf.rows((1024,), torch.float32)        # 4 KiB rows
+    per_mib = MIB // 4096
+    buf.resize(10 * MIB)
+    assert buf.mapped == vmm.round_up(10 * MIB, step) and rows.data_ptr() == buf.ptr
+    data = torch.randn(10 * per_mib, 1024, device="cuda")
+    rows[:10 * per_mib] = data
+    buf.resize(30 * MIB)                             # grows behind the same address: nothing copied
+    assert buf.mapped == vmm.round_up(30 * MIB, step) and torch.equal(rows[:10 * per_mib], data)
+    rows[:30 * per_mib].fill_(2.0)
+    rows[:10 * per_mib] = data
+    torch.cuda._sleep(200_000_000)                   # the device busy for a while (~0.1 s): the retirement waits
+    buf.resize(9 * MIB)                              # the handles wholly above 9 MiB retire; still mapped
+    assert buf.mapped == vmm.round_up(30 * MIB, step)
+    buf.resize(12 * MIB)                             # taken back without a new mapping: what was there is there
+    assert torch.equal(rows[:10 * per_mib], data) and bool((rows[10 * per_mib:12 * per_mib] == 2).all())
+    assert buf.mapped == vmm.round_up(30 * MIB, step)
+    buf.resize(3 * MIB)
+    torch.cuda.synchronize()
+    assert buf.release_retired() > 0                 # the device is done: their memory goes back to the driver
+    assert 3 * MIB <= buf.mapped <= 3 * MIB + buf.max_handle
+    assert torch.equal(rows[:3 * per_mib], data[:3 * per_mib]) and buf.peak_mapped >= 30 * MIB
+    with pytest.raises(ValueError, match="exceed"):
+        buf.resize(buf.capacity + 1)
+    del rows
+    buf.close()
+    assert buf.ptr is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_growable_kv_cache_follows_the_torch_one_through_resizes(dtype):
+    gen = torch.Generator().manual_seed(3)
+    kv = KVCache(3, 40, 16, 4, 64, dtype, "cuda", scratch=True)
+    ref = KVCache(3, 40, 16, 4, 64, dtype, "cpu", scratch=True)
+    assert kv.buffers and kv.graph_epoch == 0
+    addresses = [t.data_ptr() for t in kv.k + kv.v]
+    ptrs = kv.ptrs.cpu().tolist()
+    for _ in range(25):
+        n = int(torch.randint(1, 300, (1,), generator=gen))
+        kv.resize(n)
+        ref.resize(n)
+        for got, want in zip(kv.k + kv.v, ref.k + ref.v):
+            assert got.shape == want.shape and torch.equal(got.cpu(), want)
+            fresh = torch.randn(want.shape, generator=gen).to(dtype)
+            want.copy_(fresh)
+            got.copy_(fresh)
+    assert [t.data_ptr() for t in kv.k + kv.v] == addresses and kv.ptrs.cpu().tolist() == ptrs   # never moved
+    assert kv.generation == 25 and kv.mapped_bytes >= kv.nbytes
+
+
+@pytest.mark.gpu
+def test_gpu_kv_resizes_leave_the_allocator_alone_and_map_about_the_cache():
+    torch.cuda.synchronize()
+    reserved = torch.cuda.memory_reserved()
+    kv = KVCache(8, 1024, 16, 8, 128, torch.bfloat16, "cuda", scratch=True)   # 512 MiB
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(40):
+        kv.resize(int(torch.randint(700, 1400, (1,), generator=gen)))
+    kv.resize(900)
+    torch.cuda.synchronize()
+    kv.resize(900 - 1)   # any resize first unmaps what earlier shrinks retired and the device is done with
+    assert torch.cuda.memory_reserved() == reserved
+    slack = 2 * kv.num_layers * 2 * kv.buffers[0].max_handle   # a straddling handle and one just retired, a buffer
+    assert kv.nbytes <= kv.mapped_bytes <= kv.nbytes + slack
+    assert kv.peak_mapped_bytes >= 1400 * KVCache.bytes_per_block(8, 16, 8, 128, torch.bfloat16)
