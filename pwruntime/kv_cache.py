@@ -5,11 +5,11 @@ them with memory. resize() grows the cache, or shrinks it keeping blocks [0, num
 guarantees those above are free), so capacity can follow the memory weight pages release or reclaim.
 
 With `scratch=True` the tensors hold one more block, `scratch_block` (== num_blocks, never a pool id):
-the padded rows of a CUDA-graph decode batch write and read there. `generation` counts the resizes
-that replaced the tensors. On CUDA, `ptrs` [layers, 2] int64 holds every layer's K and V addresses on the device and
-each resize rewrites it: the decode kernels and the K/V writes read the caches through it
-(pwruntime.kernels.attention), so a captured graph stays valid across resizes (`graph_epoch` stays 0). Elsewhere a
-graph would have baked the addresses, and `graph_epoch` is the generation.
+the padded rows of a CUDA-graph decode batch write and read there. `generation` counts the resizes. On CUDA,
+`ptrs` [layers, 2] int64 holds every layer's K and V addresses on the device, rewritten by a resize that moves the
+tensors: the decode kernels and the K/V writes read the caches through it (pwruntime.kernels.attention), so a captured
+graph stays valid across resizes (`graph_epoch` stays 0). Elsewhere a graph would have baked the addresses, and
+`graph_epoch` is the generation.
 
 On CUDA each layer's K and V live in a GrowableBuffer (pwruntime.vmm): an address range reserved once, with physical
 memory mapped behind the blocks in use. A resize maps or unmaps memory at the end and copies nothing; the tensors'
@@ -86,7 +86,7 @@ class KVCache:
         return self.num_blocks if self.scratch else None
 
     def resize(self, num_blocks: int) -> None:
-        """Grow (new blocks are zero), or shrink keeping blocks [0, num_blocks); frees the old tensors.
+        """Grow (new blocks are zero), or shrink keeping blocks [0, num_blocks).
 
         The scratch block's contents are not kept (nothing reads what a padded row wrote)."""
         if num_blocks < 0:
