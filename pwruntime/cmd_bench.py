@@ -1,6 +1,7 @@
-"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|plans|serve`: time the AP kernels against torch fp16 (and
-write a measured hardware profile), the prefill MoE path against one launch set per expert, serving with prefix
-caching, where a decode or mixed step goes, what a plan's transitions cost, or a running server from the client's side.
+"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|plans|kv-resize|serve`: time the AP kernels against torch
+fp16 (and write a measured hardware profile), the prefill MoE path against one launch set per expert, serving with
+prefix caching, where a decode or mixed step goes, what a plan's transitions cost, what a KV cache resize costs, or a
+running server from the client's side.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -35,6 +36,10 @@ eagerly and from the piecewise graphs, in the same kind of engine (pwruntime/ben
 back through the runtime's plan loop, page mover and expert store, and reports the host time a transition costs at
 each boundary and the reloads' copy rate (pwruntime/bench_plans.py). It runs on CUDA when there is a GPU, else on the
 CPU.
+
+`bench kv-resize` walks each `--models` card's KV cache through the same seeded sizes in memory it maps itself and as
+torch tensors, in alternating rounds (`--reps`, default 2), and reports a resize's host and wall time and the memory
+held (pwruntime/bench_kv_resize.py).
 """
 from __future__ import annotations
 
@@ -49,11 +54,13 @@ from traces.clikit import UserError, write_json_atomic
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "plans", "serve"],
+    p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "plans", "kv-resize",
+                                       "serve"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
                         "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
                         "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs; "
                         "plans: the host time of a plan's offloads and reloads, a transition at a time; "
+                        "kv-resize: a KV cache's resizes in mapped memory and as torch tensors; "
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
@@ -342,6 +349,36 @@ def _run_plans(args) -> int:
     return _report(args, res, command, bpl.print_table, bpl.plot)
 
 
+def _run_kv_resize(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_kv_resize as bkv
+    from traces.model_card import CardError, load_card
+    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "kv-resize",
+            " (it takes --models, --reps, --seed, --out, --json)")
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else bkv.KvResizeConfig.models
+    for m in models:
+        try:
+            load_card(m)
+        except CardError as e:
+            raise UserError(f"--models: {e}") from None
+    reps = 2 if args.reps is None else args.reps
+    if reps < 1:
+        raise UserError(f"--reps must be positive, got {reps}")
+    if not torch.cuda.is_available():
+        raise UserError("pwruntime bench kv-resize needs a CUDA GPU; none is visible here")
+    cfg = bkv.KvResizeConfig(models=models, rounds=reps, seed=args.seed)
+    command = _command(f"pwruntime bench kv-resize --models {','.join(models)} --reps {reps}")
+    with tqdm(total=len(models) * reps * len(bkv.BACKINGS), desc="bench kv-resize", file=sys.stderr) as bar:
+        def progress(text: str) -> None:
+            bar.set_postfix_str(text)
+            bar.update()
+        res = bkv.run(cfg, progress)
+    res = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__, **res}
+    return _report(args, res, command, bkv.print_table, bkv.plot)
+
+
 def run(args) -> int:
     if args.layers is not None and args.target != "plans":
         raise UserError("--layers belongs to `pwruntime bench plans`")
@@ -368,6 +405,8 @@ def run(args) -> int:
                         "--model also to `bench decode` and `bench mixed`)")
     if args.target == "plans":
         return _run_plans(args)
+    if args.target == "kv-resize":
+        return _run_kv_resize(args)
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
     if args.routing is not None:

@@ -186,3 +186,58 @@ def test_plans_bench_misuse_is_one_clear_error(capsys, argv, message):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_kv_resize_walk_is_seeded_and_stays_within_half_and_one_and_a_half_of_its_start():
+    from pwruntime.bench_kv_resize import KvResizeConfig, walk
+    cfg = KvResizeConfig(resizes=500, start_blocks=100, max_step=30, seed=4)
+    sizes = walk(cfg)
+    assert sizes == walk(cfg) and sizes != walk(KvResizeConfig(resizes=500, start_blocks=100, max_step=30, seed=5))
+    assert len(sizes) == 500 and min(sizes) >= 50 and max(sizes) <= 150
+    assert min(sizes) == 50 or max(sizes) == 150   # a walk this long reaches a bound
+    steps = [b - a for a, b in zip([100] + sizes, sizes)]
+    assert max(map(abs, steps)) <= 30 and len(set(sizes)) > 20
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["kv-resize", "--models", "gpt2"], "--models: no model card 'gpt2'"),
+    (["kv-resize", "--reps", "0"], "--reps must be positive"),
+    (["kv-resize", "--tokens", "4"], "--tokens does not apply to `pwruntime bench kv-resize`"),
+])
+def test_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_kv_resize_bench_needs_a_gpu(tmp_path, capsys):
+    assert main(["bench", "kv-resize", "--out", str(tmp_path / "kv.json")]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err and not (tmp_path / "kv.json").exists()
+
+
+def test_kv_resize_table_and_figure_from_a_result(tmp_path, capsys):
+    from pwruntime import bench_kv_resize as bkv
+    rows = [{"model": "olmoe-1b-7b-0924", "backing": b, "host_ms": h, "wall_ms": w, "held_gib": g,
+             "largest_cache_gib": 8.8} for b, h, w, g in (("mapped", 1.2, 1.4, 8.9), ("torch", 1.6, 3.3, 9.9))]
+    res = {"device": "test GPU", "config": {"resizes": 200, "block_size": 16, "start_blocks": 3000, "max_step": 30,
+                                            "rounds": 2}, "rows": rows}
+    bkv.print_table(res)
+    text = capsys.readouterr().out
+    assert "olmoe-1b-7b-0924     mapped      1.200    1.400      8.90" in text and "torch" in text
+    png = bkv.plot(res, tmp_path / "kv.png")
+    assert png.stat().st_size > 5000
+
+
+@pytest.mark.gpu
+def test_gpu_kv_resize_bench_runs_both_backings(tmp_path, capsys):
+    out = tmp_path / "kv.json"
+    assert main(["bench", "kv-resize", "--models", "pagedweight-demo,olmoe-1b-7b-0924", "--reps", "2",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert [(r["model"], r["backing"]) for r in res["rows"]] == [
+        (m, b) for m in ("pagedweight-demo", "olmoe-1b-7b-0924") for b in ("mapped", "torch")]
+    for r in res["rows"]:
+        assert len(r["rounds"]) == 2 and 0 < r["host_ms"] <= r["wall_ms"]   # the wall time holds the host's
+        assert r["held_gib"] >= r["largest_cache_gib"] * 0.99   # nothing holds less than the cache at its largest
+    assert out.with_suffix(".png").exists() and "reproduce: pwruntime bench kv-resize" in capsys.readouterr().out
