@@ -48,6 +48,7 @@ again. A routing trace needs every position's routing, so trace recording refuse
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -72,6 +73,8 @@ from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, Sampling
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
 from traces.sizes import format_size
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,8 @@ class LLMEngine:
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
         self.last_plan_costs: PlanCosts | None = None  # and parts of its plan phase
         self._kv_seconds = 0.0  # host time resizing the KV cache so far
+        self.kv_grow_failures = 0  # growths the device had no memory for (the bytes stay spare)
+        self._kv_refused_at = -1   # spare bytes at the last such failure: retried once more are released
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
     @property
@@ -564,12 +569,21 @@ class LLMEngine:
                              req.first_token_time, self._now(), tuple(req.logprobs), tuple(req.prompt_logprobs))
 
     # ------------------------------------------------------- KV pool capacity
-    def grow_kv(self, num_blocks: int) -> None:
-        """Add blocks to the pool and back them with cache memory."""
+    def grow_kv(self, num_blocks: int) -> bool:
+        """Add blocks to the pool and back them with cache memory; False, the pool and cache as they were, when the
+        device has no memory for them (logged, counted in `kv_grow_failures`)."""
         start = time.perf_counter()
+        try:   # the cache first, to the id space the pool's growth makes (holes revived first, then new ids)
+            self.kv.resize(self.pool.id_limit + max(0, num_blocks - self.pool.hole_blocks))
+        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
+            self.kv_grow_failures += 1
+            log.warning("growing the KV cache by %d blocks failed (%s); the bytes stay spare and it is retried "
+                        "once more are released", num_blocks, e)
+            return False
+        finally:
+            self._kv_seconds += time.perf_counter() - start
         self.pool.grow(num_blocks)
-        self.kv.resize(self.pool.id_limit)
-        self._kv_seconds += time.perf_counter() - start
+        return True
 
     def shrink_kv(self, num_blocks: int) -> bool:
         """Remove free blocks (compacting live ones downwards if needed); False if too few are free."""
@@ -597,9 +611,12 @@ class LLMEngine:
     def _release(self, nbytes: int) -> None:
         self._spare_bytes += int(nbytes)
         n = self._spare_bytes // self.block_bytes
-        if n:
-            self.grow_kv(n)
-            self._spare_bytes -= n * self.block_bytes
+        if n and self._spare_bytes > self._kv_refused_at:
+            if self.grow_kv(n):
+                self._spare_bytes -= n * self.block_bytes
+                self._kv_refused_at = -1
+            else:
+                self._kv_refused_at = self._spare_bytes
 
     def _reserve(self, nbytes: int) -> bool:
         """Room for a reload, or an offload's new LUT: spare bytes first, then shrink the KV pool over free blocks.

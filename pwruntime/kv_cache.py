@@ -88,7 +88,10 @@ class KVCache:
     def resize(self, num_blocks: int) -> None:
         """Grow (new blocks are zero), or shrink keeping blocks [0, num_blocks).
 
-        The scratch block's contents are not kept (nothing reads what a padded row wrote)."""
+        The scratch block's contents are not kept (nothing reads what a padded row wrote). A growth the device has no
+        memory for raises MemoryError (VmmOutOfMemory; torch's OutOfMemoryError for torch tensors) with the cache at
+        its old size, its blocks as they were (torch tensors: some layers' tensors may be larger, each as its
+        pointer says)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks == self.num_blocks:
@@ -97,21 +100,28 @@ class KVCache:
         if self.buffers:
             self._resize_buffers(num_blocks, keep)   # the addresses stay: nothing to publish
         else:
-            for tensors in (self.k, self.v):
-                for i, old in enumerate(tensors):
-                    new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype,
-                                      device=self.device)
-                    new[:keep].copy_(old[:keep])
-                    new[keep:].zero_()   # the blocks added and the scratch block
-                    tensors[i] = new     # the old tensor is released here, layer by layer
-            self._publish()
+            try:
+                for tensors in (self.k, self.v):
+                    for i, old in enumerate(tensors):
+                        new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype,
+                                          device=self.device)
+                        new[:keep].copy_(old[:keep])
+                        new[keep:].zero_()   # the blocks added and the scratch block
+                        tensors[i] = new     # the old tensor is released here, layer by layer
+            finally:
+                self._publish()
         self.num_blocks = num_blocks
         self.generation += 1
 
     def _resize_buffers(self, num_blocks: int, keep: int) -> None:
-        rows = num_blocks + self.scratch
-        for buffer, full in zip(self.buffers, self._rows):
-            buffer.resize(rows * full[0].nbytes)
+        rows, old_rows = num_blocks + self.scratch, self.num_blocks + self.scratch
+        for i, (buffer, full) in enumerate(zip(self.buffers, self._rows)):
+            try:
+                buffer.resize(rows * full[0].nbytes)
+            except MemoryError:
+                for grown, row in zip(self.buffers[:i], self._rows):   # back to the old size: nothing to map
+                    grown.resize(old_rows * row[0].nbytes)
+                raise
         tensors = [full[:rows] for full in self._rows]
         for t in tensors:
             t[keep:].zero_()     # the blocks added and the scratch block

@@ -40,6 +40,10 @@ class VmmError(RuntimeError):
     """A CUDA driver call of the virtual memory API failed (the message names the call and the driver's error)."""
 
 
+class VmmOutOfMemory(VmmError, MemoryError):
+    """The device had no physical memory for a handle, even after torch's allocator gave back what it cached."""
+
+
 @functools.cache
 def _driver() -> ctypes.CDLL:
     lib = ctypes.CDLL("libcuda.so.1")
@@ -61,7 +65,7 @@ def _check(name: str, result: int) -> None:
     if result != 0:
         text = ctypes.c_char_p()
         _driver().cuGetErrorString(result, ctypes.byref(text))
-        raise VmmError(f"{name} failed: CUDA driver error {result} ({(text.value or b'?').decode()})")
+        raise (VmmOutOfMemory if result == _OUT_OF_MEMORY else VmmError)(f"{name} failed: CUDA driver error {result} ({(text.value or b'?').decode()})")
 
 
 def _prop(device_index: int) -> _AllocationProp:

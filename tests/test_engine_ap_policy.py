@@ -472,3 +472,41 @@ def test_memory_budget_misuse(ap_dir, capsys, extra, needles):
 def test_memory_budget_without_ap_exit_2(capsys):
     rc, _, err = _generate(capsys, "--gpu-memory-budget", "48MiB", "--prompt", "x")
     assert rc == 2 and "needs --ap" in err and "--num-kv-blocks" in err
+
+
+def test_a_kv_growth_the_device_cannot_back_leaves_the_pool_and_loses_nothing(ap_dir, caplog):
+    """The device refuses every KV growth past a size (as cuMemCreate does when it is out of memory): the pool and the
+    cache stay as they were, the bytes stay spare under the budget, the growth is retried only once more bytes are
+    released, and every request still finishes with all its tokens."""
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from pwruntime.sampling import SamplingParams
+    from pwruntime.vmm import VmmOutOfMemory
+    from traces.clikit import build_parser
+    from traces.io import read_requests
+
+    trace = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
+    args = build_parser("pwruntime", "", _registrars()).parse_args(
+        ["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
+         "--gpu-memory-budget", "24MiB", "--dtype", "bf16", "--prompt", "x"])
+    engine, *_ = build_engine(args)
+    cap = engine.kv.num_blocks + 8
+    resize, attempts = engine.kv.resize, []
+
+    def refusing(n):
+        if n > cap:
+            attempts.append(engine._spare_bytes)
+            raise VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
+        resize(n)
+
+    engine.kv.resize = refusing
+    ids = [engine.add_request(trace.prompt_ids(i), SamplingParams(max_tokens=48, ignore_eos=True)) for i in range(32)]
+    outputs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = out
+        assert engine.kv.num_blocks == engine.pool.id_limit <= cap   # the pool never counts blocks the cache lacks
+    assert sorted(outputs) == sorted(ids) and all(len(o.token_ids) == 48 for o in outputs.values())
+    assert engine.kv_grow_failures == len(attempts) > 0
+    assert all(b > a for a, b in zip(attempts, attempts[1:]))   # each retry had more spare bytes than the last
+    assert "growing the KV cache by" in caplog.text

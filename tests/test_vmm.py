@@ -96,3 +96,30 @@ def test_gpu_kv_resizes_leave_the_allocator_alone_and_map_about_the_cache():
     slack = 2 * kv.num_layers * 2 * kv.buffers[0].max_handle   # a straddling handle and one just retired, a buffer
     assert kv.nbytes <= kv.mapped_bytes <= kv.nbytes + slack
     assert kv.peak_mapped_bytes >= 1400 * KVCache.bytes_per_block(8, 16, 8, 128, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_a_growth_the_device_cannot_back_leaves_the_cache_as_it_was(monkeypatch):
+    kv = KVCache(3, 40, 16, 4, 64, torch.bfloat16, "cuda", scratch=True)
+    for t in kv.k + kv.v:
+        t.normal_()
+    before = [t.clone() for t in kv.k + kv.v]
+    ends = [b._active_end() for b in kv.buffers]
+    real_map = vmm.GrowableBuffer._map
+    calls = []
+
+    def fifth_fails(self, offset, size):   # the device runs out partway through the layers' buffers
+        calls.append(offset)
+        if len(calls) == 5:
+            raise vmm.VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
+        real_map(self, offset, size)
+
+    monkeypatch.setattr(vmm.GrowableBuffer, "_map", fifth_fails)
+    with pytest.raises(MemoryError):
+        kv.resize(4000)
+    assert kv.num_blocks == 40 and kv.generation == 0 and len(calls) == 5
+    assert [b._active_end() for b in kv.buffers] == ends   # the buffers that grew were taken back
+    assert all(torch.equal(t, b) for t, b in zip(kv.k + kv.v, before))
+    monkeypatch.setattr(vmm.GrowableBuffer, "_map", real_map)
+    kv.resize(4000)   # and it grows once the device has the memory
+    assert kv.num_blocks == 4000 and all(torch.equal(t[:40], b[:40]) for t, b in zip(kv.k + kv.v, before))
