@@ -38,7 +38,8 @@ class KVCache:
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
         self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
         self._rows: list[torch.Tensor] = []       # a [capacity, block_size, heads, head_dim] view of each buffer
-        if growable if growable is not None else self.device.type == "cuda":
+        self._row_bytes = block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        if self.device.type == "cuda" if growable is None else growable:
             self._reserve()
             self._resize_buffers(num_blocks, keep=0)
         else:
@@ -54,9 +55,8 @@ class KVCache:
 
     def _reserve(self) -> None:
         """One buffer per layer's K and V, each large enough to take the whole device (the ranges are addresses only)."""
-        block = self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        capacity = (total // (2 * self.num_layers) // block + 1) * block
+        capacity = (total // (2 * self.num_layers) // self._row_bytes + 1) * self._row_bytes
         row = (self.block_size, self.num_kv_heads, self.head_dim)
         for _ in range(2 * self.num_layers):
             buffer = GrowableBuffer(capacity, self.device)
@@ -115,12 +115,12 @@ class KVCache:
 
     def _resize_buffers(self, num_blocks: int, keep: int) -> None:
         rows, old_rows = num_blocks + self.scratch, self.num_blocks + self.scratch
-        for i, (buffer, full) in enumerate(zip(self.buffers, self._rows)):
+        for i, buffer in enumerate(self.buffers):
             try:
-                buffer.resize(rows * full[0].nbytes)
+                buffer.resize(rows * self._row_bytes)
             except MemoryError:
-                for grown, row in zip(self.buffers[:i], self._rows):   # back to the old size: nothing to map
-                    grown.resize(old_rows * row[0].nbytes)
+                for grown in self.buffers[:i]:   # back to the old size: nothing to map
+                    grown.resize(old_rows * self._row_bytes)
                 raise
         tensors = [full[:rows] for full in self._rows]
         for t in tensors:
