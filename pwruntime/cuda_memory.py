@@ -72,7 +72,8 @@ def memory_report(device: torch.device | str, kv_mapped_bytes: int = 0, kv_peak_
     return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(index) / gib, 3),
             "peak_reserved_gib": round(peak_reserved / gib, 3),
             "reserved_gib": round(torch.cuda.memory_reserved(index) / gib, 3),
-            "kv_mapped_gib": round(kv_mapped_bytes / gib, 3), "kv_peak_mapped_gib": round(kv_peak_mapped_bytes / gib, 3),
+            "kv_mapped_gib": round(kv_mapped_bytes / gib, 3),
+            "kv_peak_mapped_gib": round(kv_peak_mapped_bytes / gib, 3),
             "peak_held_gib": round((peak_reserved + kv_peak_mapped_bytes) / gib, 3),
             "segments": len(segments), "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
             "user_alloc_conf": user_alloc_conf()}

@@ -54,7 +54,7 @@ class KVCache:
                            device=self.device)
 
     def _reserve(self) -> None:
-        """One buffer per layer's K and V, each large enough to take the whole device (the ranges are addresses only)."""
+        """A buffer per layer's K and V, each large enough for the whole device (the ranges are addresses only)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         capacity = (total // (2 * self.num_layers) // self._row_bytes + 1) * self._row_bytes
         row = (self.block_size, self.num_kv_heads, self.head_dim)

@@ -65,7 +65,8 @@ def _check(name: str, result: int) -> None:
     if result != 0:
         text = ctypes.c_char_p()
         _driver().cuGetErrorString(result, ctypes.byref(text))
-        raise (VmmOutOfMemory if result == _OUT_OF_MEMORY else VmmError)(f"{name} failed: CUDA driver error {result} ({(text.value or b'?').decode()})")
+        error = VmmOutOfMemory if result == _OUT_OF_MEMORY else VmmError
+        raise error(f"{name} failed: CUDA driver error {result} ({(text.value or b'?').decode()})")
 
 
 def _prop(device_index: int) -> _AllocationProp:
@@ -166,7 +167,7 @@ class GrowableBuffer:
     def _map(self, offset: int, size: int) -> None:
         lib, handle = _driver(), ctypes.c_uint64()
         result = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0)
-        if result == _OUT_OF_MEMORY:   # torch's allocator may be caching what we need: as it does itself, free and retry
+        if result == _OUT_OF_MEMORY:   # torch's allocator may cache what we need: free it and retry, as torch does
             torch.cuda.empty_cache()
             result = lib.cuMemCreate(ctypes.byref(handle), size, ctypes.byref(self._prop), 0)
         _check("cuMemCreate", result)

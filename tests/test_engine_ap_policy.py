@@ -485,7 +485,8 @@ def test_a_kv_growth_the_device_cannot_back_leaves_the_pool_and_loses_nothing(ap
     from traces.clikit import build_parser
     from traces.io import read_requests
 
-    trace = read_requests(Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-trace" / "requests.parquet")
+    bundled = Path(__file__).resolve().parents[1] / "traces" / "bundled"
+    trace = read_requests(bundled / "demo-trace" / "requests.parquet")
     args = build_parser("pwruntime", "", _registrars()).parse_args(
         ["generate", "--ap", str(ap_dir), "--calibration", str(CALIBRATION), "--policy", "pagedweight",
          "--gpu-memory-budget", "24MiB", "--dtype", "bf16", "--prompt", "x"])
