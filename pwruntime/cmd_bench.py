@@ -64,7 +64,8 @@ def register(subparsers) -> None:
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
-                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans also takes and starts with demo)")
+                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans also takes and starts with demo; kv-resize: model "
+                        "cards, `pwsim models`, default olmoe-1b-7b-0924)")
     p.add_argument("--tokens", default=None,
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512; mixed: the prompt beside the decode rows, "
@@ -79,7 +80,8 @@ def register(subparsers) -> None:
                         "prefix-cache: the model's dtype, default bf16 on CUDA and fp32 on the CPU; fp32 only there)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
-                        "of (off, on) (default 2); plans: rounds of offloads and reloads (default 5)")
+                        "of (off, on) (default 2); plans: rounds of offloads and reloads (default 5); kv-resize: "
+                        "rounds of both backings (default 2)")
     p.add_argument("--prompts", type=int, default=None,
                    help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32); "
                         "mixed: decode rows beside the prompt (default 24)")
