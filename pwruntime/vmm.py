@@ -122,9 +122,13 @@ class GrowableBuffer:
         self.ptr: int | None = base.value
         self._handles: list[_Handle] = []
         self._active = 0
-        self.mapped = 0          # bytes backed by physical memory, retiring handles included
         self.peak_mapped = 0
         self._grow(self.step)    # the first step stays mapped: torch wraps only an address it can see is on the device
+
+    @property
+    def mapped(self) -> int:
+        """Bytes backed by physical memory now, retiring handles included."""
+        return sum(h.size for h in self._handles)
 
     def _active_end(self) -> int:
         return self._handles[self._active - 1].offset + self._handles[self._active - 1].size if self._active else 0
@@ -177,22 +181,16 @@ class GrowableBuffer:
             _check("cuMemMap", result)
         self._handles.insert(self._active, _Handle(offset, size, handle.value))
         self._active += 1
-        self.mapped += size
 
-    def release_retired(self, wait: bool = False) -> int:
-        """Unmap the retiring handles whose event has completed (all of them, after waiting, with `wait`), from the
-        top down; returns the bytes given back to the driver."""
+    def release_retired(self) -> int:
+        """Unmap the retiring handles whose event has completed, from the top down; returns the bytes given back to
+        the driver."""
         lib, freed = _driver(), 0
-        while len(self._handles) > self._active:
+        while len(self._handles) > self._active and self._handles[-1].retiring.query():
             h = self._handles[-1]
-            if wait:
-                h.retiring.synchronize()
-            elif not h.retiring.query():
-                break
             _check("cuMemUnmap", lib.cuMemUnmap(self.ptr + h.offset, h.size))
             _check("cuMemRelease", lib.cuMemRelease(h.handle))
             self._handles.pop()
-            self.mapped -= h.size
             freed += h.size
         return freed
 
@@ -202,9 +200,9 @@ class GrowableBuffer:
             return
         torch.cuda.synchronize(self.device)
         for h in self._handles:
-            h.retiring = torch.cuda.Event()   # never recorded: complete
+            h.retiring = torch.cuda.Event()   # never recorded: complete, as is all the device's work now
         self._active = 0
-        self.release_retired(wait=True)
+        self.release_retired()
         _driver().cuMemAddressFree(self.ptr, self.capacity)
         self.ptr = None
 

@@ -173,3 +173,109 @@ def test_the_mapped_kv_cache_zeroes_what_it_adds_keeps_the_rest_and_rolls_a_fail
     assert kv.num_blocks == 6 and kv.generation == 2 and kv.k[0].shape == (7, 4, 2, 8)
     assert [b.size for b in kv.buffers] == [7 * kv._row_bytes] * 4   # the buffers that grew were taken back
     assert all(torch.equal(t[:6], k[:6]) for t, k in zip(kv.k + kv.v, kept))
+
+
+class _FakeDriver:
+    """The driver calls GrowableBuffer makes, over bookkeeping instead of a GPU: what is mapped where, which handles
+    live, what was granted access; the next `oom` cuMemCreate calls answer out of memory, and with `creates_left`
+    set every call after that many does."""
+    GRANULE = 2 * MIB
+
+    def __init__(self):
+        self.maps, self.handles, self.granted, self.calls, self.oom, self.freed = {}, {}, [], [], 0, []
+        self.creates_left: int | None = None
+
+    def cuMemGetAllocationGranularity(self, out, prop, flags):
+        out._obj.value = self.GRANULE
+        return 0
+
+    def cuMemAddressReserve(self, base, size, align, addr, flags):
+        base._obj.value = 1 << 40
+        return 0
+
+    def cuMemAddressFree(self, ptr, size):
+        self.freed.append((ptr, size))
+        return 0
+
+    def cuMemCreate(self, handle, size, prop, flags):
+        self.calls.append("create")
+        if self.oom or self.creates_left == 0:
+            self.oom = max(0, self.oom - 1)
+            return 2
+        if self.creates_left is not None:
+            self.creates_left -= 1
+        handle._obj.value = len(self.calls)
+        self.handles[handle._obj.value] = size
+        return 0
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        assert self.handles[handle] == size and offset == 0
+        self.maps[ptr] = (size, handle)
+        return 0
+
+    def cuMemSetAccess(self, ptr, size, desc, count):
+        covered = sorted(p for p in self.maps if ptr <= p < ptr + size)
+        assert sum(self.maps[p][0] for p in covered) == size   # only mapped memory gets access
+        self.granted.append((ptr, size))
+        return 0
+
+    def cuMemUnmap(self, ptr, size):
+        assert self.maps.pop(ptr)[0] == size
+        return 0
+
+    def cuMemRelease(self, handle):
+        del self.handles[handle]
+        return 0
+
+    def cuGetErrorString(self, result, text):
+        text._obj.value = b"out of memory" if result == 2 else b"error"
+        return 0
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.recorded, self.done = False, False
+
+    def record(self, stream):
+        self.recorded = True
+
+    def query(self) -> bool:
+        return self.done or not self.recorded
+
+
+@pytest.fixture
+def fake_driver(monkeypatch):
+    driver = _FakeDriver()
+    monkeypatch.setattr(vmm, "_driver", lambda: driver)
+    for name, fn in (("init", lambda: None), ("current_device", lambda: 0), ("current_stream", lambda device: None),
+                     ("synchronize", lambda device=None: None), ("empty_cache", lambda: driver.calls.append("empty")),
+                     ("is_current_stream_capturing", lambda: False), ("Event", _FakeEvent)):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    return driver
+
+
+def test_buffer_maps_retires_takes_back_and_unmaps_its_handles_in_order(fake_driver):
+    buf = vmm.GrowableBuffer(1 << 30, "cuda:0", max_handle=4 * MIB)
+    base = buf.ptr
+    assert buf.mapped == 2 * MIB and fake_driver.granted == [(base, 2 * MIB)]
+    buf.resize(11 * MIB)                                   # 2 + 4 + 4 + 2 MiB, granted access in one call
+    assert buf.mapped == 12 * MIB and fake_driver.granted[-1] == (base + 2 * MIB, 10 * MIB)
+    buf.resize(5 * MIB)                                    # keeps 6 MiB: the handles at 6 and 10 MiB retire
+    retiring = buf._handles[buf._active].retiring
+    assert buf._active_end() == 6 * MIB and buf.mapped == 12 * MIB and buf.release_retired() == 0
+    creates = fake_driver.calls.count("create")
+    buf.resize(9 * MIB)                                    # the 6 MiB handle comes back: no driver call
+    assert fake_driver.calls.count("create") == creates and buf._active_end() == 10 * MIB
+    retiring.done = True                                   # the device passed the shrink: the top one goes
+    assert buf.release_retired() == 2 * MIB and buf.mapped == 10 * MIB and base + 10 * MIB not in fake_driver.maps
+    assert buf.peak_mapped == 12 * MIB
+    fake_driver.oom = 1                                    # torch's cache given back once, then it fits
+    buf.resize(14 * MIB)
+    assert fake_driver.calls[-3:] == ["create", "empty", "create"] and buf.mapped == 14 * MIB
+    fake_driver.creates_left = 1                           # out of memory for good, partway: what got mapped is usable
+    with pytest.raises(vmm.VmmOutOfMemory, match="cuMemCreate failed: CUDA driver error 2"):
+        buf.resize(30 * MIB)
+    assert fake_driver.granted[-1] == (base + 14 * MIB, 4 * MIB) and buf.mapped == 18 * MIB
+    buf.close()
+    assert fake_driver.maps == {} and fake_driver.handles == {} and fake_driver.freed == [(base, buf.capacity)]
+    assert buf.ptr is None
