@@ -303,17 +303,21 @@ class BlockPool:
             del self._block_of[h]
 
     # -------------------------------------------------------------- capacity
+    def id_limit_after_grow(self, n: int) -> int:
+        """The id space `grow(n)` leaves (a runtime backs it with memory before the pool hands the blocks out)."""
+        return self._id_limit + max(0, n - len(self._holes))
+
     def grow(self, n: int) -> None:
         """Add `n` blocks: revive holes first (lowest id first), then extend the id space."""
         if n < 0:
             raise ValueError(f"grow needs n >= 0, got {n}")
+        limit = self.id_limit_after_grow(n)
         revive = self._holes[:n]
         del self._holes[:n]
         for b in revive:  # holes hold no registration
             bisect.insort(self._uncached, b)
-        extra = n - len(revive)
-        self._uncached.extend(range(self._id_limit, self._id_limit + extra))  # all above any existing id
-        self._id_limit += extra
+        self._uncached.extend(range(self._id_limit, limit))  # all above any existing id
+        self._id_limit = limit
 
     def shrink(self, n: int) -> int:
         """Retire the `n` highest-numbered free blocks, cached or not; returns the new `id_limit`.

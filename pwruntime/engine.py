@@ -573,8 +573,8 @@ class LLMEngine:
         """Add blocks to the pool and back them with cache memory; False, the pool and cache as they were, when the
         device has no memory for them (logged, counted in `kv_grow_failures`)."""
         start = time.perf_counter()
-        try:   # the cache first, to the id space the pool's growth makes (holes revived first, then new ids)
-            self.kv.resize(self.pool.id_limit + max(0, num_blocks - self.pool.hole_blocks))
+        try:   # the cache first, to the id space the pool's growth makes
+            self.kv.resize(self.pool.id_limit_after_grow(num_blocks))
         except (torch.cuda.OutOfMemoryError, MemoryError) as e:
             self.kv_grow_failures += 1
             log.warning("growing the KV cache by %d blocks failed (%s); the bytes stay spare and it is retried "

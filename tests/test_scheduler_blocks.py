@@ -75,6 +75,7 @@ def test_grow_revives_holes_then_extends():
     pool.free("low")
     pool.shrink(2)  # retires 2 and 1 (highest free): holes under the live block 3
     assert pool.hole_blocks == 2 and pool.id_limit == 4 and pool.block_table("hi") == [3]
+    assert pool.id_limit_after_grow(2) == 4 and pool.id_limit_after_grow(3) == 5
     pool.grow(3)  # revive 1, 2, then a new id 4
     assert pool.hole_blocks == 0 and pool.id_limit == 5 and pool.capacity == 5 and pool.num_free == 4
     assert pool.allocate("new", 4) == [0, 1, 2, 4]
@@ -122,7 +123,9 @@ def test_random_operations_never_double_allocate(initial, block_size, ops):
         elif op == "free":
             pool.free(seq)
         elif op == "grow":
+            limit = pool.id_limit_after_grow(n)
             pool.grow(n)
+            assert pool.id_limit == limit
         elif op == "shrink":
             before_used = {s: pool.block_table(s) for s in range(6)}
             if n <= pool.num_free:
