@@ -114,7 +114,7 @@ def plot(res: dict, png: Path) -> Path:
                     va="bottom", fontsize=7)
     ax.set_xticks(x, [f"{r['model']}\n{r['backing']}" for r in rows], fontsize=7)
     ax.set_ylabel("ms")
-    ax.set_title(f"KV cache resizes, mapped memory against torch tensors ({res['device']})", fontsize=9)
+    ax.set_title(f"KV cache resizes: mapped memory against torch tensors\n({res['device']})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
