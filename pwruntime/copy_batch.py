@@ -10,7 +10,9 @@ waits for the issuing stream first and that the issuing stream then waits for, s
 driver lacks that entry point, and off CUDA, the batch is issued one `copy_` at a time.
 
 Sources must stay alive until the copies have run (the page mover's are views of the pinned master, which lives
-as long as the store) and be contiguous; destinations are allocated on the stream current at `upload`.
+as long as the store) and be contiguous; destinations are allocated on the stream current at `upload`, by torch's
+allocator or the batch's `alloc` (the store's plane arena, pwruntime.plane_arena, whose moves between slots are
+device-to-device copies in the same batch: `copy`).
 """
 from __future__ import annotations
 
@@ -53,24 +55,32 @@ def driver_batch_copy() -> Callable | None:
 
 @dataclass
 class CopyBatch:
-    """Host-to-device copies queued together by `issue()` on the current stream, then the work given to `after`.
+    """Copies to the device queued together by `issue()` on the current stream, then the work given to `after`.
     Reusable: `issue()` empties it. If the driver call ever fails, this batch falls back to `copy_` from then on."""
     device: torch.device
     use_driver: bool = True
+    alloc: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None  # (shape, dtype); None: torch.empty
     _dsts: list[torch.Tensor] = field(default_factory=list)
     _srcs: list[torch.Tensor] = field(default_factory=list)
     _after: list[Callable[[], None]] = field(default_factory=list)
     _side: torch.cuda.Stream | None = None  # where a batch issued on the legacy default stream runs
 
     def upload(self, src: torch.Tensor) -> torch.Tensor:
-        """A new device tensor that holds `src` once the batch has been issued and has run."""
-        if not src.is_contiguous():
-            raise ValueError("CopyBatch sources must be contiguous")
-        dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        """A new device tensor that holds `src` (contiguous) once the batch has been issued and has run."""
+        if self.alloc is None:
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        else:
+            dst = self.alloc(tuple(src.shape), src.dtype)
+        self.copy(dst, src)
+        return dst
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue `dst` <- `src` (contiguous, of the same size; `src` on the host or on the device)."""
+        if not (src.is_contiguous() and dst.is_contiguous()) or src.nbytes != dst.nbytes:
+            raise ValueError("CopyBatch copies need contiguous tensors of one size")
         if src.numel():
             self._dsts.append(dst)
             self._srcs.append(src)
-        return dst
 
     def savepoint(self) -> tuple[int, int]:
         """Where the batch stands now (its copies and `after` work so far), for `rollback`."""

@@ -18,6 +18,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _PINNED, _LOCATION_DEVICE, _READ_WRITE, _GRANULARITY_RECOMMENDED, _OUT_OF_MEMORY = 1, 1, 3, 1, 2
@@ -127,8 +128,13 @@ class GrowableBuffer:
 
     @property
     def mapped(self) -> int:
-        """Bytes backed by physical memory now, retiring handles included."""
-        return sum(h.size for h in self._handles)
+        """Bytes backed by physical memory now, retiring handles included (the handles lie end to end from 0)."""
+        return self._handles[-1].offset + self._handles[-1].size if self._handles else 0
+
+    @property
+    def size(self) -> int:
+        """Bytes usable from `ptr` now: the end of the handles that back the buffer (retiring ones not counted)."""
+        return self._active_end()
 
     def _active_end(self) -> int:
         return self._handles[self._active - 1].offset + self._handles[self._active - 1].size if self._active else 0
@@ -142,7 +148,9 @@ class GrowableBuffer:
             self._grow(nbytes)
             return
         keep = max(round_up(nbytes, self.step), self.step)
-        first_above = next((i for i in range(self._active) if self._handles[i].offset >= keep), self._active)
+        first_above = self._active   # searched from the top: a shrink gives back few of many handles
+        while first_above > 0 and self._handles[first_above - 1].offset >= keep:
+            first_above -= 1
         if first_above < self._active:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
@@ -218,15 +226,26 @@ class GrowableBuffer:
         touched: slice it to the size asked for. It does not own the memory, so it must not outlive the buffer."""
         elem = torch.empty((), dtype=dtype).element_size()
         shape = (self.capacity // (torch.Size(row_shape).numel() * elem), *row_shape)
-        holder = _ArrayInterface(self.ptr, shape, f"<i{elem}", self)   # an integer of the same width: bf16 has no code
-        return torch.as_tensor(holder, device=self.device).view(dtype)
+        return wrap(self.ptr, shape, dtype, self.device, self)
+
+
+def wrap(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, owner: object) -> torch.Tensor:
+    """A tensor of `shape` and `dtype` over memory at `ptr` that torch does not own, on `device` (CUDA, or the CPU for
+    host memory). Its storage holds `owner` until the last tensor over it dies (the buffer behind the memory, or a
+    slot of it: pwruntime.plane_arena), and lets it go then."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    face = {"shape": tuple(shape), "typestr": f"<i{elem}", "data": (ptr, False), "version": 3, "strides": None}
+    holder = _ArrayInterface(owner)   # an integer of the same width: bf16 has no type code
+    if torch.device(device).type == "cuda":
+        holder.__cuda_array_interface__ = face
+        return torch.as_tensor(holder, device=device).view(dtype)
+    holder.__array_interface__ = face
+    return torch.from_numpy(np.asarray(holder)).view(dtype)
 
 
 class _ArrayInterface:
-    """What torch.as_tensor needs to wrap device memory it does not own (the CUDA array interface); `owner` keeps the
-    buffer alive as long as the tensor."""
+    """What torch.as_tensor (numpy on the CPU) needs to wrap memory it does not own; `owner` lives as long as the
+    holder, which the tensor's storage keeps."""
 
-    def __init__(self, ptr: int, shape: tuple[int, ...], typestr: str, owner: GrowableBuffer):
+    def __init__(self, owner: object):
         self.owner = owner
-        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr, "data": (ptr, False), "version": 3,
-                                         "strides": None}

@@ -7,6 +7,7 @@ import torch
 
 from pwruntime import vmm
 from pwruntime.kv_cache import KVCache
+from vmm_fakes import HostBuffer
 
 MIB = 1 << 20
 
@@ -125,35 +126,12 @@ def test_gpu_a_growth_the_device_cannot_back_leaves_the_cache_as_it_was(monkeypa
     assert kv.num_blocks == 4000 and all(torch.equal(t[:40], b[:40]) for t, b in zip(kv.k + kv.v, before))
 
 
-class _HostBuffer:
-    """GrowableBuffer's interface over host memory, so the KV cache's mapped path runs in CI: with `growths_left` set,
-    the growth after that many raises as the driver's out-of-memory does."""
-    growths_left: int | None = None
-
-    def __init__(self, capacity: int, device):
-        self.capacity, self.size, self.mapped, self.peak_mapped = capacity, 0, 0, 0
-        self._memory = torch.full((capacity,), 7, dtype=torch.uint8)   # what unmapped memory would hold: not zeros
-
-    def resize(self, nbytes: int) -> None:
-        if nbytes > self.size and _HostBuffer.growths_left is not None:
-            if _HostBuffer.growths_left == 0:
-                raise vmm.VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
-            _HostBuffer.growths_left -= 1
-        self.size = self.mapped = nbytes
-        self.peak_mapped = max(self.peak_mapped, nbytes)
-
-    def rows(self, row_shape, dtype):
-        elem = torch.empty((), dtype=dtype).element_size()
-        n = self.capacity // (torch.Size(row_shape).numel() * elem)
-        return self._memory[:n * torch.Size(row_shape).numel() * elem].view(dtype).view(n, *row_shape)
-
-
 def test_the_mapped_kv_cache_zeroes_what_it_adds_keeps_the_rest_and_rolls_a_failed_growth_back(monkeypatch):
     class Props:
         total_memory = 1 << 22
-    monkeypatch.setattr("pwruntime.kv_cache.GrowableBuffer", _HostBuffer)
+    monkeypatch.setattr("pwruntime.kv_cache.GrowableBuffer", HostBuffer)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
-    monkeypatch.setattr(_HostBuffer, "growths_left", None)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
     kv = KVCache(2, 10, 4, 2, 8, torch.float16, "cpu", scratch=True, growable=True)
     assert len(kv.buffers) == 4 and kv.k[0].shape == (11, 4, 2, 8) and bool((kv.k[0] == 0).all())
     base = [t.data_ptr() for t in kv.k + kv.v]
@@ -167,7 +145,7 @@ def test_the_mapped_kv_cache_zeroes_what_it_adds_keeps_the_rest_and_rolls_a_fail
     kv.resize(6)
     assert kv.v[0].shape == (7, 4, 2, 8) and all(torch.equal(t[:6], k[:6]) for t, k in zip(kv.k + kv.v, kept))
     assert kv.peak_mapped_bytes == 4 * 31 * kv._row_bytes
-    monkeypatch.setattr(_HostBuffer, "growths_left", 2)   # layer 0's K and V grow, layer 1's K cannot
+    monkeypatch.setattr(HostBuffer, "growths_left", 2)   # layer 0's K and V grow, layer 1's K cannot
     with pytest.raises(MemoryError):
         kv.resize(50)
     assert kv.num_blocks == 6 and kv.generation == 2 and kv.k[0].shape == (7, 4, 2, 8)

@@ -1,0 +1,41 @@
+"""GrowableBuffer's interface over host memory, so the code built on mapped memory (the KV cache, the plane arena)
+runs in CI."""
+from __future__ import annotations
+
+import torch
+
+from pwruntime import vmm
+
+
+class HostBuffer:
+    """A GrowableBuffer over a host tensor: `size` follows `resize` exactly and a shrink's memory is unmapped at once;
+    with `growths_left` set, the growth after that many raises as the driver's out-of-memory does."""
+    growths_left: int | None = None
+    step = 4096
+
+    def __init__(self, capacity: int, device, max_handle: int | None = None):
+        self.capacity, self.size, self.mapped, self.peak_mapped = capacity, 0, 0, 0
+        self._memory = torch.full((capacity,), 7, dtype=torch.uint8)   # what unmapped memory would hold: not zeros
+        self.ptr = self._memory.data_ptr()
+        self.closed = False
+
+    def resize(self, nbytes: int) -> None:
+        if nbytes > self.capacity:
+            raise ValueError(f"{nbytes} bytes exceed the buffer's reserved {self.capacity}")
+        if nbytes > self.size and HostBuffer.growths_left is not None:
+            if HostBuffer.growths_left == 0:
+                raise vmm.VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
+            HostBuffer.growths_left -= 1
+        self.size = self.mapped = nbytes
+        self.peak_mapped = max(self.peak_mapped, nbytes)
+
+    def release_retired(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def rows(self, row_shape, dtype):
+        elem = torch.empty((), dtype=dtype).element_size()
+        n = self.capacity // (torch.Size(row_shape).numel() * elem)
+        return self._memory[:n * torch.Size(row_shape).numel() * elem].view(dtype).view(n, *row_shape)
