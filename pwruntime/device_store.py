@@ -2,7 +2,9 @@
 
 Memory: the 8-bit master (all planes, all LUTs of every block) stays in host memory, pinned when the
 device is CUDA. On the device, block i holds planes 0..q_i-1, one tensor per plane allocated through
-torch (dropping one really frees device memory), plus `LUT_{q_i}`; its
+torch (dropping one really frees device memory), or with `arena=True` from a `pwruntime.plane_arena.PlaneArena`
+that every `flush()` packs (its moves repoint rows; `_named` says which tensors a row names, the ones that may
+move), plus `LUT_{q_i}`; its
 `pwruntime.kernels.DeviceWeightTable` row names them. A block that `commit_in_place` holds (dp-llm)
 keeps its leading GPU planes above q. Every row change goes through `_write_row`, which writes the
 table's host mirror and returns the tensors the row stopped naming; the tensors a new row names are
@@ -41,6 +43,7 @@ import torch
 from policies.apformat import MAX_BITS
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequant, dequantize_blocks, fused_moe
 from pwruntime.copy_batch import CopyBatch
+from pwruntime.plane_arena import PlaneArena
 from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
 from pwruntime.kernels.layer_ops import row_norms
 from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
@@ -109,6 +112,7 @@ class DeviceExpertStore:
         initial_bits: int | np.ndarray = MAX_BITS,
         table=None,
         prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
+        arena: bool = False,
     ) -> None:
         self.device = _resolve(device)
         self.experts, self.hidden, self.intermediate = int(experts), int(hidden), int(intermediate)
@@ -129,7 +133,10 @@ class DeviceExpertStore:
         self.row_nbytes = np.zeros(n, dtype=np.int64)  # device bytes each row names (planes + LUT)
         self.deferred = DeferredFree(self.device)
         self._retiring: list[torch.Tensor] = []  # retired, freed after the next flush
-        self._uploads = CopyBatch(self.device)  # what the rows written since the last flush need, issued by it
+        self.arena = PlaneArena(self.device, self._arena_sizes()) if arena else None
+        self._named: dict[int, int] = {}  # with an arena: address -> block of every tensor a row names
+        self._uploads = self.new_batch()  # what the rows written since the last flush need, issued by it
+        self._moves = CopyBatch(self.device)  # the arena's moves at a flush
         self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
         self._bits = np.zeros(n, dtype=np.int8)
         self.page_table = None
@@ -182,6 +189,24 @@ class DeviceExpertStore:
             raise ValueError(f"block {i}: no LUT for {bits} bits in the AP master (it has {sorted(m.luts)})")
         return m.luts[bits][e]
 
+    def _arena_sizes(self) -> dict[int, int]:
+        """The tensor sizes the store allocates and the most of each alive at once, with room to spare: every plane
+        of every block twice, and four LUTs a block at each bitwidth (the row's, an offload's in flight, retired
+        ones waiting for the device)."""
+        sizes: dict[int, int] = {}
+        for i in range(min(2, self.num_blocks)):   # a gate_up block and a down block
+            count = self.num_blocks // 2
+            size = self._host_planes[i][0].nbytes
+            sizes[size] = sizes.get(size, 0) + 2 * MAX_BITS * count
+            for b in self.bits:
+                size = self.master_lut(i, b).nbytes
+                sizes[size] = sizes.get(size, 0) + 4 * count
+        return sizes
+
+    def new_batch(self) -> CopyBatch:
+        """A CopyBatch whose destinations come from this store's memory (the arena's, or torch's allocator)."""
+        return CopyBatch(self.device, alloc=self.arena.empty if self.arena is not None else None)
+
     # ------------------------------------------------------------ rows
     def resident_bytes(self) -> int:
         """Device bytes the rows name (planes + LUTs); transfers in flight and deferred frees not included."""
@@ -210,12 +235,29 @@ class DeviceExpertStore:
 
     def flush(self) -> None:
         """The rows written since the last flush reach the device (one stream-ordered copy), after the uploads they
-        need (one batch); what was retired before is freed once the current stream has passed that copy."""
+        need (one batch) and, with an arena, the moves that keep it dense (another, whose rows go in the same copy;
+        then the arena's free tails go); what was retired before is freed once the current stream has passed that
+        copy."""
         self._uploads.issue()
+        if self.arena is not None:
+            self.arena.pack(lambda t: t.data_ptr() in self._named, self._relocate, self._moves)
+            self._moves.issue()
         self.table.flush()
+        if self.arena is not None:
+            self.arena.trim()
         if self._retiring:
             self.deferred.add(self._retiring)
             self._retiring = []
+
+    def _relocate(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The arena moved `old`, which a row names, to `new`: the row names `new` (on the device at this flush)."""
+        i = self._named.pop(old.data_ptr())
+        self._named[new.data_ptr()] = i
+        if self._luts[i] is old:
+            self._luts[i] = new
+        else:
+            self._planes[i] = tuple(new if p is old else p for p in self._planes[i])
+        self.table.set_block(i, self._planes[i], self._luts[i], int(self.row_bits[i]), flush=False)
 
     def _write_row(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor | None,
                    bits: int) -> list[torch.Tensor]:
@@ -231,7 +273,12 @@ class DeviceExpertStore:
         self._planes[i], self._luts[i] = planes, lut
         self.row_bits[i], self.row_planes[i], self.row_nbytes[i] = bits, len(planes), tensor_bytes(kept)
         kept_ids = {id(t) for t in kept}
-        return [t for t in old if id(t) not in kept_ids]
+        dropped = [t for t in old if id(t) not in kept_ids]
+        if self.arena is not None:
+            for t in dropped:
+                del self._named[t.data_ptr()]
+            self._named.update((t.data_ptr(), i) for t in kept)
+        return dropped
 
     def lower(self, i: int, to_bits: int) -> list[torch.Tensor]:
         """Offload commit on the current stream: LUT_to is uploaded and row i cut to planes 0..to-1 (both reach the

@@ -42,7 +42,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from policies.contract import Transition
-from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore
 from pwruntime.stream_marks import Mark, mark, on_stream, seconds_between, side_stream, tensor_bytes, wait_for
 
@@ -108,7 +107,7 @@ class CudaPageMover:
     def __post_init__(self) -> None:
         self.device = self.store.device
         self.copy_stream = side_stream(self.device)
-        self._batch = CopyBatch(self.device)
+        self._batch = self.store.new_batch()
 
     # ------------------------------------------------------------ PageMover
     def start(self, transition: Transition, nbytes: int) -> None:
@@ -233,7 +232,8 @@ class CudaPageMover:
             self.stats.offloads += 1
             self.stats.bytes_freed += tr.device_bytes
             self.stats.offload_seconds += time.perf_counter() - tr.begun.host_time
-            return  # dropping `tr` frees the surplus planes and the old LUT
+            tr.tensors = ()  # the surplus planes and the old LUT are freed: no queued kernel reads them
+            return
         self.store.retire(self.store.raise_bits(tr.block, tr.tensors, tr.lut, tr.to_bits))
         self.stats.reloads += 1
         self.stats.bytes_reloaded += tr.device_bytes

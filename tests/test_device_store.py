@@ -21,7 +21,7 @@ from policies.contract import Observation, Transition
 from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
-from pwruntime import page_mover
+from pwruntime import page_mover, plane_arena
 from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
 from pwruntime.engine import EngineConfig, LLMEngine
@@ -33,6 +33,7 @@ from pwruntime.quant.store import APExpertStore, load_ap_model
 from pwruntime.sampling import SamplingParams
 from pwruntime.stream_marks import Mark
 from model_fixtures import make_tiny_checkpoint
+from vmm_fakes import HostBuffer
 
 CALIBRATION = Path(__file__).resolve().parents[1] / "traces" / "bundled" / "demo-calibration"
 CUDA = torch.cuda.is_available()
@@ -75,13 +76,32 @@ def observation(step: int) -> Observation:
     return Observation(step=step, time_s=0.0, free_blocks=0, total_blocks=1, kv_block_bytes=1, free_block_threshold=0)
 
 
-def stores(path: Path, bits, device: str = "cpu", dtype: torch.dtype = torch.float32):
+def stores(path: Path, bits, device: str = "cpu", dtype: torch.dtype = torch.float32, arena: bool = False):
     """(reference APExpertStore, PageTable both follow, DeviceExpertStore)."""
     ref = APExpertStore.from_checkpoint(path)
     table = PageTable(len(ref.layers), ref.experts, ref.hidden, ref.intermediate, bits=ref.bits, initial_bits=bits)
     ref.attach_table(table)
-    dev = DeviceExpertStore.from_ap_store(APExpertStore.from_checkpoint(path), device=device, dtype=dtype, table=table)
+    dev = DeviceExpertStore.from_ap_store(APExpertStore.from_checkpoint(path), device=device, dtype=dtype, table=table,
+                                          arena=arena)
     return ref, table, dev
+
+
+@pytest.fixture
+def host_arena(monkeypatch):
+    """Stores built with `arena=True` off CUDA keep their planes in a PlaneArena over host memory."""
+    monkeypatch.setattr(plane_arena, "GrowableBuffer", HostBuffer)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+
+
+def assert_arena_dense(store: DeviceExpertStore, mover: CudaPageMover) -> None:
+    """After a flush, the arena holds exactly what rows, transfers in flight and deferred frees name, with no hole
+    below a tensor that may move."""
+    store.flush()   # packs what the last boundary's deferred frees let go after its own flush
+    arena = store.arena
+    named = [t for i in range(store.num_blocks) for t in store.resident(i)[0] + store.resident(i)[1:] if t is not None]
+    assert arena.holes() == 0 or mover.num_pending
+    in_slots = sum(slot_bytes(t.nbytes) for t in named)
+    assert arena.used >= in_slots and (arena.used == in_slots or mover.num_pending or store.deferred.nbytes)
 
 
 def assert_rows_follow(store: DeviceExpertStore, table: PageTable) -> None:
@@ -305,13 +325,13 @@ def test_failed_reload_stays_low_and_is_retried(ap_path, monkeypatch, partly):
 
 
 def _engine(path: Path, policy, device_store: bool, device: str = "cpu", dtype: str = "fp32", calibration=None,
-            **config):
+            arena: bool = False, **config):
     model, ap = load_ap_model(path, dtype=dtype, device=device, expert_device="cpu" if device_store else None)
     c = model.config
     table = PageTable(c.num_moe_layers, c.experts, c.hidden, c.expert_intermediate, bits=ap.bits)
     mover = None
     if device_store:
-        store = DeviceExpertStore.from_ap_store(ap, device=model.device, dtype=model.dtype, table=table)
+        store = DeviceExpertStore.from_ap_store(ap, device=model.device, dtype=model.dtype, table=table, arena=arena)
         model.experts, mover = store, CudaPageMover(store)
     else:
         ap.attach_table(table)
@@ -349,6 +369,24 @@ def test_engine_outputs_equal_the_ap_store_while_pages_move(ap_path, observe, as
     assert mover.stats.offloads == 10 and mover.stats.reloads == 5
 
 
+def test_engine_with_a_plane_arena_decodes_the_same_and_keeps_it_dense(ap_path, host_arena):
+    """Planes and LUTs in a PlaneArena: the same tokens as the AP store while pages move (asynchronous scheduling),
+    the arena packed after every step, and what offloads freed given back."""
+    want = run_engine(_engine(ap_path, Scripted(dict(SCRIPT)), False, block_size=4, async_scheduling=True))
+    engine = _engine(ap_path, Scripted(dict(SCRIPT)), True, arena=True, block_size=4, async_scheduling=True)
+    store, mover = engine.model.experts, engine.loop.mover
+    peak = store.arena.used
+    for prompt in PROMPTS:
+        engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o.token_ids) for o in engine.step())
+        assert_arena_dense(store, mover)
+    assert [outs[k] for k in sorted(outs)] == want
+    assert store.arena.moves > 0 and store.arena.used < peak   # the scripted plan ends lower than it starts
+    assert_rows_follow(store, engine.table)
+
+
 def test_engine_times_the_parts_of_its_plan_phase(ap_path):
     """`last_plan_costs`: the page mover's host time (it runs at every boundary, longer where transitions begin or
     land), the KV cache's resizes exactly on the steps where a plan's reloads shrink the pool or landed offloads grow
@@ -381,7 +419,8 @@ def demo_ap(tmp_path_factory) -> Path:
     return out
 
 
-def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path):
+@pytest.mark.parametrize("arena", [False, True], ids=["torch-tensors", "plane-arena"])
+def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path, host_arena, arena):
     import policies
     from policies.synthetic import synthetic_calibration
 
@@ -389,7 +428,7 @@ def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path):
     runs = []
     for device_store in (False, True):
         engine = _engine(ap_path, policies.get("pagedweight"), device_store, calibration=cal, num_kv_blocks=6,
-                         block_size=4)
+                         block_size=4, arena=arena)
         runs.append((engine, run_engine(engine)))
     (ref, want), (engine, got) = runs
     assert got == want and engine.loop.num_plans == ref.loop.num_plans > 0
@@ -403,6 +442,11 @@ def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path):
 def rounded(nbytes: int) -> int:
     """What the caching allocator charges for a tensor of `nbytes` (512-byte granules)."""
     return -(-nbytes // 512) * 512
+
+
+def slot_bytes(nbytes: int) -> int:
+    """What a plane arena's slot for a tensor of `nbytes` takes."""
+    return -(-nbytes // plane_arena.SLOT_ALIGN) * plane_arena.SLOT_ALIGN
 
 
 @pytest.mark.gpu
@@ -444,8 +488,14 @@ def test_gpu_prefill_takes_the_grouped_gemm_for_small_experts_in_bf16():
 
 
 @pytest.mark.gpu
-def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path):
-    ref, table, dev = stores(ap_path, 8, device="cuda", dtype=torch.float16)
+@pytest.mark.parametrize("arena", [False, True], ids=["torch-allocator", "plane-arena"])
+def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path, arena):
+    """Offloads free exactly their surplus (the allocator's tensors, or the plane arena's slots once packed), and
+    reloads take it again without reserving or mapping anything new."""
+    ref, table, dev = stores(ap_path, 8, device="cuda", dtype=torch.float16, arena=arena)
+    held = (lambda: dev.arena.used) if arena else torch.cuda.memory_allocated
+    size = slot_bytes if arena else rounded
+    cached = (lambda: dev.arena.mapped) if arena else torch.cuda.memory_reserved
     mover = CudaPageMover(dev)
     moved = [(i, 3) for i in range(0, 32, 3)]
     loop = PlanLoop(Scripted({0: moved, 2: [(i, 8) for i, _ in moved]}), table, mover)
@@ -453,32 +503,35 @@ def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path):
     dev.moe(0, x.half(), ids, w)  # a kernel reading the old rows is queued before the offload
     torch.cuda.synchronize()
     gc.collect()  # what earlier tests left in reference cycles goes now, not inside the measurement
-    before = torch.cuda.memory_allocated()
-    expect = sum(rounded(p.nbytes) for i, b in moved for p in dev.resident(i)[0][b:]) \
-        + sum(rounded(dev.resident(i)[1].nbytes) - rounded(dev.master_lut(i, b).nbytes) for i, b in moved)
+    before = held()
+    expect = sum(size(p.nbytes) for i, b in moved for p in dev.resident(i)[0][b:]) \
+        + sum(size(dev.resident(i)[1].nbytes) - size(dev.master_lut(i, b).nbytes) for i, b in moved)
     loop.step(observation(0))
     mover.drain()
     loop.step(observation(1))
     assert not table.busy.any() and mover.stats.offloads == len(moved)
     gc.collect()
-    assert before - torch.cuda.memory_allocated() == expect  # the planes really left the GPU
+    assert before - held() == expect  # the planes really left the GPU
     assert mover.device_bytes() == table.resident_bytes()
     out, want, _, _ = moe_pair(ref, dev, 1, 4, torch.float16, "cuda")  # 4 tokens: no new workspace
     assert float((out - want).norm() / want.norm()) < 5e-3
-    reserved = torch.cuda.memory_reserved()
+    reserved = cached()
     committed = loop.step(observation(2)).committed  # reloads start on the copy stream
     mover.drain()
     committed += loop.step(observation(3)).committed
     assert sorted(committed) == [i for i, _ in moved] and (table.q == 8).all()
-    # their tensors came from the compute stream's cache, where the offloads left theirs: nothing new reserved
-    assert torch.cuda.memory_reserved() == reserved
+    # their tensors came from the compute stream's cache (or the arena's free slots) where the offloads left theirs
+    assert cached() == reserved
     assert_rows_follow(dev, table)
     torch.cuda.synchronize()
     dev.deferred.collect()  # the old LUT_3s: freed once the compute stream passed the row writes
     gc.collect()
-    assert torch.cuda.memory_allocated() == before and mover.stats.reload_seconds > 0
+    dev.flush()  # an arena packs what that freed
+    assert held() == before and mover.stats.reload_seconds > 0
     assert mover.stats.bytes_reloaded == sum(int(table.M[i, 8] - table.M[i, 3]) + dev.master_lut(i, 3).nbytes
                                              for i, _ in moved)
+    out, want, _, _ = moe_pair(ref, dev, 1, 4, torch.float16, "cuda")
+    assert float((out - want).norm() / want.norm()) < 5e-3
 
 
 @pytest.mark.gpu

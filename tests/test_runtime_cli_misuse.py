@@ -61,10 +61,16 @@ def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
     (["--policy", "uniform-4"], ["--policy uniform-4 needs --ap"]),      # was: ran, the planner moving nothing
     (["--ap", "AP"], ["--model or --ap, not both"]),                      # was: --model silently ignored
     (["--max-model-len", "1"], ["--max-model-len", "must be in 2.."]),
+    (["--plane-arena"], ["--plane-arena keeps AP expert planes", "--ap DIR"]),
 ])
 def test_generate_incompatible_model_options(env, capsys, extra, needles):
     extra = [env["ap"] if a == "AP" else a for a in extra]
     misuse(capsys, ["generate", "--model", env["ckpt"], *extra, "--prompt", "ba", "--max-tokens", "1"], *needles)
+
+
+def test_plane_arena_off_cuda_is_a_user_error(env, capsys):
+    misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--plane-arena", "--prompt", "ba",
+                    "--max-tokens", "1"], "--plane-arena needs a CUDA device")
 
 
 def test_model_paths_name_the_problem(env, capsys):

@@ -1,0 +1,133 @@
+"""pwruntime.plane_arena: tensors in the lowest free slot of their size's class, freed when they die, moved down into
+the holes below them so that the classes' tails go back to the driver. CPU tests run it over host memory
+(tests/vmm_fakes.py); the `gpu` one over mapped device memory."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from pwruntime import plane_arena
+from pwruntime.copy_batch import CopyBatch
+from pwruntime.plane_arena import ArenaFull, PlaneArena
+from vmm_fakes import HostBuffer
+
+PLANE, LUT = 2048, 1024   # bytes: an int32 [16, 32] "plane" and an fp16 [64, 8] "LUT"
+
+
+@pytest.fixture
+def host_arena(monkeypatch):
+    monkeypatch.setattr(plane_arena, "GrowableBuffer", HostBuffer)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    return lambda sizes: PlaneArena("cpu", sizes)
+
+
+def plane(arena: PlaneArena, fill: int) -> torch.Tensor:
+    t = arena.empty((16, 32), torch.int32)
+    t.fill_(fill)
+    return t
+
+
+def slot(arena: PlaneArena, t: torch.Tensor) -> int:
+    cls = arena._classes[t.nbytes]
+    return (t.data_ptr() - cls.buffer.ptr) // cls.size
+
+
+def test_tensors_take_the_lowest_free_slot_of_their_class_and_free_it_when_they_die(host_arena):
+    arena = host_arena({PLANE: 10, LUT: 4})
+    a, b, c = (plane(arena, v) for v in (1, 2, 3))
+    lut = arena.empty((64, 8), torch.float16)
+    assert [slot(arena, t) for t in (a, b, c, lut)] == [0, 1, 2, 0]
+    assert arena._classes[PLANE].buffer is not arena._classes[LUT].buffer
+    view = b.view(-1)      # a view keeps the slot: it frees when the last tensor over it dies
+    del b
+    gc.collect()
+    assert arena.holes() == 0
+    del view
+    assert arena.holes() == 1
+    d = plane(arena, 4)
+    assert slot(arena, d) == 1   # freed at once, and taken again first
+    del c
+    assert arena.used == 2 * PLANE + LUT and arena.holes() == 0       # a freed top slot is no hole
+    with pytest.raises(ValueError, match="no class for tensors of 12 bytes"):
+        arena.empty((3,), torch.int32)
+    full = [plane(arena, 0) for _ in range(8)]
+    with pytest.raises(ArenaFull, match="2048-byte class is full"):
+        plane(arena, 0)
+    assert len(full) == 8 and torch.equal(a, torch.full((16, 32), 1, dtype=torch.int32)) and d is not None
+
+
+def test_pack_moves_top_tensors_into_the_holes_below_keeping_content_and_telling_the_owner(host_arena):
+    arena = host_arena({PLANE: 64})
+    ts = [plane(arena, v) for v in range(10)]
+    owner = {t.data_ptr(): v for v, t in enumerate(ts)}
+    pinned = ts[8].data_ptr()   # say a copy is writing this one: it may not move
+    for v in (1, 3, 4):
+        ts[v] = None
+    moved = []
+
+    def relocate(old, new):
+        v = owner.pop(old.data_ptr())
+        owner[new.data_ptr()] = v
+        ts[v] = new
+        moved.append(v)
+
+    batch = CopyBatch(torch.device("cpu"))
+    assert arena.pack(lambda t: t.data_ptr() != pinned, relocate, batch) == 1
+    assert moved == [9] and slot(arena, ts[9]) == 1   # 9 went to the lowest hole; 8 stopped the packing
+    batch.issue()
+    assert torch.equal(ts[9], torch.full((16, 32), 9, dtype=torch.int32))
+    assert arena.holes() == 2 and arena._classes[PLANE].top == 9
+    assert arena.pack(lambda t: True, relocate, batch) == 2 and batch._srcs
+    batch.issue()
+    assert moved == [9, 8, 7] and arena.holes() == 0 and arena._classes[PLANE].top == 7 and arena.moves == 3
+    assert sorted(slot(arena, t) for t in ts if t is not None) == list(range(7))
+    assert all(torch.equal(t, torch.full((16, 32), v, dtype=torch.int32)) for v, t in enumerate(ts) if t is not None)
+    late = plane(arena, 42)   # the moved-from slot is taken again; the old tensor's late death must not free it
+    assert slot(arena, late) == 7 and arena.holes() == 0
+
+
+def test_trim_gives_the_free_tail_back_beyond_one_step(host_arena):
+    arena = host_arena({PLANE: 256})
+    buf = arena._classes[PLANE].buffer
+    ts = [plane(arena, v) for v in range(40)]   # 80 KiB: the buffer grew a step ahead of its top
+    assert buf.size == 40 * PLANE + buf.step and arena.mapped == buf.size
+    del ts[2:]
+    assert arena.used == 2 * PLANE
+    arena.trim()
+    assert buf.size == 2 * PLANE + buf.step and buf.peak_mapped == 40 * PLANE + buf.step
+    ts.append(plane(arena, 7))
+    arena.trim()   # a tail of one step or two stays: no resize back and forth at the edge
+    assert buf.size == 2 * PLANE + buf.step
+
+
+@pytest.mark.gpu
+def test_gpu_arena_maps_slots_moves_them_and_unmaps_what_trim_lets_go():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    size = 256 << 10   # an OLMoE down plane: eight to a 2 MiB handle
+    arena = PlaneArena("cuda", {size: 1024})
+    ts = [arena.empty((2048, 32), torch.int32) for _ in range(64)]   # 16 MiB
+    for v in range(64):
+        ts[v].fill_(v)
+    mapped = arena.mapped
+    assert mapped >= 16 << 20
+    keep = {v: ts[v] for v in range(0, 64, 8)}   # one in eight survives: no handle is free without moving them
+    del ts
+    owner = {t.data_ptr(): v for v, t in keep.items()}
+
+    def relocate(old, new):
+        v = owner.pop(old.data_ptr())
+        owner[new.data_ptr()] = v
+        keep[v] = new
+
+    batch = CopyBatch(torch.device("cuda"))
+    assert arena.pack(lambda t: True, relocate, batch) == 7   # eight tensors end in slots 0..7
+    batch.issue()
+    arena.trim()
+    torch.cuda.synchronize()
+    arena.trim()   # the device passed the first trim: its handles are unmapped now
+    assert arena.mapped <= 2 * (2 << 20) + (2 << 20) and arena.mapped < mapped
+    assert all(bool((t == v).all()) for v, t in keep.items())
+    assert sorted(slot(arena, t) for t in keep.values()) == list(range(8))
