@@ -182,7 +182,8 @@ def run(args) -> int:
             budget = f" (budget {args.gpu_memory_budget})" if args.gpu_memory_budget else ""
             print(f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in the allocator's tensors, "
                   f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by "
-                  f"the KV cache{budget}")
+                  f"the KV cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; "
+                  f"{mem['peak_held_gib']:.2f} GiB held at most{budget}")
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
                   "replay's settings)")

@@ -7,16 +7,37 @@ reserved 27.6 GiB on the H200) and calls cudaMalloc/cudaFree on the way. Expanda
 `expandable_segments:True`) map physical pages into one growing address range instead: the same 60 resizes reserved
 4.9 GiB, and a 12 GiB-budget OLMoE replay's allocator held at most 22 GiB instead of all 139 GiB of the GPU
 (18.3-18.7 GiB since reloads allocate on the compute stream, pwruntime.page_mover).
-The KV cache itself no longer goes through the allocator on CUDA: it maps its own memory (pwruntime.vmm), so the
-allocator's numbers leave it out. `use_expandable_segments` turns them on unless the user configured the allocator;
-`memory_report` (a replay's summary) and `memory_gauges` (/metrics) say what the device held, the KV cache's mapped
-memory included, to set beside `--gpu-memory-budget`.
+The KV cache and the expert planes no longer go through the allocator on CUDA: they map their own memory
+(pwruntime.vmm, pwruntime.plane_arena), so the allocator's numbers leave them out. `use_expandable_segments` turns
+them on unless the user configured the allocator; `memory_report` (a replay's summary) and `memory_gauges` (/metrics)
+say what the device held, the mapped memory included (`MappedMemory`), to set beside `--gpu-memory-budget`.
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
+
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class MappedMemory:
+    """Device memory the process maps itself beside torch's allocator, in bytes: the KV cache's and the expert planes'
+    now and at their peaks, and the most that and the allocator's reserved memory came to at once (`held_peak`:
+    sampled by the engine whenever the KV cache is resized, where the trade between the two happens)."""
+    kv: int = 0
+    kv_peak: int = 0
+    weights: int = 0
+    weights_peak: int = 0
+    held_peak: int = 0
+
+
+def held_bytes(device: torch.device | str, mapped_bytes: int) -> int:
+    """The allocator's reserved memory plus `mapped_bytes`: what the process holds on a CUDA device now (0 off it)."""
+    device = torch.device(device)
+    return torch.cuda.memory_reserved(device) + mapped_bytes if device.type == "cuda" else 0
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 SETTING = "expandable_segments:True"
@@ -45,35 +66,35 @@ def use_expandable_segments() -> bool:
     return True
 
 
-def memory_gauges(device: torch.device | str, kv_mapped_bytes: int = 0) -> dict:
-    """The bytes the process's tensors take and the allocator holds now, and the bytes the KV cache maps itself
-    (KVCache.mapped_bytes), /metrics' gauges; empty off CUDA."""
+def memory_gauges(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict:
+    """The bytes the process's tensors take and the allocator holds now, and the bytes the KV cache and the expert
+    planes map themselves, /metrics' gauges; empty off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
     return {"gpu_memory_allocated_bytes": torch.cuda.memory_allocated(device),
             "gpu_memory_reserved_bytes": torch.cuda.memory_reserved(device),
-            "gpu_memory_kv_mapped_bytes": int(kv_mapped_bytes)}
+            "gpu_memory_kv_mapped_bytes": int(mapped.kv), "gpu_memory_weights_mapped_bytes": int(mapped.weights)}
 
 
-def memory_report(device: torch.device | str, kv_mapped_bytes: int = 0, kv_peak_mapped_bytes: int = 0) -> dict | None:
+def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict | None:
     """GiB the allocator's tensors took at most (`peak_allocated_gib`) and the allocator held at most from the device
     (`peak_reserved_gib`), what it holds now (`reserved_gib`), in how many segments and how many of them expandable,
-    the KV cache's own mapped memory now and at most (`kv_mapped_gib`, `kv_peak_mapped_gib`), their sum of peaks
-    (`peak_held_gib`: at most what the two held at once), and the user's allocator configuration if any; None off
-    CUDA."""
+    the KV cache's and the expert planes' own mapped memory now and at most, the most all of it held at once
+    (`peak_held_gib`: `mapped.held_peak`, or what is held now if more), and the user's allocator configuration if
+    any; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
-    gib = 2 ** 30
-    peak_reserved = torch.cuda.max_memory_reserved(index)
-    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(index) / gib, 3),
-            "peak_reserved_gib": round(peak_reserved / gib, 3),
-            "reserved_gib": round(torch.cuda.memory_reserved(index) / gib, 3),
-            "kv_mapped_gib": round(kv_mapped_bytes / gib, 3),
-            "kv_peak_mapped_gib": round(kv_peak_mapped_bytes / gib, 3),
-            "peak_held_gib": round((peak_reserved + kv_peak_mapped_bytes) / gib, 3),
+    held = max(mapped.held_peak, held_bytes(torch.device("cuda", index), mapped.kv + mapped.weights))
+    return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(index) / GIB, 3),
+            "peak_reserved_gib": round(torch.cuda.max_memory_reserved(index) / GIB, 3),
+            "reserved_gib": round(torch.cuda.memory_reserved(index) / GIB, 3),
+            "kv_mapped_gib": round(mapped.kv / GIB, 3), "kv_peak_mapped_gib": round(mapped.kv_peak / GIB, 3),
+            "weights_mapped_gib": round(mapped.weights / GIB, 3),
+            "weights_peak_mapped_gib": round(mapped.weights_peak / GIB, 3),
+            "peak_held_gib": round(held / GIB, 3),
             "segments": len(segments), "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
             "user_alloc_conf": user_alloc_conf()}

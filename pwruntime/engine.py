@@ -65,6 +65,7 @@ from policies.page_table import PageTable
 from policies.planners.base import never_plans, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
+from pwruntime.cuda_memory import MappedMemory, held_bytes
 from pwruntime.kv_cache import KVCache
 from pwruntime import prompt_logprobs
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
@@ -246,6 +247,8 @@ class LLMEngine:
         self._kv_seconds = 0.0  # host time resizing the KV cache so far
         self.kv_grow_failures = 0  # growths the device had no memory for (the bytes stay spare)
         self._kv_refused_at = -1   # spare bytes at the last such failure: retried once more are released
+        self._held_peak = 0  # the most device memory held at a KV resize (allocator + mapped; CUDA only)
+        self._note_held()
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
     @property
@@ -583,6 +586,7 @@ class LLMEngine:
         finally:
             self._kv_seconds += time.perf_counter() - start
         self.pool.grow(num_blocks)
+        self._note_held()
         return True
 
     def shrink_kv(self, num_blocks: int) -> bool:
@@ -596,6 +600,22 @@ class LLMEngine:
         self.kv.resize(self.pool.id_limit)
         self._kv_seconds += time.perf_counter() - start
         return True
+
+    def _weights_arena(self):
+        """The expert store's PlaneArena (pwruntime.plane_arena), if it has one."""
+        return getattr(getattr(self.model, "experts", None), "arena", None)
+
+    def _note_held(self) -> None:
+        arena = self._weights_arena()
+        mapped = self.kv.mapped_bytes + (arena.mapped if arena is not None else 0)
+        self._held_peak = max(self._held_peak, held_bytes(self.kv.device, mapped))
+
+    def mapped_memory(self) -> MappedMemory:
+        """The device memory the KV cache and the expert planes map themselves (cuda_memory.MappedMemory)."""
+        arena = self._weights_arena()
+        on = arena is not None
+        return MappedMemory(self.kv.mapped_bytes, self.kv.peak_mapped_bytes, arena.mapped if on else 0,
+                            arena.peak_mapped if on else 0, self._held_peak)
 
     def _mover_seconds(self) -> float:
         """Host time the page mover has spent so far (0 for one that keeps no such count)."""

@@ -122,8 +122,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result.summary["warmup_steps"] = first_step
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
     result.summary["kv_grow_failures"] = engine.kv_grow_failures  # growths the device had no memory for
-    result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.kv.mapped_bytes,
-                                                 engine.kv.peak_mapped_bytes)  # None off CUDA
+    result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.mapped_memory())  # None off CUDA
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
         if warmed:

@@ -65,11 +65,17 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     grown = torch.cuda.memory_reserved() - before
     # the default allocator's fixed segments reserve several times the cache here (8x over 60 resizes of 3.5 GiB)
     assert grown < 2.5 * 1400 * per_block, grown / 2 ** 20
-    report = cuda_memory.memory_report("cuda", 3 * 2 ** 30, 5 * 2 ** 30)
+    gib = 2 ** 30
+    mapped = cuda_memory.MappedMemory(kv=3 * gib, kv_peak=5 * gib, weights=gib, weights_peak=2 * gib,
+                                      held_peak=1000 * gib)
+    report = cuda_memory.memory_report("cuda", mapped)
     assert report["expandable_segments"] >= 1 and report["user_alloc_conf"] is None
     assert report["peak_reserved_gib"] >= report["reserved_gib"] > 0
     assert report["kv_mapped_gib"] == 3 and report["kv_peak_mapped_gib"] == 5
-    assert report["peak_held_gib"] == pytest.approx(report["peak_reserved_gib"] + 5, abs=2e-3)
-    gauges = cuda_memory.memory_gauges("cuda", 7)
+    assert report["weights_mapped_gib"] == 1 and report["weights_peak_mapped_gib"] == 2
+    assert report["peak_held_gib"] == 1000
+    now = cuda_memory.memory_report("cuda", cuda_memory.MappedMemory(kv=3 * gib, weights=gib))  # no sample: held now
+    assert now["peak_held_gib"] == pytest.approx(now["reserved_gib"] + 4, abs=2e-3)
+    gauges = cuda_memory.memory_gauges("cuda", cuda_memory.MappedMemory(kv=7, weights=9))
     assert gauges["gpu_memory_reserved_bytes"] >= gauges["gpu_memory_allocated_bytes"] >= kv.nbytes
-    assert gauges["gpu_memory_kv_mapped_bytes"] == 7
+    assert gauges["gpu_memory_kv_mapped_bytes"] == 7 and gauges["gpu_memory_weights_mapped_bytes"] == 9
