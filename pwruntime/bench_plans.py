@@ -43,6 +43,7 @@ class PlansConfig:
     low_bits: int = 4
     reps: int = 5
     seed: int = 0
+    plane_arena: bool = False  # the store's planes in a PlaneArena (pwruntime.plane_arena; CUDA)
 
 
 class PlayedPlans:
@@ -74,7 +75,7 @@ def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda 
     layers = random_layers(hidden, intermediate, experts, cfg.layers, gen)
     table = PageTable(cfg.layers, experts, hidden, intermediate, bits=BITS)
     store = DeviceExpertStore(layers, experts=experts, hidden=hidden, intermediate=intermediate, bits=BITS,
-                              device=device, table=table)
+                              device=device, table=table, arena=cfg.plane_arena)
     del layers  # the store holds its own (pinned) master
     mover, policy = CudaPageMover(store), PlayedPlans()
     loop = PlanLoop(policy, table, mover)
@@ -111,6 +112,8 @@ def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda 
         row[f"{phase}_us"] = statistics.median(per_round[phase])
     row["transition_us"] = (sum(row[f"{p}_us"] for p in PHASES)) / 2
     row["reload_copy_gbps"] = copy_bytes / copy_s / 1e9 if copy_s > 0 else None
+    if store.arena is not None:  # its moves a transition, over every round (the warm-up's included)
+        row["arena_moves_per_transition"] = store.arena.moves / (2 * n * (cfg.reps + 1))
     return row
 
 
@@ -120,12 +123,14 @@ def run(cfg: PlansConfig, device: torch.device, progress=lambda s: None) -> dict
         rows.append(measure(model, cfg, device, progress))
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"layers": cfg.layers, "low_bits": cfg.low_bits, "reps": cfg.reps, "seed": cfg.seed, "rows": rows}
+    return {"layers": cfg.layers, "low_bits": cfg.low_bits, "reps": cfg.reps, "seed": cfg.seed,
+            "plane_arena": cfg.plane_arena, "rows": rows}
 
 
 def print_table(res: dict) -> None:
-    print(f"plan transitions on {res['device']}: every block 8 -> {res['low_bits']} -> 8 bits, host us a transition "
-          f"(median of {res['reps']} rounds)")
+    arena = ", planes in a plane arena" if res.get("plane_arena") else ""
+    print(f"plan transitions on {res['device']}{arena}: every block 8 -> {res['low_bits']} -> 8 bits, host us a "
+          f"transition (median of {res['reps']} rounds)")
     print(f"{'model':<20}{'blocks':>7}{'begin off':>11}{'land off':>10}{'begin rel':>11}{'land rel':>10}"
           f"{'a transition':>14}{'copy GB/s':>11}")
     for r in res["rows"]:

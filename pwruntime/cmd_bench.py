@@ -74,6 +74,8 @@ def register(subparsers) -> None:
                    help="prefill: every expert block's committed bits; plans: the bits its offloads lower every "
                         "block to (3..7 there), default 4")
     p.add_argument("--layers", type=int, default=None, help="plans: MoE layers of each model shape (default 1)")
+    p.add_argument("--plane-arena", action="store_true",
+                   help="plans: the store's planes and LUTs in a plane arena, as `--plane-arena` serves them (CUDA)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
                         "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA; "
@@ -326,7 +328,7 @@ def _run_plans(args) -> int:
 
     from pwruntime import bench_plans as bpl
     _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "plans",
-            " (it takes --models, --layers, --bits, --reps, --seed, --out, --json)")
+            " (it takes --models, --layers, --bits, --reps, --plane-arena, --seed, --out, --json)")
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(bpl.SHAPES)
     unknown = [m for m in models if m not in bpl.SHAPES]
     if unknown:
@@ -337,9 +339,12 @@ def _run_plans(args) -> int:
     if not 3 <= args.bits < 8:
         raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {args.bits}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.plane_arena and device.type != "cuda":
+        raise UserError("--plane-arena needs a CUDA GPU (the arena maps device memory)")
+    arena = " --plane-arena" if args.plane_arena else ""
     command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {args.bits} "
-                       f"--reps {reps}")
-    cfg = bpl.PlansConfig(models, layers, args.bits, reps, args.seed)
+                       f"--reps {reps}{arena}")
+    cfg = bpl.PlansConfig(models, layers, args.bits, reps, args.seed, args.plane_arena)
     with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
         def progress(text: str) -> None:
             bar.set_postfix_str(text)
@@ -384,6 +389,8 @@ def _run_kv_resize(args) -> int:
 def run(args) -> int:
     if args.layers is not None and args.target != "plans":
         raise UserError("--layers belongs to `pwruntime bench plans`")
+    if args.plane_arena and args.target != "plans":
+        raise UserError("--plane-arena belongs to `pwruntime bench plans`")
     if args.target == "serve":
         return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
     for name in bench_serve.SERVE_FLAGS:

@@ -174,10 +174,32 @@ def test_plans_bench_times_every_boundary_and_leaves_the_blocks_at_8_bits(tmp_pa
     assert "begin off" in text and "reproduce: pwruntime bench plans --models demo --layers 1 --bits 5" in text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_plans_bench_with_a_plane_arena_needs_a_gpu(capsys, tmp_path):
+    out = tmp_path / "plans.json"
+    assert main(["bench", "plans", "--models", "demo", "--plane-arena", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--plane-arena needs a CUDA GPU" in err and "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.gpu
+def test_gpu_plans_bench_with_a_plane_arena_moves_tensors_and_leaves_the_blocks_at_8_bits(tmp_path, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "plans.json"
+    assert main(["bench", "plans", "--models", "demo", "--bits", "5", "--reps", "1", "--plane-arena",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    (row,) = res["rows"]
+    assert res["plane_arena"] and row["arena_moves_per_transition"] > 0 and row["transition_us"] > 0
+    assert "--plane-arena" in res["command"] and "in a plane arena" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,message", [
     (["plans", "--bits", "8"], "--bits must lie in 3..7"),
     (["plans", "--models", "gpt2"], "unknown model shape(s) ['gpt2']"),
     (["plans", "--layers", "0"], "must be positive"),
+    (["decode", "--plane-arena"], "--plane-arena belongs to `pwruntime bench plans`"),
     (["plans", "--dtype", "bf16"], "--dtype does not apply"),
     (["kernels", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
     (["decode", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
