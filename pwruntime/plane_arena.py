@@ -11,11 +11,12 @@ slots of one GrowableBuffer, slot k at k times the slot size. A tensor's storage
 last tensor over it dies, as torch's allocator frees a block, and the same stream order makes reuse safe: whoever
 writes a freed slot is ordered after the kernels that read it (the store and the page mover keep that order for
 torch's memory too). `empty` takes a class's lowest free slot, else the one past its top. `pack` keeps every class
-dense: while a class has a hole below its top slot and the top slot's tensor may move (the caller's `movable`: the
-store's rows name it, so no copy is writing it), the tensor is copied into the lowest hole (queued in the caller's
-CopyBatch, on the current stream) and `relocate` points its owner at the new tensor. `trim`, once the new rows are
-on their way to the device, lets the buffers' free tails go; GrowableBuffer unmaps them when the device has passed
-that point, so the bytes offloads free become memory the KV cache can map.
+dense: once a class's holes below its top exceed its slack (a 64th of what it holds: the holes a plan's reloads
+will take again anyway), and while its top slot's tensor may move (the caller's `movable`: the store's rows name
+it, so no copy is writing it), the tensor is copied into the lowest hole (queued in the caller's CopyBatch, on the
+current stream) and `relocate` points its owner at the new tensor. `trim`, once the new rows are on their way to
+the device, lets a buffer's free tail beyond its slack go; GrowableBuffer unmaps it when the device has passed that
+point, so the bytes offloads free become memory the KV cache can map.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from pwruntime.copy_batch import CopyBatch
 from pwruntime.vmm import GrowableBuffer, wrap
 
 SLOT_ALIGN = 256  # bytes: every slot starts on a 256-byte boundary (the kernels' 16-byte loads need 16)
+SLACK_SHARE = 64  # a class keeps up to 1/64 of its bytes free (_Class.slack)
 HANDLE_BYTES = 2 << 20  # physical handles of at most 2 MiB (the H200's granularity), so a trim gives back all it lets go
 
 
@@ -48,6 +50,14 @@ class _Class:
     tokens: list[int] = field(default_factory=list)
     tensors: list = field(default_factory=list)
     holes: list[int] = field(default_factory=list)
+    live: int = 0  # slots in use
+
+    @property
+    def slack(self) -> int:
+        """The free bytes the class may keep, in holes or past its top: a 64th of what it holds, at least one step of
+        the driver's granularity. Under a plan's mixed offloads and reloads most of what one frees the next takes
+        again, without a move or a driver call."""
+        return max(self.buffer.step, self.live * self.size // SLACK_SHARE)
 
     @property
     def top(self) -> int:
@@ -58,6 +68,7 @@ class _Class:
         """Slot k is free, if allocation `token` still holds it (a slot `pack` emptied may be free already)."""
         if k < len(self.tokens) and self.tokens[k] == token:
             self.tokens[k], self.tensors[k] = 0, None
+            self.live -= 1
             heapq.heappush(self.holes, k)
             while self.tokens and not self.tokens[-1]:
                 self.tokens.pop()
@@ -111,8 +122,8 @@ class PlaneArena:
             if k >= cls.capacity:
                 raise ArenaFull(f"the plane arena's {nbytes}-byte class is full ({cls.capacity} tensors)")
             end = (k + 1) * cls.size
-            if end > cls.buffer.size:   # a step ahead, so that growth does not call the driver every few slots
-                cls.buffer.resize(min(end + cls.buffer.step, cls.capacity * cls.size))
+            if end > cls.buffer.size:   # its slack ahead, so that growth does not call the driver every few slots
+                cls.buffer.resize(min(end + cls.slack, cls.capacity * cls.size))
             cls.tokens.append(0)
             cls.tensors.append(None)
         else:
@@ -123,6 +134,7 @@ class PlaneArena:
         token = next(self._tokens)
         t = wrap(cls.buffer.ptr + k * cls.size, shape, dtype, self.device, _Slot(cls, k, token))
         cls.tokens[k], cls.tensors[k] = token, weakref.ref(t)
+        cls.live += 1
         return t
 
     # ------------------------------------------------------------ keeping it dense
@@ -134,6 +146,8 @@ class PlaneArena:
         the batch is issued."""
         moves = 0
         for cls in self._classes.values():
+            if (cls.top - cls.live) * cls.size <= cls.slack:
+                continue   # holes within the slack: the next allocations take them
             while True:
                 hole = cls.lowest_hole()
                 if hole is None:
@@ -151,14 +165,14 @@ class PlaneArena:
         return moves
 
     def trim(self) -> int:
-        """Let a buffer's free tail go, all but one step of it, once it is over two steps (the driver's granularity;
-        unmapped once the current stream has passed this point), and unmap what earlier trims let go that the device
-        is done with; returns the bytes unmapped."""
+        """Let a buffer's free tail go, all but its slack, once it is over twice that (unmapped once the current
+        stream has passed this point), and unmap what earlier trims let go that the device is done with; returns the
+        bytes unmapped."""
         freed = 0
         for cls in self._classes.values():
-            used, step = cls.top * cls.size, cls.buffer.step
-            if cls.buffer.size - used > 2 * step:
-                cls.buffer.resize(used + step)
+            used, slack = cls.top * cls.size, cls.slack
+            if cls.buffer.size - used > 2 * slack:
+                cls.buffer.resize(used + slack)
             freed += cls.buffer.release_retired()
         return freed
 
@@ -178,9 +192,14 @@ class PlaneArena:
         """Bytes of the slots up to each class's top (its tensors and the holes between them)."""
         return sum(cls.top * cls.size for cls in self._classes.values())
 
+    @property
+    def live(self) -> int:
+        """Bytes of the slots in use."""
+        return sum(cls.live * cls.size for cls in self._classes.values())
+
     def holes(self) -> int:
         """Free slots below the tops, over all classes."""
-        return sum(sum(1 for t in cls.tokens if not t) for cls in self._classes.values())
+        return sum(cls.top - cls.live for cls in self._classes.values())
 
     def close(self) -> None:
         """Give every buffer back (waits for the device); no tensor of the arena may be used after."""
