@@ -80,9 +80,8 @@ def add_engine_args(p) -> None:
                         "dummy`)")
     w.add_argument("--plane-arena", action="store_true",
                    help="keep the expert planes and LUTs in memory the store maps itself and keeps dense, so that what "
-                        "offloads free goes back to the device for the KV cache (CUDA; pwruntime.plane_arena). On the "
-                        "H200 a 12 GiB OLMoE replay held 2.4 GiB less, but its planning steps' page moves took 24-29 ms "
-                        "instead of 6 (session 44), so it is off by default")
+                        "offloads free goes back to the device for the KV cache (CUDA; pwruntime.plane_arena): less "
+                        "memory held, more host time moving pages (the README's results), so off by default")
     w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
                    help="memory for the model's weights and the KV cache together, as `pwsim run --budget` (e.g. "
                         "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "

@@ -247,7 +247,7 @@ class LLMEngine:
         self._kv_seconds = 0.0  # host time resizing the KV cache so far
         self.kv_grow_failures = 0  # growths the device had no memory for (the bytes stay spare)
         self._kv_refused_at = -1   # spare bytes at the last such failure: retried once more are released
-        self._held_peak = 0  # the most device memory held at a KV resize (allocator + mapped; CUDA only)
+        self._held_peak = 0  # the most device memory held at a KV resize (allocator + mapped; 0 off CUDA)
         self._note_held()
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
@@ -599,20 +599,17 @@ class LLMEngine:
             self.runner.copy_blocks(self.pool.compact())
         self.kv.resize(self.pool.id_limit)
         self._kv_seconds += time.perf_counter() - start
+        self._note_held()  # what a shrink unmaps is still held until the device passes it; reloads map beside it
         return True
 
-    def _weights_arena(self):
-        """The expert store's PlaneArena (pwruntime.plane_arena), if it has one."""
-        return getattr(getattr(self.model, "experts", None), "arena", None)
-
     def _note_held(self) -> None:
-        arena = self._weights_arena()
-        mapped = self.kv.mapped_bytes + (arena.mapped if arena is not None else 0)
-        self._held_peak = max(self._held_peak, held_bytes(self.kv.device, mapped))
+        m = self.mapped_memory()
+        self._held_peak = max(self._held_peak, held_bytes(self.kv.device, m.kv + m.weights))
 
     def mapped_memory(self) -> MappedMemory:
-        """The device memory the KV cache and the expert planes map themselves (cuda_memory.MappedMemory)."""
-        arena = self._weights_arena()
+        """The device memory the KV cache and the expert planes (a PlaneArena's, pwruntime.plane_arena) map themselves
+        (cuda_memory.MappedMemory)."""
+        arena = getattr(getattr(self.model, "experts", None), "arena", None)
         on = arena is not None
         return MappedMemory(self.kv.mapped_bytes, self.kv.peak_mapped_bytes, arena.mapped if on else 0,
                             arena.peak_mapped if on else 0, self._held_peak)
