@@ -74,11 +74,24 @@ class _Class:
                 self.tokens.pop()
                 self.tensors.pop()
 
-    def lowest_hole(self) -> int | None:
+    def pop_hole(self) -> int | None:
+        """The lowest free slot below the top, taken off the heap (None: none). A slot may free at any allocation
+        (the garbage collector can drop a tensor then), so a caller claims what this returns before allocating."""
         holes = self.holes
-        while holes and (holes[0] >= len(self.tokens) or self.tokens[holes[0]]):
-            heapq.heappop(holes)   # stale: above the top now, or taken again since
-        return holes[0] if holes else None
+        while holes:
+            k = heapq.heappop(holes)
+            if k < len(self.tokens) and not self.tokens[k]:
+                return k
+        return None   # every entry was stale: above the top now, or taken again since
+
+    def claim(self, k: int, token: int) -> None:
+        """Slot k (a hole, or the one past the top) belongs to allocation `token` from now on."""
+        if k == len(self.tokens):
+            self.tokens.append(token)
+            self.tensors.append(None)
+        else:
+            self.tokens[k] = token
+        self.live += 1
 
 
 class _Slot:
@@ -116,7 +129,7 @@ class PlaneArena:
         cls = self._classes.get(nbytes)
         if cls is None:
             raise ValueError(f"the plane arena has no class for tensors of {nbytes} bytes (it has {sorted(self._classes)})")
-        k = cls.lowest_hole()
+        k = cls.pop_hole()
         if k is None:
             k = cls.top
             if k >= cls.capacity:
@@ -124,17 +137,14 @@ class PlaneArena:
             end = (k + 1) * cls.size
             if end > cls.buffer.size:   # its slack ahead, so that growth does not call the driver every few slots
                 cls.buffer.resize(min(end + cls.slack, cls.capacity * cls.size))
-            cls.tokens.append(0)
-            cls.tensors.append(None)
-        else:
-            heapq.heappop(cls.holes)
         return self._take(cls, k, shape, dtype)
 
     def _take(self, cls: _Class, k: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A tensor over slot k, claimed before anything is allocated (see `_Class.pop_hole`)."""
         token = next(self._tokens)
+        cls.claim(k, token)
         t = wrap(cls.buffer.ptr + k * cls.size, shape, dtype, self.device, _Slot(cls, k, token))
-        cls.tokens[k], cls.tensors[k] = token, weakref.ref(t)
-        cls.live += 1
+        cls.tensors[k] = weakref.ref(t)
         return t
 
     # ------------------------------------------------------------ keeping it dense
@@ -149,16 +159,17 @@ class PlaneArena:
             if (cls.top - cls.live) * cls.size <= cls.slack:
                 continue   # holes within the slack: the next allocations take them
             while True:
-                hole = cls.lowest_hole()
+                hole = cls.pop_hole()
                 if hole is None:
                     break
-                src = cls.tensors[-1]()
+                top, token = cls.top - 1, cls.tokens[-1]
+                src = cls.tensors[top]()
                 if src is None or not movable(src):   # a copy in flight writes it, or a view outlived the tensor
+                    heapq.heappush(cls.holes, hole)
                     break
                 dst = self._take(cls, hole, tuple(src.shape), src.dtype)
-                heapq.heappop(cls.holes)
                 batch.copy(dst, src)
-                cls.free(cls.top - 1, cls.tokens[-1])
+                cls.free(top, token)   # its tensor lives on in `batch` until the copy is queued
                 relocate(src, dst)
                 moves += 1
         self.moves += moves

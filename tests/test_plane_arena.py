@@ -58,6 +58,32 @@ def test_tensors_take_the_lowest_free_slot_of_their_class_and_free_it_when_they_
     assert len(full) == 8 and torch.equal(a, torch.full((16, 32), 1, dtype=torch.int32)) and d is not None
 
 
+@pytest.mark.parametrize("freed", [[1], [3, 2]], ids=["a-hole-below", "the-slots-above"])
+def test_a_slot_freed_while_another_is_allocated_leaves_the_books_straight(host_arena, monkeypatch, freed):
+    """The garbage collector can drop a tensor inside an allocation: the slot being handed out is claimed first, so
+    freeing others then neither drops it from the class nor gives it to anyone else."""
+    arena = host_arena({PLANE: 16})
+    ts = [plane(arena, v) for v in range(4)]
+    ts[1] = None if freed == [3, 2] else ts[1]   # the allocation below takes hole 1 (or the slot past the top)
+    real = plane_arena.wrap
+
+    def collecting(*args, **kw):
+        for v in freed:
+            ts[v] = None
+        return real(*args, **kw)
+
+    monkeypatch.setattr(plane_arena, "wrap", collecting)
+    new = arena.empty((16, 32), torch.int32)
+    monkeypatch.setattr(plane_arena, "wrap", real)
+    cls = arena._classes[PLANE]
+    want = 1 if freed == [3, 2] else 4
+    assert slot(arena, new) == want and cls.tokens[want] and cls.tensors[want]() is new
+    alive = [slot(arena, t) for t in ts if t is not None] + [want]
+    assert cls.live == len(alive) and cls.top == max(alive) + 1
+    others = [plane(arena, 9) for _ in range(cls.top - cls.live)]   # the holes, then past the top: no slot twice
+    assert len({slot(arena, t) for t in others} | set(alive)) == len(others) + len(alive)
+
+
 def test_pack_moves_top_tensors_into_the_holes_below_keeping_content_and_telling_the_owner(host_arena):
     arena = host_arena({PLANE: 64})
     ts = [plane(arena, v) for v in range(10)]
