@@ -174,7 +174,11 @@ class CudaPageMover:
         return len(self._pending) + len(self._staging) + len(self._retry)
 
     def metrics(self) -> dict[str, float]:
-        return self.stats.metrics()
+        """The stats' counters, and with a plane arena the tensors it moved to stay dense (`page_arena_moves_total`)."""
+        d = self.stats.metrics()
+        if self.store.arena is not None:
+            d["page_arena_moves_total"] = self.store.arena.moves
+        return d
 
     def drain(self) -> None:
         """Block until every transfer begun so far has completed on the device (tests, shutdown)."""

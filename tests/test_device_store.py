@@ -384,6 +384,7 @@ def test_engine_with_a_plane_arena_decodes_the_same_and_keeps_it_dense(ap_path, 
         assert_arena_dense(store, mover)
     assert [outs[k] for k in sorted(outs)] == want
     assert store.arena.moves > 0 and store.arena.used < peak   # the scripted plan ends lower than it starts
+    assert mover.metrics()["page_arena_moves_total"] == store.arena.moves
     assert_rows_follow(store, engine.table)
 
 
