@@ -150,8 +150,8 @@ class PlaneArena:
     # ------------------------------------------------------------ keeping it dense
     def pack(self, movable: Callable[[torch.Tensor], bool], relocate: Callable[[torch.Tensor, torch.Tensor], None],
              batch: CopyBatch) -> int:
-        """Move top tensors into the holes below them until no class has a hole under a tensor `movable` allows;
-        returns the moves. The copies are queued in `batch` (the caller issues it before the rows that name the new
+        """In each class whose holes exceed its slack, move top tensors into the holes below them until none is left
+        under a tensor `movable` allows; returns the moves. The copies are queued in `batch` (the caller issues it before the rows that name the new
         tensors reach the device); a moved-from slot counts as free at once, and nothing may be allocated before
         the batch is issued."""
         moves = 0
@@ -195,7 +195,7 @@ class PlaneArena:
 
     @property
     def peak_mapped(self) -> int:
-        """The most bytes each class has mapped, summed: at most what the arena held at once."""
+        """The most bytes each class has mapped, summed: no less than the most the arena held at once."""
         return sum(cls.buffer.peak_mapped for cls in self._classes.values())
 
     @property
