@@ -134,9 +134,6 @@ class GrowableBuffer:
     @property
     def size(self) -> int:
         """Bytes usable from `ptr` now: the end of the handles that back the buffer (retiring ones not counted)."""
-        return self._active_end()
-
-    def _active_end(self) -> int:
         return self._handles[self._active - 1].offset + self._handles[self._active - 1].size if self._active else 0
 
     def resize(self, nbytes: int) -> None:
@@ -144,7 +141,7 @@ class GrowableBuffer:
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the buffer's reserved {self.capacity}")
         self.release_retired()
-        if nbytes > self._active_end():
+        if nbytes > self.size:
             self._grow(nbytes)
             return
         keep = max(round_up(nbytes, self.step), self.step)
@@ -159,10 +156,10 @@ class GrowableBuffer:
             self._active = first_above
 
     def _grow(self, nbytes: int) -> None:
-        while self._active < len(self._handles) and self._active_end() < nbytes:
+        while self._active < len(self._handles) and self.size < nbytes:
             self._handles[self._active].retiring = None   # still mapped: taken back without a driver call
             self._active += 1
-        start = self._active_end()
+        start = self.size
         if start >= nbytes:
             return
         lib, offset = _driver(), start

@@ -105,7 +105,7 @@ def test_gpu_a_growth_the_device_cannot_back_leaves_the_cache_as_it_was(monkeypa
     for t in kv.k + kv.v:
         t.normal_()
     before = [t.clone() for t in kv.k + kv.v]
-    ends = [b._active_end() for b in kv.buffers]
+    ends = [b.size for b in kv.buffers]
     real_map = vmm.GrowableBuffer._map
     calls = []
 
@@ -119,7 +119,7 @@ def test_gpu_a_growth_the_device_cannot_back_leaves_the_cache_as_it_was(monkeypa
     with pytest.raises(MemoryError):
         kv.resize(4000)
     assert kv.num_blocks == 40 and kv.generation == 0 and len(calls) == 5
-    assert [b._active_end() for b in kv.buffers] == ends   # the buffers that grew were taken back
+    assert [b.size for b in kv.buffers] == ends   # the buffers that grew were taken back
     assert all(torch.equal(t, b) for t, b in zip(kv.k + kv.v, before))
     monkeypatch.setattr(vmm.GrowableBuffer, "_map", real_map)
     kv.resize(4000)   # and it grows once the device has the memory
@@ -240,10 +240,10 @@ def test_buffer_maps_retires_takes_back_and_unmaps_its_handles_in_order(fake_dri
     assert buf.mapped == 12 * MIB and fake_driver.granted[-1] == (base + 2 * MIB, 10 * MIB)
     buf.resize(5 * MIB)                                    # keeps 6 MiB: the handles at 6 and 10 MiB retire
     retiring = buf._handles[buf._active].retiring
-    assert buf._active_end() == 6 * MIB and buf.mapped == 12 * MIB and buf.release_retired() == 0
+    assert buf.size == 6 * MIB and buf.mapped == 12 * MIB and buf.release_retired() == 0
     creates = fake_driver.calls.count("create")
     buf.resize(9 * MIB)                                    # the 6 MiB handle comes back: no driver call
-    assert fake_driver.calls.count("create") == creates and buf._active_end() == 10 * MIB
+    assert fake_driver.calls.count("create") == creates and buf.size == 10 * MIB
     retiring.done = True                                   # the device passed the shrink: the top one goes
     assert buf.release_retired() == 2 * MIB and buf.mapped == 10 * MIB and base + 10 * MIB not in fake_driver.maps
     assert buf.peak_mapped == 12 * MIB
