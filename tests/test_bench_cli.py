@@ -204,8 +204,11 @@ def test_gpu_plans_bench_with_a_plane_arena_moves_tensors_and_leaves_the_blocks_
     (["plans", "--dtype", "bf16"], "--dtype does not apply"),
     (["kernels", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
     (["decode", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
+    (["kv-resize", "--models", "gpt2"], "--models: no model card 'gpt2'"),
+    (["kv-resize", "--reps", "0"], "--reps must be positive"),
+    (["kv-resize", "--tokens", "4"], "--tokens does not apply to `pwruntime bench kv-resize`"),
 ])
-def test_plans_bench_misuse_is_one_clear_error(capsys, argv, message):
+def test_plans_and_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
@@ -220,17 +223,6 @@ def test_kv_resize_walk_is_seeded_and_stays_within_half_and_one_and_a_half_of_it
     assert min(sizes) == 50 or max(sizes) == 150   # a walk this long reaches a bound
     steps = [b - a for a, b in zip([100] + sizes, sizes)]
     assert max(map(abs, steps)) <= 30 and len(set(sizes)) > 20
-
-
-@pytest.mark.parametrize("argv,message", [
-    (["kv-resize", "--models", "gpt2"], "--models: no model card 'gpt2'"),
-    (["kv-resize", "--reps", "0"], "--reps must be positive"),
-    (["kv-resize", "--tokens", "4"], "--tokens does not apply to `pwruntime bench kv-resize`"),
-])
-def test_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):
-    assert main(["bench", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
