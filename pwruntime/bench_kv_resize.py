@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from traces.clikit import pyplot, write_png
+
 BACKINGS = ("mapped", "torch")   # KVCache(growable=True), KVCache(growable=False)
 
 
@@ -100,9 +102,7 @@ def print_table(res: dict) -> None:
 
 def plot(res: dict, png: Path) -> Path:
     """Per model, the two backings' host and wall time a resize (bars) and the memory they held (labels)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = res["rows"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(rows)), 4.0))
@@ -116,7 +116,4 @@ def plot(res: dict, png: Path) -> Path:
     ax.set_ylabel("ms")
     ax.set_title(f"KV cache resizes: mapped memory against torch tensors\n({res['device']})", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return write_png(fig, png, dpi=120)

@@ -31,6 +31,7 @@ from pwruntime.device_store import DeviceExpertStore
 from pwruntime.kernels.bench import ARCHS, BITS
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.dummy import random_layers
+from traces.clikit import pyplot, write_png
 
 SHAPES: dict[str, tuple[int, int, int, int]] = {"demo": (256, 128, 16, 4), **ARCHS}  # hidden, intermediate, experts, k
 PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
@@ -141,9 +142,7 @@ def print_table(res: dict) -> None:
 
 def plot(res: dict, png: Path) -> Path:
     """A stacked bar per model shape: each boundary's host time a transition, the round's total on top."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = res["rows"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 4.2))
@@ -160,7 +159,4 @@ def plot(res: dict, png: Path) -> Path:
     ax.set_ylabel("host us a transition")
     ax.set_title(f"A plan's transitions, 8 -> {res['low_bits']} -> 8 bits ({res['device']})", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return write_png(fig, png, dpi=120)

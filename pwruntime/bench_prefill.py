@@ -33,6 +33,7 @@ from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
 from policies.apformat import ap_block_bytes
+from traces.clikit import pyplot, write_png
 
 
 def wall_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
@@ -127,9 +128,7 @@ def print_table(res: dict) -> None:
 
 def plot(res: dict, png: Path) -> Path:
     """Grouped bars per model and prompt size: each path's time, the dequantize kernel's share hatched."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = res["rows"]
     labels = [f"{r['model']}\nT={r['tokens']}" for r in rows]
@@ -148,7 +147,4 @@ def plot(res: dict, png: Path) -> Path:
     ax.set_ylabel("ms per layer (wall, launches included)")
     ax.set_title(f"Prefill MoE layer, experts at {res['bits']} bits, {res.get('dtype', 'float16')} ({res['device']})")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return write_png(fig, png, dpi=120)

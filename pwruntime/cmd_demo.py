@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError, check_output, write_json_atomic
 
 
 def register(subparsers) -> None:
@@ -166,8 +166,6 @@ def _register_stats(sub) -> None:
 
 
 def run_stats(args) -> int:
-    import os
-
     from pwruntime.demo.stats import evaluate_model, load_hf, plot_grid, plot_layer
     from pwruntime.demo.tokenizer_train import EOS, load_tokenizer
     from pwruntime.demo.train import resolve_device
@@ -202,14 +200,9 @@ def run_stats(args) -> int:
                                  "--out", str(out), "--seq-len", str(args.seq_len),
                                  "--routing-tokens", str(args.routing_tokens)]
                                 + (["--max-eval-tokens", str(args.max_eval_tokens)] if args.max_eval_tokens else []))
-    for name, fn in ((f"routing_layer{layer}.png", lambda p: plot_layer(stats, layer, p)),
-                     ("routing_all_layers.png", lambda p: plot_grid(stats, p))):
-        tmp = out / f".{name}.tmp.png"
-        fn(tmp)
-        os.replace(tmp, out / name)
-    tmp = out / "stats.json.tmp"
-    tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    os.replace(tmp, out / "stats.json")
+    plot_layer(stats, layer, out / f"routing_layer{layer}.png")
+    plot_grid(stats, out / "routing_all_layers.png")
+    write_json_atomic(out / "stats.json", stats)
     if args.json:
         print(json.dumps(stats, indent=2))
         return 0

@@ -9,28 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from pwsim.hardware import memory_unit
+from traces.clikit import pyplot, write_png
 
 GiB = 2**30
 
 
-def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
-    """Lay out, write the PNG and close the figure (every plot here ends so)."""
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    _plt().close(fig)
-    return path
-
-
 def run_timeline(result, path: Path, title: str = "") -> Path:
     """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
-    plt = _plt()
+    plt = pyplot()
     tl = result.timeline
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     if len(tl.get("time_s", [])):
@@ -50,12 +36,12 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
         axes[2].legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("simulated time (s)")
     axes[0].set_title(title or result.summary.get("label", ""))
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def run_latency(result, path: Path, title: str = "") -> Path:
     """CDFs of TTFT, TPOT and end-to-end latency."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
     for ax, key, name in zip(axes, ("ttft_s", "tpot_s", "e2e_s"), ("TTFT", "TPOT", "end to end")):
         v = np.sort(np.asarray(result.requests[key], dtype=float))
@@ -67,7 +53,7 @@ def run_latency(result, path: Path, title: str = "") -> Path:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
     fig.suptitle(title or result.summary.get("label", ""))
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def _quality_axis(rows: list[dict]) -> tuple[str, str]:
@@ -80,7 +66,7 @@ def _quality_axis(rows: list[dict]) -> tuple[str, str]:
 
 def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     """Quality against peak GPU memory, one series per policy across budgets (Figure 5 style)."""
-    plt = _plt()
+    plt = pyplot()
     key, label = _quality_axis(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     div, unit = memory_unit(max((r.get("used_gib") or 0.0) for r in rows) * GiB)
@@ -98,12 +84,12 @@ def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     ax.set_title("quality vs memory (lower is better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path:
     """Output tokens per simulated second per policy and budget (grouped bars; infeasible runs empty)."""
-    plt = _plt()
+    plt = pyplot()
     pols = list(dict.fromkeys(r["policy"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(budgets) * max(1, len(pols)) / 3), 4))
     width = 0.8 / max(1, len(pols))
@@ -119,12 +105,12 @@ def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path
     ax.set_ylabel("output tokens / simulated s")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def compare_timelines(results: dict[str, object], path: Path, title: str) -> Path:
     """Memory use, mean committed bits and free KV blocks over time, one line per policy."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     div, unit = memory_unit(max((r.summary["memory"]["budget_bytes"] for r in results.values()), default=GiB))
     for name, res in results.items():
@@ -144,14 +130,14 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=8, loc="lower right")
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: dict, path: Path) -> Path:
     """Left: each policy's capacity (requests/s) against the memory budget (none drawn where it missed at the lowest
     rate). Right, at `curve_budget`: the SLO's TTFT and TPOT percentile against the arrival rate at every point a
     search ran (open markers: points that missed), the bounds dashed and each capacity dotted."""
-    plt = _plt()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     key = f"p{slo['percentile']}"
     policies = list(dict.fromkeys(s["policy"] for s in searches))
@@ -189,14 +175,14 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
         ax.set_title(f"at {curve_budget}; dotted: each capacity", fontsize=9)
         ax.grid(alpha=0.3, which="both")
     axes[1].legend(fontsize=8)
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: dict, path: Path) -> Path:
     """Per request, simulated against measured TTFT / TPOT / end to end (log-log, y = x dashed); iteration time
     against batch tokens for both engines with their fitted lines; and, where the timelines record them, both
     engines' KV blocks and mean bits step by step, the first step they part at marked."""
-    plt = _plt()
+    plt = pyplot()
     steps = report.get("decisions") is not None and all(
         c in tl for tl in (sim_timeline, runtime_timeline) for c in ("step", "total_blocks", "mean_bits"))
     fig, axes = plt.subplots(1, 5 if steps else 4, figsize=(19 if steps else 15, 3.8))
@@ -233,7 +219,7 @@ def fidelity(paired: dict, sim_timeline: dict, runtime_timeline: dict, report: d
     ax.grid(alpha=0.3, which="both")
     if steps:
         _decisions_panel(axes[4], sim_timeline, runtime_timeline, report["decisions"])
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def _decisions_panel(ax, sim_timeline: dict, runtime_timeline: dict, d: dict) -> None:
@@ -256,7 +242,7 @@ def _decisions_panel(ax, sim_timeline: dict, runtime_timeline: dict, d: dict) ->
 
 def prefill_fit(report: dict, path: Path) -> Path:
     """Per bench row, the modeled prefill MoE layer against the measured one, before and after the fit (y = x)."""
-    plt = _plt()
+    plt = pyplot()
     rows = report["rows"]
     fig, ax = plt.subplots(figsize=(6, 5))
     measured = np.array([r["measured_ms"] for r in rows])
@@ -276,13 +262,13 @@ def prefill_fit(report: dict, path: Path) -> Path:
     ax.set_ylabel("modeled (ms, cost model)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def fidelity_sweep(rows: list[dict], path: Path) -> Path:
     """Two concurrency sweeps level by level: both sides' throughput (left) and median TPOT (right) against the
     client's concurrency limit."""
-    plt = _plt()
+    plt = pyplot()
     levels = [r["max_concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for side, style in (("sim", "o-"), ("runtime", "s--")):
@@ -296,13 +282,13 @@ def fidelity_sweep(rows: list[dict], path: Path) -> Path:
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.minorticks_off()
         ax.legend(fontsize=8)
-    return _save(fig, path)
+    return write_png(fig, path)
 
 
 def plan_log(logs: dict[str, dict], summaries: list[dict], path: Path) -> Path:
     """Per run (`pwsim plan-log`): the offloads and reloads begun, cumulated over the steps (left), and the GPU bytes
     its reloads took back, those that closed round trips apart (right)."""
-    plt = _plt()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
     for k, (label, plans) in enumerate(logs.items()):
         started = np.asarray(plans["status"], dtype=object) == "started"
@@ -321,4 +307,4 @@ def plan_log(logs: dict[str, dict], summaries: list[dict], path: Path) -> Path:
     right.set_xticks(x, list(logs), rotation=20, fontsize=7)
     right.set(ylabel=unit, title="GPU bytes the reloads took back")
     right.legend(fontsize=7)
-    return _save(fig, path)
+    return write_png(fig, path)

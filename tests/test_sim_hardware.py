@@ -92,6 +92,24 @@ def test_atomic_json_write_leaves_nothing_behind_when_it_fails(tmp_path):
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["a.json"]  # no temporary file left
 
 
+def test_figures_are_written_whole_and_closed(tmp_path):
+    """write_png writes a PNG and closes the figure; a figure that fails to draw leaves the old file and no
+    temporary file behind, and is closed too."""
+    from traces.clikit import pyplot, write_png
+    plt = pyplot()
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = write_png(fig, tmp_path / "figs" / "a.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not plt.fignum_exists(fig.number)
+    before = path.read_bytes()
+    fig, ax = plt.subplots()
+    ax.set_title("$\\frac{$")   # bad mathtext: drawing the figure fails
+    with pytest.raises(ValueError):
+        write_png(fig, path)
+    assert path.read_bytes() == before and not plt.fignum_exists(fig.number)
+    assert [p.name for p in (tmp_path / "figs").iterdir()] == ["a.png"]
+
+
 def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys):
     from pwsim.cli import main
     from pwsim.cmd_hardware import HOST_TERMS

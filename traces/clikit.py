@@ -1,5 +1,5 @@
-"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files,
-fixed-width text tables.
+"""CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files
+(PNG figures among them), fixed-width text tables.
 
 A command module exposes `register(subparsers)` which adds its parser and sets `func=run`.
 `UserError` (and its subclasses across the project) print one line `error: ...` and exit 2;
@@ -13,7 +13,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 
 class UserError(Exception):
@@ -85,21 +85,26 @@ def default_mode(path: str | os.PathLike) -> Path:
     return p
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` through a temporary file in the same folder and a rename: a reader never sees a
+def write_atomic(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Let `write` fill a temporary binary file in the same folder, then rename it to `path`: a reader never sees a
     half-written file, and a write that fails leaves nothing behind."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
         default_mode(tmp)
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return out
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """`text` in UTF-8, written atomically (see `write_atomic`)."""
+    return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
@@ -115,3 +120,21 @@ def text_table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1
     def line(cells: Sequence[str]) -> str:
         return "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (no display needed), imported on first use: commands that draw nothing
+    do not pay for it."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def write_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Lay `fig` out, write it to `path` as a PNG (atomically, see `write_atomic`) and close it."""
+    try:
+        fig.tight_layout()
+        return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+    finally:
+        pyplot().close(fig)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, pyplot, write_png
 
 
 def parse_levels(text: str | None) -> list[int | None]:
@@ -57,9 +57,7 @@ def level_dirs(sweep_dir: Path, summary: dict) -> dict[int, Path]:
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
     """Throughput against the level (left); TTFT and TPOT, median and 99th percentile, against it (right)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     levels = [r["max_concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -76,7 +74,4 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.minorticks_off()
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_png(fig, path)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from traces.clikit import UserError
+from traces.clikit import UserError, write_atomic, write_text_atomic
 
 _DOC_SPLIT = re.compile(r"\n(?:[ \t]*\n)+")
 SPLITS = ("train", "valid")
@@ -83,13 +82,6 @@ def tokenize_documents(tokenizer, docs: Sequence[str], eos_id: int) -> np.ndarra
     return np.concatenate(parts)
 
 
-def _save_npy_atomic(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-    os.replace(tmp, path)
-
-
 def load_token_cache(corpus: str | Path, domains: Sequence[str], tokenizer, tokenizer_sha: str,
                      cache_dir: str | Path, eos_id: int) -> dict[str, dict[str, np.ndarray]]:
     """Token streams {split: {domain: uint16 array}}, cached in cache_dir and rebuilt when stale.
@@ -112,14 +104,12 @@ def load_token_cache(corpus: str | Path, domains: Sequence[str], tokenizer, toke
                 out[split][dom] = np.load(npy)
                 continue
             arr = tokenize_documents(tokenizer, read_documents(src), eos_id)
-            _save_npy_atomic(npy, arr)
+            write_atomic(npy, lambda f: np.save(f, arr))
             meta[key] = record
             changed = True
             out[split][dom] = arr
     if changed:
-        tmp = meta_path.with_name("meta.json.tmp")
-        tmp.write_text(json.dumps(meta, indent=1, sort_keys=True))
-        os.replace(tmp, meta_path)
+        write_text_atomic(meta_path, json.dumps(meta, indent=1, sort_keys=True))
     return out
 
 

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from traces.clikit import pyplot, write_png
+
 
 # ----------------------------------------------------------------------------------------- math (numpy)
 def routing_mass(topk_ids: np.ndarray, topk_weights: np.ndarray, num_experts: int) -> np.ndarray:
@@ -181,9 +183,7 @@ def load_hf(model_dir: str | Path, device="cpu"):
 # ---------------------------------------------------------------------------------------------- plots
 def plot_layer(stats: dict, layer: int, path: str | Path) -> None:
     """Grouped bars: normalised routing mass of every expert of one layer, one bar per domain (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rec = stats["routing"]["layers"][layer]
     doms = stats["domains"]
@@ -199,16 +199,12 @@ def plot_layer(stats: dict, layer: int, path: str | Path) -> None:
     ax.set_ylabel("routing mass (normalised)")
     ax.set_title(f"Layer {layer}: expert routing mass per domain (mean JSD {rec['mean_jsd']:.3f})")
     ax.legend(fontsize=8, ncol=len(doms) + 1)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    write_png(fig, path, dpi=120)
 
 
 def plot_grid(stats: dict, path: str | Path) -> None:
     """One small panel per layer, same bars as plot_layer (PNG)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = stats["routing"]["layers"]
     doms = stats["domains"]
@@ -230,9 +226,7 @@ def plot_grid(stats: dict, path: str | Path) -> None:
         ax.axis("off")
     axes[0, 0].legend(fontsize=7)
     fig.supylabel("routing mass (normalised)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    write_png(fig, path)
 
 
 def _fmt_ratio(r) -> str:

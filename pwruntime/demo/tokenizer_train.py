@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Iterable, Sequence
+
+from traces.clikit import write_text_atomic
 
 EOS = "<|endoftext|>"
 # A base model: the template writes BOS, then each message's text on its own line; the model continues.
@@ -44,19 +45,13 @@ def tokenizer_config(model_max_length: int) -> dict:
     }
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def save_tokenizer(tok, out_dir: str | Path, model_max_length: int) -> str:
     """Write tokenizer.json + tokenizer_config.json into out_dir; returns the sha256 of tokenizer.json."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     text = tok.to_str(pretty=True)
-    _write_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
-    _write_atomic(out / "tokenizer.json", text)
+    write_text_atomic(out / "tokenizer_config.json", json.dumps(tokenizer_config(model_max_length), indent=2) + "\n")
+    write_text_atomic(out / "tokenizer.json", text)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
@@ -88,5 +83,5 @@ def ensure_tokenizer(corpus: str | Path, domains: Sequence[str], out_dir: str | 
     docs = [doc for d in domains for doc in read_documents(Path(corpus) / d / "train.txt.gz", chars_per_domain)]
     tok = train_tokenizer(docs, vocab_size)
     sha = save_tokenizer(tok, out, model_max_length)
-    _write_atomic(meta_path, json.dumps({"inputs": record, "sha256": sha}, indent=1) + "\n")
+    write_text_atomic(meta_path, json.dumps({"inputs": record, "sha256": sha}, indent=1) + "\n")
     return tok, sha

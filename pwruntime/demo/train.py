@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from traces.clikit import UserError, write_json_atomic
+from traces.clikit import UserError, write_atomic, write_json_atomic
 
 from .model import ModelSpec
 
@@ -147,14 +147,6 @@ def make_optimizer(model, cfg: TrainConfig, device):
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kw = {"fused": True} if device.type == "cuda" else {}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=1e-8, **kw)
-
-
-def _save_atomic_torch(obj, path: Path) -> None:
-    import torch
-
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class _Accumulator:
@@ -324,9 +316,9 @@ def train(corpus: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
         logf.flush()
         rng = {"torch": torch.get_rng_state(),
                "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-        _save_atomic_torch({"format": CKPT_FORMAT, "step": step, "identity": identity,
-                            "model": model.state_dict(), "optimizer": opt.state_dict(), "acc": acc.state(),
-                            "rng": rng, "log_bytes": logf.tell()}, ckpt_path)
+        state = {"format": CKPT_FORMAT, "step": step, "identity": identity, "model": model.state_dict(),
+                 "optimizer": opt.state_dict(), "acc": acc.state(), "rng": rng, "log_bytes": logf.tell()}
+        write_atomic(ckpt_path, lambda f: torch.save(state, f))
 
     step = start
     model.train()

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from traces.clikit import pyplot, write_png
+
 MODEL_LABELS = {"qwen1.5-moe-a2.7b": "Qwen1.5-MoE", "mixtral-8x7b": "Mixtral", "olmoe-1b-7b": "OLMoE",
                 "qwen3-moe-30b-a3b": "Qwen3-MoE"}
 
 
 def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
     """Write the figure of `res` (the JSON `pwruntime bench kernels --out` writes) to `path`."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     blocks = res.get("single_block", [])
     for i, t in enumerate(sorted({r["tokens"] for r in blocks})):
@@ -59,9 +58,4 @@ def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
     right.legend(fontsize=8, ncol=3, loc="upper center")
 
     fig.suptitle(f"{res.get('device', '')}: fused AP kernels", fontsize=11)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return write_png(fig, path)
