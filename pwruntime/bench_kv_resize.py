@@ -103,7 +103,6 @@ def print_table(res: dict) -> None:
 def plot(res: dict, png: Path) -> Path:
     """Per model, the two backings' host and wall time a resize (bars) and the memory they held (labels)."""
     plt = pyplot()
-
     rows = res["rows"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(rows)), 4.0))
     x = np.arange(len(rows))

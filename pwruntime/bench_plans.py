@@ -143,7 +143,6 @@ def print_table(res: dict) -> None:
 def plot(res: dict, png: Path) -> Path:
     """A stacked bar per model shape: each boundary's host time a transition, the round's total on top."""
     plt = pyplot()
-
     rows = res["rows"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.3 * len(rows)), 4.2))
     labels = {"begin_offload": "boundary beginning the offloads", "land_offload": "next boundary (offloads land)",

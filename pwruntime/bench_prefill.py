@@ -129,7 +129,6 @@ def print_table(res: dict) -> None:
 def plot(res: dict, png: Path) -> Path:
     """Grouped bars per model and prompt size: each path's time, the dequantize kernel's share hatched."""
     plt = pyplot()
-
     rows = res["rows"]
     labels = [f"{r['model']}\nT={r['tokens']}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.0 * len(rows)), 4.6))

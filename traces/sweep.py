@@ -58,7 +58,6 @@ def level_dirs(sweep_dir: Path, summary: dict) -> dict[int, Path]:
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
     """Throughput against the level (left); TTFT and TPOT, median and 99th percentile, against it (right)."""
     plt = pyplot()
-
     levels = [r["max_concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(levels, [r["throughput_tokens_per_s"] for r in rows], "o-")

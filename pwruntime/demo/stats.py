@@ -184,7 +184,6 @@ def load_hf(model_dir: str | Path, device="cpu"):
 def plot_layer(stats: dict, layer: int, path: str | Path) -> None:
     """Grouped bars: normalised routing mass of every expert of one layer, one bar per domain (PNG)."""
     plt = pyplot()
-
     rec = stats["routing"]["layers"][layer]
     doms = stats["domains"]
     E = stats["routing"]["num_experts"]
@@ -205,7 +204,6 @@ def plot_layer(stats: dict, layer: int, path: str | Path) -> None:
 def plot_grid(stats: dict, path: str | Path) -> None:
     """One small panel per layer, same bars as plot_layer (PNG)."""
     plt = pyplot()
-
     layers = stats["routing"]["layers"]
     doms = stats["domains"]
     E = stats["routing"]["num_experts"]
