@@ -242,7 +242,7 @@ def build_engine(args, recorder=None):
             # the pool was sized while every plane was resident: the planes just dropped become KV blocks
             torch.cuda.synchronize(store.device)
             store.deferred.collect()
-            engine.give_weight_bytes(freed)
+            engine.capacity.give(freed)
     return engine, model_dir, dtype, device
 
 

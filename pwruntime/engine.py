@@ -10,11 +10,11 @@ routing) -> plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to t
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
 
-Memory: the KV pool starts with `num_kv_blocks` blocks (or, when unset, a share of free GPU memory
-or `cpu_kv_cache_bytes` on CPU, never more than max_num_seqs full-length sequences need). Bytes an
-offload releases grow the pool (`release`); a reload first takes spare bytes, then shrinks the pool
-over free blocks (`reserve`), compacting live blocks downwards when needed so the cache tensors can
-be truncated. Wall time is used only for metrics and `Observation.time_s`.
+Memory (pwruntime.kv_capacity, `engine.capacity`): the KV pool starts with `num_kv_blocks` blocks (or, when unset,
+what the memory budget leaves, else a share of free GPU memory or `cpu_kv_cache_bytes` on CPU, never more than
+max_num_seqs full-length sequences need). Bytes an offload releases grow the pool; a reload first takes spare bytes,
+then shrinks the pool over free blocks, compacting live blocks downwards when needed so the cache can be truncated.
+Wall time is used only for metrics and `Observation.time_s`.
 
 Log-probabilities: a request whose SamplingParams ask (`logprobs`) gets a TokenLogprob per sampled token,
 kept beside its sequence's output tokens and aligned with them (a preempted sequence keeps its tokens and
@@ -44,11 +44,10 @@ Prefix caching (`prefix_caching`, off by default; policies.kv_blocks): a request
 holding its leading tokens are cached shares them and computes only the rest (at least its last token), so the
 routing observation (routing mass, prompt features) sees only the tokens computed: cached tokens are not observed
 again. A routing trace needs every position's routing, so trace recording refuses prefix caching. Resizes
-(`grow_kv`, `shrink_kv` and its compaction) keep cached and shared blocks: the pool reports each move once.
+(pwruntime.kv_capacity: growth, and shrinking with its compaction) keep cached and shared blocks: the pool reports each move once.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -59,23 +58,20 @@ import torch
 import policies
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
-from policies.memory_budget import allocator_slack_bytes, kv_room_bytes, lut_slack_bytes
+from policies.memory_budget import allocator_slack_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
-from policies.planners.base import never_plans, weight_bytes
+from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
-from pwruntime.cuda_memory import MappedMemory, held_bytes
 from pwruntime.kv_cache import KVCache
+from pwruntime.kv_capacity import KvCapacity, initial_kv_blocks
 from pwruntime import prompt_logprobs
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
 from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, SamplingParams, TokenLogprob, adjust_logits,
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
-from traces.sizes import format_size
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -211,18 +207,20 @@ class LLMEngine:
                 raise UserError(str(e)) from None
         policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
         self.policy = policy
-        blocks, self._spare_bytes = self._initial_blocks()  # spare: released or left over, not yet in the KV pool
+        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.max_model_len)
         self.pool = BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
                                   graph_settle_steps=cfg.graph_settle_steps,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
+        self.capacity = KvCapacity(model, self.pool, self.kv, self.runner.copy_blocks, self.block_bytes, spare)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack
         slack = allocator_slack_bytes(cfg.gpu_memory_budget) if budget_sized else 0
-        self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self._reserve, release=self._release,
-                             lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack))
+        self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self.capacity.reserve,
+                             release=self.capacity.release, lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack))
+        self.capacity.loop = self.loop
         self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)
         if self.recorder is not None:
@@ -244,11 +242,6 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
         self.last_plan_costs: PlanCosts | None = None  # and parts of its plan phase
-        self._kv_seconds = 0.0  # host time resizing the KV cache so far
-        self.kv_grow_failures = 0  # growths the device had no memory for (the bytes stay spare)
-        self._kv_refused_at = -1   # spare bytes at the last such failure: retried once more are released
-        self._held_peak = 0  # the most device memory held at a KV resize (allocator + mapped; 0 off CUDA)
-        self._note_held()
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
     @property
@@ -257,28 +250,6 @@ class LLMEngine:
         return self.last_observation is not None and self.last_observation.routing_read
 
     # ------------------------------------------------------------------ set-up
-    def _initial_blocks(self) -> tuple[int, int]:
-        """The KV pool's first blocks, and the spare bytes beside them that only a memory budget has (what its room
-        leaves short of one more block: released weight bytes join them, as the simulator's headroom counts them)."""
-        cfg = self.config
-        if cfg.num_kv_blocks is not None:
-            if cfg.num_kv_blocks < 1:
-                raise UserError(f"num_kv_blocks must be >= 1, got {cfg.num_kv_blocks}")
-            return int(cfg.num_kv_blocks), 0
-        if cfg.gpu_memory_budget is not None:
-            return self._budget_blocks(int(cfg.gpu_memory_budget))
-        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
-        if self.model.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.model.device)
-            budget = int(total * cfg.gpu_memory_fraction) - (total - free)
-        else:
-            budget = int(cfg.cpu_kv_cache_bytes)
-        n = min(budget // self.block_bytes, useful)
-        if n < 1:
-            raise UserError(f"no memory left for the KV cache ({budget} bytes, {self.block_bytes} per block): "
-                            "raise gpu_memory_fraction or set num_kv_blocks")
-        return int(n), 0
-
     def _context_limit(self) -> int:
         """Positions a request may use (prompt and output): max_model_len, at most the model's."""
         limit, positions = self.config.max_model_len, self.model.config.max_position
@@ -288,26 +259,6 @@ class LLMEngine:
             raise UserError(f"max_model_len (--max-model-len) must be in 2..{positions} (the model's positions), got "
                             f"{limit}")
         return int(limit)
-
-    def _budget_blocks(self, budget: int) -> tuple[int, int]:
-        """The KV blocks a memory budget leaves beside the model's weights (the routed experts at the policy's
-        starting bits) and the allocator's slack (policies.memory_budget: the simulator's --budget gives the same
-        pool), and the room's remainder short of one more block."""
-        own, experts = self.model.weight_bytes(), weight_bytes(self.policy, self.table)
-        room = kv_room_bytes(budget, own + experts)
-        n = room // self.block_bytes
-        if n < 1:
-            raise UserError(f"a memory budget of {format_size(budget)} cannot hold the model's weights "
-                            f"({format_size(own)}, and {format_size(experts)} of routed experts at the policy's "
-                            f"starting bits), the allocator's slack ({format_size(allocator_slack_bytes(budget))}) and "
-                            f"one KV block ({self.block_bytes} bytes): raise --gpu-memory-budget")
-        if self.model.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.model.device)[0]
-            if n * self.block_bytes > free:
-                raise UserError(f"a memory budget of {format_size(budget)} leaves the KV cache "
-                                f"{format_size(n * self.block_bytes)}, more than the {format_size(free)} free on "
-                                f"{self.model.device}: lower --gpu-memory-budget")
-        return int(n), int(room - n * self.block_bytes)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
@@ -412,16 +363,16 @@ class LLMEngine:
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
             kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
             routing=self.routing if self._record else None,
-            headroom_bytes=self._spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
+            headroom_bytes=self.capacity.spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
         marks.append(self.clock())
-        kv, moves = self._kv_seconds, self._mover_seconds()
+        kv, moves = self.capacity.seconds, self._mover_seconds()
         self.last_loop = self.loop.step(self.last_observation)
-        self._release(0)  # the whole blocks a plan's reservations took beyond its needs come back
+        self.capacity.release(0)  # the whole blocks a plan's reservations took beyond its needs come back
         marks.append(self.clock())
         self.last_phases = StepPhases(*np.diff(marks).tolist())
         routing = self.last_observation.routing
         self.last_plan_costs = PlanCosts(0.0 if routing is None else routing.seconds, self._mover_seconds() - moves,
-                                         self._kv_seconds - kv)
+                                         self.capacity.seconds - kv)
         self.num_steps += 1
         return outputs
 
@@ -571,80 +522,7 @@ class LLMEngine:
                              seq.finish_reason or "abort", seq.num_preemptions, req.arrival_time,
                              req.first_token_time, self._now(), tuple(req.logprobs), tuple(req.prompt_logprobs))
 
-    # ------------------------------------------------------- KV pool capacity
-    def grow_kv(self, num_blocks: int) -> bool:
-        """Add blocks to the pool and back them with cache memory; False, the pool and cache as they were, when the
-        device has no memory for them (logged, counted in `kv_grow_failures`)."""
-        start = time.perf_counter()
-        try:   # the cache first, to the id space the pool's growth makes
-            self.kv.resize(self.pool.id_limit_after_grow(num_blocks))
-        except (torch.cuda.OutOfMemoryError, MemoryError) as e:
-            self.kv_grow_failures += 1
-            log.warning("growing the KV cache by %d blocks failed (%s); the bytes stay spare and it is retried "
-                        "once more are released", num_blocks, e)
-            return False
-        finally:
-            self._kv_seconds += time.perf_counter() - start
-        self.pool.grow(num_blocks)
-        self._note_held()
-        return True
-
-    def shrink_kv(self, num_blocks: int) -> bool:
-        """Remove free blocks (compacting live ones downwards if needed); False if too few are free."""
-        if num_blocks > self.pool.num_free:
-            return False
-        start = time.perf_counter()
-        self.pool.shrink(num_blocks)
-        if self.pool.hole_blocks:
-            self.runner.copy_blocks(self.pool.compact())
-        self.kv.resize(self.pool.id_limit)
-        self._kv_seconds += time.perf_counter() - start
-        self._note_held()  # what a shrink unmaps is still held until the device passes it; reloads map beside it
-        return True
-
-    def _note_held(self) -> None:
-        m = self.mapped_memory()
-        self._held_peak = max(self._held_peak, held_bytes(self.kv.device, m.kv + m.weights))
-
-    def mapped_memory(self) -> MappedMemory:
-        """The device memory the KV cache and the expert planes (a PlaneArena's, pwruntime.plane_arena) map themselves
-        (cuda_memory.MappedMemory)."""
-        arena = getattr(getattr(self.model, "experts", None), "arena", None)
-        on = arena is not None
-        return MappedMemory(self.kv.mapped_bytes, self.kv.peak_mapped_bytes, arena.mapped if on else 0,
-                            arena.peak_mapped if on else 0, self._held_peak)
-
     def _mover_seconds(self) -> float:
         """Host time the page mover has spent so far (0 for one that keeps no such count)."""
         stats = getattr(self.loop.mover, "stats", None)
         return float(getattr(stats, "host_seconds", 0.0))
-
-    def give_weight_bytes(self, nbytes: int) -> int:
-        """Expert bytes freed outside the plan loop (the policy's initial bits) grow the KV pool; returns blocks added."""
-        before = self.pool.capacity
-        self._release(nbytes)
-        return self.pool.capacity - before
-
-    def _release(self, nbytes: int) -> None:
-        self._spare_bytes += int(nbytes)
-        n = self._spare_bytes // self.block_bytes
-        if n and self._spare_bytes > self._kv_refused_at:
-            if self.grow_kv(n):
-                self._spare_bytes -= n * self.block_bytes
-                self._kv_refused_at = -1
-            else:
-                self._kv_refused_at = self._spare_bytes
-
-    def _reserve(self, nbytes: int) -> bool:
-        """Room for a reload, or an offload's new LUT: spare bytes first, then shrink the KV pool over free blocks.
-        When it must shrink, it shrinks once for every transition of the plan still to begin
-        (`PlanLoop.kv_blocks_to_free`, as the simulator does), so a plan compacts and resizes the cache once instead of
-        once a transition (the planner step of a plan reloading about a hundred blocks took 46-49 ms on the H200
-        before); blocks the plan does not take come back after it (`step`)."""
-        need = self.loop.kv_blocks_to_free(nbytes, self._spare_bytes, self.block_bytes, self.pool.num_free)
-        if need is None:
-            return False
-        if need:
-            self.shrink_kv(need)
-        self._spare_bytes += need * self.block_bytes - nbytes
-        return True

@@ -174,5 +174,5 @@ class EngineCore:
             gauges.update(mean_committed_bits=eng.table.mean_bits(), expert_resident_bytes=eng.table.resident_bytes())
         if hasattr(eng.loop.mover, "metrics"):  # page moves: transfers, bytes, copy times
             gauges.update(eng.loop.mover.metrics())
-        gauges.update(memory_gauges(eng.kv.device, eng.mapped_memory()))  # on CUDA: the device memory the process holds
+        gauges.update(memory_gauges(eng.kv.device, eng.capacity.mapped_memory()))  # on CUDA: the device memory the process holds
         return gauges

@@ -121,8 +121,8 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
-    result.summary["kv_grow_failures"] = engine.kv_grow_failures  # growths the device had no memory for
-    result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.mapped_memory())  # None off CUDA
+    result.summary["kv_grow_failures"] = engine.capacity.grow_failures  # growths the device had no memory for
+    result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.capacity.mapped_memory())  # None off CUDA
     if engine.recorder is not None:
         result.routing = engine.recorder.routing_trace({rid: int(trace.request_id[row]) for rid, row in index.items()})
         if warmed:

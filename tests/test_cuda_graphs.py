@@ -532,7 +532,7 @@ def _engine_outputs(model, graphs: bool, grow_at: int | None = None, params=None
     done, step = {}, 0
     while engine.has_unfinished():
         if step == grow_at:
-            engine.grow_kv(8)
+            engine.capacity.grow(8)
         for out in engine.step():
             done[out.request_id] = out
         step += 1

@@ -195,7 +195,7 @@ def test_a_plan_shrinks_the_kv_pool_once(ap_dir):
         while engine.has_unfinished():
             tokens.update((o.request_id, o.token_ids) for o in engine.step())
             loop = engine.last_loop
-            steps.append((engine.pool.capacity, engine._spare_bytes, loop.started, loop.rejected))
+            steps.append((engine.pool.capacity, engine.capacity.spare_bytes, loop.started, loop.rejected))
             reload_plans += loop.plan is not None and len(loop.started) > 1 and not loop.started[0].is_offload
         return steps, tokens, resizes[0], reload_plans
 
@@ -237,7 +237,7 @@ def test_offload_luts_in_flight_stay_in_the_budget(ap_dir):
             capacity = engine.pool.capacity
             engine.step()
             loop = engine.last_loop
-            used = own + engine.table.resident_bytes() + engine.pool.id_limit * B + engine._spare_bytes
+            used = own + engine.table.resident_bytes() + engine.pool.id_limit * B + engine.capacity.spare_bytes
             assert used == budget - slack + engine.loop.lut_borrowed and 0 <= engine.loop.lut_borrowed <= slack
             offloads = [t for t in loop.started if t.is_offload]
             offload_shrinks += bool(offloads) and len(offloads) == len(loop.started) and engine.pool.capacity < capacity
@@ -286,7 +286,7 @@ def test_room_a_plan_took_beyond_its_transitions_comes_back(ap_dir):
 
     probe = engine_with(64)
     table, B = probe.table, probe.block_bytes
-    assert probe._spare_bytes == 0 and probe.pool.capacity == 64
+    assert probe.capacity.spare_bytes == 0 and probe.pool.capacity == 64
     a, b = (int(i) for i in np.flatnonzero(table.q < 8)[:2])
 
     def reload_bytes(i):
@@ -305,7 +305,7 @@ def test_room_a_plan_took_beyond_its_transitions_comes_back(ap_dir):
         engine.step()
         started, rejected = engine.last_loop.started, engine.last_loop.rejected
         assert [t.block for t in started] == [a] and [t.block for t, _ in rejected] == [b]
-        after.append((engine.pool.capacity, engine._spare_bytes, engine.kv.num_blocks))
+        after.append((engine.pool.capacity, engine.capacity.spare_bytes, engine.kv.num_blocks))
     assert after[0] == after[1] == (1, -first % B, 1)
 
 
@@ -331,7 +331,7 @@ def test_a_memory_budget_starts_the_pool_the_simulator_starts(ap_dir, budget):
     assert engine.pool.capacity == sim.pool.capacity > 0
     # what the room leaves short of one more block waits for released weight bytes on both (the runtime once dropped
     # it, and held one KV block less than the simulator after the first plan)
-    assert engine._spare_bytes == sim._headroom() and 0 < engine._spare_bytes < engine.block_bytes
+    assert engine.capacity.spare_bytes == sim._headroom() and 0 < engine.capacity.spare_bytes < engine.block_bytes
 
 
 def _computed(routing, ids) -> list[int]:
@@ -496,7 +496,7 @@ def test_a_kv_growth_the_device_cannot_back_leaves_the_pool_and_loses_nothing(ap
 
     def refusing(n):
         if n > cap:
-            attempts.append(engine._spare_bytes)
+            attempts.append(engine.capacity.spare_bytes)
             raise VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
         resize(n)
 
@@ -508,6 +508,6 @@ def test_a_kv_growth_the_device_cannot_back_leaves_the_pool_and_loses_nothing(ap
             outputs[out.request_id] = out
         assert engine.kv.num_blocks == engine.pool.id_limit <= cap   # the pool never counts blocks the cache lacks
     assert sorted(outputs) == sorted(ids) and all(len(o.token_ids) == 48 for o in outputs.values())
-    assert engine.kv_grow_failures == len(attempts) > 0
+    assert engine.capacity.grow_failures == len(attempts) > 0
     assert all(b > a for a, b in zip(attempts, attempts[1:]))   # each retry had more spare bytes than the last
     assert "growing the KV cache by" in caplog.text

@@ -145,9 +145,9 @@ def test_shrink_with_compaction_and_grow_keep_outputs(models):
     engine.step()
     before = engine.pool.block_table(rid)
     assert min(before) > 0 and engine.pool.num_free == 16 - len(before)
-    assert not engine.shrink_kv(engine.pool.num_free + 1)
+    assert not engine.capacity.shrink(engine.pool.num_free + 1)
     # retire every free block, block 0 included: a hole under live blocks, so the top one moves down into it
-    assert engine.shrink_kv(engine.pool.num_free)
+    assert engine.capacity.shrink(engine.pool.num_free)
     after = engine.pool.block_table(rid)
     assert sorted(after) == list(range(len(before))) and after != before
     assert engine.pool.id_limit == engine.kv.num_blocks == engine.pool.capacity == len(before)
@@ -155,7 +155,7 @@ def test_shrink_with_compaction_and_grow_keep_outputs(models):
     while engine.has_unfinished():  # the request stalls when its blocks are full, until the pool grows
         outputs += engine.step()
         if engine.num_steps == 5:
-            engine.grow_kv(8)
+            engine.capacity.grow(8)
             assert engine.kv.num_blocks == engine.pool.id_limit == len(before) + 8
     assert outputs[-1].token_ids == expect and outputs[-1].finish_reason == "length"
 
@@ -192,15 +192,15 @@ def test_released_weight_bytes_grow_the_kv_pool(models):
     assert engine.table.q[0] == 4
     grown = freed // engine.block_bytes
     assert engine.pool.capacity == 8 + grown and engine.kv.num_blocks == engine.pool.id_limit
-    assert engine._spare_bytes == freed - grown * engine.block_bytes
+    assert engine.capacity.spare_bytes == freed - grown * engine.block_bytes
 
 
 def test_weight_bytes_freed_outside_the_loop_grow_the_kv_pool(models):
     engine = LLMEngine(models["mixtral"], EngineConfig(num_kv_blocks=8, block_size=4))
     b = engine.block_bytes
-    assert engine.give_weight_bytes(b // 2) == 0 and engine.pool.capacity == 8   # half a block waits as spare
-    assert engine.give_weight_bytes(b * 2) == 2 and engine.pool.capacity == 10   # 2.5 blocks: two more, half spare
-    assert engine.kv.num_blocks == engine.pool.id_limit and engine._spare_bytes == b // 2
+    assert engine.capacity.give(b // 2) == 0 and engine.pool.capacity == 8   # half a block waits as spare
+    assert engine.capacity.give(b * 2) == 2 and engine.pool.capacity == 10   # 2.5 blocks: two more, half spare
+    assert engine.kv.num_blocks == engine.pool.id_limit and engine.capacity.spare_bytes == b // 2
 
 
 def test_trace_recording(models, tmp_path):

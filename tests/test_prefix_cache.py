@@ -670,11 +670,11 @@ def test_outputs_survive_shrink_with_compaction_and_grow_over_shared_blocks(mode
         r2 = engine.add_request(second, _greedy())
         done += engine.step()
         before = engine.pool.block_table(r1), engine.pool.block_table(r2)
-        assert engine.shrink_kv(engine.pool.num_free)
+        assert engine.capacity.shrink(engine.pool.num_free)
         after = engine.pool.block_table(r1), engine.pool.block_table(r2)
         assert engine.pool.id_limit == engine.kv.num_blocks == engine.pool.capacity
         moved[caching] = before, after
-        engine.grow_kv(40)
+        engine.capacity.grow(40)
         while engine.has_unfinished():
             done += engine.step()
         hits = engine.scheduler.num_cached_tokens
