@@ -15,9 +15,11 @@ say what the device held, the mapped memory included (`MappedMemory`), to set be
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pwruntime.vmm import DriverCalls
 
 GIB = 2 ** 30
 
@@ -26,12 +28,15 @@ GIB = 2 ** 30
 class MappedMemory:
     """Device memory the process maps itself beside torch's allocator, in bytes: the KV cache's and the expert planes'
     now and at their peaks, and the most that and the allocator's reserved memory came to at once (`held_peak`:
-    sampled by the engine whenever the KV cache is resized, where the trade between the two happens)."""
+    sampled by the engine whenever the KV cache is resized, where the trade between the two happens), and the driver
+    calls each one's mapping took."""
     kv: int = 0
     kv_peak: int = 0
     weights: int = 0
     weights_peak: int = 0
     held_peak: int = 0
+    kv_calls: DriverCalls = field(default_factory=DriverCalls)
+    weights_calls: DriverCalls = field(default_factory=DriverCalls)
 
 
 def held_bytes(device: torch.device | str, mapped_bytes: int) -> int:
@@ -81,8 +86,8 @@ def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemor
     """GiB the allocator's tensors took at most (`peak_allocated_gib`) and the allocator held at most from the device
     (`peak_reserved_gib`), what it holds now (`reserved_gib`), in how many segments and how many of them expandable,
     the KV cache's and the expert planes' own mapped memory now and at most, the most all of it held at once
-    (`peak_held_gib`: `mapped.held_peak`, or what is held now if more), and the user's allocator configuration if
-    any; None off CUDA."""
+    (`peak_held_gib`: `mapped.held_peak`, or what is held now if more), the driver calls that mapping took
+    (`driver_calls`: vmm.DriverCalls of each), and the user's allocator configuration if any; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
@@ -96,5 +101,6 @@ def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemor
             "weights_mapped_gib": round(mapped.weights / GIB, 3),
             "weights_peak_mapped_gib": round(mapped.weights_peak / GIB, 3),
             "peak_held_gib": round(held / GIB, 3),
+            "driver_calls": {"kv": mapped.kv_calls.as_dict(), "weights": mapped.weights_calls.as_dict()},
             "segments": len(segments), "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
             "user_alloc_conf": user_alloc_conf()}

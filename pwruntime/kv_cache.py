@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pwruntime.vmm import GrowableBuffer
+from pwruntime.vmm import DriverCalls, GrowableBuffer
 
 
 class KVCache:
@@ -132,6 +132,11 @@ class KVCache:
         """Device memory the growable buffers hold now (0 without them); at most one handle a buffer above nbytes,
         plus what a shrink retired and the device still uses."""
         return sum(b.mapped for b in self.buffers)
+
+    @property
+    def driver_calls(self) -> DriverCalls:
+        """The driver's virtual-memory calls the growable buffers made so far (none without them)."""
+        return sum((b.calls for b in self.buffers), DriverCalls())
 
     @property
     def peak_mapped_bytes(self) -> int:

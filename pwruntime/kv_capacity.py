@@ -23,6 +23,7 @@ from policies.page_table import PageTable
 from policies.planners.base import weight_bytes
 from pwruntime.cuda_memory import MappedMemory, held_bytes
 from pwruntime.kv_cache import KVCache
+from pwruntime.vmm import DriverCalls
 from traces.clikit import UserError
 from traces.sizes import format_size
 
@@ -159,4 +160,5 @@ class KvCapacity:
         arena = getattr(getattr(self.model, "experts", None), "arena", None)
         on = arena is not None
         return MappedMemory(self.kv.mapped_bytes, self.kv.peak_mapped_bytes, arena.mapped if on else 0,
-                            arena.peak_mapped if on else 0, self._held_peak)
+                            arena.peak_mapped if on else 0, self._held_peak, self.kv.driver_calls,
+                            arena.driver_calls if on else DriverCalls())

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pwruntime.copy_batch import CopyBatch
-from pwruntime.vmm import GrowableBuffer, wrap
+from pwruntime.vmm import DriverCalls, GrowableBuffer, wrap
 
 SLOT_ALIGN = 256  # bytes: every slot starts on a 256-byte boundary (the kernels' 16-byte loads need 16)
 SLACK_SHARE = 64  # a class keeps up to 1/64 of its bytes free (_Class.slack)
@@ -197,6 +197,11 @@ class PlaneArena:
     def peak_mapped(self) -> int:
         """The most bytes each class has mapped, summed: no less than the most the arena held at once."""
         return sum(cls.buffer.peak_mapped for cls in self._classes.values())
+
+    @property
+    def driver_calls(self) -> DriverCalls:
+        """The driver's virtual-memory calls the classes' buffers made so far."""
+        return sum((cls.buffer.calls for cls in self._classes.values()), DriverCalls())
 
     @property
     def used(self) -> int:

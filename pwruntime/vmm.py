@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +97,25 @@ def handle_sizes(start: int, end: int, step: int, max_handle: int) -> list[int]:
 
 
 @dataclass
+class DriverCalls:
+    """What a buffer asked of the driver's virtual memory so far: handles mapped (`cuMemCreate` + `cuMemMap` each),
+    access grants (`cuMemSetAccess`, one a growth), handles unmapped (`cuMemUnmap` + `cuMemRelease` each), and the
+    host seconds the growths and unmaps took."""
+    mapped: int = 0
+    grants: int = 0
+    unmapped: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: "DriverCalls") -> "DriverCalls":
+        return DriverCalls(self.mapped + other.mapped, self.grants + other.grants, self.unmapped + other.unmapped,
+                           self.seconds + other.seconds)
+
+    def as_dict(self) -> dict:
+        return {"handles_mapped": self.mapped, "access_grants": self.grants, "handles_unmapped": self.unmapped,
+                "host_ms": round(self.seconds * 1e3, 3)}
+
+
+@dataclass
 class _Handle:
     offset: int
     size: int
@@ -124,6 +144,7 @@ class GrowableBuffer:
         self._handles: list[_Handle] = []
         self._active = 0
         self.peak_mapped = 0
+        self.calls = DriverCalls()
         self._grow(self.step)    # the first step stays mapped: torch wraps only an address it can see is on the device
 
     @property
@@ -162,16 +183,18 @@ class GrowableBuffer:
         start = self.size
         if start >= nbytes:
             return
-        lib, offset = _driver(), start
+        lib, offset, t0 = _driver(), start, time.perf_counter()
         try:
             for size in handle_sizes(start, nbytes, self.step, self.max_handle):
                 self._map(offset, size)
                 offset += size
         finally:   # one access grant for all that got mapped: the driver charges about 25 us a call, whatever its size
             if offset > start:
+                self.calls.grants += 1
                 _check("cuMemSetAccess",
                        lib.cuMemSetAccess(self.ptr + start, offset - start, ctypes.byref(self._access), 1))
             self.peak_mapped = max(self.peak_mapped, self.mapped)
+            self.calls.seconds += time.perf_counter() - t0
 
     def _map(self, offset: int, size: int) -> None:
         lib, handle = _driver(), ctypes.c_uint64()
@@ -186,17 +209,20 @@ class GrowableBuffer:
             _check("cuMemMap", result)
         self._handles.insert(self._active, _Handle(offset, size, handle.value))
         self._active += 1
+        self.calls.mapped += 1
 
     def release_retired(self) -> int:
         """Unmap the retiring handles whose event has completed, from the top down; returns the bytes given back to
         the driver."""
         lib, freed = _driver(), 0
         while len(self._handles) > self._active and self._handles[-1].retiring.query():
-            h = self._handles[-1]
+            h, t0 = self._handles[-1], time.perf_counter()
             _check("cuMemUnmap", lib.cuMemUnmap(self.ptr + h.offset, h.size))
             _check("cuMemRelease", lib.cuMemRelease(h.handle))
             self._handles.pop()
             freed += h.size
+            self.calls.unmapped += 1
+            self.calls.seconds += time.perf_counter() - t0
         return freed
 
     def close(self) -> None:

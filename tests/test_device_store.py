@@ -385,6 +385,8 @@ def test_engine_with_a_plane_arena_decodes_the_same_and_keeps_it_dense(ap_path, 
     assert [outs[k] for k in sorted(outs)] == want
     assert store.arena.moves > 0 and store.arena.used < peak   # the scripted plan ends lower than it starts
     assert mover.metrics()["page_arena_moves_total"] == store.arena.moves
+    calls = store.arena.driver_calls   # what the arena's buffers mapped and gave back, as the engine reports it
+    assert calls.mapped > calls.unmapped > 0 and engine.capacity.mapped_memory().weights_calls == calls
     assert_rows_follow(store, engine.table)
 
 

@@ -9,7 +9,8 @@ from pwruntime import vmm
 
 class HostBuffer:
     """A GrowableBuffer over a host tensor: `size` follows `resize` exactly and a shrink's memory is unmapped at once;
-    with `growths_left` set, the growth after that many raises as the driver's out-of-memory does."""
+    with `growths_left` set, the growth after that many raises as the driver's out-of-memory does. `calls` counts a
+    growth's grant and the `step`s it maps or a shrink unmaps, as the driver's handles."""
     growths_left: int | None = None
     step = 4096
 
@@ -18,6 +19,7 @@ class HostBuffer:
         self._memory = torch.full((capacity,), 7, dtype=torch.uint8)   # what unmapped memory would hold: not zeros
         self.ptr = self._memory.data_ptr()
         self.closed = False
+        self.calls = vmm.DriverCalls()
 
     def resize(self, nbytes: int) -> None:
         if nbytes > self.capacity:
@@ -26,6 +28,11 @@ class HostBuffer:
             if HostBuffer.growths_left == 0:
                 raise vmm.VmmOutOfMemory("cuMemCreate failed: CUDA driver error 2 (out of memory)")
             HostBuffer.growths_left -= 1
+        if nbytes > self.size:
+            self.calls.grants += 1
+            self.calls.mapped += -(-(nbytes - self.size) // self.step)
+        else:
+            self.calls.unmapped += (self.size - nbytes) // self.step
         self.size = self.mapped = nbytes
         self.peak_mapped = max(self.peak_mapped, nbytes)
 
