@@ -184,10 +184,9 @@ def run(args) -> int:
                   f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by "
                   f"the KV cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; "
                   f"{mem['peak_held_gib']:.2f} GiB held at most{budget}")
-            calls = [f"{what} {c['handles_mapped']} handles mapped, {c['handles_unmapped']} unmapped, "
-                     f"{c['host_ms']:.1f} ms" for what, c in (("the KV cache", mem["driver_calls"]["kv"]),
-                                                              ("the expert planes", mem["driver_calls"]["weights"]))
-                     if c["handles_mapped"]]
+            owners = (("the KV cache", mem["driver_calls"]["kv"]), ("the expert planes", mem["driver_calls"]["weights"]))
+            calls = [f"{what} {c['handles_mapped']} handles mapped in {c['map_ms']:.1f} ms, {c['handles_unmapped']} "
+                     f"unmapped in {c['unmap_ms']:.1f} ms" for what, c in owners if c["handles_mapped"]]
             if calls:
                 print("the driver's virtual memory, since the engine started: " + "; ".join(calls))
         if result.routing is not None:

@@ -98,21 +98,23 @@ def handle_sizes(start: int, end: int, step: int, max_handle: int) -> list[int]:
 
 @dataclass
 class DriverCalls:
-    """What a buffer asked of the driver's virtual memory so far: handles mapped (`cuMemCreate` + `cuMemMap` each),
-    access grants (`cuMemSetAccess`, one a growth), handles unmapped (`cuMemUnmap` + `cuMemRelease` each), and the
-    host seconds the growths and unmaps took."""
+    """What a buffer asked of the driver's virtual memory so far: handles mapped (`cuMemCreate` + `cuMemMap` each) and
+    access grants (`cuMemSetAccess`, one a growth), with the host seconds the growths took, and handles unmapped
+    (`cuMemUnmap` + `cuMemRelease` each), with theirs."""
     mapped: int = 0
     grants: int = 0
+    map_seconds: float = 0.0
     unmapped: int = 0
-    seconds: float = 0.0
+    unmap_seconds: float = 0.0
 
     def __add__(self, other: "DriverCalls") -> "DriverCalls":
-        return DriverCalls(self.mapped + other.mapped, self.grants + other.grants, self.unmapped + other.unmapped,
-                           self.seconds + other.seconds)
+        return DriverCalls(self.mapped + other.mapped, self.grants + other.grants,
+                           self.map_seconds + other.map_seconds, self.unmapped + other.unmapped,
+                           self.unmap_seconds + other.unmap_seconds)
 
     def as_dict(self) -> dict:
-        return {"handles_mapped": self.mapped, "access_grants": self.grants, "handles_unmapped": self.unmapped,
-                "host_ms": round(self.seconds * 1e3, 3)}
+        return {"handles_mapped": self.mapped, "access_grants": self.grants, "map_ms": round(self.map_seconds * 1e3, 3),
+                "handles_unmapped": self.unmapped, "unmap_ms": round(self.unmap_seconds * 1e3, 3)}
 
 
 @dataclass
@@ -194,7 +196,7 @@ class GrowableBuffer:
                 _check("cuMemSetAccess",
                        lib.cuMemSetAccess(self.ptr + start, offset - start, ctypes.byref(self._access), 1))
             self.peak_mapped = max(self.peak_mapped, self.mapped)
-            self.calls.seconds += time.perf_counter() - t0
+            self.calls.map_seconds += time.perf_counter() - t0
 
     def _map(self, offset: int, size: int) -> None:
         lib, handle = _driver(), ctypes.c_uint64()
@@ -222,7 +224,7 @@ class GrowableBuffer:
             self._handles.pop()
             freed += h.size
             self.calls.unmapped += 1
-            self.calls.seconds += time.perf_counter() - t0
+            self.calls.unmap_seconds += time.perf_counter() - t0
         return freed
 
     def close(self) -> None:

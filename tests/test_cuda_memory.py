@@ -68,7 +68,7 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     assert grown < 2.5 * 1400 * per_block, grown / 2 ** 20
     gib = 2 ** 30
     mapped = cuda_memory.MappedMemory(kv=3 * gib, kv_peak=5 * gib, weights=gib, weights_peak=2 * gib,
-                                      held_peak=1000 * gib, weights_calls=DriverCalls(4, 2, 3, 0.0125))
+                                      held_peak=1000 * gib, weights_calls=DriverCalls(4, 2, 0.0125, 3, 0.5))
     report = cuda_memory.memory_report("cuda", mapped)
     assert report["expandable_segments"] >= 1 and report["user_alloc_conf"] is None
     assert report["peak_reserved_gib"] >= report["reserved_gib"] > 0
@@ -76,7 +76,7 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     assert report["weights_mapped_gib"] == 1 and report["weights_peak_mapped_gib"] == 2
     assert report["peak_held_gib"] == 1000
     assert report["driver_calls"] == {"kv": DriverCalls().as_dict(), "weights": {
-        "handles_mapped": 4, "access_grants": 2, "handles_unmapped": 3, "host_ms": 12.5}}
+        "handles_mapped": 4, "access_grants": 2, "map_ms": 12.5, "handles_unmapped": 3, "unmap_ms": 500.0}}
     now = cuda_memory.memory_report("cuda", cuda_memory.MappedMemory(kv=3 * gib, weights=gib))  # no sample: held now
     assert now["peak_held_gib"] == pytest.approx(now["reserved_gib"] + 4, abs=2e-3)
     gauges = cuda_memory.memory_gauges("cuda", cuda_memory.MappedMemory(kv=7, weights=9))
