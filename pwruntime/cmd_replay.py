@@ -177,18 +177,8 @@ def run(args) -> int:
             print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "
                   f"{plan['plan']:.2f} ms each: routing read {plan['read']:.2f}, page moves {plan['moves']:.2f}, "
                   f"KV resizes {plan['kv']:.2f}, the rest {plan['other']:.2f}")
-        mem = summary["gpu_memory"]
-        if mem is not None:
-            budget = f" (budget {args.gpu_memory_budget})" if args.gpu_memory_budget else ""
-            print(f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in the allocator's tensors, "
-                  f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by "
-                  f"the KV cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; "
-                  f"{mem['peak_held_gib']:.2f} GiB held at most{budget}")
-            owners = (("the KV cache", mem["driver_calls"]["kv"]), ("the expert planes", mem["driver_calls"]["weights"]))
-            calls = [f"{what} {c['handles_mapped']} handles mapped in {c['map_ms']:.1f} ms, {c['handles_unmapped']} "
-                     f"unmapped in {c['unmap_ms']:.1f} ms" for what, c in owners if c["handles_mapped"]]
-            if calls:
-                print("the driver's virtual memory, since the engine started: " + "; ".join(calls))
+        if summary["gpu_memory"] is not None:
+            print("\n".join(gpu_memory_lines(summary["gpu_memory"], args.gpu_memory_budget)))
         if result.routing is not None:
             print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
                   "replay's settings)")
@@ -198,3 +188,18 @@ def run(args) -> int:
             for s in documents["host_stacks"]["stretches"][:3]:
                 print(f"the host stood {s['seconds']:.2f} s at {s['start_s']:+.2f} s in {' <- '.join(s['stack'][:3])}")
     return 0
+
+
+def gpu_memory_lines(mem: dict, budget: str | None) -> list[str]:
+    """What a replay prints of its summary's `gpu_memory` (cuda_memory.memory_report): the memory held beside the
+    budget, and the driver calls the KV cache's and the expert planes' mappings made."""
+    lines = [f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in the allocator's tensors, "
+             f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by the KV "
+             f"cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; {mem['peak_held_gib']:.2f} GiB held "
+             f"at most" + (f" (budget {budget})" if budget else "")]
+    owners = (("the KV cache", mem["driver_calls"]["kv"]), ("the expert planes", mem["driver_calls"]["weights"]))
+    calls = [f"{what} {c['handles_mapped']} handles mapped in {c['map_ms']:.1f} ms, {c['handles_unmapped']} unmapped "
+             f"in {c['unmap_ms']:.1f} ms" for what, c in owners if c["handles_mapped"]]
+    if calls:
+        lines.append("the driver's virtual memory, since the engine started: " + "; ".join(calls))
+    return lines

@@ -49,6 +49,20 @@ def test_reports_are_empty_off_cuda():
     assert cuda_memory.memory_gauges("cpu") == {}
 
 
+def test_a_replay_prints_the_memory_held_and_the_driver_calls_of_each_mapping():
+    from pwruntime.cmd_replay import gpu_memory_lines
+    mem = {"peak_allocated_gib": 2.35, "peak_reserved_gib": 3.61, "kv_peak_mapped_gib": 5.94,
+           "weights_peak_mapped_gib": 0.0, "peak_held_gib": 13.98,
+           "driver_calls": {"kv": DriverCalls(40, 12, 0.0031, 38, 0.0125).as_dict(), "weights": DriverCalls().as_dict()}}
+    memory, calls = gpu_memory_lines(mem, "12GiB")
+    assert memory.startswith("GPU memory: peak 2.35 GiB") and memory.endswith("13.98 GiB held at most (budget 12GiB)")
+    # the planes' mapping made no call (they are in torch's allocator): only the cache's are printed
+    assert calls == ("the driver's virtual memory, since the engine started: the KV cache 40 handles mapped in 3.1 ms, "
+                     "38 unmapped in 12.5 ms")
+    mem["driver_calls"]["kv"] = DriverCalls().as_dict()
+    assert gpu_memory_lines(mem, None) == [memory.replace(" (budget 12GiB)", "")]
+
+
 @pytest.mark.gpu
 def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments():
     if cuda_memory.user_alloc_conf() is not None:
