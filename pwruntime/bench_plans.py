@@ -63,25 +63,43 @@ class PlayedPlans:
         return plan
 
 
-def _drain(device: torch.device) -> None:
+def drain(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class PlanMachinery:
+    """The runtime's plan machinery over `layers` MoE layers of random AP experts of one model shape, every block at
+    8 bits, driven by a policy that plays the plans it is handed (`policy.next`)."""
+    table: PageTable
+    store: DeviceExpertStore
+    mover: CudaPageMover
+    policy: PlayedPlans
+    loop: PlanLoop
+    observation: Observation   # what `loop.step` is given: no planner reads it
+
+    @classmethod
+    def build(cls, model: str, layers: int, seed: int, plane_arena: bool, device: torch.device,
+              progress=lambda s: None) -> "PlanMachinery":
+        hidden, intermediate, experts, _ = SHAPES[model]
+        progress(f"{model}: random experts")
+        weights = random_layers(hidden, intermediate, experts, layers, torch.Generator().manual_seed(seed))
+        table = PageTable(layers, experts, hidden, intermediate, bits=BITS)
+        store = DeviceExpertStore(weights, experts=experts, hidden=hidden, intermediate=intermediate, bits=BITS,
+                                  device=device, table=table, arena=plane_arena)
+        del weights  # the store holds its own (pinned) master
+        mover, policy = CudaPageMover(store), PlayedPlans()
+        observation = Observation(step=0, time_s=0.0, free_blocks=0, total_blocks=0, kv_block_bytes=0,
+                                  free_block_threshold=0)
+        return cls(table, store, mover, policy, PlanLoop(policy, table, mover), observation)
+
+
 def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda s: None) -> dict:
     """One model shape's row: host microseconds a transition for each boundary of `PHASES`, reload copy GB/s."""
-    hidden, intermediate, experts, _ = SHAPES[model]
-    gen = torch.Generator().manual_seed(cfg.seed)
-    progress(f"{model}: random experts")
-    layers = random_layers(hidden, intermediate, experts, cfg.layers, gen)
-    table = PageTable(cfg.layers, experts, hidden, intermediate, bits=BITS)
-    store = DeviceExpertStore(layers, experts=experts, hidden=hidden, intermediate=intermediate, bits=BITS,
-                              device=device, table=table, arena=cfg.plane_arena)
-    del layers  # the store holds its own (pinned) master
-    mover, policy = CudaPageMover(store), PlayedPlans()
-    loop = PlanLoop(policy, table, mover)
+    m = PlanMachinery.build(model, cfg.layers, cfg.seed, cfg.plane_arena, device, progress)
+    table, store, mover, policy, loop, obs = m.table, m.store, m.mover, m.policy, m.loop, m.observation
     n = table.num_blocks
-    obs = Observation(step=0, time_s=0.0, free_blocks=0, total_blocks=0, kv_block_bytes=0, free_block_threshold=0)
     per_round: dict[str, list[float]] = {p: [] for p in PHASES}
     copy_bytes, copy_s = 0, 0.0
     for r in range(cfg.reps + 1):
@@ -91,7 +109,7 @@ def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda 
             if to_bits is not None:
                 policy.next = make_plan(table, np.arange(n), np.full(n, to_bits), 0.0, f"every block to {to_bits} bits")
             else:
-                _drain(device)
+                drain(device)
             t0 = time.perf_counter()
             result = loop.step(obs)
             us = (time.perf_counter() - t0) * 1e6
@@ -99,7 +117,7 @@ def measure(model: str, cfg: PlansConfig, device: torch.device, progress=lambda 
                 raise RuntimeError(f"{model}: {len(result.rejected)} transitions refused: {result.rejected[:1]}")
             if r:
                 per_round[phase].append(us / n)
-        _drain(device)
+        drain(device)
         loop.step(obs)  # anything still in flight (none after the drains) lands before the next round
         if r:
             copy_bytes += mover.stats.bytes_reloaded - bytes0

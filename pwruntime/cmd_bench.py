@@ -70,12 +70,15 @@ def register(subparsers) -> None:
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512; mixed: the prompt beside the decode rows, "
                         "default 20,150,488)")
-    p.add_argument("--bits", type=int, default=4,
+    p.add_argument("--bits", type=int, default=None,
                    help="prefill: every expert block's committed bits; plans: the bits its offloads lower every "
                         "block to (3..7 there), default 4")
     p.add_argument("--layers", type=int, default=None, help="plans: MoE layers of each model shape (default 1)")
     p.add_argument("--plane-arena", action="store_true",
                    help="plans: the store's planes and LUTs in a plane arena, as `--plane-arena` serves them (CUDA)")
+    p.add_argument("--plan-log", default=None, metavar="DIR",
+                   help="plans: play the plans a `pwsim run` or `pwruntime replay` made (DIR/plans.parquet) instead "
+                        "of round trips, those of its first --layers layers, on the one shape --models names")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="activation dtype (kernels: default fp16, also used by the dense torch baselines; prefill: "
                         "activation and dequantized-weight dtype, default bf16, what the runtime serves on CUDA; "
@@ -177,20 +180,22 @@ def _config(args, lo: int, hi: int, default_tokens: str):
 
 
 def _run_prefill(args) -> int:
-    if not 3 <= args.bits <= 8:
-        raise UserError(f"--bits must lie in 3..8 (the device kernels' range), got {args.bits}")
+    bits = 4 if args.bits is None else args.bits
+    if not 3 <= bits <= 8:
+        raise UserError(f"--bits must lie in 3..8 (the device kernels' range), got {bits}")
     if args.profile_out is not None or args.plot_from is not None:
         raise UserError("--profile-out and --plot-from belong to `pwruntime bench kernels`")
     cfg, command = _config(args, 65, 8192, "128,256,512")
+    command += f" --bits {bits} --dtype {args.dtype or 'bf16'}"
     import torch
     from tqdm import tqdm
 
     from pwruntime import bench_prefill as bp
     dtype = cfg.act_dtype
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
-                 "bits": args.bits, "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "rows": []}
+                 "bits": bits, "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "rows": []}
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
-        res["rows"] += bp.prefill_layers(cfg, m, args.bits, dtype)
+        res["rows"] += bp.prefill_layers(cfg, m, bits, dtype)
         torch.cuda.empty_cache()
     return _report(args, res, command, bp.print_table, bp.plot)
 
@@ -328,7 +333,7 @@ def _run_plans(args) -> int:
 
     from pwruntime import bench_plans as bpl
     _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "plans",
-            " (it takes --models, --layers, --bits, --reps, --plane-arena, --seed, --out, --json)")
+            " (it takes --models, --layers, --bits, --reps, --plane-arena, --plan-log, --seed, --out, --json)")
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(bpl.SHAPES)
     unknown = [m for m in models if m not in bpl.SHAPES]
     if unknown:
@@ -336,15 +341,18 @@ def _run_plans(args) -> int:
     layers, reps = (1 if args.layers is None else args.layers), (5 if args.reps is None else args.reps)
     if layers < 1 or reps < 1:
         raise UserError(f"--layers and --reps must be positive, got {layers} and {reps}")
-    if not 3 <= args.bits < 8:
-        raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {args.bits}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.plane_arena and device.type != "cuda":
         raise UserError("--plane-arena needs a CUDA GPU (the arena maps device memory)")
     arena = " --plane-arena" if args.plane_arena else ""
-    command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {args.bits} "
+    if args.plan_log is not None:
+        return _run_plan_log(args, models, layers, device, arena)
+    bits = 4 if args.bits is None else args.bits
+    if not 3 <= bits < 8:
+        raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {bits}")
+    command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {bits} "
                        f"--reps {reps}{arena}")
-    cfg = bpl.PlansConfig(models, layers, args.bits, reps, args.seed, args.plane_arena)
+    cfg = bpl.PlansConfig(models, layers, bits, reps, args.seed, args.plane_arena)
     with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
         def progress(text: str) -> None:
             bar.set_postfix_str(text)
@@ -354,6 +362,27 @@ def _run_plans(args) -> int:
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
     return _report(args, res, command, bpl.print_table, bpl.plot)
+
+
+def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str) -> int:
+    """`bench plans --plan-log DIR`: the plans of a run played on one model shape (pwruntime.bench_plan_log)."""
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_plan_log as bpg
+    _refuse(args, ("bits", "reps"), "plans --plan-log", " (it plays the log's plans: it takes --models, --layers, "
+            "--plane-arena, --seed, --out, --json)")
+    if len(models) != 1:
+        raise UserError(f"--plan-log plays one run's plans on one model shape: give --models the shape it served "
+                        f"(one of {', '.join(m for m in models)})")
+    cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, args.plane_arena, args.seed)
+    command = _command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} --layers {layers}"
+                       f"{arena}")
+    with tqdm(desc="bench plans --plan-log", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
+        res = bpg.measure(cfg, device, progress=bar.set_postfix_str)
+    res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
+           "torch": torch.__version__, **res}
+    return _report(args, res, command, bpg.print_table, bpg.plot)
 
 
 def _run_kv_resize(args) -> int:
@@ -391,6 +420,8 @@ def run(args) -> int:
         raise UserError("--layers belongs to `pwruntime bench plans`")
     if args.plane_arena and args.target != "plans":
         raise UserError("--plane-arena belongs to `pwruntime bench plans`")
+    if args.plan_log is not None and args.target != "plans":
+        raise UserError("--plan-log belongs to `pwruntime bench plans`")
     if args.target == "serve":
         return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
     for name in bench_serve.SERVE_FLAGS:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from pwruntime.cli import main
+from traces.clikit import UserError
 
 
 def _result() -> dict:
@@ -196,6 +198,96 @@ def test_gpu_plans_bench_with_a_plane_arena_moves_tensors_and_leaves_the_blocks_
     assert "--plane-arena" in res["command"] and "in a plane arena" in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def demo_plan_log(tmp_path_factory):
+    """A `pwsim run` of the bundled default (the demo model under a 24 MiB budget): its plans.parquet."""
+    from pwsim.cli import main as sim_main
+    out = tmp_path_factory.mktemp("plans") / "sim"
+    assert sim_main(["run", "--budget", "24MiB", "--out", str(out)]) == 0
+    return out
+
+
+def test_a_runs_plans_are_grouped_by_step_and_checked_against_the_shape(demo_plan_log):
+    from pwruntime.bench_plan_log import started_plans
+    from traces.results import read_plan_log
+    log = read_plan_log(demo_plan_log)
+    plans = started_plans(log, "demo", 2)
+    in_two = (log["status"] == "started") & (log["layer"] < 2)
+    assert sum(len(b) for _, b, _, _ in plans) == int(in_two.sum()) > 0
+    assert [s for s, *_ in plans] == sorted(set(log["step"][in_two].tolist()))
+    for step, blocks, frm, to in plans:
+        rows = in_two & (log["step"] == step)
+        assert blocks.tolist() == log["block"][rows].tolist() and np.all(blocks < 2 * 16 * 2)
+        assert frm.tolist() == log["from_bits"][rows].tolist() and to.tolist() == log["to_bits"][rows].tolist()
+    with pytest.raises(UserError, match="not olmoe-1b-7b's"):   # 16 experts a layer numbered as 64
+        started_plans(log, "olmoe-1b-7b", 2)
+
+
+def test_plans_bench_plays_a_runs_plan_log(demo_plan_log, tmp_path, capsys):
+    """The demo run's own plans through the runtime's plan machinery (on the CPU here): every started transition of
+    its four layers begun and landed, a plan at a time, from the bits its blocks start at in the log."""
+    from traces.results import read_plan_log
+    out = tmp_path / "log.json"
+    assert main(["bench", "plans", "--plan-log", str(demo_plan_log), "--models", "demo", "--layers", "4",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    log = read_plan_log(demo_plan_log)
+    started = log["status"] == "started"
+    row = res["row"]
+    assert (row["model"], row["layers"], row["transitions"]) == ("demo", 4, int(started.sum()))
+    assert row["plans"] == len(res["per_plan"]) == len(set(log["step"][started].tolist()))
+    assert row["offloads"] == int(np.sum(log["to_bits"][started] < log["from_bits"][started]))
+    assert row["begin_us"] > 0 and row["land_us"] > 0 and row["transition_us"] == row["begin_us"] + row["land_us"]
+    assert "arena_moves_per_transition" not in row and out.with_suffix(".png").stat().st_size > 0
+    text = capsys.readouterr().out
+    assert f"reproduce: pwruntime bench plans --plan-log {demo_plan_log} --models demo --layers 4" in text
+    assert f"{row['transitions']} transitions" in text
+
+
+def test_a_played_plan_log_reports_the_arenas_moves_calls_and_overhead(demo_plan_log, monkeypatch):
+    """The arena's part of the row, over host memory (tests/vmm_fakes.py): its moves, the handles its buffers mapped
+    and unmapped a transition, and its mapped memory over what its tensors take after each plan."""
+    from pwruntime import bench_plan_log as bpg
+    from pwruntime import plane_arena
+    from vmm_fakes import HostBuffer
+    monkeypatch.setattr(plane_arena, "GrowableBuffer", HostBuffer)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    res = bpg.measure(bpg.PlanLogConfig(str(demo_plan_log), "demo", 4, plane_arena=True), torch.device("cpu"))
+    row = res["row"]
+    ratios = [p["mapped_over_live"] for p in res["per_plan"]]
+    assert row["mapped_over_live_max"] == max(ratios) >= row["mapped_over_live_mean"] >= 1
+    assert row["arena_moves_per_transition"] >= 0 and row["driver_us_per_transition"] >= 0
+    assert row["handles_mapped_per_transition"] > 0 and row["handles_unmapped_per_transition"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_plans_bench_plays_a_runs_plan_log_with_a_plane_arena(demo_plan_log, tmp_path, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "log.json"
+    assert main(["bench", "plans", "--plan-log", str(demo_plan_log), "--models", "demo", "--layers", "4",
+                 "--plane-arena", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    row = res["row"]
+    assert res["plane_arena"] and row["transitions"] > 0 and row["arena_moves_per_transition"] >= 0
+    assert row["mapped_over_live_max"] >= row["mapped_over_live_mean"] >= 1   # whole 2 MiB steps over its tensors
+    assert row["handles_mapped_per_transition"] >= 0 and row["handles_unmapped_per_transition"] >= 0
+    assert "the arena a transition:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--models", "demo,olmoe-1b-7b"], "on one model shape"),
+    (["--models", "demo", "--bits", "5"], "--bits does not apply to `pwruntime bench plans --plan-log`"),
+    (["--models", "demo", "--reps", "2"], "--reps does not apply to `pwruntime bench plans --plan-log`"),
+    (["--models", "olmoe-1b-7b", "--layers", "2"], "give --models the shape of the model the run served"),
+])
+def test_plans_bench_plan_log_misuse_is_one_clear_error(demo_plan_log, capsys, tmp_path, argv, message):
+    out = tmp_path / "x.json"
+    assert main(["bench", "plans", "--plan-log", str(demo_plan_log), *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and not out.exists()
+
+
 @pytest.mark.parametrize("argv,message", [
     (["plans", "--bits", "8"], "--bits must lie in 3..7"),
     (["plans", "--models", "gpt2"], "unknown model shape(s) ['gpt2']"),
@@ -207,6 +299,8 @@ def test_gpu_plans_bench_with_a_plane_arena_moves_tensors_and_leaves_the_blocks_
     (["kv-resize", "--models", "gpt2"], "--models: no model card 'gpt2'"),
     (["kv-resize", "--reps", "0"], "--reps must be positive"),
     (["kv-resize", "--tokens", "4"], "--tokens does not apply to `pwruntime bench kv-resize`"),
+    (["decode", "--plan-log", "runs/x"], "--plan-log belongs to `pwruntime bench plans`"),
+    (["plans", "--models", "demo", "--plan-log", "/nonexistent"], "holds no plan log"),
 ])
 def test_plans_and_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):
     assert main(["bench", *argv]) == 2
