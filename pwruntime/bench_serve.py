@@ -211,7 +211,7 @@ def run_cli(args, command: str) -> int:
                             "--trace, --time-scale, --request-rate, --burstiness, --seed, --max-concurrency, "
                             "--max-requests, --api-key, --served-model-name, --slo-ttft, --slo-tpot, --out, --force, "
                             "--json)")
-    if args.no_cuda_graphs or args.async_scheduling or args.max_tokens != 16 or args.bits != 4:
+    if args.no_cuda_graphs or args.async_scheduling or args.max_tokens != 16:
         raise UserError("`pwruntime bench serve` measures a running server: its engine options are `pwruntime "
                         "serve`'s; give --url, --trace and --time-scale")
     if not args.url:

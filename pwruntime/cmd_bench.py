@@ -422,6 +422,8 @@ def run(args) -> int:
         raise UserError("--plane-arena belongs to `pwruntime bench plans`")
     if args.plan_log is not None and args.target != "plans":
         raise UserError("--plan-log belongs to `pwruntime bench plans`")
+    if args.bits is not None and args.target not in ("prefill", "plans"):
+        raise UserError("--bits belongs to `pwruntime bench prefill` and `bench plans`")
     if args.target == "serve":
         return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
     for name in bench_serve.SERVE_FLAGS:

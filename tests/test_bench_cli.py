@@ -300,6 +300,8 @@ def test_plans_bench_plan_log_misuse_is_one_clear_error(demo_plan_log, capsys, t
     (["kv-resize", "--reps", "0"], "--reps must be positive"),
     (["kv-resize", "--tokens", "4"], "--tokens does not apply to `pwruntime bench kv-resize`"),
     (["decode", "--plan-log", "runs/x"], "--plan-log belongs to `pwruntime bench plans`"),
+    (["kernels", "--bits", "5"], "--bits belongs to `pwruntime bench prefill` and `bench plans`"),
+    (["serve", "--bits", "5"], "--bits belongs to `pwruntime bench prefill` and `bench plans`"),
     (["plans", "--models", "demo", "--plan-log", "/nonexistent"], "holds no plan log"),
 ])
 def test_plans_and_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):
