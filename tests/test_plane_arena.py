@@ -133,6 +133,63 @@ def test_trim_gives_the_free_tail_back_beyond_the_slack(host_arena):
     assert buf.size == 2 * PLANE + cls.slack
 
 
+def _check_books(arena: PlaneArena, live: dict, pinned_sizes: set[int]) -> None:
+    """The invariants of the random churn test (a function, so that no tensor outlives the check in a local)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t, _ in live.values())
+    assert all(a_end <= b for (_, a_end), (b, _) in zip(spans, spans[1:]))   # no overlap
+    for t, v in live.values():
+        assert bool((t == (v if t.dtype == torch.int32 else v % 1000)).all())
+    for nbytes, cls in arena._classes.items():
+        slots = [slot(arena, t) for t, _ in live.values() if t.nbytes == nbytes]
+        assert cls.live == len(slots) and cls.top == 1 + max(slots, default=-1)
+        if nbytes not in pinned_sizes:   # nothing stopped its packing
+            assert (cls.top - cls.live) * cls.size <= cls.slack
+        assert cls.buffer.size <= cls.top * cls.size + 2 * cls.slack + cls.size
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_allocations_frees_packs_and_trims_keep_every_tensor_whole_and_the_books_straight(host_arena, seed):
+    """Seeded random churn over two classes, as plans make it: tensors allocated and dropped, some pinned (a copy in
+    flight: they may not move), a pack and a trim at every 'flush'. No two live tensors share a byte, every tensor
+    keeps its content through the moves, each class counts exactly its live slots and keeps its holes within its
+    slack after a pack that nothing pinned stopped, and the buffers map no more than the tops plus twice the slack."""
+    gen = torch.Generator().manual_seed(seed)
+    arena = host_arena({PLANE: 400, LUT: 400})
+    live: dict[int, tuple[torch.Tensor, int]] = {}   # key -> (tensor, value it holds)
+    pinned: set[int] = set()
+    owner: dict[int, int] = {}   # data_ptr -> key
+
+    def relocate(old, new):
+        key = owner.pop(old.data_ptr())
+        owner[new.data_ptr()] = key
+        live[key] = (new, live[key][1])
+
+    key = 0
+    for flush in range(60):
+        for _ in range(int(torch.randint(1, 12, (1,), generator=gen))):
+            if live and bool(torch.rand((), generator=gen) < 0.45):   # drop one
+                k = list(live)[int(torch.randint(len(live), (1,), generator=gen))]
+                owner.pop(live.pop(k)[0].data_ptr())
+                pinned.discard(k)
+            else:                                                    # allocate a plane or a LUT, filled
+                key += 1   # (no local names the tensor: dropping it from `live` must free its slot)
+                if bool(torch.rand((), generator=gen) < 0.5):
+                    live[key] = (arena.empty((16, 32), torch.int32).fill_(key), key)
+                else:
+                    live[key] = (arena.empty((64, 8), torch.float16).fill_(key % 1000), key)
+                owner[live[key][0].data_ptr()] = key
+                if bool(torch.rand((), generator=gen) < 0.1):
+                    pinned.add(key)
+        pinned_ptrs = {live[k][0].data_ptr() for k in pinned}
+        batch = CopyBatch(torch.device("cpu"))
+        arena.pack(lambda t: t.data_ptr() not in pinned_ptrs, relocate, batch)
+        batch.issue()
+        arena.trim()
+        _check_books(arena, live, {live[k][0].nbytes for k in pinned})
+        pinned = {k for k in pinned if bool(torch.rand((), generator=gen) < 0.5)}   # copies land
+    assert arena.moves > 0
+
+
 @pytest.mark.gpu
 def test_gpu_arena_maps_slots_moves_them_and_unmaps_what_trim_lets_go():
     if not torch.cuda.is_available():
