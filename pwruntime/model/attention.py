@@ -4,8 +4,9 @@ Tokens of a batch are flattened (sequence 0's new tokens, then sequence 1's, ...
 is written to its slot (block_id * block_size + offset) first; then a token attends to its sequence's
 cached tokens plus the new tokens up to itself (causal, optionally within a sliding window).
 
-The reference gathers K/V through the block tables, vectorised over sequences: all decode tokens of the
-batch (query length 1) form one group; each multi-token chunk is its own group. A chunk with no cached
+The reference gathers K/V through the block tables, a cache block at a time and vectorised over sequences, and
+runs scaled_dot_product_attention over them in fp32 with the group's mask: all decode tokens of the batch (query
+length 1) form one group; each multi-token chunk is its own group. A chunk with no cached
 context (plain prefill) uses torch's scaled_dot_product_attention on its own K/V, which is the same
 math, and so does a chunk after its cached context (no sliding window): its keys gathered from the cache in
 one index each, the causal mask aligned to the bottom right. The group reference is the CPU path of the
@@ -95,19 +96,19 @@ class _PrefillGroup:          # one sequence, no cached context: attend among it
 
 
 @dataclass
-class _GatherGroup:           # sequences whose keys are gathered from the paged cache
+class _GatherGroup:           # sequences whose keys are gathered from the paged cache, a block at a time
     token_idx: torch.Tensor   # [Tg] flat token positions in the batch
     dest: torch.Tensor        # [Tg] row in the padded [S*Qmax] query layout
-    key_slots: torch.Tensor   # [S, L] cache slot of key position p (0 where invalid)
-    key_valid: torch.Tensor   # [S, L]
+    key_blocks: torch.Tensor  # [S, B] cache block of key positions b*block_size.. (0 past the sequence)
+    key_valid: torch.Tensor   # [S, L = B*block_size] key position p is the sequence's
     q_pos: torch.Tensor       # [S, Qmax] absolute position of each padded query row
     q_valid: torch.Tensor     # [S, Qmax]
     masks: dict = field(default_factory=dict)   # window -> [S, Qmax, L] bool (built on first use)
-    span: tuple[int, int] | None = None         # one sequence: its rows start..end of the batch
+    span: tuple[int, int, int] | None = None    # one sequence: its rows start..end of the batch, and its keys
 
     def mask(self, window: int | None) -> torch.Tensor:
         if window not in self.masks:
-            k_pos = torch.arange(self.key_slots.shape[1], device=self.q_pos.device)
+            k_pos = torch.arange(self.key_valid.shape[1], device=self.q_pos.device)
             m = (k_pos[None, None, :] <= self.q_pos[:, :, None]) & self.key_valid[:, None, :]
             if window is not None:
                 m &= k_pos[None, None, :] > self.q_pos[:, :, None] - window
@@ -257,49 +258,58 @@ class AttentionPlan:
         q_lens = torch.tensor([meta.query_lens[s] for s in seqs])
         ctx = torch.tensor([meta.context_lens[s] for s in seqs])
         q_max = int(q_lens.max())
-        key_slots, in_seq = _key_slots(meta, seqs, ctx + q_lens, block_size)
+        key_blocks, in_seq = _key_blocks(meta, seqs, ctx + q_lens, block_size)
         qi = torch.arange(q_max)
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
         to = lambda t: to_device(t, device)  # noqa: E731
-        span = (starts[seqs[0]], starts[seqs[0] + 1]) if len(seqs) == 1 else None
-        return _GatherGroup(to(token_idx), to(dest), to(key_slots), to(in_seq), to(ctx[:, None] + qi[None, :]),
+        span = (starts[seqs[0]], starts[seqs[0] + 1], int(ctx[0] + q_lens[0])) if len(seqs) == 1 else None
+        return _GatherGroup(to(token_idx), to(dest), to(key_blocks), to(in_seq), to(ctx[:, None] + qi[None, :]),
                             to(qi[None, :] < q_lens[:, None]), span=span)
+
+
+def _key_blocks(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the host (meta.host_tables when present, else the tables read back): the cache blocks holding key
+    positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, B] int64 (B the longest one's blocks) with 0 for a
+    block past a sequence's length, and where positions are in it, [S, B * block_size]. Raises when a block table
+    does not cover its sequence."""
+    tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
+    n_blocks = -(-int(lengths.max()) // block_size)
+    table = tables.to(torch.int64)[seqs]
+    needed = torch.arange(n_blocks)[None, :] * block_size < lengths[:, None]    # blocks holding some position
+    blocks = table[:, :n_blocks]
+    if blocks.shape[1] < n_blocks or bool((needed & (blocks < 0)).any()):
+        raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
+    return torch.where(needed, blocks, 0), torch.arange(n_blocks * block_size)[None, :] < lengths[:, None]
 
 
 def _key_slots(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """On the host (meta.host_tables when present, else the tables read back): the cache slot of key positions
-    0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0 past a sequence's length, and where
-    positions are in it. Raises when a block table does not cover its sequence."""
-    tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
-    table = tables.to(torch.int64)[seqs]
-    k_pos = torch.arange(int(lengths.max()))
-    blocks = table[:, (k_pos // block_size).clamp(max=table.shape[1] - 1)]
-    in_seq = k_pos[None, :] < lengths[:, None]
-    if bool((in_seq & ((blocks < 0) | (k_pos[None, :] >= table.shape[1] * block_size))).any()):
-        raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
-    return torch.where(in_seq, blocks * block_size + k_pos % block_size, 0), in_seq
+    """The cache slot of key positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0 past
+    a sequence's length, and where positions are in it (from `_key_blocks`)."""
+    blocks, in_seq = _key_blocks(meta, seqs, lengths, block_size)
+    length = int(lengths.max())
+    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(seqs), -1)[:, :length]
+    in_seq = in_seq[:, :length]
+    return torch.where(in_seq, slots, 0), in_seq
 
 
 def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
                         scale: float, window: int | None) -> torch.Tensor:
-    """Reference paged attention (GQA) for one group; q [Tg, heads, d] -> [Tg, heads, d]."""
-    n_seq, length = g.key_slots.shape
-    q_max = g.q_pos.shape[1]
+    """Reference paged attention (GQA) for one group, in fp32; q [Tg, heads, d] -> [Tg, heads, d]. Keys and values
+    are gathered a cache block at a time (a block's rows are contiguous) and go through scaled_dot_product_attention
+    with the group's mask, its query heads sharing each key head (`enable_gqa`)."""
+    n_seq, q_max = g.q_pos.shape
     heads, d = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    keys = k_cache.reshape(-1, kv_heads, d)[g.key_slots].float()      # [S, L, kvh, d]
-    values = v_cache.reshape(-1, kv_heads, d)[g.key_slots].float()
+    keys = k_cache[g.key_blocks].flatten(1, 2).transpose(1, 2).float()     # [S, kvh, L, d]
+    values = v_cache[g.key_blocks].flatten(1, 2).transpose(1, 2).float()
     qp = q.new_zeros(n_seq * q_max, heads, d, dtype=torch.float32)
     qp[g.dest] = q.float()
-    qp = qp.view(n_seq, q_max, kv_heads, heads // kv_heads, d).permute(0, 2, 3, 1, 4)   # [S, kvh, grp, Q, d]
-    scores = torch.matmul(qp, keys.permute(0, 2, 3, 1)[:, :, None]) * scale            # [S, kvh, grp, Q, L]
-    scores = scores.masked_fill(~g.mask(window)[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, values.permute(0, 2, 1, 3)[:, :, None])                  # [S, kvh, grp, Q, d]
-    out = out.permute(0, 3, 1, 2, 4).reshape(n_seq * q_max, heads, d)
-    return out[g.dest].to(q.dtype)
+    qp = qp.view(n_seq, q_max, heads, d).transpose(1, 2)                    # [S, heads, Q, d]
+    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.mask(window)[:, None], scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).reshape(n_seq * q_max, heads, d)[g.dest].to(q.dtype)
 
 
 # Prefill SDPA backends: not cuDNN's, which on the H200 built a new plan for every new prompt length (about 10 ms
@@ -360,8 +370,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[g.start:g.end] = _prefill_attention(q[g.start:g.end], k[g.start:g.end], v[g.start:g.end],
                                                     scale, window)
         elif g.span is not None and window is None:   # one chunk after its context: SDPA over its gathered keys
-            a, b = g.span
-            rows_of = lambda cache: cache.reshape(-1, *cache.shape[2:])[g.key_slots[0]]  # noqa: E731 - [L, kvh, d]
+            a, b, n = g.span
+            rows_of = lambda cache: cache[g.key_blocks[0]].flatten(0, 1)[:n]  # noqa: E731 - [n, kvh, d]
             out[a:b] = _prefill_attention(q[a:b], rows_of(k_cache), rows_of(v_cache), scale, None)
         else:
             out[g.token_idx] = _gathered_attention(q[g.token_idx], k_cache, v_cache, g, scale, window)
