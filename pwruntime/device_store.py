@@ -235,19 +235,24 @@ class DeviceExpertStore:
 
     def flush(self) -> None:
         """The rows written since the last flush reach the device (one stream-ordered copy), after the uploads they
-        need (one batch) and, with an arena, the moves that keep it dense (another, whose rows go in the same copy;
-        then the arena's free tails go); what was retired before is freed once the current stream has passed that
-        copy."""
+        need (one batch); what was retired before is freed once the current stream has passed that copy."""
         self._uploads.issue()
-        if self.arena is not None:
-            self.arena.pack(lambda t: t.data_ptr() in self._named, self._relocate, self._moves)
-            self._moves.issue()
         self.table.flush()
-        if self.arena is not None:
-            self.arena.trim()
         if self._retiring:
             self.deferred.add(self._retiring)
             self._retiring = []
+
+    def keep_dense(self) -> int:
+        """With an arena, once an iteration boundary's rows are out (the page mover's last step there): the moves
+        that keep each class dense (one batch, the rows naming the moved tensors in one copy after it), then the
+        classes' free tails go (pwruntime.plane_arena); returns the moves (0 without an arena)."""
+        if self.arena is None:
+            return 0
+        moves = self.arena.pack(lambda t: t.data_ptr() in self._named, self._relocate, self._moves)
+        self._moves.issue()
+        self.table.flush()
+        self.arena.trim()
+        return moves
 
     def _relocate(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """The arena moved `old`, which a row names, to `new`: the row names `new` (on the device at this flush)."""

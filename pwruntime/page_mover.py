@@ -158,6 +158,7 @@ class CudaPageMover:
             self._finish(tr, batch_seconds.get(id(tr.done), 0.0))
         self.store.flush()
         self.store.deferred.collect()
+        self.store.keep_dense()   # after the frees that collect let go
         return [tr.block for tr in out]
 
     # ------------------------------------------------------------ views
