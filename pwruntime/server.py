@@ -49,8 +49,8 @@ def _package_version() -> str:
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
 
-COUNTERS = ("requests_total", "prompt_tokens_total", "generated_tokens_total", "request_errors_total", "aborted_total",
-            "plans_total", "steps_total", "preemptions_total", "prefix_cache_hit_tokens_total")
+GAUGES_NAMED_TOTAL = ("kv_blocks_total",)  # the KV pool's blocks, which go down as well as up: every other *_total
+# scalar (the requests', the engine's, the page mover's) is a counter
 
 
 def _error_payload(message: str, status: int = 400, code: str | None = None) -> dict:
@@ -207,7 +207,8 @@ class Server:
             return _error(str(e), 503)
         lines = []
         for name, value in {**stats["counters"], **stats["gauges"]}.items():
-            lines += scalar(name, "counter" if name in COUNTERS else "gauge", value)
+            counter = name.endswith("_total") and name not in GAUGES_NAMED_TOTAL
+            lines += scalar(name, "counter" if counter else "gauge", value)
         lines += stats["histograms"]
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 

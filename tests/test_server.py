@@ -102,6 +102,9 @@ def test_models_health_metrics(client, base_url):
     assert "pagedweight_requests_total" in metrics and "pagedweight_kv_blocks_free" in metrics
     total = [line for line in metrics.splitlines() if line.startswith("pagedweight_requests_total")][0]
     assert int(total.split()[1]) >= 1
+    types = dict(line.split()[2:4] for line in metrics.splitlines() if line.startswith("# TYPE"))
+    assert types["pagedweight_steps_total"] == types["pagedweight_requests_total"] == "counter"
+    assert types["pagedweight_kv_blocks_total"] == types["pagedweight_kv_blocks_free"] == "gauge"
 
 
 def test_bad_requests_get_400(client):
