@@ -73,13 +73,17 @@ def use_expandable_segments() -> bool:
 
 def memory_gauges(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict:
     """The bytes the process's tensors take and the allocator holds now, and the bytes the KV cache and the expert
-    planes map themselves, /metrics' gauges; empty off CUDA."""
+    planes map themselves, /metrics' gauges, with the driver calls that mapping took so far (counters); empty off
+    CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return {}
+    calls = mapped.kv_calls + mapped.weights_calls
     return {"gpu_memory_allocated_bytes": torch.cuda.memory_allocated(device),
             "gpu_memory_reserved_bytes": torch.cuda.memory_reserved(device),
-            "gpu_memory_kv_mapped_bytes": int(mapped.kv), "gpu_memory_weights_mapped_bytes": int(mapped.weights)}
+            "gpu_memory_kv_mapped_bytes": int(mapped.kv), "gpu_memory_weights_mapped_bytes": int(mapped.weights),
+            "gpu_vmm_handles_mapped_total": calls.mapped, "gpu_vmm_handles_unmapped_total": calls.unmapped,
+            "gpu_vmm_driver_seconds_total": calls.map_seconds + calls.unmap_seconds}
 
 
 def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict | None:

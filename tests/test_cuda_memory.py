@@ -93,6 +93,9 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
         "handles_mapped": 4, "access_grants": 2, "map_ms": 12.5, "handles_unmapped": 3, "unmap_ms": 500.0}}
     now = cuda_memory.memory_report("cuda", cuda_memory.MappedMemory(kv=3 * gib, weights=gib))  # no sample: held now
     assert now["peak_held_gib"] == pytest.approx(now["reserved_gib"] + 4, abs=2e-3)
-    gauges = cuda_memory.memory_gauges("cuda", cuda_memory.MappedMemory(kv=7, weights=9))
+    gauges = cuda_memory.memory_gauges("cuda", cuda_memory.MappedMemory(kv=7, weights=9, kv_calls=DriverCalls(
+        3, 1, 0.25, 2, 0.5), weights_calls=DriverCalls(1, 1, 0.125, 0, 0.0)))
+    assert (gauges["gpu_vmm_handles_mapped_total"], gauges["gpu_vmm_handles_unmapped_total"]) == (4, 2)
+    assert gauges["gpu_vmm_driver_seconds_total"] == 0.875
     assert gauges["gpu_memory_reserved_bytes"] >= gauges["gpu_memory_allocated_bytes"] >= kv.nbytes
     assert gauges["gpu_memory_kv_mapped_bytes"] == 7 and gauges["gpu_memory_weights_mapped_bytes"] == 9
