@@ -307,14 +307,16 @@ def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     qp = q.new_zeros(n_seq * q_max, heads, d, dtype=torch.float32)
     qp[g.dest] = q.float()
     qp = qp.view(n_seq, q_max, heads, d).transpose(1, 2)                    # [S, heads, Q, d]
-    out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.mask(window)[:, None], scale=scale,
-                                         enable_gqa=True)
+    with sdpa_kernel(_SDPA_BACKENDS):   # (not cuDNN's: a new plan for every new key length)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=g.mask(window)[:, None], scale=scale,
+                                             enable_gqa=True)
     return out.transpose(1, 2).reshape(n_seq * q_max, heads, d)[g.dest].to(q.dtype)
 
 
-# Prefill SDPA backends: not cuDNN's, which on the H200 built a new plan for every new prompt length (about 10 ms
-# a call, most of a mixed step's time in `pwruntime replay` of the demo trace; README, "Sim against runtime").
-_PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA backends (prefill and the gathered reference): not cuDNN's, which on the H200 built a new plan for every new
+# prompt length (about 10 ms a call, most of a mixed step's time in `pwruntime replay` of the demo trace; README, "Sim
+# against runtime").
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -326,7 +328,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     qt = q.transpose(0, 1)[None]
     kt = k.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
     vt = v.repeat_interleave(groups, dim=1).transpose(0, 1)[None]
-    with sdpa_kernel(_PREFILL_SDPA):
+    with sdpa_kernel(_SDPA_BACKENDS):
         if k.shape[0] > q.shape[0]:
             out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(q.shape[0], k.shape[0]),
                                                  scale=scale)
