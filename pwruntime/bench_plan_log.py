@@ -65,7 +65,7 @@ def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -
     m = PlanMachinery.build(cfg.model, cfg.layers, cfg.seed, cfg.plane_arena, device, progress)
     _start_where_the_log_starts(m, plans, device)
     arena = m.store.arena
-    calls0 = arena.driver_calls if arena is not None else DriverCalls()
+    calls0, moves0 = (arena.driver_calls, arena.moves) if arena is not None else (DriverCalls(), 0)
     per_plan = []
     for k, (step, blocks, frm, to) in enumerate(plans):
         if k % 10 == 0:
@@ -96,11 +96,10 @@ def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -
     if arena is not None:
         calls = arena.driver_calls
         ratios = [p["mapped_over_live"] for p in per_plan if p["mapped_over_live"] is not None]
-        row.update(arena_moves_per_transition=arena.moves / n,
+        row.update(arena_moves_per_transition=(arena.moves - moves0) / n,   # the log's plans', not its start's
                    handles_mapped_per_transition=(calls.mapped - calls0.mapped) / n,
                    handles_unmapped_per_transition=(calls.unmapped - calls0.unmapped) / n,
-                   driver_us_per_transition=(calls.map_seconds + calls.unmap_seconds - calls0.map_seconds
-                                             - calls0.unmap_seconds) * 1e6 / n,
+                   driver_us_per_transition=(calls.seconds - calls0.seconds) * 1e6 / n,
                    mapped_over_live_mean=float(np.mean(ratios)), mapped_over_live_max=float(np.max(ratios)))
     return {"plan_log": str(cfg.log), "layers": cfg.layers, "seed": cfg.seed, "plane_arena": cfg.plane_arena,
             "row": row, "per_plan": per_plan}

@@ -83,7 +83,7 @@ def memory_gauges(device: torch.device | str, mapped: MappedMemory = MappedMemor
             "gpu_memory_reserved_bytes": torch.cuda.memory_reserved(device),
             "gpu_memory_kv_mapped_bytes": int(mapped.kv), "gpu_memory_weights_mapped_bytes": int(mapped.weights),
             "gpu_vmm_handles_mapped_total": calls.mapped, "gpu_vmm_handles_unmapped_total": calls.unmapped,
-            "gpu_vmm_driver_seconds_total": calls.map_seconds + calls.unmap_seconds}
+            "gpu_vmm_driver_seconds_total": calls.seconds}
 
 
 def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict | None:

@@ -107,6 +107,11 @@ class DriverCalls:
     unmapped: int = 0
     unmap_seconds: float = 0.0
 
+    @property
+    def seconds(self) -> float:
+        """Host seconds of the growths and the unmaps together."""
+        return self.map_seconds + self.unmap_seconds
+
     def __add__(self, other: "DriverCalls") -> "DriverCalls":
         return DriverCalls(self.mapped + other.mapped, self.grants + other.grants,
                            self.map_seconds + other.map_seconds, self.unmapped + other.unmapped,
