@@ -3,8 +3,8 @@
 Memory: the 8-bit master (all planes, all LUTs of every block) stays in host memory, pinned when the
 device is CUDA. On the device, block i holds planes 0..q_i-1, one tensor per plane allocated through
 torch (dropping one really frees device memory), or with `arena=True` from a `pwruntime.plane_arena.PlaneArena`
-that every `flush()` packs (its moves repoint rows; `_named` says which tensors a row names, the ones that may
-move), plus `LUT_{q_i}`; its
+that `keep_dense()` packs at every iteration boundary (its moves repoint rows; `_named` says which tensors a row
+names, the ones that may move), plus `LUT_{q_i}`; its
 `pwruntime.kernels.DeviceWeightTable` row names them. A block that `commit_in_place` holds (dp-llm)
 keeps its leading GPU planes above q. Every row change goes through `_write_row`, which writes the
 table's host mirror and returns the tensors the row stopped naming; the tensors a new row names are
@@ -136,7 +136,7 @@ class DeviceExpertStore:
         self.arena = PlaneArena(self.device, self._arena_sizes()) if arena else None
         self._named: dict[int, int] = {}  # with an arena: address -> block of every tensor a row names
         self._uploads = self.new_batch()  # what the rows written since the last flush need, issued by it
-        self._moves = CopyBatch(self.device)  # the arena's moves at a flush
+        self._moves = CopyBatch(self.device)  # the arena's moves (keep_dense)
         self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
         self._bits = np.zeros(n, dtype=np.int8)
         self.page_table = None
@@ -255,7 +255,8 @@ class DeviceExpertStore:
         return moves
 
     def _relocate(self, old: torch.Tensor, new: torch.Tensor) -> None:
-        """The arena moved `old`, which a row names, to `new`: the row names `new` (on the device at this flush)."""
+        """The arena moved `old`, which a row names, to `new`: the row names `new` (on the device with keep_dense's row
+        copy)."""
         i = self._named.pop(old.data_ptr())
         self._named[new.data_ptr()] = i
         if self._luts[i] is old:
