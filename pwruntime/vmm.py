@@ -129,6 +129,10 @@ class _Handle:
     handle: int
     retiring: torch.cuda.Event | None = None   # set while the handle waits to be unmapped
 
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
 
 class GrowableBuffer:
     """`capacity` bytes of address space on a CUDA device, of which the first `mapped` are backed by memory.
@@ -157,12 +161,12 @@ class GrowableBuffer:
     @property
     def mapped(self) -> int:
         """Bytes backed by physical memory now, retiring handles included (the handles lie end to end from 0)."""
-        return self._handles[-1].offset + self._handles[-1].size if self._handles else 0
+        return self._handles[-1].end if self._handles else 0
 
     @property
     def size(self) -> int:
         """Bytes usable from `ptr` now: the end of the handles that back the buffer (retiring ones not counted)."""
-        return self._handles[self._active - 1].offset + self._handles[self._active - 1].size if self._active else 0
+        return self._handles[self._active - 1].end if self._active else 0
 
     def resize(self, nbytes: int) -> None:
         """Make [ptr, ptr + nbytes) usable: map memory behind it, or retire the handles wholly above it."""
