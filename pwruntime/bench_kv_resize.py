@@ -46,6 +46,7 @@ def walk(cfg: KvResizeConfig) -> list[int]:
 def _time_walk(card, sizes: list[int], cfg: KvResizeConfig, backing: str) -> dict:
     import torch
 
+    from pwruntime.cuda_memory import held_bytes
     from pwruntime.kv_cache import KVCache
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
@@ -59,7 +60,7 @@ def _time_walk(card, sizes: list[int], cfg: KvResizeConfig, backing: str) -> dic
         t = time.perf_counter()
         kv.resize(n)
         host += time.perf_counter() - t
-        held = max(held, torch.cuda.memory_reserved() - reserved + kv.mapped_bytes)
+        held = max(held, held_bytes("cuda", kv.mapped_bytes) - reserved)
     torch.cuda.synchronize()
     wall = time.perf_counter() - start
     per_block = KVCache.bytes_per_block(card.layers, cfg.block_size, card.kv_heads, card.head_dim, torch.bfloat16)

@@ -374,7 +374,7 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str
             "--plane-arena, --seed, --out, --json)")
     if len(models) != 1:
         raise UserError(f"--plan-log plays one run's plans on one model shape: give --models the shape it served "
-                        f"(one of {', '.join(m for m in models)})")
+                        f"(one of {', '.join(models)})")
     cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, args.plane_arena, args.seed)
     command = _command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} --layers {layers}"
                        f"{arena}")
