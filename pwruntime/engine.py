@@ -194,7 +194,8 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.clock, self.t0 = clock, clock()
         self.max_model_len = self._context_limit()
-        self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype)
+        self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype,
+                                                   mc.kv_shapes)
         if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
             raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
                             "record traces without prefix caching")

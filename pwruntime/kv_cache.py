@@ -1,5 +1,8 @@
 """KVCache: the tensors behind the paged KV block pool (per layer K and V [num_blocks, block_size, kv_heads, head_dim]).
 
+A block id names the same rows in every layer; layers may differ in KV heads and head size (`layer_shapes`: Gemma
+4's global layers), so a block's bytes are the sum over its layers.
+
 The block pool (policies/kv_blocks.py) decides which block ids a sequence owns; this class only backs
 them with memory. resize() grows the cache, or shrinks it keeping blocks [0, num_blocks) (the pool
 guarantees those above are free), so capacity can follow the memory weight pages release or reclaim.
@@ -19,49 +22,55 @@ allocator held 10.5 GiB of large blocks for about 7 GiB of tensors.) `growable=F
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from pwruntime.vmm import DriverCalls, GrowableBuffer
 
 
 class KVCache:
-    """Per layer K and V tensors [num_blocks (+1 scratch), block_size, num_kv_heads, head_dim]."""
+    """Per layer K and V tensors [num_blocks (+1 scratch), block_size, num_kv_heads, head_dim]; `layer_shapes`, when
+    given, is each layer's (num_kv_heads, head_dim) instead."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", scratch: bool = False,
-                 growable: bool | None = None):
+                 growable: bool | None = None, layer_shapes: Sequence[tuple[int, int]] | None = None):
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
+        uniform = ((num_kv_heads, head_dim),) * num_layers
+        self.layer_shapes = tuple(layer_shapes) if layer_shapes is not None else uniform
+        if len(self.layer_shapes) != num_layers:
+            raise ValueError(f"{len(self.layer_shapes)} layer shapes for {num_layers} layers")
         self.num_layers, self.block_size = num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
         self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
         self._rows: list[torch.Tensor] = []       # a [capacity, block_size, heads, head_dim] view of each buffer
-        self._row_bytes = block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        elem = torch.empty((), dtype=dtype).element_size()
+        self._row_bytes = [block_size * h * d * elem for h, d in self.layer_shapes for _ in "kv"]   # a buffer's
         if self.device.type == "cuda" if growable is None else growable:
             self._reserve()
             self._resize_buffers(num_blocks, keep=0)
         else:
-            self.k: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
-            self.v: list[torch.Tensor] = [self._alloc(num_blocks) for _ in range(num_layers)]
+            self.k: list[torch.Tensor] = [self._alloc(num_blocks, shape) for shape in self.layer_shapes]
+            self.v: list[torch.Tensor] = [self._alloc(num_blocks, shape) for shape in self.layer_shapes]
         self.ptrs: torch.Tensor | None = (torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
                                           if self.device.type == "cuda" else None)
         self._publish()
 
-    def _alloc(self, n: int) -> torch.Tensor:
-        return torch.zeros(n + self.scratch, self.block_size, self.num_kv_heads, self.head_dim, dtype=self.dtype,
-                           device=self.device)
+    def _alloc(self, n: int, shape: tuple[int, int]) -> torch.Tensor:
+        return torch.zeros(n + self.scratch, self.block_size, *shape, dtype=self.dtype, device=self.device)
 
     def _reserve(self) -> None:
         """A buffer per layer's K and V, each large enough for the whole device (the ranges are addresses only)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
-        capacity = (total // (2 * self.num_layers) // self._row_bytes + 1) * self._row_bytes
-        row = (self.block_size, self.num_kv_heads, self.head_dim)
-        for _ in range(2 * self.num_layers):
-            buffer = GrowableBuffer(capacity, self.device)
+        most_blocks = total // sum(self._row_bytes) + 1
+        for (heads, dim), row_bytes in zip((s for s in self.layer_shapes for _ in "kv"), self._row_bytes):
+            buffer = GrowableBuffer(most_blocks * row_bytes, self.device)
             self.buffers.append(buffer)
-            self._rows.append(buffer.rows(row, self.dtype))
+            self._rows.append(buffer.rows((self.block_size, heads, dim), self.dtype))
 
     def _publish(self) -> None:
         """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones). The copy does
@@ -117,10 +126,10 @@ class KVCache:
         rows, old_rows = num_blocks + self.scratch, self.num_blocks + self.scratch
         for i, buffer in enumerate(self.buffers):
             try:
-                buffer.resize(rows * self._row_bytes)
+                buffer.resize(rows * self._row_bytes[i])
             except MemoryError:
-                for grown in self.buffers[:i]:   # back to the old size: nothing to map
-                    grown.resize(old_rows * self._row_bytes)
+                for grown, row_bytes in zip(self.buffers[:i], self._row_bytes):   # back to the old size: no mapping
+                    grown.resize(old_rows * row_bytes)
                 raise
         tensors = [full[:rows] for full in self._rows]
         for t in tensors:
@@ -145,12 +154,12 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        per_block = self.bytes_per_block(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
-        return (self.num_blocks + self.scratch) * per_block
+        return (self.num_blocks + self.scratch) * sum(self._row_bytes)
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        """Bytes one block occupies over all layers, K and V."""
+                        dtype: torch.dtype, layer_shapes: Sequence[tuple[int, int]] | None = None) -> int:
+        """Bytes one block occupies over all layers, K and V (`layer_shapes` as in KVCache)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+        shapes = layer_shapes if layer_shapes is not None else ((num_kv_heads, head_dim),) * num_layers
+        return 2 * block_size * elem * sum(h * d for h, d in shapes)

@@ -32,6 +32,23 @@ def test_kv_cache_resize_keeps_low_blocks_and_counts_bytes():
         kv.resize(-1)
 
 
+def test_kv_cache_layers_of_their_own_shapes():
+    """Layers of two geometries (Gemma 4's sliding and global layers): each layer's tensors have its shape, a block's
+    bytes are the sum over layers, and resizes keep every layer's low blocks."""
+    shapes = ((2, 8), (1, 16))
+    kv = KVCache(2, 4, 2, 2, 8, torch.float32, layer_shapes=shapes)
+    assert kv.k[0].shape == (4, 2, 2, 8) and kv.v[1].shape == (4, 2, 1, 16)
+    assert KVCache.bytes_per_block(2, 2, 2, 8, torch.float32, shapes) == 2 * 2 * 4 * (16 + 16)
+    assert kv.nbytes == 4 * KVCache.bytes_per_block(2, 2, 2, 8, torch.float32, shapes)
+    for t in kv.k + kv.v:
+        t.normal_()
+    before = [t.clone() for t in kv.k + kv.v]
+    kv.resize(6)
+    assert kv.v[1].shape == (6, 2, 1, 16) and all(torch.equal(t[:4], b) for t, b in zip(kv.k + kv.v, before))
+    with pytest.raises(ValueError, match="3 layer shapes for 2 layers"):
+        KVCache(2, 4, 2, 2, 8, layer_shapes=shapes + ((1, 1),))
+
+
 def _naive(q_tok, keys, values, q_pos, scale, window):
     """One query token against its sequence's keys [L, kvh, d] (positions 0..L-1)."""
     heads, kvh = q_tok.shape[0], keys.shape[1]

@@ -141,16 +141,42 @@ def test_the_mapped_kv_cache_zeroes_what_it_adds_keeps_the_rest_and_rolls_a_fail
     kv.resize(30)
     assert [t.data_ptr() for t in kv.k + kv.v] == base and kv.k[1].shape == (31, 4, 2, 8)
     assert all(torch.equal(t[:10], k) and bool((t[10:] == 0).all()) for t, k in zip(kv.k + kv.v, kept))
-    assert kv.mapped_bytes == 4 * 31 * kv._row_bytes == kv.nbytes and kv.generation == 1
+    assert kv.mapped_bytes == 31 * sum(kv._row_bytes) == kv.nbytes and kv.generation == 1
     kv.resize(6)
     assert kv.v[0].shape == (7, 4, 2, 8) and all(torch.equal(t[:6], k[:6]) for t, k in zip(kv.k + kv.v, kept))
-    assert kv.peak_mapped_bytes == 4 * 31 * kv._row_bytes
+    assert kv.peak_mapped_bytes == 31 * sum(kv._row_bytes)
     monkeypatch.setattr(HostBuffer, "growths_left", 2)   # layer 0's K and V grow, layer 1's K cannot
     with pytest.raises(MemoryError):
         kv.resize(50)
     assert kv.num_blocks == 6 and kv.generation == 2 and kv.k[0].shape == (7, 4, 2, 8)
-    assert [b.size for b in kv.buffers] == [7 * kv._row_bytes] * 4   # the buffers that grew were taken back
+    assert [b.size for b in kv.buffers] == [7 * kv._row_bytes[0]] * 4   # the buffers that grew were taken back
     assert all(torch.equal(t[:6], k[:6]) for t, k in zip(kv.k + kv.v, kept))
+
+
+def test_a_mapped_kv_cache_of_two_layer_geometries_sizes_each_buffer_by_its_own_rows(monkeypatch):
+    """Gemma 4's layers differ in KV heads and head size: each layer's buffers hold rows of its shape, a block's bytes
+    are their sum, and a failed growth takes every buffer back to its own old size."""
+    class Props:
+        total_memory = 1 << 22
+    monkeypatch.setattr("pwruntime.kv_cache.GrowableBuffer", HostBuffer)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    shapes = ((2, 8), (1, 32), (2, 8))
+    kv = KVCache(3, 10, 4, 2, 8, torch.float16, "cpu", growable=True, layer_shapes=shapes)
+    assert [tuple(t.shape[2:]) for t in kv.k] == list(shapes) == [tuple(t.shape[2:]) for t in kv.v]
+    per_block = KVCache.bytes_per_block(3, 4, 2, 8, torch.float16, shapes)
+    assert per_block == 2 * 4 * 2 * (16 + 32 + 16) and kv.nbytes == kv.mapped_bytes == 10 * per_block
+    assert sum(b.capacity for b in kv.buffers) >= Props.total_memory   # each reserved for the whole device
+    for t in kv.k + kv.v:
+        t.normal_()
+    kept = [t.clone() for t in kv.k + kv.v]
+    monkeypatch.setattr(HostBuffer, "growths_left", 3)
+    with pytest.raises(MemoryError):
+        kv.resize(40)
+    assert [b.size for b in kv.buffers] == [10 * 4 * h * d * 2 for h, d in shapes for _ in "kv"]
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    kv.resize(40)
+    assert kv.nbytes == 40 * per_block and all(torch.equal(t[:10], k) for t, k in zip(kv.k + kv.v, kept))
 
 
 class _FakeDriver:
