@@ -116,7 +116,7 @@ class MeasuringStore:
 
         def expert(e: int, rows: torch.Tensor):
             r = w_sorted[starts[e]:starts[e] + rows.shape[0]]
-            act, out = expert_mlp(rows, gate_up[e], down[e])
+            act, out = expert_mlp(rows, gate_up[e], down[e], act=self.dense.activation)
             self._measure(layer, e, 0, rows, r)
             self._measure(layer, e, 1, act, r)
             return act, out

@@ -1,10 +1,10 @@
 """The narrow expert interface: the model reads routed-expert weights only through an ExpertStore.
 
 `layer` is the MoE-layer index: the position of the decoder layer in ModelConfig.moe_layers (equal to the
-decoder layer index when every layer is MoE, as in all published checkpoints of the four architectures).
+decoder layer index when every layer is MoE, as in all published checkpoints of the five architectures).
 It matches the page table's block index i = (layer * experts + expert) * 2 + kind and the order of
-ForwardOutput.routing. Expert e computes  down @ (silu(gate @ x) * (up @ x))  with
-gate_up = [gate; up] of shape [2I, H] and down of shape [H, I].
+ForwardOutput.routing. Expert e computes  down @ (act(gate @ x) * (up @ x))  with
+gate_up = [gate; up] of shape [2I, H] and down of shape [H, I]; act is SiLU (Gemma 4: tanh-approximated GELU).
 """
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ import torch.nn.functional as F
 from policies.page_table import block_index
 
 KINDS = ("gate_up", "down")
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
+
+
+def gated(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
+    inter = h.shape[-1] // 2
+    return ACTIVATIONS[act](h[..., :inter]) * h[..., inter:]
 
 
 def block_shape(kind: str | int, hidden: int, intermediate: int) -> tuple[int, int]:
@@ -52,8 +59,8 @@ class ExpertStore(Protocol):
 
 
 def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               offs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = silu(gate rows) *
+               offs: torch.Tensor | None = None, act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = act(gate rows) *
     (up rows) [..., n, I], down act [..., n, H]). With `offs` (int32 [b], each expert's end row), rows [N, H]
     sorted by expert go through torch's grouped GEMM against the b experts' matrices instead.
 
@@ -62,10 +69,8 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         wt = w.transpose(-1, -2)
         return torch.matmul(a, wt) if offs is None else torch._grouped_mm(a, wt, offs=offs)
 
-    h = mm(rows, gate_up)
-    inter = down.shape[-1]
-    act = F.silu(h[..., :inter]) * h[..., inter:]
-    return act, mm(act, down)
+    a = gated(mm(rows, gate_up), act)
+    return a, mm(a, down)
 
 
 @dataclass
@@ -170,7 +175,8 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
 
 
 def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                   weights_of, max_experts: int, down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+                   weights_of, max_experts: int, down_in_norm: torch.Tensor | None = None,
+                   act: str = "silu") -> torch.Tensor:
     """grouped_moe's result with torch's grouped GEMM (`torch._grouped_mm`, prefill in bf16 on Hopper).
 
     The rows stay sorted by expert and unpadded; a chunk of experts is two grouped GEMMs over its contiguous
@@ -193,7 +199,7 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
             chunks.append((chunk, int(starts[chunk[0]]), int(starts[chunk[-1] + 1]), ends.to(x.device, non_blocking=True)))
     for chunk, lo, hi, offs in chunks:
         gate_up, down = weights_of(chunk)
-        d.put(slice(lo, hi), *expert_mlp(d.rows[lo:hi], gate_up, down, offs))
+        d.put(slice(lo, hi), *expert_mlp(d.rows[lo:hi], gate_up, down, offs, act))
         del gate_up, down  # the next chunk's weights are made after these go
     return d.combine(topk_weights, down_in_norm)
 
@@ -210,12 +216,13 @@ class DenseExpertStore:
 
     In bf16 on Hopper a layer is two grouped GEMMs over all its experts (`grouped_mm_moe`, rows sorted by expert,
     the experts' offsets on the device): no host sync and no data-dependent allocation, so decode steps run from
-    CUDA graphs (`capturable`). Elsewhere one set of launches per active expert (`grouped_moe`)."""
+    CUDA graphs (`capturable`). Elsewhere one set of launches per active expert (`grouped_moe`). `activation` is
+    the experts' gate activation (a key of ACTIVATIONS)."""
 
-    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]):
+    def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], activation: str = "silu"):
         if len(gate_up) != len(down):
             raise ValueError("gate_up and down need one tensor per MoE layer each")
-        self.gate_up, self.down = gate_up, down
+        self.gate_up, self.down, self.activation = gate_up, down, activation
 
     @property
     def num_layers(self) -> int:
@@ -238,6 +245,7 @@ class DenseExpertStore:
         gate_up, down = self.gate_up[layer], self.down[layer]
         experts = gate_up.shape[0]
         if grouped_mm_ok(x, gate_up.shape[2], down.shape[2]):
-            return grouped_mm_moe(x, topk_ids, topk_weights, experts, lambda _: (gate_up, down), experts, down_in_norm)
+            return grouped_mm_moe(x, topk_ids, topk_weights, experts, lambda _: (gate_up, down), experts, down_in_norm,
+                                  self.activation)
         return grouped_moe(x, topk_ids, topk_weights, experts,
-                           lambda e, rows: expert_mlp(rows, gate_up[e], down[e]), down_in_norm)
+                           lambda e, rows: expert_mlp(rows, gate_up[e], down[e], act=self.activation), down_in_norm)

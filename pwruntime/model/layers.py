@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm, rotary position embedding, the dense SwiGLU MLP (shared expert, dense layers)."""
+"""Small building blocks: RMSNorm, rotary position embedding, the dense gated MLP (shared expert, dense layers)."""
 from __future__ import annotations
 
 import torch
@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pwruntime.kernels.layer_ops import add_rms_norm, silu_mul
+from pwruntime.model.experts import gated
 
 
 class RMSNorm(nn.Module):
@@ -25,13 +26,35 @@ class RMSNorm(nn.Module):
         return add_rms_norm(x, delta, self.weight, self.eps)
 
 
+class FloatRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: x / rms(x) * weight all in float32, then cast back (the weight before the cast, unlike
+    RMSNorm); without a weight, the normalisation alone. Same interface as RMSNorm; pure torch."""
+
+    def __init__(self, weight: torch.Tensor | None, eps: float):
+        super().__init__()
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight.float()
+        return F.rms_norm(x.float(), (x.shape[-1],), weight=w, eps=self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        s = x if delta is None else x + delta
+        return s, self(s)
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half convention), inverse frequencies from theta and a linear factor: the
-    cos and sin tables of a forward's positions (applied by kernels.layer_ops.rotary_kv)."""
+    cos and sin tables of a forward's positions (applied by kernels.layer_ops.rotary_kv). With `fraction` < 1
+    (Gemma 4's "proportional" rope) only the first fraction of each head's dimension pairs rotate, at the
+    frequencies of the full head; the others get frequency 0 (cos 1, sin 0)."""
 
-    def __init__(self, head_dim: int, theta: float, linear_factor: float = 1.0, device=None):
+    def __init__(self, head_dim: int, theta: float, linear_factor: float = 1.0, device=None, fraction: float = 1.0):
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        pairs = int(fraction * head_dim // 2)
+        inv = 1.0 / (theta ** (torch.arange(0, 2 * pairs, 2, dtype=torch.int64, device=device).float() / head_dim))
+        inv = torch.cat([inv, inv.new_zeros(head_dim // 2 - pairs)])
         self.register_buffer("inv_freq", inv / linear_factor, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,12 +77,13 @@ class Linear(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): Qwen2-MoE's shared expert and the dense layers of mlp_only_layers. gate and up
-    are one GEMM (their weights stacked)."""
+    """down(act(gate(x)) * up(x)): Qwen2-MoE's shared expert, the dense layers of mlp_only_layers, Gemma 4's MLP
+    beside the experts (act GELU there, SiLU elsewhere). gate and up are one GEMM (their weights stacked)."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor):
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: str = "silu"):
         super().__init__()
-        self.gate_up, self.down = Linear(torch.cat([gate, up])), Linear(down)
+        self.gate_up, self.down, self.act = Linear(torch.cat([gate, up])), Linear(down), act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(silu_mul(self.gate_up(x)))
+        h = self.gate_up(x)
+        return self.down(silu_mul(h) if self.act == "silu" else gated(h, self.act))

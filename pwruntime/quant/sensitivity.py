@@ -1,7 +1,7 @@
 """k-means weights for AP quantization from calibration text: Hessian diagonal or Fisher (grad^2).
 
 * Hessian diagonal (GPTQ-style): `h_j = E[x_j^2]` over the inputs a block actually sees: for gate_up,
-  the hidden rows routed to the expert; for down, the activation silu(gate x) * up x of those rows.
+  the hidden rows routed to the expert; for down, the activation act(gate x) * up x of those rows.
   Experts that see few calibration tokens are shrunk towards the layer-wide mean with a prior worth
   `prior_tokens` tokens, and `damp * mean(h)` is added (so no column is weightless). One weight per
   input column, broadcast over the rows by the k-means.
@@ -81,7 +81,7 @@ class _SecondMoments:
         gate_up, down = self.store.gate_up[layer], self.store.down[layer]
 
         def expert(e, rows):
-            act, out = expert_mlp(rows, gate_up[e], down[e])
+            act, out = expert_mlp(rows, gate_up[e], down[e], act=self.store.activation)
             self.sq["gate_up"][layer, e] += rows.double().pow(2).sum(0).cpu().numpy()
             self.sq["down"][layer, e] += act.double().pow(2).sum(0).cpu().numpy()
             self.count[layer, e] += rows.shape[0]
@@ -125,19 +125,20 @@ def fisher_weights(model, sequences: Sequence[torch.Tensor], *, progress: bool =
     Gradients are taken in the model's dtype (load it in fp32 for quantization)."""
     dense = _need_dense(model)
     raw_forward = getattr(type(model).forward, "__wrapped__", None)
-    if raw_forward is None:
-        raise RuntimeError("MoEModel.forward has no undecorated __wrapped__; Fisher weighting needs it")
+    raw_logits = getattr(type(model).logits, "__wrapped__", None)
+    if raw_forward is None or raw_logits is None:
+        raise RuntimeError("MoEModel.forward or .logits has no undecorated __wrapped__; Fisher weighting needs them")
     gu = [t.detach().clone().requires_grad_(True) for t in dense.gate_up]
     dn = [t.detach().clone().requires_grad_(True) for t in dense.down]
     acc = {"gate_up": [torch.zeros_like(t, dtype=torch.float32) for t in gu],
            "down": [torch.zeros_like(t, dtype=torch.float32) for t in dn]}
-    model.experts = DenseExpertStore(gu, dn)
+    model.experts = DenseExpertStore(gu, dn, dense.activation)
     try:
         with torch.enable_grad():
             for seq in tqdm(sequences, desc="fisher: calibration backward", unit="seq",
                             disable=None if progress else True):
                 out = _prefill(model, seq, forward=lambda *a: raw_forward(model, *a))
-                logits = F.linear(out.hidden, model.lm_head).float()
+                logits = raw_logits(model, out.hidden)
                 loss = F.cross_entropy(logits[:-1], seq[1:].to(logits.device))
                 grads = torch.autograd.grad(loss, gu + dn, allow_unused=True)
                 for i, g in enumerate(grads):

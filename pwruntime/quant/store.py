@@ -56,6 +56,7 @@ class APExpertStore:
         if len(self.moe_layers) != len(self.layers):
             raise ValueError(f"{len(self.layers)} layers of blocks but {len(self.moe_layers)} MoE layer indices")
         self.dtype = dtype
+        self.activation = "silu"   # the experts' gate activation (model.experts.ACTIVATIONS): load_ap_model sets it
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (block, bits)
         self._cached_bytes = 0
@@ -154,10 +155,10 @@ class APExpertStore:
     # ------------------------------------------------------------ compute
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
-        """sum_k w_k * down_e(silu(gate_e x) * up_e x), the DenseExpertStore math on dequantized weights."""
+        """sum_k w_k * down_e(act(gate_e x) * up_e x), the DenseExpertStore math on dequantized weights."""
         def expert(e: int, rows: torch.Tensor):
             return expert_mlp(rows, self.weight(layer, e, "gate_up").to(rows.dtype),
-                              self.weight(layer, e, "down").to(rows.dtype))
+                              self.weight(layer, e, "down").to(rows.dtype), act=self.activation)
 
         return grouped_moe(x, topk_ids, topk_weights, self.experts, expert, down_in_norm)
 
@@ -176,6 +177,7 @@ def load_ap_model(path: str | Path, dtype: torch.dtype | str = torch.float32, de
                                           **store_kw)
     model = load_model(path, dtype=dt, device=device, experts=store)
     c = model.config
+    store.activation = c.hidden_act
     if (c.experts, c.hidden, c.expert_intermediate, c.num_moe_layers) != \
             (ckpt.experts, ckpt.hidden, ckpt.intermediate, ckpt.num_moe_layers):
         from pwruntime.quant.ap_checkpoint import APCheckpointError
