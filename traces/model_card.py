@@ -23,6 +23,7 @@ from policies.apformat import MAX_BITS, byte_table
 from policies.calibration import model_fingerprint
 from policies.page_table import DEFAULT_BITS, PageTable
 from traces.clikit import UserError
+from traces.gemma4_config import gemma4_layout, text_config
 
 CARDS_DIR = Path(__file__).with_name("cards")
 QK_NORMS = ("none", "head", "full")  # none; per head_dim (Qwen3, Gemma 4); over all heads (OLMoE)
@@ -248,7 +249,7 @@ def _fields_from_hf_config(config: dict) -> dict:
     arch = "gemma4" if arch == "gemma4_text" else arch
     if arch not in HF_ARCHS:
         raise CardError(f"model_type {arch!r} is not supported; supported: {', '.join(HF_ARCHS)}")
-    cfg = (config.get("text_config") or config) if arch == "gemma4" else dict(config)
+    cfg = dict(text_config(config)) if arch == "gemma4" else dict(config)
     for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
         if cfg.get(a) is None and cfg.get(b) is not None:  # transformers 5 may save either spelling
             cfg[a] = cfg[b]
@@ -283,22 +284,12 @@ def _fields_from_hf_config(config: dict) -> dict:
 
 def _gemma4_fields(cfg: dict, layers: int, g) -> dict:
     """Gemma 4 with MoE blocks: a dense MLP runs beside the experts (counted as an ungated shared expert)."""
-    if not cfg.get("enable_moe_block"):
-        raise CardError("gemma4 config.json has enable_moe_block false: a dense Gemma 4 has no experts to page")
-    if cfg.get("hidden_size_per_layer_input") or cfg.get("num_kv_shared_layers") or cfg.get("use_double_wide_mlp"):
-        raise CardError("gemma4 per-layer inputs, KV-shared layers and double-wide MLPs are not modelled")
-    types = cfg.get("layer_types") or ["full_attention" if (l + 1) % 6 == 0 else "sliding_attention"
-                                       for l in range(layers)]
-    types = list(types)[:layers]
-    types[-1] = "full_attention"  # as transformers forces
-    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    layout = gemma4_layout(cfg, CardError)
     return dict(experts=g("num_experts"), expert_intermediate=g("moe_intermediate_size"),
                 shared_experts=1, shared_intermediate=g("intermediate_size"), qk_norm="head",
-                router_scales=True, norms_per_layer=7,
-                global_layers=tuple(l for l, t in enumerate(types) if t == "full_attention"),
-                global_head_dim=int(cfg.get("global_head_dim") or 512),
-                global_kv_heads=int(cfg.get("num_global_key_value_heads") or 0) if k_eq_v else 0,
-                global_k_eq_v=k_eq_v, sliding_window=int(cfg.get("sliding_window") or 0))
+                router_scales=True, norms_per_layer=7, global_layers=layout.global_layers,
+                global_head_dim=layout.global_head_dim, global_kv_heads=layout.global_kv_heads,
+                global_k_eq_v=layout.k_eq_v, sliding_window=layout.sliding_window)
 
 
 # ---------------------------------------------------------------- bundled cards
