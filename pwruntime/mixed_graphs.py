@@ -161,23 +161,24 @@ class MixedGraphs(GraphSet):
         return pieces
 
     def _piece(self, i: int, size: int, carry: tuple | None, records: list[LayerRouting] | None):
-        """Piece i over the first `size` rows of the static inputs. It reads `carry` (x, cos, sin) and the
-        boundary's core output, writes layer i's q, k, v to the boundary, and returns (carry, its routing records)
+        """Piece i over the first `size` rows of the static inputs. It reads `carry` (x, the ropes' cos and sin) and
+        the boundary's core output, writes layer i's q, k, v to the boundary, and returns (carry, its routing records)
         for i < L; the last piece returns (the final norm's output, its records, the routing of `records` and its
         own packed into words)."""
         model, kv, b = self.model, self.kv, self.boundary
         ids, positions, slots, src = self.inputs[:, :size]
         rec = [] if records is not None else None
         if i == 0:
-            x, cos, sin = model.embed_tokens(take_sampled(ids, src, self.sampled), positions)
+            x, rope = model.embed_tokens(take_sampled(ids, src, self.sampled), positions)
             delta = None
         else:
-            x, cos, sin = carry
+            x, rope = carry
             x, delta = model.layers[i - 1].after_attention(x, b.out[:size], model.experts, rec)
         if i == len(model.layers):
             every = None if records is None else records + rec
             return model.final_norm(x, delta), rec, pack_routing(every) if every else None
+        cos, sin = rope[model.layer_rope[i]]
         x, q, k, v = model.layers[i].before_attention(x, delta, cos, sin, kv.k[i], kv.v[i], slots, kv.layer_ptrs(i))
         for dst, src in ((b.q, q), (b.k, k), (b.v, v)):
             dst[:size].copy_(src)
-        return (x, cos, sin), rec
+        return (x, rope), rec

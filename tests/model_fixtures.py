@@ -1,4 +1,5 @@
-"""Test fixtures: tiny random HuggingFace MoE checkpoints (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE) + a tiny tokenizer.
+"""Test fixtures: tiny random HuggingFace MoE checkpoints (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, Gemma 4) + a tiny
+tokenizer.
 
 Shared by the model tests and the engine tests. Stable API:
 
@@ -10,7 +11,8 @@ Shared by the model tests and the engine tests. Stable API:
 these special keys, which are not config fields:
     layout="classic" | "fused"   classic: per-expert tensors exactly as `save_pretrained` writes them
                                  (Mixtral `block_sparse_moe.experts.N.w1/w2/w3`, others
-                                 `mlp.experts.N.gate_proj/up_proj/down_proj`); fused: transformers-5
+                                 `mlp.experts.N.gate_proj/up_proj/down_proj`; Gemma 4, whose published
+                                 checkpoints hold them fused, `experts.gate_up_proj`); fused: transformers-5
                                  in-memory names, `mlp.experts.gate_up_proj` [E, 2I, H] and
                                  `mlp.experts.down_proj` [E, H, I], in one model.safetensors.
     max_shard_size="40KB"        save sharded (model-0000x-of-0000n.safetensors + index json).
@@ -28,7 +30,8 @@ import json
 import random
 from pathlib import Path
 
-ARCHS = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
+ARCHS = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")   # those the CUDA path runs too
+CPU_ARCHS = ARCHS + ("gemma4",)                           # Gemma 4 runs on the CPU only
 VOCAB = 128
 
 _BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -46,6 +49,13 @@ _ARCH = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(num_experts=4, moe_intermediate_size=32, intermediate_size=40, head_dim=24,
                        norm_topk_prob=True)),
+    # two layers: a sliding one (window 8, shorter than the tests' prompts) and a global one (its own head size,
+    # one KV head, V from the K projection, proportional rope); soft-capped logits. (Tied embeddings, Gemma's
+    # default, make a random tiny model repeat its last token: greedy tests would compare nothing.)
+    "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM",
+               dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32, intermediate_size=48, head_dim=16,
+                    global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
+                    hidden_size_per_layer_input=0, sliding_window=8, final_logit_softcapping=30.0)),
 }
 
 
@@ -93,9 +103,11 @@ def _hf_config(arch: str, overrides: dict):
     import transformers
 
     if arch not in _ARCH:
-        raise ValueError(f"unknown arch {arch!r}; one of {ARCHS}")
+        raise ValueError(f"unknown arch {arch!r}; one of {CPU_ARCHS}")
     cfg_cls, _, extra = _ARCH[arch]
     kw = {**_BASE, **extra, **overrides}
+    if arch == "gemma4":
+        kw.pop("num_experts_per_tok")   # top_k_experts there
     return getattr(transformers, cfg_cls)(**kw)
 
 
@@ -113,6 +125,14 @@ def make_tiny_checkpoint(tmp_path, arch: str, seed: int = 0, **overrides) -> Pat
     config = _hf_config(arch, overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, _ARCH[arch][1])(config).eval()
+    if arch == "gemma4":   # its norms, router scales and layer scalars start at ones: make each matter
+        with torch.no_grad():
+            for name, t in model.named_parameters(recurse=True):
+                if name.endswith(("norm.weight", "router.scale", "per_expert_scale")):
+                    t.uniform_(0.5, 1.5)
+            for name, t in model.named_buffers():
+                if name.endswith("layer_scalar"):
+                    t.uniform_(0.5, 1.5)
     out = Path(tmp_path) / f"{arch}-{seed}-{layout}{'-sharded' if max_shard_size else ''}"
     out.mkdir(parents=True, exist_ok=True)
     if layout == "classic":
@@ -139,7 +159,7 @@ def _ensure_classic(out: Path, arch: str) -> None:
 
     files = sorted(out.glob("*.safetensors"))
     names = [n for f in files for n in safe_open(str(f), "pt").keys()]
-    if not any(n.endswith("experts.gate_up_proj") for n in names):
+    if arch == "gemma4" or not any(n.endswith("experts.gate_up_proj") for n in names):
         return
     if len(files) != 1:
         raise RuntimeError("this transformers saves fused experts; rewriting shards is not supported")

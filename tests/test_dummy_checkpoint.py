@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model_fixtures import ARCHS, make_tiny_checkpoint
+from model_fixtures import CPU_ARCHS, make_tiny_checkpoint
 from pwruntime.cli import main
 from pwruntime.model.attention import prefill_metadata
 from pwruntime.model.checkpoint import find_files, read_config
@@ -52,7 +52,7 @@ def test_a_bundled_card_becomes_a_checkpoint_of_its_shapes_the_same_for_the_same
     assert 0.5 < float(lut.std() * 128 ** 0.5) < 1.5  # scaled as a weight of fan-in 128
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CPU_ARCHS)
 def test_every_architecture_loads_and_runs_from_config_and_tokenizer_alone(tmp_path, capsys, arch):
     src = _config_only(make_tiny_checkpoint(tmp_path, arch, seed=3), tmp_path / "cfg")
     out = tmp_path / "ap"
@@ -109,11 +109,15 @@ def test_synthetic_calibration_is_the_simulators_and_drives_the_planner(tmp_path
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "No-Such-Model"], "nor a model card"),
-    (["--model", "Gemma-4-26B-A4B"], "unsupported architecture"),
+    (["--model", "{llama}"], "unsupported architecture"),
     (["--model", "PagedWeight-demo", "--weighting", "hessian"], "no k-means weighting"),
 ])
 def test_dummy_misuse_is_one_error_and_writes_nothing(tmp_path, capsys, argv, needle):
     out = tmp_path / "out"
+    if "{llama}" in argv:   # a folder of a dense model's config.json and a tokenizer
+        src = _config_only(make_tiny_checkpoint(tmp_path, "mixtral"), tmp_path / "llama")
+        (src / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+        argv = ["--model", str(src)]
     assert main(["quantize", "--load-format", "dummy", "--out", str(out), *argv]) == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err and not out.exists()

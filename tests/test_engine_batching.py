@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from model_fixtures import ARCHS, make_text, make_tiny_checkpoint
+from model_fixtures import CPU_ARCHS, make_text, make_tiny_checkpoint
 from policies.contract import Plan, Transition
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
@@ -29,7 +29,7 @@ def _prompts(model, lengths=(3, 29, 11, 6)):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine_models")
-    return {arch: load_model(make_tiny_checkpoint(root, arch, seed=1)) for arch in ARCHS}
+    return {arch: load_model(make_tiny_checkpoint(root, arch, seed=1)) for arch in CPU_ARCHS}
 
 
 def _alone(model, prompt, params=GREEDY):
@@ -39,7 +39,7 @@ def _alone(model, prompt, params=GREEDY):
     return out.token_ids
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CPU_ARCHS)
 def test_batched_equals_alone(models, arch):
     model = models[arch]
     prompts = _prompts(model)
@@ -53,8 +53,9 @@ def test_batched_equals_alone(models, arch):
     assert engine.pool.num_free == engine.pool.capacity
 
 
-def test_batched_with_preemption_equals_alone(models):
-    model = models["qwen2_moe"]
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gemma4"])
+def test_batched_with_preemption_equals_alone(models, arch):
+    model = models[arch]
     prompts = _prompts(model)
     # 12 blocks of 4 tokens: each request alone fits (<= 41 tokens), all four together (>= 90) do not
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64,
@@ -135,8 +136,9 @@ def test_routing_is_observed_only_for_a_policy_that_plans(models, policy, observ
         assert (obs.routing_mass is not None) == want and (obs.prompt_features is not None) == want
 
 
-def test_shrink_with_compaction_and_grow_keep_outputs(models):
-    model = models["qwen3_moe"]
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gemma4"])   # Gemma 4: layers of two KV geometries
+def test_shrink_with_compaction_and_grow_keep_outputs(models, arch):
+    model = models[arch]
     short, long_ = _prompts(model, (3, 9))
     expect = _alone(model, long_, SamplingParams(max_tokens=20, ignore_eos=True))
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=16, block_size=4))

@@ -1,4 +1,4 @@
-"""pwruntime's model vs transformers on tiny random checkpoints of the four architectures (fp32, CPU)."""
+"""pwruntime's model vs transformers on tiny random checkpoints of the five architectures (fp32, CPU)."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from model_fixtures import ARCHS, load_hf_model, make_tiny_checkpoint
+from model_fixtures import CPU_ARCHS, load_hf_model, make_tiny_checkpoint
 from pwruntime.model import batch_metadata, load_model, prefill_metadata
 
 PROMPT = [1, 17, 4, 99, 23, 56, 8, 8, 120, 64, 3, 77, 31, 45, 12, 90, 5, 66]
@@ -44,7 +44,7 @@ def pw_greedy(model, ids: list[int], n: int, block_size: int = 4, seed: int = 0)
     return out
 
 
-CASES = [(arch, {}) for arch in ARCHS] + [
+CASES = [(arch, {}) for arch in CPU_ARCHS] + [
     ("mixtral", {"layout": "fused"}), ("qwen2_moe", {"layout": "fused"}),
     ("olmoe", {"layout": "fused"}), ("qwen3_moe", {"layout": "fused"}),
     ("mixtral", {"max_shard_size": "40KB"}), ("qwen3_moe", {"max_shard_size": "40KB"}),
@@ -54,6 +54,11 @@ CASES = [(arch, {}) for arch in ARCHS] + [
     ("mixtral", {"num_key_value_heads": 4, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
                                                                "rope_theta": 1e5}}),
     ("mixtral", {"sliding_window": 7}),
+    # Gemma 4: V its own projection on the global layers; a default rope there; biases; three layers, two sliding
+    ("gemma4", {"attention_k_eq_v": False, "rope_parameters": {"sliding_attention": {"rope_type": "default",
+               "rope_theta": 1e4}, "full_attention": {"rope_type": "default", "rope_theta": 1e5}}}),
+    ("gemma4", {"attention_bias": True, "num_hidden_layers": 3, "layer_types": ["sliding_attention"] * 2
+               + ["full_attention"], "sliding_window": 5}),
 ]
 
 
@@ -87,7 +92,7 @@ def test_logits_and_greedy_match_transformers(ckpt_dir, case):
     assert pw_greedy(model, PROMPT, 32) == expected
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CPU_ARCHS)
 def test_chunked_prefill_and_mixed_batch_match_full_prefill(ckpt_dir, arch):
     """A prompt prefilled in chunks (later chunks attend to paged context), batched with other sequences'
     decode and prefill tokens, gives the logits of one plain prefill."""

@@ -1,4 +1,4 @@
-"""pwruntime.model: HuggingFace MoE checkpoints (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE) in plain PyTorch."""
+"""pwruntime.model: HuggingFace MoE checkpoints (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, Gemma 4) in plain PyTorch."""
 from pwruntime.model.attention import AttentionMetadata, batch_metadata, paged_attention, prefill_metadata
 from pwruntime.model.config import ARCHITECTURES, CheckpointError, ModelConfig
 from pwruntime.model.experts import DenseExpertStore, ExpertStore

@@ -42,7 +42,7 @@ from pwruntime.host_copy import to_device
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.layer_ops import rotary_kv
 from pwruntime.model.config import ModelConfig
-from pwruntime.model.layers import Linear, RMSNorm
+from pwruntime.model.layers import FloatRMSNorm, Linear, RMSNorm
 
 
 @dataclass
@@ -381,21 +381,27 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 
 
 class Attention(nn.Module):
-    """q/k/v projections (+ optional q/k RMSNorm), rotary, paged attention, output projection."""
+    """q/k/v projections (+ optional q/k RMSNorm), rotary, paged attention, output projection, for decoder layer
+    `layer` (its KV heads, head size and sliding window). Gemma 4 adds a scale-less V norm and, where `w` has no
+    "v" (its global layers), takes V from the K projection."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None], window: int | None):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None], layer: int):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.heads, cfg.kv_heads, cfg.head_dim
-        self.scale, self.window, self.qk_norm, self.clip = cfg.head_dim ** -0.5, window, cfg.qk_norm, cfg.clip_qkv
+        self.heads, (self.kv_heads, self.head_dim) = cfg.heads, cfg.kv_shape(layer)
+        self.window, self.qk_norm, self.clip = cfg.sliding_windows[layer], cfg.qk_norm, cfg.clip_qkv
+        self.scale = self.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         # q, k and v in one GEMM (weights stacked; a missing bias of a biased model is zeros)
         self.q_size, self.kv_size = w["q"].shape[0], w["k"].shape[0]
-        biases = [w.get(f"{n}_bias") for n in "qkv"]
+        self.v_is_k, names = w.get("v") is None, "qk" if w.get("v") is None else "qkv"
+        biases = [w.get(f"{n}_bias") for n in names]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip("qkv", biases)])
-        self.qkv_proj = Linear(torch.cat([w["q"], w["k"], w["v"]]), bias)
+            [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(names, biases)])
+        self.qkv_proj = Linear(torch.cat([w[n] for n in names]), bias)
         self.o_proj = Linear(w["o"], w.get("o_bias"))
+        norm = FloatRMSNorm if cfg.arch == "gemma4" else RMSNorm
         if cfg.qk_norm != "none":
-            self.q_norm, self.k_norm = RMSNorm(w["q_norm"], cfg.rms_eps), RMSNorm(w["k_norm"], cfg.rms_eps)
+            self.q_norm, self.k_norm = norm(w["q_norm"], cfg.rms_eps), norm(w["k_norm"], cfg.rms_eps)
+        self.v_norm = FloatRMSNorm(None, cfg.rms_eps) if cfg.arch == "gemma4" else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, plan: AttentionPlan, kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
@@ -420,7 +426,10 @@ class Attention(nn.Module):
         """q, k (rotated) and v [n, heads or kv_heads, d] of x, the new K/V written to the cache at `slots`."""
         n, qs, kvs = x.shape[0], self.q_size, self.kv_size
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
+        if self.v_is_k:
+            (q, k), v = qkv.split([qs, kvs], dim=-1), qkv[:, qs:]
+        else:
+            q, k, v = qkv.split([qs, kvs, kvs], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:
@@ -430,5 +439,7 @@ class Attention(nn.Module):
         v = v.view(n, self.kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
         q, k = rotary_kv(q, k, v, cos, sin, k_cache, v_cache, slots, kv_ptrs)
         return q, k, v

@@ -2,8 +2,8 @@
 
 For benchmarks and simulator checks at a real model's size without its weights: `DummyTensorReader` stands in for
 `checkpoint.TensorReader`, so `load_model(dir, reader=DummyTensorReader(...))` builds a model from `dir`'s
-config.json and tokenizer alone. Each tensor the loader asks for is made: norm weights ones, biases zeros, the rest
-normal with standard deviation 0.02 (transformers' default `initializer_range`); each drawn from a generator seeded
+config.json and tokenizer alone. Each tensor the loader asks for is made: norm weights, Gemma 4's router scales and
+layer scalars ones, biases zeros, the rest normal with standard deviation 0.02 (transformers' default `initializer_range`); each drawn from a generator seeded
 by (seed, name), so a tensor does not depend on which were asked for before it. The reader keeps what it made
 (`made`): `pwruntime quantize --load-format dummy` writes those as the AP checkpoint's full-precision rest.
 """
@@ -16,6 +16,7 @@ import torch
 from pwruntime.model.config import ModelConfig
 
 DEFAULT_STD = 0.02
+ONES = ("norm.weight", "router.scale", "router.per_expert_scale", "layer_scalar")   # tensors made of ones
 
 
 class DummyTensorReader:
@@ -37,7 +38,7 @@ class DummyTensorReader:
         return names[0]
 
     def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm.weight"):
+        if name.endswith(ONES):
             t = torch.ones(shape)
         elif name.endswith(".bias"):
             t = torch.zeros(shape)

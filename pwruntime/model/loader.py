@@ -16,7 +16,8 @@ from pwruntime.model.checkpoint import TensorReader, find_files, read_config
 from pwruntime.model.config import CheckpointError, ModelConfig
 from pwruntime.model.dummy import DummyTensorReader
 from pwruntime.model.experts import DenseExpertStore, ExpertStore
-from pwruntime.model.layers import DenseMLP, RMSNorm
+from pwruntime.model.gemma4 import read_gemma4_layer
+from pwruntime.model.layers import DenseMLP, FloatRMSNorm, RMSNorm
 from pwruntime.model.moe_model import DecoderLayer, MoEBlock, MoEModel
 from pwruntime.model.tokenizer import Tokenizer
 from traces.clikit import UserError
@@ -61,7 +62,7 @@ def _attention(r: TensorReader, c: ModelConfig, i: int) -> Attention:
         w.update(q_norm=r.get(p + "q_norm.weight", (q_out,)), k_norm=r.get(p + "k_norm.weight", (kv_out,)))
     elif c.qk_norm == "head":
         w.update(q_norm=r.get(p + "q_norm.weight", (c.head_dim,)), k_norm=r.get(p + "k_norm.weight", (c.head_dim,)))
-    return Attention(c, w, c.sliding_windows[i])
+    return Attention(c, w, i)
 
 
 def _dense(r: TensorReader, prefix: str, hidden: int, inter: int) -> DenseMLP:
@@ -93,9 +94,30 @@ def _experts(r: TensorReader, c: ModelConfig, p: str) -> tuple[torch.Tensor, tor
     return gate_up, down_t
 
 
+def _read_layer(r: TensorReader, c: ModelConfig, i: int, with_experts: bool
+                ) -> tuple[DecoderLayer, torch.Tensor | None, torch.Tensor | None]:
+    """(decoder layer i, its experts' gate_up [E, 2I, H] and down [E, H, I], or None twice for a dense layer or
+    without `with_experts`)."""
+    p, gate_up, down = f"model.layers.{i}.", None, None
+    if i in c.moe_layers:
+        mp = _moe_prefix(r, c, i)
+        shared = shared_gate = None
+        if c.shared_intermediate:
+            shared = _dense(r, mp + "shared_expert.", c.hidden, c.shared_intermediate)
+            shared_gate = r.get(mp + "shared_expert_gate.weight", (1, c.hidden))
+        mlp = MoEBlock(c, c.moe_layers.index(i), r.get(mp + "gate.weight", (c.experts, c.hidden)), shared, shared_gate)
+        if with_experts:
+            gate_up, down = _experts(r, c, mp)
+    else:
+        mlp = _dense(r, p + "mlp.", c.hidden, c.dense_intermediate)
+    layer = DecoderLayer(_attention(r, c, i), mlp, RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
+                         RMSNorm(r.get(p + "post_attention_layernorm.weight", (c.hidden,)), c.rms_eps))
+    return layer, gate_up, down
+
+
 def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu",
                experts: ExpertStore | None = None, reader: DummyTensorReader | None = None) -> MoEModel:
-    """Load a Mixtral / Qwen2-MoE / OLMoE / Qwen3-MoE checkpoint. With `experts` given, routed-expert
+    """Load a Mixtral / Qwen2-MoE / OLMoE / Qwen3-MoE / Gemma 4 checkpoint. With `experts` given, routed-expert
     tensors are not read and that store serves them; with a `reader` (pwruntime.model.dummy), the tensors come
     from it and `path` needs config.json and the tokenizer only. Raises CheckpointError (a UserError)."""
     dtype, dev = parse_dtype(dtype), check_device(device)
@@ -104,30 +126,22 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
         raise CheckpointError(f"{files.root} is an AP checkpoint (`pwruntime quantize` output), not a full-precision "
                               "model: pass it with --ap, or give the HuggingFace model it was quantized from")
     c = read_config(files)
+    if c.arch == "gemma4" and dev.type == "cuda":
+        raise CheckpointError("Gemma 4 runs on the CPU only for now: the CUDA kernels do not yet take its GELU "
+                              "experts or its 512-wide global attention heads; use --device cpu")
     tokenizer = Tokenizer(files.tokenizer, files.tokenizer_config, c.eos_token_id)
     r = reader if reader is not None else TensorReader(files, dtype, dev)
-    embed = r.get("model.embed_tokens.weight", (c.vocab, c.hidden))
+    embed = r.get(c.weight_prefix + "embed_tokens.weight", (c.vocab, c.hidden))
     layers, gate_ups, downs = [], [], []
+    read_layer = read_gemma4_layer if c.arch == "gemma4" else _read_layer
     for i in tqdm(range(c.layers), desc="loading layers", unit="layer", disable=None, leave=False):
-        p = f"model.layers.{i}."
-        if i in c.moe_layers:
-            mp = _moe_prefix(r, c, i)
-            shared = shared_gate = None
-            if c.shared_intermediate:
-                shared = _dense(r, mp + "shared_expert.", c.hidden, c.shared_intermediate)
-                shared_gate = r.get(mp + "shared_expert_gate.weight", (1, c.hidden))
-            mlp = MoEBlock(c, c.moe_layers.index(i), r.get(mp + "gate.weight", (c.experts, c.hidden)),
-                           shared, shared_gate)
-            if experts is None:
-                gu, dn = _experts(r, c, mp)
-                gate_ups.append(gu)
-                downs.append(dn)
-        else:
-            mlp = _dense(r, p + "mlp.", c.hidden, c.dense_intermediate)
-        layers.append(DecoderLayer(_attention(r, c, i), mlp,
-                                   RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
-                                   RMSNorm(r.get(p + "post_attention_layernorm.weight", (c.hidden,)), c.rms_eps)))
-    norm = RMSNorm(r.get("model.norm.weight", (c.hidden,)), c.rms_eps)
+        layer, gate_up, down = read_layer(r, c, i, with_experts=experts is None)
+        layers.append(layer)
+        if gate_up is not None:
+            gate_ups.append(gate_up)
+            downs.append(down)
+    norm_weight = r.get(c.weight_prefix + "norm.weight", (c.hidden,))
+    norm = FloatRMSNorm(norm_weight, c.rms_eps) if c.arch == "gemma4" else RMSNorm(norm_weight, c.rms_eps)
     if r.has("lm_head.weight") or not c.tie_word_embeddings:
         lm_head = r.get("lm_head.weight", (c.vocab, c.hidden))
     else:
@@ -135,5 +149,5 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
     if tokenizer.vocab_size > c.vocab:
         raise CheckpointError(f"tokenizer.json has {tokenizer.vocab_size} tokens but the model's vocab_size is "
                               f"{c.vocab}; use the tokenizer that came with these weights")
-    store = experts if experts is not None else DenseExpertStore(gate_ups, downs)
+    store = experts if experts is not None else DenseExpertStore(gate_ups, downs, c.hidden_act)
     return MoEModel(c, tokenizer, embed, layers, norm, lm_head, store)

@@ -58,6 +58,18 @@ class ForwardOutput:
     logits: torch.Tensor | None = None          # logits(hidden) of every row when the forward made them (decode graphs)
 
 
+def routed_experts(store: ExpertStore, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                   records: list[LayerRouting] | None) -> torch.Tensor:
+    """MoE layer `layer`'s routed experts on rows x [T, H] (store.moe), what they did appended to `records` (when
+    given)."""
+    if records is None:
+        return store.moe(layer, x, ids, weights)
+    down_norm = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
+    out = store.moe(layer, x, ids, weights, down_in_norm=down_norm)
+    records.append(LayerRouting(ids, weights, row_norms(x), down_norm))
+    return out
+
+
 class MoEBlock(nn.Module):
     """Softmax top-k router + routed experts (through the store) + optional sigmoid-gated shared expert."""
 
@@ -71,12 +83,7 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, store: ExpertStore, records: list[LayerRouting] | None) -> torch.Tensor:
         weights, ids = route_topk(self.router(x), self.top_k, self.norm_topk)
-        if records is None:
-            out = store.moe(self.index, x, ids, weights)
-        else:
-            down_norm = torch.empty(ids.shape, dtype=torch.float32, device=x.device)
-            out = store.moe(self.index, x, ids, weights, down_in_norm=down_norm)
-            records.append(LayerRouting(ids, weights, row_norms(x), down_norm))
+        out = routed_experts(store, self.index, x, ids, weights, records)
         if self.shared is not None:
             out = gated_add(out, self.shared_gate(x), self.shared(x))
         return out
@@ -119,7 +126,16 @@ class MoEModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = nn.Parameter(lm_head, requires_grad=False)
-        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_linear_factor, device=embed.device)
+        c = config
+        ropes = [Rotary(c.head_dim, c.rope_theta, c.rope_linear_factor, device=embed.device)]
+        if c.global_layers:   # Gemma 4's global layers: a rope of their own
+            ropes.append(Rotary(c.global_head_dim, c.global_rope_theta, c.global_rope_factor, embed.device,
+                                c.global_rope_fraction))
+        self.ropes = nn.ModuleList(ropes)
+        self.layer_rope = [int(i in c.global_layers) for i in range(c.layers)]   # each layer's index in ropes
+        # Gemma 4 scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as transformers does)
+        self.register_buffer("embed_scale", torch.tensor(c.hidden ** 0.5 if c.arch == "gemma4" else 1.0,
+                                                         dtype=embed.dtype, device=embed.device), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,7 +170,7 @@ class MoEModel(nn.Module):
         CUDA-graph decode batches need, `growable` picks its memory (see KVCache)."""
         c = self.config
         return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device, scratch,
-                       growable)
+                       growable, layer_shapes=c.kv_shapes)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
@@ -164,17 +180,22 @@ class MoEModel(nn.Module):
                              f"{meta.num_tokens} tokens in the metadata")
         dev = self.device
         plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
-        x, cos, sin = self.embed_tokens(to_device(input_ids, dev), to_device(positions, dev))
+        x, rope = self.embed_tokens(to_device(input_ids, dev), to_device(positions, dev))
         records: list[LayerRouting] | None = [] if record else None
         delta = None
         for i, layer in enumerate(self.layers):
+            cos, sin = rope[self.layer_rope[i]]
             x, delta = layer(x, delta, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
         return ForwardOutput(self.final_norm(x, delta), records)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(the tokens' embeddings [T, H], rotary cos and sin of their positions)."""
-        return (F.embedding(input_ids, self.embed), *self.rotary.cos_sin(positions, self.dtype))
+                     ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(the tokens' embeddings [T, H], each rope's cos and sin of their positions: layer i takes
+        `layer_rope[i]`)."""
+        x = F.embedding(input_ids, self.embed)
+        if self.config.arch == "gemma4":
+            x = x * self.embed_scale
+        return x, [r.cos_sin(positions, self.dtype) for r in self.ropes]
 
     def final_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
         """The final RMSNorm of the residual stream x + delta."""
@@ -182,5 +203,7 @@ class MoEModel(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n, vocab] float32."""
-        return F.linear(hidden, self.lm_head).float()
+        """[n, H] -> [n, vocab] float32 (soft-capped: cap * tanh(logits / cap), where the model has a cap)."""
+        logits = F.linear(hidden, self.lm_head).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
