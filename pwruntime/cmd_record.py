@@ -99,7 +99,7 @@ def run(args) -> int:
     if model_dir is None:
         raise UserError("no model: pass --model DIR")
     model = load_model(model_dir)
-    card = args.card or card_for(model_dir)
+    card, card_json = (args.card, None) if args.card else card_for(model_dir)
     rng = np.random.default_rng(args.seed)
     jobs = []  # (domain, prompt ids, output tokens)
     for domain, path in files.items():
@@ -112,7 +112,7 @@ def run(args) -> int:
             jobs.append((domain, ids[start:start + n], int(rng.integers(o_lo, o_hi + 1))))
     order = rng.permutation(len(jobs))
     arrivals = np.cumsum(rng.exponential(1.0 / args.rate, size=len(jobs)))
-    recorder = TraceRecorder(card=card, provenance={"model": str(model_dir), "seed": args.seed,
+    recorder = TraceRecorder(card=card, card_json=card_json, provenance={"model": str(model_dir), "seed": args.seed,
                                                      "domains": {d: str(p) for d, p in files.items()}})
     longest = p_hi + o_hi
     engine = LLMEngine(model, EngineConfig(max_num_seqs=args.max_num_seqs, seed=args.seed,

@@ -138,7 +138,8 @@ def run(args) -> int:
             raise UserError("--record-routing records the routing of every prompt token, which prefix caching skips: "
                             "drop --enable-prefix-caching")
         model_dir = engine_model_dir(args)
-        recorder = TraceRecorder(card=card_for(model_dir),
+        card, card_json = card_for(model_dir)
+        recorder = TraceRecorder(card=card, card_json=card_json,
                                  provenance={"model": str(model_dir), "replayed": str(args.trace)})
     sampler = HostStackSampler().start() if args.sample_host_stacks else None
     try:
@@ -161,7 +162,7 @@ def run(args) -> int:
         documents["host_stacks"] = {"interval_s": sampler.interval_s, "min_stretch_s": sampler.min_stretch_s,
                                     "samples": sampler.num_samples, "stretches": sampler.stretches(engine.t0)}
     def write_routing(d: Path) -> None:  # the replayed requests and the routing computed for them, in OUT/trace
-        write_trace_dir(d / "trace", Trace(source, result.routing, result.warmup_routing))
+        write_trace_dir(d / "trace", Trace(source, result.routing, result.warmup_routing), recorder.card_json)
     write_result_dir(out, {"requests": result.requests, "timeline": result.timeline, "plans": result.plans},
                      documents, extra=None if result.routing is None else write_routing,
                      force=args.force, tool="replay")

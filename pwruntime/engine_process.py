@@ -171,7 +171,8 @@ def _recorder(args):
     from pwruntime.trace_recorder import TraceRecorder, card_for
 
     model_dir = engine_model_dir(args)
-    return TraceRecorder(card=card_for(model_dir), domain="served", max_requests=args.record_trace_max_requests,
+    card, card_json = card_for(model_dir)
+    return TraceRecorder(card=card, card_json=card_json, domain="served", max_requests=args.record_trace_max_requests,
                          provenance={"model": str(model_dir), "recorded_by": "pwruntime serve"})
 
 

@@ -8,7 +8,8 @@ column: the recompute runs at the bits of its time and may route otherwise), so 
 replays them. Routing that reaches the recorder after its request finished (the
 one step an asynchronously scheduled sequence runs past its stop) is not recorded, as it was never computed
 without asynchronous scheduling. `routing_trace(rename=...)` keeps some requests under other ids (a replay's, under
-its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture. A server's recorder
+its trace's ids); `card_for(model_dir)` names the bundled card of a checkpoint's architecture, or makes the card of a
+model no bundled card describes, which the trace directory then carries (`traces.io.CARD_FILE`). A server's recorder
 (`pwruntime serve --record-trace`) keeps at most `max_requests` requests (the later ones are counted in `skipped`),
 and its trace holds only the requests that were computed (a request aborted before its first step has no routing).
 """
@@ -23,19 +24,21 @@ import numpy as np
 from pwruntime.model_runner import RoutingArrays
 
 
-def card_for(model_dir) -> str:
-    """The bundled model card with the architecture of the checkpoint in `model_dir` (so `pwsim` can simulate its
-    traces), else the architecture's own name."""
+def card_for(model_dir) -> tuple[str, dict | None]:
+    """(the name of the bundled model card with the architecture of the checkpoint in `model_dir`, None), so `pwsim`
+    can simulate its traces; for an architecture no bundled card has, (the name of a card made from its config.json,
+    that card's JSON)."""
     from traces.model_card import ModelSpec, available_cards, load_card
 
     spec = ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
     matches = [n for n in available_cards() if load_card(n).fingerprint() == spec.fingerprint()]
-    return matches[0] if matches else spec.name
+    return (matches[0], None) if matches else (spec.name, spec.to_dict())
 
 
 @dataclass
 class TraceRecorder:
     card: str = "runtime"
+    card_json: dict | None = None   # the card's JSON, written beside the trace, when no bundled card is `card`
     features: bool = True  # record gate_up / down input norms
     domain: str = "unknown"
     provenance: dict = field(default_factory=dict)
@@ -93,7 +96,7 @@ class TraceRecorder:
 
         routing = self.routing_trace() if self._shape is not None and self._chunks else None
         t0 = self._first_arrival() if from_first_arrival else 0.0
-        out = write_trace_dir(path, Trace(self.request_trace(t0), routing))
+        out = write_trace_dir(path, Trace(self.request_trace(t0), routing), self.card_json)
         if plans:
             from traces.io import write_tables_atomic
             from traces.results import columns_table

@@ -41,7 +41,7 @@ SETTINGS = (
 
 def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     """Set `args` from the replay at `replay_dir`; returns the settings taken, as flags."""
-    from traces.io import ROUTING_FILE, read_routing
+    from traces.io import CARD_FILE, ROUTING_FILE, read_routing
 
     d = Path(replay_dir)
     try:
@@ -62,7 +62,8 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
                         "--trace DIR/trace --budget SIZE and the other flags yourself")
     taken = [f"--trace {trace}"]
     args.trace = str(trace)
-    args.model = read_routing(trace / ROUTING_FILE).card
+    # the card its routing names: a bundled one, or the one the replay wrote beside it (a model without a bundled card)
+    args.model = str(trace / CARD_FILE) if (trace / CARD_FILE).is_file() else read_routing(trace / ROUTING_FILE).card
     taken.append(f"--model {args.model}")
     if "lut_room" not in config:  # a replay before session 38, whose offloads' LUTs took their room from the KV pool
         config = {**config, "lut_room": "pool"}

@@ -88,8 +88,8 @@ def test_synthetic_calibration_is_the_simulators_and_drives_the_planner(tmp_path
 
     out = tmp_path / "ap"
     _quantize(capsys, "--model", "PagedWeight-demo", "--out", str(out))
-    card = card_for(out)
-    assert card == "PagedWeight-demo"  # the simulator names the card a replay of it records
+    card, card_json = card_for(out)
+    assert (card, card_json) == ("PagedWeight-demo", None)  # the simulator names the card a replay of it records
     import policies
 
     table = policies.PageTable(4, 16, 256, 128)

@@ -154,3 +154,40 @@ def test_half_precision_errs_no_more_than_transformers_own(tmp_path, dtype, torc
     ours = _logits(load_model(path, dtype=dtype))
     their_err, our_err = float((theirs - want).abs().max()), float((ours - want).abs().max())
     assert 0 < our_err <= 1.5 * their_err
+
+
+def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys):
+    """The runtime's Gemma 4 under a planner's pressure (AP experts, synthetic calibration, `replay --record-routing`)
+    and `pwsim run --like-replay`: no bundled card describes the tiny model, so the replay writes its card (the two
+    KV geometries included) beside the routing, and the simulator takes every step's and transition's decision the
+    runtime took."""
+    import numpy as np
+
+    from pwsim.cli import main as sim_main
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+    from traces.io import CARD_FILE, write_requests
+    from traces.schema import RequestTrace
+
+    src = make_tiny_checkpoint(tmp_path, "gemma4", seed=6)
+    quantize_checkpoint(src, tmp_path / "ap", QuantizeOptions(weighting="none"), progress=False)
+    rng, k = np.random.default_rng(0), 24
+    lengths = rng.integers(8, 40, k)
+    (tmp_path / "load").mkdir()
+    write_requests(tmp_path / "load" / "requests.parquet", RequestTrace.from_columns(
+        np.arange(k), np.zeros(k), lengths, np.full(k, 24), np.array(["a"] * k),
+        prompt_token_ids=[rng.integers(3, 128, n).tolist() for n in lengths]))
+    rt, sim = tmp_path / "rt", tmp_path / "sim"
+    assert main(["replay", "--trace", str(tmp_path / "load"), "--out", str(rt), "--ap", str(tmp_path / "ap"),
+                 "--calibration", "synthetic", "--policy", "pagedweight", "--gpu-memory-budget", "760KiB",
+                 "--dtype", "bf16", "--device", "cpu", "--time-scale", "0", "--record-routing"]) == 0
+    card = ModelSpec.from_dict(json.loads((rt / "trace" / CARD_FILE).read_text()))
+    assert card.global_head_dim == 32 and card.kv_bytes_per_token() == 2 * 2 * (2 * 16 + 32)
+    capsys.readouterr()
+    assert sim_main(["run", "--like-replay", str(rt), "--out", str(sim)]) == 0
+    assert f"--model {rt / 'trace' / CARD_FILE}" in capsys.readouterr().out
+    assert sim_main(["fidelity", "--sim", str(sim), "--runtime", str(rt), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["planner"]["plans"]["runtime"] > 5  # under pressure
+    d, t = report["decisions"], report["transitions"]
+    assert d["first_difference"] is None and d["agreeing_steps"] == d["steps"] > 20, d
+    assert t["first_difference"] is None and t["sim"] == t["runtime"] and t["runtime"]["started"] > 10, t

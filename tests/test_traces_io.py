@@ -1,6 +1,7 @@
 """Trace files: round trips, atomic writes, and one clear error (file, column, row) per malformed input."""
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from traces import io as tio
 from traces.generators import RoutingSpec, WorkloadSpec, generate_requests, generate_routing
-from traces.model_card import load_card
+from traces.model_card import ModelSpec, load_card
 from traces.schema import RequestTrace, RoutingTrace, TraceError
 
 CARD = load_card("OLMoE-1B-7B-0924")
@@ -81,6 +82,11 @@ def test_routing_round_trip_and_directory(tmp_path, small):
     # rewriting without routing removes the stale routing file
     tio.write_trace_dir(tmp_path / "t", tio.Trace(req))
     assert tio.read_trace_dir(tmp_path / "t").routing is None
+    # the card of a model no bundled card describes travels beside its trace, and goes with a rewrite without one
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req, rt), CARD.to_dict())
+    assert ModelSpec.from_dict(json.loads((tmp_path / "t" / tio.CARD_FILE).read_text())) == CARD
+    tio.write_trace_dir(tmp_path / "t", tio.Trace(req, rt))
+    assert not (tmp_path / "t" / tio.CARD_FILE).exists()
 
 
 def test_a_warm_up_s_routing_travels_with_the_trace_and_covers_its_first_requests(tmp_path, small):

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from traces.clikit import default_mode
+from traces.clikit import default_mode, write_json_atomic
 from traces.schema import (META_KEY, REQUEST_COLUMNS, REQUESTS, ROUTING, TOKEN_IDS_TYPE, RequestTrace, RoutingTrace,
                            TraceError, check_routing_against_requests, decode_metadata, encode_metadata,
                            routing_columns)
@@ -27,6 +27,8 @@ from traces.schema import (META_KEY, REQUEST_COLUMNS, REQUESTS, ROUTING, TOKEN_I
 REQUESTS_FILE, ROUTING_FILE = "requests.parquet", "routing.parquet"
 # the routing a replay's warm-up computed for the trace's first requests (`pwruntime replay --record-routing`)
 WARMUP_ROUTING_FILE = "warmup_routing.parquet"
+# the model card of a recorded trace whose model no bundled card describes (`pwsim run --model DIR/card.json`)
+CARD_FILE = "card.json"
 
 
 @dataclass(frozen=True)
@@ -256,9 +258,9 @@ def check_warmup_routing(warmup: RoutingTrace, requests: RequestTrace) -> None:
     check_routing_against_requests(warmup, requests.head(k))
 
 
-def write_trace_dir(path: str | os.PathLike, trace: Trace) -> Path:
-    """Write its files (each atomically); a stale routing or warm-up routing file is removed where the trace has
-    none."""
+def write_trace_dir(path: str | os.PathLike, trace: Trace, card: dict | None = None) -> Path:
+    """Write its files (each atomically), and `card` (a model card's JSON, for a model without a bundled card) as
+    CARD_FILE; a stale routing, warm-up routing or card file is removed where the trace has none."""
     if trace.requests is None:
         raise ValueError("a trace directory needs requests")
     d = Path(path)
@@ -270,7 +272,10 @@ def write_trace_dir(path: str | os.PathLike, trace: Trace) -> Path:
         check_warmup_routing(trace.warmup_routing, trace.requests)
         tables[d / WARMUP_ROUTING_FILE] = routing_table(trace.warmup_routing)
     write_tables_atomic(tables)
-    for part, name in ((trace.routing, ROUTING_FILE), (trace.warmup_routing, WARMUP_ROUTING_FILE)):
+    if card is not None:
+        write_json_atomic(d / CARD_FILE, card)
+    for part, name in ((trace.routing, ROUTING_FILE), (trace.warmup_routing, WARMUP_ROUTING_FILE),
+                       (card, CARD_FILE)):
         if part is None and (d / name).exists():
             (d / name).unlink()
     return d
