@@ -1,4 +1,5 @@
-// Fused mixed-precision AP (bit-plane) MoE decode: gate_up + silu*mul, then down + weighted sum.
+// Fused mixed-precision AP (bit-plane) MoE decode: gate_up + act*mul (SiLU, or GELU with PW_GELU), then down +
+// weighted sum.
 //
 // Weights are AP layout v1 (policies/apformat.py): plane j of a block is [out, W] uint32 words,
 // W = ceil(in / 32); bit (k % 32) of word k / 32 of row r is bit (7 - j) of W[r, k]'s 8-bit code;
@@ -30,7 +31,7 @@
 // chunk are in flight while a chunk is decoded (two register buffers used in alternation).
 //
 // Launch 1 (pw_moe_gate_up): m-rows 0..7 are gate rows, 8..15 the matching up rows, so
-// silu(gate) * up is formed in registers and written to act[slot, I] (activation dtype).
+// act(gate) * up is formed in registers and written to act[slot, I] (activation dtype).
 // Launch 2 (pw_moe_down): partial[slot, H] = w_slot * down_e(act[slot]); the last CTA to finish a
 // row tile (arrival counter) sums the top-k slots of every token in slot order (deterministic),
 // writes out[T, H] and re-arms the counter, so no memset or extra launch is needed.
@@ -592,7 +593,7 @@ __device__ void reduce_ksplit(float (&acc)[NT][4], char* smem, int warp, int ks,
 // One entry point for the three uses, so the decode loop is compiled once per module:
 //   mode 0, gate_up: grid = (max_active + overflow) * n_tiles (expert slots x row tiles, ap_route.cuh);
 //                    block = block_base + 2e; rows = I (gate) / I + r (up);
-//                    x = hidden [T, H]; dst = act [T * topk, I] = silu(gate x) * (up x).
+//                    x = hidden [T, H]; dst = act [T * topk, I] = act_f(gate x) * (up x).
 //   mode 1, down:    block = block_base + 2e + 1; x = act; partial[slot, H]; dst = out [T, H].
 //   mode 2, linear:  one block (block_base), all T tokens; dst = y [T, out_rows] (ld_dst). Row group rg of CTA c
 //                    is 16-row group c + rg * gridDim.x (moe.linear_grid: one full wave where that is more CTAs).
@@ -713,7 +714,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, PW_MINB) pw_ap_moe(
                     const int slot = tl.rows[n];
                     if (mode == 0) {
                         if (ra < m_rows)
-                            dst[(long long)slot * m_rows + ra] = f2act<BF>(silu_f(acc[nt][cc]) * acc[nt][2 + cc]);
+                            dst[(long long)slot * m_rows + ra] = f2act<BF>(act_f(acc[nt][cc]) * acc[nt][2 + cc]);
                     } else if (mode == 1) {
                         const float wv = topk_w[slot];
                         if (ra < m_rows) partial[(long long)slot * m_rows + ra] = wv * acc[nt][cc];

@@ -185,3 +185,16 @@ __device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepc
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + __expf(-g)); }
+
+// The experts' gate activation: SiLU, or with PW_GELU the tanh-approximated GELU (Gemma 4; torch's
+// F.gelu(g, approximate="tanh")).
+#ifndef PW_GELU
+#define PW_GELU 0
+#endif
+__device__ __forceinline__ float act_f(float g) {
+#if PW_GELU
+    return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+#else
+    return silu_f(g);
+#endif
+}

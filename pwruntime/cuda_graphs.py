@@ -7,7 +7,8 @@ slot_mapping. Padding rows are harmless: token 0 at position 0, one token long, 
 K/V slot in the KV cache's scratch block (KVCache(scratch=True), an id the pool never hands out).
 
 Everything the forward does on that path is stream-ordered device work: the attention plan takes
-the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel), the layer's small ops are
+the static tensors as they are (`AttentionMetadata.seq_lens`, the decode kernel, which must take every layer's heads:
+`model.graph_attention`), the layer's small ops are
 fixed-shape kernels (kernels.layer_ops), and the expert store must say it is capturable (`store.capturable`; the
 fused AP kernel reads the device page table at run time, so committing new bits between replays
 needs no recapture). Routing records are static outputs of the graph too, also packed into one word array inside
@@ -213,7 +214,7 @@ class GraphSet:
     @property
     def ready(self) -> bool:
         """Whether this model, store and cache can be captured at all right now."""
-        return (self.disabled is None and self.kv.scratch_block is not None
+        return (self.disabled is None and self.kv.scratch_block is not None and self.model.graph_attention
                 and self.model.dtype in DECODE_KERNEL_DTYPES and bool(getattr(self.model.experts, "capturable", False)))
 
     def _drop_stale(self) -> None:

@@ -113,8 +113,10 @@ class DeviceExpertStore:
         table=None,
         prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
         arena: bool = False,
+        activation: str = "silu",
     ) -> None:
         self.device = _resolve(device)
+        self.activation = activation   # the experts' gate activation (kernels.reference.ACTIVATIONS)
         self.experts, self.hidden, self.intermediate = int(experts), int(hidden), int(intermediate)
         self.bits = tuple(sorted(int(b) for b in bits))
         self.dtype = dtype
@@ -157,7 +159,7 @@ class DeviceExpertStore:
         ap.clear_cache()
         return cls(ap.layers, experts=ap.experts, hidden=ap.hidden, intermediate=ap.intermediate, bits=ap.bits,
                    moe_layers=ap.moe_layers, device=device, dtype=dtype or ap.dtype, initial_bits=ap.current_bits(),
-                   table=table, **kw)
+                   table=table, activation=ap.activation, **kw)
 
     # ------------------------------------------------------------ blocks
     @property
@@ -383,7 +385,7 @@ class DeviceExpertStore:
         return dequantize_blocks(self.table, [self.block_index(layer, expert, kind)], out_f, in_f, self.dtype)[0]
 
     def moe_shape(self, top_k: int) -> MoEShape:
-        return MoEShape(self.experts, self.hidden, self.intermediate, int(top_k))
+        return MoEShape(self.experts, self.hidden, self.intermediate, int(top_k), self.activation)
 
     def kernel_variants(self, top_k: int) -> set:
         """The CUDA builds `moe` launches with `top_k` experts a token: the fused kernel's at 1..64 tokens a launch and
@@ -483,6 +485,7 @@ def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.
     weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype)  # noqa: E731
     max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
     if grouped_mm_prefill(x, shape):
-        return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm)
+        return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,
+                              shape.activation)
     return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, max_pad_rows,
-                      down_in_norm)
+                      down_in_norm, shape.activation)

@@ -146,9 +146,9 @@ def test_kv_cache_scratch_block_and_generation():
     assert plain.scratch_block is None and plain.k[0].shape[0] == 4
 
 
-def _fake_model(window=None, dtype=torch.float16, store=None):
+def _fake_model(window=None, dtype=torch.float16, store=None, graph_attention=True):
     cfg = SimpleNamespace(max_position=64, sliding_windows=(None, window))
-    return SimpleNamespace(config=cfg, device=torch.device("cpu"), dtype=dtype,
+    return SimpleNamespace(config=cfg, device=torch.device("cpu"), dtype=dtype, graph_attention=graph_attention,
                            experts=store if store is not None else SimpleNamespace(capturable=True, graph_epoch=0))
 
 
@@ -162,6 +162,7 @@ def test_graphs_usable_only_for_capturable_decode_batches():
     assert not g.supports(DecodeRows([1], [3], [[0] * 17]))         # wider than max_position / block_size
     assert not DecodeGraphs(_fake_model(store=SimpleNamespace()), kv, 4).supports(row(1))     # store not capturable
     assert not DecodeGraphs(_fake_model(dtype=torch.float32), kv, 4).supports(row(1))       # fp32: no decode kernel
+    assert not DecodeGraphs(_fake_model(graph_attention=False), kv, 4).supports(row(1))   # heads it cannot take
     assert not DecodeGraphs(_fake_model(), KVCache(2, 16, 4, 1, 8), 4).supports(row(1))    # no scratch block
     windowed = DecodeGraphs(_fake_model(window=8), kv, 4)
     assert windowed.supports(row(2, pos=7)) and not windowed.supports(row(2, pos=8))   # 9 tokens > window 8

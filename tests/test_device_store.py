@@ -10,7 +10,7 @@ import gc
 import json
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.kernels.device_table import device_layout
-from pwruntime.kernels.moe import MoEShape
+from pwruntime.kernels.moe import MoEShape, moe_plans
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 from pwruntime.quant.store import APExpertStore, load_ap_model
@@ -76,13 +76,14 @@ def observation(step: int) -> Observation:
     return Observation(step=step, time_s=0.0, free_blocks=0, total_blocks=1, kv_block_bytes=1, free_block_threshold=0)
 
 
-def stores(path: Path, bits, device: str = "cpu", dtype: torch.dtype = torch.float32, arena: bool = False):
-    """(reference APExpertStore, PageTable both follow, DeviceExpertStore)."""
-    ref = APExpertStore.from_checkpoint(path)
+def stores(path: Path, bits, device: str = "cpu", dtype: torch.dtype = torch.float32, arena: bool = False,
+           activation: str = "silu"):
+    """(reference APExpertStore, PageTable both follow, DeviceExpertStore), their experts' gate `activation`."""
+    ref, ap = APExpertStore.from_checkpoint(path), APExpertStore.from_checkpoint(path)
+    ref.activation = ap.activation = activation
     table = PageTable(len(ref.layers), ref.experts, ref.hidden, ref.intermediate, bits=ref.bits, initial_bits=bits)
     ref.attach_table(table)
-    dev = DeviceExpertStore.from_ap_store(APExpertStore.from_checkpoint(path), device=device, dtype=dtype, table=table,
-                                          arena=arena)
+    dev = DeviceExpertStore.from_ap_store(ap, device=device, dtype=dtype, table=table, arena=arena)
     return ref, table, dev
 
 
@@ -181,6 +182,23 @@ def test_moe_and_weights_equal_the_ap_store(ap_path):
         for tokens in (7, 100):  # the fused kernel's pure-torch fallback, in two launch sets at 100 tokens
             x, ids, w = routing(dev, tokens, seed=layer)
             torch.testing.assert_close(dev.moe(layer, x, ids, w), ref.moe(layer, x, ids, w), rtol=1e-4, atol=1e-4)
+
+
+def test_gelu_experts_equal_the_ap_store_s_and_differ_from_silu_ones(ap_path):
+    """Gemma 4's experts (tanh GELU): the fused path's reference and the prefill path both take the store's
+    activation, and the kernel build says so (PW_GELU, the gate_up launch only)."""
+    bits = np.random.default_rng(3).choice((3, 4, 5, 6, 7, 8), size=32)
+    ref, _, dev = stores(ap_path, bits, activation="gelu_tanh")
+    silu_ref, _, _ = stores(ap_path, bits)
+    assert dev.activation == "gelu_tanh" and dev.moe_shape(2).activation == "gelu_tanh"
+    for tokens in (7, 130):   # the fused kernel's fallback, and prefill (padded_moe)
+        x, ids, w = routing(dev, tokens, seed=tokens)
+        want = ref.moe(1, x, ids, w)
+        torch.testing.assert_close(dev.moe(1, x, ids, w), want, rtol=1e-4, atol=1e-4)
+        assert float((silu_ref.moe(1, x, ids, w) - want).norm() / want.norm()) > 0.01   # far above the 1e-4
+    p1, p2 = moe_plans(dev.moe_shape(2), 1)
+    assert ("PW_GELU", 1) in p1.defines and ("PW_GELU", 1) not in p2.defines
+    assert all(("PW_GELU", 1) not in p.defines for p in moe_plans(replace(dev.moe_shape(2), activation="silu"), 1))
 
 
 def test_offload_lands_after_the_mark_and_frees_its_planes(ap_path, monkeypatch):
@@ -453,9 +471,11 @@ def slot_bytes(nbytes: int) -> int:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_moe_matches_the_ap_store(ap_path, dtype):
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gpu_moe_matches_the_ap_store(ap_path, dtype, activation):
     rng = np.random.default_rng(2)
-    ref, table, dev = stores(ap_path, rng.choice((3, 4, 5, 6, 7, 8), size=32), device="cuda", dtype=dtype)
+    ref, table, dev = stores(ap_path, rng.choice((3, 4, 5, 6, 7, 8), size=32), device="cuda", dtype=dtype,
+                             activation=activation)
     assert dev.master[0]["down"].planes.is_pinned()
     for layer in range(2):
         for e in range(8):

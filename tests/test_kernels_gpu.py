@@ -24,8 +24,9 @@ pytestmark = pytest.mark.gpu
 
 ARCHS = {  # hidden, intermediate, experts, top-k
     "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
-    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8),
 }
+ACTIVATION = {"gemma4": "gelu_tanh"}   # the others' experts: SiLU
 TOL = {torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 
 
@@ -50,7 +51,7 @@ class Model:
 
     def __init__(self, arch: str, layers: int = 2, seed: int = 0):
         h, i, e, k = ARCHS[arch]
-        self.shape = MoEShape(e, h, i, k)
+        self.shape = MoEShape(e, h, i, k, ACTIVATION.get(arch, "silu"))
         self.gen = torch.Generator(device="cuda").manual_seed(seed)
         self.table = DeviceWeightTable(layers * e * 2, "cuda")
         self.blocks = {}
@@ -85,7 +86,7 @@ class Model:
     def ref(self, layer, x, ids, w):
         s = self.shape
         return fused_moe_ref(x, ids, w, lambda e: self.weight(s.block(layer, e, 0)),
-                             lambda e: self.weight(s.block(layer, e, 1)))
+                             lambda e: self.weight(s.block(layer, e, 1)), s.activation)
 
     def routing(self, tokens: int):
         return random_routing(self.shape, tokens, self.gen)

@@ -381,7 +381,7 @@ def test_device_table_defers_rows_to_one_flush():
 
 ARCHS = {  # hidden, intermediate, experts, top-k
     "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
-    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8),
+    "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8),
 }
 
 

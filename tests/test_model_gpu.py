@@ -1,4 +1,5 @@
-"""The model on CUDA: tiny checkpoints match transformers (fp32), and a Qwen1.5-MoE-sized layer stack in bf16."""
+"""The model on CUDA: tiny checkpoints match transformers (fp32), a Qwen1.5-MoE-sized layer stack in bf16, and Gemma 4
+at its head sizes in bf16 (dense and with AP experts)."""
 from __future__ import annotations
 
 import json
@@ -6,7 +7,7 @@ import json
 import pytest
 import torch
 
-from model_fixtures import ARCHS, load_hf_model, make_text, make_tiny_checkpoint
+from model_fixtures import CPU_ARCHS, load_hf_model, make_text, make_tiny_checkpoint
 from pwruntime.cli import main
 from pwruntime.model import load_model, prefill_metadata
 
@@ -15,7 +16,7 @@ from test_model_parity import PROMPT, hf_greedy, hf_logits, pw_greedy
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", CPU_ARCHS)
 def test_cuda_fp32_matches_transformers(tmp_path, arch):
     path = make_tiny_checkpoint(tmp_path, arch, seed=11)
     hf = load_hf_model(path)
@@ -64,3 +65,56 @@ def test_cuda_bf16_qwen15_moe_sized(tmp_path):
     step = model.logits(model.forward(ids[-1:], torch.tensor([299]), kv,
                                       batch_metadata([(299, 1, list(range(19)))], 16, "cuda")).hidden)
     assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
+
+
+def _gemma4_at_its_head_sizes(tmp_path):
+    """Two sliding layers of 256-wide heads (window 64) and a global one of 512-wide heads, V from K."""
+    return make_tiny_checkpoint(tmp_path, "gemma4", seed=0, hidden_size=512, num_attention_heads=8,
+                                num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+                                num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"],
+                                sliding_window=64, num_experts=8, top_k_experts=2, moe_intermediate_size=256,
+                                intermediate_size=1024, vocab_size=4096, initializer_range=0.02,
+                                max_position_embeddings=4096)
+
+
+def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path):
+    """The sliding layers' decode through the attention kernel (within the window) or the reference (past it), the
+    global layer's 512-wide heads through the reference: logits against transformers' on the same GPU, for a prefill
+    and a decode step; no decode graph (`graph_attention`)."""
+    path = _gemma4_at_its_head_sizes(tmp_path)
+    hf = load_hf_model(path).to("cuda", torch.bfloat16)
+    model = load_model(path, dtype="bf16", device="cuda")
+    assert not model.graph_attention and model.kernel_variants()   # the sliding layers' decode kernel is built
+    ids = torch.randint(3, 4096, (300,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids[None].cuda()).logits[0].float()
+    kv = model.new_kv_cache(32, 16)
+    got = model.logits(model.forward(ids[:-1], torch.arange(299), kv, prefill_metadata(299, 16, "cuda")).hidden)
+    scale = ref.abs().mean()
+    assert ((got - ref[:-1]).abs().mean() / scale) < 0.05
+    assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
+    from pwruntime.model import batch_metadata
+    step = model.logits(model.forward(ids[-1:], torch.tensor([299]), kv,
+                                      batch_metadata([(299, 1, list(range(19)))], 16, "cuda")).hidden)
+    assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
+
+
+def test_cuda_gemma4_ap_engine_runs_its_planner_eagerly(tmp_path, capsys):
+    """`generate --ap` on CUDA with Gemma 4: the fused kernel's GELU build, pages moving under a planner, every step
+    eager; the first greedy token of each prompt the CPU engine's (bf16 on both; later ones may part at a near tie)."""
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+
+    src = _gemma4_at_its_head_sizes(tmp_path)
+    quantize_checkpoint(src, tmp_path / "ap", QuantizeOptions(weighting="none"), progress=False)
+    prompts = [a for p in ("ba be bi bo", "ka ke ki ko ku", "ma me") for a in ("--prompt", p)]
+    runs = {}
+    for device in ("cuda", "cpu"):
+        assert main(["generate", "--ap", str(tmp_path / "ap"), "--calibration", "synthetic", "--policy",
+                     "pagedweight", *prompts, "--max-tokens", "48", "--ignore-eos", "--num-kv-blocks", "8",
+                     "--block-size", "16", "--device", device, "--dtype", "bf16", "--json"]) == 0
+        runs[device] = json.loads(capsys.readouterr().out)
+    stats = runs["cuda"]["stats"]
+    assert stats["plans"] > 0 and stats["mean_bits_end"] < stats["mean_bits_start"]
+    assert stats["cuda_graph_replays"] == 0 and stats["mixed_graph_replays"] == 0
+    assert all(len(o["token_ids"]) == 48 for o in runs["cuda"]["outputs"])
+    assert [o["token_ids"][0] for o in runs["cuda"]["outputs"]] == [o["token_ids"][0] for o in runs["cpu"]["outputs"]]

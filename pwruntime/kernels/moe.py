@@ -54,6 +54,7 @@ class MoEShape:
     hidden: int
     intermediate: int
     top_k: int
+    activation: str = "silu"   # the experts' gate activation: "silu" or "gelu_tanh" (Gemma 4)
 
     def block(self, layer: int, expert: int, kind: int) -> int:
         return (layer * self.num_experts + expert) * 2 + kind
@@ -71,11 +72,12 @@ class LaunchPlan:
     token_groups: int = 1   # the most groups of 8 * nt tokens an expert's tokens take (overflow slots serve all but one)
     warps: int = 4          # warps per CTA (row groups of a CTA: warps // ksplit)
     overflow: int = 0       # expert slots past one an active expert (overflow_slots), in the grid
+    gelu: bool = False      # a gate_up launch whose activation is tanh GELU (else SiLU)
 
     @property
     def defines(self) -> tuple[tuple[str, int], ...]:
         return ((("PW_NT", self.nt),) + ((("PW_WARPS", self.warps),) if self.warps != 4 else ())
-                + ((("PW_OVERFLOW", 1),) if self.overflow else ()))
+                + ((("PW_OVERFLOW", 1),) if self.overflow else ()) + ((("PW_GELU", 1),) if self.gelu else ()))
 
     def variant(self, dtype: torch.dtype) -> kc.Variant:
         """The cuda/ap_moe.cu build this launch runs for activations of `dtype`."""
@@ -231,7 +233,8 @@ def moe_plans(shape: MoEShape, tokens: int, sm_count: int = 132) -> tuple[Launch
     tile = group_tokens(tokens)
     p1 = plan_launch(shape.intermediate, shape.hidden, tokens, 8, expect, max_active, sm_count, tile)
     p2 = plan_launch(shape.hidden, shape.intermediate, tokens, 16, expect, max_active, sm_count, tile)
-    return tuple(with_overflow(p, shape, tokens, max_active) for p in (p1, p2))
+    p1, p2 = (with_overflow(p, shape, tokens, max_active) for p in (p1, p2))
+    return replace(p1, gelu=shape.activation == "gelu_tanh"), p2
 
 
 def planner_knobs() -> tuple:
@@ -353,7 +356,7 @@ def _fused_moe_cpu(table, layer, x, topk_ids, topk_weights, shape):
         return dequantize_resident(rb, in_f, x.dtype)
 
     return fused_moe_ref(x, topk_ids, topk_weights, lambda e: weight(e, 0, shape.hidden),
-                         lambda e: weight(e, 1, shape.intermediate))
+                         lambda e: weight(e, 1, shape.intermediate), shape.activation)
 
 
 def _fused_moe_cuda(table, layer, x, topk_ids, topk_weights, shape, workspace):

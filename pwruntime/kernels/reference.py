@@ -60,9 +60,20 @@ def ap_linear_one_token_int16_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return y.to(x.dtype)[None]
 
 
+# an expert's (or a dense MLP's) gate activation, by the name ModelConfig.hidden_act gives it
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
+
+
+def gated(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
+    inter = h.shape[-1] // 2
+    return ACTIVATIONS[act](h[..., :inter]) * h[..., inter:]
+
+
 def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                  gate_up: Callable[[int], torch.Tensor], down: Callable[[int], torch.Tensor]) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j].
+                  gate_up: Callable[[int], torch.Tensor], down: Callable[[int], torch.Tensor],
+                  act: str = "silu") -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t), e = topk_ids[t, j] (act: a key of ACTIVATIONS).
 
     gate_up(e) -> [2I, H] (gate rows first), down(e) -> [H, I]; weights are used in x's dtype.
     Experts are processed grouped (each expert's weights dequantized once), as the kernel does.
@@ -74,10 +85,9 @@ def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     for e in torch.unique(ids).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
         wgu = gate_up(e).to(x.dtype).float()
-        inter = wgu.shape[0] // 2
         h = x[tok].float() @ wgu.T
-        act = (F.silu(h[:, :inter]) * h[:, inter:]).to(x.dtype).float()
-        y = act @ down(e).to(x.dtype).float().T
+        a = gated(h, act).to(x.dtype).float()
+        y = a @ down(e).to(x.dtype).float().T
         per_slot[tok, slot] = y * topk_weights[tok, slot].float()[:, None]
     out = per_slot[:, 0]
     for j in range(1, k):  # slot order, like the kernel's reduction
@@ -153,8 +163,7 @@ def row_norms_ref(x: torch.Tensor) -> torch.Tensor:
 
 def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
-    inter = h.shape[-1] // 2
-    return F.silu(h[..., :inter]) * h[..., inter:]
+    return gated(h, "silu")
 
 
 def gated_add_ref(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from pwruntime.host_copy import to_device
-from pwruntime.kernels.attention import paged_attention_decode
+from pwruntime.kernels.attention import decode_variant, paged_attention_decode
 from pwruntime.kernels.layer_ops import rotary_kv
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.layers import FloatRMSNorm, Linear, RMSNorm
@@ -350,7 +350,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     piecewise graph's static buffer) the T rows are written there and `out` is returned; rows past T are left as
     they are."""
     d = plan.decode
-    kernel = d is not None and d.kernel_applies(q.device.type, q.dtype, window)
+    kernel = (d is not None and d.kernel_applies(q.device.type, q.dtype, window)  # and the kernel takes the heads
+              and decode_variant(q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2]) is not None)
     if kernel and d.rows is None and out is None:
         return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, kv_ptrs=kv_ptrs)
     if out is None:

@@ -3,8 +3,9 @@
 For benchmarks and simulator checks at a real model's size without its weights: `DummyTensorReader` stands in for
 `checkpoint.TensorReader`, so `load_model(dir, reader=DummyTensorReader(...))` builds a model from `dir`'s
 config.json and tokenizer alone. Each tensor the loader asks for is made: norm weights, Gemma 4's router scales and
-layer scalars ones, biases zeros, the rest normal with standard deviation 0.02 (transformers' default `initializer_range`); each drawn from a generator seeded
-by (seed, name), so a tensor does not depend on which were asked for before it. The reader keeps what it made
+layer scalars ones, biases zeros, the rest normal with standard deviation 0.02 (transformers' default
+`initializer_range`); each drawn from a generator seeded by (seed, name), so a tensor does not depend on which were
+asked for before it. The reader keeps what it made
 (`made`): `pwruntime quantize --load-format dummy` writes those as the AP checkpoint's full-precision rest.
 """
 from __future__ import annotations

@@ -14,18 +14,11 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from policies.page_table import block_index
+from pwruntime.kernels.reference import gated
 
 KINDS = ("gate_up", "down")
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh")}
-
-
-def gated(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """act(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
-    inter = h.shape[-1] // 2
-    return ACTIVATIONS[act](h[..., :inter]) * h[..., inter:]
 
 
 def block_shape(kind: str | int, hidden: int, intermediate: int) -> tuple[int, int]:
@@ -149,7 +142,7 @@ def expert_groups(counts: Sequence[int], max_experts: int, max_pad_rows: int) ->
 
 def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                weights_of, max_experts: int, max_pad_rows: int,
-               down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+               down_in_norm: torch.Tensor | None = None, act: str = "silu") -> torch.Tensor:
     """grouped_moe's result with a few launches per group of experts instead of a set per expert (prefill).
 
     weights_of(experts) -> (gate_up [n, 2I, H], down [n, H, I]) of a list of experts; at most `max_experts` are
@@ -168,9 +161,9 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
         idx = torch.from_numpy(np.concatenate([src, keep, src[keep]])).to(x.device, non_blocking=True)
         take, kept, dest = idx.split([len(src), len(keep), len(keep)])
         gate_up, down = weights_of(group)
-        act, y = expert_mlp(d.rows[take].view(len(group), width, -1), gate_up, down)
+        a, y = expert_mlp(d.rows[take].view(len(group), width, -1), gate_up, down, act=act)
         del gate_up, down  # the next group's weights are made after these go
-        d.put(dest, act.reshape(-1, act.shape[-1])[kept], y.reshape(-1, y.shape[-1])[kept])
+        d.put(dest, a.reshape(-1, a.shape[-1])[kept], y.reshape(-1, y.shape[-1])[kept])
     return d.combine(topk_weights, down_in_norm)
 
 
@@ -217,7 +210,7 @@ class DenseExpertStore:
     In bf16 on Hopper a layer is two grouped GEMMs over all its experts (`grouped_mm_moe`, rows sorted by expert,
     the experts' offsets on the device): no host sync and no data-dependent allocation, so decode steps run from
     CUDA graphs (`capturable`). Elsewhere one set of launches per active expert (`grouped_moe`). `activation` is
-    the experts' gate activation (a key of ACTIVATIONS)."""
+    the experts' gate activation (a key of kernels.reference.ACTIVATIONS)."""
 
     def __init__(self, gate_up: list[torch.Tensor], down: list[torch.Tensor], activation: str = "silu"):
         if len(gate_up) != len(down):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pwruntime.kernels.layer_ops import add_rms_norm, silu_mul
-from pwruntime.model.experts import gated
+from pwruntime.kernels.reference import gated
 
 
 class RMSNorm(nn.Module):

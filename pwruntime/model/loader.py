@@ -126,9 +126,6 @@ def load_model(path: str | Path, dtype: str | torch.dtype = torch.float32, devic
         raise CheckpointError(f"{files.root} is an AP checkpoint (`pwruntime quantize` output), not a full-precision "
                               "model: pass it with --ap, or give the HuggingFace model it was quantized from")
     c = read_config(files)
-    if c.arch == "gemma4" and dev.type == "cuda":
-        raise CheckpointError("Gemma 4 runs on the CPU only for now: the CUDA kernels do not yet take its GELU "
-                              "experts or its 512-wide global attention heads; use --device cpu")
     tokenizer = Tokenizer(files.tokenizer, files.tokenizer_config, c.eos_token_id)
     r = reader if reader is not None else TensorReader(files, dtype, dev)
     embed = r.get(c.weight_prefix + "embed_tokens.weight", (c.vocab, c.hidden))

@@ -157,12 +157,20 @@ class MoEModel(nn.Module):
         c, dtype = self.config, self.dtype
         if self.device.type != "cuda":
             return set()
-        attention = decode_variant(dtype, c.head_dim, c.heads // c.kv_heads)  # None: the reference runs
-        out = {attention} if attention is not None else set()
+        # a layer geometry without a build runs the reference
+        out = {decode_variant(dtype, d, c.heads // h) for h, d in set(c.kv_shapes)} - {None}
         if dtype in (torch.float16, torch.bfloat16):
             out |= {layer_ops.variant(dtype), KV_WRITE}
         store_variants = getattr(self.experts, "kernel_variants", None)
         return out | (store_variants(c.top_k) if store_variants is not None else set())
+
+    @property
+    def graph_attention(self) -> bool:
+        """Whether a decode step's attention can be captured in a CUDA graph: every layer of one geometry (the
+        piecewise graphs' boundary holds one), which the paged-attention kernel takes (Gemma 4's 512-wide global
+        heads it does not, so its steps run eagerly)."""
+        c = self.config
+        return len(set(c.kv_shapes)) == 1 and decode_variant(self.dtype, c.head_dim, c.kv_groups) is not None
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False,
                      growable: bool | None = None) -> KVCache:

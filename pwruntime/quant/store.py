@@ -56,7 +56,7 @@ class APExpertStore:
         if len(self.moe_layers) != len(self.layers):
             raise ValueError(f"{len(self.layers)} layers of blocks but {len(self.moe_layers)} MoE layer indices")
         self.dtype = dtype
-        self.activation = "silu"   # the experts' gate activation (model.experts.ACTIVATIONS): load_ap_model sets it
+        self.activation = "silu"   # the experts' gate activation (kernels.reference.ACTIVATIONS): load_ap_model sets it
         self.cache_bytes = int(cache_bytes)
         self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()  # (block, bits)
         self._cached_bytes = 0
