@@ -42,29 +42,35 @@ def test_cuda_perplexity_equals_cpu(tmp_path, capsys):
     assert abs(res["cuda"]["perplexity"] / res["cpu"]["perplexity"] - 1) < 1e-4
 
 
-def test_cuda_bf16_qwen15_moe_sized(tmp_path):
-    """Two layers at Qwen1.5-MoE-A2.7B width (60 experts of 1408, shared 5632, 16 heads of 128), bf16:
-    our logits vs transformers' on the same GPU, and a decode step through the paged cache."""
-    path = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=0, hidden_size=2048, num_attention_heads=16,
-                                num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
-                                moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-                                intermediate_size=5632, vocab_size=4096, initializer_range=0.02,
-                                max_position_embeddings=4096)
+def _bf16_against_transformers(path, tokens: int = 300):
+    """The model at `path` in bf16 on the GPU against transformers' there: a prefill of `tokens` - 1 random tokens,
+    then a decode step through the paged cache."""
+    from pwruntime.model import batch_metadata
+
     hf = load_hf_model(path).to("cuda", torch.bfloat16)
     model = load_model(path, dtype="bf16", device="cuda")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 4096, (300,), generator=g)
+    ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids[None].cuda()).logits[0].float()
+    n = tokens - 1
     kv = model.new_kv_cache(32, 16)
-    got = model.logits(model.forward(ids[:-1], torch.arange(299), kv, prefill_metadata(299, 16, "cuda")).hidden)
+    got = model.logits(model.forward(ids[:-1], torch.arange(n), kv, prefill_metadata(n, 16, "cuda")).hidden)
     scale = ref.abs().mean()
     assert ((got - ref[:-1]).abs().mean() / scale) < 0.05
     assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
-    from pwruntime.model import batch_metadata
-    step = model.logits(model.forward(ids[-1:], torch.tensor([299]), kv,
-                                      batch_metadata([(299, 1, list(range(19)))], 16, "cuda")).hidden)
+    step = model.logits(model.forward(ids[-1:], torch.tensor([n]), kv,
+                                      batch_metadata([(n, 1, list(range(tokens // 16 + 1)))], 16, "cuda")).hidden)
     assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
+    return model
+
+
+def test_cuda_bf16_qwen15_moe_sized(tmp_path):
+    """Two layers at Qwen1.5-MoE-A2.7B width (60 experts of 1408, shared 5632, 16 heads of 128), bf16:
+    our logits vs transformers' on the same GPU, and a decode step through the paged cache."""
+    _bf16_against_transformers(make_tiny_checkpoint(
+        tmp_path, "qwen2_moe", seed=0, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
+        num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+        intermediate_size=5632, vocab_size=4096, initializer_range=0.02, max_position_embeddings=4096))
 
 
 def _gemma4_at_its_head_sizes(tmp_path):
@@ -77,26 +83,13 @@ def _gemma4_at_its_head_sizes(tmp_path):
                                 max_position_embeddings=4096)
 
 
-def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path):
-    """The sliding layers' decode through the attention kernel (within the window) or the reference (past it), the
-    global layer's 512-wide heads through the reference: logits against transformers' on the same GPU, for a prefill
-    and a decode step; no decode graph (`graph_attention`)."""
-    path = _gemma4_at_its_head_sizes(tmp_path)
-    hf = load_hf_model(path).to("cuda", torch.bfloat16)
-    model = load_model(path, dtype="bf16", device="cuda")
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
+    """The sliding layers' decode through the attention kernel (40 tokens, within the window) or the reference (300,
+    past it), the global layer's 512-wide heads through the reference: logits against transformers' on the same GPU,
+    for a prefill and a decode step; no decode graph (`graph_attention`)."""
+    model = _bf16_against_transformers(_gemma4_at_its_head_sizes(tmp_path), tokens)
     assert not model.graph_attention and model.kernel_variants()   # the sliding layers' decode kernel is built
-    ids = torch.randint(3, 4096, (300,), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf(ids[None].cuda()).logits[0].float()
-    kv = model.new_kv_cache(32, 16)
-    got = model.logits(model.forward(ids[:-1], torch.arange(299), kv, prefill_metadata(299, 16, "cuda")).hidden)
-    scale = ref.abs().mean()
-    assert ((got - ref[:-1]).abs().mean() / scale) < 0.05
-    assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
-    from pwruntime.model import batch_metadata
-    step = model.logits(model.forward(ids[-1:], torch.tensor([299]), kv,
-                                      batch_metadata([(299, 1, list(range(19)))], 16, "cuda")).hidden)
-    assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
 
 
 def test_cuda_gemma4_ap_engine_runs_its_planner_eagerly(tmp_path, capsys):
