@@ -49,7 +49,8 @@ class KVCache:
         self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
         self._rows: list[torch.Tensor] = []       # a [capacity, block_size, heads, head_dim] view of each buffer
         elem = torch.empty((), dtype=dtype).element_size()
-        self._row_bytes = [block_size * h * d * elem for h, d in self.layer_shapes for _ in "kv"]   # a buffer's
+        # the bytes of a block's rows in each of K of layer 0, V of layer 0, K of layer 1, ...
+        self._row_bytes = [block_size * h * d * elem for h, d in self.layer_shapes for _ in "kv"]
         if self.device.type == "cuda" if growable is None else growable:
             self._reserve()
             self._resize_buffers(num_blocks, keep=0)
