@@ -806,14 +806,16 @@ def test_an_engine_compiles_the_builds_its_launches_name():
 
 def test_decode_variant_names_the_kernel_paged_attention_runs():
     # the GQA kernel for 16-bit caches of heads 64/128/256 wide (heads a CTA: a divisor of the group), the generic one
-    # for fp32 and other multiples of 32 up to 256 (or when asked), None where the reference runs
+    # for fp32 and other multiples of 32 up to 512 (or when asked; Gemma 4's global heads), None where the reference
+    # runs
     gqa = ("paged_attention_gqa.cu", (("PW_DT", 1), ("PW_D", 128), ("PW_G", 4)))
     assert decode_variant(torch.bfloat16, 128, 4) == gqa
     assert decode_variant(torch.float16, 64, 6) == ("paged_attention_gqa.cu", (("PW_DT", 0), ("PW_D", 64), ("PW_G", 3)))
     assert decode_variant(torch.float32, 128, 4) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 4)))
     assert decode_variant(torch.float16, 96, 1) == ("paged_attention.cu", (("PW_DT", 0), ("PW_DPL", 3)))
     assert decode_variant(torch.float16, 128, 4, generic=True)[0] == "paged_attention.cu"
-    assert decode_variant(torch.float16, 48, 1) is None and decode_variant(torch.float16, 288, 1) is None
+    assert decode_variant(torch.bfloat16, 512, 8) == ("paged_attention.cu", (("PW_DT", 1), ("PW_DPL", 16)))
+    assert decode_variant(torch.float16, 48, 1) is None and decode_variant(torch.float16, 544, 1) is None
     assert decode_variant(torch.int8, 128, 1) is None
 
 

@@ -167,8 +167,8 @@ class MoEModel(nn.Module):
     @property
     def graph_attention(self) -> bool:
         """Whether a decode step's attention can be captured in a CUDA graph: every layer of one geometry (the
-        piecewise graphs' boundary holds one), which the paged-attention kernel takes (Gemma 4's 512-wide global
-        heads it does not, so its steps run eagerly)."""
+        piecewise graphs' boundary holds one; Gemma 4's layers have two, so its steps run eagerly), which the
+        paged-attention kernel takes."""
         c = self.config
         return len(set(c.kv_shapes)) == 1 and decode_variant(self.dtype, c.head_dim, c.kv_groups) is not None
 
