@@ -19,8 +19,9 @@ each. Padding rows are token 0 at position 0 with their K/V written to the KV ca
 them and their attention rows keep what an earlier step left there (finite), so they never reach a real row.
 
 What must hold for the pieces to be capturable is what `DecodeGraphs` needs (GraphSet.ready: the scratch
-block, a decode-kernel dtype, a capturable store), and the store's MoE must read nothing back to the host
-for a bucket's tokens (DeviceExpertStore does so inside a capture, `prefill_syncs`). Captures go stale, settle
+block, a decode-kernel dtype, a capturable store), layers that split at their attention core at one geometry (the
+runner makes no pieces otherwise: `MoEModel.splits_at_attention`), and the store's MoE must read nothing back to the
+host for a bucket's tokens (DeviceExpertStore does so inside a capture, `prefill_syncs`). Captures go stale, settle
 and fail exactly as decode graphs do (GraphSet). The LM head is not captured: a mixed step samples few rows,
 which the runner picks out of `hidden`.
 """

@@ -86,13 +86,19 @@ def test_what_the_runtime_cannot_serve_is_one_clear_error(tmp_path, change, need
         parse_config({**cfg, **change})
 
 
-def test_decode_steps_are_captured_only_where_the_attention_kernel_takes_every_layer(tmp_path):
-    """Gemma 4's two layer geometries (and here head sizes the kernel does not take) keep its steps eager; a model of
-    one geometry the kernel takes (the demo model's, in bf16) is captured."""
+def test_which_steps_cuda_graphs_can_capture(tmp_path):
+    """Decode steps wherever the attention kernel takes every layer's heads (not the tiny fixture's 16-wide ones; at
+    Gemma 4's 256 and 512 it does); mixed steps' pieces only for layers that split at their attention core at one
+    geometry (the demo model's, not Gemma 4's)."""
     from pwruntime.cmd_perplexity import default_model_dir
 
-    assert not load_model(make_tiny_checkpoint(tmp_path, "gemma4"), dtype="bf16").graph_attention
-    assert load_model(default_model_dir(), dtype="bf16").graph_attention
+    tiny = load_model(make_tiny_checkpoint(tmp_path, "gemma4"), dtype="bf16")
+    assert not tiny.graph_attention and not tiny.splits_at_attention
+    sized = load_model(make_tiny_checkpoint(tmp_path, "gemma4", seed=1, hidden_size=128, num_attention_heads=4,
+                                            num_key_value_heads=2, head_dim=256, global_head_dim=512), dtype="bf16")
+    assert sized.graph_attention and not sized.splits_at_attention
+    demo = load_model(default_model_dir(), dtype="bf16")
+    assert demo.graph_attention and demo.splits_at_attention
 
 
 def test_generate_and_perplexity_from_the_cli(tmp_path, capsys):

@@ -87,28 +87,32 @@ def _gemma4_at_its_head_sizes(tmp_path):
 def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
     """The sliding layers' decode through the GQA kernel (40 tokens, within the window) or the reference (300, past
     it), the global layer's 512-wide heads through the generic kernel: logits against transformers' on the same GPU,
-    for a prefill and a decode step; no decode graph (`graph_attention`)."""
+    for a prefill and a decode step. Decode steps can be captured, mixed steps' pieces cannot."""
     model = _bf16_against_transformers(_gemma4_at_its_head_sizes(tmp_path), tokens)
     built = {name for name, _ in model.kernel_variants()}   # both layers' decode kernels
-    assert not model.graph_attention and {"paged_attention_gqa.cu", "paged_attention.cu"} <= built
+    assert {"paged_attention_gqa.cu", "paged_attention.cu"} <= built
+    assert model.graph_attention and not model.splits_at_attention
 
 
-def test_cuda_gemma4_ap_engine_runs_its_planner_eagerly(tmp_path, capsys):
-    """`generate --ap` on CUDA with Gemma 4: the fused kernel's GELU build, pages moving under a planner, every step
-    eager; the first greedy token of each prompt the CPU engine's (bf16 on both; later ones may part at a near tie)."""
+def test_cuda_gemma4_ap_engine_under_a_planner_with_and_without_decode_graphs(tmp_path, capsys):
+    """`generate --ap` on CUDA with Gemma 4: the fused kernel's GELU build, pages moving under a planner, decode steps
+    from graphs (every context within the sliding window) and mixed steps eager; the same tokens as without graphs,
+    and each prompt's first greedy token the CPU engine's (bf16 on both; later ones may part at a near tie)."""
     from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 
     src = _gemma4_at_its_head_sizes(tmp_path)
     quantize_checkpoint(src, tmp_path / "ap", QuantizeOptions(weighting="none"), progress=False)
     prompts = [a for p in ("ba be bi bo", "ka ke ki ko ku", "ma me") for a in ("--prompt", p)]
     runs = {}
-    for device in ("cuda", "cpu"):
+    for name, extra in (("graphs", ["--device", "cuda"]), ("eager", ["--device", "cuda", "--no-cuda-graphs"]),
+                        ("cpu", ["--device", "cpu"])):
         assert main(["generate", "--ap", str(tmp_path / "ap"), "--calibration", "synthetic", "--policy",
                      "pagedweight", *prompts, "--max-tokens", "48", "--ignore-eos", "--num-kv-blocks", "8",
-                     "--block-size", "16", "--device", device, "--dtype", "bf16", "--json"]) == 0
-        runs[device] = json.loads(capsys.readouterr().out)
-    stats = runs["cuda"]["stats"]
+                     "--block-size", "16", "--dtype", "bf16", "--json", *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)
+    stats = runs["graphs"]["stats"]
     assert stats["plans"] > 0 and stats["mean_bits_end"] < stats["mean_bits_start"]
-    assert stats["cuda_graph_replays"] == 0 and stats["mixed_graph_replays"] == 0
-    assert all(len(o["token_ids"]) == 48 for o in runs["cuda"]["outputs"])
-    assert [o["token_ids"][0] for o in runs["cuda"]["outputs"]] == [o["token_ids"][0] for o in runs["cpu"]["outputs"]]
+    assert stats["cuda_graph_replays"] > 0 and stats["mixed_graph_replays"] == 0
+    tokens = {name: [o["token_ids"] for o in run["outputs"]] for name, run in runs.items()}
+    assert tokens["graphs"] == tokens["eager"] and all(len(t) == 48 for t in tokens["graphs"])
+    assert [t[0] for t in tokens["graphs"]] == [t[0] for t in tokens["cpu"]]

@@ -166,11 +166,16 @@ class MoEModel(nn.Module):
 
     @property
     def graph_attention(self) -> bool:
-        """Whether a decode step's attention can be captured in a CUDA graph: every layer of one geometry (the
-        piecewise graphs' boundary holds one; Gemma 4's layers have two, so its steps run eagerly), which the
-        paged-attention kernel takes."""
-        c = self.config
-        return len(set(c.kv_shapes)) == 1 and decode_variant(self.dtype, c.head_dim, c.kv_groups) is not None
+        """Whether a decode step's attention can be captured in a CUDA graph: the paged-attention kernel takes every
+        layer's heads (else the reference runs, built on the host)."""
+        return all(decode_variant(self.dtype, d, self.config.heads // h) is not None for h, d in self.config.kv_shapes)
+
+    @property
+    def splits_at_attention(self) -> bool:
+        """Whether every layer splits around its attention core (DecoderLayer's before_attention / after_attention)
+        at one geometry, as a mixed step's piecewise graphs need (their boundary holds one). Gemma 4's layers do
+        not: its mixed steps run eagerly."""
+        return len(set(self.config.kv_shapes)) == 1 and all(isinstance(x, DecoderLayer) for x in self.layers)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False,
                      growable: bool | None = None) -> KVCache:
