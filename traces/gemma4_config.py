@@ -17,6 +17,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 @dataclass(frozen=True)
 class Gemma4Layout:
+    kv_heads: int                    # of the sliding layers
+    head_dim: int
     global_layers: tuple[int, ...]   # the full_attention layers (the last layer always is one)
     global_kv_heads: int
     global_head_dim: int
@@ -48,7 +50,7 @@ def gemma4_layout(cfg: dict, error: type[UserError] = UserError) -> Gemma4Layout
                     f"got {types}")
     types[-1] = FULL   # as transformers forces
     kv_heads = int(cfg.get("num_key_value_heads") or cfg.get("num_attention_heads") or 0)
-    head_dim = int(cfg.get("head_dim") or 256)
+    head_dim = int(cfg.get("head_dim") or 256)   # transformers' default for Gemma 4
     k_eq_v = bool(cfg.get("attention_k_eq_v", False))
     per_layer = cfg.get("per_layer_config")
     if per_layer:
@@ -61,5 +63,5 @@ def gemma4_layout(cfg: dict, error: type[UserError] = UserError) -> Gemma4Layout
     else:
         g_kv = int((cfg.get("num_global_key_value_heads") if k_eq_v else None) or kv_heads)
         g_dim = int(cfg.get("global_head_dim") or 512)
-    return Gemma4Layout(tuple(i for i, t in enumerate(types) if t == FULL), g_kv, g_dim, k_eq_v,
+    return Gemma4Layout(kv_heads, head_dim, tuple(i for i, t in enumerate(types) if t == FULL), g_kv, g_dim, k_eq_v,
                         int(cfg.get("sliding_window") or 512))

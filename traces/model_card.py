@@ -278,15 +278,16 @@ def _fields_from_hf_config(config: dict) -> dict:
         else:
             kw.update(qk_norm="head", qkv_bias=bias, o_bias=bias)
     else:
-        kw.update(_gemma4_fields(cfg, layers, g), qkv_bias=bias, o_bias=bias)
+        kw.update(_gemma4_fields(cfg, g), qkv_bias=bias, o_bias=bias)
     return kw
 
 
-def _gemma4_fields(cfg: dict, layers: int, g) -> dict:
+def _gemma4_fields(cfg: dict, g) -> dict:
     """Gemma 4 with MoE blocks: a dense MLP runs beside the experts (counted as an ungated shared expert)."""
     layout = gemma4_layout(cfg, CardError)
     return dict(experts=g("num_experts"), expert_intermediate=g("moe_intermediate_size"),
                 shared_experts=1, shared_intermediate=g("intermediate_size"), qk_norm="head",
+                kv_heads=layout.kv_heads, head_dim=layout.head_dim,
                 router_scales=True, norms_per_layer=7, global_layers=layout.global_layers,
                 global_head_dim=layout.global_head_dim, global_kv_heads=layout.global_kv_heads,
                 global_k_eq_v=layout.k_eq_v, sliding_window=layout.sliding_window)

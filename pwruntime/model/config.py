@@ -244,7 +244,7 @@ def parse_gemma4_config(config: dict, generation_config: dict | None = None) -> 
     if act != "gelu_pytorch_tanh":
         raise CheckpointError(f"Gemma 4 hidden_activation {act!r} is not supported (only gelu_pytorch_tanh)")
     layers, hidden, heads = (int(_get(cfg, k)) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
-    kv_heads, head_dim = int(cfg.get("num_key_value_heads") or heads), int(cfg.get("head_dim") or 256)
+    kv_heads, head_dim = layout.kv_heads, layout.head_dim
     if heads % kv_heads or heads % layout.global_kv_heads:
         raise CheckpointError(f"num_attention_heads {heads} is not a multiple of the KV heads {kv_heads} / "
                               f"{layout.global_kv_heads}")
