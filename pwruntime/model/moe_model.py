@@ -134,8 +134,8 @@ class MoEModel(nn.Module):
         self.ropes = nn.ModuleList(ropes)
         self.layer_rope = [int(i in c.global_layers) for i in range(c.layers)]   # each layer's index in ropes
         # Gemma 4 scales the embeddings by sqrt(hidden), rounded to the weights' dtype (as transformers does)
-        self.register_buffer("embed_scale", torch.tensor(c.hidden ** 0.5 if c.arch == "gemma4" else 1.0,
-                                                         dtype=embed.dtype, device=embed.device), persistent=False)
+        scale = torch.tensor(c.hidden ** 0.5, dtype=embed.dtype, device=embed.device) if c.arch == "gemma4" else None
+        self.register_buffer("embed_scale", scale, persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -206,7 +206,7 @@ class MoEModel(nn.Module):
         """(the tokens' embeddings [T, H], each rope's cos and sin of their positions: layer i takes
         `layer_rope[i]`)."""
         x = F.embedding(input_ids, self.embed)
-        if self.config.arch == "gemma4":
+        if self.embed_scale is not None:
             x = x * self.embed_scale
         return x, [r.cos_sin(positions, self.dtype) for r in self.ropes]
 
