@@ -157,8 +157,7 @@ class MoEModel(nn.Module):
         c, dtype = self.config, self.dtype
         if self.device.type != "cuda":
             return set()
-        # a layer geometry without a build runs the reference
-        out = {decode_variant(dtype, d, c.heads // h) for h, d in set(c.kv_shapes)} - {None}
+        out = set(self._decode_variants()) - {None}   # a layer geometry without a build runs the reference
         if dtype in (torch.float16, torch.bfloat16):
             out |= {layer_ops.variant(dtype), KV_WRITE}
         store_variants = getattr(self.experts, "kernel_variants", None)
@@ -168,7 +167,11 @@ class MoEModel(nn.Module):
     def graph_attention(self) -> bool:
         """Whether a decode step's attention can be captured in a CUDA graph: the paged-attention kernel takes every
         layer's heads (else the reference runs, built on the host)."""
-        return all(decode_variant(self.dtype, d, self.config.heads // h) is not None for h, d in self.config.kv_shapes)
+        return None not in self._decode_variants()
+
+    def _decode_variants(self) -> list:
+        """The paged-attention decode build of each layer geometry (None where the reference runs)."""
+        return [decode_variant(self.dtype, d, self.config.heads // h) for h, d in set(self.config.kv_shapes)]
 
     @property
     def splits_at_attention(self) -> bool:
