@@ -393,7 +393,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         # q, k and v in one GEMM (weights stacked; a missing bias of a biased model is zeros)
         self.q_size, self.kv_size = w["q"].shape[0], w["k"].shape[0]
-        self.v_is_k, names = w.get("v") is None, "qk" if w.get("v") is None else "qkv"
+        self.v_is_k = w.get("v") is None
+        names = "qk" if self.v_is_k else "qkv"
         biases = [w.get(f"{n}_bias") for n in names]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else w[n].new_zeros(w[n].shape[0]) for n, b in zip(names, biases)])
