@@ -2,7 +2,8 @@
 //
 // Cache layout (pwruntime/kv_cache.py): K, V [num_blocks, block_size, kv_heads, head_dim] per layer;
 // block_tables [seqs, max_blocks] int32; context_lens [seqs] int32 = tokens to attend to (the new
-// token's K/V already written). One CTA per (sequence, query head); its 4 warps take tokens
+// token's K/V already written); `window` > 0 (a sliding-window layer) keeps only the last `window` of them, 0 all.
+// One CTA per (sequence, query head); its 4 warps take tokens
 // round-robin with an online softmax each, then merge. Lane l holds head_dim/32 = DPL consecutive
 // elements of q, of each K/V row and of the output. fp32 math; PW_DT: 0 fp16, 1 bf16, 2 fp32. The caches'
 // addresses come from `kv_ptrs` (K, V) when it is not null (KVCache.ptrs), else from kc_arg / vc_arg.
@@ -34,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_decode(
     const elem_t* __restrict__ q, long long q_stride, const elem_t* kc_arg, const elem_t* vc_arg,
     const unsigned long long* __restrict__ kv_ptrs, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ context_lens, int heads, int kv_heads, int block_size, float scale,
-    elem_t* __restrict__ out, long long out_stride) {
+    elem_t* __restrict__ out, long long out_stride, int window) {
     // the caches through the pointer table when given (KVCache.ptrs: a captured graph survives a resize)
     const elem_t* __restrict__ kc = kv_ptrs ? reinterpret_cast<const elem_t*>(kv_ptrs[0]) : kc_arg;
     const elem_t* __restrict__ vc = kv_ptrs ? reinterpret_cast<const elem_t*>(kv_ptrs[1]) : vc_arg;
@@ -46,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_decode(
     const int kvh = h / (heads / kv_heads);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int L = context_lens[s];
+    const int first = window > 0 ? max(0, L - window) : 0;   // the earliest token the query sees
 
     float qv[DPL];
     const elem_t* qp = q + (long long)s * q_stride + (long long)h * D + lane * DPL;
@@ -57,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_decode(
     for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
 
     const long long row_stride = (long long)kv_heads * D;
-    for (int tok = warp; tok < L; tok += WARPS) {
+    for (int tok = first + warp; tok < L; tok += WARPS) {
         const int blk = block_tables[(long long)s * max_blocks + tok / block_size];
         const long long base = ((long long)blk * block_size + tok % block_size) * row_stride + (long long)kvh * D +
                                lane * DPL;

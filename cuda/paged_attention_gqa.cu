@@ -9,7 +9,8 @@
 // Each (lane group, head) keeps an online softmax; the warp's token groups merge by shuffles and the
 // warps through shared memory. With gridDim.z = P > 1 the context is cut into P parts of part_tokens
 // (flash-decoding, for few sequences over long contexts): each part writes its max, sum and normalized
-// output in fp32 and pw_paged_attention_merge combines them. fp32 math throughout.
+// output in fp32 and pw_paged_attention_merge combines them. `window` > 0 (a sliding-window layer) keeps only a
+// context's last `window` tokens (the parts then cut those), 0 all of them. fp32 math throughout.
 // Compile-time: PW_DT (0 fp16, 1 bf16), PW_D (64, 128, 256), PW_G (query heads a CTA serves); at run time
 // `group` = query heads per KV head, a multiple of PW_G; gridDim.y = kv_heads * group / PW_G.
 #include "pw_common.cuh"
@@ -50,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
     const u64* __restrict__ kv_ptrs, const int* __restrict__ block_tables, int max_blocks,
     const int* __restrict__ context_lens, int kv_heads, int group, int block_size, float scale,
     u16* __restrict__ out, long long out_stride, int part_tokens, float* __restrict__ part_ml,
-    float* __restrict__ part_o) {
+    float* __restrict__ part_o, int window) {
     // the caches through the pointer table when given (KVCache.ptrs: a captured graph survives a resize)
     const u16* __restrict__ kc = kv_ptrs ? reinterpret_cast<const u16*>(kv_ptrs[0]) : kc_arg;
     const u16* __restrict__ vc = kv_ptrs ? reinterpret_cast<const u16*>(kv_ptrs[1]) : vc_arg;
@@ -60,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
     const int part = blockIdx.z, parts = gridDim.z;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, sub = lane / LPT, hl = lane % LPT;
     const int L = context_lens[s];
-    const int begin = parts > 1 ? part * part_tokens : 0;
+    const int first = window > 0 ? max(0, L - window) : 0;   // the earliest token the query sees
+    const int begin = first + (parts > 1 ? part * part_tokens : 0);
     const int end = parts > 1 ? min(L, begin + part_tokens) : L;
 
     float qv[G][8], m[G], l[G], acc[G][8];

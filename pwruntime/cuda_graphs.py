@@ -89,10 +89,6 @@ class DecodeRows:
         return len(self.token_ids)
 
     @property
-    def max_len(self) -> int:
-        return max(self.positions) + 1
-
-    @property
     def max_blocks(self) -> int:
         return max(len(t) for t in self.block_tables)
 
@@ -177,9 +173,10 @@ class DecodeInputs:
                 src = torch.from_numpy(src) if isinstance(src, np.ndarray) else src
                 getattr(self, name)[:src.shape[0]].copy_(src, non_blocking=True)
 
-    def metadata(self, size: int, max_len: int) -> AttentionMetadata:
-        """Metadata over the first `size` rows; `max_len` bounds every sequence length it will be replayed with."""
-        return AttentionMetadata([1] * size, [max_len - 1] * size, self.block_tables[:size],
+    def metadata(self, size: int) -> AttentionMetadata:
+        """Metadata over the first `size` rows. Its host context lengths are placeholders (0): what a replay reads is
+        the device's `seq_lens`, and the plan builds nothing from them on the host (`AttentionPlan.build`)."""
+        return AttentionMetadata([1] * size, [0] * size, self.block_tables[:size],
                                  self.slot_mapping[:size], self.seq_lens[:size])
 
 
@@ -295,7 +292,6 @@ class DecodeGraphs(GraphSet):
         super().__init__(model, kv, settle_steps, sampled)
         self.sizes = graph_sizes(max_num_seqs)
         self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
-        self.window = min((w for w in model.config.sliding_windows if w), default=None)
         self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
         # a batch is padded into these pinned host buffers and sent in one transfer (`_stage`)
         host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
@@ -308,8 +304,7 @@ class DecodeGraphs(GraphSet):
 
     def supports(self, rows: DecodeRows) -> bool:
         """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
-        return (0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
-                and (self.window is None or rows.max_len <= self.window))
+        return 0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
 
     # ------------------------------------------------------------ running
     def forward(self, rows: DecodeRows, record: bool = False) -> ForwardOutput | None:
@@ -380,7 +375,7 @@ class DecodeGraphs(GraphSet):
     def _capture(self, size: int, record: bool) -> _Captured | None:
         self._stage(DecodeRows([], [], []), size)
         b = self.buffers
-        args = (b.input_ids[:size], b.positions[:size], self.kv, b.metadata(size, self.window or 1))
+        args = (b.input_ids[:size], b.positions[:size], self.kv, b.metadata(size))
         try:
             captured = _Captured(*self._warm_and_capture(self._forward, args, record))
         except Exception as e:  # noqa: BLE001 - any failure means: run this model eagerly

@@ -41,7 +41,7 @@ def test_graph_sizes_and_padding_buckets():
 def test_pad_puts_padding_rows_on_the_scratch_block():
     bs, scratch = 4, 9
     rows = DecodeRows([11, 12, 13], [0, 5, 8], [[3], [7, 2], [1, 4, 6]])
-    assert len(rows) == 3 and rows.max_len == 9 and rows.max_blocks == 3
+    assert len(rows) == 3 and rows.max_blocks == 3
     p = DecodeInputs.pad(rows, 4, 5, bs, scratch)
     assert p.input_ids.tolist() == [11, 12, 13, 0] and p.positions.tolist() == [0, 5, 8, 0]
     assert p.seq_lens.tolist() == [1, 6, 9, 1] and p.seq_lens.dtype == np.int32
@@ -60,10 +60,10 @@ def test_pad_puts_padding_rows_on_the_scratch_block():
 def test_static_buffers_feed_the_plan_without_copies():
     buf = DecodeInputs.alloc(8, 6, torch.device("cpu"))
     buf.fill_from(DecodeInputs.pad(DecodeRows([5, 6], [3, 17], [[2], [0, 1, 4]]), 4, 6, 8, 7))
-    meta = buf.metadata(4, 32)
+    meta = buf.metadata(4)
     assert meta.query_lens == [1] * 4 and meta.num_tokens == 4
     plan = AttentionPlan.build(meta, 8, torch.device("cpu"), torch.float16)
-    assert plan.decode is not None and plan.decode.max_len == 32
+    assert plan.decode is not None
     for got, static in ((plan.decode.seq_lens, buf.seq_lens), (plan.decode.block_tables, buf.block_tables),
                         (plan.slot_mapping, buf.slot_mapping)):
         assert got.data_ptr() == static.data_ptr()      # views of the static buffers, as a graph needs
@@ -146,8 +146,8 @@ def test_kv_cache_scratch_block_and_generation():
     assert plain.scratch_block is None and plain.k[0].shape[0] == 4
 
 
-def _fake_model(window=None, dtype=torch.float16, store=None, graph_attention=True):
-    cfg = SimpleNamespace(max_position=64, sliding_windows=(None, window))
+def _fake_model(dtype=torch.float16, store=None, graph_attention=True):
+    cfg = SimpleNamespace(max_position=64)
     return SimpleNamespace(config=cfg, device=torch.device("cpu"), dtype=dtype, graph_attention=graph_attention,
                            experts=store if store is not None else SimpleNamespace(capturable=True, graph_epoch=0))
 
@@ -164,8 +164,6 @@ def test_graphs_usable_only_for_capturable_decode_batches():
     assert not DecodeGraphs(_fake_model(dtype=torch.float32), kv, 4).supports(row(1))       # fp32: no decode kernel
     assert not DecodeGraphs(_fake_model(graph_attention=False), kv, 4).supports(row(1))   # heads it cannot take
     assert not DecodeGraphs(_fake_model(), KVCache(2, 16, 4, 1, 8), 4).supports(row(1))    # no scratch block
-    windowed = DecodeGraphs(_fake_model(window=8), kv, 4)
-    assert windowed.supports(row(2, pos=7)) and not windowed.supports(row(2, pos=8))   # 9 tokens > window 8
     g.disabled = "capture failed"
     assert not g.supports(row(1))
 
@@ -235,20 +233,18 @@ def _write_new(plan: AttentionPlan, new, caches) -> None:
 def test_decode_plan_selection():
     meta = _decode_batch()[3]
     plan = AttentionPlan.build(meta, 4, torch.device("cpu"), torch.float32)
-    assert plan.decode is not None and plan.decode.max_len == 13
+    assert plan.decode is not None
     assert plan.decode.seq_lens.tolist() == [1, 6, 13, 4] and plan.decode.seq_lens.dtype == torch.int32
     assert plan.decode.block_tables.dtype == torch.int32
     assert "decode_group" in plan.__dict__            # CPU: the reference's groups are built (and checked) at once
     mixed = batch_metadata([(5, 1, [0, 1]), (0, 3, [2]), (2, 1, [3])], 4)
     md = AttentionPlan.build(mixed, 4, torch.device("cpu")).decode  # the decode sequences of a mixed batch
-    assert md.rows.tolist() == [0, 4] and md.seq_lens.tolist() == [6, 3] and md.max_len == 6
+    assert md.rows.tolist() == [0, 4] and md.seq_lens.tolist() == [6, 3]
     assert md.block_tables.tolist() == [[0, 1], [3, -1]] and md.seq_lens.dtype == torch.int32
     assert AttentionPlan.build(batch_metadata([(0, 3, [2])], 4), 4, torch.device("cpu")).decode is None
     d = plan.decode
-    assert d.kernel_applies("cuda", torch.float16, None) and d.kernel_applies("cuda", torch.bfloat16, 13)
-    assert not d.kernel_applies("cuda", torch.float16, 12)          # the window cuts the longest sequence
-    assert not d.kernel_applies("cuda", torch.float32, None)
-    assert not d.kernel_applies("cpu", torch.float16, None)
+    assert d.kernel_applies("cuda", torch.float16) and d.kernel_applies("cuda", torch.bfloat16)
+    assert not d.kernel_applies("cuda", torch.float32) and not d.kernel_applies("cpu", torch.float16)
 
 
 def test_cpu_decode_reference_unchanged_and_kernel_wiring(monkeypatch):
@@ -260,14 +256,16 @@ def test_cpu_decode_reference_unchanged_and_kernel_wiring(monkeypatch):
     want = paged_attention_decode_ref(q, *caches, meta.block_tables, plan.decode.seq_lens, scale)
     assert torch.allclose(ref, want, atol=1e-5)       # the gather reference == the kernel's own reference
     calls = []
-    monkeypatch.setattr(DecodeBatch, "kernel_applies", lambda self, dev, dtype, w: calls.append(w) or True)
+    monkeypatch.setattr(DecodeBatch, "kernel_applies", staticmethod(lambda dev, dtype: calls.append(dev) or True))
     via_kernel_fn = paged_attention(q, *new, *caches, plan, scale)   # on CPU the kernel function falls back
-    assert calls == [None] and torch.allclose(via_kernel_fn, ref, atol=1e-5)
+    assert calls == ["cpu"] and torch.allclose(via_kernel_fn, ref, atol=1e-5)
 
 
-def test_mixed_batch_decode_rows_through_the_kernel_equal_the_reference(monkeypatch):
+@pytest.mark.parametrize("window", [None, 3])
+def test_mixed_batch_decode_rows_through_the_kernel_equal_the_reference(monkeypatch, window):
     """A batch of decodes, a chunk with context and a plain prefill: the decode rows through the kernel function
-    (its CPU fallback) beside the chunks' groups give what the gather reference gives for every row."""
+    (its CPU fallback, which keeps the last `window` tokens itself) beside the chunks' groups give what the gather
+    reference gives for every row, under a sliding window too."""
     g = torch.Generator().manual_seed(3)
     bs, kvh, heads, d = 4, 2, 4, 16
     caches = [torch.randn(24, bs, kvh, d, generator=g) for _ in range(2)]
@@ -277,13 +275,15 @@ def test_mixed_batch_decode_rows_through_the_kernel_equal_the_reference(monkeypa
     new = [torch.randn(meta.num_tokens, kvh, d, generator=g) for _ in range(2)]
     _write_new(plan, new, caches)
     scale = d ** -0.5
-    ref = paged_attention(q, *new, *caches, plan, scale)
+    ref = paged_attention(q, *new, *caches, plan, scale, window)
     calls = []
-    monkeypatch.setattr(DecodeBatch, "kernel_applies", lambda self, dev, dtype, w: calls.append(w) or True)
-    got = paged_attention(q, *new, *caches, plan, scale)
-    assert calls == [None] and plan.decode.rows.tolist() == [0, 8]
+    monkeypatch.setattr(DecodeBatch, "kernel_applies", staticmethod(lambda dev, dtype: calls.append(dev) or True))
+    got = paged_attention(q, *new, *caches, plan, scale, window)
+    assert calls == ["cpu"] and plan.decode.rows.tolist() == [0, 8]
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not torch.equal(got[0], got[8])
+    if window:   # the window changed the decode rows (5 and 9 tokens of context): it was applied, not ignored
+        assert not torch.allclose(got[[0, 8]], paged_attention(q, *new, *caches, plan, scale)[[0, 8]], atol=1e-3)
 
 
 def test_engine_on_cpu_has_no_graphs_or_scratch():

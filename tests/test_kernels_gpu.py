@@ -436,6 +436,30 @@ def test_paged_attention_context_split_merges_parts(dtype):
         assert rel(out, want2) < ATTN_TOL[dtype], lens
 
 
+# (lens, heads, kv_heads, dim): the GQA kernel (Gemma 4's sliding layers: 256-wide heads, group 2), its split path
+# (one long context), the generic kernel (512-wide heads; fp32 caches below)
+@pytest.mark.parametrize("case", [([1, 63, 64, 65, 300, 1030], 16, 8, 256), ([4100], 32, 8, 128),
+                                  ([70, 1025, 1, 700], 16, 2, 512)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_attention_sliding_window_keeps_the_last_tokens(case, dtype):
+    """A sliding-window layer's decode: each query sees its context's last `window` tokens (all of a shorter one),
+    as the reference; the split path cuts only those tokens into parts. Differs from the full context's attention."""
+    lens, heads, kv_heads, dim = case
+    gen = torch.Generator(device="cuda").manual_seed(dim + len(lens))
+    q, kc, vc, tables, cl = _attention_case(gen, lens, heads, kv_heads, dim, dtype)
+    scale = 1 / math.sqrt(dim)
+    for window in (64, 1024):
+        got = paged_attention_decode(q, kc, vc, tables, cl, scale, window=window)
+        want = paged_attention_decode_ref(q, kc, vc, tables, cl, scale, window)
+        assert rel(got, want) < ATTN_TOL[dtype], window
+        full = paged_attention_decode_ref(q, kc, vc, tables, cl, scale)
+        cut = [s for s, n in enumerate(lens) if n > window + 16]   # the window drops at least 16 tokens
+        assert all(rel(got[s], full[s]) > 2 * ATTN_TOL[dtype] for s in cut)
+    fp32 = [t.float() for t in (q, kc, vc)]
+    got = paged_attention_decode(fp32[0], fp32[1], fp32[2], tables, cl, scale, window=64)   # the generic kernel
+    assert rel(got, paged_attention_decode_ref(*fp32, tables, cl, scale, 64)) < ATTN_TOL[torch.float32]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_kv_pointer_table_reads_and_writes_the_caches(dtype):
     """Through a [K, V] pointer table (KVCache.ptrs), the decode kernels equal their direct-pointer selves bit for

@@ -114,7 +114,7 @@ def test_varlen_chunks_list_each_chunks_rows_and_key_slots():
     assert v.cu_q.tolist() == [0, 3, 7] and v.cu_k.tolist() == [0, 9, 13] and v.cu_q.dtype == torch.int32
     assert (v.max_q, v.max_k) == (4, 9)
     assert VarlenChunks.build(batch_metadata([(5, 1, [0, 1])], 4), 4, torch.device("cpu")) is None
-    assert not VarlenChunks.applies(torch.zeros(3, 2, 8), None)     # CPU: the groups' path
+    assert not VarlenChunks.applies(torch.zeros(3, 2, 8))     # CPU: the groups' path
     bad = batch_metadata([(6, 2, [7, 3])], 4)
     bad.host_tables[0, 1] = -1
     with pytest.raises(ValueError, match="block table"):
@@ -124,9 +124,11 @@ def test_varlen_chunks_list_each_chunks_rows_and_key_slots():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 2, 64), (16, 4, 128), (4, 4, 32)])
-def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, kvh, d):
+@pytest.mark.parametrize("window", [None, 20])
+def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, kvh, d, window):
     """On CUDA a batch's chunks (plain prefills, chunks after their cached context) run in one varlen flash-attention
-    call; beside decode rows through the decode kernel, every row equals the fp32 group reference."""
+    call; beside decode rows through the decode kernel, every row equals the fp32 group reference, under a sliding
+    window too (flash attention's left window, the decode kernel's own)."""
     g = torch.Generator().manual_seed(heads + d)
     bs, n_blocks = 16, 64
     shapes = [(30, 1), (40, 57), (0, 100), (3, 1), (0, 2), (17, 33)]
@@ -141,10 +143,10 @@ def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, k
     ref_plan = AttentionPlan.build(meta, bs, torch.device("cpu"))
     for c, t in zip(caches, new):
         c.view(-1, kvh, d).index_copy_(0, ref_plan.slot_mapping, t)
-    want = paged_attention(q, *new, *caches, ref_plan, d ** -0.5)
+    want = paged_attention(q, *new, *caches, ref_plan, d ** -0.5, window)
     plan = AttentionPlan.build(batch_metadata(seqs, bs, "cuda"), bs, torch.device("cuda"), dtype)
     got = paged_attention(q.to("cuda", dtype), *(t.to("cuda", dtype) for t in new),
-                          *(c.to("cuda", dtype) for c in caches), plan, d ** -0.5)
+                          *(c.to("cuda", dtype) for c in caches), plan, d ** -0.5, window)
     assert "varlen" in plan.__dict__ and "chunk_groups" not in plan.__dict__
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < (3e-3 if dtype == torch.float16 else 2e-2)

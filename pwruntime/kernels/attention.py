@@ -89,13 +89,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float | None = None, generic: bool = False,
-                           kv_ptrs: torch.Tensor | None = None) -> torch.Tensor:
+                           kv_ptrs: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """One query token per sequence: q [S, Hq, D] over caches [num_blocks, block_size, Hkv, D] -> [S, Hq, D].
 
     block_tables [S, max_blocks] int32 (padding -1 is never read), context_lens [S] int32 = tokens each
     query attends to (its own K/V already in the cache). scale defaults to 1/sqrt(D). `generic` forces
     the generic kernel (for comparisons: `python -m pwruntime.kernels.tune --attention`). `kv_ptrs` (int64 [2] on
-    the device: the caches' addresses, KVCache.layer_ptrs) makes the kernels read the addresses from there.
+    the device: the caches' addresses, KVCache.layer_ptrs) makes the kernels read the addresses from there. A sliding
+    `window` (a layer's `sliding_windows` entry) keeps each context's last `window` tokens, as the reference does.
     """
     n_seq, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -105,7 +106,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     variant = decode_variant(q.dtype, dim, heads // kv_heads, generic) if q.is_cuda else None
     if variant is None or not (k_cache.is_contiguous() and v_cache.is_contiguous()
                                and k_cache.dtype == v_cache.dtype == q.dtype):
-        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_attention_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, window)
     dev = q.device
     q = q.contiguous()
     bt = block_tables.to(device=dev, dtype=torch.int32).contiguous()
@@ -114,22 +115,26 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     common = (kc.ptr(q), kc.i64(heads * dim), kc.ptr(k_cache), kc.ptr(v_cache), kc.ptr(kv_ptrs), kc.ptr(bt),
               kc.i32(bt.shape[1]), kc.ptr(cl))
     name, defines = variant
+    window = int(window or 0)
     if name == "paged_attention_gqa.cu":
-        _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads, defines)
+        _gqa(q, k_cache, bt, out, common, scale, heads // kv_heads, defines, window)
         return out
     k = kc.get_kernel(dev, name, "pw_paged_attention_decode", defines)
     kc.launch(k, dev, (n_seq, heads), (THREADS,), common + (
-        kc.i32(heads), kc.i32(kv_heads), kc.i32(k_cache.shape[1]), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim)))
+        kc.i32(heads), kc.i32(kv_heads), kc.i32(k_cache.shape[1]), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim),
+        kc.i32(window)))
     return out
 
 
 def _gqa(q: torch.Tensor, k_cache: torch.Tensor, bt: torch.Tensor, out: torch.Tensor, common: tuple,
-         scale: float, group: int, defines: tuple) -> None:
+         scale: float, group: int, defines: tuple, window: int) -> None:
     n_seq, heads, dim = q.shape
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     dev = q.device
     per_cta = heads_per_cta(group, dim)
-    max_tokens = bt.shape[1] * block_size
+    max_tokens = bt.shape[1] * block_size   # the most tokens any query sees: the table's width, or the window
+    if window:
+        max_tokens = min(max_tokens, window)
     slices = kv_heads * (group // per_cta)
     parts = context_parts(n_seq * slices, max_tokens, torch.cuda.get_device_properties(dev).multi_processor_count)
     part_tokens = -(-max_tokens // parts)
@@ -140,7 +145,7 @@ def _gqa(q: torch.Tensor, k_cache: torch.Tensor, bt: torch.Tensor, out: torch.Te
     k = kc.get_kernel(dev, "paged_attention_gqa.cu", "pw_paged_attention_gqa", defines)
     kc.launch(k, dev, (n_seq, slices, parts), (GQA_THREADS,), common + (
         kc.i32(kv_heads), kc.i32(group), kc.i32(block_size), kc.f32(scale), kc.ptr(out), kc.i64(heads * dim), kc.i32(part_tokens),
-        kc.ptr(ml), kc.ptr(o)))
+        kc.ptr(ml), kc.ptr(o), kc.i32(window)))
     if parts > 1:
         merge = kc.get_kernel(dev, "paged_attention_gqa.cu", "pw_paged_attention_merge", defines)
         kc.launch(merge, dev, (n_seq, heads), (dim,), (kc.ptr(ml), kc.ptr(o), kc.i32(parts), kc.ptr(out),

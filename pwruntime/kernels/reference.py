@@ -97,11 +97,13 @@ def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
 
 def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence over its cached tokens, gathered through the block table.
 
     q [S, Hq, D]; caches [num_blocks, block_size, Hkv, D]; block_tables [S, max_blocks] (padded with -1);
     context_lens [S] tokens to attend to. Query head h reads KV head h // (Hq // Hkv). Returns [S, Hq, D].
+    With a sliding `window` the query (the last of n tokens) sees only the last `window` of them: positions
+    n - window .. n - 1, as a key at position p is seen from query position i when p > i - window.
     """
     n_seq, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -112,9 +114,10 @@ def paged_attention_decode_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         n = lens[s]
         if n == 0:
             continue
+        lo = max(0, n - window) if window else 0
         blocks = block_tables[s, :-(-n // block_size)].to(torch.int64)
-        kk = k_cache[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, dim=1)
-        vv = v_cache[blocks].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(group, dim=1)
+        kk = k_cache[blocks].reshape(-1, kv_heads, dim)[lo:n].float().repeat_interleave(group, dim=1)
+        vv = v_cache[blocks].reshape(-1, kv_heads, dim)[lo:n].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[s].float(), kk) * scale
         p = torch.softmax(scores, dim=-1)
         out[s] = torch.einsum("hn,nhd->hd", p, vv).to(q.dtype)

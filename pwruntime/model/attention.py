@@ -15,15 +15,17 @@ decode rows and the reference a CUDA paged-attention kernel must match.
 On CUDA in fp16/bf16 the decode sequences instead run `kernels.attention.paged_attention_decode` over a
 `DecodeBatch` (block tables and sequence lengths as device tensors, nothing read back to the host): a
 pure-decode batch entirely, so the forward can be captured in a CUDA graph, and the decode rows of a
-mixed batch beside the chunks' groups. The decode gather group is then built only if a sliding-window
-layer needs it (a window shorter than the longest sequence), which cannot happen inside a graph (the
-graph runner checks). Groups are built on the host and copied to the device (no read-back).
+mixed batch beside the chunks' groups; the kernel keeps a sliding-window layer's last `window` tokens itself. The
+decode gather group is then built only if a layer's heads have no kernel build (`decode_variant`), which cannot
+happen inside a graph (`MoEModel.graph_attention` gates the graphs). Groups are built on the host and copied to the
+device (no read-back).
 
-There, too, every multi-token chunk of a batch (plain prefill or after its cached context; no sliding window) runs
-in one variable-length flash-attention call per layer (`VarlenChunks`: the chunks' query rows, each one's keys
-gathered from the cache, causal aligned to the bottom right) instead of one SDPA call and its reshapes per chunk:
-a mixed step's attention is eager host work between its piecewise graphs, and this is most of it. The chunk groups
-are then built only if a sliding-window layer needs them.
+There, too, every multi-token chunk of a batch (plain prefill or after its cached context) runs in one
+variable-length flash-attention call per layer (`VarlenChunks`: the chunks' query rows, each one's keys gathered from
+the cache, causal aligned to the bottom right, a sliding window as flash attention's left window) instead of one
+SDPA call and its reshapes per chunk: a mixed step's attention is eager host work between its piecewise graphs, and
+this is most of it. The chunk groups are then built only for heads flash attention does not take (Gemma 4's
+512-wide global heads).
 """
 from __future__ import annotations
 
@@ -132,11 +134,11 @@ class VarlenChunks:
     max_k: int
 
     @staticmethod
-    def applies(q: torch.Tensor, window: int | None) -> bool:
+    def applies(q: torch.Tensor) -> bool:
         """Whether these chunks run through flash attention here (else through the groups): CUDA, fp16/bf16, a
-        head size flash attention takes, no sliding window."""
+        head size flash attention takes."""
         d = q.shape[-1]
-        return (q.is_cuda and q.dtype in DECODE_KERNEL_DTYPES and window is None and d % 8 == 0 and d <= 256
+        return (q.is_cuda and q.dtype in DECODE_KERNEL_DTYPES and d % 8 == 0 and d <= 256
                 and torch.backends.cuda.is_flash_attention_available())
 
     @classmethod
@@ -157,13 +159,16 @@ class VarlenChunks:
         cu_dev = flat[tq + tk:].to(torch.int32)
         return cls(flat[:tq], flat[tq:tq + tk], cu_dev[:g + 1], cu_dev[g + 1:], int(q_lens.max()), int(k_lens.max()))
 
-    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        """The chunks' rows of the attention output [Tq, heads, d] (GQA: flash attention takes fewer K/V heads)."""
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
+                  window: int | None = None) -> torch.Tensor:
+        """The chunks' rows of the attention output [Tq, heads, d] (GQA: flash attention takes fewer K/V heads). A
+        sliding `window` W lets query position i see keys i - W + 1 .. i: flash attention's left window W - 1."""
         kv_heads, d = k_cache.shape[-2], k_cache.shape[-1]
         keys = k_cache.reshape(-1, kv_heads, d)[self.key_slots]
         values = v_cache.reshape(-1, kv_heads, d)[self.key_slots]
+        left = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
         return torch.ops.aten._flash_attention_forward(q[self.rows], keys, values, self.cu_q, self.cu_k, self.max_q,
-                                                       self.max_k, 0.0, True, False, scale=scale)[0]
+                                                       self.max_k, 0.0, True, False, scale=scale, **left)[0]
 
 
 @dataclass(frozen=True)
@@ -171,13 +176,13 @@ class DecodeBatch:
     """The batch's decode sequences (one new token each) as the paged-attention decode kernel reads them."""
     block_tables: torch.Tensor   # [S, max_blocks] int32
     seq_lens: torch.Tensor       # [S] int32: tokens each query attends to (its own K/V included)
-    max_len: int                 # host bound on seq_lens: a sliding window at least this long changes nothing
     rows: torch.Tensor | None = None  # [S] int64 their rows of the flattened batch; None: every row is a decode row
 
-    def kernel_applies(self, device_type: str, dtype: torch.dtype, window: int | None) -> bool:
-        """Whether the kernel computes these sequences' attention (else the gather reference does)."""
-        return (device_type == "cuda" and dtype in DECODE_KERNEL_DTYPES
-                and (window is None or self.max_len <= window))
+    @staticmethod
+    def kernel_applies(device_type: str, dtype: torch.dtype) -> bool:
+        """Whether the kernel computes decode sequences' attention (else the gather reference does); it takes a
+        sliding window too."""
+        return device_type == "cuda" and dtype in DECODE_KERNEL_DTYPES
 
 
 @dataclass
@@ -203,7 +208,7 @@ class AttentionPlan:
             plan.varlen  # build (and validate the block tables) now; the groups only if a windowed layer asks
         else:
             plan.chunk_groups
-        if plan.decode is None or not plan.decode.kernel_applies(device.type, dtype, None):
+        if plan.decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
             plan.decode_group
         return plan
 
@@ -212,18 +217,15 @@ class AttentionPlan:
         seqs = [s for s, q in enumerate(meta.query_lens) if q == 1]
         if not seqs:
             return None
-        max_len = max(meta.context_lens[s] for s in seqs) + 1
         if len(seqs) == len(meta.query_lens):  # pure decode: every row, the tables as they are
             lens = meta.seq_lens
             if lens is None:
                 lens = to_device(torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32), device)
-            return DecodeBatch(to_device(meta.block_tables, device, torch.int32), to_device(lens, device, torch.int32),
-                               max_len)
+            return DecodeBatch(to_device(meta.block_tables, device, torch.int32), to_device(lens, device, torch.int32))
         starts = np.cumsum([0] + meta.query_lens)
         host = torch.from_numpy(np.array([seqs, [meta.context_lens[s] + 1 for s in seqs], starts[seqs]], np.int64))
         index, lens, rows = to_device(host, device).unbind(0)  # one copy to the device
-        return DecodeBatch(to_device(meta.block_tables, device, torch.int32)[index], lens.to(torch.int32),
-                           max_len, rows)
+        return DecodeBatch(to_device(meta.block_tables, device, torch.int32)[index], lens.to(torch.int32), rows)
 
     @cached_property
     def chunk_groups(self) -> list:
@@ -350,21 +352,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     piecewise graph's static buffer) the T rows are written there and `out` is returned; rows past T are left as
     they are."""
     d = plan.decode
-    kernel = (d is not None and d.kernel_applies(q.device.type, q.dtype, window)  # and the kernel takes the heads
+    kernel = (d is not None and d.kernel_applies(q.device.type, q.dtype)  # and the kernel takes the heads
               and decode_variant(q.dtype, q.shape[-1], q.shape[1] // k_cache.shape[2]) is not None)
     if kernel and d.rows is None and out is None:
-        return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, kv_ptrs=kv_ptrs)
+        return paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, kv_ptrs=kv_ptrs,
+                                      window=window)
     if out is None:
         out = torch.empty_like(q)
     if kernel and d.rows is None:
         out[:q.shape[0]] = paged_attention_decode(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale,
-                                                  kv_ptrs=kv_ptrs)
+                                                  kv_ptrs=kv_ptrs, window=window)
         return out
     if kernel:
         out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale,
-                                             kv_ptrs=kv_ptrs)
-    if VarlenChunks.applies(q, window) and plan.varlen is not None:
-        out[plan.varlen.rows] = plan.varlen.attention(q, k_cache, v_cache, scale)
+                                             kv_ptrs=kv_ptrs, window=window)
+    if VarlenChunks.applies(q) and plan.varlen is not None:
+        out[plan.varlen.rows] = plan.varlen.attention(q, k_cache, v_cache, scale, window)
         groups = [] if kernel or plan.decode_group is None else [plan.decode_group]
     else:
         groups = plan.chunk_groups if kernel else plan.groups
