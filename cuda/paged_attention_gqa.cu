@@ -4,14 +4,15 @@
 // for fp32 and other shapes, reads it once per query head).
 //
 // Cache layout as in paged_attention.cu; the caches' addresses come from `kv_ptrs` (two u64: K, V) when it is not
-// null, else from kc_arg / vc_arg. LPT = D / 8 lanes read one token's K and V rows with 16-byte
-// loads; a warp takes TPW = 32 / LPT tokens a step and UNROLL steps are loaded before the first use.
+// null, else from kc_arg / vc_arg. LPT = D / EPL lanes read one token's K and V rows, EPL elements a lane in
+// 16-byte loads (8 elements: one load; 512-wide heads, Gemma 4's global layers: 16, two loads); a warp takes
+// TPW = 32 / LPT tokens a step and UNROLL steps are loaded before the first use.
 // Each (lane group, head) keeps an online softmax; the warp's token groups merge by shuffles and the
 // warps through shared memory. With gridDim.z = P > 1 the context is cut into P parts of part_tokens
 // (flash-decoding, for few sequences over long contexts): each part writes its max, sum and normalized
 // output in fp32 and pw_paged_attention_merge combines them. `window` > 0 (a sliding-window layer) keeps only a
 // context's last `window` tokens (the parts then cut those), 0 all of them. fp32 math throughout.
-// Compile-time: PW_DT (0 fp16, 1 bf16), PW_D (64, 128, 256), PW_G (query heads a CTA serves); at run time
+// Compile-time: PW_DT (0 fp16, 1 bf16), PW_D (64, 128, 256, 512), PW_G (query heads a CTA serves); at run time
 // `group` = query heads per KV head, a multiple of PW_G; gridDim.y = kv_heads * group / PW_G.
 #include "pw_common.cuh"
 
@@ -30,9 +31,11 @@ constexpr bool BFA = PW_DT == 1;
 constexpr int D = PW_D, G = PW_G;
 constexpr int WARPS = 8, UNROLL = 4;
 constexpr int THREADS = 32 * WARPS;
-constexpr int LPT = D / 8;     // lanes per token row
-constexpr int TPW = 32 / LPT;  // tokens per warp step
-static_assert(D == 64 || D == 128 || D == 256, "PW_D must be 64, 128 or 256");
+constexpr int EPL = D > 256 ? D / 32 : 8;   // elements a lane holds of a row
+constexpr int VEC = EPL / 8;                 // its 16-byte loads a row
+constexpr int LPT = D / EPL;                 // lanes per token row
+constexpr int TPW = 32 / LPT;                // tokens per warp step
+static_assert(D == 64 || D == 128 || D == 256 || D == 512, "PW_D must be 64, 128, 256 or 512");
 static_assert(WARPS * G * D * 4 <= 32768, "shared merge buffer too large: use the generic kernel");
 }  // namespace
 #define NEG_INF __int_as_float(0xff800000)
@@ -65,13 +68,16 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
     const int begin = first + (parts > 1 ? part * part_tokens : 0);
     const int end = parts > 1 ? min(L, begin + part_tokens) : L;
 
-    float qv[G][8], m[G], l[G], acc[G][8];
+    float qv[G][EPL], m[G], l[G], acc[G][EPL];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        float f[8];
-        unpack8(ldg_nc_v4(q + (long long)s * q_stride + (long long)(h0 + g) * D + hl * 8), f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) qv[g][i] = f[i] * scale, acc[g][i] = 0.f;
+        for (int c = 0; c < VEC; ++c) {
+            float f[8];
+            unpack8(ldg_nc_v4(q + (long long)s * q_stride + (long long)(h0 + g) * D + hl * EPL + c * 8), f);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) qv[g][c * 8 + i] = f[i] * scale, acc[g][c * 8 + i] = 0.f;
+        }
         m[g] = NEG_INF;
         l[g] = 0.f;
     }
@@ -79,30 +85,40 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
     const long long row_stride = (long long)kv_heads * D;
     const int* table = block_tables + (long long)s * max_blocks;
     for (int base = begin + warp * TPW * UNROLL; base < end; base += WARPS * TPW * UNROLL) {  // warp-uniform
-        u32x4 kr[UNROLL], vr[UNROLL];
+        u32x4 kr[UNROLL][VEC], vr[UNROLL][VEC];
         bool valid[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {  // every load of the step first
             const int tok = base + u * TPW + sub;
             valid[u] = tok < end;
-            kr[u] = vr[u] = u32x4{0u, 0u, 0u, 0u};
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) kr[u][c] = vr[u][c] = u32x4{0u, 0u, 0u, 0u};
             if (valid[u]) {
                 const long long off = ((long long)table[tok / block_size] * block_size + tok % block_size) * row_stride +
-                                      (long long)kvh * D + hl * 8;
-                kr[u] = ldg_nc_v4(kc + off);
-                vr[u] = ldg_nc_v4(vc + off);
+                                      (long long)kvh * D + hl * EPL;
+#pragma unroll
+                for (int c = 0; c < VEC; ++c) {
+                    kr[u][c] = ldg_nc_v4(kc + off + c * 8);
+                    vr[u][c] = ldg_nc_v4(vc + off + c * 8);
+                }
             }
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            float kf[8], vf[8];
-            unpack8(kr[u], kf);
-            unpack8(vr[u], vf);
+            float kf[EPL], vf[EPL];
+#pragma unroll
+            for (int c = 0; c < VEC; ++c) {
+                float fk[8], fv[8];
+                unpack8(kr[u][c], fk);
+                unpack8(vr[u][c], fv);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) kf[c * 8 + i] = fk[i], vf[c * 8 + i] = fv[i];
+            }
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 float dot = 0.f;
 #pragma unroll
-                for (int i = 0; i < 8; ++i) dot += qv[g][i] * kf[i];
+                for (int i = 0; i < EPL; ++i) dot += qv[g][i] * kf[i];
 #pragma unroll
                 for (int o = LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(PW_FULL_MASK, dot, o);
                 if (valid[u]) {
@@ -110,7 +126,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
                     const float corr = __expf(m[g] - m_new), p = __expf(dot - m_new);
                     l[g] = l[g] * corr + p;
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
+                    for (int i = 0; i < EPL; ++i) acc[g][i] = acc[g][i] * corr + p * vf[i];
                     m[g] = m_new;
                 }
             }
@@ -127,7 +143,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
             const float fs = l[g] > 0.f ? __expf(m[g] - mn) : 0.f, fo = lo > 0.f ? __expf(mo - mn) : 0.f;
             l[g] = l[g] * fs + lo * fo;
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * fs + __shfl_xor_sync(PW_FULL_MASK, acc[g][i], o) * fo;
+            for (int i = 0; i < EPL; ++i) acc[g][i] = acc[g][i] * fs + __shfl_xor_sync(PW_FULL_MASK, acc[g][i], o) * fo;
             m[g] = mn;
         }
     if (sub == 0) {
@@ -135,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_paged_attention_gqa(
         for (int g = 0; g < G; ++g) {
             if (hl == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
 #pragma unroll
-            for (int i = 0; i < 8; ++i) s_acc[warp][g][hl * 8 + i] = acc[g][i];
+            for (int i = 0; i < EPL; ++i) s_acc[warp][g][hl * EPL + i] = acc[g][i];
         }
     }
     __syncthreads();

@@ -396,11 +396,13 @@ def test_paged_attention_matches_reference(dtype):
 
 
 # (lens, heads, kv_heads, dim): groups 1, 2, 4, 5, 6, 8, 16 (sliced into CTAs of up to 4 heads) and every
-# head_dim of the GQA kernel; head_dims (96; Gemma 4's global 512, group 8) it does not take, served by the generic one
+# head_dim of the GQA kernel (Gemma 4's global 512, group 8: CTAs of 2 heads, two loads a lane); a head_dim it does not
+# take (96), served by the generic one
 @pytest.mark.parametrize("case", [
     ([1, 17, 300, 64, 129], 16, 16, 128), ([5, 64, 65, 1000], 16, 2, 64), ([33, 129, 2], 16, 2, 256),
     ([7, 2048], 32, 8, 128), ([3, 900], 32, 4, 128), ([40, 41], 8, 4, 96), ([50, 3], 32, 2, 64),
-    ([77, 20], 10, 2, 128), ([600, 9], 12, 2, 128), ([70, 1025, 1], 16, 2, 512)])
+    ([77, 20], 10, 2, 128), ([600, 9], 12, 2, 128), ([70, 1025, 1], 16, 2, 512), ([5000], 16, 2, 512),
+    ([30, 7], 10, 2, 512)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_paged_attention_every_group_and_head_dim(case, dtype):
     lens, heads, kv_heads, dim = case
@@ -409,6 +411,8 @@ def test_paged_attention_every_group_and_head_dim(case, dtype):
     got = paged_attention_decode(q, kc, vc, tables, cl, scale=0.7 / math.sqrt(dim))
     want = paged_attention_decode_ref(q, kc, vc, tables, cl, 0.7 / math.sqrt(dim))
     assert rel(got, want) < ATTN_TOL[dtype]
+    generic = paged_attention_decode(q, kc, vc, tables, cl, scale=0.7 / math.sqrt(dim), generic=True)
+    assert rel(generic, want) < ATTN_TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -656,13 +656,14 @@ def test_a_moe_layers_two_launches_share_one_carveout(monkeypatch):
 
 def test_attention_kernel_choice_and_context_split():
     from pwruntime.kernels.attention import context_parts, gqa_kernel_applies, heads_per_cta
-    for dim in (64, 128, 256):
+    for dim in (64, 128, 256, 512):
         assert gqa_kernel_applies(torch.float16, dim) and gqa_kernel_applies(torch.bfloat16, dim)
     assert not gqa_kernel_applies(torch.float32, 128)             # fp32 caches: the generic kernel
     assert not gqa_kernel_applies(torch.float16, 96)              # a head_dim it has no lane split for
     # a CTA serves the largest divisor of the group up to 4 heads
     assert [heads_per_cta(g, 128) for g in (1, 2, 3, 4, 5, 6, 8, 16)] == [1, 2, 3, 4, 1, 3, 4, 4]
     assert heads_per_cta(8, 256) == 4 and heads_per_cta(8, 64) == 4
+    assert heads_per_cta(8, 512) == 2 and heads_per_cta(5, 512) == 1   # 512-wide heads: a 32 KiB merge buffer holds 2
     # enough CTAs or short contexts: no split; few sequences over long contexts: about two CTAs an SM
     assert context_parts(256, 4096, 132) == 1
     assert context_parts(8, 400, 132) == 1
@@ -814,7 +815,8 @@ def test_decode_variant_names_the_kernel_paged_attention_runs():
     assert decode_variant(torch.float32, 128, 4) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 4)))
     assert decode_variant(torch.float16, 96, 1) == ("paged_attention.cu", (("PW_DT", 0), ("PW_DPL", 3)))
     assert decode_variant(torch.float16, 128, 4, generic=True)[0] == "paged_attention.cu"
-    assert decode_variant(torch.bfloat16, 512, 8) == ("paged_attention.cu", (("PW_DT", 1), ("PW_DPL", 16)))
+    assert decode_variant(torch.bfloat16, 512, 8) == ("paged_attention_gqa.cu", (("PW_DT", 1), ("PW_D", 512), ("PW_G", 2)))
+    assert decode_variant(torch.float32, 512, 8) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 16)))
     assert decode_variant(torch.float16, 48, 1) is None and decode_variant(torch.float16, 544, 1) is None
     assert decode_variant(torch.int8, 128, 1) is None
 

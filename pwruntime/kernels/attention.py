@@ -1,6 +1,6 @@
 """Paged-attention decode over the KV block table (GQA): CUDA kernels, pure-torch reference elsewhere.
 
-fp16/bf16 caches with head_dim 64, 128 or 256 use cuda/paged_attention_gqa.cu: a CTA serves up to
+fp16/bf16 caches with head_dim 64, 128, 256 or 512 use cuda/paged_attention_gqa.cu: a CTA serves up to
 GQA_HEADS_PER_CTA query heads of one KV head, so each K/V row is read once per KV head (per slice of a
 larger group), and long contexts over few sequences are split into parts and merged. Other CUDA caches
 (fp32, other head sizes) use the generic cuda/paged_attention.cu.
@@ -22,7 +22,7 @@ THREADS = 128                    # the generic kernel (cuda/paged_attention.cu)
 GQA_WARPS = 8                    # cuda/paged_attention_gqa.cu (WARPS there)
 GQA_THREADS = 32 * GQA_WARPS
 GQA_MERGE_BYTES = 32768          # its shared merge buffer: fp32 [warps][heads a CTA][head_dim] (static_assert there)
-GQA_DIMS = (64, 128, 256)
+GQA_DIMS = (64, 128, 256, 512)
 GENERIC_MAX_DIM = 512            # the generic kernel's widest heads (16 elements a lane)
 GQA_HEADS_PER_CTA = 4            # query heads a GQA-kernel CTA keeps in registers (larger groups are sliced)
 PART_MIN_TOKENS = 512            # a context part of the split (flash-decoding) path is at least this long
@@ -42,8 +42,8 @@ def heads_per_cta(group: int, dim: int) -> int:
 
 def decode_variant(dtype: torch.dtype, dim: int, group: int, generic: bool = False) -> kc.Variant | None:
     """The build `paged_attention_decode` runs on CUDA over a `dtype` cache of `dim`-wide heads with `group` query heads
-    a KV head: the GQA kernel where it applies, else the generic one (Gemma 4's 512-wide global heads among them);
-    None where the reference runs (a dtype other than fp16, bf16 and fp32, or dim not a multiple of 32 in 32..512)."""
+    a KV head: the GQA kernel where it applies, else the generic one (fp32 caches, head sizes the GQA kernel has no
+    lane split for); None where the reference runs (a dtype other than fp16, bf16 and fp32, or dim not a multiple of 32 in 32..512)."""
     if dtype not in _DT or dim % 32 or not 32 <= dim <= GENERIC_MAX_DIM:
         return None
     if gqa_kernel_applies(dtype, dim) and not generic:
