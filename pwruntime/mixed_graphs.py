@@ -10,17 +10,16 @@ between the pieces. For a model of L layers a bucket holds L + 1 graphs:
     piece L:  layer L-1 after its core, the final norm, the routing packed into words (pack_routing)
 
 and a replay is: stage the padded token ids, positions, K/V slots and token sources in one transfer, build the attention plan
-(host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. The pieces meet the cores in one
-set of boundary buffers shared by every layer and bucket (`Boundary`, the largest bucket's rows): a piece copies
-its layer's q, k, v there and a core writes its output there (`Attention.core(..., out=)`), which the next piece
-reads. Everything else a piece makes lives in the graphs' memory pool, where what one capture frees the next
+(host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. The pieces meet the cores in
+boundary buffers (`Boundary`, the largest bucket's rows), one set for every layer of one attention geometry (KV heads
+and head size: Gemma 4's sliding and global layers have two) and every bucket: a piece copies its layer's q, k, v
+there and a core writes its output there (`Attention.core(..., out=)`), which the next piece reads. Everything else a piece makes lives in the graphs' memory pool, where what one capture frees the next
 reuses, so the buckets cost the boundary, their routing records and their outputs, not a forward's activations
 each. Padding rows are token 0 at position 0 with their K/V written to the KV cache's scratch block; no core reads
 them and their attention rows keep what an earlier step left there (finite), so they never reach a real row.
 
 What must hold for the pieces to be capturable is what `DecodeGraphs` needs (GraphSet.ready: the scratch
-block, a decode-kernel dtype, a capturable store), layers that split at their attention core at one geometry (the
-runner makes no pieces otherwise: `MoEModel.splits_at_attention`), and the store's MoE must read nothing back to the
+block, a decode-kernel dtype, a capturable store), and the store's MoE must read nothing back to the
 host for a bucket's tokens (DeviceExpertStore does so inside a capture, `prefill_syncs`). Captures go stale, settle
 and fail exactly as decode graphs do (GraphSet). The LM head is not captured: a mixed step samples few rows,
 which the runner picks out of `hidden`.
@@ -49,7 +48,8 @@ def mixed_sizes(max_num_batched_tokens: int) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Boundary:
     """Where pieces and attention cores meet: q, k, v (a piece writes, the core reads) and the core's output (the
-    next piece reads), rows for the largest bucket, one set for every layer and bucket (they run one at a time)."""
+    next piece reads), rows for the largest bucket, one set for every layer of one geometry and every bucket (they
+    run one at a time)."""
     q: torch.Tensor     # [rows, heads, d]
     k: torch.Tensor     # [rows, kv_heads, d]
     v: torch.Tensor     # [rows, kv_heads, d]
@@ -81,7 +81,8 @@ class MixedGraphs(GraphSet):
         self.inputs = torch.zeros(4, n, dtype=torch.long, device=model.device)
         self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
         c = model.config
-        self.boundary = Boundary.alloc(n, c.heads, c.kv_heads, c.head_dim, model.dtype, model.device)
+        sets = {shape: Boundary.alloc(n, c.heads, *shape, model.dtype, model.device) for shape in set(c.kv_shapes)}
+        self.boundaries = [sets[shape] for shape in c.kv_shapes]   # each layer's, by its (KV heads, head size)
 
     def supports(self, num_tokens: int) -> bool:
         """Whether a batch of this many tokens can run through the pieces (else the caller runs it eagerly)."""
@@ -106,8 +107,7 @@ class MixedGraphs(GraphSet):
         self._stage(input_ids, positions, meta.slot_mapping, size, token_src)
         dev, kv, layers = self.model.device, self.kv, self.model.layers
         plan = AttentionPlan.build(replace(meta, slot_mapping=self.inputs[2, :t]), kv.block_size, dev, self.model.dtype)
-        b = self.boundary
-        for i, layer in enumerate(layers):
+        for i, (layer, b) in enumerate(zip(layers, self.boundaries)):
             pieces.graphs[i].replay()
             layer.attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plan, kv.layer_ptrs(i), out=b.out)
         pieces.graphs[-1].replay()
@@ -163,10 +163,10 @@ class MixedGraphs(GraphSet):
 
     def _piece(self, i: int, size: int, carry: tuple | None, records: list[LayerRouting] | None):
         """Piece i over the first `size` rows of the static inputs. It reads `carry` (x, the ropes' cos and sin) and
-        the boundary's core output, writes layer i's q, k, v to the boundary, and returns (carry, its routing records)
+        layer i - 1's core output, writes layer i's q, k, v to its boundary, and returns (carry, its routing records)
         for i < L; the last piece returns (the final norm's output, its records, the routing of `records` and its
         own packed into words)."""
-        model, kv, b = self.model, self.kv, self.boundary
+        model, kv = self.model, self.kv
         ids, positions, slots, src = self.inputs[:, :size]
         rec = [] if records is not None else None
         if i == 0:
@@ -174,12 +174,13 @@ class MixedGraphs(GraphSet):
             delta = None
         else:
             x, rope = carry
-            x, delta = model.layers[i - 1].after_attention(x, b.out[:size], model.experts, rec)
+            x, delta = model.layers[i - 1].after_attention(x, self.boundaries[i - 1].out[:size], model.experts, rec)
         if i == len(model.layers):
             every = None if records is None else records + rec
             return model.final_norm(x, delta), rec, pack_routing(every) if every else None
         cos, sin = rope[model.layer_rope[i]]
         x, q, k, v = model.layers[i].before_attention(x, delta, cos, sin, kv.k[i], kv.v[i], slots, kv.layer_ptrs(i))
+        b = self.boundaries[i]
         for dst, src in ((b.q, q), (b.k, k), (b.v, v)):
             dst[:size].copy_(src)
         return (x, rope), rec

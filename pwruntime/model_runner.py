@@ -13,9 +13,8 @@ those rows' input tokens from the buffer on the device (`cuda_graphs.take_sample
 With `cuda_graphs` on a CUDA model and a capturable expert store, a batch in which every sequence adds
 exactly one token replays a captured graph (pwruntime.cuda_graphs.DecodeGraphs), and any other batch of
 up to max_num_batched_tokens tokens replays the piecewise graphs of its token bucket, its attention run
-eagerly between them (pwruntime.mixed_graphs.MixedGraphs, for models whose layers split there:
-`MoEModel.splits_at_attention`, not Gemma 4's); everything else (CPU, a store that is not capturable, a batch
-neither takes) runs the forward eagerly.
+eagerly between them (pwruntime.mixed_graphs.MixedGraphs); everything else (CPU, a store that is not capturable, a
+batch neither takes) runs the forward eagerly.
 """
 from __future__ import annotations
 
@@ -93,7 +92,7 @@ class ModelRunner:
                        if graphs else None)
         self.mixed_graphs = (MixedGraphs(model, kv, max_num_batched_tokens, settle_steps=graph_settle_steps,
                                          sampled=self.sampled)
-                             if graphs and max_num_batched_tokens and model.splits_at_attention else None)
+                             if graphs and max_num_batched_tokens else None)
 
     def keep_sampled(self, tokens: torch.Tensor, seq_ids: list) -> None:
         """Hold a step's sampled tokens (int64 [n] on the device, one per sequence in `seq_ids`) for the next batch,

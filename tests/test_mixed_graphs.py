@@ -30,7 +30,7 @@ from test_device_store import stores
 # ------------------------------------------------------------------ CPU
 def _fake_model(**kw):
     model = _fake_decode_model(**kw)
-    model.config.heads, model.config.kv_heads, model.config.head_dim = 4, 2, 8
+    model.config.heads, model.config.kv_shapes = 4, ((2, 8), (2, 8))
     return model
 
 
@@ -47,7 +47,9 @@ def test_pieces_usable_only_for_capturable_models_and_batches_in_budget():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = MixedGraphs(_fake_model(), kv, 100)
     assert g.sizes == (64, 128) and g.inputs.shape == (4, 128)
-    assert g.boundary.q.shape == (128, 4, 8) and g.boundary.k.shape == (128, 2, 8)   # the largest bucket's rows
+    b = g.boundaries[0]
+    assert b.q.shape == (128, 4, 8) and b.k.shape == (128, 2, 8)   # the largest bucket's rows
+    assert g.boundaries[1] is b                                      # layers of one geometry share one set
     assert g.supports(1) and g.supports(128) and not g.supports(129) and not g.supports(0)
     assert not MixedGraphs(_fake_model(store=SimpleNamespace()), kv, 100).supports(5)   # store not capturable
     assert not MixedGraphs(_fake_model(dtype=torch.float32), kv, 100).supports(5)
@@ -73,16 +75,20 @@ MIXED = [(30, 1, [0, 1]), (12, 1, [2]), (0, 37, [3, 4, 5]), (20, 25, [6, 7, 8]),
 
 
 @pytest.mark.parametrize("n_seqs, size", [(5, 128), (4, 64), (3, 64)])
-def test_pieces_run_in_order_give_the_forward_of_the_real_rows(n_seqs, size):
+@pytest.mark.parametrize("arch", ["demo", "gemma4"])
+def test_pieces_run_in_order_give_the_forward_of_the_real_rows(tmp_path, arch, n_seqs, size):
     """What a replay runs, eagerly on CPU (fp32): the batch padded to its bucket (65 tokens in 128, 64 in 64, 39
     in 64) through piece 0, core 0, piece 1, ..., piece L equals model.forward on the real rows (hidden, routing,
-    packed words), and the padding rows' K/V land in the scratch block only."""
+    packed words), and the padding rows' K/V land in the scratch block only. On the demo model and on a tiny Gemma 4,
+    whose sliding and global layers meet their cores in boundaries of two geometries."""
+    from model_fixtures import make_tiny_checkpoint
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.model import load_model
     from pwruntime.model.attention import AttentionPlan
     from pwruntime.model.moe_model import pack_routing
 
-    model = load_model(default_model_dir(), dtype="fp32", device="cpu")
+    path = default_model_dir() if arch == "demo" else make_tiny_checkpoint(tmp_path, arch)
+    model = load_model(path, dtype="fp32", device="cpu")
     bs = 16
     seqs = MIXED[:n_seqs]
     meta = batch_metadata(seqs, bs)
@@ -103,12 +109,14 @@ def test_pieces_run_in_order_give_the_forward_of_the_real_rows(n_seqs, size):
     assert padded_size(t, pieces.sizes) == size
     pieces._stage(ids.tolist(), pos.tolist(), meta.slot_mapping, size)
     plan = AttentionPlan.build(meta, bs, model.device, model.dtype)
-    kv, layers, b = caches[1], len(model.layers), pieces.boundary
+    kv, layers = caches[1], len(model.layers)
+    assert len({id(b) for b in pieces.boundaries}) == len(set(model.config.kv_shapes))
     carry, records = None, []
     for i in range(layers + 1):
         res = pieces._piece(i, size, carry, records)
         if i < layers:
             carry, rec = res
+            b = pieces.boundaries[i]
             model.layers[i].attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plan, out=b.out)
         else:
             hidden, rec, words = res

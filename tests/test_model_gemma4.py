@@ -86,19 +86,17 @@ def test_what_the_runtime_cannot_serve_is_one_clear_error(tmp_path, change, need
         parse_config({**cfg, **change})
 
 
-def test_which_steps_cuda_graphs_can_capture(tmp_path):
+def test_which_decode_steps_cuda_graphs_can_capture(tmp_path):
     """Decode steps wherever the attention kernel takes every layer's heads (not the tiny fixture's 16-wide ones; at
-    Gemma 4's 256 and 512 it does); mixed steps' pieces only for layers that split at their attention core at one
-    geometry (the demo model's, not Gemma 4's)."""
+    Gemma 4's 256 and 512 it does)."""
     from pwruntime.cmd_perplexity import default_model_dir
 
     tiny = load_model(make_tiny_checkpoint(tmp_path, "gemma4"), dtype="bf16")
-    assert not tiny.graph_attention and not tiny.splits_at_attention
+    assert not tiny.graph_attention
     sized = load_model(make_tiny_checkpoint(tmp_path, "gemma4", seed=1, hidden_size=128, num_attention_heads=4,
                                             num_key_value_heads=2, head_dim=256, global_head_dim=512), dtype="bf16")
-    assert sized.graph_attention and not sized.splits_at_attention
-    demo = load_model(default_model_dir(), dtype="bf16")
-    assert demo.graph_attention and demo.splits_at_attention
+    assert sized.graph_attention
+    assert load_model(default_model_dir(), dtype="bf16").graph_attention
 
 
 def test_generate_and_perplexity_from_the_cli(tmp_path, capsys):

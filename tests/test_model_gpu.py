@@ -88,17 +88,17 @@ def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
     """The sliding layers' decode through the GQA kernel (40 tokens, within the window of 64; 300, past it), their
     prefill through flash attention's left window, the global layer's 512-wide heads through the GQA kernel too (CTAs
     of 2 of its 4 query heads a KV head): logits against transformers' on the same GPU, for a prefill and a decode
-    step. Decode steps can be captured, mixed steps' pieces cannot."""
+    step. Decode steps can be captured."""
     model = _bf16_against_transformers(_gemma4_at_its_head_sizes(tmp_path), tokens)
     built = {dict(defines).get("PW_D") for name, defines in model.kernel_variants() if name == "paged_attention_gqa.cu"}
     assert built >= {256, 512}   # both layer geometries' decode builds
-    assert model.graph_attention and not model.splits_at_attention
+    assert model.graph_attention
 
 
 def test_cuda_gemma4_ap_engine_under_a_planner_with_and_without_decode_graphs(tmp_path, capsys):
     """`generate --ap` on CUDA with Gemma 4: the fused kernel's GELU build, pages moving under a planner, decode steps
-    from graphs (past the sliding window of 16 too: more replays than steps within it) and mixed steps eager; the same
-    tokens as without graphs, and each prompt's first greedy token the CPU engine's (bf16 on both; later ones may part
+    from graphs (past the sliding window of 16 too: more replays than steps within it) and mixed steps from the
+    pieces (boundaries of two geometries); the same tokens as without graphs, and each prompt's first greedy token the CPU engine's (bf16 on both; later ones may part
     at a near tie)."""
     from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 
@@ -114,7 +114,7 @@ def test_cuda_gemma4_ap_engine_under_a_planner_with_and_without_decode_graphs(tm
         runs[name] = json.loads(capsys.readouterr().out)
     stats = runs["graphs"]["stats"]
     assert stats["plans"] > 0 and stats["mean_bits_end"] < stats["mean_bits_start"]
-    assert stats["cuda_graph_replays"] > 16 and stats["mixed_graph_replays"] == 0
+    assert stats["cuda_graph_replays"] > 16 and stats["mixed_graph_replays"] > 0
     tokens = {name: [o["token_ids"] for o in run["outputs"]] for name, run in runs.items()}
     assert tokens["graphs"] == tokens["eager"] and all(len(t) == 48 for t in tokens["graphs"])
     assert [t[0] for t in tokens["graphs"]] == [t[0] for t in tokens["cpu"]]

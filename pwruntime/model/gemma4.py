@@ -48,8 +48,9 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
-    """One Gemma 4 decoder layer (module docstring), with DecoderLayer's call: the stream enters as x + delta and
-    leaves as (its new value, None), the layer scalar leaving nothing to fuse into the next norm."""
+    """One Gemma 4 decoder layer (module docstring), with DecoderLayer's call and its three parts (a mixed step's
+    piecewise graphs run them apart): the stream enters as x + delta and leaves as (its new value, None), the layer
+    scalar leaving nothing to fuse into the next norm."""
 
     def __init__(self, attn: Attention, mlp: DenseMLP, router: Gemma4Router, norms: dict[str, FloatRMSNorm],
                  layer_scalar: torch.Tensor, moe_index: int):
@@ -60,10 +61,18 @@ class Gemma4DecoderLayer(nn.Module):
 
     def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store: ExpertStore,
                 records: list[LayerRouting] | None, kv_ptrs=None):
-        n = self.norms
+        x, q, k, v = self.before_attention(x, delta, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        return self.after_attention(x, self.attn.core(q, k, v, k_cache, v_cache, plan, kv_ptrs), store, records)
+
+    def before_attention(self, x, delta, cos, sin, k_cache, v_cache, slots, kv_ptrs=None):
+        """(x + delta, q, k, v): the input norm, the projections and rotary, the new K/V written."""
         x = x if delta is None else x + delta
-        attended = self.attn(n["input_layernorm"](x), cos, sin, k_cache, v_cache, plan, kv_ptrs)
-        x = x + n["post_attention_layernorm"](attended)
+        return (x, *self.attn.project(self.norms["input_layernorm"](x), cos, sin, k_cache, v_cache, slots, kv_ptrs))
+
+    def after_attention(self, x, o, store: ExpertStore, records: list[LayerRouting] | None):
+        """(the layer's output, None) from the attention core's output o [n, heads, d]."""
+        n = self.norms
+        x = x + n["post_attention_layernorm"](self.attn.output(o))
         dense = n["post_feedforward_layernorm_1"](self.mlp(n["pre_feedforward_layernorm"](x)))
         weights, ids = self.router(x)
         moe = routed_experts(store, self.index, n["pre_feedforward_layernorm_2"](x), ids, weights, records)

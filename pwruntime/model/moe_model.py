@@ -173,13 +173,6 @@ class MoEModel(nn.Module):
         """The paged-attention decode build of each layer geometry (None where the reference runs)."""
         return [decode_variant(self.dtype, d, self.config.heads // h) for h, d in set(self.config.kv_shapes)]
 
-    @property
-    def splits_at_attention(self) -> bool:
-        """Whether every layer splits around its attention core (DecoderLayer's before_attention / after_attention)
-        at one geometry, as a mixed step's piecewise graphs need (their boundary holds one). Gemma 4's layers do
-        not: its mixed steps run eagerly."""
-        return len(set(self.config.kv_shapes)) == 1 and all(isinstance(x, DecoderLayer) for x in self.layers)
-
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False,
                      growable: bool | None = None) -> KVCache:
         """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
