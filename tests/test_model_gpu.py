@@ -98,8 +98,8 @@ def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
 def test_cuda_gemma4_ap_engine_under_a_planner_with_and_without_decode_graphs(tmp_path, capsys):
     """`generate --ap` on CUDA with Gemma 4: the fused kernel's GELU build, pages moving under a planner, decode steps
     from graphs (past the sliding window of 16 too: more replays than steps within it) and mixed steps from the
-    pieces (boundaries of two geometries); the same tokens as without graphs, and each prompt's first greedy token the CPU engine's (bf16 on both; later ones may part
-    at a near tie)."""
+    pieces (boundaries of two geometries); the same tokens as without graphs, and each prompt's first greedy token
+    the CPU engine's (bf16 on both; later ones may part at a near tie)."""
     from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 
     src = _gemma4_at_its_head_sizes(tmp_path, window=16)

@@ -43,7 +43,8 @@ def heads_per_cta(group: int, dim: int) -> int:
 def decode_variant(dtype: torch.dtype, dim: int, group: int, generic: bool = False) -> kc.Variant | None:
     """The build `paged_attention_decode` runs on CUDA over a `dtype` cache of `dim`-wide heads with `group` query heads
     a KV head: the GQA kernel where it applies, else the generic one (fp32 caches, head sizes the GQA kernel has no
-    lane split for); None where the reference runs (a dtype other than fp16, bf16 and fp32, or dim not a multiple of 32 in 32..512)."""
+    lane split for); None where the reference runs (a dtype other than fp16, bf16 and fp32, or dim not a multiple of
+    32 in 32..512)."""
     if dtype not in _DT or dim % 32 or not 32 <= dim <= GENERIC_MAX_DIM:
         return None
     if gqa_kernel_applies(dtype, dim) and not generic:
