@@ -320,8 +320,9 @@ def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = la
 
 # ------------------------------------------------------------------ paged attention
 def attention(cfg: BenchConfig, seqs: int = 32, context: int = 2048, heads: int = 32, kv_heads: int = 8,
-              dim: int = 128, block_size: int = 16, generic: bool = False) -> dict:
-    """Paged-attention decode over random fp16 caches with scattered blocks (`generic`: the generic kernel)."""
+              dim: int = 128, block_size: int = 16, generic: bool = False, window: int | None = None) -> dict:
+    """Paged-attention decode over random fp16 caches with scattered blocks (`generic`: the generic kernel; `window`: a
+    sliding-window layer's, whose query reads the last `window` tokens: `kv_bytes` counts what is read)."""
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     nb = seqs * context // block_size
     kc = torch.randn(nb, block_size, kv_heads, dim, device="cuda", generator=gen, dtype=torch.float16)
@@ -329,7 +330,8 @@ def attention(cfg: BenchConfig, seqs: int = 32, context: int = 2048, heads: int 
     tables = torch.randperm(nb, device="cuda", generator=gen).int().view(seqs, -1)
     lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
     q = torch.randn(seqs, heads, dim, device="cuda", generator=gen, dtype=torch.float16)
-    us = graph_ms(capture(lambda: paged_attention_decode(q, kc, vc, tables, lens, generic=generic)), cfg) * 1000
-    kv_bytes = 2 * kc.numel() * kc.element_size()
-    return {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
+    us = graph_ms(capture(lambda: paged_attention_decode(q, kc, vc, tables, lens, generic=generic, window=window)),
+                  cfg) * 1000
+    kv_bytes = 2 * kc.numel() * kc.element_size() * min(context, window or context) // context
+    return {"seqs": seqs, "context": context, "heads": heads, "kv_heads": kv_heads, "head_dim": dim, "window": window,
             "us": us, "kv_bytes": kv_bytes, "gbps": kv_bytes / us / 1e3}

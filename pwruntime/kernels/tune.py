@@ -5,7 +5,8 @@ copies so the L2 does not hold the weights) for the Mixtral-expert block (14336 
 and 8, and optionally MoE layers; `--once` runs each case a single time (for `ncu`);
 `--load-patterns` times cuda/load_pattern.cu, the block's 3-bit planes read with no decode;
 `--attention` times paged-attention decode (the GQA kernel against the generic one) on a few batch
-and context shapes. It is the quick loop behind kernel changes; `pwruntime bench kernels` is the
+and context shapes, Gemma 4's among them (sliding layers' 256-wide heads within their window of 1024, global layers'
+512-wide ones). It is the quick loop behind kernel changes; `pwruntime bench kernels` is the
 full benchmark.
 """
 from __future__ import annotations
@@ -81,16 +82,19 @@ def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copi
     return out
 
 
-ATTENTION_SHAPES = ((32, 2048, 32, 8), (1, 32768, 32, 8), (4, 8192, 32, 8), (1, 4096, 16, 16),
-                    (64, 1024, 32, 4), (8, 512, 16, 16))   # (sequences, context, heads, KV heads), head_dim 128
+# (sequences, context, heads, KV heads, head_dim, sliding window): head_dim 128, then Gemma 4's two layer geometries
+ATTENTION_SHAPES = ((32, 2048, 32, 8, 128, None), (1, 32768, 32, 8, 128, None), (4, 8192, 32, 8, 128, None),
+                    (1, 4096, 16, 16, 128, None), (64, 1024, 32, 4, 128, None), (8, 512, 16, 16, 128, None),
+                    (8, 4096, 16, 8, 256, 1024), (1, 32768, 16, 8, 256, 1024), (8, 4096, 16, 2, 512, None),
+                    (64, 2048, 16, 2, 512, None))
 
 
 def attention_shapes(cfg: kb.BenchConfig) -> list[dict]:
     out = []
-    for seqs, context, heads, kv_heads in ATTENTION_SHAPES:
-        gqa = kb.attention(cfg, seqs, context, heads, kv_heads)
-        generic = kb.attention(cfg, seqs, context, heads, kv_heads, generic=True)
-        out.append({**{k: gqa[k] for k in ("seqs", "context", "heads", "kv_heads", "kv_bytes")},
+    for seqs, context, heads, kv_heads, dim, window in ATTENTION_SHAPES:
+        gqa = kb.attention(cfg, seqs, context, heads, kv_heads, dim, window=window)
+        generic = kb.attention(cfg, seqs, context, heads, kv_heads, dim, generic=True, window=window)
+        out.append({**{k: gqa[k] for k in ("seqs", "context", "heads", "kv_heads", "head_dim", "window", "kv_bytes")},
                     "gqa_us": gqa["us"], "gqa_gbps": gqa["gbps"],
                     "generic_us": generic["us"], "generic_gbps": generic["gbps"]})
         torch.cuda.empty_cache()
@@ -181,7 +185,9 @@ def main() -> int:
     if args.attention:
         for r in attention_shapes(cfg):
             rows.append(r)
-            print(f"attention {r['seqs']:>3} x {r['context']:>5}, {r['heads']}/{r['kv_heads']} heads: "
+            window = f", window {r['window']}" if r["window"] else ""
+            print(f"attention {r['seqs']:>3} x {r['context']:>5}, {r['heads']}/{r['kv_heads']} heads of "
+                  f"{r['head_dim']}{window}: "
                   f"GQA {r['gqa_us']:7.1f} us {r['gqa_gbps']:5.0f} GB/s | generic {r['generic_us']:7.1f} us "
                   f"{r['generic_gbps']:5.0f} GB/s", flush=True)
     elif args.load_patterns:
