@@ -113,6 +113,13 @@ def test_varlen_chunks_list_each_chunks_rows_and_key_slots():
     assert v.key_slots.tolist() == [8, 9, 10, 11, 12, 13, 14, 15, 16] + [20, 21, 22, 23]
     assert v.cu_q.tolist() == [0, 3, 7] and v.cu_k.tolist() == [0, 9, 13] and v.cu_q.dtype == torch.int32
     assert (v.max_q, v.max_k) == (4, 9)
+    # a sliding window of 3: the chunk after 6 tokens of context gathers keys from position 4 (what its first query,
+    # at position 6, sees); the plain prefill all of its own
+    w = VarlenChunks.build(meta, 4, torch.device("cpu"), window=3)
+    assert w.rows.tolist() == v.rows.tolist() and w.cu_q.tolist() == v.cu_q.tolist()
+    assert w.key_slots.tolist() == [12, 13, 14, 15, 16] + [20, 21, 22, 23]
+    assert w.cu_k.tolist() == [0, 5, 9] and (w.max_q, w.max_k) == (4, 5)
+    assert VarlenChunks.build(meta, 4, torch.device("cpu"), window=100).key_slots.tolist() == v.key_slots.tolist()
     assert VarlenChunks.build(batch_metadata([(5, 1, [0, 1])], 4), 4, torch.device("cpu")) is None
     assert not VarlenChunks.applies(torch.zeros(3, 2, 8))     # CPU: the groups' path
     bad = batch_metadata([(6, 2, [7, 3])], 4)
@@ -147,7 +154,7 @@ def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, k
     plan = AttentionPlan.build(batch_metadata(seqs, bs, "cuda"), bs, torch.device("cuda"), dtype)
     got = paged_attention(q.to("cuda", dtype), *(t.to("cuda", dtype) for t in new),
                           *(c.to("cuda", dtype) for c in caches), plan, d ** -0.5, window)
-    assert "varlen" in plan.__dict__ and "chunk_groups" not in plan.__dict__
+    assert set(plan.varlens) == {None, window} and "chunk_groups" not in plan.__dict__
     err = (got.float().cpu() - want).norm() / want.norm()
     assert err < (3e-3 if dtype == torch.float16 else 2e-2)
 

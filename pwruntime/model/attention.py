@@ -125,9 +125,10 @@ DECODE_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class VarlenChunks:
     """A batch's multi-token chunks as one variable-length flash-attention call: their query rows, each chunk's
-    keys (its cached context, then its own new tokens) as cache slots, and the cumulative lengths of both."""
+    keys (its cached context, then its own new tokens) as cache slots, and the cumulative lengths of both. For a
+    sliding-window layer a chunk's keys start at the earliest position its first query sees."""
     rows: torch.Tensor       # [Tq] int64 flat rows of the chunks' queries, chunk after chunk
-    key_slots: torch.Tensor  # [Tk] int64 cache slot of each chunk's key positions 0..context + query - 1
+    key_slots: torch.Tensor  # [Tk] int64 cache slot of each chunk's key positions (first..context + query - 1)
     cu_q: torch.Tensor       # [G + 1] int32
     cu_k: torch.Tensor       # [G + 1] int32
     max_q: int
@@ -142,17 +143,23 @@ class VarlenChunks:
                 and torch.backends.cuda.is_flash_attention_available())
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device) -> "VarlenChunks | None":
+    def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
+              window: int | None = None) -> "VarlenChunks | None":
         """From the metadata on the host (`_key_slots`); None without chunks. Everything reaches the device in one
-        copy."""
+        copy. With a sliding `window` a chunk after a context of c tokens gathers keys from position c - window + 1
+        on (bottom-right causal alignment keeps each query at its own position)."""
         seqs = [s for s, q in enumerate(meta.query_lens) if q > 1]
         if not seqs:
             return None
         starts = np.cumsum([0] + meta.query_lens)
         q_lens = np.array([meta.query_lens[s] for s in seqs], np.int64)
-        k_lens = q_lens + np.array([meta.context_lens[s] for s in seqs], np.int64)
+        ctx = np.array([meta.context_lens[s] for s in seqs], np.int64)
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
-        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(k_lens), block_size)
+        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(q_lens + ctx), block_size)
+        first = np.maximum(ctx - window + 1, 0) if window else np.zeros_like(ctx)
+        if window:
+            in_seq &= torch.arange(in_seq.shape[1])[None, :] >= torch.from_numpy(first)[:, None]
+        k_lens = q_lens + ctx - first
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
         flat = to_device(torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])), device)
         tq, tk, g = len(rows), int(k_lens.sum()), len(seqs)
@@ -198,6 +205,7 @@ class AttentionPlan:
     block_size: int
     device: torch.device
     decode: DecodeBatch | None = None
+    varlens: dict = field(default_factory=dict)   # sliding window (None: full causal) -> VarlenChunks | None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
@@ -205,7 +213,7 @@ class AttentionPlan:
         plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
                    cls._decode_batch(meta, device))
         if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
-            plan.varlen  # build (and validate the block tables) now; the groups only if a windowed layer asks
+            plan.varlen(None)  # build (and validate the block tables) now; the groups only if heads need them
         else:
             plan.chunk_groups
         if plan.decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
@@ -236,10 +244,12 @@ class AttentionPlan:
                 else self._gather(meta, [s], starts, self.block_size, self.device)
                 for s, q in enumerate(meta.query_lens) if q > 1]
 
-    @cached_property
-    def varlen(self) -> VarlenChunks | None:
-        """The chunks as one flash-attention call (VarlenChunks), None when the batch has none."""
-        return VarlenChunks.build(self.meta, self.block_size, self.device)
+    def varlen(self, window: int | None) -> VarlenChunks | None:
+        """The chunks as one flash-attention call (VarlenChunks) for layers of this sliding window, None when the batch
+        has none; built on first use, once a window."""
+        if window not in self.varlens:
+            self.varlens[window] = VarlenChunks.build(self.meta, self.block_size, self.device, window)
+        return self.varlens[window]
 
     @cached_property
     def decode_group(self) -> _GatherGroup | None:
@@ -366,8 +376,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if kernel:
         out[d.rows] = paged_attention_decode(q[d.rows], k_cache, v_cache, d.block_tables, d.seq_lens, scale,
                                              kv_ptrs=kv_ptrs, window=window)
-    if VarlenChunks.applies(q) and plan.varlen is not None:
-        out[plan.varlen.rows] = plan.varlen.attention(q, k_cache, v_cache, scale, window)
+    chunks = plan.varlen(window) if VarlenChunks.applies(q) else None
+    if chunks is not None:
+        out[chunks.rows] = chunks.attention(q, k_cache, v_cache, scale, window)
         groups = [] if kernel or plan.decode_group is None else [plan.decode_group]
     else:
         groups = plan.chunk_groups if kernel else plan.groups
