@@ -440,8 +440,8 @@ def test_paged_attention_context_split_merges_parts(dtype):
         assert rel(out, want2) < ATTN_TOL[dtype], lens
 
 
-# (lens, heads, kv_heads, dim): the GQA kernel (Gemma 4's sliding layers: 256-wide heads, group 2), its split path
-# (one long context), the generic kernel (512-wide heads; fp32 caches below)
+# (lens, heads, kv_heads, dim): the GQA kernel at Gemma 4's sliding layers (256-wide heads, group 2), its split path
+# (one long context), its 512-wide heads (Gemma 4's global layers); the generic kernel on fp32 caches below
 @pytest.mark.parametrize("case", [([1, 63, 64, 65, 300, 1030], 16, 8, 256), ([4100], 32, 8, 128),
                                   ([70, 1025, 1, 700], 16, 2, 512)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
