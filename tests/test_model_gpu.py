@@ -87,9 +87,29 @@ def _gemma4_at_its_head_sizes(tmp_path, window=64):
 def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
     """The sliding layers' decode through the GQA kernel (40 tokens, within the window of 64; 300, past it), their
     prefill through flash attention's left window, the global layer's 512-wide heads through the GQA kernel too (CTAs
-    of 2 of its 4 query heads a KV head): logits against transformers' on the same GPU, for a prefill and a decode
-    step. Decode steps can be captured."""
-    model = _bf16_against_transformers(_gemma4_at_its_head_sizes(tmp_path), tokens)
+    of 2 of its 4 query heads a KV head), for a prefill and a decode step. Decode steps can be captured.
+
+    This random Gemma 4 is chaotic in bf16 (attention at scale 1): on the CPU transformers' own bf16 logits are 0.34
+    (40 tokens) and 0.63 (300) from its fp32 ones, as a mean error over the mean logit, and the runtime's bf16 0.25 and
+    0.47, while the runtime in fp32 is within 6e-6. So, as tests/test_model_gemma4.py does on the CPU, the runtime's
+    bf16 logits are held to transformers' bf16 error against transformers' fp32 model on the same GPU."""
+    from pwruntime.model import batch_metadata
+
+    path = _gemma4_at_its_head_sizes(tmp_path)
+    ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, theirs = (load_hf_model(path).to("cuda", dt)(ids[None].cuda()).logits[0].float()
+                        for dt in (torch.float32, torch.bfloat16))
+    model = load_model(path, dtype="bf16", device="cuda")
+    n = tokens - 1
+    kv = model.new_kv_cache(32, 16)
+    got = model.logits(model.forward(ids[:-1], torch.arange(n), kv, prefill_metadata(n, 16, "cuda")).hidden)
+    step = model.logits(model.forward(ids[-1:], torch.tensor([n]), kv,
+                                      batch_metadata([(n, 1, list(range(tokens // 16 + 1)))], 16, "cuda")).hidden)
+    err = lambda a, b: float((a.float() - b).abs().mean() / want.abs().mean())  # noqa: E731
+    their_err = err(theirs, want)
+    assert 0 < err(got, want[:-1]) <= 1.5 * their_err
+    assert err(step[0], want[-1]) <= 1.5 * their_err
     built = {dict(defines).get("PW_D") for name, defines in model.kernel_variants() if name == "paged_attention_gqa.cu"}
     assert built >= {256, 512}   # both layer geometries' decode builds
     assert model.graph_attention
