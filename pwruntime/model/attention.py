@@ -157,8 +157,7 @@ class VarlenChunks:
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
         slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(q_lens + ctx), block_size)
         first = np.maximum(ctx - window + 1, 0) if window else np.zeros_like(ctx)
-        if window:
-            in_seq &= torch.arange(in_seq.shape[1])[None, :] >= torch.from_numpy(first)[:, None]
+        in_seq &= torch.arange(in_seq.shape[1])[None, :] >= torch.from_numpy(first)[:, None]
         k_lens = q_lens + ctx - first
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
         flat = to_device(torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])), device)
