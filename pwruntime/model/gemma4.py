@@ -22,7 +22,7 @@ from pwruntime.model.attention import Attention
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.experts import ExpertStore
 from pwruntime.model.layers import DenseMLP, FloatRMSNorm
-from pwruntime.model.moe_model import LayerRouting, routed_experts
+from pwruntime.model.moe_model import LayerRouting, SplitDecoderLayer, routed_experts
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
          "pre_feedforward_layernorm_2", "post_feedforward_layernorm_1", "post_feedforward_layernorm_2")
@@ -47,10 +47,9 @@ class Gemma4Router(nn.Module):
         return weights * self.per_expert_scale[ids], ids
 
 
-class Gemma4DecoderLayer(nn.Module):
-    """One Gemma 4 decoder layer (module docstring), with DecoderLayer's call and its three parts (a mixed step's
-    piecewise graphs run them apart): the stream enters as x + delta and leaves as (its new value, None), the layer
-    scalar leaving nothing to fuse into the next norm."""
+class Gemma4DecoderLayer(SplitDecoderLayer):
+    """One Gemma 4 decoder layer (module docstring), with DecoderLayer's call and parts: the stream enters as x + delta
+    and leaves as (its new value, None), the layer scalar leaving nothing to fuse into the next norm."""
 
     def __init__(self, attn: Attention, mlp: DenseMLP, router: Gemma4Router, norms: dict[str, FloatRMSNorm],
                  layer_scalar: torch.Tensor, moe_index: int):
@@ -58,11 +57,6 @@ class Gemma4DecoderLayer(nn.Module):
         self.attn, self.mlp, self.router, self.index = attn, mlp, router, moe_index
         self.norms = nn.ModuleDict(norms)
         self.layer_scalar = nn.Parameter(layer_scalar, requires_grad=False)
-
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store: ExpertStore,
-                records: list[LayerRouting] | None, kv_ptrs=None):
-        x, q, k, v = self.before_attention(x, delta, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
-        return self.after_attention(x, self.attn.core(q, k, v, k_cache, v_cache, plan, kv_ptrs), store, records)
 
     def before_attention(self, x, delta, cos, sin, k_cache, v_cache, slots, kv_ptrs=None):
         """(x + delta, q, k, v): the input norm, the projections and rotary, the new K/V written."""

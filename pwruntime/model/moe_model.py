@@ -89,20 +89,24 @@ class MoEBlock(nn.Module):
         return out
 
 
-class DecoderLayer(nn.Module):
+class SplitDecoderLayer(nn.Module):
+    """A decoder layer in three parts, which a mixed step's piecewise graphs run apart (pwruntime.mixed_graphs):
+    everything before the attention core (`before_attention`, which a subclass defines), the core (`attn.core`),
+    everything after it (`after_attention`, likewise)."""
+
+    def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
+        x, q, k, v = self.before_attention(x, delta, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
+        return self.after_attention(x, self.attn.core(q, k, v, k_cache, v_cache, plan, kv_ptrs), store, records)
+
+
+class DecoderLayer(SplitDecoderLayer):
+    """The layer of Mixtral, Qwen2-MoE, OLMoE and Qwen3-MoE. The residual stream enters as x + delta (delta None: x
+    alone) and leaves the same way, (x, the MLP's output), so that each residual add runs inside the RMSNorm after it
+    (one kernel on CUDA)."""
+
     def __init__(self, attn: Attention, mlp: MoEBlock | DenseMLP, input_norm: RMSNorm, post_norm: RMSNorm):
         super().__init__()
         self.attn, self.mlp, self.input_norm, self.post_norm = attn, mlp, input_norm, post_norm
-
-    def forward(self, x, delta, cos, sin, k_cache, v_cache, plan, store, records, kv_ptrs=None):
-        """The residual stream enters as x + delta (delta None: x alone) and leaves the same way, (x, the MLP's
-        output), so that each residual add runs inside the RMSNorm after it (one kernel on CUDA).
-
-        It is three parts, which a mixed step's piecewise graphs run apart (pwruntime.mixed_graphs): everything
-        before the attention core (`before_attention`), the core (`attn.core`), everything after it
-        (`after_attention`)."""
-        x, q, k, v = self.before_attention(x, delta, cos, sin, k_cache, v_cache, plan.slot_mapping, kv_ptrs)
-        return self.after_attention(x, self.attn.core(q, k, v, k_cache, v_cache, plan, kv_ptrs), store, records)
 
     def before_attention(self, x, delta, cos, sin, k_cache, v_cache, slots, kv_ptrs=None):
         """(x + delta, q, k, v): the residual add, the norm, the projections and rotary, the new K/V written."""
