@@ -458,3 +458,26 @@ class Attention(nn.Module):
             v = self.v_norm(v)
         q, k = rotary_kv(q, k, v, cos, sin, k_cache, v_cache, slots, kv_ptrs)
         return q, k, v
+
+
+def read_attention(r, c: ModelConfig, i: int) -> Attention:
+    """Decoder layer i's attention from a TensorReader `r`, at the layer's own KV heads and head size; no v_proj where
+    V is the K projection (Gemma 4's global layers with attention_k_eq_v)."""
+    p = f"{c.weight_prefix}layers.{i}.self_attn."
+    kv_heads, head_dim = c.kv_shape(i)
+    q_out, kv_out = c.heads * head_dim, kv_heads * head_dim
+    v_is_k = i in c.global_layers and c.global_k_eq_v
+    w = {"q": r.get(p + "q_proj.weight", (q_out, c.hidden)), "k": r.get(p + "k_proj.weight", (kv_out, c.hidden)),
+         "v": None if v_is_k else r.get(p + "v_proj.weight", (kv_out, c.hidden)),
+         "o": r.get(p + "o_proj.weight", (c.hidden, q_out))}
+    if c.qkv_bias:
+        w.update(q_bias=r.get(p + "q_proj.bias", (q_out,)), k_bias=r.get(p + "k_proj.bias", (kv_out,)))
+        if not v_is_k:
+            w["v_bias"] = r.get(p + "v_proj.bias", (kv_out,))
+    if c.o_bias:
+        w["o_bias"] = r.get(p + "o_proj.bias", (c.hidden,))
+    if c.qk_norm == "full":
+        w.update(q_norm=r.get(p + "q_norm.weight", (q_out,)), k_norm=r.get(p + "k_norm.weight", (kv_out,)))
+    elif c.qk_norm == "head":
+        w.update(q_norm=r.get(p + "q_norm.weight", (head_dim,)), k_norm=r.get(p + "k_norm.weight", (head_dim,)))
+    return Attention(c, w, i)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pwruntime.model.attention import Attention
+from pwruntime.model.attention import Attention, read_attention
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.experts import ExpertStore
 from pwruntime.model.layers import DenseMLP, FloatRMSNorm
@@ -79,24 +79,13 @@ def read_gemma4_layer(r, c: ModelConfig, i: int, with_experts: bool
     """(decoder layer i, its experts' gate_up [E, 2I, H] and down [E, H, I], or None twice without `with_experts`)
     from a TensorReader `r`."""
     p = f"{c.weight_prefix}layers.{i}."
-    kv_heads, head_dim = c.kv_shape(i)
-    q_out, kv_out, a = c.heads * head_dim, kv_heads * head_dim, p + "self_attn."
-    w = {"q": r.get(a + "q_proj.weight", (q_out, c.hidden)), "k": r.get(a + "k_proj.weight", (kv_out, c.hidden)),
-         "o": r.get(a + "o_proj.weight", (c.hidden, q_out)),
-         "q_norm": r.get(a + "q_norm.weight", (head_dim,)), "k_norm": r.get(a + "k_norm.weight", (head_dim,)),
-         "v": None if i in c.global_layers and c.global_k_eq_v else r.get(a + "v_proj.weight", (kv_out, c.hidden))}
-    if c.qkv_bias:
-        w.update(q_bias=r.get(a + "q_proj.bias", (q_out,)), k_bias=r.get(a + "k_proj.bias", (kv_out,)),
-                 o_bias=r.get(a + "o_proj.bias", (c.hidden,)))
-        if w["v"] is not None:
-            w["v_bias"] = r.get(a + "v_proj.bias", (kv_out,))
     inter, h = c.dense_intermediate, c.hidden
     mlp = DenseMLP(r.get(p + "mlp.gate_proj.weight", (inter, h)), r.get(p + "mlp.up_proj.weight", (inter, h)),
                    r.get(p + "mlp.down_proj.weight", (h, inter)), act=c.hidden_act)
     router = Gemma4Router(r.get(p + "router.proj.weight", (c.experts, h)), r.get(p + "router.scale", (h,)),
                           r.get(p + "router.per_expert_scale", (c.experts,)), c.top_k, c.rms_eps)
     norms = {name: FloatRMSNorm(r.get(p + name + ".weight", (h,)), c.rms_eps) for name in NORMS}
-    layer = Gemma4DecoderLayer(Attention(c, w, i), mlp, router, norms, r.get(p + "layer_scalar", (1,)),
+    layer = Gemma4DecoderLayer(read_attention(r, c, i), mlp, router, norms, r.get(p + "layer_scalar", (1,)),
                                c.moe_layers.index(i))
     if not with_experts:
         return layer, None, None

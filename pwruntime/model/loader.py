@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from pwruntime.model.attention import Attention
+from pwruntime.model.attention import read_attention
 from pwruntime.model.checkpoint import TensorReader, find_files, read_config
 from pwruntime.model.config import CheckpointError, ModelConfig
 from pwruntime.model.dummy import DummyTensorReader
@@ -46,23 +46,6 @@ def check_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise UserError(f"device {device!r} is not supported: use cpu or cuda")
     return dev
-
-
-def _attention(r: TensorReader, c: ModelConfig, i: int) -> Attention:
-    p = f"model.layers.{i}.self_attn."
-    q_out, kv_out = c.heads * c.head_dim, c.kv_heads * c.head_dim
-    w = {"q": r.get(p + "q_proj.weight", (q_out, c.hidden)), "k": r.get(p + "k_proj.weight", (kv_out, c.hidden)),
-         "v": r.get(p + "v_proj.weight", (kv_out, c.hidden)), "o": r.get(p + "o_proj.weight", (c.hidden, q_out))}
-    if c.qkv_bias:
-        w.update(q_bias=r.get(p + "q_proj.bias", (q_out,)), k_bias=r.get(p + "k_proj.bias", (kv_out,)),
-                 v_bias=r.get(p + "v_proj.bias", (kv_out,)))
-    if c.o_bias:
-        w["o_bias"] = r.get(p + "o_proj.bias", (c.hidden,))
-    if c.qk_norm == "full":
-        w.update(q_norm=r.get(p + "q_norm.weight", (q_out,)), k_norm=r.get(p + "k_norm.weight", (kv_out,)))
-    elif c.qk_norm == "head":
-        w.update(q_norm=r.get(p + "q_norm.weight", (c.head_dim,)), k_norm=r.get(p + "k_norm.weight", (c.head_dim,)))
-    return Attention(c, w, i)
 
 
 def _dense(r: TensorReader, prefix: str, hidden: int, inter: int) -> DenseMLP:
@@ -110,7 +93,7 @@ def _read_layer(r: TensorReader, c: ModelConfig, i: int, with_experts: bool
             gate_up, down = _experts(r, c, mp)
     else:
         mlp = _dense(r, p + "mlp.", c.hidden, c.dense_intermediate)
-    layer = DecoderLayer(_attention(r, c, i), mlp, RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
+    layer = DecoderLayer(read_attention(r, c, i), mlp, RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
                          RMSNorm(r.get(p + "post_attention_layernorm.weight", (c.hidden,)), c.rms_eps))
     return layer, gate_up, down
 
