@@ -43,7 +43,6 @@ class KVCache:
         if len(self.layer_shapes) != num_layers:
             raise ValueError(f"{len(self.layer_shapes)} layer shapes for {num_layers} layers")
         self.num_layers, self.block_size = num_layers, block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
         self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
