@@ -42,35 +42,34 @@ def test_cuda_perplexity_equals_cpu(tmp_path, capsys):
     assert abs(res["cuda"]["perplexity"] / res["cpu"]["perplexity"] - 1) < 1e-4
 
 
-def _bf16_against_transformers(path, tokens: int = 300):
-    """The model at `path` in bf16 on the GPU against transformers' there: a prefill of `tokens` - 1 random tokens,
-    then a decode step through the paged cache."""
+def _prefill_then_decode(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of a prefill of ids[:-1] on the GPU [n, vocab], then of a decode step of the last id through the
+    paged cache [1, vocab]."""
     from pwruntime.model import batch_metadata
 
-    hf = load_hf_model(path).to("cuda", torch.bfloat16)
-    model = load_model(path, dtype="bf16", device="cuda")
-    ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = hf(ids[None].cuda()).logits[0].float()
-    n = tokens - 1
+    n = len(ids) - 1
     kv = model.new_kv_cache(32, 16)
     got = model.logits(model.forward(ids[:-1], torch.arange(n), kv, prefill_metadata(n, 16, "cuda")).hidden)
-    scale = ref.abs().mean()
-    assert ((got - ref[:-1]).abs().mean() / scale) < 0.05
-    assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
     step = model.logits(model.forward(ids[-1:], torch.tensor([n]), kv,
-                                      batch_metadata([(n, 1, list(range(tokens // 16 + 1)))], 16, "cuda")).hidden)
-    assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
-    return model
+                                      batch_metadata([(n, 1, list(range(len(ids) // 16 + 1)))], 16, "cuda")).hidden)
+    return got, step
 
 
 def test_cuda_bf16_qwen15_moe_sized(tmp_path):
     """Two layers at Qwen1.5-MoE-A2.7B width (60 experts of 1408, shared 5632, 16 heads of 128), bf16:
     our logits vs transformers' on the same GPU, and a decode step through the paged cache."""
-    _bf16_against_transformers(make_tiny_checkpoint(
+    path = make_tiny_checkpoint(
         tmp_path, "qwen2_moe", seed=0, hidden_size=2048, num_attention_heads=16, num_key_value_heads=16,
         num_experts=60, num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
-        intermediate_size=5632, vocab_size=4096, initializer_range=0.02, max_position_embeddings=4096))
+        intermediate_size=5632, vocab_size=4096, initializer_range=0.02, max_position_embeddings=4096)
+    ids = torch.randint(3, 4096, (300,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = load_hf_model(path).to("cuda", torch.bfloat16)(ids[None].cuda()).logits[0].float()
+    got, step = _prefill_then_decode(load_model(path, dtype="bf16", device="cuda"), ids)
+    scale = ref.abs().mean()
+    assert ((got - ref[:-1]).abs().mean() / scale) < 0.05
+    assert (got.argmax(-1) == ref[:-1].argmax(-1)).float().mean() > 0.9
+    assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
 
 
 def _gemma4_at_its_head_sizes(tmp_path, window=64):
@@ -93,19 +92,13 @@ def test_cuda_bf16_gemma4_at_its_head_sizes(tmp_path, tokens):
     (40 tokens) and 0.63 (300) from its fp32 ones, as a mean error over the mean logit, and the runtime's bf16 0.25 and
     0.47, while the runtime in fp32 is within 6e-6. So, as tests/test_model_gemma4.py does on the CPU, the runtime's
     bf16 logits are held to transformers' bf16 error against transformers' fp32 model on the same GPU."""
-    from pwruntime.model import batch_metadata
-
     path = _gemma4_at_its_head_sizes(tmp_path)
     ids = torch.randint(3, 4096, (tokens,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want, theirs = (load_hf_model(path).to("cuda", dt)(ids[None].cuda()).logits[0].float()
                         for dt in (torch.float32, torch.bfloat16))
     model = load_model(path, dtype="bf16", device="cuda")
-    n = tokens - 1
-    kv = model.new_kv_cache(32, 16)
-    got = model.logits(model.forward(ids[:-1], torch.arange(n), kv, prefill_metadata(n, 16, "cuda")).hidden)
-    step = model.logits(model.forward(ids[-1:], torch.tensor([n]), kv,
-                                      batch_metadata([(n, 1, list(range(tokens // 16 + 1)))], 16, "cuda")).hidden)
+    got, step = _prefill_then_decode(model, ids)
     err = lambda a, b: float((a.float() - b).abs().mean() / want.abs().mean())  # noqa: E731
     their_err = err(theirs, want)
     assert 0 < err(got, want[:-1]) <= 1.5 * their_err
