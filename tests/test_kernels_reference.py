@@ -667,7 +667,8 @@ def test_attention_kernel_choice_and_context_split():
     # enough CTAs or short contexts: no split; few sequences over long contexts: about two CTAs an SM
     assert context_parts(256, 4096, 132) == 1
     assert context_parts(8, 400, 132) == 1
-    assert context_parts(8, 4096, 132) == 8                       # capped by 512-token parts
+    assert context_parts(8, 4096, 132) == 16                      # capped by 256-token parts
+    assert context_parts(64, 1024, 132) == 4                      # a sliding window's 1024 tokens in 4 parts
     assert context_parts(8, 64 * 1024, 132) == 33
     assert context_parts(64, 64 * 1024, 132) == 5
 

@@ -25,7 +25,7 @@ GQA_MERGE_BYTES = 32768          # its shared merge buffer: fp32 [warps][heads a
 GQA_DIMS = (64, 128, 256, 512)
 GENERIC_MAX_DIM = 512            # the generic kernel's widest heads (16 elements a lane)
 GQA_HEADS_PER_CTA = 4            # query heads a GQA-kernel CTA keeps in registers (larger groups are sliced)
-PART_MIN_TOKENS = 512            # a context part of the split (flash-decoding) path is at least this long
+PART_MIN_TOKENS = 256            # a context part of the split (flash-decoding) path is at least this long
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
