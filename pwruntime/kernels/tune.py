@@ -85,8 +85,8 @@ def load_patterns(cfg: kb.BenchConfig, rows: int = 14336, words: int = 128, copi
 # (sequences, context, heads, KV heads, head_dim, sliding window): head_dim 128, then Gemma 4's two layer geometries
 ATTENTION_SHAPES = ((32, 2048, 32, 8, 128, None), (1, 32768, 32, 8, 128, None), (4, 8192, 32, 8, 128, None),
                     (1, 4096, 16, 16, 128, None), (64, 1024, 32, 4, 128, None), (8, 512, 16, 16, 128, None),
-                    (8, 4096, 16, 8, 256, 1024), (1, 32768, 16, 8, 256, 1024), (8, 4096, 16, 2, 512, None),
-                    (64, 2048, 16, 2, 512, None))
+                    (8, 4096, 16, 8, 256, 1024), (1, 32768, 16, 8, 256, 1024), (64, 4096, 16, 8, 256, 1024),
+                    (8, 4096, 16, 2, 512, None), (64, 2048, 16, 2, 512, None), (1, 32768, 16, 2, 512, None))
 
 
 def attention_shapes(cfg: kb.BenchConfig) -> list[dict]:
