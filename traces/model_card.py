@@ -21,6 +21,7 @@ import numpy as np
 
 from policies.apformat import MAX_BITS, byte_table
 from policies.calibration import model_fingerprint
+from policies.kv_groups import KVLayout
 from policies.page_table import DEFAULT_BITS, PageTable
 from traces.clikit import UserError
 from traces.gemma4_config import gemma4_layout, text_config
@@ -168,6 +169,13 @@ class ModelSpec:
             hd, kvh, _ = self.attention_geometry(layer)
             total += 2 * kvh * hd * dtype_bytes
         return total
+
+    def kv_layout(self, block_size: int, dtype_bytes: int = 2, hybrid: bool = True) -> KVLayout:
+        """The KV-cache groups of this model's layers (policies.kv_groups; `hybrid=False`: one table for all)."""
+        token_bytes = [2 * kvh * hd * dtype_bytes for hd, kvh, _ in map(self.attention_geometry, range(self.layers))]
+        windows = [None if not self.sliding_window or layer in self.global_layers else self.sliding_window
+                   for layer in range(self.layers)]
+        return KVLayout.build(token_bytes, windows, block_size, hybrid)
 
     def kv_bytes(self, tokens: int, dtype_bytes: int = 2) -> int:
         """KV bytes of a sequence of `tokens`; sliding-window layers keep at most `sliding_window`."""
