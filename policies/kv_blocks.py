@@ -20,6 +20,10 @@ Capacity changes at run time (weight planes give memory to the KV cache and take
   next forward.
 * `grow(n)` first revives holes (lowest first), then appends new ids at the top.
 
+A sequence whose layers read only a sliding window of past tokens (policies.kv_groups) may hand back the blocks at
+the front of its table that no query will read again (`release_leading`): their entries become `NULL_BLOCK` (-1), so
+positions keep their blocks, and the blocks return to the free list. Kernels never read those entries.
+
 Every id in use is valid until its sequence frees it; `shrink` and `grow` never renumber a block in
 use (only `compact` does, and it rewrites the block tables and reports each move).
 
@@ -52,6 +56,7 @@ from collections import OrderedDict
 from typing import Hashable, Sequence
 
 _ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
+NULL_BLOCK = -1  # a table entry whose block was released (release_leading): no query reads those positions again
 
 
 class BlockPoolError(RuntimeError):
@@ -73,6 +78,7 @@ class BlockPool:
         self._holes: list[int] = []  # retired ids below id_limit, sorted ascending
         self._tables: dict[Hashable, list[int]] = {}
         self._tokens: dict[Hashable, int] = {}  # slots reserved per sequence
+        self._released: dict[Hashable, int] = {}  # leading table entries released (NULL_BLOCK) per sequence
         self._refs: dict[int, int] = {}  # block id in use -> tables holding it
         self.prefix_caching = bool(prefix_caching)
         self._hash_of: dict[int, bytes] = {}  # registered block id -> its chained hash
@@ -124,7 +130,8 @@ class BlockPool:
         return self._tokens.get(seq_id, 0)
 
     def num_blocks_of(self, seq_id: Hashable) -> int:
-        return len(self._tables.get(seq_id, ()))
+        """Blocks the sequence holds (its table's entries, less those released)."""
+        return len(self._tables.get(seq_id, ())) - self._released.get(seq_id, 0)
 
     def ref_count(self, block_id: int) -> int:
         """Block tables holding the block (0: free, a hole or out of range)."""
@@ -136,7 +143,7 @@ class BlockPool:
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """Additional blocks the sequence needs to hold `num_tokens` tokens in total."""
-        # blocks_for - num_blocks_of, inlined: the scheduler asks this for every running sequence every step
+        # blocks_for less the table's entries, inlined: the scheduler asks this for every running sequence every step
         need = -(-int(num_tokens) // self.block_size) - len(self._tables.get(seq_id, ()))
         return need if need > 0 else 0
 
@@ -240,13 +247,38 @@ class BlockPool:
         released tail first, so a cached chain's tail is evicted before its head (as vLLM's free-block queue)."""
         table = self._tables.pop(seq_id, [])
         self._tokens.pop(seq_id, None)
+        held = len(table) - self._released.pop(seq_id, 0)
         self._chain.pop(seq_id, None)
         for b in reversed(table):
+            if b == NULL_BLOCK:
+                continue
             self._refs[b] -= 1
             if not self._refs[b]:
                 del self._refs[b]
                 self._release(b)
-        return len(table)
+        return held
+
+    def num_released(self, seq_id: Hashable) -> int:
+        """Leading entries of the sequence's table already released (`release_leading`)."""
+        return self._released.get(seq_id, 0)
+
+    def release_leading(self, seq_id: Hashable, num_blocks: int) -> int:
+        """Release the table's first `num_blocks` blocks (those before them already are): their entries become
+        NULL_BLOCK and the blocks return to the free list, tail first as `free` does. Returns how many it released.
+        Only without prefix caching: a released block could be the head of a cached chain."""
+        if self.prefix_caching:
+            raise BlockPoolError("release_leading needs prefix caching off")
+        table = self._tables.get(seq_id)
+        done = self._released.get(seq_id, 0)
+        if table is None or num_blocks <= done:
+            return 0
+        n = min(int(num_blocks), len(table))
+        for j in range(n - 1, done - 1, -1):
+            b, table[j] = table[j], NULL_BLOCK
+            del self._refs[b]
+            self._release(b)
+        self._released[seq_id] = n
+        return n - done
 
     # --------------------------------------------------------- prefix caching
     def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[int]:
@@ -391,7 +423,11 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Raise BlockPoolError if ids are double-booked, out of range or miscounted (tests and debug runs)."""
         holders: dict[int, int] = {}
-        for t in self._tables.values():
+        for sid, t in self._tables.items():
+            released = self._released.get(sid, 0)
+            if any(b != NULL_BLOCK for b in t[:released]) or NULL_BLOCK in t[released:]:
+                raise BlockPoolError(f"sequence {sid!r}: released entries are not its table's first {released}")
+            t = t[released:]
             if len(set(t)) != len(t):
                 raise BlockPoolError("a block table holds a block twice")
             for b in t:

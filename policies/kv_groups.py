@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
+
+from policies.kv_blocks import NULL_BLOCK, BlockPool, BlockPoolError
 
 
 @dataclass(frozen=True)
@@ -93,3 +95,135 @@ class KVLayout:
 
     def bytes_held(self, start: int, end: int) -> int:
         return self.pages(start, end) * self.page_bytes
+
+
+class GroupedBlockPool:
+    """A block pool of pages for a hybrid layout: per sequence one table a group, sliding groups handing back what left
+    their window. The scheduler-facing calls (allocate, try_allocate, blocks_needed, can_allocate, free,
+    num_blocks_of) are BlockPool's, counted in pages; capacity, resizes and compaction are the page pool's own.
+
+    The pages live in a BlockPool of 1-token blocks (`pages`) whose tables are keyed (sequence, group) and whose
+    "tokens" are a table's entries: this class turns tokens into each group's blocks. A sequence computing tokens
+    [start, end) (start: the tokens it had reserved) first releases each sliding group's blocks before the window of
+    its query at `start`, then takes the blocks up to `end`, so what it needs is the net of both (`blocks_needed`).
+    No prefix caching: a released block could be a cached chain's head (vLLM keeps sliding blocks cached apart).
+    """
+
+    prefix_caching = False
+
+    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+        self.layout = layout
+        self.pages = BlockPool(num_pages, block_size=1)
+        self._tokens: dict[Hashable, int] = {}
+
+    # page pool: capacity, resizes, compaction (a page is a page, whatever group holds it)
+    @property
+    def block_size(self) -> int:
+        """The first group's tokens a block (`slot` takes each group's own)."""
+        return self.layout.groups[0].block_size
+
+    capacity = property(lambda self: self.pages.capacity)
+    id_limit = property(lambda self: self.pages.id_limit)
+    hole_blocks = property(lambda self: self.pages.hole_blocks)
+    num_free = property(lambda self: self.pages.num_free)
+    num_used = property(lambda self: self.pages.num_used)
+
+    def grow(self, n: int) -> None:
+        self.pages.grow(n)
+
+    def shrink(self, n: int) -> int:
+        return self.pages.shrink(n)
+
+    def compact(self) -> list[tuple[int, int]]:
+        return self.pages.compact()
+
+    def id_limit_after_grow(self, n: int) -> int:
+        return self.pages.id_limit_after_grow(n)
+
+    # sequences
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tokens
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._tokens.get(seq_id, 0)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Pages a new sequence takes to compute its first `num_tokens` tokens."""
+        return self.layout.pages(0, num_tokens)
+
+    def num_blocks_of(self, seq_id: Hashable) -> int:
+        """Pages the sequence holds, over its groups."""
+        return sum(self.pages.num_blocks_of((seq_id, g)) for g in range(len(self.layout.groups)))
+
+    def group_table(self, seq_id: Hashable, group: int) -> list[int]:
+        """The sequence's blocks in group `group`, in token order (NULL_BLOCK where released; a copy)."""
+        return self.pages.block_table((seq_id, group))
+
+    def slot(self, seq_id: Hashable, group: int, position: int) -> int:
+        """The flat slot (block * the group's block_size + offset) of a reserved token in a group's layers."""
+        size = self.layout.groups[group].block_size
+        if not 0 <= position < self._tokens.get(seq_id, 0):
+            raise BlockPoolError(f"position {position} not reserved for sequence {seq_id!r}")
+        block = self.pages.block_table((seq_id, group))[position // size]
+        if block == NULL_BLOCK:
+            raise BlockPoolError(f"position {position} of sequence {seq_id!r} left group {group}'s window")
+        return block * size + position % size
+
+    def _plan(self, seq_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
+        """Each group's (blocks to release up to, entries to hold) for computing tokens [reserved, num_tokens)."""
+        start = self._tokens.get(seq_id, 0)
+        end = max(start, int(num_tokens))
+        return [g.blocks_held(start, end) for g in self.layout.groups]
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Pages the sequence takes from the free ones to hold `num_tokens` tokens in total, net of the pages its
+        sliding groups hand back first."""
+        net = 0
+        for g, (first, last) in enumerate(self._plan(seq_id, num_tokens)):
+            key = (seq_id, g)
+            net += max(0, last - self.pages.num_tokens(key)) - max(0, first - self.pages.num_released(key))
+        return max(0, net)
+
+    def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
+        if prefix:
+            raise BlockPoolError("a grouped pool has no prefix caching")
+        return self.blocks_needed(seq_id, num_tokens) <= self.num_free
+
+    def allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> None:
+        """Reserve slots so the sequence holds `num_tokens` tokens, releasing what its windows left first. Raises
+        BlockPoolError (pool unchanged) when the free pages do not suffice."""
+        if not self.can_allocate(seq_id, num_tokens, prefix):
+            raise BlockPoolError(f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, num_tokens)} more pages "
+                                 f"for {num_tokens} tokens; {self.num_free} free")
+        plan = self._plan(seq_id, num_tokens)
+        for g, (first, _) in enumerate(plan):   # every release before any allocation: they fund it
+            self.pages.release_leading((seq_id, g), first)
+        for g, (_, last) in enumerate(plan):
+            self.pages.allocate((seq_id, g), last)
+        self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
+
+    def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """`allocate` if the free pages suffice; returns whether it did."""
+        if not self.can_allocate(seq_id, num_tokens):
+            return False
+        self.allocate(seq_id, num_tokens)
+        return True
+
+    def free(self, seq_id: Hashable) -> int:
+        """Release every page of the sequence; returns how many it held."""
+        self._tokens.pop(seq_id, None)
+        return sum(self.pages.free((seq_id, g)) for g in range(len(self.layout.groups)))
+
+    def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[int]:
+        return []
+
+    def register(self, *args, **kwargs) -> int:
+        return 0
+
+    def check_invariants(self) -> None:
+        """The page pool's invariants, and every table as long as its group's blocks for its sequence's tokens."""
+        self.pages.check_invariants()
+        for seq_id, tokens in self._tokens.items():
+            for g, group in enumerate(self.layout.groups):
+                if self.pages.num_tokens((seq_id, g)) != -(-tokens // group.block_size):
+                    raise BlockPoolError(f"sequence {seq_id!r}: group {g}'s table does not cover {tokens} tokens")

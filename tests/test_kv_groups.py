@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from policies.kv_groups import KVGroup, KVLayout
+from policies.kv_blocks import NULL_BLOCK, BlockPool, BlockPoolError
+from policies.kv_groups import GroupedBlockPool, KVGroup, KVLayout
 from traces.model_card import load_card
 
 
@@ -86,3 +87,112 @@ def test_pages_refuses_a_backward_range():
     # the sliding layer (4-token blocks) holds from the block of p - 7, the full one (8-token blocks) everything
     assert [layout.pages(s, e) for s, e in ((0, 9), (0, 20), (20, 21), (40, 48))] == [
         3 + 2, 5 + 3, 3 + 3, 4 + 6]
+
+
+# ---------------------------------------------------------------- BlockPool.release_leading
+def test_release_leading_frees_the_front_of_a_table_and_keeps_positions():
+    pool = BlockPool(8, block_size=2)
+    pool.allocate("a", 9)                                  # 5 blocks
+    table = pool.block_table("a")
+    assert pool.release_leading("a", 2) == 2 and pool.num_free == 5
+    assert pool.block_table("a") == [NULL_BLOCK, NULL_BLOCK] + table[2:]
+    assert pool.num_blocks_of("a") == 3 and pool.slot("a", 8) == table[4] * 2
+    assert pool.release_leading("a", 1) == 0 and pool.release_leading("a", 3) == 1   # only what is not released yet
+    pool.check_invariants()
+    # the freed blocks are taken again; compaction moves live entries only; free counts what was held
+    pool.allocate("b", 6)
+    assert set(pool.block_table("b")) & set(table[:3])
+    pool.shrink(1)
+    pool.compact()
+    pool.check_invariants()
+    assert pool.block_table("a")[:3] == [NULL_BLOCK] * 3
+    assert pool.free("a") == 2 and pool.free("b") == 3
+    pool.check_invariants()
+    assert pool.num_free == pool.capacity
+
+
+def test_release_leading_needs_prefix_caching_off():
+    pool = BlockPool(4, block_size=2, prefix_caching=True)
+    pool.allocate("a", 4)
+    with pytest.raises(BlockPoolError):
+        pool.release_leading("a", 1)
+
+
+# ---------------------------------------------------------------- GroupedBlockPool
+def _gemma_like() -> KVLayout:
+    """Three sliding layers (window 8, 4-token blocks) and one full layer of half the bytes (8-token blocks)."""
+    return KVLayout.build([64, 64, 64, 32], [8, 8, 8, None], 4)
+
+
+def test_grouped_pool_holds_each_group_s_window_and_hands_back_the_rest():
+    layout = _gemma_like()
+    pool = GroupedBlockPool(layout, 64)
+    assert pool.blocks_needed("a", 10) == 3 * 3 + 2 == layout.pages(0, 10)
+    pool.allocate("a", 10)                                   # a 10-token prompt
+    assert pool.num_blocks_of("a") == 11 and pool.num_free == 53
+    for step in range(10, 40):                               # then decode: query at `step` reads [step - 7, step]
+        assert pool.blocks_needed("a", step + 1) == max(0, layout.pages(step, step + 1) - pool.num_blocks_of("a"))
+        assert pool.try_allocate("a", step + 1)
+        assert pool.num_blocks_of("a") == layout.pages(step, step + 1)
+        pool.check_invariants()
+    for g in range(3):                                       # a sliding table: released entries, then the window
+        table = pool.group_table("a", g)
+        assert table[:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in table[8:] and len(table) == 10   # keys 32..39
+        with pytest.raises(BlockPoolError):
+            pool.slot("a", g, 27)                            # left the window
+        assert pool.slot("a", g, 39) == table[9] * 4 + 3
+    assert NULL_BLOCK not in pool.group_table("a", 3) and len(pool.group_table("a", 3)) == 5
+    assert pool.free("a") == 3 * 2 + 5 and pool.num_free == 64
+    pool.check_invariants()
+
+
+def test_grouped_pool_releases_before_it_takes_so_a_full_pool_still_decodes():
+    layout = _gemma_like()
+    pool = GroupedBlockPool(layout, layout.pages(0, 16))    # exactly a 16-token prompt's pages
+    pool.allocate("a", 16)
+    assert pool.num_free == 0
+    # token 16 takes a block in each group (4) while the windows let go of blocks 0 and 1 of each sliding group (6):
+    # the releases fund the allocation
+    assert pool.blocks_needed("a", 17) == 0 and pool.try_allocate("a", 17) and pool.num_free == 2
+    pool.check_invariants()
+    n = 17
+    while pool.try_allocate("a", n + 1):                    # decode until the full group outgrows the pool
+        n += 1
+        assert pool.num_free == pool.capacity - layout.pages(n - 1, n)
+    assert layout.pages(n, n + 1) > pool.capacity and pool.blocks_needed("a", n + 1) > pool.num_free
+    with pytest.raises(BlockPoolError):
+        pool.allocate("a", n + 1)
+    pool.check_invariants()                                 # unchanged by the refusal
+    assert pool.num_tokens("a") == n and pool.num_blocks_of("a") == layout.pages(n - 1, n)
+
+
+def test_grouped_pool_resizes_and_compacts_pages_of_every_group():
+    layout = _gemma_like()
+    pool = GroupedBlockPool(layout, 40)
+    rng = random.Random(3)
+    lens = {}   # sequence -> (start, end) of its last allocation
+    for step in range(300):
+        seq = rng.randrange(6)
+        if seq in lens and rng.random() < 0.1:
+            pool.free(seq)
+            del lens[seq]
+        else:
+            start = lens.get(seq, (0, 0))[1]
+            n = start + rng.choice((1, 1, 1, 5, 13))
+            if pool.try_allocate(seq, n):
+                lens[seq] = (start, n)
+        if step % 25 == 0:
+            pool.grow(rng.randrange(0, 6))
+            pool.shrink(min(pool.num_free, rng.randrange(0, 6)))
+            moves = pool.compact()
+            assert all(dst < pool.id_limit <= src or dst < src for src, dst in moves)
+        pool.check_invariants()
+        assert pool.num_used == sum(pool.num_blocks_of(s) for s in lens)
+        assert all(pool.num_blocks_of(s) == layout.pages(*span) for s, span in lens.items())
+
+
+def test_grouped_pool_refuses_prefix_caching():
+    pool = GroupedBlockPool(_gemma_like(), 8)
+    assert pool.match_prefix([1, 2, 3, 4]) == [] and pool.register("a", [1], 1) == 0
+    with pytest.raises(BlockPoolError):
+        pool.can_allocate("a", 4, prefix=[0])
