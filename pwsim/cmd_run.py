@@ -53,6 +53,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="share the cached KV blocks of common prompt prefixes between requests, as the runtime's "
                         "--enable-prefix-caching (needs prompt token ids: a trace with them, or --token-ids-vocab); "
                         "the summary reports prefix_cache_hit_tokens")
+    e.add_argument("--hybrid-kv-cache", action="store_true",
+                   help="a model with sliding-window layers (Gemma 4) keeps their KV in block tables of their own that "
+                        "hand back what leaves the window, as vLLM's hybrid KV cache manager (policies/kv_groups.py); "
+                        "not with --enable-prefix-caching, and not yet in the runtime")
     e.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
@@ -123,7 +127,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
-                       async_scheduling=args.async_scheduling, instant_page_moves=args.instant_page_moves,
+                       hybrid_kv=args.hybrid_kv_cache, async_scheduling=args.async_scheduling,
+                       instant_page_moves=args.instant_page_moves,
                        lut_room=args.lut_room,
                        warmup_requests=args.warmup_requests,
                        time_scale=args.time_scale, request_rate=args.request_rate,
@@ -159,6 +164,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
             parts.append(f"--{flag.replace('_', '-')} {v}")
     if args.enable_prefix_caching:
         parts.append("--enable-prefix-caching")
+    if args.hybrid_kv_cache:
+        parts.append("--hybrid-kv-cache")
     if args.async_scheduling:
         parts.append("--async-scheduling")
     if args.instant_page_moves:

@@ -44,6 +44,7 @@ import simpy
 from policies.calibration import Calibration
 from policies.contract import Policy, Transition
 from policies.kv_blocks import BlockPool
+from policies.kv_groups import GroupedBlockPool
 from policies.loop import PlanLoop, room_for
 from policies.memory_budget import kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
@@ -88,6 +89,8 @@ class SimConfig:
     check_invariants: bool = False  # pool/table invariants after every boundary (tests)
     max_iterations: int = 50_000_000
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
+    hybrid_kv: bool = False  # sliding-window layers' KV in block tables of their own that hand back what leaves the
+    # window (policies.kv_groups; a model with such layers only, and without prefix caching; the runtime not yet)
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
     instant_page_moves: bool = False  # every page move lands at the boundary that began it, as the CPU runtime's
     lut_room: str = "slack"  # where offloads' lower LUTs find room in flight (policies.memory_budget.LUT_ROOMS)
@@ -166,7 +169,11 @@ class Simulation:
         self._own_bytes = getattr(policy, "weight_bytes", None)
         self.cost = CostModel(card, profile, fp16_experts=self.full_precision)
         self.nonexpert_bytes = card.fp16_bytes() - 2 * card.routed_expert_params()
-        self.kv_block_bytes = config.block_size * card.kv_bytes_per_token()
+        layout = card.kv_layout(config.block_size, hybrid=config.hybrid_kv)
+        self.kv_block_bytes = layout.page_bytes   # a block of every layer, or with hybrid KV a page of one group
+        if layout.hybrid and config.prefix_caching:
+            raise UserError("hybrid KV groups and prefix caching do not go together yet (a block released from a "
+                            "sliding window could head a cached chain); leave one of them out")
         self.threshold = (config.free_block_threshold if config.free_block_threshold is not None
                           else calibration.free_block_threshold if calibration is not None else 8)
         self._refresh()
@@ -180,7 +187,8 @@ class Simulation:
             raise UserError("prefix caching needs the prompt token ids of every request, and this trace has none; "
                             "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
                             "`--shared-prefix-tokens N`; or `--trace synthetic --token-ids-vocab V`)")
-        self.pool = BlockPool(room // self.kv_block_bytes, config.block_size, prefix_caching=config.prefix_caching)
+        self.pool = (GroupedBlockPool(layout, room // self.kv_block_bytes) if layout.hybrid else
+                     BlockPool(room // self.kv_block_bytes, config.block_size, prefix_caching=config.prefix_caching))
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()

@@ -67,6 +67,7 @@ class RunConfig:
     allocator_slack_bytes: int | None = None  # None: policies.memory_budget.allocator_slack_bytes
     timeline_stride: int = 1
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
+    hybrid_kv: bool = False  # SimConfig.hybrid_kv
     async_scheduling: bool = False  # SimConfig.async_scheduling
     instant_page_moves: bool = False  # SimConfig.instant_page_moves
     lut_room: str = "slack"  # SimConfig.lut_room
@@ -122,7 +123,8 @@ class RunConfig:
         return SimConfig(budget_bytes=self.budget_bytes, block_size=self.block_size, max_num_seqs=self.max_num_seqs,
                          max_num_batched_tokens=self.max_num_batched_tokens,
                          allocator_slack_bytes=self.slack_bytes, timeline_stride=self.timeline_stride,
-                         prefix_caching=self.prefix_caching, async_scheduling=self.async_scheduling,
+                         prefix_caching=self.prefix_caching, hybrid_kv=self.hybrid_kv,
+                         async_scheduling=self.async_scheduling,
                          instant_page_moves=self.instant_page_moves, lut_room=self.lut_room,
                          warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 
