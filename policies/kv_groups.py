@@ -5,8 +5,9 @@ layer, as `policies.kv_blocks` describes. A model that mixes sliding-window and 
 layers with a 1024-token window, 5 global ones) wastes most of that: a sliding layer never reads a token more than
 `window` positions back, yet its rows stay as long as the global layers' do. vLLM's hybrid allocator splits the
 layers into *groups*, each with its own block table, so a sliding group's table can release the blocks that fell
-out of the window while the global group keeps all of its own. This module decides that split (`KVLayout.build`) and
-what a sequence holds under it (`KVLayout.pages`); it is pure arithmetic, shared by both engines.
+out of the window while the global group keeps all of its own. This module decides that split (`KVLayout.build`),
+what a sequence holds under it (`KVLayout.pages`), and keeps the pages (`GroupedBlockPool`, which the scheduler
+drives as it drives a BlockPool). The simulator uses it with `hybrid_kv`; the runtime does not yet.
 
 The rule, vLLM's: every group has the same number of layers `n` and every layer the same bytes in one of its group's
 blocks, so one pool of equal *pages* (a page = one block of one group, `page_bytes`) serves all
@@ -16,7 +17,7 @@ layers form consecutive groups of `n` in layer order, and each kind gets the blo
 that share: the kind with the most bytes a token keeps `block_size`, the others proportionally more tokens a
 block. Gemma-4-26B-A4B (sliding 8 KiB a token a layer, global 4 KiB): five sliding groups of 5 layers at 16 tokens a
 block and one global group of 5 at 32, pages of 5 x 128 KiB. Where no kind has a window, or a kind's block size
-would not be a whole number of tokens, the layout is the single group of today (one table, every layer).
+would not be a whole number of tokens, the layout is the single group (one table, every layer).
 
 Since every layer's share of a page has the same bytes, the runtime can keep one K and one V buffer for each of the
 `n` places in a group, shared by the layers at that place in every group: a layer's cache is then a contiguous
