@@ -110,7 +110,7 @@ class GroupedBlockPool:
     No prefix caching: a released block could be a cached chain's head (vLLM keeps sliding blocks cached apart).
     """
 
-    prefix_caching = False
+    prefix_caching = False   # so the scheduler never asks for a cached prefix or registers blocks
 
     def __init__(self, layout: KVLayout, num_pages: int) -> None:
         self.layout = layout
@@ -142,15 +142,8 @@ class GroupedBlockPool:
         return self.pages.id_limit_after_grow(n)
 
     # sequences
-    def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._tokens
-
     def num_tokens(self, seq_id: Hashable) -> int:
         return self._tokens.get(seq_id, 0)
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """Pages a new sequence takes to compute its first `num_tokens` tokens."""
-        return self.layout.pages(0, num_tokens)
 
     def num_blocks_of(self, seq_id: Hashable) -> int:
         """Pages the sequence holds, over its groups."""
@@ -196,6 +189,16 @@ class GroupedBlockPool:
         if not self.can_allocate(seq_id, num_tokens, prefix):
             raise BlockPoolError(f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, num_tokens)} more pages "
                                  f"for {num_tokens} tokens; {self.num_free} free")
+        self._take(seq_id, num_tokens)
+
+    def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
+        """`allocate` if the free pages suffice; returns whether it did."""
+        if not self.can_allocate(seq_id, num_tokens):
+            return False
+        self._take(seq_id, num_tokens)
+        return True
+
+    def _take(self, seq_id: Hashable, num_tokens: int) -> None:
         plan = self._plan(seq_id, num_tokens)
         for g, (first, _) in enumerate(plan):   # every release before any allocation: they fund it
             self.pages.release_leading((seq_id, g), first)
@@ -203,23 +206,10 @@ class GroupedBlockPool:
             self.pages.allocate((seq_id, g), last)
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
 
-    def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """`allocate` if the free pages suffice; returns whether it did."""
-        if not self.can_allocate(seq_id, num_tokens):
-            return False
-        self.allocate(seq_id, num_tokens)
-        return True
-
     def free(self, seq_id: Hashable) -> int:
         """Release every page of the sequence; returns how many it held."""
         self._tokens.pop(seq_id, None)
         return sum(self.pages.free((seq_id, g)) for g in range(len(self.layout.groups)))
-
-    def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[int]:
-        return []
-
-    def register(self, *args, **kwargs) -> int:
-        return 0
 
     def check_invariants(self) -> None:
         """The page pool's invariants, and every table as long as its group's blocks for its sequence's tokens."""
