@@ -15,8 +15,9 @@ boundary buffers (`Boundary`, the largest bucket's rows), one set for every laye
 and head size: Gemma 4's sliding and global layers have two) and every bucket: a piece copies its layer's q, k, v
 there and a core writes its output there (`Attention.core(..., out=)`), which the next piece reads. Everything else
 a piece makes lives in the graphs' memory pool, where what one capture frees the next reuses, so the buckets cost
-the boundaries, their routing records and their outputs, not a forward's activations each. Padding rows are token 0 at position 0 with their K/V written to the KV cache's scratch block; no core reads
-them and their attention rows keep what an earlier step left there (finite), so they never reach a real row.
+the boundaries, their routing records and their outputs, not a forward's activations each. Padding rows are token 0
+at position 0 with their K/V written to the KV cache's scratch block; no core reads them and their attention rows
+keep what an earlier step left there (finite), so they never reach a real row.
 
 What must hold for the pieces to be capturable is what `DecodeGraphs` needs (GraphSet.ready: the scratch
 block, a decode-kernel dtype, a capturable store), and the store's MoE must read nothing back to the

@@ -816,7 +816,8 @@ def test_decode_variant_names_the_kernel_paged_attention_runs():
     assert decode_variant(torch.float32, 128, 4) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 4)))
     assert decode_variant(torch.float16, 96, 1) == ("paged_attention.cu", (("PW_DT", 0), ("PW_DPL", 3)))
     assert decode_variant(torch.float16, 128, 4, generic=True)[0] == "paged_attention.cu"
-    assert decode_variant(torch.bfloat16, 512, 8) == ("paged_attention_gqa.cu", (("PW_DT", 1), ("PW_D", 512), ("PW_G", 2)))
+    assert decode_variant(torch.bfloat16, 512, 8) == ("paged_attention_gqa.cu",
+                                                      (("PW_DT", 1), ("PW_D", 512), ("PW_G", 2)))
     assert decode_variant(torch.float32, 512, 8) == ("paged_attention.cu", (("PW_DT", 2), ("PW_DPL", 16)))
     assert decode_variant(torch.float16, 48, 1) is None and decode_variant(torch.float16, 544, 1) is None
     assert decode_variant(torch.int8, 128, 1) is None

@@ -93,7 +93,8 @@ def _read_layer(r: TensorReader, c: ModelConfig, i: int, with_experts: bool
             gate_up, down = _experts(r, c, mp)
     else:
         mlp = _dense(r, p + "mlp.", c.hidden, c.dense_intermediate)
-    layer = DecoderLayer(read_attention(r, c, i), mlp, RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
+    layer = DecoderLayer(read_attention(r, c, i), mlp,
+                         RMSNorm(r.get(p + "input_layernorm.weight", (c.hidden,)), c.rms_eps),
                          RMSNorm(r.get(p + "post_attention_layernorm.weight", (c.hidden,)), c.rms_eps))
     return layer, gate_up, down
 
