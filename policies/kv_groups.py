@@ -169,14 +169,18 @@ class GroupedBlockPool:
         end = max(start, int(num_tokens))
         return [g.blocks_held(start, end) for g in self.layout.groups]
 
-    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
-        """Pages the sequence takes from the free ones to hold `num_tokens` tokens in total, net of the pages its
-        sliding groups hand back first."""
+    def _net(self, seq_id: Hashable, plan: list[tuple[int, int]]) -> int:
+        """Pages `plan` takes from the free ones: the blocks it adds less those it releases first."""
         net = 0
-        for g, (first, last) in enumerate(self._plan(seq_id, num_tokens)):
+        for g, (first, last) in enumerate(plan):
             key = (seq_id, g)
             net += max(0, last - self.pages.num_tokens(key)) - max(0, first - self.pages.num_released(key))
         return max(0, net)
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Pages the sequence takes from the free ones to hold `num_tokens` tokens in total, net of the pages its
+        sliding groups hand back first."""
+        return self._net(seq_id, self._plan(seq_id, num_tokens))
 
     def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
         if prefix:
@@ -186,25 +190,24 @@ class GroupedBlockPool:
     def allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> None:
         """Reserve slots so the sequence holds `num_tokens` tokens, releasing what its windows left first. Raises
         BlockPoolError (pool unchanged) when the free pages do not suffice."""
-        if not self.can_allocate(seq_id, num_tokens, prefix):
+        if prefix:
+            raise BlockPoolError("a grouped pool has no prefix caching")
+        if not self.try_allocate(seq_id, num_tokens):
             raise BlockPoolError(f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, num_tokens)} more pages "
                                  f"for {num_tokens} tokens; {self.num_free} free")
-        self._take(seq_id, num_tokens)
 
     def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
-        """`allocate` if the free pages suffice; returns whether it did."""
-        if not self.can_allocate(seq_id, num_tokens):
-            return False
-        self._take(seq_id, num_tokens)
-        return True
-
-    def _take(self, seq_id: Hashable, num_tokens: int) -> None:
+        """`allocate` if the free pages suffice; returns whether it did. The plan is made once for both the check
+        and the allocation (the scheduler calls this for every running sequence every step)."""
         plan = self._plan(seq_id, num_tokens)
+        if self._net(seq_id, plan) > self.num_free:
+            return False
         for g, (first, _) in enumerate(plan):   # every release before any allocation: they fund it
             self.pages.release_leading((seq_id, g), first)
         for g, (_, last) in enumerate(plan):
             self.pages.allocate((seq_id, g), last)
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
+        return True
 
     def free(self, seq_id: Hashable) -> int:
         """Release every page of the sequence; returns how many it held."""
