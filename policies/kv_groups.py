@@ -7,7 +7,7 @@ layers with a 1024-token window, 5 global ones) wastes most of that: a sliding l
 layers into *groups*, each with its own block table, so a sliding group's table can release the blocks that fell
 out of the window while the global group keeps all of its own. This module decides that split (`KVLayout.build`),
 what a sequence holds under it (`KVLayout.pages`), and keeps the pages (`GroupedBlockPool`, which the scheduler
-drives as it drives a BlockPool). The simulator uses it with `hybrid_kv`; the runtime does not yet.
+drives as it drives a BlockPool). The simulator uses it with `hybrid_kv`, the runtime with `hybrid_kv_cache`.
 
 The rule, vLLM's: every group has the same number of layers `n` and every layer the same bytes in one of its group's
 blocks, so one pool of equal *pages* (a page = one block of one group, `page_bytes`) serves all

@@ -54,6 +54,10 @@ def add_engine_args(p) -> None:
                         "refused, outputs stop there")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the cached KV blocks of a common prompt prefix between requests (default off)")
+    p.add_argument("--hybrid-kv-cache", action="store_true",
+                   help="give a model's sliding-window and global layers KV block tables of their own, so sliding "
+                        "layers hand back what leaves their window (Gemma 4; vLLM's hybrid KV cache manager); not with "
+                        "--enable-prefix-caching; steps then run eagerly (default off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (default: replay captured graphs when the experts allow)")
     p.add_argument("--no-mixed-graphs", action="store_true",
@@ -199,6 +203,7 @@ def _engine_config(args):
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
                         mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
+                        hybrid_kv_cache=args.hybrid_kv_cache,
                         async_scheduling=args.async_scheduling, lut_room=args.lut_room)
 
 
@@ -267,6 +272,7 @@ def run(args) -> int:
                         for o in outputs],
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
+                      "hybrid_kv_cache": engine.kv_layout.hybrid,
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
                       "prefix_cache_hit_tokens": engine.scheduler.num_cached_tokens,
                       "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,

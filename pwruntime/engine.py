@@ -45,9 +45,15 @@ holding its leading tokens are cached shares them and computes only the rest (at
 routing observation (routing mass, prompt features) sees only the tokens computed: cached tokens are not observed
 again. A routing trace needs every position's routing, so trace recording refuses prefix caching. Resizes
 (pwruntime.kv_capacity: growth, and shrinking with its compaction) keep cached and shared blocks: the pool reports each move once.
+
+Hybrid KV groups (`hybrid_kv_cache`, off by default; policies.kv_groups): a model that mixes sliding-window and global
+layers (Gemma 4) keeps them in groups with block tables of their own, so a sliding group's table hands back the blocks
+that left its window; the pool (a GroupedBlockPool) then counts pages, and the cache shares each page's memory
+between the groups (pwruntime.kv_cache). Its steps run eagerly: CUDA graphs take one group for now.
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -57,6 +63,7 @@ import torch
 
 import policies
 from policies.kv_blocks import BlockPool
+from policies.kv_groups import GroupedBlockPool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
 from policies.memory_budget import allocator_slack_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
@@ -64,7 +71,6 @@ from policies.page_table import PageTable
 from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
-from pwruntime.kv_cache import KVCache
 from pwruntime.kv_capacity import KvCapacity, initial_kv_blocks
 from pwruntime import prompt_logprobs
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
@@ -72,6 +78,8 @@ from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, Sampling
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,8 @@ class EngineConfig:
     graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
     # not), steps of each kind (decode, mixed) that run eagerly before its graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
+    hybrid_kv_cache: bool = False  # sliding-window and global layers in KV groups with tables of their own, so a
+    # sliding group hands back what left its window (policies.kv_groups; blocks are then pages of one group)
     async_scheduling: bool = False  # schedule and launch the next step before settling this one (module docstring)
     lut_room: str = "slack"  # where an offload's lower LUT finds room in flight (policies.memory_budget.LUT_ROOMS);
     # the slack is a memory budget's (none without one, or with num_kv_blocks)
@@ -194,8 +204,11 @@ class LLMEngine:
         self.tokenizer = model.tokenizer
         self.clock, self.t0 = clock, clock()
         self.max_model_len = self._context_limit()
-        self.block_bytes = KVCache.bytes_per_block(mc.layers, cfg.block_size, mc.kv_heads, mc.head_dim, model.dtype,
-                                                   mc.kv_shapes)
+        self.kv_layout = model.kv_layout(cfg.block_size, cfg.hybrid_kv_cache)
+        self.block_bytes = self.kv_layout.page_bytes  # a block of every layer, or of one KV group's (hybrid_kv_cache)
+        if self.kv_layout.hybrid and cfg.prefix_caching:
+            raise UserError("hybrid KV groups and prefix caching do not go together yet (a block released from a "
+                            "sliding window could head a cached chain); leave one of them out")
         if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
             raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
                             "record traces without prefix caching")
@@ -208,10 +221,15 @@ class LLMEngine:
                 raise UserError(str(e)) from None
         policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
         self.policy = policy
-        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.max_model_len)
-        self.pool = BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+        full_length = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
+        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, full_length)
+        self.pool = (GroupedBlockPool(self.kv_layout, blocks) if self.kv_layout.hybrid else
+                     BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
-        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs)
+        if graphs and self.kv_layout.hybrid:
+            log.info("hybrid KV groups: steps run eagerly (CUDA graphs take one KV group for now)")
+            graphs = False
+        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
                                   graph_settle_steps=cfg.graph_settle_steps,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
@@ -284,10 +302,11 @@ class LLMEngine:
         if not params.clip_to_context and len(ids) + params.max_tokens > limit:
             raise UserError(f"the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, more than the "
                             f"{whose} {limit} positions; ask for at most {limit - len(ids)} tokens")
-        need = self.pool.blocks_for(len(ids) + 1)
+        need = self.kv_layout.pages(len(ids), len(ids) + 1)   # to hold the prompt and compute one more token
         if need > self.pool.capacity:
-            raise UserError(f"the prompt needs {need} KV blocks of {self.pool.block_size} tokens but the pool has "
-                            f"{self.pool.capacity}; raise the KV cache size or shorten the prompt")
+            unit = "KV pages" if self.kv_layout.hybrid else f"KV blocks of {self.pool.block_size} tokens"
+            raise UserError(f"the prompt needs {need} {unit} but the pool has {self.pool.capacity}; raise the KV cache "
+                            "size or shorten the prompt")
         rid = self._next_id
         self._next_id += 1
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))

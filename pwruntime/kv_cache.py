@@ -19,6 +19,12 @@ memory mapped behind the blocks in use. A resize maps or unmaps memory at the en
 addresses never change. (With torch tensors a resize copied the whole cache into new ones, several GiB at a real
 model's size, and every new size left the caching allocator a hole of the old one: a 12 GiB OLMoE replay's
 allocator held 10.5 GiB of large blocks for about 7 GiB of tensors.) `growable=False` keeps torch tensors on CUDA too.
+
+With a hybrid `layout` (policies.kv_groups: Gemma 4's sliding and global layers in groups with tables of their own) a
+block id names a *page*, which one group holds at a time. The memory is then one K and one V buffer for each place in
+a group, shared by the layers at that place in every group: each layer's K and V are views of its place's buffers,
+[num_pages, its group's block_size, kv_heads, head_dim], all the same bytes a page (the layout's rule). A layer reads
+only the pages its group's tables give it, so the views never meet.
 """
 from __future__ import annotations
 
@@ -26,16 +32,19 @@ from collections.abc import Sequence
 
 import torch
 
+from policies.kv_groups import KVLayout
 from pwruntime.vmm import DriverCalls, GrowableBuffer
 
 
 class KVCache:
     """Per layer K and V tensors [num_blocks (+1 scratch), block_size, num_kv_heads, head_dim]; `layer_shapes`, when
-    given, is each layer's (num_kv_heads, head_dim) instead."""
+    given, is each layer's (num_kv_heads, head_dim) instead, and a hybrid `layout` gives each layer its group's
+    block_size over shared buffers (module docstring)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", scratch: bool = False,
-                 growable: bool | None = None, layer_shapes: Sequence[tuple[int, int]] | None = None):
+                 growable: bool | None = None, layer_shapes: Sequence[tuple[int, int]] | None = None,
+                 layout: KVLayout | None = None):
         if num_blocks < 0 or block_size < 1:
             raise ValueError(f"need num_blocks >= 0 and block_size >= 1, got {num_blocks}, {block_size}")
         uniform = ((num_kv_heads, head_dim),) * num_layers
@@ -45,32 +54,66 @@ class KVCache:
         self.num_layers, self.block_size = num_layers, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
-        self.buffers: list[GrowableBuffer] = []   # K of layer 0, V of layer 0, K of layer 1, ... when growable
-        self._rows: list[torch.Tensor] = []       # a [capacity, block_size, heads, head_dim] view of each buffer
         elem = torch.empty((), dtype=dtype).element_size()
-        # the bytes of a block's rows in each of K of layer 0, V of layer 0, K of layer 1, ...
-        self._row_bytes = [block_size * h * d * elem for h, d in self.layer_shapes for _ in "kv"]
+        self.layout = layout if layout is not None else KVLayout.build(
+            [2 * h * d * elem for h, d in self.layer_shapes], [None] * num_layers, block_size)
+        if not self.layout.hybrid and self.layout.groups[0].block_size != block_size:
+            raise ValueError(f"a single-group layout of {self.layout.groups[0].block_size}-token blocks for a cache of "
+                             f"{block_size}")
+        # each layer's place (its K in buffer 2 * place, its V in 2 * place + 1) and the shape of its rows in a block
+        self._place, self._row_shape = self._places()
+        places = max(self._place) + 1
+        # the bytes of a block's rows in each buffer: K of place 0, V of place 0, K of place 1, ...
+        self._row_bytes = [0] * (2 * places)
+        for place, (tokens, heads, dim) in zip(self._place, self._row_shape):
+            self._row_bytes[2 * place] = self._row_bytes[2 * place + 1] = tokens * heads * dim * elem
+        self.buffers: list[GrowableBuffer] = []   # one per entry of _row_bytes when growable
+        self._rows: list[torch.Tensor] = []       # a [capacity, row elements] view of each buffer
+        self._flat: list[torch.Tensor] = []       # each buffer's [num_blocks (+1), row elements] now
         if self.device.type == "cuda" if growable is None else growable:
             self._reserve()
             self._resize_buffers(num_blocks, keep=0)
         else:
-            self.k: list[torch.Tensor] = [self._alloc(num_blocks, shape) for shape in self.layer_shapes]
-            self.v: list[torch.Tensor] = [self._alloc(num_blocks, shape) for shape in self.layer_shapes]
+            self._flat = [torch.zeros(num_blocks + self.scratch, b // elem, dtype=dtype, device=self.device)
+                          for b in self._row_bytes]
+            self._make_views()
         self.ptrs: torch.Tensor | None = (torch.zeros(num_layers, 2, dtype=torch.int64, device=self.device)
                                           if self.device.type == "cuda" else None)
         self._publish()
 
-    def _alloc(self, n: int, shape: tuple[int, int]) -> torch.Tensor:
-        return torch.zeros(n + self.scratch, self.block_size, *shape, dtype=self.dtype, device=self.device)
+    def _places(self) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+        """Each layer's place and (tokens a block, kv_heads, head_dim): its own place in a single group; the place
+        it holds in its group, shared with the same place of every other group, in a hybrid layout."""
+        if not self.layout.hybrid:
+            return (tuple(range(self.num_layers)),
+                    tuple((self.block_size, h, d) for h, d in self.layer_shapes))
+        place, shape = [0] * self.num_layers, [(0, 0, 0)] * self.num_layers
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        share = self.layout.page_bytes // (2 * self.layout.layers_per_group)   # K (or V) of one layer in a page
+        for group in self.layout.groups:
+            for p, layer in enumerate(group.layers):
+                heads, dim = self.layer_shapes[layer]
+                if group.block_size * heads * dim * elem != share:
+                    raise ValueError(f"layer {layer}: {group.block_size} tokens of {heads} x {dim} are not "
+                                     f"{share} bytes, the layout's share of a page")
+                place[layer], shape[layer] = p, (group.block_size, heads, dim)
+        return tuple(place), tuple(shape)
+
+    def _make_views(self) -> None:
+        """Each layer's K and V over its place's buffers as they are now (`_flat`)."""
+        view = lambda t, shape: t.view(t.shape[0], *shape)  # noqa: E731 - (rows given: a buffer may have none)
+        self.k = [view(self._flat[2 * p], shape) for p, shape in zip(self._place, self._row_shape)]
+        self.v = [view(self._flat[2 * p + 1], shape) for p, shape in zip(self._place, self._row_shape)]
 
     def _reserve(self) -> None:
-        """A buffer per layer's K and V, each large enough for the whole device (the ranges are addresses only)."""
+        """A buffer per place's K and V, each large enough for the whole device (the ranges are addresses only)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         most_blocks = total // sum(self._row_bytes) + 1
-        for (heads, dim), row_bytes in zip((s for s in self.layer_shapes for _ in "kv"), self._row_bytes):
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        for row_bytes in self._row_bytes:
             buffer = GrowableBuffer(most_blocks * row_bytes, self.device)
             self.buffers.append(buffer)
-            self._rows.append(buffer.rows((self.block_size, heads, dim), self.dtype))
+            self._rows.append(buffer.rows((row_bytes // elem,), self.dtype))
 
     def _publish(self) -> None:
         """Write the tensors' addresses into `ptrs` (stream-ordered: later kernels read the new ones). The copy does
@@ -99,8 +142,7 @@ class KVCache:
 
         The scratch block's contents are not kept (nothing reads what a padded row wrote). A growth the device has no
         memory for raises MemoryError (VmmOutOfMemory; torch's OutOfMemoryError for torch tensors) with the cache at
-        its old size, its blocks as they were (torch tensors: some layers' tensors may be larger, each as its
-        pointer says)."""
+        its old size, its blocks as they were (torch tensors: some buffers may be larger, each as its pointer says)."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks == self.num_blocks:
@@ -110,13 +152,12 @@ class KVCache:
             self._resize_buffers(num_blocks, keep)   # the addresses stay: nothing to publish
         else:
             try:
-                for tensors in (self.k, self.v):
-                    for i, old in enumerate(tensors):
-                        new = torch.empty((num_blocks + self.scratch, *old.shape[1:]), dtype=self.dtype,
-                                          device=self.device)
-                        new[:keep].copy_(old[:keep])
-                        new[keep:].zero_()   # the blocks added and the scratch block
-                        tensors[i] = new     # the old tensor is released here, layer by layer
+                for i, old in enumerate(self._flat):
+                    new = torch.empty((num_blocks + self.scratch, old.shape[1]), dtype=self.dtype, device=self.device)
+                    new[:keep].copy_(old[:keep])
+                    new[keep:].zero_()   # the blocks added and the scratch block
+                    self._flat[i] = new
+                    self._make_views()   # the old buffer is released once nothing views it: buffer by buffer
             finally:
                 self._publish()
         self.num_blocks = num_blocks
@@ -131,10 +172,16 @@ class KVCache:
                 for grown, row_bytes in zip(self.buffers[:i], self._row_bytes):   # back to the old size: no mapping
                     grown.resize(old_rows * row_bytes)
                 raise
-        tensors = [full[:rows] for full in self._rows]
-        for t in tensors:
+        self._flat = [full[:rows] for full in self._rows]
+        for t in self._flat:
             t[keep:].zero_()     # the blocks added and the scratch block
-        self.k, self.v = tensors[0::2], tensors[1::2]
+        self._make_views()
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every buffer's block src[i] into dst[i] (int64 indices on the cache's device): a compaction's moves,
+        whatever layers and groups use the blocks."""
+        for t in self._flat:
+            t[dst] = t[src]
 
     @property
     def mapped_bytes(self) -> int:

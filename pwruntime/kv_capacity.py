@@ -30,9 +30,10 @@ from traces.sizes import format_size
 log = logging.getLogger(__name__)
 
 
-def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int, max_model_len: int) -> tuple[int, int]:
+def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int, blocks_per_seq: int) -> tuple[int, int]:
     """The KV pool's first blocks (an EngineConfig's `num_kv_blocks`, else what its memory budget leaves, else a share
-    of free GPU memory or `cpu_kv_cache_bytes`, never more than `max_num_seqs` full-length sequences need), and the
+    of free GPU memory or `cpu_kv_cache_bytes`, never more than `max_num_seqs` full-length sequences need, each
+    `blocks_per_seq`), and the
     spare bytes beside them that only a memory budget has (its room's remainder short of one more block: released
     weight bytes join them, as the simulator's headroom counts them)."""
     if config.num_kv_blocks is not None:
@@ -41,7 +42,7 @@ def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int,
         return int(config.num_kv_blocks), 0
     if config.gpu_memory_budget is not None:
         return _budget_blocks(int(config.gpu_memory_budget), model, policy, table, block_bytes)
-    useful = config.max_num_seqs * -(-max_model_len // config.block_size)
+    useful = config.max_num_seqs * blocks_per_seq
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
         budget = int(total * config.gpu_memory_fraction) - (total - free)

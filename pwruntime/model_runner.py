@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from policies.kv_blocks import BlockPool
+from policies.kv_groups import GroupedBlockPool
 from policies.scheduler import ScheduledBatch
 from policies.sequence import PENDING_TOKEN
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows, take_sampled
@@ -85,6 +86,8 @@ class ModelRunner:
                  graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None) -> None:
         """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs)."""
         self.model, self.kv = model, kv
+        if cuda_graphs and kv.layout.hybrid:
+            raise ValueError("CUDA graphs do not take a KV cache of several groups yet; run it eagerly")
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=model.device)  # see keep_sampled
         self._sampled_row: dict = {}  # seq_id -> its row in `sampled`
         graphs = cuda_graphs and model.device.type == "cuda"
@@ -130,25 +133,32 @@ class ModelRunner:
             if graphs is not None:
                 graphs.capture_all(record)
 
-    def prepare(self, batch: ScheduledBatch, pool: BlockPool) -> tuple[list[int], list[int], AttentionMetadata,
-                                                                        list[int], list[int] | None]:
-        """Token ids and positions of the flattened batch, its metadata (on the host), the flat row of each
-        sampling entry and each row's token source (`_token_src`; pending ids become 0)."""
+    def prepare(self, batch: ScheduledBatch, pool: BlockPool | GroupedBlockPool
+                ) -> tuple[list[int], list[int], AttentionMetadata | tuple[AttentionMetadata, ...], list[int],
+                           list[int] | None]:
+        """Token ids and positions of the flattened batch, its metadata on the host (with a GroupedBlockPool, one for
+        each KV group, from that group's tables), the flat row of each sampling entry and each row's token source
+        (`_token_src`; pending ids become 0)."""
         ids: list[int] = []
         positions: list[int] = []
-        seqs: list[tuple[int, int, list[int]]] = []
         sample_rows: list[int] = []
         ends: list[int] = []
         for e in batch.entries:
             end = e.start + e.num_new_tokens
             ids += e.seq.token_ids(e.start, end)
             positions += range(e.start, end)
-            seqs.append((e.start, e.num_new_tokens, pool.block_table(e.seq.seq_id)))
             ends.append(len(ids) - 1)
             if e.sample:
                 sample_rows.append(len(ids) - 1)
         src = self._token_src(batch, ids, ends)
-        return ids, positions, batch_metadata(seqs, pool.block_size), sample_rows, src
+        if isinstance(pool, GroupedBlockPool):
+            meta = tuple(batch_metadata([(e.start, e.num_new_tokens, pool.group_table(e.seq.seq_id, g))
+                                         for e in batch.entries], group.block_size)
+                         for g, group in enumerate(pool.layout.groups))
+        else:
+            meta = batch_metadata([(e.start, e.num_new_tokens, pool.block_table(e.seq.seq_id)) for e in batch.entries],
+                                  pool.block_size)
+        return ids, positions, meta, sample_rows, src
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
         """The forward through a captured decode graph, or None when this batch runs eagerly."""
@@ -203,12 +213,8 @@ class ModelRunner:
         """Copy K/V of block src into dst for every (src, dst) (after BlockPool.compact)."""
         if not moves:
             return
-        dev = self.kv.k[0].device if self.kv.k else "cpu"
-        src = to_device(torch.tensor([m[0] for m in moves], dtype=torch.long), dev)
-        dst = to_device(torch.tensor([m[1] for m in moves], dtype=torch.long), dev)
-        for tensors in (self.kv.k, self.kv.v):
-            for t in tensors:
-                t[dst] = t[src]
+        idx = to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(), self.kv.device)
+        self.kv.copy_blocks(idx[0], idx[1])
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

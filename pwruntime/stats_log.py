@@ -82,6 +82,8 @@ def serving_info(engine) -> dict:
             "kv_cache_bytes": pool.capacity * engine.block_bytes, "max_model_len": engine.max_model_len,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
+            "hybrid_kv_cache": engine.kv_layout.hybrid,
+            "kv_blocks_per_request": engine.kv_layout.pages(engine.max_model_len - 1, engine.max_model_len),
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
@@ -90,14 +92,15 @@ def serving_info(engine) -> dict:
 def ready_line(info: dict, seconds: float) -> str:
     """The engine's start-up line (as vLLM's: the KV cache and the room it leaves), of its `serving_info`."""
     blocks, context = info["num_kv_blocks"], info["max_model_len"]
-    blocks_per_request = -(-context // info["block_size"])
+    blocks_per_request = info.get("kv_blocks_per_request") or -(-context // info["block_size"])
+    unit = "KV pages of its hybrid groups" if info.get("hybrid_kv_cache") else f"KV blocks of {info['block_size']} tokens"
     if info["ap_experts"]:  # the page table describes them
         experts = (f"experts at {info['mean_committed_bits']:.2f} mean bits "
                    f"({info['expert_resident_bytes'] / 2**20:.1f} MiB), policy {info['policy']}")
     else:
         experts = f"experts in {info['dtype']}"
-    return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} KV blocks of "
-            f"{info['block_size']} tokens ({info['kv_cache_bytes'] / 2**20:.1f} MiB), "
+    return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} {unit} "
+            f"({info['kv_cache_bytes'] / 2**20:.1f} MiB), "
             f"room for {blocks / blocks_per_request:.1f} requests of the full {context}-token context; "
             f"{experts}; at most {info['max_num_seqs']} sequences and {info['max_num_batched_tokens']} "
             "tokens a step")

@@ -340,7 +340,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
 
 # the scheduler settings both engines take: the runtime's config key -> the simulator's
 SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
-                  "block_size": "block_size", "enable_prefix_caching": "prefix_caching"}
+                  "block_size": "block_size", "enable_prefix_caching": "prefix_caching", "hybrid_kv_cache": "hybrid_kv"}
 
 
 def _setting(config: dict, key: str, default):

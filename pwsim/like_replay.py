@@ -3,7 +3,7 @@
 A `pwruntime replay --record-routing` result holds the replayed requests and the routing they took (`DIR/trace`) and,
 in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
-prefix caching, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for a replay older than
+prefix caching, hybrid KV groups, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for a replay older than
 the flag), the warm-up and the arrival settings, and, from its `summary.json`, whether
 its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
 simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by
@@ -29,6 +29,7 @@ SETTINGS = (
     ("max_num_seqs", "max_num_seqs", "--max-num-seqs"),
     ("max_num_batched_tokens", "max_batched_tokens", "--max-num-batched-tokens"),
     ("enable_prefix_caching", "enable_prefix_caching", "--enable-prefix-caching"),
+    ("hybrid_kv_cache", "hybrid_kv_cache", "--hybrid-kv-cache"),
     ("async_scheduling", "async_scheduling", "--async-scheduling"),
     ("lut_room", "lut_room", "--lut-room"),
     ("warmup_requests", "warmup_requests", "--warmup-requests"),

@@ -162,11 +162,13 @@ def test_half_precision_errs_no_more_than_transformers_own(tmp_path, dtype, torc
     assert 0 < our_err <= 1.5 * their_err
 
 
-def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys):
+@pytest.mark.parametrize("hybrid", [False, True], ids=["one-table", "hybrid-kv"])
+def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, hybrid):
     """The runtime's Gemma 4 under a planner's pressure (AP experts, synthetic calibration, `replay --record-routing`)
     and `pwsim run --like-replay`: no bundled card describes the tiny model, so the replay writes its card (the two
     KV geometries included) beside the routing, and the simulator takes every step's and transition's decision the
-    runtime took."""
+    runtime took. With `--hybrid-kv-cache` both keep the sliding layer's KV in a group of its own (window 8 of prompts
+    up to 40 tokens: its pages go back as the sequences grow), the simulator because the replay did."""
     import numpy as np
 
     from pwsim.cli import main as sim_main
@@ -185,15 +187,18 @@ def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys)
     rt, sim = tmp_path / "rt", tmp_path / "sim"
     assert main(["replay", "--trace", str(tmp_path / "load"), "--out", str(rt), "--ap", str(tmp_path / "ap"),
                  "--calibration", "synthetic", "--policy", "pagedweight", "--gpu-memory-budget", "760KiB",
-                 "--dtype", "bf16", "--device", "cpu", "--time-scale", "0", "--record-routing"]) == 0
+                 "--dtype", "bf16", "--device", "cpu", "--time-scale", "0", "--record-routing"]
+                + ["--hybrid-kv-cache"] * hybrid) == 0
     card = ModelSpec.from_dict(json.loads((rt / "trace" / CARD_FILE).read_text()))
     assert card.global_head_dim == 32 and card.kv_bytes_per_token() == 2 * 2 * (2 * 16 + 32)
     capsys.readouterr()
     assert sim_main(["run", "--like-replay", str(rt), "--out", str(sim)]) == 0
-    assert f"--model {rt / 'trace' / CARD_FILE}" in capsys.readouterr().out
+    taken = capsys.readouterr().out
+    assert f"--model {rt / 'trace' / CARD_FILE}" in taken and ("--hybrid-kv-cache" in taken) == hybrid
     assert sim_main(["fidelity", "--sim", str(sim), "--runtime", str(rt), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 5  # under pressure
+    assert report["scheduler"]["hybrid_kv_cache"] == {"sim": hybrid, "runtime": hybrid}
     d, t = report["decisions"], report["transitions"]
     assert d["first_difference"] is None and d["agreeing_steps"] == d["steps"] > 20, d
     assert t["first_difference"] is None and t["sim"] == t["runtime"] and t["runtime"]["started"] > 10, t

@@ -29,6 +29,7 @@ this is most of it. The chunk groups are then built only for heads flash attenti
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import chain
@@ -40,6 +41,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from policies.kv_groups import KVLayout
 from pwruntime.host_copy import to_device
 from pwruntime.kernels.attention import decode_variant, paged_attention_decode
 from pwruntime.kernels.layer_ops import rotary_kv
@@ -155,9 +157,8 @@ class VarlenChunks:
         q_lens = np.array([meta.query_lens[s] for s in seqs], np.int64)
         ctx = np.array([meta.context_lens[s] for s in seqs], np.int64)
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
-        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(q_lens + ctx), block_size)
         first = np.maximum(ctx - window + 1, 0) if window else np.zeros_like(ctx)
-        in_seq &= torch.arange(in_seq.shape[1])[None, :] >= torch.from_numpy(first)[:, None]
+        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(q_lens + ctx), block_size, torch.from_numpy(first))
         k_lens = q_lens + ctx - first
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
         flat = to_device(torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])), device)
@@ -198,19 +199,23 @@ class AttentionPlan:
     `decode` holds the batch's decode sequences (query length 1), if any, for the decode kernel; the other
     sequences (prefill chunks) always take the reference's groups (`chunk_groups`), and the decode sequences
     take `decode_group` where the kernel does not apply. Groups are built at `build` unless the kernel will
-    serve the decode sequences, then only on first use."""
+    serve the decode sequences, then only on first use.
+
+    `window` is that of a hybrid KV group's tables (policies.kv_groups), every layer of which has it: their entries
+    before each sequence's window may be released (NULL), and nothing reads them. None: the tables are whole."""
     slot_mapping: torch.Tensor
     meta: AttentionMetadata
     block_size: int
     device: torch.device
     decode: DecodeBatch | None = None
     varlens: dict = field(default_factory=dict)   # sliding window (None: full causal) -> VarlenChunks | None
+    window: int | None = None
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
-              dtype: torch.dtype | None = None) -> AttentionPlan:
+              dtype: torch.dtype | None = None, window: int | None = None) -> AttentionPlan:
         plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
-                   cls._decode_batch(meta, device))
+                   cls._decode_batch(meta, device), window=window)
         if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
             plan.varlen(None)  # build (and validate the block tables) now; the groups only if heads need them
         else:
@@ -240,7 +245,7 @@ class AttentionPlan:
         meta = self.meta
         starts = np.cumsum([0] + meta.query_lens).tolist()
         return [_PrefillGroup(starts[s], starts[s + 1]) if meta.context_lens[s] == 0
-                else self._gather(meta, [s], starts, self.block_size, self.device)
+                else self._gather(meta, [s], starts, self.block_size, self.device, self.window)
                 for s, q in enumerate(meta.query_lens) if q > 1]
 
     def varlen(self, window: int | None) -> VarlenChunks | None:
@@ -255,7 +260,7 @@ class AttentionPlan:
         meta = self.meta
         decode = [s for s, q in enumerate(meta.query_lens) if q == 1]
         starts = np.cumsum([0] + meta.query_lens).tolist()
-        return self._gather(meta, decode, starts, self.block_size, self.device) if decode else None
+        return self._gather(meta, decode, starts, self.block_size, self.device, self.window) if decode else None
 
     @property
     def groups(self) -> list:
@@ -264,12 +269,14 @@ class AttentionPlan:
 
     @staticmethod
     def _gather(meta: AttentionMetadata, seqs: list[int], starts: list[int], block_size: int,
-                device: torch.device) -> _GatherGroup:
-        """Built on the host (from meta.host_tables when present) and moved to the device: no read-back."""
+                device: torch.device, window: int | None = None) -> _GatherGroup:
+        """Built on the host (from meta.host_tables when present) and moved to the device: no read-back. With the
+        tables' `window`, keys before a sequence's first query's window are not gathered (their blocks may be gone)."""
         q_lens = torch.tensor([meta.query_lens[s] for s in seqs])
         ctx = torch.tensor([meta.context_lens[s] for s in seqs])
         q_max = int(q_lens.max())
-        key_blocks, in_seq = _key_blocks(meta, seqs, ctx + q_lens, block_size)
+        first = (ctx - window + 1).clamp(min=0) if window else None
+        key_blocks, in_seq = _key_blocks(meta, seqs, ctx + q_lens, block_size, first)
         qi = torch.arange(q_max)
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
@@ -279,27 +286,51 @@ class AttentionPlan:
                             to(qi[None, :] < q_lens[:, None]), span=span)
 
 
-def _key_blocks(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def layer_plans(meta: AttentionMetadata | Sequence[AttentionMetadata], layout: KVLayout, device: torch.device,
+                dtype: torch.dtype | None = None) -> list[AttentionPlan]:
+    """Each decoder layer's AttentionPlan: one plan every layer shares, or with a hybrid `layout` (a KV cache's: each
+    group its own tables and block size) one a group, `meta` then giving each group's metadata in the layout's
+    order."""
+    if not layout.hybrid:
+        if not isinstance(meta, AttentionMetadata):
+            raise ValueError("one AttentionMetadata serves a cache of one KV group")
+        plan = AttentionPlan.build(meta, layout.groups[0].block_size, device, dtype)
+        return [plan] * len(layout.groups[0].layers)
+    if isinstance(meta, AttentionMetadata) or len(meta) != len(layout.groups):
+        raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each")
+    plans: dict[int, AttentionPlan] = {}
+    for m, group in zip(meta, layout.groups):
+        plan = AttentionPlan.build(m, group.block_size, device, dtype, group.window)
+        plans.update((layer, plan) for layer in group.layers)
+    return [plans[layer] for layer in range(len(plans))]
+
+
+def _key_blocks(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int,
+                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """On the host (meta.host_tables when present, else the tables read back): the cache blocks holding key
-    positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, B] int64 (B the longest one's blocks) with 0 for a
-    block past a sequence's length, and where positions are in it, [S, B * block_size]. Raises when a block table
-    does not cover its sequence."""
+    positions first[i]..lengths[i] - 1 of each sequence in `seqs` (`first` None: from 0), [S, B] int64 (B the longest
+    one's blocks) with 0 for a block outside them, and which positions are keys, [S, B * block_size]. Raises when a
+    block table does not cover those positions (a released block, NULL_BLOCK, may only lie before `first`)."""
     tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
     n_blocks = -(-int(lengths.max()) // block_size)
     table = tables.to(torch.int64)[seqs]
-    needed = torch.arange(n_blocks)[None, :] * block_size < lengths[:, None]    # blocks holding some position
+    block_start, pos = torch.arange(n_blocks)[None, :] * block_size, torch.arange(n_blocks * block_size)[None, :]
+    needed = block_start < lengths[:, None]    # blocks holding some key position
+    is_key = pos < lengths[:, None]
+    if first is not None:
+        needed &= block_start + block_size > first[:, None]
+        is_key &= pos >= first[:, None]
     blocks = table[:, :n_blocks]
     if blocks.shape[1] < n_blocks or bool((needed & (blocks < 0)).any()):
         raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
-    return torch.where(needed, blocks, 0), torch.arange(n_blocks * block_size)[None, :] < lengths[:, None]
+    return torch.where(needed, blocks, 0), is_key
 
 
-def _key_slots(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slot of key positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0 past
-    a sequence's length, and where positions are in it (from `_key_blocks`)."""
-    blocks, in_seq = _key_blocks(meta, seqs, lengths, block_size)
+def _key_slots(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int,
+               first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache slot of key positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0
+    before first[i] and past a sequence's length, and which positions are keys (from `_key_blocks`)."""
+    blocks, in_seq = _key_blocks(meta, seqs, lengths, block_size, first)
     length = int(lengths.max())
     slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(seqs), -1)[:, :length]
     in_seq = in_seq[:, :length]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from policies.kv_groups import KVLayout
 from traces.clikit import UserError
 from traces.gemma4_config import gemma4_layout, text_config
 
@@ -100,6 +101,12 @@ class ModelConfig:
     def kv_shapes(self) -> tuple[tuple[int, int], ...]:
         """kv_shape of every decoder layer, in order (the KV cache's per-layer geometry)."""
         return tuple(self.kv_shape(i) for i in range(self.layers))
+
+    def kv_layout(self, block_size: int, dtype_bytes: int, hybrid: bool = True) -> KVLayout:
+        """The KV cache's groups of layers (policies.kv_groups): sliding-window and global layers in groups with block
+        tables of their own where `hybrid` and the model gains from it, else one group of every layer."""
+        token_bytes = [2 * heads * dim * dtype_bytes for heads, dim in self.kv_shapes]
+        return KVLayout.build(token_bytes, self.sliding_windows or [None] * self.layers, block_size, hybrid)
 
 
 def _get(cfg: dict, key: str, default: Any = ..., where: str = "config.json") -> Any:

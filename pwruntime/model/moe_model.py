@@ -7,6 +7,7 @@ weights, a fused kernel) can replace DenseExpertStore without touching this file
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,12 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from policies.kv_groups import KVLayout
 from pwruntime.host_copy import to_device
 from pwruntime.kernels import layer_ops
 from pwruntime.kernels.attention import KV_WRITE, decode_variant
 from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import Attention, AttentionMetadata, AttentionPlan
+from pwruntime.model.attention import Attention, AttentionMetadata, layer_plans
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.experts import ExpertStore
 from pwruntime.model.layers import DenseMLP, Linear, RMSNorm, Rotary
@@ -178,27 +180,36 @@ class MoEModel(nn.Module):
         return [decode_variant(self.dtype, d, self.config.heads // h) for h, d in set(self.config.kv_shapes)]
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, scratch: bool = False,
-                     growable: bool | None = None) -> KVCache:
+                     growable: bool | None = None, hybrid: bool = False) -> KVCache:
         """An empty paged KV cache for this model (its dtype and device); `scratch` adds the padding block
-        CUDA-graph decode batches need, `growable` picks its memory (see KVCache)."""
+        CUDA-graph decode batches need, `growable` picks its memory (see KVCache), `hybrid` gives sliding-window
+        and global layers KV groups of their own where the model mixes them (`kv_layout`; blocks are then pages)."""
         c = self.config
+        layout = self.kv_layout(block_size, hybrid)
         return KVCache(c.layers, num_blocks, block_size, c.kv_heads, c.head_dim, self.dtype, self.device, scratch,
-                       growable, layer_shapes=c.kv_shapes)
+                       growable, layer_shapes=c.kv_shapes, layout=layout)
+
+    def kv_layout(self, block_size: int, hybrid: bool = False) -> KVLayout:
+        """The KV groups of this model's layers at its dtype (ModelConfig.kv_layout)."""
+        return self.config.kv_layout(block_size, torch.empty((), dtype=self.dtype).element_size(), hybrid)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
-                record: bool = False) -> ForwardOutput:
-        if input_ids.shape[0] != meta.num_tokens or positions.shape != input_ids.shape:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                meta: AttentionMetadata | Sequence[AttentionMetadata], record: bool = False) -> ForwardOutput:
+        """`meta`: the batch's metadata, or one for each KV group of a hybrid `kv` (`layer_plans`)."""
+        tokens = meta.num_tokens if isinstance(meta, AttentionMetadata) else meta[0].num_tokens
+        if input_ids.shape[0] != tokens or positions.shape != input_ids.shape:
             raise ValueError(f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions for "
-                             f"{meta.num_tokens} tokens in the metadata")
+                             f"{tokens} tokens in the metadata")
         dev = self.device
-        plan = AttentionPlan.build(meta, kv.block_size, dev, self.dtype)
+        plans = layer_plans(meta, kv.layout, dev, self.dtype)
         x, rope = self.embed_tokens(to_device(input_ids, dev), to_device(positions, dev))
         records: list[LayerRouting] | None = [] if record else None
         delta = None
         for i, layer in enumerate(self.layers):
             cos, sin = rope[self.layer_rope[i]]
-            x, delta = layer(x, delta, cos, sin, kv.k[i], kv.v[i], plan, self.experts, records, kv.layer_ptrs(i))
+            x, delta = layer(x, delta, cos, sin, kv.k[i], kv.v[i], plans[i], self.experts, records,
+                             kv.layer_ptrs(i))
         return ForwardOutput(self.final_norm(x, delta), records)
 
     def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor
