@@ -30,7 +30,7 @@ graphs are disabled (logged) and the caller runs eagerly.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import chain
 
 import numpy as np
@@ -79,11 +79,13 @@ def take_sampled(ids: torch.Tensor, src: torch.Tensor, sampled: torch.Tensor | N
 class DecodeRows:
     """A decode batch on the host: per sequence its new token, that token's position and its block ids; with
     `token_src`, rows whose entry is >= 0 take their token from the previous step's sampled tokens instead
-    (`take_sampled`; their `token_ids` entry is ignored)."""
+    (`take_sampled`; their `token_ids` entry is ignored). With hybrid KV groups `block_tables` are group 0's and
+    `more_tables` those of groups 1, 2, ... (`group`)."""
     token_ids: list[int]
     positions: list[int]
     block_tables: list[list[int]]
     token_src: list[int] | None = None
+    more_tables: tuple[list[list[int]], ...] = ()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -91,6 +93,14 @@ class DecodeRows:
     @property
     def max_blocks(self) -> int:
         return max(len(t) for t in self.block_tables)
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + len(self.more_tables)
+
+    def group(self, g: int) -> "DecodeRows":
+        """These rows with KV group g's block tables (and no others)."""
+        return replace(self, block_tables=self.block_tables if g == 0 else self.more_tables[g - 1], more_tables=())
 
 
 @dataclass(frozen=True)
@@ -291,12 +301,17 @@ class DecodeGraphs(GraphSet):
                  settle_steps: int = 0, sampled: torch.Tensor | None = None):
         super().__init__(model, kv, settle_steps, sampled)
         self.sizes = graph_sizes(max_num_seqs)
-        self.max_blocks = int(max_blocks or -(-model.config.max_position // kv.block_size))
-        self.buffers = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, model.device)
-        # a batch is padded into these pinned host buffers and sent in one transfer (`_stage`)
-        host = DecodeInputs.alloc(self.sizes[-1], self.max_blocks, torch.device("cpu"),
-                                  pin_memory=model.device.type == "cuda")
-        self.host = DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw)  # numpy views
+        tokens = int(max_blocks) * kv.block_size if max_blocks else model.config.max_position
+        self.block_sizes = [g.block_size for g in kv.layout.groups]
+        self.widths = [-(-tokens // size) for size in self.block_sizes]   # each KV group's table width
+        # each group's static inputs, and the pinned host buffers a batch is padded into, each sent in one transfer
+        # (`_stage`); group 0's also hold the rows every group shares (tokens, positions, lengths, sources)
+        self.inputs = [DecodeInputs.alloc(self.sizes[-1], w, model.device) for w in self.widths]
+        self.staging = []
+        for w in self.widths:
+            host = DecodeInputs.alloc(self.sizes[-1], w, torch.device("cpu"), pin_memory=model.device.type == "cuda")
+            self.staging.append(DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw))
+        self.buffers, self.host, self.max_blocks = self.inputs[0], self.staging[0], self.widths[0]   # group 0's
         self.sample_values = torch.zeros((self.sizes[-1], ROW_VALUES), dtype=torch.float32, device=model.device)
         self.sampler_disabled: str | None = None   # why captured sampling is off (its capture failed)
         self.sampler_replays = 0
@@ -304,7 +319,10 @@ class DecodeGraphs(GraphSet):
 
     def supports(self, rows: DecodeRows) -> bool:
         """Whether this batch can run through a graph (else the caller runs the forward eagerly)."""
-        return 0 < len(rows) <= self.sizes[-1] and self.ready and rows.max_blocks <= self.max_blocks
+        if rows.num_groups != len(self.widths):
+            raise ValueError(f"decode rows of {rows.num_groups} KV groups for a cache of {len(self.widths)}")
+        return (0 < len(rows) <= self.sizes[-1] and self.ready
+                and all(rows.group(g).max_blocks <= w for g, w in enumerate(self.widths)))
 
     # ------------------------------------------------------------ running
     def forward(self, rows: DecodeRows, record: bool = False) -> ForwardOutput | None:
@@ -367,15 +385,17 @@ class DecodeGraphs(GraphSet):
         transfer. With the sampled rows taken as a view (`model_runner._rows`), this took the demo's 32-sequence
         decode step on the H200 host from 1.8-2.4 to 1.6-2.1 ms (five pageable copies and a gather before)."""
         def fill() -> None:
-            DecodeInputs.pad(rows, size, self.max_blocks, self.kv.block_size, self.kv.scratch_block, out=self.host)
-            self.buffers.fill_from(self.host, size)
+            for g, (host, dev) in enumerate(zip(self.staging, self.inputs)):
+                DecodeInputs.pad(rows.group(g), size, self.widths[g], self.block_sizes[g], self.kv.scratch_block,
+                                 out=host)
+                dev.fill_from(host, size)
 
         self._send(fill)
 
     def _capture(self, size: int, record: bool) -> _Captured | None:
-        self._stage(DecodeRows([], [], []), size)
+        self._stage(DecodeRows([], [], [], more_tables=((),) * (len(self.inputs) - 1)), size)
         b = self.buffers
-        args = (b.input_ids[:size], b.positions[:size], self.kv, b.metadata(size))
+        args = (b.input_ids[:size], b.positions[:size], self.kv, tuple(inp.metadata(size) for inp in self.inputs))
         try:
             captured = _Captured(*self._warm_and_capture(self._forward, args, record))
         except Exception as e:  # noqa: BLE001 - any failure means: run this model eagerly

@@ -49,11 +49,11 @@ again. A routing trace needs every position's routing, so trace recording refuse
 Hybrid KV groups (`hybrid_kv_cache`, off by default; policies.kv_groups): a model that mixes sliding-window and global
 layers (Gemma 4) keeps them in groups with block tables of their own, so a sliding group's table hands back the blocks
 that left its window; the pool (a GroupedBlockPool) then counts pages, and the cache shares each page's memory
-between the groups (pwruntime.kv_cache). Its steps run eagerly: CUDA graphs take one group for now.
+between the groups (pwruntime.kv_cache). Each group has its own block tables and K/V slots in a forward's metadata,
+and in the CUDA graphs' static inputs.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence as Seq
@@ -78,8 +78,6 @@ from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, Sampling
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -226,9 +224,6 @@ class LLMEngine:
         self.pool = (GroupedBlockPool(self.kv_layout, blocks) if self.kv_layout.hybrid else
                      BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
-        if graphs and self.kv_layout.hybrid:
-            log.info("hybrid KV groups: steps run eagerly (CUDA graphs take one KV group for now)")
-            graphs = False
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
                                   graph_settle_steps=cfg.graph_settle_steps,

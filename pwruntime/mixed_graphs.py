@@ -10,7 +10,8 @@ between the pieces. For a model of L layers a bucket holds L + 1 graphs:
     piece L:  layer L-1 after its core, the final norm, the routing packed into words (pack_routing)
 
 and a replay is: stage the padded token ids, positions, K/V slots and token sources in one transfer, build the attention plan
-(host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. The pieces meet the cores in
+(host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. With hybrid KV groups (pwruntime.kv_cache)
+each group has its own row of slots, which its layers' pieces write K/V at, and its own plan. The pieces meet the cores in
 boundary buffers (`Boundary`, the largest bucket's rows), one set for every layer of one attention geometry (KV heads
 and head size: Gemma 4's sliding and global layers have two) and every bucket: a piece copies its layer's q, k, v
 there and a core writes its output there (`Attention.core(..., out=)`), which the next piece reads. Everything else
@@ -27,13 +28,14 @@ which the runner picks out of `hidden`.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 
 from pwruntime.cuda_graphs import GraphSet, padded_size, take_sampled
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionMetadata, AttentionPlan
+from pwruntime.model.attention import AttentionMetadata, group_metadata, layer_plans
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 
 MIXED_BUCKET = 64   # buckets are multiples of this (the fused MoE kernel's tokens per launch)
@@ -78,9 +80,11 @@ class MixedGraphs(GraphSet):
         super().__init__(model, kv, settle_steps, sampled)
         self.sizes = mixed_sizes(max_num_batched_tokens)
         n, cuda = self.sizes[-1], model.device.type == "cuda"
-        # token ids, positions, K/V slots, the previous step's sampled row feeding each token (-1: none)
-        self.inputs = torch.zeros(4, n, dtype=torch.long, device=model.device)
-        self.host = torch.zeros(4, n, dtype=torch.long, pin_memory=cuda)        # staged here, sent in one copy
+        groups = kv.layout.groups
+        self._group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        # token ids, positions, each KV group's K/V slots, the previous step's sampled row feeding each token (-1: none)
+        self.inputs = torch.zeros(3 + len(groups), n, dtype=torch.long, device=model.device)
+        self.host = torch.zeros(3 + len(groups), n, dtype=torch.long, pin_memory=cuda)  # staged here, sent in one copy
         c = model.config
         sets = {shape: Boundary.alloc(n, c.heads, *shape, model.dtype, model.device) for shape in set(c.kv_shapes)}
         self.boundaries = [sets[shape] for shape in c.kv_shapes]   # each layer's, by its (KV heads, head size)
@@ -91,13 +95,16 @@ class MixedGraphs(GraphSet):
 
     # ------------------------------------------------------------ running
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], positions: list[int], meta: AttentionMetadata,
-                record: bool = False, token_src: list[int] | None = None) -> ForwardOutput | None:
+    def forward(self, input_ids: list[int], positions: list[int],
+                meta: AttentionMetadata | Sequence[AttentionMetadata], record: bool = False,
+                token_src: list[int] | None = None) -> ForwardOutput | None:
         """The forward of a batch by piecewise replay (views of its real rows, valid until the next replay), or
-        None if it must run eagerly. `meta` is on the host (batch_metadata(..., "cpu")); `token_src` as in
-        DecodeRows (tokens >= 0 there come from the previous step's sampled tokens)."""
+        None if it must run eagerly. `meta` is on the host (batch_metadata(..., "cpu"); one for each KV group of a
+        hybrid cache); `token_src` as in DecodeRows (tokens >= 0 there come from the previous step's sampled
+        tokens)."""
         self._drop_stale()
-        t = meta.num_tokens
+        metas = group_metadata(meta)
+        t = metas[0].num_tokens
         if not self.supports(t):
             return None
         size = padded_size(t, self.sizes)
@@ -105,12 +112,13 @@ class MixedGraphs(GraphSet):
         pieces = self._graphs.get((size, record)) or (self._capture(size, record) if settled else None)
         if pieces is None:
             return None
-        self._stage(input_ids, positions, meta.slot_mapping, size, token_src)
-        dev, kv, layers = self.model.device, self.kv, self.model.layers
-        plan = AttentionPlan.build(replace(meta, slot_mapping=self.inputs[2, :t]), kv.block_size, dev, self.model.dtype)
+        self._stage(input_ids, positions, [m.slot_mapping for m in metas], size, token_src)
+        kv, layers = self.kv, self.model.layers
+        staged = [replace(m, slot_mapping=self.inputs[2 + g, :t]) for g, m in enumerate(metas)]
+        plans = layer_plans(staged, kv.layout, self.model.device, self.model.dtype)
         for i, (layer, b) in enumerate(zip(layers, self.boundaries)):
             pieces.graphs[i].replay()
-            layer.attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plan, kv.layer_ptrs(i), out=b.out)
+            layer.attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plans[i], kv.layer_ptrs(i), out=b.out)
         pieces.graphs[-1].replay()
         self.replays += 1
         out = pieces.out
@@ -119,17 +127,17 @@ class MixedGraphs(GraphSet):
             routing = [LayerRouting(**{f.name: getattr(r, f.name)[:t] for f in fields(r)}) for r in out.routing]
         return ForwardOutput(out.hidden[:t], routing, None if out.routing_words is None else out.routing_words[:t])
 
-    def _stage(self, input_ids: list[int], positions: list[int], slots: torch.Tensor, size: int,
+    def _stage(self, input_ids: list[int], positions: list[int], slots: Sequence[torch.Tensor], size: int,
                token_src: list[int] | None = None) -> None:
-        """Token ids, positions, slots and token sources padded to `size` (padding on the scratch block, no source)
-        in one transfer."""
+        """Token ids, positions, each KV group's slots and token sources padded to `size` (padding on the scratch
+        block, no source) in one transfer."""
         def fill() -> None:
             t, host = len(input_ids), self.host.numpy()
-            host[0, :t], host[1, :t], host[2, :t] = input_ids, positions, slots.numpy()
-            host[3, :t] = -1 if token_src is None else token_src
-            host[:2, t:size] = 0
-            host[2, t:size] = self.kv.scratch_block * self.kv.block_size
-            host[3, t:size] = -1
+            host[0, :t], host[1, :t], host[-1, :t] = input_ids, positions, -1 if token_src is None else token_src
+            host[:2, t:size], host[-1, t:size] = 0, -1
+            for g, (group, group_slots) in enumerate(zip(self.kv.layout.groups, slots, strict=True)):
+                host[2 + g, :t] = group_slots.numpy()
+                host[2 + g, t:size] = self.kv.scratch_block * group.block_size
             self.inputs.copy_(self.host, non_blocking=True)
 
         self._send(fill)
@@ -139,7 +147,7 @@ class MixedGraphs(GraphSet):
         """The L + 1 pieces of a bucket, captured in order, each over what the piece before left (its carry and
         the boundary); each captured piece is replayed once (on padding rows, the boundary's output standing in
         for the cores) so that the next one's warm-up reads real values, never uninitialized memory."""
-        self._stage([], [], torch.zeros(0, dtype=torch.long), size)
+        self._stage([], [], [torch.zeros(0, dtype=torch.long)] * len(self.kv.layout.groups), size)
         layers = len(self.model.layers)
         graphs, records, carry = [], [] if record else None, None
         try:
@@ -168,7 +176,7 @@ class MixedGraphs(GraphSet):
         for i < L; the last piece returns (the final norm's output, its records, the routing of `records` and its
         own packed into words)."""
         model, kv = self.model, self.kv
-        ids, positions, slots, src = self.inputs[:, :size]
+        ids, positions, src = self.inputs[0, :size], self.inputs[1, :size], self.inputs[-1, :size]
         rec = [] if records is not None else None
         if i == 0:
             x, rope = model.embed_tokens(take_sampled(ids, src, self.sampled), positions)
@@ -180,6 +188,7 @@ class MixedGraphs(GraphSet):
             every = None if records is None else records + rec
             return model.final_norm(x, delta), rec, pack_routing(every) if every else None
         cos, sin = rope[model.layer_rope[i]]
+        slots = self.inputs[2 + self._group_of[i], :size]
         x, q, k, v = model.layers[i].before_attention(x, delta, cos, sin, kv.k[i], kv.v[i], slots, kv.layer_ptrs(i))
         b = self.boundaries[i]
         for dst, src in ((b.q, q), (b.k, k), (b.v, v)):

@@ -86,8 +86,6 @@ class ModelRunner:
                  graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None) -> None:
         """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs)."""
         self.model, self.kv = model, kv
-        if cuda_graphs and kv.layout.hybrid:
-            raise ValueError("CUDA graphs do not take a KV cache of several groups yet; run it eagerly")
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=model.device)  # see keep_sampled
         self._sampled_row: dict = {}  # seq_id -> its row in `sampled`
         graphs = cuda_graphs and model.device.type == "cuda"
@@ -166,8 +164,12 @@ class ModelRunner:
             return None
         ids = [e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries]
         src = self._token_src(batch, ids, list(range(len(ids))))
-        rows = DecodeRows(ids, [e.start for e in batch.entries], [pool.block_table(e.seq.seq_id) for e in batch.entries],
-                          src)
+        seq_ids = [e.seq.seq_id for e in batch.entries]
+        if isinstance(pool, GroupedBlockPool):
+            tables = [[pool.group_table(s, g) for s in seq_ids] for g in range(len(pool.layout.groups))]
+        else:
+            tables = [[pool.block_table(s) for s in seq_ids]]
+        rows = DecodeRows(ids, [e.start for e in batch.entries], tables[0], src, tuple(tables[1:]))
         return self.graphs.forward(rows, record)
 
     def run(self, batch: ScheduledBatch, pool: BlockPool, record: bool = False,

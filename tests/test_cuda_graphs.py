@@ -11,7 +11,7 @@ eagerly with the (not capturable) dense store.
 """
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import fields, replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -166,6 +166,31 @@ def test_graphs_usable_only_for_capturable_decode_batches():
     assert not DecodeGraphs(_fake_model(), KVCache(2, 16, 4, 1, 8), 4).supports(row(1))    # no scratch block
     g.disabled = "capture failed"
     assert not g.supports(row(1))
+
+
+def test_each_kv_group_of_a_hybrid_cache_gets_its_tables_and_slots():
+    """A hybrid cache (sliding 8-token blocks, global 4-token ones; max_position 64): a table width for each group, and
+    a batch staged into each group's static inputs with that group's tables, slots and scratch padding."""
+    from policies.kv_groups import KVLayout
+
+    layout = KVLayout.build([64, 128], [8, None], 4)
+    kv = KVCache(2, 16, 4, 2, 8, torch.float16, scratch=True, layer_shapes=((2, 8), (2, 16)), layout=layout)
+    g = DecodeGraphs(_fake_model(), kv, max_num_seqs=2)
+    assert g.block_sizes == [8, 4] and g.widths == [8, 16] and g.buffers is g.inputs[0]
+    # position 9: the sliding table released block 0 (NULL); the global table holds blocks for positions 0..11
+    rows = DecodeRows([7, 8], [9, 2], [[-1, 3], [5]], token_src=[-1, 0], more_tables=([[0, 1, 2], [6]],))
+    assert g.supports(rows) and not g.supports(replace(rows, more_tables=([[0] * 17, [6]],)))
+    with pytest.raises(ValueError, match="1 KV groups for a cache of 2"):
+        g.supports(DecodeRows([7], [9], [[-1, 3]]))
+    g._stage(rows, 2)
+    sliding, full = g.inputs
+    assert sliding.slot_mapping[:2].tolist() == [3 * 8 + 1, 5 * 8 + 2]
+    assert full.slot_mapping[:2].tolist() == [2 * 4 + 1, 6 * 4 + 2]
+    assert sliding.block_tables[0, :3].tolist() == [-1, 3, 16] and full.block_tables[1, :2].tolist() == [6, 16]
+    assert sliding.seq_lens[:2].tolist() == full.seq_lens[:2].tolist() == [10, 3]
+    assert sliding.token_src[:2].tolist() == [-1, 0] and sliding.input_ids[:2].tolist() == [7, 8]
+    g._stage(DecodeRows([], [], [], more_tables=((),)), 2)   # padding rows: each group's scratch slot
+    assert sliding.slot_mapping[:2].tolist() == [16 * 8] * 2 and full.slot_mapping[:2].tolist() == [16 * 4] * 2
 
 
 def test_graphs_dropped_when_cache_or_store_changes():

@@ -160,22 +160,27 @@ def test_generate_takes_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_cuda_hybrid_groups_run_the_kernels_as_one_table_does(tmp_path, capsys):
+def test_cuda_hybrid_groups_run_the_kernels_and_graphs_as_one_table_does(tmp_path, capsys):
     """On CUDA in bf16 at Gemma 4's head sizes (sliding 4 x 256, window 16; global 2 x 512: a token's bytes alike, so
     three groups of one layer, 16-token blocks each): the GQA decode kernel over sliding tables whose blocks before the
     window are released, flash attention's chunks gathering keys from the window on (16-token chunks after their
     context), and the global layer's whole context. The same data in the same order as one table's, so the same
-    tokens."""
+    tokens; and the same again through decode graphs and mixed steps' pieces (each group's tables and slots in their
+    static inputs)."""
     from test_model_gpu import _gemma4_at_its_head_sizes
 
     path = _gemma4_at_its_head_sizes(tmp_path, window=16)
-    args = ["generate", "--model", str(path), "--device", "cuda", "--dtype", "bf16", "--no-cuda-graphs",
-            "--prompt", make_text(60, seed=1), "--prompt", make_text(25, seed=2), "--max-tokens", "48", "--ignore-eos",
-            "--max-num-batched-tokens", "16", "--json"]
-    runs = []
-    for extra in ([], ["--hybrid-kv-cache"]):
+    args = ["generate", "--model", str(path), "--device", "cuda", "--dtype", "bf16", "--prompt", make_text(60, seed=1),
+            "--prompt", make_text(25, seed=2), "--max-tokens", "48", "--ignore-eos", "--max-num-batched-tokens", "16",
+            "--json"]
+    runs = {}
+    for name, extra in (("eager", ["--no-cuda-graphs"]), ("hybrid eager", ["--no-cuda-graphs", "--hybrid-kv-cache"]),
+                        ("hybrid graphs", ["--hybrid-kv-cache"])):
         assert main(args + extra) == 0
-        runs.append(json.loads(capsys.readouterr().out))
-    assert [r["stats"]["hybrid_kv_cache"] for r in runs] == [False, True]
-    tokens = [[o["token_ids"] for o in r["outputs"]] for r in runs]
-    assert tokens[0] == tokens[1] and all(len(t) == 48 for t in tokens[0])
+        runs[name] = json.loads(capsys.readouterr().out)
+    assert [r["stats"]["hybrid_kv_cache"] for r in runs.values()] == [False, True, True]
+    stats = runs["hybrid graphs"]["stats"]
+    assert stats["cuda_graph_replays"] > 16 and stats["mixed_graph_replays"] > 0
+    tokens = {name: [o["token_ids"] for o in r["outputs"]] for name, r in runs.items()}
+    assert tokens["eager"] == tokens["hybrid eager"] == tokens["hybrid graphs"]
+    assert all(len(t) == 48 for t in tokens["eager"])

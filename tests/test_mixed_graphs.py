@@ -61,42 +61,73 @@ def test_pieces_usable_only_for_capturable_models_and_batches_in_budget():
 def test_stage_pads_to_the_bucket_with_scratch_slots_and_clears_the_last_batch():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = MixedGraphs(_fake_model(), kv, 128)
-    g._stage([5, 6, 7], [0, 1, 9], torch.tensor([40, 41, 73]), 64, token_src=[-1, -1, 3])
+    g._stage([5, 6, 7], [0, 1, 9], [torch.tensor([40, 41, 73])], 64, token_src=[-1, -1, 3])
     assert g.inputs[0, :4].tolist() == [5, 6, 7, 0] and g.inputs[1, :4].tolist() == [0, 1, 9, 0]
     scratch = kv.scratch_block * kv.block_size
     assert g.inputs[2, :3].tolist() == [40, 41, 73] and set(g.inputs[2, 3:64].tolist()) == {scratch}
     assert g.inputs[3, :4].tolist() == [-1, -1, 3, -1]
-    g._stage([8], [2], torch.tensor([42]), 64)   # a smaller batch after: the rows it does not use are padding again
+    g._stage([8], [2], [torch.tensor([42])], 64)   # a smaller batch after: the rows it does not use are padding again
     assert g.inputs[:, :2].tolist() == [[8, 0], [2, 0], [42, scratch], [-1, -1]]
+
+
+def test_stage_gives_each_kv_group_its_slots():
+    """A hybrid cache (two groups: 8-token sliding blocks, 4-token global ones): a row of slots a group, each group's
+    padding on the scratch page at its own block size."""
+    from policies.kv_groups import KVLayout
+
+    layout = KVLayout.build([64, 128], [8, None], 4)
+    kv = KVCache(2, 16, 4, 2, 8, torch.float16, scratch=True, layer_shapes=((2, 8), (2, 16)), layout=layout)
+    g = MixedGraphs(_fake_model(), kv, 64)
+    assert g.inputs.shape == (5, 64) and g._group_of == {0: 0, 1: 1}
+    g._stage([5, 6], [3, 4], [torch.tensor([19, 20]), torch.tensor([7, 8])], 64, token_src=[-1, 0])
+    assert g.inputs[:, :3].tolist() == [[5, 6, 0], [3, 4, 0], [19, 20, 16 * 8], [7, 8, 16 * 4], [-1, 0, -1]]
+    with pytest.raises(ValueError):
+        g._stage([5], [3], [torch.tensor([19])], 64)   # one row of slots for two groups
 
 
 # decode rows, a prompt from scratch and a chunk after 20 cached tokens: (context, query, blocks); 65 tokens
 MIXED = [(30, 1, [0, 1]), (12, 1, [2]), (0, 37, [3, 4, 5]), (20, 25, [6, 7, 8]), (44, 1, [9, 10, 11])]
 
 
+def _group_metadata(seqs, layout):
+    """MIXED's sequences in each KV group of a hybrid layout: pages of their own (group g's from 12 * g on, twice as
+    many where its blocks are half as long), NULL where a sliding group has released blocks before the window."""
+    metas = []
+    for g, group in enumerate(layout.groups):
+        tables = []
+        for ctx, q, _ in seqs:
+            first, last = group.blocks_held(ctx, ctx + q)
+            tables.append((ctx, q, [-1] * first + [40 * g + 5 * len(tables) + b for b in range(first, last)]))
+        metas.append(batch_metadata(tables, group.block_size))
+    return tuple(metas)
+
+
 @pytest.mark.parametrize("n_seqs, size", [(5, 128), (4, 64), (3, 64)])
-@pytest.mark.parametrize("arch", ["demo", "gemma4"])
+@pytest.mark.parametrize("arch", ["demo", "gemma4", "gemma4-hybrid"])
 def test_pieces_run_in_order_give_the_forward_of_the_real_rows(tmp_path, arch, n_seqs, size):
     """What a replay runs, eagerly on CPU (fp32): the batch padded to its bucket (65 tokens in 128, 64 in 64, 39
     in 64) through piece 0, core 0, piece 1, ..., piece L equals model.forward on the real rows (hidden, routing,
     packed words), and the padding rows' K/V land in the scratch block only. On the demo model and on a tiny Gemma 4,
-    whose sliding and global layers meet their cores in boundaries of two geometries."""
+    whose sliding and global layers meet their cores in boundaries of two geometries, and with hybrid KV groups there
+    (each group its slots and plan; the sliding group's released blocks are NULL)."""
     from model_fixtures import make_tiny_checkpoint
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.model import load_model
-    from pwruntime.model.attention import AttentionPlan
+    from pwruntime.model.attention import group_metadata, layer_plans
     from pwruntime.model.moe_model import pack_routing
 
-    path = default_model_dir() if arch == "demo" else make_tiny_checkpoint(tmp_path, arch)
+    path = default_model_dir() if arch == "demo" else make_tiny_checkpoint(tmp_path, "gemma4")
     model = load_model(path, dtype="fp32", device="cpu")
-    bs = 16
+    bs, hybrid = 16, arch.endswith("hybrid")
     seqs = MIXED[:n_seqs]
-    meta = batch_metadata(seqs, bs)
-    t = meta.num_tokens
+    layout = model.kv_layout(bs, hybrid)
+    assert layout.hybrid == hybrid
+    meta = _group_metadata(seqs, layout) if hybrid else batch_metadata(seqs, bs)
+    t = sum(q for _, q, _ in seqs)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab, (t,), generator=gen)
     pos = torch.cat([torch.arange(c, c + q) for c, q, _ in seqs])
-    caches = [model.new_kv_cache(16, bs, scratch=True) for _ in range(2)]
+    caches = [model.new_kv_cache(80 if hybrid else 16, bs, scratch=True, hybrid=hybrid) for _ in range(2)]
     for layer in range(model.config.layers):   # the cached context of the decode rows and the second chunk
         g = torch.Generator().manual_seed(layer)
         k, v = torch.randn(caches[0].k[layer].shape, generator=g), torch.randn(caches[0].v[layer].shape, generator=g)
@@ -107,8 +138,8 @@ def test_pieces_run_in_order_give_the_forward_of_the_real_rows(tmp_path, arch, n
 
     pieces = MixedGraphs(model, caches[1], 128)
     assert padded_size(t, pieces.sizes) == size
-    pieces._stage(ids.tolist(), pos.tolist(), meta.slot_mapping, size)
-    plan = AttentionPlan.build(meta, bs, model.device, model.dtype)
+    pieces._stage(ids.tolist(), pos.tolist(), [m.slot_mapping for m in group_metadata(meta)], size)
+    plans = layer_plans(meta, layout, model.device, model.dtype)
     kv, layers = caches[1], len(model.layers)
     assert len({id(b) for b in pieces.boundaries}) == len(set(model.config.kv_shapes))
     carry, records = None, []
@@ -117,7 +148,7 @@ def test_pieces_run_in_order_give_the_forward_of_the_real_rows(tmp_path, arch, n
         if i < layers:
             carry, rec = res
             b = pieces.boundaries[i]
-            model.layers[i].attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plan, out=b.out)
+            model.layers[i].attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plans[i], out=b.out)
         else:
             hidden, rec, words = res
         records += rec

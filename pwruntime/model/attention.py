@@ -286,20 +286,22 @@ class AttentionPlan:
                             to(qi[None, :] < q_lens[:, None]), span=span)
 
 
+def group_metadata(meta: AttentionMetadata | Sequence[AttentionMetadata]) -> tuple[AttentionMetadata, ...]:
+    """A batch's metadata for each KV group: `meta` itself when it is one (a cache of one group), else as given."""
+    return (meta,) if isinstance(meta, AttentionMetadata) else tuple(meta)
+
+
 def layer_plans(meta: AttentionMetadata | Sequence[AttentionMetadata], layout: KVLayout, device: torch.device,
                 dtype: torch.dtype | None = None) -> list[AttentionPlan]:
-    """Each decoder layer's AttentionPlan: one plan every layer shares, or with a hybrid `layout` (a KV cache's: each
-    group its own tables and block size) one a group, `meta` then giving each group's metadata in the layout's
-    order."""
-    if not layout.hybrid:
-        if not isinstance(meta, AttentionMetadata):
-            raise ValueError("one AttentionMetadata serves a cache of one KV group")
-        plan = AttentionPlan.build(meta, layout.groups[0].block_size, device, dtype)
-        return [plan] * len(layout.groups[0].layers)
-    if isinstance(meta, AttentionMetadata) or len(meta) != len(layout.groups):
-        raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each")
+    """Each decoder layer's AttentionPlan: a plan for each KV group of `layout` (a KV cache's: one group shares one
+    plan by every layer; a hybrid layout's groups have their own tables and block sizes), from that group's metadata
+    (`meta`: one for each group in the layout's order, or one AttentionMetadata for a single group)."""
+    metas = group_metadata(meta)
+    if len(metas) != len(layout.groups):
+        raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each, "
+                         f"got {len(metas)}")
     plans: dict[int, AttentionPlan] = {}
-    for m, group in zip(meta, layout.groups):
+    for m, group in zip(metas, layout.groups):
         plan = AttentionPlan.build(m, group.block_size, device, dtype, group.window)
         plans.update((layer, plan) for layer in group.layers)
     return [plans[layer] for layer in range(len(plans))]

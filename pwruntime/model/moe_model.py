@@ -21,7 +21,7 @@ from pwruntime.kernels import layer_ops
 from pwruntime.kernels.attention import KV_WRITE, decode_variant
 from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import Attention, AttentionMetadata, layer_plans
+from pwruntime.model.attention import Attention, AttentionMetadata, group_metadata, layer_plans
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.experts import ExpertStore
 from pwruntime.model.layers import DenseMLP, Linear, RMSNorm, Rotary
@@ -197,7 +197,7 @@ class MoEModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                 meta: AttentionMetadata | Sequence[AttentionMetadata], record: bool = False) -> ForwardOutput:
         """`meta`: the batch's metadata, or one for each KV group of a hybrid `kv` (`layer_plans`)."""
-        tokens = meta.num_tokens if isinstance(meta, AttentionMetadata) else meta[0].num_tokens
+        tokens = group_metadata(meta)[0].num_tokens
         if input_ids.shape[0] != tokens or positions.shape != input_ids.shape:
             raise ValueError(f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions for "
                              f"{tokens} tokens in the metadata")
