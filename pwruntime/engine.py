@@ -227,7 +227,8 @@ class LLMEngine:
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
                                   graph_settle_steps=cfg.graph_settle_steps,
-                                  max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None)
+                                  max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None,
+                                  max_model_len=self.max_model_len)
         self.capacity = KvCapacity(model, self.pool, self.kv, self.runner.copy_blocks, self.block_bytes, spare)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
         budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack

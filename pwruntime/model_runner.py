@@ -83,14 +83,19 @@ class ModelRunner:
     """Runs one model over one paged KV cache."""
 
     def __init__(self, model, kv: KVCache, cuda_graphs: bool = False, max_num_seqs: int = GRAPH_SIZES[-1],
-                 graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None) -> None:
-        """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs)."""
+                 graph_settle_steps: int = 0, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None) -> None:
+        """`max_num_batched_tokens`: the largest batch the piecewise graphs take (None: no piecewise graphs);
+        `max_model_len`: the positions a sequence may use (None: the model's), which the decode graphs' static block
+        tables are wide enough for (a batch's tables are padded to that width and sent every step: Gemma 4's 262,144
+        positions made them 4 MiB a KV group at 64 rows)."""
         self.model, self.kv = model, kv
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=model.device)  # see keep_sampled
         self._sampled_row: dict = {}  # seq_id -> its row in `sampled`
         graphs = cuda_graphs and model.device.type == "cuda"
-        self.graphs = (DecodeGraphs(model, kv, max_num_seqs, settle_steps=graph_settle_steps, sampled=self.sampled)
-                       if graphs else None)
+        max_blocks = -(-max_model_len // kv.block_size) if max_model_len else None
+        self.graphs = (DecodeGraphs(model, kv, max_num_seqs, max_blocks, settle_steps=graph_settle_steps,
+                                    sampled=self.sampled) if graphs else None)
         self.mixed_graphs = (MixedGraphs(model, kv, max_num_batched_tokens, settle_steps=graph_settle_steps,
                                          sampled=self.sampled)
                              if graphs and max_num_batched_tokens else None)
