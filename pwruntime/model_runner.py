@@ -139,8 +139,8 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, pool: BlockPool | GroupedBlockPool
                 ) -> tuple[list[int], list[int], AttentionMetadata | tuple[AttentionMetadata, ...], list[int],
                            list[int] | None]:
-        """Token ids and positions of the flattened batch, its metadata on the host (with a GroupedBlockPool, one for
-        each KV group, from that group's tables), the flat row of each sampling entry and each row's token source
+        """Token ids and positions of the flattened batch, its metadata on the host (one for each KV group of a
+        GroupedBlockPool: `group_tables`), the flat row of each sampling entry and each row's token source
         (`_token_src`; pending ids become 0)."""
         ids: list[int] = []
         positions: list[int] = []
@@ -154,14 +154,9 @@ class ModelRunner:
             if e.sample:
                 sample_rows.append(len(ids) - 1)
         src = self._token_src(batch, ids, ends)
-        if isinstance(pool, GroupedBlockPool):
-            meta = tuple(batch_metadata([(e.start, e.num_new_tokens, pool.group_table(e.seq.seq_id, g))
-                                         for e in batch.entries], group.block_size)
-                         for g, group in enumerate(pool.layout.groups))
-        else:
-            meta = batch_metadata([(e.start, e.num_new_tokens, pool.block_table(e.seq.seq_id)) for e in batch.entries],
-                                  pool.block_size)
-        return ids, positions, meta, sample_rows, src
+        meta = tuple(batch_metadata([(e.start, e.num_new_tokens, t) for e, t in zip(batch.entries, tables)], size)
+                     for size, tables in group_tables(pool, [e.seq.seq_id for e in batch.entries]))
+        return ids, positions, meta[0] if len(meta) == 1 else meta, sample_rows, src
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
         """The forward through a captured decode graph, or None when this batch runs eagerly."""
@@ -169,11 +164,7 @@ class ModelRunner:
             return None
         ids = [e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries]
         src = self._token_src(batch, ids, list(range(len(ids))))
-        seq_ids = [e.seq.seq_id for e in batch.entries]
-        if isinstance(pool, GroupedBlockPool):
-            tables = [[pool.group_table(s, g) for s in seq_ids] for g in range(len(pool.layout.groups))]
-        else:
-            tables = [[pool.block_table(s) for s in seq_ids]]
+        tables = [t for _, t in group_tables(pool, [e.seq.seq_id for e in batch.entries])]
         rows = DecodeRows(ids, [e.start for e in batch.entries], tables[0], src, tuple(tables[1:]))
         return self.graphs.forward(rows, record)
 
@@ -222,6 +213,14 @@ class ModelRunner:
             return
         idx = to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(), self.kv.device)
         self.kv.copy_blocks(idx[0], idx[1])
+
+
+def group_tables(pool: BlockPool | GroupedBlockPool, seq_ids: list) -> list[tuple[int, list[list[int]]]]:
+    """Each KV group's (tokens a block, the sequences' block tables in that group): one group for a BlockPool."""
+    if isinstance(pool, GroupedBlockPool):
+        return [(group.block_size, [pool.group_table(s, g) for s in seq_ids])
+                for g, group in enumerate(pool.layout.groups)]
+    return [(pool.block_size, [pool.block_table(s) for s in seq_ids])]
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
