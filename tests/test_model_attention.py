@@ -128,6 +128,24 @@ def test_varlen_chunks_list_each_chunks_rows_and_key_slots():
         VarlenChunks.build(bad, 4, torch.device("cpu"))
 
 
+def test_a_sliding_group_s_released_blocks_are_never_gathered():
+    """A hybrid KV group's table (policies.kv_groups) with the block before the window released (NULL): the chunk
+    after 6 tokens, window 3, gathers keys from position 4 on, so block 0 is not needed; with the window forgotten it
+    would be, and the table is refused rather than read. Its plan (built with the group's window) gathers as the chunk
+    does, on the reference's path too."""
+    meta = batch_metadata([(6, 3, [-1, 3, 4])], 4)
+    w = VarlenChunks.build(meta, 4, torch.device("cpu"), window=3)
+    assert w.key_slots.tolist() == [12, 13, 14, 15, 16]
+    with pytest.raises(ValueError, match="block table"):
+        VarlenChunks.build(meta, 4, torch.device("cpu"))
+    plan = AttentionPlan.build(meta, 4, torch.device("cpu"), torch.float32, window=3)
+    (group,) = plan.chunk_groups
+    assert group.key_blocks.tolist() == [[0, 3, 4]]
+    assert group.key_valid[0].tolist() == [False] * 4 + [True] * 5 + [False] * 3
+    with pytest.raises(ValueError, match="block table"):
+        AttentionPlan.build(meta, 4, torch.device("cpu"), torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 2, 64), (16, 4, 128), (4, 4, 32)])

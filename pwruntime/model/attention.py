@@ -217,7 +217,7 @@ class AttentionPlan:
         plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
                    cls._decode_batch(meta, device), window=window)
         if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
-            plan.varlen(None)  # build (and validate the block tables) now; the groups only if heads need them
+            plan.varlen(window)  # build (and validate the block tables) now; the groups only if heads need them
         else:
             plan.chunk_groups
         if plan.decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
