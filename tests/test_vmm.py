@@ -179,6 +179,33 @@ def test_a_mapped_kv_cache_of_two_layer_geometries_sizes_each_buffer_by_its_own_
     assert kv.nbytes == 40 * per_block and all(torch.equal(t[:10], k) for t, k in zip(kv.k + kv.v, kept))
 
 
+def test_a_mapped_hybrid_kv_cache_maps_a_buffer_for_each_place_that_its_groups_share(monkeypatch):
+    """Hybrid KV groups (two groups of two layers: sliding 8-token blocks of 2 x 8, global 4-token ones of 1 x 32):
+    K and V buffers for each of the two places, the layers at one place viewing the same mapped memory at their
+    group's block size, and a resize keeping every page whichever group wrote it."""
+    from policies.kv_groups import KVLayout
+
+    class Props:
+        total_memory = 1 << 22
+    monkeypatch.setattr("pwruntime.kv_cache.GrowableBuffer", HostBuffer)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    shapes = ((2, 8), (2, 8), (1, 32), (1, 32))
+    layout = KVLayout.build([2 * h * d * 2 for h, d in shapes], [8, 8, None, None], 4)
+    assert [(g.layers, g.block_size) for g in layout.groups] == [((0, 1), 8), ((2, 3), 4)]
+    kv = KVCache(4, 10, 4, 2, 8, torch.float16, "cpu", scratch=True, growable=True, layer_shapes=shapes,
+                 layout=layout)
+    assert len(kv.buffers) == 4 and kv.nbytes == kv.mapped_bytes == 11 * layout.page_bytes
+    assert kv.k[0].shape == (11, 8, 2, 8) and kv.k[2].shape == (11, 4, 1, 32)
+    assert kv.k[0].data_ptr() == kv.k[2].data_ptr() != kv.k[1].data_ptr() == kv.k[3].data_ptr()
+    kv.k[0][:5].normal_()   # pages 0-4 as the sliding group holds them, 5-9 as the global one
+    kv.v[3][5:10].normal_()
+    kept_k, kept_v = kv.k[0][:10].clone(), kv.v[3][:10].clone()
+    kv.resize(30)
+    assert kv.k[2].shape == (31, 4, 1, 32) and kv.mapped_bytes == 31 * layout.page_bytes
+    assert torch.equal(kv.k[0][:10], kept_k) and torch.equal(kv.v[3][:10], kept_v) and not kv.v[1][10:].any()
+
+
 class _FakeDriver:
     """The driver calls GrowableBuffer makes, over bookkeeping instead of a GPU: what is mapped where, which handles
     live, what was granted access; the next `oom` cuMemCreate calls answer out of memory, and with `creates_left`
