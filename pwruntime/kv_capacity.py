@@ -30,7 +30,8 @@ from traces.sizes import format_size
 log = logging.getLogger(__name__)
 
 
-def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int, blocks_per_seq: int) -> tuple[int, int]:
+def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int,
+                      blocks_per_seq: int) -> tuple[int, int]:
     """The KV pool's first blocks (an EngineConfig's `num_kv_blocks`, else what its memory budget leaves, else a share
     of free GPU memory or `cpu_kv_cache_bytes`, never more than `max_num_seqs` full-length sequences need, each
     `blocks_per_seq`), and the

@@ -93,7 +93,8 @@ def ready_line(info: dict, seconds: float) -> str:
     """The engine's start-up line (as vLLM's: the KV cache and the room it leaves), of its `serving_info`."""
     blocks, context = info["num_kv_blocks"], info["max_model_len"]
     blocks_per_request = info.get("kv_blocks_per_request") or -(-context // info["block_size"])
-    unit = "KV pages of its hybrid groups" if info.get("hybrid_kv_cache") else f"KV blocks of {info['block_size']} tokens"
+    unit = ("KV pages of its hybrid groups" if info.get("hybrid_kv_cache")
+            else f"KV blocks of {info['block_size']} tokens")
     if info["ap_experts"]:  # the page table describes them
         experts = (f"experts at {info['mean_committed_bits']:.2f} mean bits "
                    f"({info['expert_resident_bytes'] / 2**20:.1f} MiB), policy {info['policy']}")
