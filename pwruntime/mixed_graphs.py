@@ -13,12 +13,12 @@ and a replay is: stage the padded token ids, positions, K/V slots and token sour
 (host work, as eagerly), then graph 0, core 0, graph 1, core 1, ..., graph L. With hybrid KV groups
 (pwruntime.kv_cache) each group has its own row of slots, which its layers' pieces write K/V at, and its own plan.
 The pieces meet the cores in boundary buffers (`Boundary`, the largest bucket's rows), one set for every layer of one
-attention geometry (KV heads and head size: Gemma 4's sliding and global layers have two) and every bucket: a piece copies its layer's q, k, v
-there and a core writes its output there (`Attention.core(..., out=)`), which the next piece reads. Everything else
-a piece makes lives in the graphs' memory pool, where what one capture frees the next reuses, so the buckets cost
-the boundaries, their routing records and their outputs, not a forward's activations each. Padding rows are token 0
-at position 0 with their K/V written to the KV cache's scratch block; no core reads them and their attention rows
-keep what an earlier step left there (finite), so they never reach a real row.
+attention geometry (KV heads and head size: Gemma 4's sliding and global layers have two) and every bucket: a piece
+copies its layer's q, k, v there and a core writes its output there (`Attention.core(..., out=)`), which the next
+piece reads. Everything else a piece makes lives in the graphs' memory pool, where what one capture frees the next
+reuses, so the buckets cost the boundaries, their routing records and their outputs, not a forward's activations each.
+Padding rows are token 0 at position 0 with their K/V written to the KV cache's scratch block; no core reads them and
+their attention rows keep what an earlier step left there (finite), so they never reach a real row.
 
 What must hold for the pieces to be capturable is what `DecodeGraphs` needs (GraphSet.ready: the scratch
 block, a decode-kernel dtype, a capturable store), and the store's MoE must read nothing back to the
