@@ -22,7 +22,8 @@ Capacity changes at run time (weight planes give memory to the KV cache and take
 
 A sequence whose layers read only a sliding window of past tokens (policies.kv_groups) may hand back the blocks at
 the front of its table that no query will read again (`release_leading`): their entries become `NULL_BLOCK` (-1), so
-positions keep their blocks, and the blocks return to the free list. Kernels never read those entries.
+positions keep their blocks, and the blocks return to the free list (a registered one as a cached free block).
+Kernels never read those entries.
 
 Every id in use is valid until its sequence frees it; `shrink` and `grow` never renumber a block in
 use (only `compact` does, and it rewrites the block tables and reports each move).
@@ -55,8 +56,14 @@ from array import array
 from collections import OrderedDict
 from typing import Hashable, Sequence
 
-_ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
+ROOT_HASH = bytes(32)  # the parent hash of a sequence's first block
 NULL_BLOCK = -1  # a table entry whose block was released (release_leading): no query reads those positions again
+
+
+def chain_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """sha256 of a parent block's hash and a block's token ids as int64 bytes: a name for the block's tokens and
+    every token before them, the same in every run."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
 class BlockPoolError(RuntimeError):
@@ -152,7 +159,7 @@ class BlockPool:
         starting with the matched `prefix` blocks: those that are cached free leave the free list too)."""
         need = self.blocks_needed(seq_id, num_tokens)
         if prefix:
-            need += sum(b not in self._refs for b in prefix) - len(prefix)
+            need += sum(b != NULL_BLOCK and b not in self._refs for b in prefix) - len(prefix)
         return need <= self.num_free
 
     def slot(self, seq_id: Hashable, position: int) -> int:
@@ -168,28 +175,35 @@ class BlockPool:
 
         Works for a new sequence and for growing one (prefill chunks, decode). Never shrinks a
         sequence. `prefix`: registered blocks (`match_prefix`) a new sequence's table starts with, shared
-        with whoever holds them. Raises BlockPoolError (pool unchanged) when free blocks do not suffice.
+        with whoever holds them; it may start with NULL_BLOCK entries (released at once: the blocks a sliding
+        window's table no longer needs, policies.kv_groups). Raises BlockPoolError (pool unchanged) when free
+        blocks do not suffice.
         """
         need = self.blocks_needed(seq_id, num_tokens)
         if not need and not prefix and seq_id in self._tables:  # most decode steps: the last block has room
             self._reserve_slots(seq_id, num_tokens)
             return []
         cached_free: list[int] = []  # prefix blocks nobody holds: they leave the free list
+        nulls = 0  # the prefix's leading NULL_BLOCK entries
         if prefix:
             if seq_id in self._tables:
                 raise BlockPoolError(f"sequence {seq_id!r} already holds blocks; only a new one takes a prefix")
-            if any(b not in self._hash_of for b in prefix) or len(prefix) > need:
+            while nulls < len(prefix) and prefix[nulls] == NULL_BLOCK:
+                nulls += 1
+            if any(b not in self._hash_of for b in prefix[nulls:]) or len(prefix) > need:
                 raise BlockPoolError(f"prefix {list(prefix)} is not a matched prefix of {num_tokens} tokens")
             need -= len(prefix)
-            cached_free = [b for b in prefix if b not in self._refs]
+            cached_free = [b for b in prefix[nulls:] if b not in self._refs]
         if need + len(cached_free) > self.num_free:
             raise BlockPoolError(f"sequence {seq_id!r} needs {need + len(cached_free)} more blocks for {num_tokens} "
                                  f"tokens; {self.num_free} free")
         for b in cached_free:
             del self._evictable[b]  # reused: it leaves the eviction order
-        for b in prefix:
+        for b in prefix[nulls:]:
             self._refs[b] = self._refs.get(b, 0) + 1
-        if prefix:
+        if nulls:
+            self._released[seq_id] = nulls
+        elif prefix:
             self._chain[seq_id] = [self._hash_of[b] for b in prefix]
         new = self._take_free(need)
         for b in new:
@@ -264,10 +278,8 @@ class BlockPool:
 
     def release_leading(self, seq_id: Hashable, num_blocks: int) -> int:
         """Release the table's first `num_blocks` blocks (those before them already are): their entries become
-        NULL_BLOCK and the blocks return to the free list, tail first as `free` does. Returns how many it released.
-        Only without prefix caching: a released block could be the head of a cached chain."""
-        if self.prefix_caching:
-            raise BlockPoolError("release_leading needs prefix caching off")
+        NULL_BLOCK and the blocks return to the free list, tail first as `free` does (a registered one stays cached
+        until evicted). Returns how many it released."""
         table = self._tables.get(seq_id)
         done = self._released.get(seq_id, 0)
         if table is None or num_blocks <= done:
@@ -275,12 +287,18 @@ class BlockPool:
         n = min(int(num_blocks), len(table))
         for j in range(n - 1, done - 1, -1):
             b, table[j] = table[j], NULL_BLOCK
-            del self._refs[b]
-            self._release(b)
+            self._refs[b] -= 1
+            if not self._refs[b]:
+                del self._refs[b]
+                self._release(b)
         self._released[seq_id] = n
         return n - done
 
     # --------------------------------------------------------- prefix caching
+    def prefix_tokens(self, prefix: Sequence[int]) -> int:
+        """Tokens the matched `prefix` blocks hold."""
+        return len(prefix) * self.block_size
+
     def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> list[int]:
         """The registered blocks of the longest chain of full blocks that prefixes `token_ids` ([] when off).
 
@@ -293,7 +311,7 @@ class BlockPool:
         hashes = [] if hashes is None else hashes
         for j in range(len(token_ids) // self.block_size):
             if j == len(hashes):
-                hashes.append(self._hash(hashes[-1] if hashes else _ROOT_HASH, token_ids, j))
+                hashes.append(self._hash(hashes[-1] if hashes else ROOT_HASH, token_ids, j))
             b = self._block_of.get(hashes[j])
             if b is None:
                 break
@@ -315,9 +333,10 @@ class BlockPool:
         chain = self._chain.setdefault(seq_id, [])
         added = 0
         for j in range(len(chain), min(full, len(table))):
-            h = known_hashes[j] if j < len(known_hashes) else self._hash(chain[-1] if chain else _ROOT_HASH, token_ids, j)
+            parent = chain[-1] if chain else ROOT_HASH
+            h = known_hashes[j] if j < len(known_hashes) else self._hash(parent, token_ids, j)
             chain.append(h)
-            if h not in self._block_of:
+            if h not in self._block_of and table[j] != NULL_BLOCK:
                 self._hash_of[table[j]] = h
                 self._block_of[h] = table[j]
                 added += 1
@@ -325,8 +344,20 @@ class BlockPool:
 
     def _hash(self, parent: bytes, token_ids: Sequence[int], j: int) -> bytes:
         """The chained hash of block `j` of `token_ids` under its parent block's hash."""
-        block = token_ids[j * self.block_size:(j + 1) * self.block_size]
-        return hashlib.sha256(parent + array("q", block).tobytes()).digest()
+        return chain_hash(parent, token_ids[j * self.block_size:(j + 1) * self.block_size])
+
+    def cached_block(self, key: bytes) -> int | None:
+        """The block registered under `key` (a chained hash, or a key of the caller's: `register_block`), if any."""
+        return self._block_of.get(key)
+
+    def register_block(self, seq_id: Hashable, j: int, key: bytes) -> bool:
+        """Register entry `j` of the sequence's table under `key`, unless the key is held already or the block is
+        (a caller that hashes its blocks itself: policies.kv_groups); returns whether it did."""
+        b = self._tables[seq_id][j]
+        if not self.prefix_caching or b == NULL_BLOCK or key in self._block_of or b in self._hash_of:
+            return False
+        self._hash_of[b], self._block_of[key] = key, b
+        return True
 
     def _uncache(self, b: int) -> None:
         """Drop block b's registration (it is evicted, retired or overwritten)."""

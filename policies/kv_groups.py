@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-from policies.kv_blocks import NULL_BLOCK, BlockPool, BlockPoolError
+from policies.kv_blocks import NULL_BLOCK, ROOT_HASH, BlockPool, BlockPoolError, chain_hash
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,15 @@ class KVLayout:
         return self.pages(start, end) * self.page_bytes
 
 
+@dataclass(frozen=True)
+class GroupPrefix:
+    """A cached prefix a new sequence of a GroupedBlockPool starts with: the `tokens` it covers and each group's table
+    for them (NULL_BLOCK before a sliding group's window)."""
+
+    tokens: int
+    tables: tuple[tuple[int, ...], ...]
+
+
 class GroupedBlockPool:
     """A block pool of pages for a hybrid layout: per sequence one table a group, sliding groups handing back what left
     their window. The scheduler-facing calls (allocate, try_allocate, blocks_needed, can_allocate, free,
@@ -107,21 +116,31 @@ class GroupedBlockPool:
     "tokens" are a table's entries: this class turns tokens into each group's blocks. A sequence computing tokens
     [start, end) (start: the tokens it had reserved) first releases each sliding group's blocks before the window of
     its query at `start`, then takes the blocks up to `end`, so what it needs is the net of both (`blocks_needed`).
-    No prefix caching: a released block could be a cached chain's head (vLLM keeps sliding blocks cached apart).
+
+    Prefix caching (as vLLM's for hybrid models): the tokens are hashed in chained *units* (the greatest common
+    divisor of the groups' block sizes, `block_size`), and group g's block b is registered under the hash of the unit
+    that ends it and g. A prefix of N tokens (a multiple of every group's block size) is a hit when every group has
+    cached the blocks a query at position N reads: a full-attention group all of them, a sliding group those of its
+    window only (`match_prefix`: the longest such N). The new sequence's sliding tables start NULL before the window.
+    A block a window leaves is released as a cached free block, so it stays matchable until evicted.
     """
 
-    prefix_caching = False   # so the scheduler never asks for a cached prefix or registers blocks
-
-    def __init__(self, layout: KVLayout, num_pages: int) -> None:
+    def __init__(self, layout: KVLayout, num_pages: int, prefix_caching: bool = False) -> None:
         self.layout = layout
-        self.pages = BlockPool(num_pages, block_size=1)
+        self.prefix_caching = bool(prefix_caching)
+        self.pages = BlockPool(num_pages, block_size=1, prefix_caching=prefix_caching)
         self._tokens: dict[Hashable, int] = {}
+        sizes = [g.block_size for g in layout.groups]
+        self._unit, self._align = math.gcd(*sizes), math.lcm(*sizes)
+        self._chains: dict[Hashable, list[bytes]] = {}   # per sequence: the chained hashes of its full units
+        self._registered: dict[tuple[Hashable, int], int] = {}   # (sequence, group) -> its blocks registered
 
     # page pool: capacity, resizes, compaction (a page is a page, whatever group holds it)
     @property
     def block_size(self) -> int:
-        """The first group's tokens a block (`slot` takes each group's own)."""
-        return self.layout.groups[0].block_size
+        """Tokens of the finest block: every group's block is a whole number of them, and a cached prefix is hashed in
+        them (`slot` takes each group's own block size)."""
+        return self._unit
 
     capacity = property(lambda self: self.pages.capacity)
     id_limit = property(lambda self: self.pages.id_limit)
@@ -182,16 +201,23 @@ class GroupedBlockPool:
         sliding groups hand back first."""
         return self._net(seq_id, self._plan(seq_id, num_tokens))
 
-    def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> bool:
-        if prefix:
-            raise BlockPoolError("a grouped pool has no prefix caching")
-        return self.blocks_needed(seq_id, num_tokens) <= self.num_free
+    def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: GroupPrefix | Sequence[int] = ()) -> bool:
+        need = self._prefix_need(prefix, num_tokens) if prefix else self.blocks_needed(seq_id, num_tokens)
+        return need <= self.num_free
 
-    def allocate(self, seq_id: Hashable, num_tokens: int, prefix: Sequence[int] = ()) -> None:
-        """Reserve slots so the sequence holds `num_tokens` tokens, releasing what its windows left first. Raises
-        BlockPoolError (pool unchanged) when the free pages do not suffice."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, prefix: GroupPrefix | Sequence[int] = ()) -> None:
+        """Reserve slots so the sequence holds `num_tokens` tokens, releasing what its windows left first; a new
+        sequence starts with a matched `prefix` (`match_prefix`). Raises BlockPoolError (pool unchanged) when the free
+        pages do not suffice."""
         if prefix:
-            raise BlockPoolError("a grouped pool has no prefix caching")
+            if seq_id in self._tokens:
+                raise BlockPoolError(f"sequence {seq_id!r} already holds pages; only a new one takes a prefix")
+            if not isinstance(prefix, GroupPrefix) or self._prefix_need(prefix, num_tokens) > self.num_free:
+                raise BlockPoolError(f"sequence {seq_id!r}: {prefix!r} is not a matched prefix the free pages can "
+                                     f"extend to {num_tokens} tokens")
+            for g, table in enumerate(prefix.tables):
+                self.pages.allocate((seq_id, g), len(table), list(table))
+            self._tokens[seq_id] = prefix.tokens
         if not self.try_allocate(seq_id, num_tokens):
             raise BlockPoolError(f"sequence {seq_id!r} needs {self.blocks_needed(seq_id, num_tokens)} more pages "
                                  f"for {num_tokens} tokens; {self.num_free} free")
@@ -210,9 +236,82 @@ class GroupedBlockPool:
         return True
 
     def free(self, seq_id: Hashable) -> int:
-        """Release every page of the sequence; returns how many it held."""
+        """Release every page of the sequence (registered ones stay cached); returns how many it held."""
         self._tokens.pop(seq_id, None)
+        self._chains.pop(seq_id, None)
+        for g in range(len(self.layout.groups)):
+            self._registered.pop((seq_id, g), None)
         return sum(self.pages.free((seq_id, g)) for g in range(len(self.layout.groups)))
+
+    # prefix caching
+    def prefix_tokens(self, prefix: GroupPrefix | Sequence[int]) -> int:
+        """Tokens a matched prefix covers (0 for none)."""
+        return prefix.tokens if prefix else 0
+
+    def _chain(self, chain: list[bytes], token_ids: Sequence[int], units: int) -> list[bytes]:
+        """`chain` extended to the chained hashes of the tokens' first `units` units."""
+        u = self._unit
+        while len(chain) < units:
+            j = len(chain)
+            chain.append(chain_hash(chain[-1] if chain else ROOT_HASH, token_ids[j * u:(j + 1) * u]))
+        return chain
+
+    def _key(self, chain: list[bytes], g: int, b: int) -> bytes:
+        """What group g's block b is registered under: the hash of the unit that ends it, and g."""
+        return chain[(b + 1) * self.layout.groups[g].block_size // self._unit - 1] + g.to_bytes(2, "little")
+
+    def match_prefix(self, token_ids: Sequence[int], hashes: list[bytes] | None = None) -> GroupPrefix | list:
+        """The longest cached prefix of `token_ids` (class docstring), [] for none; `hashes` keeps the tokens' unit
+        hashes between calls for one sequence, as BlockPool.match_prefix's does."""
+        if not self.prefix_caching:
+            return []
+        chain = self._chain([] if hashes is None else hashes, token_ids, len(token_ids) // self._unit)
+        cached = lambda g, b: self.pages.cached_block(self._key(chain, g, b))  # noqa: E731
+        limit = len(token_ids) // self._align * self._align
+        for g, group in enumerate(self.layout.groups):   # full attention: the leading blocks, without a gap
+            if group.window is None:
+                n = 0
+                while (n + 1) * group.block_size <= limit and cached(g, n) is not None:
+                    n += 1
+                limit = min(limit, n * group.block_size // self._align * self._align)
+        for end in range(limit, 0, -self._align):   # the longest end every sliding group has its window's blocks for
+            tables = []
+            for g, group in enumerate(self.layout.groups):
+                first, last = group.blocks_held(end, end)
+                blocks = [cached(g, b) for b in range(first, last)]
+                if None in blocks:
+                    break
+                tables.append((NULL_BLOCK,) * first + tuple(blocks))
+            else:
+                return GroupPrefix(end, tuple(tables))
+        return []
+
+    def _prefix_need(self, prefix: GroupPrefix, num_tokens: int) -> int:
+        """Free pages a new sequence starting with `prefix` takes to hold `num_tokens` tokens: the cached free blocks
+        of the prefix, and every group's blocks past it."""
+        need = 0
+        for group, table in zip(self.layout.groups, prefix.tables):
+            need += group.blocks_held(prefix.tokens, max(num_tokens, prefix.tokens))[1] - len(table)
+            need += sum(b != NULL_BLOCK and not self.pages.ref_count(b) for b in table)
+        return need
+
+    def register(self, seq_id: Hashable, token_ids: Sequence[int], num_computed_tokens: int,
+                 known_hashes: Sequence[bytes] = ()) -> int:
+        """Register the sequence's blocks, in every group, whose tokens (`token_ids`, from position 0) are all
+        computed; returns how many became matchable. `known_hashes`: unit hashes `match_prefix` made for it."""
+        if not self.prefix_caching or seq_id not in self._tokens:
+            return 0
+        chain = self._chains.setdefault(seq_id, [])
+        chain += known_hashes[len(chain):]
+        computed = min(int(num_computed_tokens), len(token_ids))
+        self._chain(chain, token_ids, computed // self._unit)
+        added = 0
+        for g, group in enumerate(self.layout.groups):
+            key, full = (seq_id, g), computed // group.block_size
+            for b in range(self._registered.get(key, 0), min(full, self.pages.num_tokens(key))):
+                added += self.pages.register_block(key, b, self._key(chain, g, b))
+            self._registered[key] = max(self._registered.get(key, 0), full)
+        return added
 
     def check_invariants(self) -> None:
         """The page pool's invariants, and every table as long as its group's blocks for its sequence's tokens."""

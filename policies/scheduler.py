@@ -182,7 +182,7 @@ class Scheduler:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = self.waiting[0]
                 prefix = self._cached_prefix(seq)
-                start = len(prefix) * self.pool.block_size
+                start = self.pool.prefix_tokens(prefix)
                 n = min(seq.num_tokens - start, budget)
                 if not self.pool.can_allocate(seq.seq_id, start + n, prefix):
                     break

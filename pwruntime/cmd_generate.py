@@ -56,8 +56,8 @@ def add_engine_args(p) -> None:
                    help="share the cached KV blocks of a common prompt prefix between requests (default off)")
     p.add_argument("--hybrid-kv-cache", action="store_true",
                    help="give a model's sliding-window and global layers KV block tables of their own, so sliding "
-                        "layers hand back what leaves their window (Gemma 4; vLLM's hybrid KV cache manager); not with "
-                        "--enable-prefix-caching (default off)")
+                        "layers hand back what leaves their window (Gemma 4; vLLM's hybrid KV cache manager; with "
+                        "--enable-prefix-caching a prefix hit needs only a sliding window's blocks) (default off)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (default: replay captured graphs when the experts allow)")
     p.add_argument("--no-mixed-graphs", action="store_true",

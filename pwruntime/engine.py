@@ -50,7 +50,7 @@ Hybrid KV groups (`hybrid_kv_cache`, off by default; policies.kv_groups): a mode
 layers (Gemma 4) keeps them in groups with block tables of their own, so a sliding group's table hands back the blocks
 that left its window; the pool (a GroupedBlockPool) then counts pages, and the cache shares each page's memory
 between the groups (pwruntime.kv_cache). Each group has its own block tables and K/V slots in a forward's metadata,
-and in the CUDA graphs' static inputs.
+and in the CUDA graphs' static inputs. With prefix caching each group caches its own blocks (the pool's docstring).
 """
 from __future__ import annotations
 
@@ -204,9 +204,6 @@ class LLMEngine:
         self.max_model_len = self._context_limit()
         self.kv_layout = model.kv_layout(cfg.block_size, cfg.hybrid_kv_cache)
         self.block_bytes = self.kv_layout.page_bytes  # a block of every layer, or of one KV group's (hybrid_kv_cache)
-        if self.kv_layout.hybrid and cfg.prefix_caching:
-            raise UserError("hybrid KV groups and prefix caching do not go together yet (a block released from a "
-                            "sliding window could head a cached chain); leave one of them out")
         if cfg.prefix_caching and (cfg.record_traces or recorder is not None):
             raise UserError("prefix caching skips the routing of cached tokens, which a trace records: "
                             "record traces without prefix caching")
@@ -221,7 +218,7 @@ class LLMEngine:
         self.policy = policy
         full_length = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, full_length)
-        self.pool = (GroupedBlockPool(self.kv_layout, blocks) if self.kv_layout.hybrid else
+        self.pool = (GroupedBlockPool(self.kv_layout, blocks, cfg.prefix_caching) if self.kv_layout.hybrid else
                      BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)

@@ -56,7 +56,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e.add_argument("--hybrid-kv-cache", action="store_true",
                    help="a model with sliding-window layers (Gemma 4) keeps their KV in block tables of their own that "
                         "hand back what leaves the window, as vLLM's hybrid KV cache manager (policies/kv_groups.py); "
-                        "the runtime's --hybrid-kv-cache; not with --enable-prefix-caching")
+                        "the runtime's --hybrid-kv-cache")
     e.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "

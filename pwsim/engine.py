@@ -171,9 +171,6 @@ class Simulation:
         self.nonexpert_bytes = card.fp16_bytes() - 2 * card.routed_expert_params()
         layout = card.kv_layout(config.block_size, hybrid=config.hybrid_kv)
         self.kv_block_bytes = layout.page_bytes   # a block of every layer, or with hybrid KV a page of one group
-        if layout.hybrid and config.prefix_caching:
-            raise UserError("hybrid KV groups and prefix caching do not go together yet (a block released from a "
-                            "sliding window could head a cached chain); leave one of them out")
         self.threshold = (config.free_block_threshold if config.free_block_threshold is not None
                           else calibration.free_block_threshold if calibration is not None else 8)
         self._refresh()
@@ -187,8 +184,9 @@ class Simulation:
             raise UserError("prefix caching needs the prompt token ids of every request, and this trace has none; "
                             "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
                             "`--shared-prefix-tokens N`; or `--trace synthetic --token-ids-vocab V`)")
-        self.pool = (GroupedBlockPool(layout, room // self.kv_block_bytes) if layout.hybrid else
-                     BlockPool(room // self.kv_block_bytes, config.block_size, prefix_caching=config.prefix_caching))
+        pages = room // self.kv_block_bytes
+        self.pool = (GroupedBlockPool(layout, pages, config.prefix_caching) if layout.hybrid else
+                     BlockPool(pages, config.block_size, prefix_caching=config.prefix_caching))
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()

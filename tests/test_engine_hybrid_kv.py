@@ -136,8 +136,22 @@ def test_what_hybrid_groups_report_and_refuse(model, tmp_path):
     with pytest.raises(UserError, match="the prompt needs 10 KV pages but the pool has 8"):
         LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=8, hybrid_kv_cache=True)).add_request(
             list(range(3, 23)))   # 21 tokens: global blocks 6, sliding (window 8) 2 a group
-    with pytest.raises(UserError, match="prefix caching"):
-        LLMEngine(model, EngineConfig(hybrid_kv_cache=True, prefix_caching=True))
+
+
+def test_prefix_caching_over_hybrid_groups_shares_the_window_and_generates_the_same(model):
+    """Prompts that share 40 leading tokens (window 8): later requests start from the cached prefix (each sliding group
+    only its window's blocks, the global group all of them) and generate what they generate without caching, one
+    request at a time so that each finds the ones before it cached."""
+    shared = [(5 * j) % 120 + 3 for j in range(40)]
+    prompts = [shared + [(11 * i + j) % 120 + 3 for j in range(3 + i)] for i in range(4)]
+    runs = []
+    for caching in (False, True):
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=200, max_num_seqs=1, hybrid_kv_cache=True,
+                                               prefix_caching=caching))
+        runs.append([o.token_ids for o in engine.generate(prompts, GREEDY)])
+        engine.pool.check_invariants()
+    assert runs[0] == runs[1]
+    assert engine.scheduler.num_cached_tokens == 3 * 40   # each later prompt's 40 shared tokens (multiples of 8)
 
 
 def test_a_model_without_sliding_layers_keeps_one_table(tmp_path):

@@ -111,11 +111,21 @@ def test_release_leading_frees_the_front_of_a_table_and_keeps_positions():
     assert pool.num_free == pool.capacity
 
 
-def test_release_leading_needs_prefix_caching_off():
-    pool = BlockPool(4, block_size=2, prefix_caching=True)
-    pool.allocate("a", 4)
-    with pytest.raises(BlockPoolError):
-        pool.release_leading("a", 1)
+def test_a_released_block_stays_cached_and_a_shared_one_stays_held():
+    """With prefix caching a released registered block becomes a cached free block (still matchable until evicted),
+    and one another table shares stays in use."""
+    pool = BlockPool(6, block_size=2, prefix_caching=True)
+    tokens = [5, 6, 7, 8, 9]
+    pool.allocate("a", 5)
+    assert pool.register("a", tokens, 4) == 2
+    first, second = pool.block_table("a")[:2]
+    pool.allocate("b", 5, pool.match_prefix(tokens[:4]))   # b shares both full blocks
+    assert pool.release_leading("a", 2) == 2 and pool.ref_count(first) == 1 and pool.num_free == 2
+    pool.check_invariants()
+    assert pool.release_leading("b", 1) == 1 and pool.ref_count(first) == 0 and pool.num_free == 3
+    assert pool.is_cached(first) and pool.match_prefix(tokens[:4]) == [first, second]
+    pool.check_invariants()
+    assert pool.free("a") == 1 and pool.free("b") == 2 and pool.num_free == 6 and pool.is_cached(second)
 
 
 # ---------------------------------------------------------------- GroupedBlockPool
@@ -191,8 +201,37 @@ def test_grouped_pool_resizes_and_compacts_pages_of_every_group():
         assert all(pool.num_blocks_of(s) == layout.pages(*span) for s, span in lens.items())
 
 
-def test_grouped_pool_refuses_prefix_caching():
-    pool = GroupedBlockPool(_gemma_like(), 8)
-    assert pool.prefix_caching is False
-    with pytest.raises(BlockPoolError):
-        pool.can_allocate("a", 4, prefix=[0])
+def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
+    """Prefix caching over groups (three sliding groups of 4-token blocks, window 8; a full group of 8-token ones): a
+    sequence's blocks are registered once computed; another with the same leading tokens gets the longest prefix every
+    group can serve, 16 tokens here (a multiple of 8, below its 23 known tokens): the full group's two blocks, and of
+    each sliding group only blocks 2 and 3, what a query at 16 reads; block 0, released before it was registered, is
+    not needed. Its sliding tables start NULL; the shared blocks are held twice; what it takes is counted."""
+    layout = _gemma_like()
+    pool = GroupedBlockPool(layout, 64, prefix_caching=True)
+    tokens = list(range(100, 124))
+    pool.allocate("a", 12)                                  # computed, not registered yet
+    pool.allocate("a", 24)                                  # hands sliding block 0 back (window of position 12)
+    assert [pool.group_table("a", g)[0] for g in range(3)] == [NULL_BLOCK] * 3
+    assert pool.register("a", tokens, 24) == 3 * 5 + 3 and pool.register("a", tokens, 24) == 0
+    assert pool.match_prefix(tokens[:7]) == [] and pool.match_prefix([1] + tokens[1:23]) == []
+    hashes: list[bytes] = []
+    prefix = pool.match_prefix(tokens[:23], hashes)
+    assert prefix.tokens == 16 == pool.prefix_tokens(prefix) and len(hashes) == 5   # 4-token units, as far as known
+    a_tables = [pool.group_table("a", g) for g in range(4)]
+    assert prefix.tables == tuple((NULL_BLOCK, NULL_BLOCK, *a_tables[g][2:4]) for g in range(3)) + (
+        tuple(a_tables[3][:2]),)
+    free = pool.num_free
+    assert pool.can_allocate("b", 20, prefix) and pool._prefix_need(prefix, 20) == 3 * 1 + 1   # block 4, block 2
+    pool.allocate("b", 20, prefix)
+    assert pool.num_free == free - 4 and pool.pages.ref_count(a_tables[3][0]) == 2
+    assert pool.group_table("b", 0)[:4] == [NULL_BLOCK, NULL_BLOCK, *a_tables[0][2:4]]
+    assert pool.slot("b", 0, 17) == pool.group_table("b", 0)[4] * 4 + 1
+    pool.check_invariants()
+    with pytest.raises(BlockPoolError, match="only a new one"):
+        pool.allocate("b", 24, prefix)
+    assert pool.free("a") == 3 * 5 + 3 and pool.free("b") == 3 * 3 + 3 and pool.num_free == pool.capacity
+    assert pool.match_prefix(tokens[:23]).tokens == 16     # freed blocks stay cached until evicted
+    assert GroupedBlockPool(layout, 8).match_prefix(tokens) == []   # caching off
+
+

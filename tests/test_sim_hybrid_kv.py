@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-import pytest
 
 from policies.kv_groups import GroupedBlockPool
 from pwsim.cli import main
 from sim_fixtures import summary_without_wall, tiny_card, tiny_sim, tiny_workload
-from traces.clikit import UserError
 
 
 def tiny_gemma():
@@ -46,9 +44,26 @@ def test_models_without_sliding_windows_run_alike_with_the_flag():
     assert summary_without_wall(off) == summary_without_wall(on)
 
 
-def test_hybrid_groups_refuse_prefix_caching():
-    with pytest.raises(UserError, match="prefix caching"):
-        _run(tiny_gemma(), True, prefix_caching=True)
+def test_prefix_caching_over_hybrid_groups_skips_shared_prompt_tokens():
+    """Requests with 64 shared leading prompt tokens of two groups, over hybrid groups (16-token sliding blocks,
+    window 16; 32-token global ones): cached prefixes skip whole multiples of 32 tokens, the outputs are the same, and
+    the run repeats itself exactly."""
+    from pwsim.workload import synthetic
+    from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
+
+    card = tiny_gemma()
+    spec = WorkloadSpec(requests=24, rate=2000.0, prompt=LengthDist.parse("uniform:70,160"),
+                        output=LengthDist.parse("uniform:4,48"), domains=("c4", "code"), token_ids_vocab=100,
+                        shared_prefix_tokens=64, prefix_groups=2)
+    wl = synthetic(card, spec, RoutingSpec(features=True), 0)
+    sims = [tiny_sim(kv_blocks=12, card=card, workload=wl, hybrid_kv=True, prefix_caching=caching)
+            for caching in (False, True, True)]
+    assert isinstance(sims[1].pool, GroupedBlockPool) and sims[1].pool.prefix_caching
+    off, on, again = (sim.run().summary for sim in sims)
+    assert off["prefix_cache_hit_tokens"] == 0 and on["prefix_cache_hit_tokens"] > 0
+    assert on["prefix_cache_hit_tokens"] % 32 == 0 and on["computed_tokens"] < off["computed_tokens"]
+    assert on["completed"] == off["completed"] == 24 and on["output_tokens"] == off["output_tokens"]
+    assert summary_without_wall(again) == summary_without_wall(on)
 
 
 def test_the_cli_takes_the_flag(tmp_path):
