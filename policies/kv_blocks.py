@@ -276,6 +276,12 @@ class BlockPool:
         """Leading entries of the sequence's table already released (`release_leading`)."""
         return self._released.get(seq_id, 0)
 
+    def freed_by_release(self, seq_id: Hashable, num_blocks: int) -> int:
+        """Blocks `release_leading(seq_id, num_blocks)` would return to the free list: those it releases that no other
+        table holds (a shared prefix block stays in use)."""
+        table = self._tables.get(seq_id, ())
+        return sum(self._refs[b] == 1 for b in table[self._released.get(seq_id, 0):min(int(num_blocks), len(table))])
+
     def release_leading(self, seq_id: Hashable, num_blocks: int) -> int:
         """Release the table's first `num_blocks` blocks (those before them already are): their entries become
         NULL_BLOCK and the blocks return to the free list, tail first as `free` does (a registered one stays cached

@@ -189,11 +189,14 @@ class GroupedBlockPool:
         return [g.blocks_held(start, end) for g in self.layout.groups]
 
     def _net(self, seq_id: Hashable, plan: list[tuple[int, int]]) -> int:
-        """Pages `plan` takes from the free ones: the blocks it adds less those it releases first."""
+        """Pages `plan` takes from the free ones: the blocks it adds less those its releases free first (a block
+        another sequence shares through a cached prefix stays in use)."""
         net = 0
         for g, (first, last) in enumerate(plan):
             key = (seq_id, g)
-            net += max(0, last - self.pages.num_tokens(key)) - max(0, first - self.pages.num_released(key))
+            net += max(0, last - self.pages.num_tokens(key))
+            if first > self.pages.num_released(key):
+                net -= self.pages.freed_by_release(key, first)
         return max(0, net)
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:

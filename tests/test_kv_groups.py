@@ -230,7 +230,16 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
     pool.check_invariants()
     with pytest.raises(BlockPoolError, match="only a new one"):
         pool.allocate("b", 24, prefix)
-    assert pool.free("a") == 3 * 5 + 3 and pool.free("b") == 3 * 3 + 3 and pool.num_free == pool.capacity
+    # growing b to 28 tokens releases each sliding group's block 2, which a still holds: it frees nothing, so b needs
+    # all 7 new pages, not 7 less the 3 it releases
+    pool.pages.allocate("filler", pool.num_free - 5)
+    assert pool.blocks_needed("b", 28) == 7 and not pool.can_allocate("b", 28) and not pool.try_allocate("b", 28)
+    assert pool.num_tokens("b") == 20 and pool.group_table("b", 0)[2] == a_tables[0][2]   # unchanged
+    pool.pages.free("filler")
+    assert pool.try_allocate("b", 28) and pool.group_table("b", 0)[:3] == [NULL_BLOCK] * 3
+    assert pool.pages.ref_count(a_tables[0][2]) == 1
+    pool.check_invariants()
+    assert pool.free("a") == 3 * 5 + 3 and pool.free("b") == 3 * 4 + 4 and pool.num_free == pool.capacity
     assert pool.match_prefix(tokens[:23]).tokens == 16     # freed blocks stay cached until evicted
     assert GroupedBlockPool(layout, 8).match_prefix(tokens) == []   # caching off
 
