@@ -311,7 +311,7 @@ class DecodeGraphs(GraphSet):
         for w in self.widths:
             host = DecodeInputs.alloc(self.sizes[-1], w, torch.device("cpu"), pin_memory=model.device.type == "cuda")
             self.staging.append(DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw))
-        self.buffers, self.host, self.max_blocks = self.inputs[0], self.staging[0], self.widths[0]   # group 0's
+        self.buffers = self.inputs[0]   # group 0's, where the rows every group shares are read
         self.sample_values = torch.zeros((self.sizes[-1], ROW_VALUES), dtype=torch.float32, device=model.device)
         self.sampler_disabled: str | None = None   # why captured sampling is off (its capture failed)
         self.sampler_replays = 0

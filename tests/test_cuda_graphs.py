@@ -155,7 +155,7 @@ def _fake_model(dtype=torch.float16, store=None, graph_attention=True):
 def test_graphs_usable_only_for_capturable_decode_batches():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = DecodeGraphs(_fake_model(), kv, max_num_seqs=6)
-    assert g.sizes == (1, 2, 4, 8) and g.max_blocks == 16 and g.buffers.block_tables.shape == (8, 16)
+    assert g.sizes == (1, 2, 4, 8) and g.widths == [16] and g.buffers.block_tables.shape == (8, 16)
     row = lambda n, pos=3: DecodeRows([1] * n, [pos] * n, [[0] * (pos // 4 + 1)] * n)  # noqa: E731
     assert g.supports(row(1)) and g.supports(row(8))
     assert not g.supports(row(9)) and not g.supports(row(0))
