@@ -241,6 +241,13 @@ class BlockPool:
             taken.append(b)
         return taken
 
+    def _unref(self, b: int) -> None:
+        """Drop one table's reference to block b; the last one returns it to the free blocks."""
+        self._refs[b] -= 1
+        if not self._refs[b]:
+            del self._refs[b]
+            self._release(b)
+
     def _release(self, b: int) -> None:
         """Return block b (no longer referenced) to the free blocks: a cached one becomes the most recently freed."""
         if b in self._hash_of:
@@ -264,12 +271,8 @@ class BlockPool:
         held = len(table) - self._released.pop(seq_id, 0)
         self._chain.pop(seq_id, None)
         for b in reversed(table):
-            if b == NULL_BLOCK:
-                continue
-            self._refs[b] -= 1
-            if not self._refs[b]:
-                del self._refs[b]
-                self._release(b)
+            if b != NULL_BLOCK:
+                self._unref(b)
         return held
 
     def num_released(self, seq_id: Hashable) -> int:
@@ -293,10 +296,7 @@ class BlockPool:
         n = min(int(num_blocks), len(table))
         for j in range(n - 1, done - 1, -1):
             b, table[j] = table[j], NULL_BLOCK
-            self._refs[b] -= 1
-            if not self._refs[b]:
-                del self._refs[b]
-                self._release(b)
+            self._unref(b)
         self._released[seq_id] = n
         return n - done
 
