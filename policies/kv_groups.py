@@ -63,6 +63,12 @@ class KVLayout:
     def layers_per_group(self) -> int:
         return len(self.groups[0].layers)
 
+    @property
+    def group_of(self) -> tuple[int, ...]:
+        """Each layer's group, in layer order."""
+        groups = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
+        return tuple(groups[layer] for layer in range(len(groups)))
+
     @classmethod
     def build(cls, token_bytes: Sequence[int], windows: Sequence[int | None], block_size: int,
               hybrid: bool = True) -> "KVLayout":

@@ -80,11 +80,11 @@ class MixedGraphs(GraphSet):
         super().__init__(model, kv, settle_steps, sampled)
         self.sizes = mixed_sizes(max_num_batched_tokens)
         n, cuda = self.sizes[-1], model.device.type == "cuda"
-        groups = kv.layout.groups
-        self._group_of = {layer: g for g, group in enumerate(groups) for layer in group.layers}
+        self._group_of = kv.layout.group_of
+        rows = 3 + len(kv.layout.groups)
         # token ids, positions, each KV group's K/V slots, the previous step's sampled row feeding each token (-1: none)
-        self.inputs = torch.zeros(3 + len(groups), n, dtype=torch.long, device=model.device)
-        self.host = torch.zeros(3 + len(groups), n, dtype=torch.long, pin_memory=cuda)  # staged here, sent in one copy
+        self.inputs = torch.zeros(rows, n, dtype=torch.long, device=model.device)
+        self.host = torch.zeros(rows, n, dtype=torch.long, pin_memory=cuda)  # staged here, sent in one copy
         c = model.config
         sets = {shape: Boundary.alloc(n, c.heads, *shape, model.dtype, model.device) for shape in set(c.kv_shapes)}
         self.boundaries = [sets[shape] for shape in c.kv_shapes]   # each layer's, by its (KV heads, head size)

@@ -78,7 +78,7 @@ def test_stage_gives_each_kv_group_its_slots():
     layout = KVLayout.build([64, 128], [8, None], 4)
     kv = KVCache(2, 16, 4, 2, 8, torch.float16, scratch=True, layer_shapes=((2, 8), (2, 16)), layout=layout)
     g = MixedGraphs(_fake_model(), kv, 64)
-    assert g.inputs.shape == (5, 64) and g._group_of == {0: 0, 1: 1}
+    assert g.inputs.shape == (5, 64) and g._group_of == (0, 1)
     g._stage([5, 6], [3, 4], [torch.tensor([19, 20]), torch.tensor([7, 8])], 64, token_src=[-1, 0])
     assert g.inputs[:, :3].tolist() == [[5, 6, 0], [3, 4, 0], [19, 20, 16 * 8], [7, 8, 16 * 4], [-1, 0, -1]]
     with pytest.raises(ValueError):

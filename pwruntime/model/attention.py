@@ -300,11 +300,9 @@ def layer_plans(meta: AttentionMetadata | Sequence[AttentionMetadata], layout: K
     if len(metas) != len(layout.groups):
         raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each, "
                          f"got {len(metas)}")
-    plans: dict[int, AttentionPlan] = {}
-    for m, group in zip(metas, layout.groups):
-        plan = AttentionPlan.build(m, group.block_size, device, dtype, group.window)
-        plans.update((layer, plan) for layer in group.layers)
-    return [plans[layer] for layer in range(len(plans))]
+    plans = [AttentionPlan.build(m, group.block_size, device, dtype, group.window)
+             for m, group in zip(metas, layout.groups)]
+    return [plans[g] for g in layout.group_of]
 
 
 def _key_blocks(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int,
