@@ -216,8 +216,9 @@ class LLMEngine:
                 raise UserError(str(e)) from None
         policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
         self.policy = policy
-        full_length = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
-        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, full_length)
+        # the blocks a request of the full context holds at its last position
+        self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
+        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request)
         self.pool = (GroupedBlockPool(self.kv_layout, blocks, cfg.prefix_caching) if self.kv_layout.hybrid else
                      BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
         graphs = cfg.cuda_graphs and model.device.type == "cuda"

@@ -83,7 +83,7 @@ def serving_info(engine) -> dict:
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
             "hybrid_kv_cache": engine.kv_layout.hybrid,
-            "kv_blocks_per_request": engine.kv_layout.pages(engine.max_model_len - 1, engine.max_model_len),
+            "kv_blocks_per_request": engine.kv_blocks_per_request,
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
