@@ -34,9 +34,8 @@ def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int,
                       blocks_per_seq: int) -> tuple[int, int]:
     """The KV pool's first blocks (an EngineConfig's `num_kv_blocks`, else what its memory budget leaves, else a share
     of free GPU memory or `cpu_kv_cache_bytes`, never more than `max_num_seqs` full-length sequences need, each
-    `blocks_per_seq`), and the
-    spare bytes beside them that only a memory budget has (its room's remainder short of one more block: released
-    weight bytes join them, as the simulator's headroom counts them)."""
+    `blocks_per_seq`), and the spare bytes beside them that only a memory budget has (its room's remainder short of
+    one more block: released weight bytes join them, as the simulator's headroom counts them)."""
     if config.num_kv_blocks is not None:
         if config.num_kv_blocks < 1:
             raise UserError(f"num_kv_blocks must be >= 1, got {config.num_kv_blocks}")
