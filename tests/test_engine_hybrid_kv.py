@@ -154,6 +154,25 @@ def test_prefix_caching_over_hybrid_groups_shares_the_window_and_generates_the_s
     assert engine.scheduler.num_cached_tokens == 3 * 40   # each later prompt's 40 shared tokens (multiples of 8)
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_asynchronous_scheduling_over_hybrid_groups_generates_what_synchronous_does(model, caching):
+    """The next step is scheduled before the last one's tokens are known: a sliding group's blocks leave its window
+    and go back one token ahead of what has landed, under a pool tight enough to preempt (and, with prefix caching,
+    prompts sharing 24 tokens). The tokens are those of synchronous scheduling."""
+    shared = [(5 * j) % 120 + 3 for j in range(24)]
+    prompts = [shared + p for p in _prompts((3, 9, 6, 13))]
+    runs = []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16,
+                                               hybrid_kv_cache=True, prefix_caching=caching,
+                                               async_scheduling=async_scheduling))
+        outs = engine.generate(prompts, GREEDY)
+        engine.pool.check_invariants()
+        runs.append(([o.token_ids for o in outs], sum(o.num_preemptions for o in outs)))
+    assert runs[1][0] == runs[0][0]
+    assert runs[0][1] > 0 and runs[1][1] > 0
+
+
 def test_a_model_without_sliding_layers_keeps_one_table(tmp_path):
     model = load_model(make_tiny_checkpoint(tmp_path, "mixtral", seed=1))
     engine = LLMEngine(model, EngineConfig(block_size=4, num_kv_blocks=16, hybrid_kv_cache=True))
