@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Hashable, Sequence
 
 from policies.kv_blocks import NULL_BLOCK, ROOT_HASH, BlockPool, BlockPoolError, chain_hash
@@ -63,9 +64,9 @@ class KVLayout:
     def layers_per_group(self) -> int:
         return len(self.groups[0].layers)
 
-    @property
+    @cached_property
     def group_of(self) -> tuple[int, ...]:
-        """Each layer's group, in layer order."""
+        """Each layer's group, in layer order (made once: every forward's plans read it)."""
         groups = {layer: g for g, group in enumerate(self.groups) for layer in group.layers}
         return tuple(groups[layer] for layer in range(len(groups)))
 
