@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-
 from policies.kv_groups import GroupedBlockPool
 from pwsim.cli import main
 from sim_fixtures import summary_without_wall, tiny_card, tiny_sim, tiny_workload
