@@ -193,19 +193,22 @@ def test_generate_takes_the_flag(tmp_path, capsys):
 
 
 @pytest.mark.gpu
-def test_cuda_hybrid_groups_run_the_kernels_and_graphs_as_one_table_does(tmp_path, capsys):
+@pytest.mark.parametrize("global_kv_heads", [2, 1])
+def test_cuda_hybrid_groups_run_the_kernels_and_graphs_as_one_table_does(tmp_path, capsys, global_kv_heads):
     """On CUDA in bf16 at Gemma 4's head sizes (sliding 4 x 256, window 16; global 2 x 512: a token's bytes alike, so
-    three groups of one layer, 16-token blocks each): the GQA decode kernel over sliding tables whose blocks before the
-    window are released, flash attention's chunks gathering keys from the window on (16-token chunks after their
-    context), and the global layer's whole context. The same data in the same order as one table's, so the same
-    tokens; and the same again through decode graphs and mixed steps' pieces (each group's tables and slots in their
-    static inputs)."""
+    three groups of one layer, 16-token blocks each; global 1 x 512: its group's blocks of 32 tokens, so a kernel or
+    a graph's input that took another group's block size would read the wrong rows): the GQA decode kernel over
+    sliding tables whose blocks before the window are released, flash attention's chunks gathering keys from the
+    window on (16-token chunks after their context), and the global layer's whole context. The same data in the same
+    order as one table's, so the same tokens; and the same again through decode graphs and mixed steps' pieces (each
+    group's tables and slots in their static inputs). `--max-model-len 128` keeps the graphs' tables as narrow as the
+    eager steps', so the decode kernel splits a context alike in both (a split's merge may round otherwise)."""
     from test_model_gpu import _gemma4_at_its_head_sizes
 
-    path = _gemma4_at_its_head_sizes(tmp_path, window=16)
+    path = _gemma4_at_its_head_sizes(tmp_path, window=16, global_kv_heads=global_kv_heads)
     args = ["generate", "--model", str(path), "--device", "cuda", "--dtype", "bf16", "--prompt", make_text(60, seed=1),
             "--prompt", make_text(25, seed=2), "--max-tokens", "48", "--ignore-eos", "--max-num-batched-tokens", "16",
-            "--json"]
+            "--max-model-len", "128", "--json"]
     runs = {}
     for name, extra in (("eager", ["--no-cuda-graphs"]), ("hybrid eager", ["--no-cuda-graphs", "--hybrid-kv-cache"]),
                         ("hybrid graphs", ["--hybrid-kv-cache"])):

@@ -72,10 +72,11 @@ def test_cuda_bf16_qwen15_moe_sized(tmp_path):
     assert ((step[0] - ref[-1]).abs().mean() / scale) < 0.05
 
 
-def _gemma4_at_its_head_sizes(tmp_path, window=64):
+def _gemma4_at_its_head_sizes(tmp_path, window=64, global_kv_heads=2):
     """Two sliding layers of 256-wide heads and a global one of 512-wide heads, V from K."""
     return make_tiny_checkpoint(tmp_path, "gemma4", seed=0, hidden_size=512, num_attention_heads=8,
-                                num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+                                num_key_value_heads=4, head_dim=256, global_head_dim=512,
+                                num_global_key_value_heads=global_kv_heads,
                                 num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"],
                                 sliding_window=window, num_experts=8, top_k_experts=2, moe_intermediate_size=256,
                                 intermediate_size=1024, vocab_size=4096, initializer_range=0.02,
