@@ -190,8 +190,13 @@ extern "C" __global__ void __launch_bounds__(D) pw_paged_attention_merge(
     const int s = blockIdx.x, h = blockIdx.y, heads = gridDim.y, d = threadIdx.x;
     const long long row0 = ((long long)s * heads + h) * parts;
     float mt = NEG_INF;
+    int seen = 0, only = 0;   // parts that saw keys, and the last of them
     for (int p = 0; p < parts; ++p)
-        if (part_ml[2 * (row0 + p) + 1] > 0.f) mt = fmaxf(mt, part_ml[2 * (row0 + p)]);
+        if (part_ml[2 * (row0 + p) + 1] > 0.f) mt = fmaxf(mt, part_ml[2 * (row0 + p)]), ++seen, only = p;
+    if (seen == 1) {   // its output as a kernel of one part writes it: (l o) / l may round o in its last bit
+        out[(long long)s * out_stride + (long long)h * D + d] = f2act<BFA>(part_o[(row0 + only) * D + d]);
+        return;
+    }
     float wt = 0.f, o = 0.f;
     for (int p = 0; p < parts; ++p) {
         const float lp = part_ml[2 * (row0 + p) + 1];

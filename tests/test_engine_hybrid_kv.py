@@ -201,14 +201,15 @@ def test_cuda_hybrid_groups_run_the_kernels_and_graphs_as_one_table_does(tmp_pat
     sliding tables whose blocks before the window are released, flash attention's chunks gathering keys from the
     window on (16-token chunks after their context), and the global layer's whole context. The same data in the same
     order as one table's, so the same tokens; and the same again through decode graphs and mixed steps' pieces (each
-    group's tables and slots in their static inputs). `--max-model-len 128` keeps the graphs' tables as narrow as the
-    eager steps', so the decode kernel splits a context alike in both (a split's merge may round otherwise)."""
+    group's tables and slots in their static inputs). The graphs' tables are the model's 4096 positions wide, so their
+    decode kernel cuts a context into parts of which only the first has keys, and the merge writes that part's output
+    as it is: the eager steps' kernel, of one part, writes the same."""
     from test_model_gpu import _gemma4_at_its_head_sizes
 
     path = _gemma4_at_its_head_sizes(tmp_path, window=16, global_kv_heads=global_kv_heads)
     args = ["generate", "--model", str(path), "--device", "cuda", "--dtype", "bf16", "--prompt", make_text(60, seed=1),
             "--prompt", make_text(25, seed=2), "--max-tokens", "48", "--ignore-eos", "--max-num-batched-tokens", "16",
-            "--max-model-len", "128", "--json"]
+            "--json"]
     runs = {}
     for name, extra in (("eager", ["--no-cuda-graphs"]), ("hybrid eager", ["--no-cuda-graphs", "--hybrid-kv-cache"]),
                         ("hybrid graphs", ["--hybrid-kv-cache"])):
