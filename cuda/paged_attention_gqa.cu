@@ -31,8 +31,9 @@ constexpr bool BFA = PW_DT == 1;
 constexpr int D = PW_D, G = PW_G;
 constexpr int WARPS = 8;
 // token steps loaded before the first use: 512-wide heads keep 2, so a CTA fits in 128 registers and two share an SM
-// (4 took 174 and one CTA an SM); 256-wide heads 8 (127 registers, still two CTAs); session 48's sweep, cuda/NOTES.md
-constexpr int UNROLL = D == 512 ? 2 : D == 256 ? 8 : 4;
+// (4 took 174 and one CTA an SM); 256-wide heads 8 at G <= 2 (127 registers, still two CTAs; session 48's sweep,
+// cuda/NOTES.md), but 4 at G 3 and 4, where 8 took 152-172 registers (nvcc 13.0) and one CTA an SM
+constexpr int UNROLL = D == 512 ? 2 : D == 256 ? (G <= 2 ? 8 : 4) : 4;
 constexpr int THREADS = 32 * WARPS;
 constexpr int EPL = D > 256 ? D / 32 : 8;   // elements a lane holds of a row
 constexpr int VEC = EPL / 8;                 // its 16-byte loads a row
