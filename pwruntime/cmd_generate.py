@@ -54,10 +54,11 @@ def add_engine_args(p) -> None:
                         "refused, outputs stop there")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="share the cached KV blocks of a common prompt prefix between requests (default off)")
-    p.add_argument("--hybrid-kv-cache", action="store_true",
+    p.add_argument("--hybrid-kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="give a model's sliding-window and global layers KV block tables of their own, so sliding "
                         "layers hand back what leaves their window (Gemma 4; vLLM's hybrid KV cache manager; with "
-                        "--enable-prefix-caching a prefix hit needs only a sliding window's blocks) (default off)")
+                        "--enable-prefix-caching a prefix hit needs only a sliding window's blocks); a model without "
+                        "sliding layers keeps one table either way (default on; --no-hybrid-kv-cache: one table)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run every step eagerly on CUDA (default: replay captured graphs when the experts allow)")
     p.add_argument("--no-mixed-graphs", action="store_true",

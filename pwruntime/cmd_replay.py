@@ -156,7 +156,8 @@ def run(args) -> int:
                "instant_page_moves": isinstance(engine.loop.mover, ImmediateMover)}  # no copy stream (the CPU's)
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
-    config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:]}
+    config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:],
+              "hybrid_kv_cache": engine.kv_layout.hybrid}  # what ran: a model without sliding layers has one table
     documents = {"summary": summary, "config": config}
     if sampler is not None:
         documents["host_stacks"] = {"interval_s": sampler.interval_s, "min_stretch_s": sampler.min_stretch_s,

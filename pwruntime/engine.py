@@ -46,11 +46,11 @@ routing observation (routing mass, prompt features) sees only the tokens compute
 again. A routing trace needs every position's routing, so trace recording refuses prefix caching. Resizes
 (pwruntime.kv_capacity: growth, and shrinking with its compaction) keep cached and shared blocks: the pool reports each move once.
 
-Hybrid KV groups (`hybrid_kv_cache`, off by default; policies.kv_groups): a model that mixes sliding-window and global
-layers (Gemma 4) keeps them in groups with block tables of their own, so a sliding group's table hands back the blocks
-that left its window; the pool (a GroupedBlockPool) then counts pages, and the cache shares each page's memory
-between the groups (pwruntime.kv_cache). Each group has its own block tables and K/V slots in a forward's metadata,
-and in the CUDA graphs' static inputs. With prefix caching each group caches its own blocks (the pool's docstring).
+Hybrid KV groups (`hybrid_kv_cache`, on by default as vLLM's; policies.kv_groups): a model that mixes sliding-window and
+global layers (Gemma 4) keeps them in groups with block tables of their own, so a sliding group's table hands back the
+blocks that left its window; the pool (a GroupedBlockPool) then counts pages, and the cache shares each page's memory
+between the groups (pwruntime.kv_cache). Each group has its own block tables and K/V slots in a forward's metadata, and
+in the CUDA graphs' static inputs. With prefix caching each group caches its own blocks (the pool's docstring).
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ class EngineConfig:
     graph_settle_steps: int = 8  # after a change that drops graphs (a new store or store epoch; KV resizes on CUDA do
     # not), steps of each kind (decode, mixed) that run eagerly before its graphs are captured again
     prefix_caching: bool = False  # share cached full KV blocks between requests with a common prefix
-    hybrid_kv_cache: bool = False  # sliding-window and global layers in KV groups with tables of their own, so a
+    hybrid_kv_cache: bool = True  # sliding-window and global layers in KV groups with tables of their own, so a
     # sliding group hands back what left its window (policies.kv_groups; blocks are then pages of one group)
     async_scheduling: bool = False  # schedule and launch the next step before settling this one (module docstring)
     lut_room: str = "slack"  # where an offload's lower LUT finds room in flight (policies.memory_budget.LUT_ROOMS);

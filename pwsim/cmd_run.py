@@ -53,10 +53,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="share the cached KV blocks of common prompt prefixes between requests, as the runtime's "
                         "--enable-prefix-caching (needs prompt token ids: a trace with them, or --token-ids-vocab); "
                         "the summary reports prefix_cache_hit_tokens")
-    e.add_argument("--hybrid-kv-cache", action="store_true",
+    e.add_argument("--hybrid-kv-cache", action=argparse.BooleanOptionalAction, default=True,
                    help="a model with sliding-window layers (Gemma 4) keeps their KV in block tables of their own that "
                         "hand back what leaves the window, as vLLM's hybrid KV cache manager (policies/kv_groups.py); "
-                        "the runtime's --hybrid-kv-cache")
+                        "the runtime's --hybrid-kv-cache (default on; --no-hybrid-kv-cache: one table)")
     e.add_argument("--async-scheduling", action="store_true",
                    help="schedule the next batch before the last one's tokens settle, as the runtime's "
                         "--async-scheduling: its decisions, and iterations that take the longer of the device's and "
@@ -164,8 +164,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
             parts.append(f"--{flag.replace('_', '-')} {v}")
     if args.enable_prefix_caching:
         parts.append("--enable-prefix-caching")
-    if args.hybrid_kv_cache:
-        parts.append("--hybrid-kv-cache")
+    if not args.hybrid_kv_cache:
+        parts.append("--no-hybrid-kv-cache")
     if args.async_scheduling:
         parts.append("--async-scheduling")
     if args.instant_page_moves:

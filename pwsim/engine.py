@@ -89,7 +89,7 @@ class SimConfig:
     check_invariants: bool = False  # pool/table invariants after every boundary (tests)
     max_iterations: int = 50_000_000
     prefix_caching: bool = False  # share cached full KV blocks of common prompt prefixes (needs prompt token ids)
-    hybrid_kv: bool = False  # sliding-window layers' KV in block tables of their own that hand back what leaves the
+    hybrid_kv: bool = True  # sliding-window layers' KV in block tables of their own that hand back what leaves the
     # window (policies.kv_groups; a model without such layers keeps one table), as the runtime's hybrid_kv_cache
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
     instant_page_moves: bool = False  # every page move lands at the boundary that began it, as the CPU runtime's

@@ -38,6 +38,7 @@ SETTINGS = (
     ("burstiness", "burstiness", "--burstiness"),
     ("seed", "seed", "--seed"),
 )
+DEFAULT_ON = {"--hybrid-kv-cache"}  # the switches on unless turned off (`--no-...`)
 
 
 def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
@@ -66,8 +67,9 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     # the card its routing names: a bundled one, or the one the replay wrote beside it (a model without a bundled card)
     args.model = str(trace / CARD_FILE) if (trace / CARD_FILE).is_file() else read_routing(trace / ROUTING_FILE).card
     taken.append(f"--model {args.model}")
-    if "lut_room" not in config:  # a replay before session 38, whose offloads' LUTs took their room from the KV pool
-        config = {**config, "lut_room": "pool"}
+    # what a replay older than a setting ran with: offloads' LUTs took their room from the KV pool (before session 38),
+    # and one KV table served every layer (before session 49)
+    config = {"lut_room": "pool", "hybrid_kv_cache": False, **config}
     for key, attr, flag in SETTINGS:
         if key not in config or (key == "calibration" and not config[key]):
             continue  # not recorded (an older replay), or no calibration given: the simulator's default stands
@@ -78,7 +80,7 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
         if value is None:
             continue
         if isinstance(value, bool):
-            taken += [flag] if value else []
+            taken += [flag] if value else [f"--no-{flag[2:]}"] if flag in DEFAULT_ON else []
         elif isinstance(value, list):
             taken += [f"{flag} {v}" for v in value]
         else:

@@ -67,7 +67,7 @@ class RunConfig:
     allocator_slack_bytes: int | None = None  # None: policies.memory_budget.allocator_slack_bytes
     timeline_stride: int = 1
     prefix_caching: bool = False  # SimConfig.prefix_caching (the trace needs prompt token ids)
-    hybrid_kv: bool = False  # SimConfig.hybrid_kv
+    hybrid_kv: bool = True  # SimConfig.hybrid_kv
     async_scheduling: bool = False  # SimConfig.async_scheduling
     instant_page_moves: bool = False  # SimConfig.instant_page_moves
     lut_room: str = "slack"  # SimConfig.lut_room
@@ -148,6 +148,8 @@ class RunConfig:
 def make_config(budget: str | int, **kw) -> RunConfig:
     """A RunConfig with the budget parsed (`"20GiB"`) and policy parameters given as a dict."""
     params = kw.pop("policy_params", None) or {}
+    if kw.get("hybrid_kv", True):  # recorded as what runs: a model without sliding-window layers keeps one table
+        kw["hybrid_kv"] = _card(kw.get("model", DEFAULTS.model)).kv_layout(kw.get("block_size", 16)).hybrid
     return RunConfig(budget_bytes=parse_size(budget), policy_params=tuple(sorted(params.items())), **kw)
 
 

@@ -57,9 +57,10 @@ def test_batched_equals_alone(models, arch):
 def test_batched_with_preemption_equals_alone(models, arch):
     model = models[arch]
     prompts = _prompts(model)
-    # 12 blocks of 4 tokens: each request alone fits (<= 41 tokens), all four together (>= 90) do not
+    # 12 blocks of 4 tokens of every layer (one table: hybrid groups count pages of one group's block): each request
+    # alone fits (<= 41 tokens), all four together (>= 90) do not
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=12, block_size=4, max_num_batched_tokens=64,
-                                           record_traces=True))
+                                           record_traces=True, hybrid_kv_cache=False))
     outs = engine.generate(prompts, GREEDY)
     assert engine.scheduler.num_preemptions > 0
     # a recompute's positions are traced again, as its request's next attempt; each request's last computation whole
@@ -141,7 +142,7 @@ def test_shrink_with_compaction_and_grow_keep_outputs(models, arch):
     model = models[arch]
     short, long_ = _prompts(model, (3, 9))
     expect = _alone(model, long_, SamplingParams(max_tokens=20, ignore_eos=True))
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=16, block_size=4))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=16, block_size=4, hybrid_kv_cache=False))  # one table
     engine.add_request(short, SamplingParams(max_tokens=1))  # takes block 0 and finishes at once
     rid = engine.add_request(long_, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()

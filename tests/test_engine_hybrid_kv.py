@@ -185,7 +185,7 @@ def test_generate_takes_the_flag(tmp_path, capsys):
     args = ["generate", "--model", str(path), "--device", "cpu", "--prompt", make_text(30, seed=1), "--prompt",
             make_text(12, seed=2), "--max-tokens", "12", "--ignore-eos", "--json", "--block-size", "4"]
     runs = []
-    for extra in ([], ["--hybrid-kv-cache"]):
+    for extra in (["--no-hybrid-kv-cache"], []):  # on by default
         assert main(args + extra) == 0
         runs.append(json.loads(capsys.readouterr().out))
     assert [r["stats"]["hybrid_kv_cache"] for r in runs] == [False, True]
@@ -211,8 +211,8 @@ def test_cuda_hybrid_groups_run_the_kernels_and_graphs_as_one_table_does(tmp_pat
             "--prompt", make_text(25, seed=2), "--max-tokens", "48", "--ignore-eos", "--max-num-batched-tokens", "16",
             "--json"]
     runs = {}
-    for name, extra in (("eager", ["--no-cuda-graphs"]), ("hybrid eager", ["--no-cuda-graphs", "--hybrid-kv-cache"]),
-                        ("hybrid graphs", ["--hybrid-kv-cache"])):
+    for name, extra in (("eager", ["--no-cuda-graphs", "--no-hybrid-kv-cache"]), ("hybrid eager", ["--no-cuda-graphs"]),
+                        ("hybrid graphs", [])):
         assert main(args + extra) == 0
         runs[name] = json.loads(capsys.readouterr().out)
     assert [r["stats"]["hybrid_kv_cache"] for r in runs.values()] == [False, True, True]

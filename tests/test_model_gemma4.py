@@ -140,7 +140,7 @@ def test_ap_experts_serve_gemma4_with_gelu(tmp_path, capsys):
     prompts = [a for p in ("ba be bi bo", "ka ke ki ko ku", "ma me") for a in ("--prompt", p)]
     assert main(["generate", "--ap", str(tmp_path / "ap"), "--calibration", "synthetic", "--policy", "pagedweight",
                  *prompts, "--max-tokens", "40", "--ignore-eos", "--num-kv-blocks", "8", "--block-size", "4",
-                 "--json"]) == 0
+                 "--no-hybrid-kv-cache", "--json"]) == 0  # one table: pressure enough to keep the bits lowered
     stats = json.loads(capsys.readouterr().out)["stats"]
     assert stats["plans"] > 0 and stats["mean_bits_end"] < stats["mean_bits_start"] and stats["kv_blocks"] > 8
 
@@ -167,8 +167,8 @@ def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys,
     """The runtime's Gemma 4 under a planner's pressure (AP experts, synthetic calibration, `replay --record-routing`)
     and `pwsim run --like-replay`: no bundled card describes the tiny model, so the replay writes its card (the two
     KV geometries included) beside the routing, and the simulator takes every step's and transition's decision the
-    runtime took. With `--hybrid-kv-cache` both keep the sliding layer's KV in a group of its own (window 8 of prompts
-    up to 40 tokens: its pages go back as the sequences grow), the simulator because the replay did."""
+    runtime took. With hybrid KV groups (the default) both keep the sliding layer's KV in a group of its own (window 8
+    of prompts up to 40 tokens: its pages go back as the sequences grow), the simulator because the replay did."""
     import numpy as np
 
     from pwsim.cli import main as sim_main
@@ -188,13 +188,14 @@ def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys,
     assert main(["replay", "--trace", str(tmp_path / "load"), "--out", str(rt), "--ap", str(tmp_path / "ap"),
                  "--calibration", "synthetic", "--policy", "pagedweight", "--gpu-memory-budget", "760KiB",
                  "--dtype", "bf16", "--device", "cpu", "--time-scale", "0", "--record-routing"]
-                + ["--hybrid-kv-cache"] * hybrid) == 0
+                + ["--no-hybrid-kv-cache"] * (not hybrid)) == 0
     card = ModelSpec.from_dict(json.loads((rt / "trace" / CARD_FILE).read_text()))
     assert card.global_head_dim == 32 and card.kv_bytes_per_token() == 2 * 2 * (2 * 16 + 32)
     capsys.readouterr()
     assert sim_main(["run", "--like-replay", str(rt), "--out", str(sim)]) == 0
     taken = capsys.readouterr().out
-    assert f"--model {rt / 'trace' / CARD_FILE}" in taken and ("--hybrid-kv-cache" in taken) == hybrid
+    assert f"--model {rt / 'trace' / CARD_FILE}" in taken
+    assert (" --hybrid-kv-cache" in taken) == hybrid and ("--no-hybrid-kv-cache" in taken) != hybrid
     assert sim_main(["fidelity", "--sim", str(sim), "--runtime", str(rt), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 5  # under pressure
@@ -202,3 +203,9 @@ def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys,
     d, t = report["decisions"], report["transitions"]
     assert d["first_difference"] is None and d["agreeing_steps"] == d["steps"] > 20, d
     assert t["first_difference"] is None and t["sim"] == t["runtime"] and t["runtime"]["started"] > 10, t
+    if hybrid:  # a replay from before hybrid KV groups (no such key in its config) ran one table: simulated so
+        config = json.loads((rt / "config.json").read_text())
+        (rt / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "hybrid_kv_cache"}))
+        assert sim_main(["run", "--like-replay", str(rt), "--out", str(tmp_path / "old"), "--no-plots"]) == 0
+        assert "--no-hybrid-kv-cache" in capsys.readouterr().out
+        assert json.loads((tmp_path / "old" / "config.json").read_text())["hybrid_kv"] is False

@@ -69,5 +69,10 @@ def test_the_cli_takes_the_flag(tmp_path):
     out = tmp_path / "run"
     assert main(["run", "--trace", "synthetic", "--model", "Gemma-4-26B-A4B", "--calibration", "synthetic",
                  "--budget", "40GiB", "--requests", "8", "--prompt-dist", "uniform:2000,3000",
-                 "--output-dist", "uniform:16,32", "--hybrid-kv-cache", "--out", str(out)]) == 0
+                 "--output-dist", "uniform:16,32", "--out", str(out)]) == 0  # on by default
     assert json.loads((out / "config.json").read_text())["hybrid_kv"] is True
+    # turned off, and a model without sliding layers, which keeps one table either way: its config says so
+    for name, extra in (("off", ["--model", "Gemma-4-26B-A4B", "--no-hybrid-kv-cache"]), ("one-table", [])):
+        assert main(["run", "--trace", "synthetic", "--calibration", "synthetic", "--budget", "40GiB", "--requests",
+                     "4", "--output-dist", "uniform:4,8", "--out", str(tmp_path / name), *extra]) == 0
+        assert json.loads((tmp_path / name / "config.json").read_text())["hybrid_kv"] is False
