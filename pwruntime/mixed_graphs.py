@@ -115,7 +115,7 @@ class MixedGraphs(GraphSet):
         self._stage(input_ids, positions, [m.slot_mapping for m in metas], size, token_src)
         kv, layers = self.kv, self.model.layers
         staged = [replace(m, slot_mapping=self.inputs[2 + g, :t]) for g, m in enumerate(metas)]
-        plans = layer_plans(staged, kv.layout, self.model.device, self.model.dtype)
+        plans = layer_plans(staged, kv.layout, self.model.device, self.model.dtype, self.model.config.attention_reads)
         for i, (layer, b) in enumerate(zip(layers, self.boundaries)):
             pieces.graphs[i].replay()
             layer.attn.core(b.q[:t], b.k[:t], b.v[:t], kv.k[i], kv.v[i], plans[i], kv.layer_ptrs(i), out=b.out)

@@ -177,6 +177,24 @@ def test_cuda_chunks_through_flash_attention_match_the_reference(dtype, heads, k
     assert err < (3e-3 if dtype == torch.float16 else 2e-2)
 
 
+@pytest.mark.gpu
+def test_a_cuda_plan_builds_what_its_layers_read_and_nothing_else():
+    """A plan's layers (`reads`: window, head size) decide what it builds at once: flash attention's chunks for each
+    window read with heads it takes, the reference's groups only where some layer's heads it does not take (Gemma 4's
+    512-wide global heads), so a hybrid cache's global group builds no chunks it never reads."""
+    seqs = [(20, 1, list(range(6))), (8, 12, list(range(6, 11)))]   # a decode row, a chunk after its context
+    meta = batch_metadata(seqs, 4, "cuda")
+
+    def built(reads):
+        plan = AttentionPlan.build(meta, 4, torch.device("cuda"), torch.bfloat16, reads=reads)
+        return set(plan.varlens), "chunk_groups" in plan.__dict__
+
+    assert built(()) == ({None}, False)                      # one layer of the plan's window (None), heads it takes
+    assert built([(16, 256), (16, 256)]) == ({16}, False)
+    assert built([(16, 256), (None, 512)]) == ({16}, True)   # one table for Gemma 4's sliding and global layers
+    assert built([(None, 512)]) == (set(), True)             # a hybrid cache's global group
+
+
 def test_metadata_helpers_and_table_checks():
     meta = prefill_metadata(10, 4)
     assert meta.query_lens == [10] and meta.context_lens == [0]

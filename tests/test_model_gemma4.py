@@ -34,6 +34,7 @@ def test_the_published_config_reads_as_the_card_says():
     assert c.global_layers == (5, 11, 17, 23, 29) == card.global_layers and c.global_k_eq_v
     assert c.kv_shape(0) == (8, 256) and c.kv_shape(5) == (2, 512)
     assert c.sliding_windows[0] == 1024 and c.sliding_windows[29] is None
+    assert c.attention_reads[:6] == ((1024, 256),) * 5 + ((None, 512),)  # what each layer's attention reads
     assert (c.global_rope_fraction, c.global_rope_theta, c.rope_theta) == (0.25, 1e6, 1e4)
     assert c.weight_prefix == "model.language_model." and c.tie_word_embeddings and c.final_logit_softcap == 30.0
     assert c.dense_intermediate == 2112 and c.hidden_act == "gelu_tanh" and c.attention_scale == 1.0

@@ -140,9 +140,12 @@ class VarlenChunks:
     def applies(q: torch.Tensor) -> bool:
         """Whether these chunks run through flash attention here (else through the groups): CUDA, fp16/bf16, a
         head size flash attention takes."""
-        d = q.shape[-1]
-        return (q.is_cuda and q.dtype in DECODE_KERNEL_DTYPES and d % 8 == 0 and d <= 256
-                and torch.backends.cuda.is_flash_attention_available())
+        return q.is_cuda and q.dtype in DECODE_KERNEL_DTYPES and VarlenChunks.takes(q.shape[-1])
+
+    @staticmethod
+    def takes(head_dim: int) -> bool:
+        """Whether flash attention takes heads of this size (on CUDA in fp16/bf16)."""
+        return head_dim % 8 == 0 and head_dim <= 256 and torch.backends.cuda.is_flash_attention_available()
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
@@ -202,7 +205,11 @@ class AttentionPlan:
     serve the decode sequences, then only on first use.
 
     `window` is that of a hybrid KV group's tables (policies.kv_groups), every layer of which has it: their entries
-    before each sequence's window may be released (NULL), and nothing reads them. None: the tables are whole."""
+    before each sequence's window may be released (NULL), and nothing reads them. None: the tables are whole.
+
+    On CUDA in fp16/bf16 `build` makes the chunks' flash-attention inputs (`varlen`) for the windows of the layers
+    that read the plan with heads flash attention takes (`reads`), and the groups where some layer's heads it does not
+    take (Gemma 4's 512-wide global heads), so no step builds what none of its layers reads."""
     slot_mapping: torch.Tensor
     meta: AttentionMetadata
     block_size: int
@@ -213,11 +220,18 @@ class AttentionPlan:
 
     @classmethod
     def build(cls, meta: AttentionMetadata, block_size: int, device: torch.device,
-              dtype: torch.dtype | None = None, window: int | None = None) -> AttentionPlan:
+              dtype: torch.dtype | None = None, window: int | None = None,
+              reads: Sequence[tuple[int | None, int]] = ()) -> AttentionPlan:
+        """`reads`: the (sliding window, head size) of each layer that reads the plan; empty: layers of the plan's
+        window with heads flash attention takes."""
         plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
                    cls._decode_batch(meta, device), window=window)
-        if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:
-            plan.varlen(window)  # build (and validate the block tables) now; the groups only if heads need them
+        if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:  # build (and validate the block tables) now
+            flash = [w for w, d in reads if VarlenChunks.takes(d)] if reads else [window]
+            for w in dict.fromkeys(flash):
+                plan.varlen(w)
+            if len(flash) < len(reads):  # some layer's heads flash attention does not take
+                plan.chunk_groups
         else:
             plan.chunk_groups
         if plan.decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
@@ -292,15 +306,18 @@ def group_metadata(meta: AttentionMetadata | Sequence[AttentionMetadata]) -> tup
 
 
 def layer_plans(meta: AttentionMetadata | Sequence[AttentionMetadata], layout: KVLayout, device: torch.device,
-                dtype: torch.dtype | None = None) -> list[AttentionPlan]:
+                dtype: torch.dtype | None = None,
+                reads: Sequence[tuple[int | None, int]] | None = None) -> list[AttentionPlan]:
     """Each decoder layer's AttentionPlan: a plan for each KV group of `layout` (a KV cache's: one group shares one
     plan by every layer; a hybrid layout's groups have their own tables and block sizes), from that group's metadata
-    (`meta`: one for each group in the layout's order, or one AttentionMetadata for a single group)."""
+    (`meta`: one for each group in the layout's order, or one AttentionMetadata for a single group). `reads`: each
+    layer's (sliding window, head size), so each plan builds what its layers read (AttentionPlan.build)."""
     metas = group_metadata(meta)
     if len(metas) != len(layout.groups):
         raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each, "
                          f"got {len(metas)}")
-    plans = [AttentionPlan.build(m, group.block_size, device, dtype, group.window)
+    plans = [AttentionPlan.build(m, group.block_size, device, dtype, group.window,
+                                 [reads[i] for i in group.layers] if reads is not None else ())
              for m, group in zip(metas, layout.groups)]
     return [plans[g] for g in layout.group_of]
 

@@ -102,6 +102,12 @@ class ModelConfig:
         """kv_shape of every decoder layer, in order (the KV cache's per-layer geometry)."""
         return tuple(self.kv_shape(i) for i in range(self.layers))
 
+    @property
+    def attention_reads(self) -> tuple[tuple[int | None, int], ...]:
+        """Each decoder layer's (sliding window or None, head size): what its attention reads (AttentionPlan.build)."""
+        windows = self.sliding_windows or (None,) * self.layers
+        return tuple((w, d) for w, (_, d) in zip(windows, self.kv_shapes))
+
     def kv_layout(self, block_size: int, dtype_bytes: int, hybrid: bool = True) -> KVLayout:
         """The KV cache's groups of layers (policies.kv_groups): sliding-window and global layers in groups with block
         tables of their own where `hybrid` and the model gains from it, else one group of every layer."""

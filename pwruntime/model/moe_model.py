@@ -202,7 +202,7 @@ class MoEModel(nn.Module):
             raise ValueError(f"{input_ids.shape[0]} input ids and {positions.shape[0]} positions for "
                              f"{tokens} tokens in the metadata")
         dev = self.device
-        plans = layer_plans(meta, kv.layout, dev, self.dtype)
+        plans = layer_plans(meta, kv.layout, dev, self.dtype, self.config.attention_reads)
         x, rope = self.embed_tokens(to_device(input_ids, dev), to_device(positions, dev))
         records: list[LayerRouting] | None = [] if record else None
         delta = None
