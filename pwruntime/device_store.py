@@ -57,6 +57,12 @@ from pwruntime.stream_marks import DeferredFree, tensor_bytes
 FUSED_MAX_TOKENS = 2 * MAX_TOKENS
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
 DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
+# Inside a CUDA-graph capture a MoE of more tokens whose prefill path reads counts back runs the fused kernel a launch
+# per MAX_TOKENS tokens, each reading the experts it routes to again. A mixed step's pieces take such a bucket only
+# while those re-reads stay under this many bytes a layer (about 80 us of the H200's bandwidth, what a layer's eager
+# prefill spends on its host syncs); past it the step runs eagerly. A Gemma-4-shaped model (128 experts of 2816 x 704,
+# 761 MB a layer at 8 bits) took 372 ms a 2,048-token step from the pieces and 86 ms eagerly (H100, session 52).
+CAPTURE_REREAD_BYTES = 256 << 20
 # Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
 # measured 772 TFLOP/s fp16, less than the host time of the launches another group of experts would cost.
 PAD_FLOPS = 10 ** 10
@@ -386,6 +392,18 @@ class DeviceExpertStore:
 
     def moe_shape(self, top_k: int) -> MoEShape:
         return MoEShape(self.experts, self.hidden, self.intermediate, int(top_k), self.activation)
+
+    def captured_tokens_limit(self, dtype: torch.dtype, top_k: int) -> int | None:
+        """The most tokens a captured `moe` should take (None: any): any where the prefill path captures (reads nothing
+        back), else as many as keep the fused launches' re-reads under CAPTURE_REREAD_BYTES (FUSED_MAX_TOKENS at
+        least)."""
+        shape = self.moe_shape(top_k)
+        if not prefill_syncs(shape, torch.empty(0, self.hidden, dtype=dtype, device=self.device),
+                             self.prefill_chunk_bytes):
+            return None
+        experts = min(shape.num_experts, MAX_TOKENS * shape.top_k)  # that a launch may route to
+        launch_bytes = experts * 3 * self.hidden * self.intermediate * MAX_BITS // 8
+        return max(FUSED_MAX_TOKENS, MAX_TOKENS * (1 + CAPTURE_REREAD_BYTES // launch_bytes))
 
     def kernel_variants(self, top_k: int) -> set:
         """The CUDA builds `moe` launches with `top_k` experts a token: the fused kernel's at 1..64 tokens a launch and

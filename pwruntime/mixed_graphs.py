@@ -88,10 +88,20 @@ class MixedGraphs(GraphSet):
         c = model.config
         sets = {shape: Boundary.alloc(n, c.heads, *shape, model.dtype, model.device) for shape in set(c.kv_shapes)}
         self.boundaries = [sets[shape] for shape in c.kv_shapes]   # each layer's, by its (KV heads, head size)
+        self._limit: tuple[object, float] = (None, 0.0)  # (the store it was asked of, its captured_tokens_limit)
 
     def supports(self, num_tokens: int) -> bool:
-        """Whether a batch of this many tokens can run through the pieces (else the caller runs it eagerly)."""
-        return 0 < num_tokens <= self.sizes[-1] and self.ready
+        """Whether a batch of this many tokens can run through the pieces (else the caller runs it eagerly): within
+        the largest bucket and the store's `captured_tokens_limit` (where a captured MoE would be slower than eager)."""
+        return 0 < num_tokens <= self.sizes[-1] and self.ready and num_tokens <= self._store_limit()
+
+    def _store_limit(self) -> float:
+        store = self.model.experts
+        if self._limit[0] is not store:
+            limit = getattr(store, "captured_tokens_limit", None)
+            value = limit(self.model.dtype, self.model.config.top_k) if limit is not None else None
+            self._limit = (store, float("inf") if value is None else value)
+        return self._limit[1]
 
     # ------------------------------------------------------------ running
     @torch.inference_mode()

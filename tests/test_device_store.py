@@ -21,7 +21,7 @@ from policies.contract import Observation, Transition
 from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
-from pwruntime import page_mover, plane_arena
+from pwruntime import device_store, page_mover, plane_arena
 from pwruntime.copy_batch import CopyBatch
 from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
 from pwruntime.engine import EngineConfig, LLMEngine
@@ -199,6 +199,19 @@ def test_gelu_experts_equal_the_ap_store_s_and_differ_from_silu_ones(ap_path):
     p1, p2 = moe_plans(dev.moe_shape(2), 1)
     assert ("PW_GELU", 1) in p1.defines and ("PW_GELU", 1) not in p2.defines
     assert all(("PW_GELU", 1) not in p.defines for p in moe_plans(replace(dev.moe_shape(2), activation="silu"), 1))
+
+
+def test_a_captured_moe_takes_tokens_up_to_what_its_rereads_allow(ap_path, monkeypatch):
+    """Off CUDA the prefill path reads counts back, so a captured MoE of many tokens would run the fused launches,
+    each reading the experts it routes to again: the store allows as many tokens as keep those re-reads under
+    CAPTURE_REREAD_BYTES, and never fewer than the fused path's own FUSED_MAX_TOKENS."""
+    _, _, dev = stores(ap_path, 5)
+    launch = min(dev.experts, 64 * 2) * 3 * dev.hidden * dev.intermediate   # bytes at 8 bits, top-2
+    assert dev.captured_tokens_limit(torch.float16, 2) > 2048                   # tiny experts: re-reads cost little
+    monkeypatch.setattr(device_store, "CAPTURE_REREAD_BYTES", 2 * launch)
+    assert dev.captured_tokens_limit(torch.float16, 2) == 3 * 64               # two launches' re-reads
+    monkeypatch.setattr(device_store, "CAPTURE_REREAD_BYTES", launch - 1)
+    assert dev.captured_tokens_limit(torch.float16, 2) == device_store.FUSED_MAX_TOKENS == 128
 
 
 def test_offload_lands_after_the_mark_and_frees_its_planes(ap_path, monkeypatch):

@@ -58,6 +58,22 @@ def test_pieces_usable_only_for_capturable_models_and_batches_in_budget():
     assert not g.supports(5)
 
 
+def test_pieces_take_no_more_tokens_than_the_store_captures_well():
+    """A store's `captured_tokens_limit` (DeviceExpertStore: where its captured MoE would be slower than eager) caps
+    the batches the pieces take; larger ones run eagerly. It is asked again of a new store."""
+    kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
+    asked = []
+    store = SimpleNamespace(capturable=True, graph_epoch=0,
+                            captured_tokens_limit=lambda dtype, top_k: asked.append((dtype, top_k)) or 128)
+    model = _fake_model(store=store)
+    model.config.top_k = 2
+    g = MixedGraphs(model, kv, 512)
+    assert g.sizes[-1] == 512 and g.supports(128) and not g.supports(129) and not g.supports(512)
+    assert asked == [(torch.float16, 2)]                     # once for this store
+    model.experts = SimpleNamespace(capturable=True, graph_epoch=0, captured_tokens_limit=lambda dtype, top_k: None)
+    assert g.supports(512) and not g.supports(513)           # None: any the buckets hold
+
+
 def test_stage_pads_to_the_bucket_with_scratch_slots_and_clears_the_last_batch():
     kv = KVCache(2, 16, 4, 1, 8, torch.float16, scratch=True)
     g = MixedGraphs(_fake_model(), kv, 128)
