@@ -459,8 +459,8 @@ def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path, host_arena,
 
     cal = synthetic_calibration((2, 8, 128, 64), initial_mean_bits=6)
     runs = []
-    for device_store in (False, True):
-        engine = _engine(ap_path, policies.get("pagedweight"), device_store, calibration=cal, num_kv_blocks=6,
+    for on_device in (False, True):
+        engine = _engine(ap_path, policies.get("pagedweight"), on_device, calibration=cal, num_kv_blocks=6,
                          block_size=4, arena=arena)
         runs.append((engine, run_engine(engine)))
     (ref, want), (engine, got) = runs
