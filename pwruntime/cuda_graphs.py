@@ -121,9 +121,11 @@ class DecodeInputs:
 
     @classmethod
     def pad(cls, rows: DecodeRows, size: int, max_blocks: int, block_size: int, scratch: int,
-            out: "DecodeInputs | None" = None) -> "DecodeInputs":
+            out: "DecodeInputs | None" = None, window: int | None = None) -> "DecodeInputs":
         """Real rows first, then padding rows (token 0, position 0, length 1, everything on `scratch`); written
-        into the first `size` rows of `out` (host buffers from `alloc`) when given, else into new arrays."""
+        into the first `size` rows of `out` (host buffers from `alloc`) when given, else into new arrays. With the
+        tables' sliding `window` (a hybrid KV group's) a row's entries before the blocks its window reads are left
+        on `scratch`: nothing reads them, and a long context's table is not read whole each step."""
         n = len(rows)
         if n > size or (n and rows.max_blocks > max_blocks):
             raise ValueError(f"{n} rows of up to {rows.max_blocks if n else 0} blocks do not fit "
@@ -142,16 +144,22 @@ class DecodeInputs:
         np.add(pos, 1, out=lens, casting="unsafe")
         tables.fill(scratch)
         slots.fill(scratch * block_size)
-        if n:   # every row's blocks in one pass: flattened, then placed by a mask of each row's length
+        if n:   # every row's blocks (from its window's first) in one pass: flattened, then placed
             lengths = np.fromiter(map(len, rows.block_tables), np.int64, n)
             short = np.flatnonzero(lengths * block_size <= pos[:n])
             if short.size:
                 i = int(short[0])
                 raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
-            flat = np.fromiter(chain.from_iterable(rows.block_tables), np.int64, int(lengths.sum()))
-            tables[:n][np.arange(max_blocks) < lengths[:, None]] = flat
-            first = np.cumsum(lengths) - lengths
-            slots[:n] = flat[first + pos[:n] // block_size] * block_size + pos[:n] % block_size
+            first = np.maximum(pos[:n] - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
+            kept = lengths - first
+            tails = (t[f:] for t, f in zip(rows.block_tables, first.tolist())) if window else rows.block_tables
+            flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
+            start = np.cumsum(kept) - kept   # each row's first entry in `flat`, whose j-th is column j - start + first
+            if window:   # placed by index: a mask over every column costs more than the few kept
+                tables.flat[np.repeat(np.arange(n) * max_blocks + first - start, kept) + np.arange(flat.size)] = flat
+            else:
+                tables[:n][np.arange(max_blocks) < lengths[:, None]] = flat
+            slots[:n] = flat[start + pos[:n] // block_size - first] * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 
     @classmethod
@@ -303,6 +311,7 @@ class DecodeGraphs(GraphSet):
         self.sizes = graph_sizes(max_num_seqs)
         tokens = int(max_blocks) * kv.block_size if max_blocks else model.config.max_position
         self.block_sizes = [g.block_size for g in kv.layout.groups]
+        self.windows = [g.window for g in kv.layout.groups]   # a hybrid group's sliding window (its tables' reads)
         self.widths = [-(-tokens // size) for size in self.block_sizes]   # each KV group's table width
         # each group's static inputs, and the pinned host buffers a batch is padded into, each sent in one transfer
         # (`_stage`); group 0's also hold the rows every group shares (tokens, positions, lengths, sources)
@@ -387,7 +396,7 @@ class DecodeGraphs(GraphSet):
         def fill() -> None:
             for g, (host, dev) in enumerate(zip(self.staging, self.inputs)):
                 DecodeInputs.pad(rows.group(g), size, self.widths[g], self.block_sizes[g], self.kv.scratch_block,
-                                 out=host)
+                                 out=host, window=self.windows[g])
                 dev.fill_from(host, size)
 
         self._send(fill)

@@ -87,6 +87,30 @@ def test_pad_into_host_buffers_matches_new_arrays_and_clears_the_last_batch():
         DecodeInputs.pad(rows, 4, 6, bs, scratch, out=host)          # buffers of another table width
 
 
+def test_pad_of_a_sliding_window_s_tables_reads_only_what_the_window_reads():
+    """With the tables' `window` (a hybrid KV group's) a row's entries before the block that holds its window's first
+    key stay on the scratch block, into host buffers as into new arrays; the entries from there on, and the slots,
+    are those of the whole table."""
+    import random
+
+    rng = random.Random(5)
+    bs, window, scratch, width = 4, 10, 99, 16
+    positions = [0, 9, 10, 37, 59, 63]
+    tables = [[rng.randrange(50) for _ in range(p // bs + 1)] for p in positions]
+    rows = DecodeRows(list(range(6)), positions, tables)
+    whole = DecodeInputs.pad(rows, 8, width, bs, scratch)
+    host = DecodeInputs.alloc(8, width, torch.device("cpu"))
+    for windowed in (DecodeInputs.pad(rows, 8, width, bs, scratch, window=window),
+                     DecodeInputs.pad(rows, 8, width, bs, scratch, out=host, window=window)):
+        got = np.asarray(windowed.block_tables)
+        for i, p in enumerate(positions):
+            first = max(p - window + 1, 0) // bs
+            assert got[i].tolist() == [scratch] * first + tables[i][first:] + [scratch] * (width - len(tables[i]))
+        assert [max(p - window + 1, 0) // bs for p in positions] == [0, 0, 0, 7, 12, 13]   # entries left on scratch
+        assert np.array_equal(np.asarray(windowed.slot_mapping), whole.slot_mapping)
+        assert got[6:].tolist() == whole.block_tables[6:].tolist() == [[scratch] * width] * 2
+
+
 def test_one_transfer_moves_every_array_up_to_the_batch_rows():
     host, dev = DecodeInputs.alloc(8, 5, torch.device("cpu")), DecodeInputs.alloc(8, 5, torch.device("cpu"))
     assert host.raw.numel() == 8 * (4 * 8 + 4 + 5 * 4)
