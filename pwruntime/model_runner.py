@@ -154,8 +154,9 @@ class ModelRunner:
             if e.sample:
                 sample_rows.append(len(ids) - 1)
         src = self._token_src(batch, ids, ends)
-        meta = tuple(batch_metadata([(e.start, e.num_new_tokens, t) for e, t in zip(batch.entries, tables)], size)
-                     for size, tables in group_tables(pool, [e.seq.seq_id for e in batch.entries]))
+        meta = tuple(batch_metadata([(e.start, e.num_new_tokens, t) for e, t in zip(batch.entries, tables)], size,
+                                    window=window)
+                     for size, window, tables in group_tables(pool, [e.seq.seq_id for e in batch.entries]))
         return ids, positions, meta[0] if len(meta) == 1 else meta, sample_rows, src
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
@@ -164,7 +165,7 @@ class ModelRunner:
             return None
         ids = [e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries]
         src = self._token_src(batch, ids, list(range(len(ids))))
-        tables = [t for _, t in group_tables(pool, [e.seq.seq_id for e in batch.entries])]
+        tables = [t for _, _, t in group_tables(pool, [e.seq.seq_id for e in batch.entries])]
         rows = DecodeRows(ids, [e.start for e in batch.entries], tables[0], src, tuple(tables[1:]))
         return self.graphs.forward(rows, record)
 
@@ -215,12 +216,13 @@ class ModelRunner:
         self.kv.copy_blocks(idx[0], idx[1])
 
 
-def group_tables(pool: BlockPool | GroupedBlockPool, seq_ids: list) -> list[tuple[int, list[list[int]]]]:
-    """Each KV group's (tokens a block, the sequences' block tables in that group): one group for a BlockPool."""
+def group_tables(pool: BlockPool | GroupedBlockPool, seq_ids: list) -> list[tuple[int, int | None, list[list[int]]]]:
+    """Each KV group's (tokens a block, its sliding window or None, the sequences' block tables in that group): one
+    group of whole tables for a BlockPool."""
     if isinstance(pool, GroupedBlockPool):
-        return [(group.block_size, [pool.group_table(s, g) for s in seq_ids])
+        return [(group.block_size, group.window, [pool.group_table(s, g) for s in seq_ids])
                 for g, group in enumerate(pool.layout.groups)]
-    return [(pool.block_size, [pool.block_table(s) for s in seq_ids])]
+    return [(pool.block_size, None, [pool.block_table(s) for s in seq_ids])]
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -212,16 +212,20 @@ def test_metadata_helpers_and_table_checks():
 
 
 def test_batch_metadata_equals_a_per_token_reference_over_random_batches():
+    """With a sliding `window` a sequence's entries before the block of its first query's earliest key (position
+    context - window + 1) are NULL (-1), whatever the table holds there; the rest and the slots as without one."""
     rng = random.Random(0)
     for trial in range(200):
-        bs, seqs = rng.choice([1, 4, 16]), []
+        bs, seqs, window = rng.choice([1, 4, 16]), [], rng.choice([None, 1, 5, 24])
         for _ in range(rng.randint(1, 9)):
             ctx, qlen = rng.randint(0, 40), rng.randint(0, 20)        # sequences without new tokens too
             seqs.append((ctx, qlen, rng.sample(range(500), -(-(ctx + qlen) // bs) + rng.randint(0, 2))))
-        meta = batch_metadata(seqs, bs)
+        meta = batch_metadata(seqs, bs, window=window)
         width = max(len(b) for _, _, b in seqs)
+        first = [max(c - window + 1, 0) // bs if window else 0 for c, _, _ in seqs]
         assert meta.block_tables.dtype == torch.int32 and meta.slot_mapping.dtype == torch.int64
-        assert meta.block_tables.tolist() == [b + [-1] * (width - len(b)) for _, _, b in seqs], trial
+        assert meta.block_tables.tolist() == [[-1] * f + b[f:] + [-1] * (width - len(b))
+                                              for f, (_, _, b) in zip(first, seqs)], trial
         assert meta.slot_mapping.tolist() == [b[p // bs] * bs + p % bs for c, q, b in seqs for p in range(c, c + q)]
         assert meta.query_lens == [q for _, q, _ in seqs] and meta.context_lens == [c for c, _, _ in seqs]
     with pytest.raises(ValueError, match="sequence 1: 1 blocks of 4 cannot hold 13 tokens"):

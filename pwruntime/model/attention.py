@@ -64,10 +64,12 @@ class AttentionMetadata:
 
 
 def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
-                   device: str | torch.device = "cpu") -> AttentionMetadata:
+                   device: str | torch.device = "cpu", window: int | None = None) -> AttentionMetadata:
     """Metadata for sequences given as (context_len, query_len, block ids); the blocks must cover
     context_len + query_len tokens. Built with a handful of numpy calls over all sequences (the block ids
-    flattened, each new token's slot looked up in them), not a loop over sequences and tokens."""
+    flattened, each new token's slot looked up in them), not a loop over sequences and tokens. With the tables'
+    sliding `window` (a hybrid KV group's) a sequence's entries before the block of its first query's earliest key
+    are left NULL (-1), as released ones are: nothing reads them, and a long context's table is not read whole."""
     n = len(seqs)
     ctx = np.fromiter((c for c, _, _ in seqs), np.int64, n)
     qlen = np.fromiter((q for _, q, _ in seqs), np.int64, n)
@@ -76,12 +78,19 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     if short.size:
         s = int(short[0])
         raise ValueError(f"sequence {s}: {lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} tokens")
-    flat = np.fromiter(chain.from_iterable(b for _, _, b in seqs), np.int64, int(lengths.sum()))
+    first = np.maximum(ctx - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
+    kept = lengths - first
+    tails = (b[f:] for (_, _, b), f in zip(seqs, first.tolist())) if window else (b for _, _, b in seqs)
+    flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
+    start = np.cumsum(kept) - kept        # each sequence's first entry in `flat`, whose j-th is column j - start + first
     table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
-    table[np.arange(table.shape[1]) < lengths[:, None]] = flat
+    if window:
+        table.flat[np.repeat(np.arange(n) * table.shape[1] + first - start, kept) + np.arange(flat.size)] = flat
+    else:
+        table[np.arange(table.shape[1]) < lengths[:, None]] = flat
     seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
-    slots = flat[(np.cumsum(lengths) - lengths)[seq_of] + pos // block_size] * block_size + pos % block_size
+    slots = flat[(start - first)[seq_of] + pos // block_size] * block_size + pos % block_size
     host = torch.from_numpy(table)
     return AttentionMetadata(qlen.tolist(), ctx.tolist(), to_device(host, device),
                              to_device(torch.from_numpy(slots), device), host_tables=host)
