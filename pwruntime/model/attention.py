@@ -82,7 +82,7 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     kept = lengths - first
     tails = (b[f:] for (_, _, b), f in zip(seqs, first.tolist())) if window else (b for _, _, b in seqs)
     flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
-    start = np.cumsum(kept) - kept        # each sequence's first entry in `flat`, whose j-th is column j - start + first
+    start = np.cumsum(kept) - kept   # each sequence's first entry in `flat`; its j-th is column j - start + first
     table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
     if window:
         table.flat[np.repeat(np.arange(n) * table.shape[1] + first - start, kept) + np.arange(flat.size)] = flat
