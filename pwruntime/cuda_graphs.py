@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields, replace
-from itertools import chain
 
 import numpy as np
 import torch
 
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata
+from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata, place_block_tables
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 from pwruntime.sampling import GREEDY_ROW, ROW_VALUES, needed_cuts, sample_rows
 
@@ -144,22 +143,15 @@ class DecodeInputs:
         np.add(pos, 1, out=lens, casting="unsafe")
         tables.fill(scratch)
         slots.fill(scratch * block_size)
-        if n:   # every row's blocks (from its window's first) in one pass: flattened, then placed
+        if n:   # every row's blocks from its window's first (place_block_tables)
             lengths = np.fromiter(map(len, rows.block_tables), np.int64, n)
             short = np.flatnonzero(lengths * block_size <= pos[:n])
             if short.size:
                 i = int(short[0])
                 raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
             first = np.maximum(pos[:n] - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
-            kept = lengths - first
-            tails = (t[f:] for t, f in zip(rows.block_tables, first.tolist())) if window else rows.block_tables
-            flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
-            start = np.cumsum(kept) - kept   # each row's first entry in `flat`, whose j-th is column j - start + first
-            if window:   # placed by index: a mask over every column costs more than the few kept
-                tables.flat[np.repeat(np.arange(n) * max_blocks + first - start, kept) + np.arange(flat.size)] = flat
-            else:
-                tables[:n][np.arange(max_blocks) < lengths[:, None]] = flat
-            slots[:n] = flat[start + pos[:n] // block_size - first] * block_size + pos[:n] % block_size
+            flat, offset = place_block_tables(rows.block_tables, lengths, first, tables)
+            slots[:n] = flat[offset + pos[:n] // block_size] * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 
     @classmethod

@@ -79,21 +79,32 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
         s = int(short[0])
         raise ValueError(f"sequence {s}: {lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} tokens")
     first = np.maximum(ctx - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
-    kept = lengths - first
-    tails = (b[f:] for (_, _, b), f in zip(seqs, first.tolist())) if window else (b for _, _, b in seqs)
-    flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
-    start = np.cumsum(kept) - kept   # each sequence's first entry in `flat`; its j-th is column j - start + first
     table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
-    if window:
-        table.flat[np.repeat(np.arange(n) * table.shape[1] + first - start, kept) + np.arange(flat.size)] = flat
-    else:
-        table[np.arange(table.shape[1]) < lengths[:, None]] = flat
+    flat, offset = place_block_tables([b for _, _, b in seqs], lengths, first, table)
     seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
-    slots = flat[(start - first)[seq_of] + pos // block_size] * block_size + pos % block_size
+    slots = flat[offset[seq_of] + pos // block_size] * block_size + pos % block_size
     host = torch.from_numpy(table)
     return AttentionMetadata(qlen.tolist(), ctx.tolist(), to_device(host, device),
                              to_device(torch.from_numpy(slots), device), host_tables=host)
+
+
+def place_block_tables(tables: Sequence[list[int]], lengths: np.ndarray, first: np.ndarray,
+                       out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Write row i's block ids from column first[i] on (its `lengths[i]` ids, columns before first[i] as `out` has
+    them) into out[i], in a handful of numpy calls; returns the ids written, flattened, and each row's offset in them:
+    flat[offset[i] + b] is row i's block b (for b >= first[i])."""
+    n = len(tables)
+    trim = bool(first.any())
+    kept = lengths - first
+    tails = (t[f:] for t, f in zip(tables, first.tolist())) if trim else tables
+    flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
+    start = np.cumsum(kept) - kept   # each row's first entry in `flat`
+    if trim:   # placed by index: a mask over every column costs more than the few ids kept
+        out.flat[np.repeat(np.arange(n) * out.shape[1] + first - start, kept) + np.arange(flat.size)] = flat
+    else:
+        out[:n][np.arange(out.shape[1]) < lengths[:, None]] = flat
+    return flat, start - first
 
 
 def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
