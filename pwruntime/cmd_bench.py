@@ -1,7 +1,7 @@
-"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|plans|kv-resize|serve`: time the AP kernels against torch
-fp16 (and write a measured hardware profile), the prefill MoE path against one launch set per expert, serving with
-prefix caching, where a decode or mixed step goes, what a plan's transitions cost, what a KV cache resize costs, or a
-running server from the client's side.
+"""`pwruntime bench kernels|prefill|prefix-cache|decode|mixed|plans|kv-resize|step-inputs|serve`: time the AP kernels
+against torch fp16 (and write a measured hardware profile), the prefill MoE path against one launch set per expert,
+serving with prefix caching, where a decode or mixed step goes, what a plan's transitions cost, what a KV cache resize
+costs, the host work of a step's inputs, or a running server from the client's side.
 
 Measures (see pwruntime/kernels/bench.py for the method): pinned H2D/D2H and device copy bandwidth,
 an fp16 GEMM, one Mixtral-sized linear-block (AP at 3..8 bits vs fp16 GEMV, T = 1 and 8), whole MoE
@@ -40,6 +40,10 @@ CPU.
 `bench kv-resize` walks each `--models` card's KV cache through the same seeded sizes in memory it maps itself and as
 torch tensors, in alternating rounds (`--reps`, default 2), and reports a resize's host and wall time and the memory
 held (pwruntime/bench_kv_resize.py).
+
+`bench step-inputs` times the host work of a seeded step's inputs for each `--models` card, with one KV table and with
+hybrid KV groups: a decode step's staging into graph inputs, a mixed step's metadata and its attention plans
+(pwruntime/bench_step_inputs.py). It runs on CUDA when there is a GPU, else on the CPU.
 """
 from __future__ import annotations
 
@@ -55,17 +59,19 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("target", choices=["kernels", "prefill", "prefix-cache", "decode", "mixed", "plans", "kv-resize",
-                                       "serve"],
+                                       "step-inputs", "serve"],
                    help="kernels: the AP kernels and a hardware profile; prefill: the prefill MoE path; prefix-cache: "
                         "a batch sharing a prefix served with prefix caching off and on; decode: a decode step's "
                         "time, phases and kernels; mixed: a mixed step's forward, eager and from piecewise graphs; "
                         "plans: the host time of a plan's offloads and reloads, a transition at a time; "
-                        "kv-resize: a KV cache's resizes in mapped memory and as torch tensors; "
+                        "kv-resize: a KV cache's resizes in mapped memory and as torch tensors; step-inputs: the "
+                        "host work of a step's inputs with one KV table and with hybrid groups; "
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
                         "olmoe-1b-7b, qwen3-moe-30b-a3b; plans also takes and starts with demo; kv-resize: model "
-                        "cards, `pwsim models`, default olmoe-1b-7b-0924)")
+                        "cards, `pwsim models`, default olmoe-1b-7b-0924; step-inputs: cards, default "
+                        "Gemma-4-26B-A4B)")
     p.add_argument("--tokens", default=None,
                    help="tokens per step, comma-separated (kernels: decode batches, default 1,4,16,64; prefill: "
                         "prompt tokens above 64, default 128,256,512; mixed: the prompt beside the decode rows, "
@@ -86,7 +92,7 @@ def register(subparsers) -> None:
     p.add_argument("--reps", type=int, default=None,
                    help="timed graph replays per measurement, median reported (default 30); prefix-cache: rounds "
                         "of (off, on) (default 2); plans: rounds of offloads and reloads (default 5); kv-resize: "
-                        "rounds of both backings (default 2)")
+                        "rounds of both backings (default 2); step-inputs: calls a round (default 20)")
     p.add_argument("--prompts", type=int, default=None,
                    help="prefix-cache: prompts in the batch; decode: sequences decoding together (default 32); "
                         "mixed: decode rows beside the prompt (default 24)")
@@ -415,6 +421,33 @@ def _run_kv_resize(args) -> int:
     return _report(args, res, command, bkv.print_table, bkv.plot)
 
 
+def _run_step_inputs(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_step_inputs as bsi
+    from traces.model_card import CardError, load_card
+    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "step-inputs",
+            " (it takes --models, --reps, --seed, --out, --json)")
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else bsi.StepInputsConfig.models
+    for m in models:
+        try:
+            load_card(m)
+        except CardError as e:
+            raise UserError(f"--models: {e}") from None
+    reps = bsi.StepInputsConfig.reps if args.reps is None else args.reps
+    if reps < 1:
+        raise UserError(f"--reps must be positive, got {reps}")
+    cfg = bsi.StepInputsConfig(models=models, reps=reps, seed=args.seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    command = _command(f"pwruntime bench step-inputs --models {','.join(models)} --reps {reps} --seed {args.seed}")
+    with tqdm(desc="bench step-inputs", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
+        res = bsi.measure(cfg, device, progress=bar.set_postfix_str)
+    res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "command": command,
+           "torch": torch.__version__, **res}
+    return _report(args, res, command, bsi.print_table, bsi.plot)
+
+
 def run(args) -> int:
     if args.layers is not None and args.target != "plans":
         raise UserError("--layers belongs to `pwruntime bench plans`")
@@ -449,6 +482,8 @@ def run(args) -> int:
         return _run_plans(args)
     if args.target == "kv-resize":
         return _run_kv_resize(args)
+    if args.target == "step-inputs":
+        return _run_step_inputs(args)
     if args.dtype == "fp32":
         raise UserError(f"--dtype fp32 is for `pwruntime bench prefix-cache`; bench {args.target} takes fp16 or bf16")
     if args.routing is not None:

@@ -352,3 +352,45 @@ def test_gpu_kv_resize_bench_runs_both_backings(tmp_path, capsys):
         assert len(r["rounds"]) == 2 and 0 < r["host_ms"] <= r["wall_ms"]   # the wall time holds the host's
         assert r["held_gib"] >= r["largest_cache_gib"] * 0.99   # nothing holds less than the cache at its largest
     assert out.with_suffix(".png").exists() and "reproduce: pwruntime bench kv-resize" in capsys.readouterr().out
+
+
+def test_step_inputs_batch_holds_null_before_each_rows_window_and_is_seeded():
+    from dataclasses import replace
+
+    from pwruntime.bench_step_inputs import StepInputsConfig, batch_tables
+    cfg = StepInputsConfig(rows=5, context_min=30, context_max=90, chunks=2, chunk_tokens=10, chunk_context=40)
+    whole, sliding = batch_tables(cfg, 16, None), batch_tables(cfg, 16, 32)
+    assert whole == batch_tables(cfg, 16, None) != batch_tables(replace(cfg, seed=1), 16, None)
+    assert [(c, q) for c, q, _ in whole][5:] == [(40, 10), (0, 10)]
+    for (c, q, b), (_, _, s) in zip(whole, sliding):
+        first = max(c - 31, 0) // 16
+        assert len(b) == len(s) == -(-(c + q) // 16) and s[:first] == [-1] * first and -1 not in s[first:]
+    ids = [i for _, _, s in sliding for i in s if i >= 0]
+    assert ids == list(range(len(ids)))   # consecutive blocks, none shared
+
+
+def test_step_inputs_bench_times_both_layouts_of_a_sliding_model_and_one_of_another(tmp_path, capsys):
+    """On the CPU (CI): the Gemma 4 card gets a row for one table and one for its six hybrid groups, Mixtral's (no
+    sliding layers to group) one table; the result, its figure and the reproducing command are written."""
+    out = tmp_path / "si.json"
+    assert main(["bench", "step-inputs", "--models", "Gemma-4-26B-A4B,Mixtral-8x7B-v0.1", "--reps", "2",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [(r["model"], r["layout"], r["groups"]) for r in res["rows"]] == [
+        ("Gemma-4-26B-A4B", "one table", 1), ("Gemma-4-26B-A4B", "hybrid", 6), ("Mixtral-8x7B-v0.1", "one table", 1)]
+    assert all(r[k] > 0 for r in res["rows"] for k in ("decode_staging_ms", "mixed_metadata_ms", "mixed_plans_ms"))
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "reproduce: pwruntime bench step-inputs" in printed and "hybrid" in printed
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--models", "no-such-model"], "--models"),
+    (["--reps", "0"], "--reps must be positive"),
+    (["--tokens", "4"], "--tokens does not apply to `pwruntime bench step-inputs`"),
+])
+def test_step_inputs_bench_misuse_is_one_clear_error(tmp_path, capsys, argv, message):
+    assert main(["bench", "step-inputs", *argv, "--out", str(tmp_path / "si.json")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "si.json").exists()
