@@ -391,23 +391,30 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str
     return _report(args, res, command, bpg.print_table, bpg.plot)
 
 
-def _run_kv_resize(args) -> int:
-    import torch
-    from tqdm import tqdm
-
-    from pwruntime import bench_kv_resize as bkv
+def _cards_and_reps(args, target: str, models: tuple[str, ...], reps: int) -> tuple[tuple[str, ...], int]:
+    """(--models as model cards, --reps) of a bench that takes only those, --seed, --out and --json, checked; the
+    given defaults where absent."""
     from traces.model_card import CardError, load_card
-    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "kv-resize",
+    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), target,
             " (it takes --models, --reps, --seed, --out, --json)")
-    models = tuple(m.strip() for m in args.models.split(",")) if args.models else bkv.KvResizeConfig.models
+    models = tuple(m.strip() for m in args.models.split(",")) if args.models else models
     for m in models:
         try:
             load_card(m)
         except CardError as e:
             raise UserError(f"--models: {e}") from None
-    reps = 2 if args.reps is None else args.reps
+    reps = reps if args.reps is None else args.reps
     if reps < 1:
         raise UserError(f"--reps must be positive, got {reps}")
+    return models, reps
+
+
+def _run_kv_resize(args) -> int:
+    import torch
+    from tqdm import tqdm
+
+    from pwruntime import bench_kv_resize as bkv
+    models, reps = _cards_and_reps(args, "kv-resize", bkv.KvResizeConfig.models, 2)
     if not torch.cuda.is_available():
         raise UserError("pwruntime bench kv-resize needs a CUDA GPU; none is visible here")
     cfg = bkv.KvResizeConfig(models=models, rounds=reps, seed=args.seed)
@@ -426,18 +433,7 @@ def _run_step_inputs(args) -> int:
     from tqdm import tqdm
 
     from pwruntime import bench_step_inputs as bsi
-    from traces.model_card import CardError, load_card
-    _refuse(args, ("tokens", "dtype", "routing", "profile_out", "plot_from"), "step-inputs",
-            " (it takes --models, --reps, --seed, --out, --json)")
-    models = tuple(m.strip() for m in args.models.split(",")) if args.models else bsi.StepInputsConfig.models
-    for m in models:
-        try:
-            load_card(m)
-        except CardError as e:
-            raise UserError(f"--models: {e}") from None
-    reps = bsi.StepInputsConfig.reps if args.reps is None else args.reps
-    if reps < 1:
-        raise UserError(f"--reps must be positive, got {reps}")
+    models, reps = _cards_and_reps(args, "step-inputs", bsi.StepInputsConfig.models, bsi.StepInputsConfig.reps)
     cfg = bsi.StepInputsConfig(models=models, reps=reps, seed=args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     command = _command(f"pwruntime bench step-inputs --models {','.join(models)} --reps {reps} --seed {args.seed}")
