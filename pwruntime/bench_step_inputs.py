@@ -18,6 +18,7 @@ from typing import Callable
 
 import numpy as np
 
+from policies.kv_groups import KVGroup
 from traces.clikit import pyplot, write_png
 
 
@@ -38,16 +39,15 @@ class StepInputsConfig:
     seed: int = 0
 
 
-def batch_tables(cfg: StepInputsConfig, block_size: int, window: int | None) -> list[tuple[int, int, list[int]]]:
-    """(context, new tokens, block ids) of the decode rows, then the chunks, in one KV group of this block size and
-    window (ids consecutive from 0, NULL for blocks wholly before a row's window)."""
+def batch_tables(cfg: StepInputsConfig, group: KVGroup) -> list[tuple[int, int, list[int]]]:
+    """(context, new tokens, block ids) of the decode rows, then the chunks, in one KV group (ids consecutive from 0,
+    NULL before the blocks a row holds: `KVGroup.blocks_held`)."""
     rng = random.Random(cfg.seed)
     shape = [(rng.randint(cfg.context_min, cfg.context_max), 1) for _ in range(cfg.rows)]
     shape += [(cfg.chunk_context if i == 0 else 0, cfg.chunk_tokens) for i in range(cfg.chunks)]
     seqs, next_id = [], 0
     for ctx, new in shape:
-        n = -(-(ctx + new) // block_size)
-        first = max(ctx - window + 1, 0) // block_size if window else 0
+        first, n = group.blocks_held(ctx, ctx + new)
         seqs.append((ctx, new, [-1] * first + list(range(next_id, next_id + n - first))))
         next_id += n - first
     return seqs
@@ -70,7 +70,7 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
     import torch
 
     from pwruntime.cuda_graphs import DecodeInputs, DecodeRows
-    from pwruntime.model.attention import VarlenChunks, batch_metadata, layer_plans
+    from pwruntime.model.attention import batch_metadata, layer_plans
     from pwruntime.model.config import parse_config
     from traces.model_card import read_card_json
 
@@ -84,7 +84,7 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
             if hybrid and not layout.hybrid:
                 continue
             progress(f"{name} {'hybrid' if hybrid else 'one table'}")
-            groups = [(g, batch_tables(cfg, g.block_size, g.window)) for g in layout.groups]
+            groups = [(g, batch_tables(cfg, g)) for g in layout.groups]
             decode = [(g, DecodeRows([1] * cfg.rows, [c for c, _, _ in s[:cfg.rows]], [b for _, _, b in s[:cfg.rows]]),
                        DecodeInputs.alloc(cfg.graph_rows, -(-cfg.max_model_len // g.block_size), torch.device("cpu")))
                       for g, s in groups]
@@ -99,13 +99,8 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
 
             metas = metadata()
 
-            def plans():
-                built = layer_plans(metas, layout, dev, torch.bfloat16, config.attention_reads)
-                for plan, (w, d) in zip(built, config.attention_reads):  # what each layer's attention reads later
-                    if dev.type == "cuda" and VarlenChunks.takes(d):
-                        plan.varlen(w)
-                    else:
-                        plan.chunk_groups
+            def plans():   # given what each layer reads, a plan builds all of it at once (AttentionPlan.build)
+                return layer_plans(metas, layout, dev, torch.bfloat16, config.attention_reads)
 
             rows.append({"model": name, "layout": "hybrid" if hybrid else "one table", "groups": len(layout.groups),
                          "decode_staging_ms": _least_mean_ms(stage, cfg, lambda: None),

@@ -149,8 +149,7 @@ class DecodeInputs:
             if short.size:
                 i = int(short[0])
                 raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
-            first = np.maximum(pos[:n] - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
-            flat, offset = place_block_tables(rows.block_tables, lengths, first, tables)
+            flat, offset = place_block_tables(rows.block_tables, lengths, tables, block_size, window, pos[:n])
             slots[:n] = flat[offset + pos[:n] // block_size] * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 

@@ -357,10 +357,12 @@ def test_gpu_kv_resize_bench_runs_both_backings(tmp_path, capsys):
 def test_step_inputs_batch_holds_null_before_each_rows_window_and_is_seeded():
     from dataclasses import replace
 
+    from policies.kv_groups import KVGroup
     from pwruntime.bench_step_inputs import StepInputsConfig, batch_tables
     cfg = StepInputsConfig(rows=5, context_min=30, context_max=90, chunks=2, chunk_tokens=10, chunk_context=40)
-    whole, sliding = batch_tables(cfg, 16, None), batch_tables(cfg, 16, 32)
-    assert whole == batch_tables(cfg, 16, None) != batch_tables(replace(cfg, seed=1), 16, None)
+    full, window = KVGroup((0,), 16), KVGroup((0,), 16, 32)
+    whole, sliding = batch_tables(cfg, full), batch_tables(cfg, window)
+    assert whole == batch_tables(cfg, full) != batch_tables(replace(cfg, seed=1), full)
     assert [(c, q) for c, q, _ in whole][5:] == [(40, 10), (0, 10)]
     for (c, q, b), (_, _, s) in zip(whole, sliding):
         first = max(c - 31, 0) // 16

@@ -78,9 +78,8 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
     if short.size:
         s = int(short[0])
         raise ValueError(f"sequence {s}: {lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} tokens")
-    first = np.maximum(ctx - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
     table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
-    flat, offset = place_block_tables([b for _, _, b in seqs], lengths, first, table)
+    flat, offset = place_block_tables([b for _, _, b in seqs], lengths, table, block_size, window, ctx)
     seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
     slots = flat[offset[seq_of] + pos // block_size] * block_size + pos % block_size
@@ -89,12 +88,14 @@ def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
                              to_device(torch.from_numpy(slots), device), host_tables=host)
 
 
-def place_block_tables(tables: Sequence[list[int]], lengths: np.ndarray, first: np.ndarray,
-                       out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Write row i's block ids from column first[i] on (its `lengths[i]` ids, columns before first[i] as `out` has
-    them) into out[i], in a handful of numpy calls; returns the ids written, flattened, and each row's offset in them:
-    flat[offset[i] + b] is row i's block b (for b >= first[i])."""
+def place_block_tables(tables: Sequence[list[int]], lengths: np.ndarray, out: np.ndarray, block_size: int,
+                       window: int | None, query_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Write row i's block ids (its `lengths[i]`) into out[i] in a handful of numpy calls: with the tables' sliding
+    `window`, only from first[i], the block of the earliest key row i's first query (at position query_starts[i])
+    reads, the columns before it left as `out` has them. Returns the ids written, flattened, and each row's offset
+    in them: flat[offset[i] + b] is row i's block b (for b >= first[i])."""
     n = len(tables)
+    first = np.maximum(query_starts - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
     trim = bool(first.any())
     kept = lengths - first
     tails = (t[f:] for t, f in zip(tables, first.tolist())) if trim else tables
