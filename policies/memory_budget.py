@@ -4,7 +4,9 @@ Both engines take one budget (`pwsim run --budget`, `pwruntime ... --gpu-memory-
 non-expert ones at 16 bits, the routed experts at the policy's starting bits: `policies.planners.weight_bytes`) and
 the KV cache, with some slack kept out of the pool for the LUTs of transitions in flight and fragmentation. The
 pool starts with what is left; afterwards it grows by the bytes offloads free and shrinks by those reloads take, so
-the sum stays in the budget. Activations are outside it.
+the sum stays in the budget. A step's activations take the budget's `activation_bytes` (the runtime measures them
+by a profiling forward of the largest step, `pwruntime.activation_profile`; the simulator takes what a replay measured,
+`pwsim run --activation-reserve`), kept out of the pool as the slack is, and never lent.
 
 `LUT_ROOMS`: where an offload's lower-bitwidth LUT finds room while the offload is in flight, an engine setting
 (`--lut-room`): "slack", borrowed from the allocator slack (policies.loop), or "pool", the KV pool shrunk over free
@@ -29,9 +31,10 @@ def lut_slack_bytes(lut_room: str, slack_bytes: int) -> int:
     return slack_bytes if lut_room == "slack" else 0
 
 
-def kv_room_bytes(budget_bytes: int, weight_bytes: int, slack_bytes: int | None = None) -> int:
-    """What the budget leaves the KV pool at the start (negative: the weights and the slack alone exceed it);
-    `weight_bytes`: every weight the budget holds, non-expert and routed experts; `slack_bytes` None:
-    allocator_slack_bytes(budget_bytes)."""
+def kv_room_bytes(budget_bytes: int, weight_bytes: int, slack_bytes: int | None = None,
+                  activation_bytes: int = 0) -> int:
+    """What the budget leaves the KV pool at the start (negative: the weights, the slack and the activations alone
+    exceed it); `weight_bytes`: every weight the budget holds, non-expert and routed experts; `slack_bytes` None:
+    allocator_slack_bytes(budget_bytes); `activation_bytes`: the activation reserve (module docstring)."""
     slack = allocator_slack_bytes(budget_bytes) if slack_bytes is None else slack_bytes
-    return budget_bytes - slack - weight_bytes
+    return budget_bytes - slack - activation_bytes - weight_bytes

@@ -68,6 +68,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="where an offload's lower-bitwidth LUT finds room while the offload is in flight, as the "
                         "runtime's --lut-room: the budget's allocator slack (default), or the KV pool, shrunk over free "
                         "blocks for it (every run before session 38; `--like-replay` of such a replay sets it)")
+    e.add_argument("--activation-reserve", default="0B", metavar="SIZE",
+                   help="budget memory a step's activations take, kept out of the KV pool as the runtime's "
+                        "--activation-reserve (which measures it by a profiling forward; a replay's config.json "
+                        "records it, and `--like-replay` takes it); default 0B")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="S",
                    help="multiply the arrival times by S, as `pwruntime replay --time-scale` (0.5: the same requests "
                         "at twice the rate, 0: all at once; default 1)")
@@ -113,6 +117,10 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
         raise UserError(f"--seed must be >= 0, got {args.seed}")
     if args.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
+    try:
+        reserve = parse_size(args.activation_reserve, allow_zero=True)
+    except UserError as err:
+        raise UserError(f"--activation-reserve: {err}") from None
     check_prefix_flags(args)
     if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
         raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
@@ -129,7 +137,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        hybrid_kv=args.hybrid_kv_cache, async_scheduling=args.async_scheduling,
                        instant_page_moves=args.instant_page_moves,
-                       lut_room=args.lut_room,
+                       lut_room=args.lut_room, activation_reserve_bytes=reserve,
                        warmup_requests=args.warmup_requests,
                        time_scale=args.time_scale, request_rate=args.request_rate,
                        request_burstiness=1.0 if args.burstiness is None else args.burstiness,
@@ -172,6 +180,8 @@ def common_flags(args: argparse.Namespace) -> list[str]:
         parts.append("--instant-page-moves")
     if args.lut_room != "slack":
         parts.append(f"--lut-room {args.lut_room}")
+    if parse_size(args.activation_reserve, allow_zero=True):
+        parts.append(f"--activation-reserve {args.activation_reserve}")
     if args.warmup_requests:
         parts.append(f"--warmup-requests {args.warmup_requests}")
     if args.time_scale != 1.0:

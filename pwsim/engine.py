@@ -80,6 +80,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     stall_limit: int = 8  # scheduler: consecutive stalls before the blocking request is finished
     allocator_slack_bytes: int = 64 * MiB  # kept out of the KV pool (LUTs of transitions in flight, fragmentation)
+    activation_bytes: int = 0  # kept out of the KV pool for a step's activations (policies.memory_budget), never lent
     free_block_threshold: int | None = None  # None: the calibration's (8 without one)
     routing_half_life_tokens: float | None = 4096.0
     prompt_features: bool = True  # feed per-block prompt features when the routing has input norms (never for
@@ -101,8 +102,9 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
             raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
-        if self.warmup_requests < 0:
-            raise ValueError(f"warmup_requests must be >= 0, got {self.warmup_requests}")
+        if self.warmup_requests < 0 or self.activation_bytes < 0:
+            raise ValueError(f"warmup_requests and activation_bytes must be >= 0, got {self.warmup_requests} and "
+                             f"{self.activation_bytes}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
         lut_slack_bytes(self.lut_room, self.allocator_slack_bytes)  # refuses a room it does not know
@@ -175,11 +177,12 @@ class Simulation:
                           else calibration.free_block_threshold if calibration is not None else 8)
         self._refresh()
         weights = self._weights
-        room = kv_room_bytes(config.budget_bytes, weights, config.allocator_slack_bytes)
+        room = kv_room_bytes(config.budget_bytes, weights, config.allocator_slack_bytes, config.activation_bytes)
         if room < 0:
             raise BudgetError(f"budget {format_size(config.budget_bytes)} cannot hold the weights policy "
                               f"{getattr(policy, 'name', policy)!r} starts with ({format_size(weights)} + "
-                              f"{format_size(config.allocator_slack_bytes)} allocator slack); raise the budget")
+                              f"{format_size(config.allocator_slack_bytes)} allocator slack + "
+                              f"{format_size(config.activation_bytes)} activation reserve); raise the budget")
         if config.prefix_caching and not workload.has_token_ids:
             raise UserError("prefix caching needs the prompt token ids of every request, and this trace has none; "
                             "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
@@ -235,10 +238,11 @@ class Simulation:
         return self._weights, self.pool.id_limit * self.kv_block_bytes
 
     def _headroom(self) -> int:
-        """The budget beside the weights, the KV pool and the allocator slack; LUTs of offloads in flight that the
-        slack holds (policies.loop: `lut_borrowed`) are the slack's, not the headroom's."""
+        """The budget beside the weights, the KV pool, the allocator slack and the activation reserve; LUTs of
+        offloads in flight that the slack holds (policies.loop: `lut_borrowed`) are the slack's, not the headroom's."""
         w, kv = self.used_bytes()
-        return self.cfg.budget_bytes - self.cfg.allocator_slack_bytes + self.loop.lut_borrowed - w - kv
+        c = self.cfg
+        return c.budget_bytes - c.allocator_slack_bytes - c.activation_bytes + self.loop.lut_borrowed - w - kv
 
     def _check_memory(self, where: str) -> None:
         w, kv = self.used_bytes()

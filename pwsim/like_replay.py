@@ -32,6 +32,7 @@ SETTINGS = (
     ("hybrid_kv_cache", "hybrid_kv_cache", "--hybrid-kv-cache"),
     ("async_scheduling", "async_scheduling", "--async-scheduling"),
     ("lut_room", "lut_room", "--lut-room"),
+    ("activation_reserve", "activation_reserve", "--activation-reserve"),
     ("warmup_requests", "warmup_requests", "--warmup-requests"),
     ("time_scale", "time_scale", "--time-scale"),
     ("request_rate", "request_rate", "--request-rate"),

@@ -71,6 +71,7 @@ class RunConfig:
     async_scheduling: bool = False  # SimConfig.async_scheduling
     instant_page_moves: bool = False  # SimConfig.instant_page_moves
     lut_room: str = "slack"  # SimConfig.lut_room
+    activation_reserve_bytes: int = 0  # SimConfig.activation_bytes (a replay's measured `activation_reserve`)
     warmup_requests: int = 0  # SimConfig.warmup_requests
     time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate;
     # 0: all at once, as `pwruntime bench serve --time-scale 0`)
@@ -126,6 +127,7 @@ class RunConfig:
                          prefix_caching=self.prefix_caching, hybrid_kv=self.hybrid_kv,
                          async_scheduling=self.async_scheduling,
                          instant_page_moves=self.instant_page_moves, lut_room=self.lut_room,
+                         activation_bytes=self.activation_reserve_bytes,
                          warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 
     def to_json(self) -> dict:

@@ -11,8 +11,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str | int | float) -> int:
-    """Bytes from `20GiB`, `16 GB`, `1.5e9`, `512MiB` (binary and decimal units)."""
+def parse_size(text: str | int | float, allow_zero: bool = False) -> int:
+    """Bytes from `20GiB`, `16 GB`, `1.5e9`, `512MiB` (binary and decimal units); positive, or 0 with `allow_zero`."""
     if isinstance(text, (int, float)):
         value, unit = float(text), ""
     else:
@@ -24,8 +24,8 @@ def parse_size(text: str | int | float) -> int:
         raise UserError(f"size {text!r} is not a finite number of bytes; write a number with a unit such as 20GiB or "
                         "512MiB")
     size = int(round(value * _UNITS[unit]))
-    if size <= 0:
-        raise UserError(f"size {text!r} must be positive")
+    if size < 0 or (size == 0 and not allow_zero):
+        raise UserError(f"size {text!r} must be {'>= 0' if allow_zero else 'positive'}")
     return size
 
 
