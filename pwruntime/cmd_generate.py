@@ -92,6 +92,10 @@ def add_engine_args(p) -> None:
                         "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "
                         "starting bits) and the allocator's slack leave, and grows as the planner offloads planes "
                         "(instead of --num-kv-blocks)")
+    w.add_argument("--activation-reserve", default="auto", metavar="auto|SIZE",
+                   help="memory a KV pool sized from device memory (--gpu-memory-budget, else the GPU's free memory) "
+                        "leaves a step's activations: auto (default) measures it by a profiling forward of the largest "
+                        "step, as vLLM does (0 off CUDA); a SIZE sets it (as `pwsim run --activation-reserve`)")
 
 
 def _load(args, dtype: str, device: str):
@@ -180,6 +184,7 @@ def _params(args):
 
 def _engine_config(args):
     from pwruntime.engine import EngineConfig
+    from traces.sizes import parse_size
 
     for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
                         ("--max-num-batched-tokens", args.max_num_batched_tokens)):
@@ -189,8 +194,6 @@ def _engine_config(args):
         raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     budget = None
     if args.gpu_memory_budget is not None:
-        from traces.sizes import parse_size
-
         if args.num_kv_blocks is not None:
             raise UserError("give --gpu-memory-budget or --num-kv-blocks, not both: the budget sizes the KV pool")
         if args.ap is None:
@@ -200,12 +203,21 @@ def _engine_config(args):
             budget = parse_size(args.gpu_memory_budget)
         except UserError as e:
             raise UserError(f"--gpu-memory-budget: {e}") from None
+    reserve = None
+    if args.activation_reserve != "auto":
+        if args.num_kv_blocks is not None:
+            raise UserError("--activation-reserve is what a pool sized from memory leaves activations; "
+                            "--num-kv-blocks sizes it in blocks: give one of them")
+        try:
+            reserve = parse_size(args.activation_reserve, allow_zero=True)
+        except UserError as e:
+            raise UserError(f"--activation-reserve: {e} (or auto)") from None
     return EngineConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, gpu_memory_budget=budget,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         max_num_batched_tokens=args.max_num_batched_tokens, cuda_graphs=not args.no_cuda_graphs,
                         mixed_cuda_graphs=not args.no_mixed_graphs, prefix_caching=args.enable_prefix_caching,
                         hybrid_kv_cache=args.hybrid_kv_cache,
-                        async_scheduling=args.async_scheduling, lut_room=args.lut_room)
+                        async_scheduling=args.async_scheduling, lut_room=args.lut_room, activation_reserve=reserve)
 
 
 def engine_model_dir(args) -> Path:
@@ -273,7 +285,7 @@ def run(args) -> int:
                         for o in outputs],
             "stats": {"steps": engine.num_steps, "generated_tokens": generated, "seconds": round(seconds, 3),
                       "kv_blocks": engine.pool.capacity, "block_size": engine.pool.block_size,
-                      "hybrid_kv_cache": engine.kv_layout.hybrid,
+                      "hybrid_kv_cache": engine.kv_layout.hybrid, "activation_reserve": engine.activation_reserve,
                       "preemptions": engine.scheduler.num_preemptions, "policy": policy.name,
                       "prefix_cache_hit_tokens": engine.scheduler.num_cached_tokens,
                       "tokens_per_s": round(generated / seconds, 1) if seconds > 0 else None,

@@ -157,7 +157,8 @@ def run(args) -> int:
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:],
-              "hybrid_kv_cache": engine.kv_layout.hybrid}  # what ran: a model without sliding layers has one table
+              "hybrid_kv_cache": engine.kv_layout.hybrid,  # what ran: a model without sliding layers has one table
+              "activation_reserve": engine.activation_reserve}  # bytes, measured (auto) or given
     documents = {"summary": summary, "config": config}
     if sampler is not None:
         documents["host_stacks"] = {"interval_s": sampler.interval_s, "min_stretch_s": sampler.min_stretch_s,

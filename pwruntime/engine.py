@@ -10,11 +10,12 @@ routing) -> plan (policies.loop.PlanLoop: policy.plan_step, the plan handed to t
 transfers committed). The default policy is "noop" and the default mover lands every transfer at
 once (full-precision weights have no pages to move).
 
-Memory (pwruntime.kv_capacity, `engine.capacity`): the KV pool starts with `num_kv_blocks` blocks (or, when unset,
-what the memory budget leaves, else a share of free GPU memory or `cpu_kv_cache_bytes` on CPU, never more than
-max_num_seqs full-length sequences need). Bytes an offload releases grow the pool; a reload first takes spare bytes,
-then shrinks the pool over free blocks, compacting live blocks downwards when needed so the cache can be truncated.
-Wall time is used only for metrics and `Observation.time_s`.
+Memory (pwruntime.kv_capacity, `engine.capacity`): the KV pool starts with `num_kv_blocks` blocks (or, when unset, what
+the memory budget leaves, else a share of free GPU memory or `cpu_kv_cache_bytes` on CPU, never more than max_num_seqs
+full-length sequences need; a pool sized from device memory leaves out the activation reserve, measured by a profiling
+forward: pwruntime.activation_profile). Bytes an offload releases grow the pool; a reload first takes spare bytes, then
+shrinks the pool over free blocks, compacting live blocks downwards when needed so the cache can be truncated. Wall time
+is used only for metrics and `Observation.time_s`.
 
 Log-probabilities: a request whose SamplingParams ask (`logprobs`) gets a TokenLogprob per sampled token,
 kept beside its sequence's output tokens and aligned with them (a preempted sequence keeps its tokens and
@@ -71,6 +72,7 @@ from policies.page_table import PageTable
 from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
+from pwruntime.activation_profile import measure_activation_bytes
 from pwruntime.kv_capacity import KvCapacity, initial_kv_blocks
 from pwruntime import prompt_logprobs
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
@@ -134,6 +136,8 @@ class EngineConfig:
     async_scheduling: bool = False  # schedule and launch the next step before settling this one (module docstring)
     lut_room: str = "slack"  # where an offload's lower LUT finds room in flight (policies.memory_budget.LUT_ROOMS);
     # the slack is a memory budget's (none without one, or with num_kv_blocks)
+    activation_reserve: int | None = None  # bytes a pool sized from device memory leaves a step's activations; None:
+    # measured by a profiling forward of the largest step (pwruntime.activation_profile; 0 off CUDA)
 
     def __post_init__(self) -> None:
         lut_slack_bytes(self.lut_room, 0)  # refuses a room it does not know
@@ -218,7 +222,9 @@ class LLMEngine:
         self.policy = policy
         # the blocks a request of the full context holds at its last position
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
-        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request)
+        self.activation_reserve = self._activation_reserve()
+        blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
+                                          self.activation_reserve)
         self.pool = (GroupedBlockPool(self.kv_layout, blocks, cfg.prefix_caching) if self.kv_layout.hybrid else
                      BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
@@ -272,6 +278,19 @@ class LLMEngine:
             raise UserError(f"max_model_len (--max-model-len) must be in 2..{positions} (the model's positions), got "
                             f"{limit}")
         return int(limit)
+
+    def _activation_reserve(self) -> int:
+        """What a pool sized from device memory leaves a step's activations: the configured bytes, else measured
+        (pwruntime.activation_profile); 0 for a pool of `num_kv_blocks`."""
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return 0
+        if cfg.activation_reserve is not None:
+            if cfg.activation_reserve < 0:
+                raise UserError(f"activation_reserve must be >= 0 bytes, got {cfg.activation_reserve}")
+            return int(cfg.activation_reserve)
+        return measure_activation_bytes(self.model, cfg.block_size, cfg.hybrid_kv_cache, cfg.max_num_batched_tokens,
+                                        self.max_model_len, cfg.max_num_seqs)
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,

@@ -30,43 +30,47 @@ from traces.sizes import format_size
 log = logging.getLogger(__name__)
 
 
-def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int,
-                      blocks_per_seq: int) -> tuple[int, int]:
+def initial_kv_blocks(config, model, policy, table: PageTable, block_bytes: int, blocks_per_seq: int,
+                      activation_bytes: int = 0) -> tuple[int, int]:
     """The KV pool's first blocks (an EngineConfig's `num_kv_blocks`, else what its memory budget leaves, else a share
     of free GPU memory or `cpu_kv_cache_bytes`, never more than `max_num_seqs` full-length sequences need, each
     `blocks_per_seq`), and the spare bytes beside them that only a memory budget has (its room's remainder short of
-    one more block: released weight bytes join them, as the simulator's headroom counts them)."""
+    one more block: released weight bytes join them, as the simulator's headroom counts them). A pool sized from
+    device memory leaves out `activation_bytes` (the activation reserve, pwruntime.activation_profile)."""
     if config.num_kv_blocks is not None:
         if config.num_kv_blocks < 1:
             raise UserError(f"num_kv_blocks must be >= 1, got {config.num_kv_blocks}")
         return int(config.num_kv_blocks), 0
     if config.gpu_memory_budget is not None:
-        return _budget_blocks(int(config.gpu_memory_budget), model, policy, table, block_bytes)
+        return _budget_blocks(int(config.gpu_memory_budget), model, policy, table, block_bytes, activation_bytes)
     useful = config.max_num_seqs * blocks_per_seq
     if model.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(model.device)
-        budget = int(total * config.gpu_memory_fraction) - (total - free)
+        budget = int(total * config.gpu_memory_fraction) - (total - free) - activation_bytes
     else:
         budget = int(config.cpu_kv_cache_bytes)
     n = min(budget // block_bytes, useful)
     if n < 1:
-        raise UserError(f"no memory left for the KV cache ({budget} bytes, {block_bytes} per block): "
-                        "raise gpu_memory_fraction or set num_kv_blocks")
+        raise UserError(f"no memory left for the KV cache ({budget} bytes, {block_bytes} per block, after an "
+                        f"activation reserve of {format_size(activation_bytes)}): raise gpu_memory_fraction or set "
+                        "num_kv_blocks")
     return int(n), 0
 
 
-def _budget_blocks(budget: int, model, policy, table: PageTable, block_bytes: int) -> tuple[int, int]:
+def _budget_blocks(budget: int, model, policy, table: PageTable, block_bytes: int,
+                   activation_bytes: int) -> tuple[int, int]:
     """The KV blocks a memory budget leaves beside the model's weights (the routed experts at the policy's starting
-    bits) and the allocator's slack (policies.memory_budget: the simulator's --budget gives the same pool), and the
-    room's remainder short of one more block."""
+    bits), the allocator's slack and the activation reserve (policies.memory_budget: the simulator's --budget and
+    --activation-reserve give the same pool), and the room's remainder short of one more block."""
     own, experts = model.weight_bytes(), weight_bytes(policy, table)
-    room = kv_room_bytes(budget, own + experts)
+    room = kv_room_bytes(budget, own + experts, activation_bytes=activation_bytes)
     n = room // block_bytes
     if n < 1:
         raise UserError(f"a memory budget of {format_size(budget)} cannot hold the model's weights "
                         f"({format_size(own)}, and {format_size(experts)} of routed experts at the policy's "
-                        f"starting bits), the allocator's slack ({format_size(allocator_slack_bytes(budget))}) and "
-                        f"one KV block ({block_bytes} bytes): raise --gpu-memory-budget")
+                        f"starting bits), the allocator's slack ({format_size(allocator_slack_bytes(budget))}), "
+                        f"a step's activations ({format_size(activation_bytes)}: --activation-reserve) and one KV "
+                        f"block ({block_bytes} bytes): raise --gpu-memory-budget")
     if model.device.type == "cuda":
         free = torch.cuda.mem_get_info(model.device)[0]
         if n * block_bytes > free:

@@ -19,7 +19,8 @@ RUN_COUNTERS = {"steps_total": "steps", "plans_total": "plans", "preemptions_tot
                 "prompt_tokens_total": "prompt_tokens_computed", "generated_tokens_total": "generated_tokens",
                 "prefix_cache_hit_tokens_total": "prefix_cache_hit_tokens"}
 ENGINE_SETTINGS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
-                   "hybrid_kv_cache", "async_scheduling", "max_model_len", "policy", "lut_room")
+                   "hybrid_kv_cache", "async_scheduling", "max_model_len", "policy", "lut_room",
+                   "activation_reserve")
 
 
 async def _get(session, url: str) -> tuple[int, str] | None:

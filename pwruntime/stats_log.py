@@ -82,7 +82,7 @@ def serving_info(engine) -> dict:
             "kv_cache_bytes": pool.capacity * engine.block_bytes, "max_model_len": engine.max_model_len,
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
-            "hybrid_kv_cache": engine.kv_layout.hybrid,
+            "hybrid_kv_cache": engine.kv_layout.hybrid, "activation_reserve": engine.activation_reserve,
             "kv_blocks_per_request": engine.kv_blocks_per_request,
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
@@ -100,8 +100,10 @@ def ready_line(info: dict, seconds: float) -> str:
                    f"({info['expert_resident_bytes'] / 2**20:.1f} MiB), policy {info['policy']}")
     else:
         experts = f"experts in {info['dtype']}"
+    reserve = info.get("activation_reserve")
+    kept = f", {reserve / 2**20:.0f} MiB kept for activations" if reserve else ""
     return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} {unit} "
-            f"({info['kv_cache_bytes'] / 2**20:.1f} MiB), "
+            f"({info['kv_cache_bytes'] / 2**20:.1f} MiB{kept}), "
             f"room for {blocks / blocks_per_request:.1f} requests of the full {context}-token context; "
             f"{experts}; at most {info['max_num_seqs']} sequences and {info['max_num_batched_tokens']} "
             "tokens a step")

@@ -131,10 +131,12 @@ def test_a_bad_synthetic_seed_is_a_user_error(tmp_path, capsys):
     assert rc == 2 and "integer >= 0" in capsys.readouterr().err
 
 
-def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys):
+@pytest.mark.parametrize("reserve", ["auto", "256KiB"])
+def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, reserve):
     """The chain the H200 runs at OLMoE's size, on the demo card's: a dummy checkpoint served with a synthetic
     calibration under pressure (`replay --record-routing`), then `pwsim run --like-replay` (the card the routing names,
-    the same synthetic calibration, the replay's settings) and `pwsim fidelity`: every step and transition alike."""
+    the same synthetic calibration, the replay's settings, its activation reserve: auto measures none on the CPU) and
+    `pwsim fidelity`: every step and transition alike."""
     from demo_fixtures import first_prompts
     from pwsim.cli import main as sim_main
 
@@ -143,11 +145,15 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
     trace = first_prompts(tmp_path / "load", max_tokens=32)
     assert main(["replay", "--trace", str(trace), "--out", str(tmp_path / "rt"), "--ap", str(ap), "--calibration",
                  "synthetic", "--policy", "pagedweight", "--gpu-memory-budget", "32MiB", "--dtype", "bf16",
-                 "--device", "cpu", "--max-num-seqs", "32", "--time-scale", "0", "--record-routing"]) == 0
+                 "--device", "cpu", "--max-num-seqs", "32", "--time-scale", "0", "--record-routing",
+                 "--activation-reserve", reserve]) == 0
     capsys.readouterr()
     assert sim_main(["run", "--like-replay", str(tmp_path / "rt"), "--out", str(tmp_path / "sim")]) == 0
     taken = capsys.readouterr().out
     assert "--calibration synthetic:0" in taken and "--model PagedWeight-demo" in taken
+    assert f"--activation-reserve {0 if reserve == 'auto' else 256 << 10}" in taken
+    sim_config = json.loads((tmp_path / "sim" / "config.json").read_text())
+    assert sim_config["activation_reserve_bytes"] == (0 if reserve == "auto" else 256 << 10)
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 2  # under pressure

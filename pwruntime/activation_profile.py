@@ -1,0 +1,75 @@
+"""The activation reserve: the device memory a step's forward takes beside the weights and the KV cache, measured once
+by a profiling forward of the largest step (vLLM's profiling run) and kept out of a memory-sized KV pool.
+
+The step profiled is the one whose activations are largest: a single chunk of `max_num_batched_tokens` new tokens
+(seeded random ids) after as long a cached context as `max_model_len` leaves, so every layer attends over the most
+keys a chunk can (the reference path for heads flash attention does not take materializes its scores), its routing
+recorded, then the logits of `max_num_seqs` rows (a step samples at most one row a sequence). Its cached keys live in
+a scratch cache of the engine's KV layout, allocated before the forward and freed after: they are not activations.
+What counts is torch's allocator peak during the forward beyond what it held before (a workspace a kernel allocates
+on its first call included), rounded up to 2 MiB. Only CUDA has an allocator to ask: elsewhere the reserve is 0.
+The CUDA graphs' memory pools are not in it (captured after the KV cache exists; README, "Open items").
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from policies.kv_groups import KVLayout
+from pwruntime.model.attention import batch_metadata
+
+GRANULE = 2 << 20   # the reserve is rounded up to the allocator's 2 MiB pages
+
+
+def profile_step(layout: KVLayout, max_num_batched_tokens: int, max_model_len: int
+                 ) -> tuple[int, int, list[tuple[int, list[int]]]]:
+    """(context, new tokens, each group's (block size, block table)) of the profiled step: the group tables hold
+    consecutive page ids, group after group, NULL (-1) before the blocks a group's window needs."""
+    tokens = max(1, min(max_num_batched_tokens, max_model_len - 1))
+    context = max(0, max_model_len - tokens)
+    tables, next_id = [], 0
+    for g in layout.groups:
+        first, last = g.blocks_held(context, context + tokens)
+        tables.append((g.block_size, [-1] * first + list(range(next_id, next_id + last - first))))
+        next_id += last - first
+    return context, tokens, tables
+
+
+def profile_forward(model, block_size: int, hybrid: bool, max_num_batched_tokens: int, max_model_len: int,
+                    max_num_seqs: int, seed: int = 0, before: Callable[[], None] = lambda: None) -> torch.Tensor:
+    """Run the profiled step (`profile_step`) on `model`'s device, its KV cache of `block_size`-token blocks in hybrid
+    groups or not (`model.kv_layout`), over a scratch cache freed after; `before` is called once the cache and the
+    inputs exist, just before the forward. Returns the logits it made."""
+    layout = model.kv_layout(block_size, hybrid)
+    context, tokens, tables = profile_step(layout, max_num_batched_tokens, max_model_len)
+    kv = model.new_kv_cache(sum(len(t) - t.count(-1) for _, t in tables), block_size, growable=False, hybrid=hybrid)
+    metas = tuple(batch_metadata([(context, tokens, t)], size, model.device, window=g.window)
+                  for (size, t), g in zip(tables, layout.groups))
+    ids = torch.randint(0, model.config.vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
+    positions = torch.arange(context, context + tokens)
+    before()
+    out = model.forward(ids, positions, kv, metas[0] if len(metas) == 1 else metas, record=True)
+    return model.logits(out.hidden[-min(max_num_seqs, tokens):])
+
+
+def measure_activation_bytes(model, block_size: int, hybrid: bool, max_num_batched_tokens: int, max_model_len: int,
+                             max_num_seqs: int, seed: int = 0) -> int:
+    """The reserve (module docstring) of `model` on its device, for `profile_forward`'s step: 0 off CUDA."""
+    dev = model.device
+    if dev.type != "cuda":
+        return 0
+    held = []
+
+    def before() -> None:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        held.append(torch.cuda.memory_allocated(dev))
+
+    logits = profile_forward(model, block_size, hybrid, max_num_batched_tokens, max_model_len, max_num_seqs, seed,
+                             before)
+    torch.cuda.synchronize(dev)
+    peak = torch.cuda.max_memory_allocated(dev) - held[0]
+    del logits
+    torch.cuda.empty_cache()   # the scratch cache and the activations' blocks go back before the KV cache maps its own
+    return -(-max(peak, 0) // GRANULE) * GRANULE

@@ -1,0 +1,151 @@
+"""The activation reserve (`--activation-reserve`, pwruntime.activation_profile): what a KV pool sized from memory leaves
+a step's activations, measured by a profiling forward of the largest step on CUDA or given; the simulator keeps the
+same bytes out of its pool (`pwsim run --like-replay` takes what a replay measured: test_dummy_checkpoint)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_fixtures import make_tiny_checkpoint
+from policies.kv_groups import KVLayout
+from pwruntime.activation_profile import measure_activation_bytes, profile_forward, profile_step
+from sim_fixtures import summary_without_wall, tiny_card, tiny_sim
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 4 of sliding (window 8) and global layers (test_engine_hybrid_kv's)."""
+    from pwruntime.model import load_model
+
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("reserve"), "gemma4", seed=3, num_hidden_layers=6,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                                global_head_dim=64)
+    return load_model(path)
+
+
+def test_the_profiled_step_is_the_longest_chunk_at_the_end_of_the_context():
+    layout = KVLayout.build([64, 64, 128], [8, 8, None], block_size=4)   # groups: a sliding one, a global one
+    assert layout.hybrid
+    context, tokens, tables = profile_step(layout, 16, 40)
+    assert (context, tokens) == (24, 16)
+    for (size, table), group in zip(tables, layout.groups):
+        first, last = group.blocks_held(context, context + tokens)
+        assert size == group.block_size and len(table) == last
+        assert table[:first] == [-1] * first and -1 not in table[first:]
+    ids = [i for _, table in tables for i in table if i >= 0]
+    assert ids == list(range(layout.pages(context, context + tokens)))   # each group's pages its own
+    assert profile_step(layout, 64, 40)[:2] == (1, 39)   # a step longer than the context: all of it but position 0
+    one = KVLayout.build([64, 64, 128], [8, 8, None], block_size=4, hybrid=False)
+    assert profile_step(one, 16, 40)[2] == [(4, list(range(10)))]
+
+
+def test_the_profiling_forward_runs_with_one_table_or_hybrid_groups_alike(gemma):
+    """The profiled step's inputs are a real step's: its sliding tables (NULL before each window) give the logits
+    one table gives; a step samples at most one row a sequence, so the logits are max_num_seqs rows. Off CUDA
+    nothing is measured."""
+    hybrid = profile_forward(gemma, 4, True, 24, 64, 3)
+    one = profile_forward(gemma, 4, False, 24, 64, 3)
+    assert hybrid.shape == (3, gemma.config.vocab) and torch.isfinite(hybrid).all()
+    torch.testing.assert_close(hybrid, one)
+    assert not torch.equal(profile_forward(gemma, 4, True, 24, 64, 3, seed=1), hybrid)   # seeded ids
+    assert measure_activation_bytes(gemma, 4, True, 24, 64, 3) == 0
+
+
+def _engine(ap_path, *flags):
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from traces.clikit import build_parser
+
+    args = build_parser("pwruntime", "", _registrars()).parse_args(
+        ["generate", "--ap", str(ap_path), "--calibration", "synthetic", "--policy", "pagedweight", "--prompt", "x",
+         *flags])
+    return build_engine(args)[0]
+
+
+def test_a_given_reserve_stays_out_of_the_budget_pool(ap_path):
+    """The pool a budget sizes loses exactly the reserve's blocks; the weights, the pool and its spare bytes fill
+    the budget less the slack and the reserve; the engine reports what it kept."""
+    from policies.memory_budget import allocator_slack_bytes
+    from pwruntime.stats_log import ready_line, serving_info
+
+    budget = 16 * MiB
+    plain = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "0B")
+    kept = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "3MiB")
+    assert (plain.activation_reserve, kept.activation_reserve) == (0, 3 * MiB)
+    for engine, reserve in ((plain, 0), (kept, 3 * MiB)):
+        used = (engine.model.weight_bytes() + engine.table.resident_bytes() + engine.pool.id_limit * engine.block_bytes
+                + engine.capacity.spare_bytes)
+        assert used == budget - allocator_slack_bytes(budget) - reserve
+    B = plain.block_bytes
+    assert plain.pool.capacity - kept.pool.capacity in (3 * MiB // B, 3 * MiB // B + 1)
+    info = serving_info(kept)
+    assert info["activation_reserve"] == 3 * MiB
+    assert "3 MiB kept for activations" in ready_line(info, 1.0)
+    assert "kept for activations" not in ready_line(serving_info(plain), 1.0)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-kv-blocks", "64", "--activation-reserve", "1MiB"], "--num-kv-blocks sizes it in blocks"),
+    (["--gpu-memory-budget", "16MiB", "--activation-reserve", "lots"], "--activation-reserve: cannot read size"),
+    (["--gpu-memory-budget", "16MiB", "--activation-reserve", "15MiB"], "a step's activations (15.00 MiB"),
+])
+def test_a_bad_reserve_is_one_clear_error(ap_path, capsys, flags, message):
+    from pwruntime.cli import main
+
+    assert main(["generate", "--ap", str(ap_path), "--calibration", "synthetic", "--prompt", "x", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_simulator_keeps_the_reserve_out_of_its_pool():
+    """A budget with a reserve simulates what the budget less the reserve does without one: the same pool, the
+    same decisions, the same requests' times."""
+    block = 16 * tiny_card().kv_bytes_per_token()
+    reserved = tiny_sim("pagedweight", kv_blocks=16, n=30, slack=8 * block, activation_bytes=6 * block)
+    smaller = tiny_sim("pagedweight", kv_blocks=10, n=30, slack=8 * block)
+    assert reserved.pool.capacity == smaller.pool.capacity == 10
+    a, b = reserved.run(), smaller.run()   # pool and table invariants checked at every boundary
+    sa, sb = summary_without_wall(a.summary), summary_without_wall(b.summary)
+    assert sa["memory"].pop("budget_bytes") - sb["memory"].pop("budget_bytes") == 6 * block
+    assert sa == sb and a.summary["plans"]["plans"] > 5
+
+
+@pytest.mark.gpu
+def test_gpu_the_measured_reserve_covers_the_engine_s_largest_step(ap_path):
+    """On CUDA `auto` measures the reserve (whole 2 MiB granules, some of them), and the engine's own largest step, a
+    chunk of max_num_batched_tokens prompt tokens at the end of the context run eagerly, takes no more than it."""
+    from pwruntime.activation_profile import GRANULE
+    from pwruntime.sampling import SamplingParams
+
+    engine = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
+                     "--max-num-batched-tokens", "256", "--max-model-len", "512", "--no-cuda-graphs")
+    reserve = engine.activation_reserve
+    assert reserve >= GRANULE and reserve % GRANULE == 0
+    engine.add_request([(7 * i) % 120 + 3 for i in range(500)], SamplingParams(max_tokens=4, ignore_eos=True))
+    dev, peaks = engine.model.device, []
+    while engine.has_unfinished():
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        engine.step()
+        torch.cuda.synchronize(dev)
+        peaks.append(torch.cuda.max_memory_allocated(dev) - before)
+    assert len(peaks) >= 3 and 0 < max(peaks) <= reserve, (peaks, reserve)
+
+
+@pytest.mark.gpu
+def test_gpu_the_profiling_forward_of_hybrid_groups_matches_one_table(tmp_path):
+    """On CUDA (flash chunks, the decode kernel's tables) the profiled step's sliding tables give one table's logits,
+    and the hybrid reserve is measured."""
+    from pwruntime.model import load_model
+
+    path = make_tiny_checkpoint(tmp_path, "gemma4", seed=3, num_hidden_layers=6,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                                global_head_dim=64)
+    model = load_model(path, dtype="bf16", device="cuda")
+    hybrid = profile_forward(model, 4, True, 48, 128, 4)
+    torch.testing.assert_close(hybrid, profile_forward(model, 4, False, 48, 128, 4), atol=2e-2, rtol=2e-2)
+    assert measure_activation_bytes(model, 4, True, 48, 128, 4) > 0
