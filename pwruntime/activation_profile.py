@@ -72,4 +72,5 @@ def measure_activation_bytes(model, block_size: int, hybrid: bool, max_num_batch
     peak = torch.cuda.max_memory_allocated(dev) - held[0]
     del logits
     torch.cuda.empty_cache()   # the scratch cache and the activations' blocks go back before the KV cache maps its own
+    torch.cuda.reset_peak_memory_stats(dev)   # a replay's peaks are the engine's, not the scratch cache's
     return -(-max(peak, 0) // GRANULE) * GRANULE

@@ -198,8 +198,9 @@ def gpu_memory_lines(mem: dict, budget: str | None) -> list[str]:
     budget, and the driver calls the KV cache's and the expert planes' mappings made."""
     lines = [f"GPU memory: peak {mem['peak_allocated_gib']:.2f} GiB in the allocator's tensors, "
              f"{mem['peak_reserved_gib']:.2f} GiB reserved by it, {mem['kv_peak_mapped_gib']:.2f} GiB mapped by the KV "
-             f"cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; {mem['peak_held_gib']:.2f} GiB held "
-             f"at most" + (f" (budget {budget})" if budget else "")]
+             f"cache, {mem['weights_peak_mapped_gib']:.2f} GiB by the expert planes; "
+             + (f"{mem['peak_in_use_gib']:.2f} GiB in use and " if "peak_in_use_gib" in mem else "")
+             + f"{mem['peak_held_gib']:.2f} GiB held at most" + (f" (budget {budget})" if budget else "")]
     owners = (("the KV cache", mem["driver_calls"]["kv"]), ("the expert planes", mem["driver_calls"]["weights"]))
     calls = [f"{what} {c['handles_mapped']} handles mapped in {c['map_ms']:.1f} ms, {c['handles_unmapped']} unmapped "
              f"in {c['unmap_ms']:.1f} ms" for what, c in owners if c["handles_mapped"]]

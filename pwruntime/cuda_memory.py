@@ -27,9 +27,10 @@ GIB = 2 ** 30
 @dataclass(frozen=True)
 class MappedMemory:
     """Device memory the process maps itself beside torch's allocator, in bytes: the KV cache's and the expert planes'
-    now and at their peaks, and the most that and the allocator's reserved memory came to at once (`held_peak`:
-    sampled by the engine whenever the KV cache is resized, where the trade between the two happens), and the driver
-    calls each one's mapping took."""
+    now and at their peaks, the most that and the allocator's reserved memory came to at once (`held_peak`: sampled by
+    the engine whenever the KV cache is resized, where the trade between the two happens), the driver calls each
+    one's mapping took, and the most the mapped memory and the allocator's live tensors came to at those samples
+    (`in_use_peak`: what the budget's accounting holds, without what the allocator caches)."""
     kv: int = 0
     kv_peak: int = 0
     weights: int = 0
@@ -37,12 +38,19 @@ class MappedMemory:
     held_peak: int = 0
     kv_calls: DriverCalls = field(default_factory=DriverCalls)
     weights_calls: DriverCalls = field(default_factory=DriverCalls)
+    in_use_peak: int = 0
 
 
 def held_bytes(device: torch.device | str, mapped_bytes: int) -> int:
     """The allocator's reserved memory plus `mapped_bytes`: what the process holds on a CUDA device now (0 off it)."""
     device = torch.device(device)
     return torch.cuda.memory_reserved(device) + mapped_bytes if device.type == "cuda" else 0
+
+
+def in_use_bytes(device: torch.device | str, mapped_bytes: int) -> int:
+    """The allocator's live tensors plus `mapped_bytes`: what the process uses on a CUDA device now (0 off it)."""
+    device = torch.device(device)
+    return torch.cuda.memory_allocated(device) + mapped_bytes if device.type == "cuda" else 0
 
 ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 SETTING = "expandable_segments:True"
@@ -88,23 +96,26 @@ def memory_gauges(device: torch.device | str, mapped: MappedMemory = MappedMemor
 
 def memory_report(device: torch.device | str, mapped: MappedMemory = MappedMemory()) -> dict | None:
     """GiB the allocator's tensors took at most (`peak_allocated_gib`) and the allocator held at most from the device
-    (`peak_reserved_gib`), what it holds now (`reserved_gib`), in how many segments and how many of them expandable,
-    the KV cache's and the expert planes' own mapped memory now and at most, the most all of it held at once
-    (`peak_held_gib`: `mapped.held_peak`, or what is held now if more), the driver calls that mapping took
-    (`driver_calls`: vmm.DriverCalls of each), and the user's allocator configuration if any; None off CUDA."""
+    (`peak_reserved_gib`; both since the engine's activation profile where one ran, pwruntime.activation_profile), what
+    it holds now (`reserved_gib`), in how many segments and how many of them expandable, the KV cache's and the expert
+    planes' own mapped memory now and at most, the most all of it held at once (`peak_held_gib`: `mapped.held_peak`, or
+    what is held now if more) and used at once (`peak_in_use_gib`: the live tensors instead of the reserved memory,
+    `mapped.in_use_peak` or now), the driver calls that mapping took (`driver_calls`: vmm.DriverCalls of each), and
+    the user's allocator configuration if any; None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
     segments = [seg for seg in torch.cuda.memory_snapshot() if seg.get("device", index) == index]
-    held = max(mapped.held_peak, held_bytes(torch.device("cuda", index), mapped.kv + mapped.weights))
+    dev, own = torch.device("cuda", index), mapped.kv + mapped.weights
+    held, in_use = max(mapped.held_peak, held_bytes(dev, own)), max(mapped.in_use_peak, in_use_bytes(dev, own))
     return {"peak_allocated_gib": round(torch.cuda.max_memory_allocated(index) / GIB, 3),
             "peak_reserved_gib": round(torch.cuda.max_memory_reserved(index) / GIB, 3),
             "reserved_gib": round(torch.cuda.memory_reserved(index) / GIB, 3),
             "kv_mapped_gib": round(mapped.kv / GIB, 3), "kv_peak_mapped_gib": round(mapped.kv_peak / GIB, 3),
             "weights_mapped_gib": round(mapped.weights / GIB, 3),
             "weights_peak_mapped_gib": round(mapped.weights_peak / GIB, 3),
-            "peak_held_gib": round(held / GIB, 3),
+            "peak_held_gib": round(held / GIB, 3), "peak_in_use_gib": round(in_use / GIB, 3),
             "driver_calls": {"kv": mapped.kv_calls.as_dict(), "weights": mapped.weights_calls.as_dict()},
             "segments": len(segments), "expandable_segments": sum(bool(seg.get("is_expandable")) for seg in segments),
             "user_alloc_conf": user_alloc_conf()}

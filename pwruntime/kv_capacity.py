@@ -7,7 +7,7 @@ the device has no memory for leaves them spare, and is tried again once more are
 first, then shrinks the pool over free blocks, compacting live ones downwards so the cache can be truncated
 (`reserve`): by as many blocks as the transitions of the plan still to begin will ask (`PlanLoop.kv_blocks_to_free`),
 so a plan resizes the cache once, not once a transition. At every resize it samples the device memory the process
-holds (`MappedMemory.held_peak`).
+holds and uses (`MappedMemory.held_peak`, `in_use_peak`).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from policies.loop import PlanLoop
 from policies.memory_budget import allocator_slack_bytes, kv_room_bytes
 from policies.page_table import PageTable
 from policies.planners.base import weight_bytes
-from pwruntime.cuda_memory import MappedMemory, held_bytes
+from pwruntime.cuda_memory import MappedMemory, held_bytes, in_use_bytes
 from pwruntime.kv_cache import KVCache
 from pwruntime.vmm import DriverCalls
 from traces.clikit import UserError
@@ -93,6 +93,7 @@ class KvCapacity:
         self.grow_failures = 0  # growths the device had no memory for (the bytes stay spare)
         self._refused_at = -1  # spare bytes at the last such failure: tried again once more are released
         self._held_peak = 0  # the most device memory held at a resize (allocator + mapped; 0 off CUDA)
+        self._in_use_peak = 0  # and used (live tensors + mapped)
         self._note_held()
 
     def grow(self, num_blocks: int) -> bool:
@@ -158,6 +159,7 @@ class KvCapacity:
     def _note_held(self) -> None:
         m = self.mapped_memory()
         self._held_peak = max(self._held_peak, held_bytes(self.kv.device, m.kv + m.weights))
+        self._in_use_peak = max(self._in_use_peak, in_use_bytes(self.kv.device, m.kv + m.weights))
 
     def mapped_memory(self) -> MappedMemory:
         """The device memory the KV cache and the expert planes (a PlaneArena's, pwruntime.plane_arena) map themselves
@@ -166,4 +168,4 @@ class KvCapacity:
         on = arena is not None
         return MappedMemory(self.kv.mapped_bytes, self.kv.peak_mapped_bytes, arena.mapped if on else 0,
                             arena.peak_mapped if on else 0, self._held_peak, self.kv.driver_calls,
-                            arena.driver_calls if on else DriverCalls())
+                            arena.driver_calls if on else DriverCalls(), self._in_use_peak)

@@ -52,10 +52,11 @@ def test_reports_are_empty_off_cuda():
 def test_a_replay_prints_the_memory_held_and_the_driver_calls_of_each_mapping():
     from pwruntime.cmd_replay import gpu_memory_lines
     mem = {"peak_allocated_gib": 2.35, "peak_reserved_gib": 3.61, "kv_peak_mapped_gib": 5.94,
-           "weights_peak_mapped_gib": 0.0, "peak_held_gib": 13.98,
+           "weights_peak_mapped_gib": 0.0, "peak_held_gib": 13.98, "peak_in_use_gib": 11.5,
            "driver_calls": {"kv": DriverCalls(40, 12, 0.0031, 38, 0.0125).as_dict(), "weights": DriverCalls().as_dict()}}
     memory, calls = gpu_memory_lines(mem, "12GiB")
-    assert memory.startswith("GPU memory: peak 2.35 GiB") and memory.endswith("13.98 GiB held at most (budget 12GiB)")
+    assert memory.startswith("GPU memory: peak 2.35 GiB")
+    assert memory.endswith("planes; 11.50 GiB in use and 13.98 GiB held at most (budget 12GiB)")
     # the planes' mapping made no call (they are in torch's allocator): only the cache's are printed
     assert calls == ("the driver's virtual memory, since the engine started: the KV cache 40 handles mapped in 3.1 ms, "
                      "38 unmapped in 12.5 ms")
@@ -82,17 +83,19 @@ def test_gpu_kv_resizes_reserve_little_beyond_the_cache_with_expandable_segments
     assert grown < 2.5 * 1400 * per_block, grown / 2 ** 20
     gib = 2 ** 30
     mapped = cuda_memory.MappedMemory(kv=3 * gib, kv_peak=5 * gib, weights=gib, weights_peak=2 * gib,
-                                      held_peak=1000 * gib, weights_calls=DriverCalls(4, 2, 0.0125, 3, 0.5))
+                                      held_peak=1000 * gib, weights_calls=DriverCalls(4, 2, 0.0125, 3, 0.5),
+                                      in_use_peak=900 * gib)
     report = cuda_memory.memory_report("cuda", mapped)
     assert report["expandable_segments"] >= 1 and report["user_alloc_conf"] is None
     assert report["peak_reserved_gib"] >= report["reserved_gib"] > 0
     assert report["kv_mapped_gib"] == 3 and report["kv_peak_mapped_gib"] == 5
     assert report["weights_mapped_gib"] == 1 and report["weights_peak_mapped_gib"] == 2
-    assert report["peak_held_gib"] == 1000
+    assert report["peak_held_gib"] == 1000 and report["peak_in_use_gib"] == 900
     assert report["driver_calls"] == {"kv": DriverCalls().as_dict(), "weights": {
         "handles_mapped": 4, "access_grants": 2, "map_ms": 12.5, "handles_unmapped": 3, "unmap_ms": 500.0}}
     now = cuda_memory.memory_report("cuda", cuda_memory.MappedMemory(kv=3 * gib, weights=gib))  # no sample: held now
     assert now["peak_held_gib"] == pytest.approx(now["reserved_gib"] + 4, abs=2e-3)
+    assert now["peak_in_use_gib"] == pytest.approx(torch.cuda.memory_allocated() / gib + 4, abs=2e-3)
     gauges = cuda_memory.memory_gauges("cuda", cuda_memory.MappedMemory(kv=7, weights=9, kv_calls=DriverCalls(
         3, 1, 0.25, 2, 0.5), weights_calls=DriverCalls(1, 1, 0.125, 0, 0.0)))
     assert (gauges["gpu_vmm_handles_mapped_total"], gauges["gpu_vmm_handles_unmapped_total"]) == (4, 2)
