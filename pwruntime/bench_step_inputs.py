@@ -1,6 +1,7 @@
 """`pwruntime bench step-inputs`: the host time of a step's inputs for a model card's KV layouts, one table and hybrid
 KV groups: a decode step's staging into CUDA-graph inputs (`DecodeInputs.pad`, a KV group at a time) and a mixed
-step's metadata and attention plans (`batch_metadata` a group at a time, then `layer_plans` with what each layer reads).
+step's metadata and attention plans (`batch_metadata` a group at a time on the host, as `ModelRunner.prepare` makes
+it, then `layer_plans` with what each layer reads, which copies what the plans need to the device).
 
 The batch is seeded: `rows` decode rows with contexts drawn from [context_min, context_max], and `chunks` prompt chunks
 of `chunk_tokens` each, the first after a context of `chunk_context`, on consecutive blocks; a sliding group's tables
@@ -94,8 +95,8 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
                     DecodeInputs.pad(r, cfg.graph_rows, host.block_tables.shape[1], g.block_size, 0, out=host,
                                      window=g.window)
 
-            def metadata():
-                return [batch_metadata(s, g.block_size, dev, window=g.window) for g, s in groups]
+            def metadata():   # on the host, as a step prepares it: the plans copy it
+                return [batch_metadata(s, g.block_size, window=g.window) for g, s in groups]
 
             metas = metadata()
 
@@ -104,7 +105,7 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
 
             rows.append({"model": name, "layout": "hybrid" if hybrid else "one table", "groups": len(layout.groups),
                          "decode_staging_ms": _least_mean_ms(stage, cfg, lambda: None),
-                         "mixed_metadata_ms": _least_mean_ms(metadata, cfg, sync),
+                         "mixed_metadata_ms": _least_mean_ms(metadata, cfg, lambda: None),
                          "mixed_plans_ms": _least_mean_ms(plans, cfg, sync)})
     return {"config": asdict(cfg), "rows": rows}
 

@@ -146,6 +146,44 @@ def test_a_sliding_group_s_released_blocks_are_never_gathered():
         AttentionPlan.build(meta, 4, torch.device("cpu"), torch.float32)
 
 
+def _same_tensors(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_groups_of_a_kind_build_together_what_each_builds_alone():
+    """Hybrid groups of one block size and window over one batch (their tables differ only in block ids) build their
+    plans together (`build_all`: the rows and lengths once, each input in one copy) exactly as each alone: slot
+    mappings, decode batches, flash chunks and the reference's groups. Metadata of two batches is refused."""
+    shape = [(5, 1), (6, 3), (0, 4), (9, 1)]
+    metas = [batch_metadata([(c, q, [10 * g + 3 * i + b for b in range(-(-(c + q) // 4))])
+                             for i, (c, q) in enumerate(shape)], 4) for g in range(3)]
+    cpu = torch.device("cpu")
+    together = VarlenChunks.build_all(metas, 4, cpu, window=3)
+    for meta, chunks in zip(metas, together):
+        alone = VarlenChunks.build(meta, 4, cpu, window=3)
+        assert _same_tensors((chunks.rows, chunks.key_slots, chunks.cu_q, chunks.cu_k),
+                             (alone.rows, alone.key_slots, alone.cu_q, alone.cu_k))
+        assert (chunks.max_q, chunks.max_k) == (alone.max_q, alone.max_k)
+    assert not torch.equal(together[0].key_slots, together[1].key_slots)   # each group's own blocks
+    plans = AttentionPlan.build_all(metas, 4, cpu, torch.float32, window=3)
+    for meta, plan in zip(metas, plans):
+        alone = AttentionPlan.build(meta, 4, cpu, torch.float32, window=3)
+        assert torch.equal(plan.slot_mapping, alone.slot_mapping) and plan.window == 3
+        d, e = plan.decode, alone.decode
+        assert _same_tensors((d.block_tables, d.seq_lens, d.rows), (e.block_tables, e.seq_lens, e.rows))
+        for g, h in zip(plan.groups, alone.groups, strict=True):
+            assert type(g) is type(h)
+            if hasattr(g, "key_blocks"):
+                assert _same_tensors((g.token_idx, g.key_blocks, g.key_valid, g.q_pos), (h.token_idx, h.key_blocks,
+                                                                                       h.key_valid, h.q_pos))
+    decode_only = [batch_metadata([(c, 1, [g, g + 3, g + 6])], 4) for c, g in ((7, 0), (7, 1))]
+    plans = AttentionPlan.build_all(decode_only, 4, cpu, torch.float32)
+    assert [p.decode.block_tables.tolist() for p in plans] == [[[0, 3, 6]], [[1, 4, 7]]]
+    assert all(p.decode.seq_lens.tolist() == [8] and p.decode.rows is None for p in plans)
+    with pytest.raises(ValueError, match="one batch"):
+        AttentionPlan.build_all([metas[0], batch_metadata([(5, 1, [0, 1])], 4)], 4, cpu)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(8, 2, 64), (16, 4, 128), (4, 4, 32)])

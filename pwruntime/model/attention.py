@@ -108,6 +108,15 @@ def place_block_tables(tables: Sequence[list[int]], lengths: np.ndarray, out: np
     return flat, start - first
 
 
+def _to_device_each(tensors: Sequence[torch.Tensor], device: torch.device,
+                    dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Each tensor on `device` (as `dtype`): host tensors of one shape and dtype reach it in one copy."""
+    on_host = all(t.device.type == "cpu" for t in tensors)
+    if len(tensors) > 1 and on_host and len({(t.shape, t.dtype) for t in tensors}) == 1:
+        return list(to_device(torch.stack(tensors), device, dtype).unbind(0))
+    return [to_device(t, device, dtype) for t in tensors]
+
+
 def prefill_metadata(num_tokens: int, block_size: int, device: str | torch.device = "cpu") -> AttentionMetadata:
     """One sequence of `num_tokens` new tokens in blocks 0, 1, 2, ... (a trivial block table)."""
     n_blocks = -(-num_tokens // block_size)
@@ -174,21 +183,31 @@ class VarlenChunks:
         """From the metadata on the host (`_key_slots`); None without chunks. Everything reaches the device in one
         copy. With a sliding `window` a chunk after a context of c tokens gathers keys from position c - window + 1
         on (bottom-right causal alignment keeps each query at its own position)."""
+        return cls.build_all([meta], block_size, device, window)[0]
+
+    @classmethod
+    def build_all(cls, metas: Sequence[AttentionMetadata], block_size: int, device: torch.device,
+                  window: int | None = None) -> list["VarlenChunks | None"]:
+        """`build` for KV groups of one batch (metadata that differ only in block ids): the rows and lengths they
+        share are made once, and every group's key slots reach the device in one copy with them."""
+        meta = metas[0]
         seqs = [s for s, q in enumerate(meta.query_lens) if q > 1]
         if not seqs:
-            return None
+            return [None] * len(metas)
         starts = np.cumsum([0] + meta.query_lens)
         q_lens = np.array([meta.query_lens[s] for s in seqs], np.int64)
         ctx = np.array([meta.context_lens[s] for s in seqs], np.int64)
         rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in seqs])
         first = np.maximum(ctx - window + 1, 0) if window else np.zeros_like(ctx)
-        slots, in_seq = _key_slots(meta, seqs, torch.from_numpy(q_lens + ctx), block_size, torch.from_numpy(first))
+        slots, in_seq = _key_slots(metas, seqs, torch.from_numpy(q_lens + ctx), block_size, torch.from_numpy(first))
         k_lens = q_lens + ctx - first
         cu = np.concatenate([[0], np.cumsum(q_lens), [0], np.cumsum(k_lens)])
-        flat = to_device(torch.from_numpy(np.concatenate([rows, slots[in_seq].numpy(), cu])), device)
+        flat = to_device(torch.from_numpy(np.concatenate([rows, *(s[in_seq].numpy() for s in slots), cu])), device)
         tq, tk, g = len(rows), int(k_lens.sum()), len(seqs)
-        cu_dev = flat[tq + tk:].to(torch.int32)
-        return cls(flat[:tq], flat[tq:tq + tk], cu_dev[:g + 1], cu_dev[g + 1:], int(q_lens.max()), int(k_lens.max()))
+        cu_dev = flat[tq + len(metas) * tk:].to(torch.int32)
+        max_q, max_k = int(q_lens.max()), int(k_lens.max())
+        return [cls(flat[:tq], flat[tq + i * tk:tq + (i + 1) * tk], cu_dev[:g + 1], cu_dev[g + 1:], max_q, max_k)
+                for i in range(len(metas))]
 
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
                   window: int | None = None) -> torch.Tensor:
@@ -245,34 +264,56 @@ class AttentionPlan:
               reads: Sequence[tuple[int | None, int]] = ()) -> AttentionPlan:
         """`reads`: the (sliding window, head size) of each layer that reads the plan; empty: layers of the plan's
         window with heads flash attention takes."""
-        plan = cls(to_device(meta.slot_mapping, device, torch.int64), meta, block_size, device,
-                   cls._decode_batch(meta, device), window=window)
+        return cls.build_all([meta], block_size, device, dtype, window, reads)[0]
+
+    @classmethod
+    def build_all(cls, metas: Sequence[AttentionMetadata], block_size: int, device: torch.device,
+                  dtype: torch.dtype | None = None, window: int | None = None,
+                  reads: Sequence[tuple[int | None, int]] = ()) -> list[AttentionPlan]:
+        """`build` for KV groups of one block size and window over one batch (hybrid groups of a kind: their
+        metadata differ only in block ids): what does not depend on the ids is made once, and each kind of input
+        reaches the device in one copy for all of them. `reads`: those of every layer of these groups."""
+        first = metas[0]
+        if any(m.query_lens != first.query_lens or m.context_lens != first.context_lens for m in metas[1:]):
+            raise ValueError("plans built together need one batch: the same query and context lengths")
+        plans = [cls(slots, meta, block_size, device, decode, window=window) for slots, meta, decode in zip(
+            _to_device_each([m.slot_mapping for m in metas], device, torch.int64), metas,
+            cls._decode_batches(metas, device))]
         if device.type == "cuda" and dtype in DECODE_KERNEL_DTYPES:  # build (and validate the block tables) now
             flash = [w for w, d in reads if VarlenChunks.takes(d)] if reads else [window]
             for w in dict.fromkeys(flash):
-                plan.varlen(w)
+                for plan, chunks in zip(plans, VarlenChunks.build_all(metas, block_size, device, w)):
+                    plan.varlens[w] = chunks
             if len(flash) < len(reads):  # some layer's heads flash attention does not take
-                plan.chunk_groups
+                for plan in plans:
+                    plan.chunk_groups
         else:
-            plan.chunk_groups
-        if plan.decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
-            plan.decode_group
-        return plan
+            for plan in plans:
+                plan.chunk_groups
+        if plans[0].decode is None or not DecodeBatch.kernel_applies(device.type, dtype):
+            for plan in plans:
+                plan.decode_group
+        return plans
 
     @staticmethod
-    def _decode_batch(meta: AttentionMetadata, device: torch.device) -> DecodeBatch | None:
+    def _decode_batches(metas: Sequence[AttentionMetadata], device: torch.device) -> list[DecodeBatch | None]:
+        """The decode sequences of one batch in each group's tables: their rows and lengths shared."""
+        meta = metas[0]
         seqs = [s for s, q in enumerate(meta.query_lens) if q == 1]
         if not seqs:
-            return None
+            return [None] * len(metas)
+        tables = _to_device_each([m.block_tables for m in metas], device, torch.int32)
         if len(seqs) == len(meta.query_lens):  # pure decode: every row, the tables as they are
-            lens = meta.seq_lens
-            if lens is None:
+            lens = None
+            if any(m.seq_lens is None for m in metas):
                 lens = to_device(torch.tensor([c + 1 for c in meta.context_lens], dtype=torch.int32), device)
-            return DecodeBatch(to_device(meta.block_tables, device, torch.int32), to_device(lens, device, torch.int32))
+            return [DecodeBatch(t, to_device(lens if m.seq_lens is None else m.seq_lens, device, torch.int32))
+                    for t, m in zip(tables, metas)]
         starts = np.cumsum([0] + meta.query_lens)
         host = torch.from_numpy(np.array([seqs, [meta.context_lens[s] + 1 for s in seqs], starts[seqs]], np.int64))
         index, lens, rows = to_device(host, device).unbind(0)  # one copy to the device
-        return DecodeBatch(to_device(meta.block_tables, device, torch.int32)[index], lens.to(torch.int32), rows)
+        lens = lens.to(torch.int32)
+        return [DecodeBatch(t[index], lens, rows) for t in tables]
 
     @cached_property
     def chunk_groups(self) -> list:
@@ -311,7 +352,7 @@ class AttentionPlan:
         ctx = torch.tensor([meta.context_lens[s] for s in seqs])
         q_max = int(q_lens.max())
         first = (ctx - window + 1).clamp(min=0) if window else None
-        key_blocks, in_seq = _key_blocks(meta, seqs, ctx + q_lens, block_size, first)
+        (key_blocks,), in_seq = _key_blocks([meta], seqs, ctx + q_lens, block_size, first)
         qi = torch.arange(q_max)
         token_idx = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
         dest = torch.cat([g * q_max + torch.arange(meta.query_lens[s]) for g, s in enumerate(seqs)])
@@ -337,42 +378,53 @@ def layer_plans(meta: AttentionMetadata | Sequence[AttentionMetadata], layout: K
     if len(metas) != len(layout.groups):
         raise ValueError(f"a cache of {len(layout.groups)} KV groups needs an AttentionMetadata for each, "
                          f"got {len(metas)}")
-    plans = [AttentionPlan.build(m, group.block_size, device, dtype, group.window,
-                                 [reads[i] for i in group.layers] if reads is not None else ())
-             for m, group in zip(metas, layout.groups)]
+    kinds: dict[tuple[int, int | None], list[int]] = {}   # groups of one block size and window build together
+    for g, group in enumerate(layout.groups):
+        kinds.setdefault((group.block_size, group.window), []).append(g)
+    plans: list[AttentionPlan | None] = [None] * len(metas)
+    for (block_size, window), gs in kinds.items():
+        kind_reads = [reads[i] for g in gs for i in layout.groups[g].layers] if reads is not None else ()
+        for g, plan in zip(gs, AttentionPlan.build_all([metas[g] for g in gs], block_size, device, dtype, window,
+                                                       kind_reads)):
+            plans[g] = plan
     return [plans[g] for g in layout.group_of]
 
 
-def _key_blocks(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int,
-                first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """On the host (meta.host_tables when present, else the tables read back): the cache blocks holding key
-    positions first[i]..lengths[i] - 1 of each sequence in `seqs` (`first` None: from 0), [S, B] int64 (B the longest
-    one's blocks) with 0 for a block outside them, and which positions are keys, [S, B * block_size]. Raises when a
-    block table does not cover those positions (a released block, NULL_BLOCK, may only lie before `first`)."""
-    tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
+def _key_blocks(metas: Sequence[AttentionMetadata], seqs: list[int], lengths: torch.Tensor, block_size: int,
+                first: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """On the host (meta.host_tables when present, else the tables read back), in each group's tables (`metas`, of
+    one batch): the cache blocks holding key positions first[i]..lengths[i] - 1 of each sequence in `seqs` (`first`
+    None: from 0), [S, B] int64 (B the longest one's blocks) with 0 for a block outside them; and which positions
+    are keys, [S, B * block_size]. Raises when a block table does not cover those positions (a released block,
+    NULL_BLOCK, may only lie before `first`)."""
     n_blocks = -(-int(lengths.max()) // block_size)
-    table = tables.to(torch.int64)[seqs]
     block_start, pos = torch.arange(n_blocks)[None, :] * block_size, torch.arange(n_blocks * block_size)[None, :]
     needed = block_start < lengths[:, None]    # blocks holding some key position
     is_key = pos < lengths[:, None]
     if first is not None:
         needed &= block_start + block_size > first[:, None]
         is_key &= pos >= first[:, None]
-    blocks = table[:, :n_blocks]
-    if blocks.shape[1] < n_blocks or bool((needed & (blocks < 0)).any()):
-        raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
-    return torch.where(needed, blocks, 0), is_key
+    out = []
+    for meta in metas:
+        tables = meta.host_tables if meta.host_tables is not None else meta.block_tables.cpu()
+        blocks = tables[seqs, :n_blocks].to(torch.int64)
+        if blocks.shape[1] < n_blocks or bool((needed & (blocks < 0)).any()):
+            raise ValueError("block table does not cover context_len + query_len tokens of every sequence")
+        out.append(torch.where(needed, blocks, 0))
+    return out, is_key
 
 
-def _key_slots(meta: AttentionMetadata, seqs: list[int], lengths: torch.Tensor, block_size: int,
-               first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cache slot of key positions 0..lengths[i] - 1 of each sequence in `seqs`, [S, max length] int64 with 0
-    before first[i] and past a sequence's length, and which positions are keys (from `_key_blocks`)."""
-    blocks, in_seq = _key_blocks(meta, seqs, lengths, block_size, first)
+def _key_slots(metas: Sequence[AttentionMetadata], seqs: list[int], lengths: torch.Tensor, block_size: int,
+               first: torch.Tensor | None = None) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """In each group's tables (`metas`, of one batch): the cache slot of key positions 0..lengths[i] - 1 of each
+    sequence in `seqs`, [S, max length] int64 with 0 before first[i] and past a sequence's length; and which
+    positions are keys (from `_key_blocks`)."""
+    blocks, in_seq = _key_blocks(metas, seqs, lengths, block_size, first)
     length = int(lengths.max())
-    slots = (blocks[:, :, None] * block_size + torch.arange(block_size)).reshape(len(seqs), -1)[:, :length]
     in_seq = in_seq[:, :length]
-    return torch.where(in_seq, slots, 0), in_seq
+    offsets = torch.arange(block_size)
+    return [torch.where(in_seq, (b[:, :, None] * block_size + offsets).reshape(len(seqs), -1)[:, :length], 0)
+            for b in blocks], in_seq
 
 
 def _gathered_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g: _GatherGroup,
