@@ -6,6 +6,9 @@ The step profiled is the one whose activations are largest: a single chunk of `m
 keys a chunk can (the reference path for heads flash attention does not take materializes its scores), its routing
 recorded, then the logits of `max_num_seqs` rows (a step samples at most one row a sequence). Its cached keys live in
 a scratch cache of the engine's KV layout, allocated before the forward and freed after: they are not activations.
+The context is shortened (halved) until that cache takes at most a quarter of the device's free memory, so a long
+`max_model_len` on a small device profiles a shorter context rather than fail; a forward that still runs out of
+memory is a UserError that names the flags to change.
 What counts is torch's allocator peak during the forward beyond what it held before (a workspace a kernel allocates
 on its first call included), rounded up to 2 MiB. Only CUDA has an allocator to ask: elsewhere the reserve is 0.
 The CUDA graphs' memory pools are not in it (captured after the KV cache exists; README, "Open items").
@@ -18,16 +21,20 @@ import torch
 
 from policies.kv_groups import KVLayout
 from pwruntime.model.attention import batch_metadata
+from traces.clikit import UserError
 
 GRANULE = 2 << 20   # the reserve is rounded up to the allocator's 2 MiB pages
 
 
-def profile_step(layout: KVLayout, max_num_batched_tokens: int, max_model_len: int
-                 ) -> tuple[int, int, list[tuple[int, list[int]]]]:
+def profile_step(layout: KVLayout, max_num_batched_tokens: int, max_model_len: int,
+                 max_cache_bytes: int | None = None) -> tuple[int, int, list[tuple[int, list[int]]]]:
     """(context, new tokens, each group's (block size, block table)) of the profiled step: the group tables hold
-    consecutive page ids, group after group, NULL (-1) before the blocks a group's window needs."""
+    consecutive page ids, group after group, NULL (-1) before the blocks a group's window needs. The context is
+    halved while the pages it and the new tokens hold take more than `max_cache_bytes` (None: no limit)."""
     tokens = max(1, min(max_num_batched_tokens, max_model_len - 1))
     context = max(0, max_model_len - tokens)
+    while context and max_cache_bytes is not None and layout.bytes_held(context, context + tokens) > max_cache_bytes:
+        context //= 2
     tables, next_id = [], 0
     for g in layout.groups:
         first, last = g.blocks_held(context, context + tokens)
@@ -37,12 +44,13 @@ def profile_step(layout: KVLayout, max_num_batched_tokens: int, max_model_len: i
 
 
 def profile_forward(model, block_size: int, hybrid: bool, max_num_batched_tokens: int, max_model_len: int,
-                    max_num_seqs: int, seed: int = 0, before: Callable[[], None] = lambda: None) -> torch.Tensor:
+                    max_num_seqs: int, seed: int = 0, before: Callable[[], None] = lambda: None,
+                    max_cache_bytes: int | None = None) -> torch.Tensor:
     """Run the profiled step (`profile_step`) on `model`'s device, its KV cache of `block_size`-token blocks in hybrid
     groups or not (`model.kv_layout`), over a scratch cache freed after; `before` is called once the cache and the
     inputs exist, just before the forward. Returns the logits it made."""
     layout = model.kv_layout(block_size, hybrid)
-    context, tokens, tables = profile_step(layout, max_num_batched_tokens, max_model_len)
+    context, tokens, tables = profile_step(layout, max_num_batched_tokens, max_model_len, max_cache_bytes)
     kv = model.new_kv_cache(sum(len(t) - t.count(-1) for _, t in tables), block_size, growable=False, hybrid=hybrid)
     metas = tuple(batch_metadata([(context, tokens, t)], size, model.device, window=g.window)
                   for (size, t), g in zip(tables, layout.groups))
@@ -66,9 +74,15 @@ def measure_activation_bytes(model, block_size: int, hybrid: bool, max_num_batch
         torch.cuda.reset_peak_memory_stats(dev)
         held.append(torch.cuda.memory_allocated(dev))
 
-    logits = profile_forward(model, block_size, hybrid, max_num_batched_tokens, max_model_len, max_num_seqs, seed,
-                             before)
-    torch.cuda.synchronize(dev)
+    try:
+        logits = profile_forward(model, block_size, hybrid, max_num_batched_tokens, max_model_len, max_num_seqs, seed,
+                                 before, max_cache_bytes=torch.cuda.mem_get_info(dev)[0] // 4)
+        torch.cuda.synchronize(dev)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        raise UserError(f"the profiling forward of the largest step ({max_num_batched_tokens} tokens) ran out of "
+                        f"device memory: lower --max-num-batched-tokens or --max-model-len, or give "
+                        f"--activation-reserve SIZE") from None
     peak = torch.cuda.max_memory_allocated(dev) - held[0]
     del logits
     torch.cuda.empty_cache()   # the scratch cache and the activations' blocks go back before the KV cache maps its own

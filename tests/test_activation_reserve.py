@@ -40,6 +40,11 @@ def test_the_profiled_step_is_the_longest_chunk_at_the_end_of_the_context():
     assert profile_step(layout, 64, 40)[:2] == (1, 39)   # a step longer than the context: all of it but position 0
     one = KVLayout.build([64, 64, 128], [8, 8, None], block_size=4, hybrid=False)
     assert profile_step(one, 16, 40)[2] == [(4, list(range(10)))]
+    # a scratch cache over its cap: the context halves until the pages fit (here 24 -> 12 -> 6 tokens of context)
+    cap = one.bytes_held(6, 22)
+    assert profile_step(one, 16, 40, max_cache_bytes=cap)[:2] == (6, 16)
+    assert profile_step(one, 16, 40, max_cache_bytes=cap - 1)[:2] == (3, 16)
+    assert profile_step(one, 16, 40, max_cache_bytes=1)[:2] == (0, 16)   # the new tokens' own pages stay
 
 
 def test_the_profiling_forward_runs_with_one_table_or_hybrid_groups_alike(gemma):
