@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 
 from traces.clikit import UserError
+from traces.sizes import format_size
 
 
 def register(subparsers) -> None:
@@ -255,6 +256,11 @@ def run(args) -> int:
     if planned and None not in lut.values() and lut["sim"] != lut["runtime"]:
         print(f"note: the runtime's offloads found room for their lower LUTs in the {lut['runtime']}, the simulation's "
               f"in the {lut['sim']}; their plans part (simulate with --lut-room {lut['runtime']}, as --like-replay does)")
+    reserve = report["activation_reserve"]
+    if None not in reserve.values() and reserve["sim"] != reserve["runtime"]:
+        print(f"note: the runtime kept {format_size(reserve['runtime'])} of its budget for a step's activations, the "
+              f"simulation {format_size(reserve['sim'])}; their KV pools differ (simulate with --activation-reserve "
+              f"{reserve['runtime']}, as --like-replay does)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
     it = report["iterations"]

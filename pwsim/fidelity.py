@@ -29,7 +29,8 @@ captured its graphs or compiled its kernels) inside the clock of a replay withou
 not charge; the report gives their excess
 and the throughput ratio without it (`throughput_ratio_without_one_off`). `lut_room` is where each side's offloads
 found room for their lower LUTs (`--lut-room`; the runtime's as its engine had it: a pool sized by blocks has no
-slack; results before session 38: the pool).
+slack; results before session 38: the pool), and `activation_reserve` what each kept out of its pool for a step's
+activations (`--activation-reserve`).
 `decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
@@ -298,6 +299,10 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "one_off_steps": one_off,
         "throughput_ratio_without_one_off": _without_one_off(sim, runtime, one_off["runtime"]),
         "lut_room": {"sim": lut_room_of(sim, True), "runtime": lut_room_of(runtime, False)},
+        # the bytes each side kept out of its KV pool for a step's activations (`--activation-reserve`; absent from
+        # results before session 53: none; None: a served run whose server did not say)
+        "activation_reserve": {"sim": int(sim.config.get("activation_reserve_bytes") or 0),
+                               "runtime": _setting(runtime.config, "activation_reserve", 0)},
         "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r), "net_of_planning": net,
                        "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)},
                        "per_sequence": per_sequence_fit(sim_host, runtime_host)},

@@ -442,6 +442,25 @@ def test_fidelity_notes_a_cold_replay_s_one_off_steps_and_another_lut_room(tmp_p
         assert report["throughput_ratio_without_one_off"] < report["throughput_ratio"]
 
 
+def test_fidelity_notes_another_activation_reserve(tmp_path, capsys):
+    """A bundled replay from before the activation reserve kept none; a simulation that keeps one is told its pool
+    differs, and one that keeps none is not."""
+    from pathlib import Path
+    replay = Path(__file__).resolve().parents[1] / BUNDLED / "kv236-run1"
+    args = ["run", "--policy", "pagedweight", "--budget", "24MiB", "--max-num-seqs", "32", "--max-num-batched-tokens",
+            "512", "--hardware", "h200-demo-runtime", "--lut-room", "pool", "--no-plots", "--no-progress"]
+    for reserve in ("0B", "1MiB"):
+        assert sim_main([*args, "--activation-reserve", reserve, "--out", str(tmp_path / reserve)]) == 0
+        capsys.readouterr()
+        assert sim_main(["fidelity", "--sim", str(tmp_path / reserve), "--runtime", str(replay), "--out",
+                         str(tmp_path / f"fid-{reserve}")]) == 0
+        out = capsys.readouterr().out
+        report = json.loads((tmp_path / f"fid-{reserve}" / "fidelity.json").read_text())
+        assert report["activation_reserve"] == {"sim": 0 if reserve == "0B" else 1 << 20, "runtime": 0}
+        note = "the runtime kept 0 B of its budget for a step's activations, the simulation 1.00 MiB"
+        assert (note in out) == (reserve == "1MiB")
+
+
 def test_fidelity_refuses_runs_of_different_traces():
     a = _view([1, 2], [0.1, 0.1], [0.01, 0.01], [1, 1], [0.001, 0.002], [1, 2])
     b = _view([3, 4], [0.1, 0.1], [0.01, 0.01], [1, 1], [0.001, 0.002], [1, 2])
