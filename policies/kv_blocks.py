@@ -132,6 +132,11 @@ class BlockPool:
         """The sequence's block ids in token order (a copy; empty if it holds none)."""
         return list(self._tables.get(seq_id, ()))
 
+    def block_table_view(self, seq_id: Hashable) -> Sequence[int]:
+        """`block_table` without the copy: the pool's own, to read before the pool next changes (it changes with it;
+        never modify it). A step's inputs read every running sequence's table each step, where copies cost."""
+        return self._tables.get(seq_id, ())
+
     def num_tokens(self, seq_id: Hashable) -> int:
         """Token slots reserved for the sequence."""
         return self._tokens.get(seq_id, 0)

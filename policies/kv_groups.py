@@ -179,12 +179,16 @@ class GroupedBlockPool:
         """The sequence's blocks in group `group`, in token order (NULL_BLOCK where released; a copy)."""
         return self.pages.block_table((seq_id, group))
 
+    def group_table_view(self, seq_id: Hashable, group: int) -> Sequence[int]:
+        """`group_table` without the copy (BlockPool.block_table_view: read it before the pool next changes)."""
+        return self.pages.block_table_view((seq_id, group))
+
     def slot(self, seq_id: Hashable, group: int, position: int) -> int:
         """The flat slot (block * the group's block_size + offset) of a reserved token in a group's layers."""
         size = self.layout.groups[group].block_size
         if not 0 <= position < self._tokens.get(seq_id, 0):
             raise BlockPoolError(f"position {position} not reserved for sequence {seq_id!r}")
-        block = self.pages.block_table((seq_id, group))[position // size]
+        block = self.pages.block_table_view((seq_id, group))[position // size]
         if block == NULL_BLOCK:
             raise BlockPoolError(f"position {position} of sequence {seq_id!r} left group {group}'s window")
         return block * size + position % size

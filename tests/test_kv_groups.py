@@ -156,6 +156,18 @@ def test_grouped_pool_holds_each_group_s_window_and_hands_back_the_rest():
     pool.check_invariants()
 
 
+def test_a_table_view_is_the_pool_s_own_and_a_table_a_copy():
+    """What a step's inputs read (`group_table_view`, `block_table_view`: no copy) is the table the pool holds: equal
+    to the copy, and changed by the pool's next allocation and release, which the copy is not."""
+    pool = GroupedBlockPool(_gemma_like(), 64)
+    pool.allocate("a", 7)
+    view, copy = pool.group_table_view("a", 0), pool.group_table("a", 0)
+    assert list(view) == copy == pool.pages.block_table_view(("a", 0))
+    assert pool.try_allocate("a", 20) and pool.try_allocate("a", 30)   # grows, then releases what left the window
+    assert list(view) == pool.group_table("a", 0) != copy and view[0] == NULL_BLOCK != copy[0]
+    assert BlockPool(4, 4).block_table_view("none") == ()
+
+
 def test_grouped_pool_releases_before_it_takes_so_a_full_pool_still_decodes():
     layout = _gemma_like()
     pool = GroupedBlockPool(layout, layout.pages(0, 16))    # exactly a 16-token prompt's pages
