@@ -1,6 +1,6 @@
-"""The activation reserve (`--activation-reserve`, pwruntime.activation_profile): what a KV pool sized from memory leaves
-a step's activations, measured by a profiling forward of the largest step on CUDA or given; the simulator keeps the
-same bytes out of its pool (`pwsim run --like-replay` takes what a replay measured: test_dummy_checkpoint)."""
+"""The activation reserve (`--activation-reserve`, pwruntime.activation_profile): what a KV pool sized from memory
+leaves a step's activations, measured by a profiling forward of the largest step on CUDA or given; the simulator keeps
+the same bytes out of its pool (`pwsim run --like-replay` takes what a replay measured: test_dummy_checkpoint)."""
 from __future__ import annotations
 
 import pytest
