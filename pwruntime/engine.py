@@ -141,6 +141,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         lut_slack_bytes(self.lut_room, 0)  # refuses a room it does not know
+        if self.activation_reserve is not None and self.activation_reserve < 0:
+            raise ValueError(f"activation_reserve must be >= 0 bytes, got {self.activation_reserve}")
 
 
 @dataclass(frozen=True)
@@ -286,8 +288,6 @@ class LLMEngine:
         if cfg.num_kv_blocks is not None:
             return 0
         if cfg.activation_reserve is not None:
-            if cfg.activation_reserve < 0:
-                raise UserError(f"activation_reserve must be >= 0 bytes, got {cfg.activation_reserve}")
             return int(cfg.activation_reserve)
         return measure_activation_bytes(self.model, cfg.block_size, cfg.hybrid_kv_cache, cfg.max_num_batched_tokens,
                                         self.max_model_len, cfg.max_num_seqs)

@@ -105,6 +105,16 @@ def test_a_bad_reserve_is_one_clear_error(ap_path, capsys, flags, message):
     assert message in err and "Traceback" not in err
 
 
+def test_a_negative_reserve_is_refused_by_both_engines_configs():
+    from pwruntime.engine import EngineConfig
+    from pwsim.engine import SimConfig
+
+    with pytest.raises(ValueError, match="activation_reserve must be >= 0"):
+        EngineConfig(activation_reserve=-1)
+    with pytest.raises(ValueError, match="activation_bytes must be >= 0"):
+        SimConfig(budget_bytes=MiB, activation_bytes=-1)
+
+
 def test_the_simulator_keeps_the_reserve_out_of_its_pool():
     """A budget with a reserve simulates what the budget less the reserve does without one: the same pool, the
     same decisions, the same requests' times."""
