@@ -242,11 +242,14 @@ class Simulation:
         offloads in flight that the slack holds (policies.loop: `lut_borrowed`) are the slack's, not the headroom's."""
         w, kv = self.used_bytes()
         c = self.cfg
-        return c.budget_bytes - c.allocator_slack_bytes - c.activation_bytes + self.loop.lut_borrowed - w - kv
+        room = kv_room_bytes(c.budget_bytes, w + kv, c.allocator_slack_bytes, c.activation_bytes)
+        return room + self.loop.lut_borrowed
 
     def _check_memory(self, where: str) -> None:
+        """Record the weights and the KV pool against what the budget leaves them (all of it but the activation
+        reserve: the slack is theirs to borrow)."""
         w, kv = self.used_bytes()
-        self.rec.memory(self.now, self._step, w, kv, self.cfg.budget_bytes, where)
+        self.rec.memory(self.now, self._step, w, kv, self.cfg.budget_bytes - self.cfg.activation_bytes, where)
 
     def _check_memory_in_step(self) -> None:
         if self.cfg.check_invariants:
