@@ -418,22 +418,27 @@ def test_one_off_steps_are_those_far_above_their_kind_and_size():
     assert one_off_steps({"iter_s": t, "batch_tokens": tokens}) is None  # an older timeline
 
 
+def _against_kv236(out_dir, capsys, *flags) -> tuple[str, dict]:
+    """`pwsim run` of the bundled 236-block replay's settings with `flags`, then `pwsim fidelity` against that replay:
+    what fidelity printed, and its report."""
+    from pathlib import Path
+    replay = Path(__file__).resolve().parents[1] / BUNDLED / "kv236-run1"
+    assert sim_main(["run", "--policy", "pagedweight", "--budget", "24MiB", "--max-num-seqs", "32",
+                     "--max-num-batched-tokens", "512", "--hardware", "h200-demo-runtime", "--no-plots", "--no-progress",
+                     *flags, "--out", str(out_dir / "sim")]) == 0
+    capsys.readouterr()
+    assert sim_main(["fidelity", "--sim", str(out_dir / "sim"), "--runtime", str(replay), "--out",
+                     str(out_dir / "fid")]) == 0
+    return capsys.readouterr().out, json.loads((out_dir / "fid" / "fidelity.json").read_text())
+
+
 def test_fidelity_notes_a_cold_replay_s_one_off_steps_and_another_lut_room(tmp_path, capsys):
     """Against a bundled replay without a warm-up (its offloads' LUTs in the pool, a fixed-size pool having no
     slack): the report counts the runtime's one-off steps and the throughput ratio without them, and notes that the
     simulation (the default `--lut-room slack`) found its LUTs' room elsewhere; simulated with `--lut-room pool`, it
     does not."""
-    from pathlib import Path
-    replay = Path(__file__).resolve().parents[1] / BUNDLED / "kv236-run1"
-    args = ["run", "--policy", "pagedweight", "--budget", "24MiB", "--max-num-seqs", "32", "--max-num-batched-tokens",
-            "512", "--hardware", "h200-demo-runtime", "--no-plots", "--no-progress"]
     for room in ("slack", "pool"):
-        assert sim_main([*args, "--lut-room", room, "--out", str(tmp_path / room)]) == 0
-        capsys.readouterr()
-        assert sim_main(["fidelity", "--sim", str(tmp_path / room), "--runtime", str(replay), "--out",
-                         str(tmp_path / f"fid-{room}")]) == 0
-        out = capsys.readouterr().out
-        report = json.loads((tmp_path / f"fid-{room}" / "fidelity.json").read_text())
+        out, report = _against_kv236(tmp_path / room, capsys, "--lut-room", room)
         assert report["lut_room"] == {"sim": room, "runtime": "pool"}
         assert ("found room for their lower LUTs in the pool, the simulation's in the slack" in out) == (room == "slack")
         one = report["one_off_steps"]["runtime"]
@@ -445,17 +450,8 @@ def test_fidelity_notes_a_cold_replay_s_one_off_steps_and_another_lut_room(tmp_p
 def test_fidelity_notes_another_activation_reserve(tmp_path, capsys):
     """A bundled replay from before the activation reserve kept none; a simulation that keeps one is told its pool
     differs, and one that keeps none is not."""
-    from pathlib import Path
-    replay = Path(__file__).resolve().parents[1] / BUNDLED / "kv236-run1"
-    args = ["run", "--policy", "pagedweight", "--budget", "24MiB", "--max-num-seqs", "32", "--max-num-batched-tokens",
-            "512", "--hardware", "h200-demo-runtime", "--lut-room", "pool", "--no-plots", "--no-progress"]
     for reserve in ("0B", "1MiB"):
-        assert sim_main([*args, "--activation-reserve", reserve, "--out", str(tmp_path / reserve)]) == 0
-        capsys.readouterr()
-        assert sim_main(["fidelity", "--sim", str(tmp_path / reserve), "--runtime", str(replay), "--out",
-                         str(tmp_path / f"fid-{reserve}")]) == 0
-        out = capsys.readouterr().out
-        report = json.loads((tmp_path / f"fid-{reserve}" / "fidelity.json").read_text())
+        out, report = _against_kv236(tmp_path / reserve, capsys, "--lut-room", "pool", "--activation-reserve", reserve)
         assert report["activation_reserve"] == {"sim": 0 if reserve == "0B" else 1 << 20, "runtime": 0}
         note = "the runtime kept 0 B of its budget for a step's activations, the simulation 1.00 MiB"
         assert (note in out) == (reserve == "1MiB")
