@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from policies.kv_groups import KVLayout
-from pwruntime.model.attention import batch_metadata
+from pwruntime.model.attention_plan import batch_metadata
 from traces.clikit import UserError
 
 GRANULE = 2 << 20   # the reserve is rounded up to the allocator's 2 MiB pages

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pwruntime.bench_prefix_cache import sync_device
-from pwruntime.model.attention import batch_metadata
+from pwruntime.model.attention_plan import batch_metadata
 
 CONTEXT = 40    # tokens each decode row has in the cache
 WARMUP = 5

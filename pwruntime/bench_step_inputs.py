@@ -71,7 +71,7 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
     import torch
 
     from pwruntime.cuda_graphs import DecodeInputs, DecodeRows
-    from pwruntime.model.attention import batch_metadata, layer_plans
+    from pwruntime.model.attention_plan import batch_metadata, layer_plans
     from pwruntime.model.config import parse_config
     from traces.model_card import read_card_json
 

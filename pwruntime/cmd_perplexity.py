@@ -72,7 +72,7 @@ def sliding_window_perplexity(model, ids: list[int], context: int, stride: int, 
     import torch
     from tqdm import tqdm
 
-    from pwruntime.model.attention import prefill_metadata
+    from pwruntime.model.attention_plan import prefill_metadata
 
     windows = window_targets(len(ids), context, stride)
     if not windows:

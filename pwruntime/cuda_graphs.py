@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import DECODE_KERNEL_DTYPES, AttentionMetadata, place_block_tables
+from pwruntime.model.attention_plan import DECODE_KERNEL_DTYPES, AttentionMetadata, place_block_tables
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 from pwruntime.sampling import GREEDY_ROW, ROW_VALUES, needed_cuts, sample_rows
 

@@ -35,7 +35,7 @@ import torch
 
 from pwruntime.cuda_graphs import GraphSet, padded_size, take_sampled
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionMetadata, group_metadata, layer_plans
+from pwruntime.model.attention_plan import AttentionMetadata, group_metadata, layer_plans
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
 
 MIXED_BUCKET = 64   # buckets are multiples of this (the fused MoE kernel's tokens per launch)

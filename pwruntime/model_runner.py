@@ -33,7 +33,7 @@ from pwruntime.host_copy import to_device
 from pwruntime.kernels.compile import compile_variants
 from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionMetadata, batch_metadata
+from pwruntime.model.attention_plan import AttentionMetadata, batch_metadata
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing, routing_layout
 from pwruntime.sampling import SamplingParams, row_values, sample_tensor
 

@@ -20,7 +20,8 @@ import torch
 
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeInputs, DecodeRows, graph_sizes, padded_size
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionPlan, DecodeBatch, batch_metadata, paged_attention
+from pwruntime.model.attention import paged_attention
+from pwruntime.model.attention_plan import AttentionPlan, DecodeBatch, batch_metadata
 from pwruntime.model.moe_model import pack_routing
 from pwruntime.kernels.reference import paged_attention_decode_ref
 

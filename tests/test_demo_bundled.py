@@ -12,7 +12,7 @@ import torch
 from policies.observe import RoutingMass
 from pwruntime.cmd_perplexity import default_model_dir, sliding_window_perplexity
 from pwruntime.model import load_model
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 DOMAINS = ("scripture", "pydocs", "fortunes")

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from model_fixtures import CPU_ARCHS, make_tiny_checkpoint
 from pwruntime.cli import main
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.model.checkpoint import find_files, read_config
 from pwruntime.model.dummy import DummyTensorReader
 from pwruntime.quant.ap_checkpoint import load_ap_checkpoint

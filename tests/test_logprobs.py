@@ -12,7 +12,7 @@ from pwruntime.api_tokens import Piece, TextStream, TokenTexts, choice_pieces, r
 from pwruntime.cmd_perplexity import default_model_dir
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.sampling import SamplingParams, TokenLogprob, logprobs_on_device
 
 

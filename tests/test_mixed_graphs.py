@@ -21,7 +21,7 @@ import torch
 from pwruntime.cuda_graphs import padded_size
 from pwruntime.kv_cache import KVCache
 from pwruntime.mixed_graphs import MIXED_BUCKET, MixedGraphs, mixed_sizes
-from pwruntime.model.attention import batch_metadata
+from pwruntime.model.attention_plan import batch_metadata
 from pwruntime.model.moe_model import LayerRouting
 from test_cuda_graphs import TableStore, _fake_model as _fake_decode_model, assert_same_step, rel
 from test_device_store import stores
@@ -129,7 +129,7 @@ def test_pieces_run_in_order_give_the_forward_of_the_real_rows(tmp_path, arch, n
     from model_fixtures import make_tiny_checkpoint
     from pwruntime.cmd_perplexity import default_model_dir
     from pwruntime.model import load_model
-    from pwruntime.model.attention import group_metadata, layer_plans
+    from pwruntime.model.attention_plan import group_metadata, layer_plans
     from pwruntime.model.moe_model import pack_routing
 
     path = default_model_dir() if arch == "demo" else make_tiny_checkpoint(tmp_path, "gemma4")

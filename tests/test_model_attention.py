@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import AttentionPlan, VarlenChunks, batch_metadata, paged_attention, prefill_metadata
+from pwruntime.model.attention import paged_attention
+from pwruntime.model.attention_plan import AttentionPlan, VarlenChunks, batch_metadata, prefill_metadata
 
 
 def test_kv_cache_resize_keeps_low_blocks_and_counts_bytes():

@@ -10,7 +10,7 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.prompt_logprobs import needed_rows
 from pwruntime.sampling import SamplingParams
 

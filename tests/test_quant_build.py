@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.cli import main
 from pwruntime.model import DenseExpertStore, load_model
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.quant import sensitivity
 from pwruntime.quant.ap_checkpoint import load_ap_checkpoint
 from pwruntime.quant.store import load_ap_model

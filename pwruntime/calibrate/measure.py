@@ -26,7 +26,7 @@ from tqdm import tqdm
 from policies.calibration import NB
 from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.model.experts import KINDS, DenseExpertStore, expert_mlp, grouped_moe
 
 DEFAULT_MAX_CACHE_BYTES = 8 << 30

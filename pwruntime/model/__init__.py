@@ -1,5 +1,6 @@
 """pwruntime.model: HuggingFace MoE checkpoints (Mixtral, Qwen2-MoE, OLMoE, Qwen3-MoE, Gemma 4) in plain PyTorch."""
-from pwruntime.model.attention import AttentionMetadata, batch_metadata, paged_attention, prefill_metadata
+from pwruntime.model.attention import paged_attention
+from pwruntime.model.attention_plan import AttentionMetadata, batch_metadata, prefill_metadata
 from pwruntime.model.config import ARCHITECTURES, CheckpointError, ModelConfig
 from pwruntime.model.experts import DenseExpertStore, ExpertStore
 from pwruntime.model.loader import load_model, parse_dtype

@@ -21,7 +21,8 @@ from pwruntime.kernels import layer_ops
 from pwruntime.kernels.attention import KV_WRITE, decode_variant
 from pwruntime.kernels.layer_ops import gated_add, route_topk, row_norms
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention import Attention, AttentionMetadata, group_metadata, layer_plans
+from pwruntime.model.attention import Attention
+from pwruntime.model.attention_plan import AttentionMetadata, group_metadata, layer_plans
 from pwruntime.model.config import ModelConfig
 from pwruntime.model.experts import ExpertStore
 from pwruntime.model.layers import DenseMLP, Linear, RMSNorm, Rotary

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from pwruntime.model.attention import prefill_metadata
+from pwruntime.model.attention_plan import prefill_metadata
 from pwruntime.model.experts import DenseExpertStore, expert_mlp, grouped_moe
 from traces.clikit import UserError
 
