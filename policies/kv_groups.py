@@ -47,6 +47,13 @@ class KVGroup:
         first_key = 0 if self.window is None else max(0, start - self.window + 1)
         return first_key // self.block_size, -(-end // self.block_size)
 
+    def fresh_table(self, start: int, end: int, first_id: int) -> list[int]:
+        """The table of a sequence computing tokens [start, end) whose blocks were numbered from `first_id` in order:
+        NULL_BLOCK before those it holds (`blocks_held`). For step inputs made up without a pool (benchmarks, the
+        runtime's activation profile)."""
+        first, last = self.blocks_held(start, end)
+        return [NULL_BLOCK] * first + list(range(first_id, first_id + last - first))
+
 
 @dataclass(frozen=True)
 class KVLayout:

@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from policies.kv_blocks import NULL_BLOCK
 from policies.kv_groups import KVLayout
 from pwruntime.model.attention_plan import batch_metadata
 from traces.clikit import UserError
@@ -37,9 +38,9 @@ def profile_step(layout: KVLayout, max_num_batched_tokens: int, max_model_len: i
         context //= 2
     tables, next_id = [], 0
     for g in layout.groups:
-        first, last = g.blocks_held(context, context + tokens)
-        tables.append((g.block_size, [-1] * first + list(range(next_id, next_id + last - first))))
-        next_id += last - first
+        table = g.fresh_table(context, context + tokens, next_id)
+        tables.append((g.block_size, table))
+        next_id += len(table) - table.count(NULL_BLOCK)
     return context, tokens, tables
 
 
@@ -51,7 +52,8 @@ def profile_forward(model, block_size: int, hybrid: bool, max_num_batched_tokens
     inputs exist, just before the forward. Returns the logits it made."""
     layout = model.kv_layout(block_size, hybrid)
     context, tokens, tables = profile_step(layout, max_num_batched_tokens, max_model_len, max_cache_bytes)
-    kv = model.new_kv_cache(sum(len(t) - t.count(-1) for _, t in tables), block_size, growable=False, hybrid=hybrid)
+    kv = model.new_kv_cache(sum(len(t) - t.count(NULL_BLOCK) for _, t in tables), block_size, growable=False,
+                            hybrid=hybrid)
     metas = tuple(batch_metadata([(context, tokens, t)], size, model.device, window=g.window)
                   for (size, t), g in zip(tables, layout.groups))
     ids = torch.randint(0, model.config.vocab, (tokens,), generator=torch.Generator().manual_seed(seed))

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from policies.kv_blocks import NULL_BLOCK
 from policies.kv_groups import KVGroup
 from traces.clikit import pyplot, write_png
 
@@ -48,9 +49,9 @@ def batch_tables(cfg: StepInputsConfig, group: KVGroup) -> list[tuple[int, int, 
     shape += [(cfg.chunk_context if i == 0 else 0, cfg.chunk_tokens) for i in range(cfg.chunks)]
     seqs, next_id = [], 0
     for ctx, new in shape:
-        first, n = group.blocks_held(ctx, ctx + new)
-        seqs.append((ctx, new, [-1] * first + list(range(next_id, next_id + n - first))))
-        next_id += n - first
+        table = group.fresh_table(ctx, ctx + new, next_id)
+        seqs.append((ctx, new, table))
+        next_id += len(table) - table.count(NULL_BLOCK)
     return seqs
 
 
