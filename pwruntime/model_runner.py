@@ -221,7 +221,8 @@ def group_tables(pool: BlockPool | GroupedBlockPool, seq_ids: list
                  ) -> list[tuple[int, int | None, list[Sequence[int]]]]:
     """Each KV group's (tokens a block, its sliding window or None, the sequences' block tables in that group): one
     group of whole tables for a BlockPool. The tables are the pool's own (`block_table_view`), read into the step's
-    arrays before the pool next changes: copying them cost a hybrid model's step about 1 ms on a desktop CPU."""
+    arrays before the pool next changes (copying a hybrid Gemma step's 300 lists took 1 ms on a desktop CPU, timed
+    alone; the step as a whole saved 0.1-0.35 ms)."""
     if isinstance(pool, GroupedBlockPool):
         return [(group.block_size, group.window, [pool.group_table_view(s, g) for s in seq_ids])
                 for g, group in enumerate(pool.layout.groups)]
