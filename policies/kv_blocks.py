@@ -91,6 +91,7 @@ class BlockPool:
         self._hash_of: dict[int, bytes] = {}  # registered block id -> its chained hash
         self._block_of: dict[bytes, int] = {}  # chained hash -> registered block id
         self._chain: dict[Hashable, list[bytes]] = {}  # per sequence: the hashes of its leading full blocks
+        self.rewrites = 0  # compactions that moved blocks: readers keeping copies of tables read them whole again
 
     # ----------------------------------------------------------------- views
     @property
@@ -454,6 +455,7 @@ class BlockPool:
         self._uncached = [b for b in range(target) if b not in self._refs and b not in self._evictable]
         self._holes = []
         self._id_limit = target
+        self.rewrites += bool(moves)
         return moves
 
     def _trim(self) -> None:

@@ -1,11 +1,13 @@
 """`pwruntime bench step-inputs`: the host time of a step's inputs for a model card's KV layouts, one table and hybrid
 KV groups: a decode step's staging into CUDA-graph inputs (`DecodeInputs.pad`, a KV group at a time) and a mixed
-step's metadata and attention plans (`batch_metadata` a group at a time on the host, as `ModelRunner.prepare` makes
-it, then `layer_plans` with what each layer reads, which copies what the plans need to the device).
+step's metadata and attention plans (`table_metadata` a group at a time on the host, as `ModelRunner.prepare` makes
+it, then `layer_plans` with what each layer reads, which copies what the plans need to the device). Both read the
+tables as a runner does, from a BlockTables over the pool (pwruntime.block_tables) that earlier steps brought up to
+date, so the timed reads find nothing new in it (as 15 of a 16-token block's decode steps do).
 
 The batch is seeded: `rows` decode rows with contexts drawn from [context_min, context_max], and `chunks` prompt chunks
-of `chunk_tokens` each, the first after a context of `chunk_context`, on consecutive blocks; a sliding group's tables
-hold NULL before each row's window, as a GroupedBlockPool's do. A timing is the least, over `rounds`, of the mean of
+of `chunk_tokens` each, the first after a context of `chunk_context`, in a pool that holds them (`batch_pool`), a
+sliding group's tables NULL before each row's window. A timing is the least, over `rounds`, of the mean of
 `reps` calls. On CUDA the plans are built as a step builds them (flash chunks, decode batches on the device, the
 device synchronized after each call); on the CPU they take the reference path, so compare plan times on one device.
 """
@@ -19,8 +21,9 @@ from typing import Callable
 
 import numpy as np
 
-from policies.kv_blocks import NULL_BLOCK
-from policies.kv_groups import KVGroup
+from policies.kv_blocks import BlockPool
+from policies.kv_groups import GroupedBlockPool, KVLayout
+from pwruntime.block_tables import BlockTables
 from traces.clikit import pyplot, write_png
 
 
@@ -41,18 +44,23 @@ class StepInputsConfig:
     seed: int = 0
 
 
-def batch_tables(cfg: StepInputsConfig, group: KVGroup) -> list[tuple[int, int, list[int]]]:
-    """(context, new tokens, block ids) of the decode rows, then the chunks, in one KV group (ids consecutive from 0,
-    NULL before the blocks a row holds: `KVGroup.blocks_held`)."""
+def batch_shape(cfg: StepInputsConfig) -> list[tuple[int, int]]:
+    """(context, new tokens) of the decode rows, then the chunks."""
     rng = random.Random(cfg.seed)
     shape = [(rng.randint(cfg.context_min, cfg.context_max), 1) for _ in range(cfg.rows)]
-    shape += [(cfg.chunk_context if i == 0 else 0, cfg.chunk_tokens) for i in range(cfg.chunks)]
-    seqs, next_id = [], 0
-    for ctx, new in shape:
-        table = group.fresh_table(ctx, ctx + new, next_id)
-        seqs.append((ctx, new, table))
-        next_id += len(table) - table.count(NULL_BLOCK)
-    return seqs
+    return shape + [(cfg.chunk_context if i == 0 else 0, cfg.chunk_tokens) for i in range(cfg.chunks)]
+
+
+def batch_pool(cfg: StepInputsConfig, layout: KVLayout) -> BlockPool | GroupedBlockPool:
+    """A pool holding the batch (`batch_shape`: sequence i is the i-th), each sequence grown to its context and then to
+    its new tokens, as a running one is: a hybrid group's table NULL before its window (released on the way)."""
+    shape = batch_shape(cfg)
+    pages = sum(layout.pages(0, c + q) for c, q in shape)
+    pool = GroupedBlockPool(layout, pages) if layout.hybrid else BlockPool(pages, layout.groups[0].block_size)
+    for i, (ctx, new) in enumerate(shape):
+        pool.allocate(i, ctx)
+        pool.allocate(i, ctx + new)
+    return pool
 
 
 def _least_mean_ms(fn: Callable[[], object], cfg: StepInputsConfig, sync: Callable[[], None]) -> float:
@@ -72,7 +80,7 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
     import torch
 
     from pwruntime.cuda_graphs import DecodeInputs, DecodeRows
-    from pwruntime.model.attention_plan import batch_metadata, layer_plans
+    from pwruntime.model.attention_plan import layer_plans, table_metadata
     from pwruntime.model.config import parse_config
     from traces.model_card import read_card_json
 
@@ -86,18 +94,24 @@ def measure(cfg: StepInputsConfig, device: str, progress: Callable[[str], None] 
             if hybrid and not layout.hybrid:
                 continue
             progress(f"{name} {'hybrid' if hybrid else 'one table'}")
-            groups = [(g, batch_tables(cfg, g)) for g in layout.groups]
-            decode = [(g, DecodeRows([1] * cfg.rows, [c for c, _, _ in s[:cfg.rows]], [b for _, _, b in s[:cfg.rows]]),
-                       DecodeInputs.alloc(cfg.graph_rows, -(-cfg.max_model_len // g.block_size), torch.device("cpu")))
-                      for g, s in groups]
+            pool, shape, tables = batch_pool(cfg, layout), batch_shape(cfg), BlockTables(len(layout.groups))
+            seqs, decoding = list(range(len(shape))), list(range(cfg.rows))
+            tables.batch(pool, seqs)   # as a runner's after the steps before: the timed reads find nothing new
+            hosts = [DecodeInputs.alloc_host(cfg.graph_rows, -(-cfg.max_model_len // g.block_size))
+                     for g in layout.groups]
+            positions = [c for c, _ in shape[:cfg.rows]]
 
             def stage():
-                for g, r, host in decode:
-                    DecodeInputs.pad(r, cfg.graph_rows, host.block_tables.shape[1], g.block_size, 0, out=host,
-                                     window=g.window)
+                groups = tables.batch(pool, decoding)
+                rows = DecodeRows([1] * cfg.rows, positions, groups[0], None, tuple(groups[1:]))
+                for g, (group, host) in enumerate(zip(layout.groups, hosts)):
+                    DecodeInputs.pad(rows.group(g), cfg.graph_rows, host.block_tables.shape[1], group.block_size, 0,
+                                     out=host, window=group.window)
 
             def metadata():   # on the host, as a step prepares it: the plans copy it
-                return [batch_metadata(s, g.block_size, window=g.window) for g, s in groups]
+                ctx, new = [c for c, _ in shape], [q for _, q in shape]
+                return [table_metadata(ctx, new, t, g.block_size, window=g.window)
+                        for g, t in zip(layout.groups, tables.batch(pool, seqs))]
 
             metas = metadata()
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, fields, replace
 import numpy as np
 import torch
 
+from pwruntime.block_tables import TableRows
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention_plan import DECODE_KERNEL_DTYPES, AttentionMetadata, place_block_tables
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing
@@ -79,19 +80,27 @@ class DecodeRows:
     """A decode batch on the host: per sequence its new token, that token's position and its block ids; with
     `token_src`, rows whose entry is >= 0 take their token from the previous step's sampled tokens instead
     (`take_sampled`; their `token_ids` entry is ignored). With hybrid KV groups `block_tables` are group 0's and
-    `more_tables` those of groups 1, 2, ... (`group`)."""
+    `more_tables` those of groups 1, 2, ... (`group`). Tables are TableRows (a runner's BlockTables); lists of ids
+    are taken as they are (`TableRows.of`)."""
     token_ids: list[int]
     positions: list[int]
-    block_tables: list[list[int]]
+    block_tables: TableRows
     token_src: list[int] | None = None
-    more_tables: tuple[list[list[int]], ...] = ()
+    more_tables: tuple[TableRows, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_tables, TableRows):
+            object.__setattr__(self, "block_tables", TableRows.of(self.block_tables))
+        if any(not isinstance(t, TableRows) for t in self.more_tables):
+            object.__setattr__(self, "more_tables", tuple(t if isinstance(t, TableRows) else TableRows.of(t)
+                                                          for t in self.more_tables))
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     @property
     def max_blocks(self) -> int:
-        return max(len(t) for t in self.block_tables)
+        return self.block_tables.max_blocks
 
     @property
     def num_groups(self) -> int:
@@ -144,13 +153,13 @@ class DecodeInputs:
         tables.fill(scratch)
         slots.fill(scratch * block_size)
         if n:   # every row's blocks from its window's first (place_block_tables)
-            lengths = np.fromiter(map(len, rows.block_tables), np.int64, n)
+            lengths = rows.block_tables.lengths
             short = np.flatnonzero(lengths * block_size <= pos[:n])
             if short.size:
                 i = int(short[0])
                 raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
-            flat, offset = place_block_tables(rows.block_tables, lengths, tables, block_size, window, pos[:n])
-            slots[:n] = flat[offset + pos[:n] // block_size] * block_size + pos[:n] % block_size
+            place_block_tables(rows.block_tables, tables, block_size, window, pos[:n], scratch)
+            slots[:n] = tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 
     @classmethod
@@ -166,6 +175,12 @@ class DecodeInputs:
             views[name] = raw[offset:offset + n].view(dtype).view(shape)
             offset += n
         return cls(**views, raw=raw)
+
+    @classmethod
+    def alloc_host(cls, size: int, max_blocks: int, pin_memory: bool = False) -> "DecodeInputs":
+        """`alloc` on the host, the arrays numpy views of the byte buffer (what `pad` writes without converting)."""
+        host = cls.alloc(size, max_blocks, torch.device("cpu"), pin_memory)
+        return cls(*(getattr(host, a).numpy() for a in cls.ARRAYS), raw=host.raw)
 
     def fill_from(self, host: "DecodeInputs", size: int | None = None) -> None:
         """Copy host arrays into the first rows of these device buffers (stream-ordered). From host buffers of
@@ -307,10 +322,8 @@ class DecodeGraphs(GraphSet):
         # each group's static inputs, and the pinned host buffers a batch is padded into, each sent in one transfer
         # (`_stage`); group 0's also hold the rows every group shares (tokens, positions, lengths, sources)
         self.inputs = [DecodeInputs.alloc(self.sizes[-1], w, model.device) for w in self.widths]
-        self.staging = []
-        for w in self.widths:
-            host = DecodeInputs.alloc(self.sizes[-1], w, torch.device("cpu"), pin_memory=model.device.type == "cuda")
-            self.staging.append(DecodeInputs(*(getattr(host, a).numpy() for a in DecodeInputs.ARRAYS), raw=host.raw))
+        self.staging = [DecodeInputs.alloc_host(self.sizes[-1], w, pin_memory=model.device.type == "cuda")
+                        for w in self.widths]
         self.buffers = self.inputs[0]   # group 0's, where the rows every group shares are read
         self.sample_values = torch.zeros((self.sizes[-1], ROW_VALUES), dtype=torch.float32, device=model.device)
         self.sampler_disabled: str | None = None   # why captured sampling is off (its capture failed)

@@ -18,7 +18,6 @@ batch neither takes) runs the forward eagerly.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,12 +27,13 @@ from policies.kv_blocks import BlockPool
 from policies.kv_groups import GroupedBlockPool
 from policies.scheduler import ScheduledBatch
 from policies.sequence import PENDING_TOKEN
+from pwruntime.block_tables import BlockTables, TableRows
 from pwruntime.cuda_graphs import GRAPH_SIZES, DecodeGraphs, DecodeRows, take_sampled
 from pwruntime.host_copy import to_device
 from pwruntime.kernels.compile import compile_variants
 from pwruntime.mixed_graphs import MixedGraphs
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.attention_plan import AttentionMetadata, batch_metadata
+from pwruntime.model.attention_plan import AttentionMetadata, table_metadata
 from pwruntime.model.moe_model import ForwardOutput, LayerRouting, pack_routing, routing_layout
 from pwruntime.sampling import SamplingParams, row_values, sample_tensor
 
@@ -91,6 +91,7 @@ class ModelRunner:
         tables are wide enough for (a batch's tables are padded to that width and sent every step: Gemma 4's 262,144
         positions made them 4 MiB a KV group at 64 rows)."""
         self.model, self.kv = model, kv
+        self.block_tables = BlockTables(len(kv.layout.groups))   # the pool's tables as arrays, updated each step
         self.sampled = torch.zeros(max_num_seqs, dtype=torch.long, device=model.device)  # see keep_sampled
         self._sampled_row: dict = {}  # seq_id -> its row in `sampled`
         graphs = cuda_graphs and model.device.type == "cuda"
@@ -141,7 +142,7 @@ class ModelRunner:
                 ) -> tuple[list[int], list[int], AttentionMetadata | tuple[AttentionMetadata, ...], list[int],
                            list[int] | None]:
         """Token ids and positions of the flattened batch, its metadata on the host (one for each KV group of a
-        GroupedBlockPool: `group_tables`), the flat row of each sampling entry and each row's token source
+        GroupedBlockPool: `_tables`), the flat row of each sampling entry and each row's token source
         (`_token_src`; pending ids become 0)."""
         ids: list[int] = []
         positions: list[int] = []
@@ -155,10 +156,14 @@ class ModelRunner:
             if e.sample:
                 sample_rows.append(len(ids) - 1)
         src = self._token_src(batch, ids, ends)
-        meta = tuple(batch_metadata([(e.start, e.num_new_tokens, t) for e, t in zip(batch.entries, tables)], size,
-                                    window=window)
-                     for size, window, tables in group_tables(pool, [e.seq.seq_id for e in batch.entries]))
+        ctx, new = [e.start for e in batch.entries], [e.num_new_tokens for e in batch.entries]
+        meta = tuple(table_metadata(ctx, new, tables, group.block_size, window=group.window)
+                     for group, tables in zip(self.kv.layout.groups, self._tables(batch, pool)))
         return ids, positions, meta[0] if len(meta) == 1 else meta, sample_rows, src
+
+    def _tables(self, batch: ScheduledBatch, pool: BlockPool | GroupedBlockPool) -> list[TableRows]:
+        """Each KV group's block tables of the batch's sequences, from the runner's persistent copy of the pool's."""
+        return self.block_tables.batch(pool, [e.seq.seq_id for e in batch.entries])
 
     def _graph_forward(self, batch: ScheduledBatch, pool: BlockPool, record: bool) -> ForwardOutput | None:
         """The forward through a captured decode graph, or None when this batch runs eagerly."""
@@ -166,7 +171,7 @@ class ModelRunner:
             return None
         ids = [e.seq.token_ids(e.start, e.start + 1)[0] for e in batch.entries]
         src = self._token_src(batch, ids, list(range(len(ids))))
-        tables = [t for _, _, t in group_tables(pool, [e.seq.seq_id for e in batch.entries])]
+        tables = self._tables(batch, pool)
         rows = DecodeRows(ids, [e.start for e in batch.entries], tables[0], src, tuple(tables[1:]))
         return self.graphs.forward(rows, record)
 
@@ -215,18 +220,6 @@ class ModelRunner:
             return
         idx = to_device(torch.tensor(moves, dtype=torch.long).T.contiguous(), self.kv.device)
         self.kv.copy_blocks(idx[0], idx[1])
-
-
-def group_tables(pool: BlockPool | GroupedBlockPool, seq_ids: list
-                 ) -> list[tuple[int, int | None, list[Sequence[int]]]]:
-    """Each KV group's (tokens a block, its sliding window or None, the sequences' block tables in that group): one
-    group of whole tables for a BlockPool. The tables are the pool's own (`block_table_view`), read into the step's
-    arrays before the pool next changes (copying a hybrid Gemma step's 300 lists took 1 ms on a desktop CPU, timed
-    alone; the step as a whole saved 0.1-0.35 ms)."""
-    if isinstance(pool, GroupedBlockPool):
-        return [(group.block_size, group.window, [pool.group_table_view(s, g) for s in seq_ids])
-                for g, group in enumerate(pool.layout.groups)]
-    return [(pool.block_size, None, [pool.block_table_view(s) for s in seq_ids])]
 
 
 def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -354,21 +354,25 @@ def test_gpu_kv_resize_bench_runs_both_backings(tmp_path, capsys):
     assert out.with_suffix(".png").exists() and "reproduce: pwruntime bench kv-resize" in capsys.readouterr().out
 
 
-def test_step_inputs_batch_holds_null_before_each_rows_window_and_is_seeded():
+def test_step_inputs_batch_is_a_pool_holding_each_row_as_a_running_sequence_and_is_seeded():
+    """The bench's batch lives in a real pool, each sequence grown as a running one is: its sliding group's table NULL
+    before its query's window, its full group's whole; the shape is seeded."""
     from dataclasses import replace
 
-    from policies.kv_groups import KVGroup
-    from pwruntime.bench_step_inputs import StepInputsConfig, batch_tables
+    from policies.kv_groups import KVGroup, KVLayout
+    from pwruntime.bench_step_inputs import StepInputsConfig, batch_pool, batch_shape
     cfg = StepInputsConfig(rows=5, context_min=30, context_max=90, chunks=2, chunk_tokens=10, chunk_context=40)
-    full, window = KVGroup((0,), 16), KVGroup((0,), 16, 32)
-    whole, sliding = batch_tables(cfg, full), batch_tables(cfg, window)
-    assert whole == batch_tables(cfg, full) != batch_tables(replace(cfg, seed=1), full)
-    assert [(c, q) for c, q, _ in whole][5:] == [(40, 10), (0, 10)]
-    for (c, q, b), (_, _, s) in zip(whole, sliding):
+    assert batch_shape(cfg) == batch_shape(cfg) != batch_shape(replace(cfg, seed=1))
+    assert batch_shape(cfg)[5:] == [(40, 10), (0, 10)]
+    layout = KVLayout((KVGroup((0,), 16), KVGroup((1,), 16, 32)), 64)
+    pool = batch_pool(cfg, layout)
+    for i, (c, q) in enumerate(batch_shape(cfg)):
         first = max(c - 31, 0) // 16
-        assert len(b) == len(s) == -(-(c + q) // 16) and s[:first] == [-1] * first and -1 not in s[first:]
-    ids = [i for _, _, s in sliding for i in s if i >= 0]
-    assert ids == list(range(len(ids)))   # consecutive blocks, none shared
+        whole, sliding = pool.group_table(i, 0), pool.group_table(i, 1)
+        assert len(whole) == len(sliding) == -(-(c + q) // 16) and -1 not in whole
+        assert sliding[:first] == [-1] * first and -1 not in sliding[first:]
+    one = batch_pool(cfg, KVLayout((KVGroup((0,), 16),), 64))
+    assert [len(one.block_table(i)) for i in range(7)] == [-(-(c + q) // 16) for c, q in batch_shape(cfg)]
 
 
 def test_step_inputs_bench_times_both_layouts_of_a_sliding_model_and_one_of_another(tmp_path, capsys):

@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import chain
 
 import numpy as np
 import torch
 
+from policies.kv_blocks import NULL_BLOCK
 from policies.kv_groups import KVLayout
+from pwruntime.block_tables import TableRows
 from pwruntime.host_copy import to_device
 
 
@@ -44,50 +45,61 @@ class AttentionMetadata:
         return sum(self.query_lens)
 
 
-def batch_metadata(seqs: list[tuple[int, int, list[int]]], block_size: int,
+def batch_metadata(seqs: list[tuple[int, int, Sequence[int]]], block_size: int,
                    device: str | torch.device = "cpu", window: int | None = None) -> AttentionMetadata:
-    """Metadata for sequences given as (context_len, query_len, block ids); the blocks must cover
-    context_len + query_len tokens. Built with a handful of numpy calls over all sequences (the block ids
-    flattened, each new token's slot looked up in them), not a loop over sequences and tokens. With the tables'
-    sliding `window` (a hybrid KV group's) a sequence's entries before the block of its first query's earliest key
-    are left NULL (-1), as released ones are: nothing reads them, and a long context's table is not read whole."""
-    n = len(seqs)
-    ctx = np.fromiter((c for c, _, _ in seqs), np.int64, n)
-    qlen = np.fromiter((q for _, q, _ in seqs), np.int64, n)
-    lengths = np.fromiter((len(b) for _, _, b in seqs), np.int64, n)
-    short = np.flatnonzero(lengths * block_size < ctx + qlen)
+    """Metadata for sequences given as (context_len, query_len, block ids): `table_metadata` of their tables."""
+    return table_metadata([c for c, _, _ in seqs], [q for _, q, _ in seqs], TableRows.of([b for _, _, b in seqs]),
+                          block_size, device, window)
+
+
+def table_metadata(context_lens: Sequence[int], query_lens: Sequence[int], tables: TableRows, block_size: int,
+                   device: str | torch.device = "cpu", window: int | None = None) -> AttentionMetadata:
+    """Metadata for sequences of `context_lens` cached and `query_lens` new tokens over `tables` (a runner's
+    BlockTables rows), which must cover every sequence's tokens. Built with a handful of numpy calls over all
+    sequences (the tables gathered, each new token's slot looked up in them), not a loop over sequences and tokens.
+    With the tables' sliding `window` (a hybrid KV group's) a sequence's entries before the block of its first query's
+    earliest key are NULL (-1), as released ones are: nothing reads them, and a long context's table is not read
+    whole."""
+    n = len(tables)
+    ctx = np.asarray(context_lens, np.int64)
+    qlen = np.asarray(query_lens, np.int64)
+    short = np.flatnonzero(tables.lengths * block_size < ctx + qlen)
     if short.size:
         s = int(short[0])
-        raise ValueError(f"sequence {s}: {lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} tokens")
-    table = np.full((n, max(1, int(lengths.max(initial=0)))), -1, dtype=np.int32)
-    flat, offset = place_block_tables([b for _, _, b in seqs], lengths, table, block_size, window, ctx)
+        raise ValueError(f"sequence {s}: {tables.lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} "
+                         "tokens")
+    table = np.full((n, max(1, tables.max_blocks)), NULL_BLOCK, dtype=np.int32)
+    place_block_tables(tables, table, block_size, window, ctx, NULL_BLOCK)
     seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
-    slots = flat[offset[seq_of] + pos // block_size] * block_size + pos % block_size
+    slots = table[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
     host = torch.from_numpy(table)
     return AttentionMetadata(qlen.tolist(), ctx.tolist(), to_device(host, device),
                              to_device(torch.from_numpy(slots), device), host_tables=host)
 
 
-def place_block_tables(tables: Sequence[list[int]], lengths: np.ndarray, out: np.ndarray, block_size: int,
-                       window: int | None, query_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Write row i's block ids (its `lengths[i]`) into out[i] in a handful of numpy calls: with the tables' sliding
-    `window`, only from first[i], the block of the earliest key row i's first query (at position query_starts[i])
-    reads, the columns before it left as `out` has them. Returns the ids written, flattened, and each row's offset
-    in them: flat[offset[i] + b] is row i's block b (for b >= first[i])."""
+def place_block_tables(tables: TableRows, out: np.ndarray, block_size: int, window: int | None,
+                       query_starts: np.ndarray, fill: int) -> None:
+    """Write batch row i's block ids into out[i] (a gather of the tables' rows); entries past a row's table hold
+    `fill`. With the tables' sliding `window`, only the entries from first[i] on are written, the block of the earliest
+    key row i's first query (at position query_starts[i]) reads: those before it (a window's released entries among
+    them, which a BlockTables row keeps as they were) are left as `out` has them."""
     n = len(tables)
-    first = np.maximum(query_starts - window + 1, 0) // block_size if window else np.zeros(n, np.int64)
-    trim = bool(first.any())
-    kept = lengths - first
-    tails = (t[f:] for t, f in zip(tables, first.tolist())) if trim else tables
-    flat = np.fromiter(chain.from_iterable(tails), np.int64, int(kept.sum()))
-    start = np.cumsum(kept) - kept   # each row's first entry in `flat`
-    if trim:   # placed by index: a mask over every column costs more than the few ids kept
-        out.flat[np.repeat(np.arange(n) * out.shape[1] + first - start, kept) + np.arange(flat.size)] = flat
-    else:
-        out[:n][np.arange(out.shape[1]) < lengths[:, None]] = flat
-    return flat, start - first
-
+    if not n:
+        return
+    if window:   # a window's few blocks a row, by flat index: not the whole table
+        first = np.maximum(query_starts - window + 1, 0) // block_size
+        kept = tables.lengths - first
+        row = np.repeat(np.arange(n), kept)
+        col = np.arange(row.size) + np.repeat(first - (np.cumsum(kept) - kept), kept)
+        if not out.flags.c_contiguous:
+            raise ValueError("place_block_tables writes a window's blocks into a C-contiguous array only")
+        out.reshape(-1)[row * out.shape[1] + col] = tables.ids.reshape(-1)[tables.index[row] * tables.ids.shape[1] + col]
+        return
+    width = max(1, tables.max_blocks)
+    block = tables.ids[tables.index, :width]
+    block[np.arange(width) >= tables.lengths[:, None]] = fill
+    out[:n, :width] = block
 
 def _to_device_each(tensors: Sequence[torch.Tensor], device: torch.device,
                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
