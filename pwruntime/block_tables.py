@@ -50,10 +50,6 @@ class TableRows:
     def max_blocks(self) -> int:
         return int(self.lengths.max(initial=0))
 
-    def table(self, i: int) -> list[int]:
-        """Batch row i's block ids."""
-        return self.ids[self.index[i], :self.lengths[i]].tolist()
-
 
 class BlockTables:
     """The block tables of the sequences a runner serves, a [rows, width] int32 array a KV group, brought up to date
