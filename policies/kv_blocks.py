@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 from array import array
 from collections import OrderedDict
 from typing import Hashable, Sequence
@@ -80,7 +81,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be non-negative, got {num_blocks}")
         self.block_size = int(block_size)
         self._id_limit = int(num_blocks)
-        self._uncached: list[int] = list(range(num_blocks))  # free, unregistered ids, sorted ascending
+        self._uncached: list[int] = list(range(num_blocks))  # free, unregistered ids: a min-heap (heapq)
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached free ids, least recently freed first
         self._holes: list[int] = []  # retired ids below id_limit, sorted ascending
         self._tables: dict[Hashable, list[int]] = {}
@@ -239,8 +240,8 @@ class BlockPool:
     def _take_free(self, n: int) -> list[int]:
         """Remove `n` free blocks (the caller checked there are enough): the lowest uncached ids, then cached ones
         evicted least recently freed first (each losing its registration)."""
-        taken = self._uncached[:n]
-        del self._uncached[:n]
+        uncached = self._uncached
+        taken = [heapq.heappop(uncached) for _ in range(min(n, len(uncached)))]
         while len(taken) < n:
             b, _ = self._evictable.popitem(last=False)
             self._uncache(b)
@@ -259,7 +260,7 @@ class BlockPool:
         if b in self._hash_of:
             self._evictable[b] = None
         else:
-            bisect.insort(self._uncached, b)
+            heapq.heappush(self._uncached, b)
 
     def append_slot(self, seq_id: Hashable) -> int:
         """Reserve one more token slot (a decode step); returns that slot."""
@@ -390,8 +391,8 @@ class BlockPool:
         revive = self._holes[:n]
         del self._holes[:n]
         for b in revive:  # holes hold no registration
-            bisect.insort(self._uncached, b)
-        self._uncached.extend(range(self._id_limit, limit))  # all above any existing id
+            heapq.heappush(self._uncached, b)
+        self._uncached.extend(range(self._id_limit, limit))  # all above any existing id: still a heap
         self._id_limit = limit
 
     def shrink(self, n: int) -> int:
@@ -405,19 +406,23 @@ class BlockPool:
             raise BlockPoolError(f"cannot shrink by {n} blocks: only {self.num_free} free")
         if n == 0:
             return self._id_limit
+        retired = set()
         for b in self._highest_free(n):
             if b in self._evictable:
                 del self._evictable[b]
                 self._uncache(b)
             else:
-                self._uncached.pop()  # b is the highest uncached id left (they are retired highest first)
+                retired.add(b)
             bisect.insort(self._holes, b)
+        if retired:
+            self._uncached = [b for b in self._uncached if b not in retired]
+            heapq.heapify(self._uncached)
         self._trim()
         return self._id_limit
 
     def _highest_free(self, n: int) -> list[int]:
         """The `n` highest free ids, cached or not, highest first."""
-        return sorted(self._uncached[-n:] + sorted(self._evictable)[-n:], reverse=True)[:n]
+        return sorted(heapq.nlargest(n, self._uncached) + heapq.nlargest(n, self._evictable), reverse=True)[:n]
 
     def compact(self) -> list[tuple[int, int]]:
         """Move live blocks from the top of the id space into lower free/hole ids until no hole remains.
@@ -485,8 +490,9 @@ class BlockPool:
             raise BlockPoolError("a block id is in two places (double allocation)")
         if sorted(everything) != list(range(self._id_limit)):
             raise BlockPoolError(f"block ids do not partition [0, {self._id_limit})")
-        if self._uncached != sorted(self._uncached) or self._holes != sorted(self._holes):
-            raise BlockPoolError("uncached free or hole list not sorted")
+        heap = self._uncached
+        if any(heap[(i - 1) // 2] > heap[i] for i in range(1, len(heap))) or self._holes != sorted(self._holes):
+            raise BlockPoolError("uncached free ids not a heap, or hole list not sorted")
         if any(b in self._hash_of for b in self._uncached):
             raise BlockPoolError("a registered free block is missing from the eviction order")
         if any(b not in self._hash_of for b in self._evictable):
