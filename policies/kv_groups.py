@@ -148,6 +148,7 @@ class GroupedBlockPool:
         self._unit, self._align = math.gcd(*sizes), math.lcm(*sizes)
         self._chains: dict[Hashable, list[bytes]] = {}   # per sequence: the chained hashes of its full units
         self._registered: dict[tuple[Hashable, int], int] = {}   # (sequence, group) -> its blocks registered
+        self._quiet: dict[Hashable, tuple[int, int]] = {}   # per sequence: `_quiet_limits` since its last change
 
     # page pool: capacity, resizes, compaction (a page is a page, whatever group holds it)
     @property
@@ -218,9 +219,28 @@ class GroupedBlockPool:
                 net -= self.pages.freed_by_release(key, first)
         return max(0, net)
 
+    def _quiet_limits(self, seq_id: Hashable) -> tuple[int, int]:
+        """(reserved tokens, tokens in all) below and up to which computing more tokens changes no table of the
+        sequence: no sliding group releases a block (its first key's block stays the first it holds) and no group
+        needs one more (its blocks hold them). Most decode steps stay inside: the scheduler's growth of every running
+        sequence, every step, then costs a lookup instead of a plan over the groups."""
+        start_limit = end_limit = math.inf
+        for g, group in enumerate(self.layout.groups):
+            key = (seq_id, g)
+            end_limit = min(end_limit, self.pages.num_tokens(key) * group.block_size)
+            if group.window is not None:   # blocks_held's first passes the released ones from this start on
+                start_limit = min(start_limit, (self.pages.num_released(key) + 1) * group.block_size + group.window - 1)
+        return start_limit, end_limit
+
+    def _is_quiet(self, seq_id: Hashable, num_tokens: int) -> bool:
+        limits = self._quiet.get(seq_id)
+        return limits is not None and self._tokens[seq_id] < limits[0] and num_tokens <= limits[1]
+
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """Pages the sequence takes from the free ones to hold `num_tokens` tokens in total, net of the pages its
         sliding groups hand back first."""
+        if self._is_quiet(seq_id, num_tokens):
+            return 0
         return self._net(seq_id, self._plan(seq_id, num_tokens))
 
     def can_allocate(self, seq_id: Hashable, num_tokens: int, prefix: GroupPrefix | Sequence[int] = ()) -> bool:
@@ -247,6 +267,9 @@ class GroupedBlockPool:
     def try_allocate(self, seq_id: Hashable, num_tokens: int) -> bool:
         """`allocate` if the free pages suffice; returns whether it did. The plan is made once for both the check
         and the allocation (the scheduler calls this for every running sequence every step)."""
+        if self._is_quiet(seq_id, num_tokens):
+            self._tokens[seq_id] = max(self._tokens[seq_id], int(num_tokens))
+            return True
         plan = self._plan(seq_id, num_tokens)
         if self._net(seq_id, plan) > self.num_free:
             return False
@@ -255,11 +278,13 @@ class GroupedBlockPool:
         for g, (_, last) in enumerate(plan):
             self.pages.allocate((seq_id, g), last)
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), int(num_tokens))
+        self._quiet[seq_id] = self._quiet_limits(seq_id)
         return True
 
     def free(self, seq_id: Hashable) -> int:
         """Release every page of the sequence (registered ones stay cached); returns how many it held."""
         self._tokens.pop(seq_id, None)
+        self._quiet.pop(seq_id, None)
         self._chains.pop(seq_id, None)
         for g in range(len(self.layout.groups)):
             self._registered.pop((seq_id, g), None)

@@ -156,6 +156,43 @@ def test_grouped_pool_holds_each_group_s_window_and_hands_back_the_rest():
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_steps_inside_every_group_s_blocks_and_window_decide_as_the_full_plan_does(monkeypatch, prefix_caching):
+    """The shortcut for a step that changes no table (`_quiet_limits`) answers `blocks_needed` and `try_allocate` as
+    the plan over every group does: two pools through the same random decode steps, chunks, frees and shortage, one
+    of them always planning, hold the same tables and free pages at every step (prefix caching on and off)."""
+    layout = _gemma_like()
+    fast, full = GroupedBlockPool(layout, 90, prefix_caching), GroupedBlockPool(layout, 90, prefix_caching)
+    monkeypatch.setattr(full, "_is_quiet", lambda seq_id, num_tokens: False)
+    rng, tokens, quiet, checks = random.Random(11), {}, 0, 0
+    for step in range(1500):
+        if len(tokens) < 4 and rng.random() < 0.1:
+            s, n = step, rng.randint(1, 30)
+            assert fast.try_allocate(s, n) == full.try_allocate(s, n)
+            if fast.num_tokens(s):
+                tokens[s] = n
+        for s in list(tokens):
+            if rng.random() < 0.01:   # it finishes, or is preempted and computed again from its start
+                assert fast.free(s) == full.free(s)
+                del tokens[s]
+                if rng.random() < 0.5:
+                    ok = fast.try_allocate(s, 1)
+                    assert ok == full.try_allocate(s, 1)
+                    if ok:
+                        tokens[s] = 1
+                continue
+            n = tokens[s] + rng.choice([1, 1, 1, 1, 5])
+            quiet, checks = quiet + fast._is_quiet(s, n), checks + 1
+            assert fast.blocks_needed(s, n) == full.blocks_needed(s, n)
+            ok = fast.try_allocate(s, n)
+            assert ok == full.try_allocate(s, n)
+            tokens[s] = n if ok else tokens[s]
+            assert [fast.group_table(s, g) for g in range(4)] == [full.group_table(s, g) for g in range(4)]
+        assert fast.num_free == full.num_free
+    fast.check_invariants()
+    assert quiet > checks / 10   # the shortcut was taken (its share grows with the blocks: 4 tokens here)
+
+
 def test_a_table_view_is_the_pool_s_own_and_a_table_a_copy():
     """What a step's inputs read (`group_table_view`, `block_table_view`: no copy) is the table the pool holds: equal
     to the copy, and changed by the pool's next allocation and release, which the copy is not."""
