@@ -252,7 +252,12 @@ def _register_sim(targets) -> None:
     register_target(targets)
 
 
-_TARGETS = [_register_planner, _register_sim]  # a new target: a function that adds its parser to `targets`
+def _register_scheduler(targets) -> None:
+    from pwsim.bench_scheduler import register_target  # the shared scheduler's step (pwsim/bench_scheduler.py)
+    register_target(targets)
+
+
+_TARGETS = [_register_planner, _register_sim, _register_scheduler]  # a new target: a function that adds its parser to `targets`
 
 
 def register(subparsers) -> None:
