@@ -128,6 +128,8 @@ class PageTable:
         """(blocks with a transfer in flight, the GPU bytes each holds beyond M[i, q_i], whether it is a reload): a
         reload holds its TO_GPU planes and the new LUT, an offload its TO_CPU planes and the old LUT."""
         idx = np.flatnonzero(self.target >= 0)
+        if not idx.size:   # most steps (the engines ask every step)
+            return idx, np.zeros(0, np.int64), np.zeros(0, bool)
         q, target = self.q[idx].astype(np.int64), self.target[idx].astype(np.int64)
         moving = (self.planes[idx] >= _TO_GPU).sum(axis=1)
         reload = target > q
