@@ -105,9 +105,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)
     else:
-        print(text_table(("model", "layout", "groups", "ms a step", "us a sequence"),
-                         [(r["model"], r["layout"], str(r["groups"]), f"{r['step_ms']:.3f}", f"{r['us_a_sequence']:.1f}")
-                          for r in rows]))
+        body = [(r["model"], r["layout"], str(r["groups"]), f"{r['step_ms']:.3f}", f"{r['us_a_sequence']:.1f}")
+                for r in rows]
+        print(text_table(("model", "layout", "groups", "ms a step", "us a sequence"), body))
         print(f"\n{args.rows} decoding sequences; least mean of {args.rounds} x {args.steps} steps")
         print(f"reproduce: {command}")
     return 0

@@ -257,7 +257,8 @@ def _register_scheduler(targets) -> None:
     register_target(targets)
 
 
-_TARGETS = [_register_planner, _register_sim, _register_scheduler]  # a new target: a function that adds its parser to `targets`
+# a new target: a function that adds its parser to `targets`
+_TARGETS = [_register_planner, _register_sim, _register_scheduler]
 
 
 def register(subparsers) -> None:

@@ -94,7 +94,8 @@ def place_block_tables(tables: TableRows, out: np.ndarray, block_size: int, wind
         col = np.arange(row.size) + np.repeat(first - (np.cumsum(kept) - kept), kept)
         if not out.flags.c_contiguous:
             raise ValueError("place_block_tables writes a window's blocks into a C-contiguous array only")
-        out.reshape(-1)[row * out.shape[1] + col] = tables.ids.reshape(-1)[tables.index[row] * tables.ids.shape[1] + col]
+        src = tables.index[row] * tables.ids.shape[1] + col
+        out.reshape(-1)[row * out.shape[1] + col] = tables.ids.reshape(-1)[src]
         return
     width = max(1, tables.max_blocks)
     block = tables.ids[tables.index, :width]
