@@ -158,7 +158,7 @@ class DecodeInputs:
             if short.size:
                 i = int(short[0])
                 raise ValueError(f"row {i}: {lengths[i]} blocks of {block_size} cannot hold position {pos[i]}")
-            place_block_tables(rows.block_tables, tables, block_size, window, pos[:n], scratch)
+            place_block_tables(rows.block_tables, tables, block_size, window, pos[:n])
             slots[:n] = tables[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
         return out if out is not None else cls(ids, pos, lens, tables, slots, src)
 

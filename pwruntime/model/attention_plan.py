@@ -69,7 +69,7 @@ def table_metadata(context_lens: Sequence[int], query_lens: Sequence[int], table
         raise ValueError(f"sequence {s}: {tables.lengths[s]} blocks of {block_size} cannot hold {ctx[s] + qlen[s]} "
                          "tokens")
     table = np.full((n, max(1, tables.max_blocks)), NULL_BLOCK, dtype=np.int32)
-    place_block_tables(tables, table, block_size, window, ctx, NULL_BLOCK)
+    place_block_tables(tables, table, block_size, window, ctx)
     seq_of = np.repeat(np.arange(n), qlen)                                   # each new token's sequence
     pos = np.arange(int(qlen.sum())) - np.repeat(np.cumsum(qlen) - qlen - ctx, qlen)   # and its position
     slots = table[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
@@ -79,11 +79,11 @@ def table_metadata(context_lens: Sequence[int], query_lens: Sequence[int], table
 
 
 def place_block_tables(tables: TableRows, out: np.ndarray, block_size: int, window: int | None,
-                       query_starts: np.ndarray, fill: int) -> None:
-    """Write batch row i's block ids into out[i] (a gather of the tables' rows); entries past a row's table hold
-    `fill`. With the tables' sliding `window`, only the entries from first[i] on are written, the block of the earliest
-    key row i's first query (at position query_starts[i]) reads: those before it (a window's released entries among
-    them, which a BlockTables row keeps as they were) are left as `out` has them."""
+                       query_starts: np.ndarray) -> None:
+    """Write batch row i's block ids into out[i], a gather of the tables' rows; with the tables' sliding `window`,
+    only those from first[i] on, the block of the earliest key row i's first query (at position query_starts[i])
+    reads (a window's released entries, which a BlockTables row keeps as they were, are before it). Every other entry
+    of `out` is left as it is (the callers fill it first)."""
     n = len(tables)
     if not n:
         return
@@ -98,9 +98,8 @@ def place_block_tables(tables: TableRows, out: np.ndarray, block_size: int, wind
         out.reshape(-1)[row * out.shape[1] + col] = tables.ids.reshape(-1)[src]
         return
     width = max(1, tables.max_blocks)
-    block = tables.ids[tables.index, :width]
-    block[np.arange(width) >= tables.lengths[:, None]] = fill
-    out[:n, :width] = block
+    np.copyto(out[:n, :width], tables.ids[tables.index, :width], where=np.arange(width) < tables.lengths[:, None])
+
 
 def _to_device_each(tensors: Sequence[torch.Tensor], device: torch.device,
                     dtype: torch.dtype | None = None) -> list[torch.Tensor]:
