@@ -367,3 +367,11 @@ class GroupedBlockPool:
             for g, group in enumerate(self.layout.groups):
                 if self.pages.num_tokens((seq_id, g)) != -(-tokens // group.block_size):
                     raise BlockPoolError(f"sequence {seq_id!r}: group {g}'s table does not cover {tokens} tokens")
+
+
+def new_pool(layout: KVLayout, pages: int, prefix_caching: bool = False) -> BlockPool | GroupedBlockPool:
+    """The pool a layout's block tables live in: a GroupedBlockPool of `pages` for hybrid groups, else a BlockPool of
+    `pages` blocks of the one group's size (what both engines and their benchmarks make)."""
+    if layout.hybrid:
+        return GroupedBlockPool(layout, pages, prefix_caching)
+    return BlockPool(pages, layout.groups[0].block_size, prefix_caching=prefix_caching)

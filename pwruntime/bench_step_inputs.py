@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from policies.kv_blocks import BlockPool
-from policies.kv_groups import GroupedBlockPool, KVLayout
+from policies.kv_groups import GroupedBlockPool, KVLayout, new_pool
 from pwruntime.block_tables import BlockTables
 from traces.clikit import pyplot, write_png
 
@@ -56,7 +56,7 @@ def batch_pool(cfg: StepInputsConfig, layout: KVLayout) -> BlockPool | GroupedBl
     its new tokens, as a running one is: a hybrid group's table NULL before its window (released on the way)."""
     shape = batch_shape(cfg)
     pages = sum(layout.pages(0, c + q) for c, q in shape)
-    pool = GroupedBlockPool(layout, pages) if layout.hybrid else BlockPool(pages, layout.groups[0].block_size)
+    pool = new_pool(layout, pages)
     for i, (ctx, new) in enumerate(shape):
         pool.allocate(i, ctx)
         pool.allocate(i, ctx + new)

@@ -63,8 +63,7 @@ import numpy as np
 import torch
 
 import policies
-from policies.kv_blocks import BlockPool
-from policies.kv_groups import GroupedBlockPool
+from policies.kv_groups import new_pool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
 from policies.memory_budget import allocator_slack_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
@@ -227,8 +226,7 @@ class LLMEngine:
         self.activation_reserve = self._activation_reserve()
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
-        self.pool = (GroupedBlockPool(self.kv_layout, blocks, cfg.prefix_caching) if self.kv_layout.hybrid else
-                     BlockPool(blocks, cfg.block_size, prefix_caching=cfg.prefix_caching))
+        self.pool = new_pool(self.kv_layout, blocks, cfg.prefix_caching)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
         self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,

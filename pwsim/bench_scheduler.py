@@ -24,8 +24,7 @@ BLOCK_TOKENS = 16
 
 def bench_layout(card, hybrid: bool, args: argparse.Namespace) -> dict | None:
     """One row: the card's layout (None where `hybrid` would be the same single table)."""
-    from policies.kv_blocks import BlockPool
-    from policies.kv_groups import GroupedBlockPool
+    from policies.kv_groups import new_pool
     from policies.scheduler import Scheduler
     from policies.sequence import Sequence
 
@@ -37,7 +36,7 @@ def bench_layout(card, hybrid: bool, args: argparse.Namespace) -> dict | None:
     # the steps a sequence may decode: those timed, and those while later prompts are prefilled
     decode_steps = args.rounds * args.steps + sum(prompts) // args.max_num_batched_tokens + args.rows + 8
     pages = sum(layout.pages(0, p + decode_steps + 1) for p in prompts)
-    pool = GroupedBlockPool(layout, pages) if layout.hybrid else BlockPool(pages, BLOCK_TOKENS)
+    pool = new_pool(layout, pages)
     sched = Scheduler(pool, max_num_seqs=args.rows, max_num_batched_tokens=args.max_num_batched_tokens)
     seqs = [Sequence(i, prompt_len=p, max_tokens=decode_steps + 2, eos_token_id=None) for i, p in enumerate(prompts)]
     for seq in seqs:

@@ -43,8 +43,7 @@ import simpy
 
 from policies.calibration import Calibration
 from policies.contract import Policy, Transition
-from policies.kv_blocks import BlockPool
-from policies.kv_groups import GroupedBlockPool
+from policies.kv_groups import new_pool
 from policies.loop import PlanLoop, room_for
 from policies.memory_budget import kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
@@ -188,8 +187,7 @@ class Simulation:
                             "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
                             "`--shared-prefix-tokens N`; or `--trace synthetic --token-ids-vocab V`)")
         pages = room // self.kv_block_bytes
-        self.pool = (GroupedBlockPool(layout, pages, config.prefix_caching) if layout.hybrid else
-                     BlockPool(pages, config.block_size, prefix_caching=config.prefix_caching))
+        self.pool = new_pool(layout, pages, config.prefix_caching)
         self.sched = Scheduler(self.pool, max_num_seqs=config.max_num_seqs,
                                max_num_batched_tokens=config.max_num_batched_tokens, stall_limit=config.stall_limit)
         self.env = simpy.Environment()
