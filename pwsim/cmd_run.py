@@ -19,10 +19,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     """Arguments shared by `run` and `compare`: what to simulate (all but policy and budget)."""
     g = p.add_argument_group("what to simulate (defaults: the bundled default setup)")
     g.add_argument("--trace", default=DEFAULTS.trace,
-                   help="trace directory (requests.parquet [+ routing.parquet]) or 'synthetic' (default)")
+                   help="trace directory (requests.parquet [+ routing.parquet]) or 'synthetic' (default: the bundled demo "
+                        "trace)")
     g.add_argument("--model", default=DEFAULTS.model, help=f"model card name or JSON path (default {DEFAULTS.model})")
     g.add_argument("--calibration", default=DEFAULTS.calibration,
-                   help="calibration directory, or 'synthetic[:SEED]' (default; policies.synthetic)")
+                   help="calibration directory, or 'synthetic[:SEED]' (policies.synthetic; default: the bundled demo "
+                        "calibration)")
     g.add_argument("--hardware", default=DEFAULTS.hardware,
                    help=f"hardware profile JSON or bundled name (default {DEFAULTS.hardware})")
     g.add_argument("--quality-fit", default=DEFAULTS.quality_fit, metavar="JSON",
@@ -42,8 +44,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="also draw prompt token ids below V (what --enable-prefix-caching matches; default 0 = none)")
     add_prefix_flags(s)
     e = p.add_argument_group("engine")
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--block-size", type=int, default=16, help="tokens a KV block holds (default 16)")
+    e.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences an iteration may run (default 256; the runtime's default is 32: give the same "
+                        "limits to compare the two engines)")
     e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens", type=int,
                    default=2048,
                    help="tokens an iteration may compute, prompt chunks and decodes together (vLLM's and `pwruntime`'s "
