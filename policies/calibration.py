@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import zipfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -24,6 +25,24 @@ NB = MAX_BITS + 1  # arrays indexed by bits 0..8
 
 class CalibrationError(ValueError):
     """A calibration directory is missing, malformed, or for another model."""
+
+
+_REMAKE = "re-run `pwruntime calibrate` to make the calibration again"
+
+
+def _read_arrays(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a calibration's `arrays.npz`; anything else (random bytes, a truncated archive, an object array,
+    which numpy would unpickle) is a CalibrationError naming the file."""
+    if not zipfile.is_zipfile(path):
+        raise CalibrationError(f"{path} is corrupt or incomplete (not a .npz archive); {_REMAKE}")
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            return {k: npz[k] for k in npz.files}
+    except ValueError:  # an object array (pickled Python objects), or a malformed array header
+        raise CalibrationError(f"{path} is corrupt or incomplete (an entry is not a plain numeric array); "
+                               f"{_REMAKE}") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:  # a truncated or damaged entry
+        raise CalibrationError(f"{path} is corrupt or incomplete ({type(e).__name__}: {e}); {_REMAKE}") from None
 
 
 def model_fingerprint(architecture: dict, weights_digest: str | None = None) -> str:
@@ -134,11 +153,15 @@ class Calibration:
             scalars = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise CalibrationError(f"{meta_path} is not valid JSON ({e})") from None
+        if not isinstance(scalars, dict):
+            raise CalibrationError(f"{meta_path} is corrupt or incomplete (not a JSON object); {_REMAKE}")
         if scalars.get("format_version") != FORMAT_VERSION:
             raise CalibrationError(f"{meta_path}: format_version {scalars.get('format_version')!r}, "
                                    f"this PagedWeight reads {FORMAT_VERSION}; re-run `pwruntime calibrate`")
-        with np.load(arr_path) as npz:
-            arrays = {k: npz[k] for k in npz.files}
+        arrays = _read_arrays(arr_path)
+        missing = [f"domain_damage.{k}" for k in scalars.get("domains", []) if f"domain_damage.{k}" not in arrays]
+        if missing:
+            raise CalibrationError(f"{arr_path} is corrupt or incomplete (no {', '.join(missing)}); {_REMAKE}")
         kwargs = {}
         for f in fields(cls):
             if f.name == "domain_damage":

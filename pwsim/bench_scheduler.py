@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from traces.clikit import UserError, check_output, pyplot, text_table, write_json_atomic, write_png
+from traces.clikit import UserError, check_output, pyplot, text_table, write_json_atomic, write_png, writing
 
 BLOCK_TOKENS = 16
 
@@ -98,8 +98,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
     result = {"target": "scheduler", "command": command, "config": config, "python": sys.version.split()[0],
               "rows": rows}
     if args.out:
-        write_json_atomic(args.out, result)
-        plot(result, Path(args.out).with_suffix(".png"))
+        with writing(args.out):
+            write_json_atomic(args.out, result)
+            plot(result, Path(args.out).with_suffix(".png"))
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)

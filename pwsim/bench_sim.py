@@ -16,7 +16,7 @@ import os
 import sys
 import time
 
-from traces.clikit import UserError, check_output, write_json_atomic
+from traces.clikit import UserError, check_output, write_json_atomic, writing
 
 LIMIT_S = 60.0
 
@@ -88,7 +88,8 @@ def run_sim(args: argparse.Namespace) -> int:
               "output_tokens_per_wall_s": r["output_tokens"] / r["run_wall_s"],
               "limit_s": LIMIT_S, "under_limit": r["total_wall_s"] < LIMIT_S}
     if args.out:
-        write_json_atomic(args.out, result)
+        with writing(args.out):
+            write_json_atomic(args.out, result)
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)

@@ -31,10 +31,10 @@ class SLO:
     def __post_init__(self) -> None:
         if self.ttft_s is None and self.tpot_s is None:
             raise ValueError("an SLO needs a TTFT or a TPOT bound (--slo-ttft / --slo-tpot)")
-        for name in ("ttft_s", "tpot_s"):
+        for name, unit, scale in (("ttft_s", "s", 1), ("tpot_s", "ms", 1e3)):  # in the units the flags take
             v = getattr(self, name)
             if v is not None and not 0 < v < math.inf:
-                raise ValueError(f"the {name[:4].upper()} bound must be a number > 0, got {v}")
+                raise ValueError(f"the {name[:4].upper()} bound must be a number > 0, got {v * scale:g} {unit}")
         if self.percentile not in PERCENTILES:
             raise ValueError(f"the percentile must be one of {PERCENTILES}, got {self.percentile}")
         if self.attainment is not None and not 0 < self.attainment <= 1:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import numpy as np
 
-from traces.clikit import UserError, check_output, text_table, write_json_atomic
+from traces.clikit import UserError, check_output, text_table, write_json_atomic, writing
 
 BLOCK_TOKENS = 16
 LIMIT_MS = 2.0  # the acceptance bound at the Gemma-4-26B-A4B size
@@ -169,6 +168,7 @@ def _table(rows: list[dict]) -> str:
 
 def run_planner(args: argparse.Namespace) -> int:
     import policies
+    from policies.page_table import DEFAULT_BITS
     from traces.model_card import available_cards, load_card
 
     try:
@@ -184,8 +184,10 @@ def run_planner(args: argparse.Namespace) -> int:
                                ("--seed", args.seed, 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}, got {value}")
-    if not math.isfinite(args.initial_mean_bits):
-        raise UserError(f"--initial-mean-bits must be a finite number, got {args.initial_mean_bits}")
+    lo, hi = min(DEFAULT_BITS), max(DEFAULT_BITS)
+    if not lo <= args.initial_mean_bits <= hi:  # NaN too
+        raise UserError(f"--initial-mean-bits must be a finite number from {lo} to {hi} (the bitwidths the cards' "
+                        f"tables hold), got {args.initial_mean_bits:g}")
     if args.steps <= args.warmup:
         raise UserError(f"--steps must exceed the {args.warmup} warm-up steps")
     if args.out:
@@ -215,7 +217,8 @@ def run_planner(args: argparse.Namespace) -> int:
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
               "numpy": np.__version__, "python": sys.version.split()[0], "limit_ms": LIMIT_MS, "models": rows}
     if args.out:
-        write_json_atomic(args.out, result)
+        with writing(args.out):
+            write_json_atomic(args.out, result)
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)
@@ -237,7 +240,7 @@ def _register_planner(targets) -> None:
     p.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--initial-mean-bits", type=float, default=7.0,
-                   help="mean bitwidth of the synthetic calibration's initial assignment (default 7.0)")
+                   help="mean bitwidth of the synthetic calibration's initial assignment, 3 to 8 (default 7.0)")
     p.add_argument("--max-batch", type=int, default=32, help="running requests at most (default 32)")
     p.add_argument("--cpu", type=int, default=None, help="core to pin to (default: the first allowed)")
     p.add_argument("--no-pin", action="store_true", help="do not pin the process to one core")

@@ -13,11 +13,13 @@ from dataclasses import asdict
 
 from pwsim.capacity import PERCENTILES, SLO
 from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
-                           policy_variants, validate_config, variant_flags)
+                           policy_variants, remember_defaults, validate_config, variant_flags)
 from pwsim.defaults import DEFAULTS
 from pwsim.parallel import map_jobs, worker_count
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError
+from traces.results import prepare_dir
 
+DEFAULT_PERCENTILE = 99
 POINT_COLUMNS = ["policy", "budget", "multiplier", "rate_rps", "met", "why", "ttft_s", "tpot_s", "attained",
                  "throughput_tok_s", "completed", "requests"]
 
@@ -31,9 +33,13 @@ def search_one(cfg_json: dict, slo: dict, lowest: float, highest: float, toleran
 
 
 def _slo(args: argparse.Namespace) -> SLO:
+    if args.percentile is not None and args.attainment is not None:
+        raise UserError("--percentile and --attainment are two ways to meet the SLO (a percentile within the bounds, "
+                        "or a share of the requests within them); give one")
     try:
         return SLO(ttft_s=args.slo_ttft, tpot_s=None if args.slo_tpot is None else args.slo_tpot / 1e3,
-                   percentile=args.percentile, attainment=args.attainment)
+                   percentile=DEFAULT_PERCENTILE if args.percentile is None else args.percentile,
+                   attainment=args.attainment)
     except ValueError as e:
         raise UserError(f"--slo-ttft / --slo-tpot / --percentile / --attainment: {e}") from None
 
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     configs = [(p, b, config_from_args(args, p, kw, b)) for p, kw in policy_variants(args, policy_names)
                for b in budgets]
     jobs = worker_count(args.jobs, len(configs))
-    out = check_output(args.out)  # written only once every search is done
+    out = prepare_dir(args.out, args.force, "pwsim capacity", "capacity.json")  # written once every search is done
     validate_config(configs[0][2])
     slo_json = asdict(slo)
     found = map_jobs(search_one, [(cfg.to_json(), slo_json, args.min_rate, args.max_rate, args.tolerance)
@@ -88,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
                      progress=not args.no_progress)
     searches = [{"policy": cfg.policy_label, "budget": b, **cap} for (_, b, cfg), (cap, _) in zip(configs, found)]
     first = found[0][1]
-    meta = {"command": _command(args, policy_names, budgets), "budgets": budgets, "curve_budget": curve_budget,
+    meta = {"command": _command(args, slo, policy_names, budgets), "budgets": budgets, "curve_budget": curve_budget,
             "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
                                         "tolerance": args.tolerance},
             "jobs": jobs, "wall_s": None, "hardware": first["hardware"], "calibration": first["calibration"],
@@ -116,17 +122,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _command(args: argparse.Namespace, policies: list[str], budgets: list[str]) -> str:
+def _command(args: argparse.Namespace, slo: SLO, policies: list[str], budgets: list[str]) -> str:
     parts = ["pwsim capacity", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
     parts += variant_flags(args)
     if args.slo_ttft is not None:
         parts.append(f"--slo-ttft {args.slo_ttft:g}")
     if args.slo_tpot is not None:
         parts.append(f"--slo-tpot {args.slo_tpot:g}")
-    if args.attainment is not None:
-        parts.append(f"--attainment {args.attainment:g}")
-    parts.append(f"--percentile {args.percentile} --min-rate {args.min_rate:g} --max-rate {args.max_rate:g} "
-                 f"--tolerance {args.tolerance:g}")
+    parts.append(f"--percentile {slo.percentile}" if slo.attainment is None else f"--attainment {slo.attainment:g}")
+    parts.append(f"--min-rate {args.min_rate:g} --max-rate {args.max_rate:g} --tolerance {args.tolerance:g}")
     return " ".join(parts + common_flags(args))
 
 
@@ -148,8 +152,9 @@ def register(subparsers) -> None:
                    help="budget whose latency curves are plotted (default: the middle one)")
     p.add_argument("--slo-ttft", type=float, default=None, metavar="SECONDS", help="bound on the TTFT percentile")
     p.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="bound on the TPOT percentile")
-    p.add_argument("--percentile", type=int, default=99,
-                   help=f"the SLO's percentile, one of {', '.join(map(str, PERCENTILES))} (default 99)")
+    p.add_argument("--percentile", type=int, default=None,
+                   help=f"the SLO's percentile, one of {', '.join(map(str, PERCENTILES))} (default "
+                        f"{DEFAULT_PERCENTILE}; not with --attainment)")
     p.add_argument("--attainment", type=float, default=None, metavar="F",
                    help="instead of a percentile: a point meets the SLO when at least this share of its requests "
                         "completed within both bounds (DistServe's goodput; e.g. 0.9)")
@@ -161,7 +166,9 @@ def register(subparsers) -> None:
                    help="stop when the rates that met and missed are within this ratio (default 0.05)")
     p.add_argument("--jobs", type=int, default=None, help="worker processes, one search each (default: cores)")
     p.add_argument("--out", default="runs/capacity", help="output directory (default runs/capacity)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that holds no capacity.json")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--no-progress", action="store_true")
     add_common(p)
-    p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions})
+    p.set_defaults(func=run)
+    remember_defaults(p)

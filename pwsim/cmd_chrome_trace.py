@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from traces.clikit import UserError, check_output, write_text_atomic
+from traces.clikit import UserError, check_output, write_text_atomic, writing
 
 
 def register(subparsers) -> None:
@@ -33,7 +33,8 @@ def run(args) -> int:
         raise UserError(f"give one --label per result directory ({len(args.results)}), got {len(args.label)}")
     check_output(args.out, directory=False)
     trace = chrome_trace(args.results, args.label)
-    write_text_atomic(args.out, json.dumps(trace, separators=(",", ":"), allow_nan=False))
+    with writing(args.out):
+        write_text_atomic(args.out, json.dumps(trace, separators=(",", ":"), allow_nan=False))
     print(f"wrote {args.out}: {len(trace['traceEvents'])} events from {', '.join(args.results)}; open it in "
           "https://ui.perfetto.dev or chrome://tracing")
     return 0

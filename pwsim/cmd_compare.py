@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
-                           policy_variants, validate_config, variant_flags)
+                           policy_variants, remember_defaults, validate_config, variant_flags)
 from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
-from traces.clikit import UserError, check_output
-from traces.results import add_slo_flags, slo_attainment, slo_bounds
+from traces.clikit import UserError
+from traces.results import add_slo_flags, prepare_dir, slo_attainment, slo_bounds
 
 GiB = 2**30
 COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
     if tl_budget not in budgets:
         raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
-    out = check_output(args.out)  # written only once every run is done (output.write_files)
+    out = prepare_dir(args.out, args.force, "pwsim compare", "compare.json")  # written once every run is done
     validate_config(configs[0][2])
     results = map_jobs(run_one, [(cfg.to_json(), b == tl_budget, slo) for _, b, cfg in configs], jobs, "simulations",
                        "run", progress=not args.no_progress)
@@ -174,8 +174,10 @@ def register(subparsers) -> None:
     p.add_argument("--jobs", type=int, default=None, help="worker processes (default: available cores)")
     p.add_argument("--timeline-budget", default=None, help="budget whose timelines are plotted (default: the middle one)")
     p.add_argument("--out", default="runs/compare", help="output directory (default runs/compare)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that holds no compare.json")
     p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.add_argument("--no-progress", action="store_true")
     add_slo_flags(p)
     add_common(p)
-    p.set_defaults(func=run, _defaults={a.dest: a.default for a in p._actions})
+    p.set_defaults(func=run)
+    remember_defaults(p)

@@ -34,6 +34,7 @@ def register(subparsers) -> None:
     p.add_argument("--runtime", required=True, metavar="DIR",
                    help="result directory of `pwruntime replay` or `pwruntime bench serve` (one level)")
     p.add_argument("--out", default="runs/fidelity", help="directory for fidelity.json and fidelity.png (default runs/fidelity)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that holds no fidelity.json")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
                    help="also write the simulated run's hardware profile with the runtime's per-iteration overhead")
     p.add_argument("--fit-per-sequence", action="store_true",
@@ -66,6 +67,22 @@ ARRIVAL_SETTINGS = (
 )
 
 
+def check_sides(args: argparse.Namespace) -> None:
+    """Refuse a --sim that a runtime wrote, a --runtime that the simulator wrote (`traces.results.result_tool`; a
+    result that does not say passes), and one directory for both."""
+    from pathlib import Path
+
+    from traces.results import RUNTIME_TOOLS, command_of, result_tool
+
+    both = "give --sim the --out of a `pwsim run` and --runtime that of a `pwruntime replay` or `pwruntime bench serve`"
+    for flag, path, wanted in (("--sim", args.sim, ("pwsim",)), ("--runtime", args.runtime, RUNTIME_TOOLS)):
+        tool = result_tool(path)
+        if tool is not None and tool not in wanted:
+            raise UserError(f"{flag} {path} is a `{command_of(tool)}` result; {both}")
+    if Path(args.sim).resolve() == Path(args.runtime).resolve():
+        raise UserError(f"--sim and --runtime are the same directory {args.sim}; {both} of the same trace")
+
+
 def _sweep_summary(path) -> dict | None:
     """The summary of a sweep directory (`{"sweep": rows}`), or None for any other path."""
     import json
@@ -93,6 +110,7 @@ def run_sweeps(args, sim_summary: dict | None, rt_summary: dict | None) -> int:
     if args.fit_profile:
         raise UserError("--fit-profile fits a profile from one pair of runs; give one level of each sweep "
                         "(--sim DIR/c64 --runtime DIR/c64) or a replay")
+    check_sides(args)
     sim_dirs, rt_dirs = level_dirs(args.sim, sim_summary), level_dirs(args.runtime, rt_summary)
     levels = sorted(set(sim_dirs) & set(rt_dirs))
     if not levels:
@@ -195,15 +213,17 @@ def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
     from pwsim.output import write_report
-    from traces.results import dumps, read_plan_log, read_result_dir
+    from traces.results import dumps, prepare_dir, read_plan_log, read_result_dir
 
     if args.fit_per_sequence and not args.fit_profile:
         raise UserError("--fit-per-sequence fits the profile --fit-profile writes; give --fit-profile JSON too")
+    prepare_dir(args.out, args.force, "pwsim fidelity", "fidelity.json")
     sweeps = [_sweep_summary(path) for path in (args.sim, args.runtime)]
     if any(s is not None for s in sweeps):
         return run_sweeps(args, *sweeps)
     sim = RunView(*read_result_dir(args.sim, "--sim"), plans=read_plan_log(args.sim, "--sim"))
     rt = RunView(*read_result_dir(args.runtime, "--runtime"), plans=read_plan_log(args.runtime, "--runtime"))
+    check_sides(args)
     report = compare(sim, rt)
     report["inputs"] = {"sim": str(args.sim), "runtime": str(args.runtime)}
     fitted = None

@@ -52,7 +52,9 @@ def describe(label: str, s: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.label and len(args.label) != len(args.runs):
         raise UserError(f"give one --label for each RUN ({len(args.runs)}), or none")
-    plot = check_output(args.plot, flag="--plot", directory=False) if args.plot else None
+    plot = check_output(args.plot, flag="--plot", directory=False) if args.plot is not None else None
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UserError(f"--plot {plot}: the plot is a PNG; give a file name ending in .png")
     labels = args.label or args.runs
     logs = [_read(r) for r in args.runs]
     summaries = [summarize(p) for p in logs]

@@ -24,6 +24,7 @@ def register(subparsers) -> None:
     p.add_argument("--hardware", default="h200-measured", metavar="NAME_OR_JSON",
                    help="hardware profile to fit (bundled name or JSON path; default h200-measured)")
     p.add_argument("--out", default="runs/prefill-fit", help="directory for prefill_fit.json and prefill_fit.png")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out that holds no prefill_fit.json")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
                    help="also write the hardware profile with the fitted prefill_layer_overhead_us")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -54,13 +55,13 @@ def run(args) -> int:
     from pwsim.output import write_report
     from pwsim.prefill_fit import DEFAULT_BENCH, fit, fitted_profile, read_bench
     from traces.hardware import load_profile
-    from traces.results import dumps
+    from traces.results import dumps, prepare_dir
 
     if args.bench is None and not DEFAULT_BENCH.is_file():
         raise UserError(f"the bundled bench {DEFAULT_BENCH} is not here (an installed package leaves it out); pass "
                         "--bench FILE written by `pwruntime bench prefill --out FILE`")
     bench = Path(args.bench) if args.bench is not None else DEFAULT_BENCH
-    out = Path(args.out)
+    out = prepare_dir(args.out, args.force, "pwsim prefill-fit", "prefill_fit.json")
     meta, rows = read_bench(bench)
     profile = load_profile(args.hardware)
     report = fit(rows, profile)

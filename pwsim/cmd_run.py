@@ -111,6 +111,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if args.trace != SYNTHETIC and not Path(args.trace).is_dir():
         raise UserError(f"--trace {args.trace}: not a trace directory (make one with `pwsim gen-trace`) "
                         "and not 'synthetic'")
+    if args.trace != SYNTHETIC:
+        check_trace_flags(args)
     domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if not domains:
         raise UserError("--domains needs at least one name")
@@ -146,6 +148,35 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        time_scale=args.time_scale, request_rate=args.request_rate,
                        request_burstiness=1.0 if args.burstiness is None else args.burstiness,
                        max_concurrency=levels[0] if max_concurrency is None else max_concurrency)
+
+
+SYNTHETIC_ONLY = ("requests", "rate", "prompt_dist", "output_dist", "domains", "token_ids_vocab",
+                  "shared_prefix_tokens", "prefix_groups")  # the flags that shape a synthetic trace
+
+
+def remember_defaults(parser: argparse.ArgumentParser) -> None:
+    """Keep the parser's defaults in `args._defaults`, for `given` (and `common_flags`)."""
+    parser.set_defaults(_defaults={a.dest: a.default for a in parser._actions})
+
+
+def given(args: argparse.Namespace, *dests: str) -> list[str]:
+    """Of the arguments `dests`, those the command line set, as flags: those whose value is not the default (a flag
+    given its default value is not told apart, and changes nothing)."""
+    return [f"--{d.replace('_', '-')}" for d in dests if getattr(args, d) != args._defaults[d]]
+
+
+def check_trace_flags(args: argparse.Namespace) -> None:
+    """Refuse the synthetic trace's flags with a trace directory, whose requests are recorded, and --burstiness
+    without --request-rate, whose gaps it shapes."""
+    flags = given(args, *SYNTHETIC_ONLY)
+    if flags:
+        raise UserError(f"{', '.join(flags)}: only a synthetic trace (--trace synthetic) takes "
+                        f"{'them' if len(flags) > 1 else 'it'}, and --trace {args.trace} is a trace directory, whose "
+                        f"requests are recorded; leave {'them' if len(flags) > 1 else 'it'} out or give --trace "
+                        "synthetic")
+    if args.burstiness is not None and args.request_rate is None:
+        raise UserError("--burstiness shapes the gaps of --request-rate's arrivals (or of a synthetic trace's); give "
+                        "--request-rate R too, or leave --burstiness out")
 
 
 def validate_config(cfg) -> None:
@@ -203,12 +234,18 @@ def policies_and_budgets(args: argparse.Namespace) -> tuple[list[str], list[str]
     budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
     if not policy_names or not budgets:
         raise UserError("--policies and --budgets need at least one entry each")
-    for b in budgets:
-        parse_size(b)
+    check_distinct("--policies", args.policies, policy_names)
+    check_distinct("--budgets", args.budgets, [parse_size(b) for b in budgets])
     if args.policy_arg and len(policy_names) > 1:
         raise UserError("--policy-arg applies to a single policy; give one policy at a time, or use presets such as "
                         "pagedweight-no-routing")
     return policy_names, budgets
+
+
+def check_distinct(flag: str, text: str, keys: list) -> None:
+    """Refuse a list flag (`text` as given) that names an entry twice (`keys`: what makes two entries the same)."""
+    if len(set(keys)) < len(keys):
+        raise UserError(f"{flag}: a value is given twice ({text}); give each once")
 
 
 def add_sweep_flag(parser: argparse.ArgumentParser) -> None:
@@ -232,8 +269,7 @@ def policy_variants(args: argparse.Namespace, policy_names: list[str]) -> list[t
         key = key.strip()
         if key in sweeps:
             raise UserError(f"--sweep {key} given twice; give its values in one list")
-        if len(set(values)) < len(values):
-            raise UserError(f"--sweep {key}: a value is given twice ({raw})")
+        check_distinct(f"--sweep {key}", raw, values)
         if any(a.partition("=")[0].strip() == key for a in args.policy_arg):
             raise UserError(f"--sweep {key} and --policy-arg {key}=... both set {key}; give one")
         sweeps[key] = values
@@ -318,8 +354,7 @@ def run(args: argparse.Namespace) -> int:
         return run_sweep(args, params, levels)
     cfg = config_from_args(args, args.policy, params, args.budget)
     slo = slo_bounds(args)
-    out = Path(args.out or f"runs/run-{cfg.policy}-{args.budget}")
-    output.prepare_dir(out, args.force)
+    out = output.prepare_dir(f"runs/run-{cfg.policy}-{args.budget}" if args.out is None else args.out, args.force)
     t0 = time.perf_counter()
     result = runner.execute(cfg, progress=not (args.json or args.no_progress))
     if slo is not None:
@@ -344,8 +379,8 @@ def run_sweep(args: argparse.Namespace, params: dict, levels: list[int]) -> int:
     from traces.results import write_result_dir
     configs = [config_from_args(args, args.policy, params, args.budget, level) for level in levels]
     slo = slo_bounds(args)
-    out = Path(args.out or f"runs/run-{configs[0].policy}-{args.budget}-sweep")
-    output.prepare_dir(out, args.force)
+    out = output.prepare_dir(f"runs/run-{configs[0].policy}-{args.budget}-sweep" if args.out is None else args.out,
+                             args.force)
     results = []
     for cfg in configs:
         result = runner.execute(cfg, progress=not (args.json or args.no_progress))
@@ -389,3 +424,4 @@ def register(subparsers) -> None:
     add_slo_flags(p)
     add_common(p)
     p.set_defaults(func=run)
+    remember_defaults(p)

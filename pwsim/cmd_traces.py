@@ -8,10 +8,11 @@ import time
 from pathlib import Path
 
 from traces.clikit import UserError, check_output
-from traces.generators import (LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options, generate_requests,
-                               generate_routing, parse_domains)
+from traces.generators import (MAX_REQUESTS, LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options,
+                               generate_requests, generate_routing, parse_domains)
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
-from traces.model_card import load_card
+from traces.model_card import ModelSpec, load_card
+from traces.schema import RequestTrace, RoutingTrace
 
 
 def _progress(total: int, enabled: bool):
@@ -24,8 +25,9 @@ def _progress(total: int, enabled: bool):
 
 def run_gen(args: argparse.Namespace) -> int:
     out = _prepare_out(args)
-    if args.requests < 1:
-        raise UserError(f"--requests must be at least 1, got {args.requests}")
+    if not 1 <= args.requests <= MAX_REQUESTS:
+        raise UserError(f"--requests must be at least 1 and at most {MAX_REQUESTS:,} (a trace is drawn in memory), "
+                        f"got {args.requests}")
     for flag, value in (("--routing-tokens", args.routing_tokens), ("--seed", args.seed)):
         if value < 0:
             raise UserError(f"{flag} must be >= 0, got {value}")
@@ -35,22 +37,17 @@ def run_gen(args: argparse.Namespace) -> int:
                             prompt=LengthDist.parse(args.prompt_dist), output=LengthDist.parse(args.output_dist),
                             domains=names, domain_weights=weights, token_ids_vocab=args.token_ids_vocab,
                             shared_prefix_tokens=args.shared_prefix_tokens, prefix_groups=args.prefix_groups)
+    spec = load_card(args.card) if args.routing else None
+    rspec = RoutingSpec(skew=args.skew, domain_shift=args.domain_shift, drift=args.drift, features=args.features,
+                        tokens_per_request=args.routing_tokens) if args.routing else None
     t0 = time.perf_counter()
-    requests = generate_requests(workload, args.seed)
-    routing = None
-    if args.routing:
-        spec = load_card(args.card)
-        rspec = RoutingSpec(skew=args.skew, domain_shift=args.domain_shift, drift=args.drift,
-                            features=args.features, tokens_per_request=args.routing_tokens)
-        tokens = (requests.prompt_tokens.astype("int64") + requests.output_tokens)
-        if args.routing_tokens > 0:
-            tokens = tokens.clip(max=args.routing_tokens)
-        bar, update = _progress(int(tokens.sum()) * spec.moe_layers, not args.json)
-        try:
-            routing = generate_routing(requests, spec, rspec, args.seed, progress=update)
-        finally:
-            if bar is not None:
-                bar.close()
+    try:
+        requests = generate_requests(workload, args.seed)
+        routing = None if spec is None else _routing(args, requests, spec, rspec)
+    except MemoryError:
+        routing_too = " and their routing" if args.routing else ""
+        raise UserError(f"not enough memory to draw {args.requests:,} requests{routing_too}; give fewer --requests"
+                        f"{', --routing-tokens N or --no-routing' if args.routing else ''}") from None
     try:
         write_trace_dir(out, Trace(requests, routing))
     except OSError as e:
@@ -69,14 +66,26 @@ def run_gen(args: argparse.Namespace) -> int:
     return 0
 
 
+def _routing(args: argparse.Namespace, requests: RequestTrace, spec: ModelSpec, rspec: RoutingSpec) -> RoutingTrace:
+    """The routing trace of `requests` on the card `spec` (a progress bar unless --json)."""
+    tokens = (requests.prompt_tokens.astype("int64") + requests.output_tokens)
+    if args.routing_tokens > 0:
+        tokens = tokens.clip(max=args.routing_tokens)
+    bar, update = _progress(int(tokens.sum()) * spec.moe_layers, not args.json)
+    try:
+        return generate_routing(requests, spec, rspec, args.seed, progress=update)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
 def _prepare_out(args: argparse.Namespace) -> Path:
-    """--out as a trace directory to write: refused when it is a file, or holds a trace and --force is not given."""
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"--out {out} is a file; give a directory for the trace")
-    if (out / REQUESTS_FILE).exists() and not args.force:
-        raise UserError(f"{out} already holds a trace ({REQUESTS_FILE}); pass --force to overwrite it")
-    check_output(out)
+    """--out as a trace directory to write (`check_output`): refused, unless --force, when it holds anything (a
+    trace among them)."""
+    out = check_output(args.out)
+    if not args.force and out.is_dir() and any(out.iterdir()):
+        what = f"already holds a trace ({REQUESTS_FILE})" if (out / REQUESTS_FILE).exists() else "is not empty"
+        raise UserError(f"--out {out} {what}; choose another directory or pass --force to write the trace there")
     return out
 
 
@@ -112,8 +121,12 @@ def run_import(args: argparse.Namespace) -> int:
 
 
 def check_prefix_flags(args: argparse.Namespace) -> None:
-    """The synthetic token-id flags (`gen-trace`, and `run`/`compare` with `--trace synthetic`), one error each."""
+    """The synthetic token-id flags (`gen-trace`, and `run`/`compare` with `--trace synthetic`), one error each;
+    --prefix-groups without the shared prefixes it groups too."""
     check_token_id_options(args.token_ids_vocab, args.shared_prefix_tokens, args.prefix_groups)
+    if args.prefix_groups > 1 and args.shared_prefix_tokens == 0:
+        raise UserError(f"--prefix-groups {args.prefix_groups} groups shared prefixes: give their length too "
+                        "(--shared-prefix-tokens N), or leave --prefix-groups out")
 
 
 def add_prefix_flags(g) -> None:

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from policies.synthetic import SYNTHETIC
+from pwsim.cmd_run import check_trace_flags, given
 from traces.clikit import UserError
 
 # (the replay's config.json key, `pwsim run`'s argument, its flag)
@@ -63,17 +64,24 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
         raise UserError(f"--like-replay {d}: the replay sized its KV pool without --gpu-memory-budget, which is what "
                         "the simulator's --budget matches; replay with --gpu-memory-budget SIZE, or give pwsim run "
                         "--trace DIR/trace --budget SIZE and the other flags yourself")
+    # what a replay older than a setting ran with: offloads' LUTs took their room from the KV pool (before session 38),
+    # and one KV table served every layer (before session 49)
+    config = {"lut_room": "pool", "hybrid_kv_cache": False, **config}
+    # not recorded (an older replay), or no calibration given: the simulator's default (or the flag) stands
+    settings = [(key, attr, flag) for key, attr, flag in SETTINGS
+                if key in config and not (key == "calibration" and not config[key])]
+    fixed = [("trace", "--trace"), ("model", "--model")] + [(attr, flag) for _, attr, flag in settings]
+    overridden = [flag for attr, flag in fixed if given(args, attr)]
+    if overridden:
+        raise UserError(f"--like-replay {d} takes {', '.join(overridden)} from the replay; leave "
+                        f"{'them' if len(overridden) > 1 else 'it'} out (or give pwsim run --trace {trace} and every "
+                        "setting yourself)")
     taken = [f"--trace {trace}"]
     args.trace = str(trace)
     # the card its routing names: a bundled one, or the one the replay wrote beside it (a model without a bundled card)
     args.model = str(trace / CARD_FILE) if (trace / CARD_FILE).is_file() else read_routing(trace / ROUTING_FILE).card
     taken.append(f"--model {args.model}")
-    # what a replay older than a setting ran with: offloads' LUTs took their room from the KV pool (before session 38),
-    # and one KV table served every layer (before session 49)
-    config = {"lut_room": "pool", "hybrid_kv_cache": False, **config}
-    for key, attr, flag in SETTINGS:
-        if key not in config or (key == "calibration" and not config[key]):
-            continue  # not recorded (an older replay), or no calibration given: the simulator's default stands
+    for key, attr, flag in settings:
         value = config[key]
         if key == "calibration" and value == SYNTHETIC:
             value = f"{SYNTHETIC}:0"  # the runtime's seed for a plain `synthetic` (pwruntime.cmd_generate)
@@ -89,6 +97,7 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     if _instant_page_moves(d):
         args.instant_page_moves = True
         taken.append("--instant-page-moves")
+    check_trace_flags(args)  # the synthetic trace's flags, which a recorded trace leaves nothing to do
     return taken
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
@@ -67,8 +68,12 @@ def test_a_concurrency_sweep_runs_each_level_and_fidelity_pairs_two_sweeps(tmp_p
         assert saved["throughput_tokens_per_s"] == pytest.approx(rows[[1, 4].index(level)]["throughput_tokens_per_s"])
         assert json.loads((out / f"c{level}" / "config.json").read_text())["max_concurrency"] == level
     assert json.loads((out / "summary.json").read_text())["sweep"] == rows
-    # the same sweep against itself: every ratio 1
-    assert main(["fidelity", "--sim", str(out), "--runtime", str(out), "--out", str(tmp_path / "fid"), "--json"]) == 0
+    # the same sweep against itself, as `pwruntime bench serve` would have written it: every ratio 1
+    served = tmp_path / "served"
+    shutil.copytree(out, served)
+    (served / "config.json").write_text(json.dumps({"command": "bench", "target": "serve"}))
+    assert main(["fidelity", "--sim", str(out), "--runtime", str(served), "--out", str(tmp_path / "fid"),
+                 "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [r["max_concurrency"] for r in report["levels"]] == [1, 4] and set(report["reports"]) == {"1", "4"}
     assert all(r["throughput_ratio"] == pytest.approx(1.0) and r["tpot_s_ratio_p50"] == pytest.approx(1.0)

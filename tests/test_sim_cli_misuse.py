@@ -82,15 +82,31 @@ def _corrupt_calibration(tmp_path: Path, how: str) -> Path:
         (cal / "calibration.json").write_text("[1, 2]")
     elif how == "npz-missing-array":
         np.savez(cal / "arrays.npz", unrelated=np.zeros(3))
+    elif how == "random-bytes":
+        (cal / "arrays.npz").write_bytes(np.random.default_rng(0).bytes(1000))
+    elif how == "object-array":
+        np.savez(cal / "arrays.npz", sensitivity=np.array([{"a": 1}], dtype=object))
     return cal
 
 
-@pytest.mark.parametrize("how", ["truncated-npz", "json-list", "npz-missing-array"])
+@pytest.mark.parametrize("how", ["truncated-npz", "json-list", "npz-missing-array", "random-bytes", "object-array"])
 def test_run_corrupt_calibration(tmp_path, capsys, how):
     cal = _corrupt_calibration(tmp_path, how)
-    _misuse(capsys, ["run", "--budget", "32MiB", "--calibration", cal, "--out", tmp_path / "run"],
-            "is corrupt or incomplete")
+    line = _misuse(capsys, ["run", "--budget", "32MiB", "--calibration", cal, "--out", tmp_path / "run"],
+                   "is corrupt or incomplete")
+    assert "pickle" not in line and "unsafe" not in line
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("how", ["truncated-npz", "npz-missing-array", "random-bytes", "object-array"])
+def test_a_corrupt_calibration_archive_is_a_calibration_error(tmp_path, how):
+    """What `pwruntime` (generate, quality-table, bench decode) prints as a user error: one naming the file and the
+    way to make it again, never numpy's advice to unpickle it."""
+    from policies.calibration import Calibration, CalibrationError
+    cal = _corrupt_calibration(tmp_path, how)
+    with pytest.raises(CalibrationError, match="re-run `pwruntime calibrate`") as e:
+        Calibration.load(cal)
+    assert str(cal / "arrays.npz") in str(e.value) and "pickle" not in str(e.value)
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -126,6 +142,62 @@ def test_run_bad_input_files(tmp_path, capsys):
     line = _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--model", bad_card, "--out", out], "invalid literal")
     assert str(bad_card) in line
     assert not out.exists()
+
+
+def test_run_names_a_hardware_profile_that_is_a_directory(tmp_path, capsys):
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--hardware", tmp_path, "--out", tmp_path / "run"],
+            "is a directory, not a JSON file")
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_refuses_an_empty_out(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default --out would go
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--out", ""], "--out is empty")
+    assert _listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("command, flags, needle", [
+    ("run", ["--requests", "5"], "--requests: only a synthetic trace (--trace synthetic) takes it"),
+    ("run", ["--rate", "3", "--domains", "a,b"], "--rate, --domains: only a synthetic trace"),
+    ("run", ["--token-ids-vocab", "9", "--prefix-groups", "2"], "--token-ids-vocab, --prefix-groups: only a synth"),
+    ("run", ["--burstiness", "2"], "--burstiness shapes the gaps of --request-rate's arrivals"),
+    ("compare", ["--output-dist", "fixed:8"], "--output-dist: only a synthetic trace"),
+    ("capacity", ["--slo-ttft", "1", "--prompt-dist", "fixed:8"], "--prompt-dist: only a synthetic trace"),
+])
+def test_a_trace_directory_refuses_the_synthetic_trace_s_flags(tmp_path, capsys, command, flags, needle):
+    _misuse(capsys, [command, "--trace", BUNDLED / "demo-trace", *flags, "--out", tmp_path / "out"], needle)
+    assert not (tmp_path / "out").exists()
+
+
+def _fake_replay(path: Path, **config) -> Path:
+    """A `pwruntime replay --record-routing` result as `--like-replay` reads it: the demo trace as what it served."""
+    path.mkdir()
+    shutil.copytree(BUNDLED / "demo-trace", path / "trace")
+    (path / "config.json").write_text(json.dumps({"command": "replay", "gpu_memory_budget": "32MiB",
+                                                  "policy": "pagedweight", "policy_arg": [], "seed": 0, **config}))
+    (path / "summary.json").write_text(json.dumps({"device": "cuda"}))
+    return path
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--budget", "48MiB"], "takes --budget from the replay; leave it out"),
+    (["--policy", "fp16", "--seed", "3"], "takes --policy, --seed from the replay; leave them out"),
+    (["--trace", "synthetic", "--max-num-seqs", "8"], "takes --trace, --max-num-seqs from the replay"),
+    (["--requests", "4"], "--requests: only a synthetic trace"),
+])
+def test_like_replay_refuses_the_flags_the_replay_sets(tmp_path, capsys, flags, needle):
+    replay = _fake_replay(tmp_path / "replay", max_num_seqs=32)
+    _misuse(capsys, ["run", "--like-replay", replay, *flags, "--out", tmp_path / "run"], needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_like_replay_takes_a_flag_the_replay_did_not_record(tmp_path, capsys):
+    """A setting an older replay did not record (here the calibration) stays the flag's: nothing is refused."""
+    replay = _fake_replay(tmp_path / "replay")
+    assert main(["run", "--like-replay", str(replay), "--max-num-seqs", "8", "--no-plots", "--no-progress", "--json",
+                 "--out", str(tmp_path / "run")]) == 0
+    capsys.readouterr()
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["max_num_seqs"] == 8
 
 
 def test_run_trace_without_requests(tmp_path, capsys):
@@ -177,11 +249,25 @@ def test_compare_misuse_leaves_no_output_directory(tmp_path, capsys, flags, need
     assert not (tmp_path / "cmp").exists()
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--budgets", "24GiB,24GiB"], "--budgets: a value is given twice (24GiB,24GiB)"),
+    (["--budgets", "24GiB,24576MiB"], "--budgets: a value is given twice"),  # the same bytes
+    (["--policies", "uniform-4,uniform-4"], "--policies: a value is given twice"),
+])
+def test_compare_refuses_duplicate_runs(tmp_path, capsys, flags, needle):
+    policies = [] if "--policies" in flags else ["--policies", "uniform-4"]
+    budgets = [] if "--budgets" in flags else ["--budgets", "20GiB"]
+    _misuse(capsys, ["compare", *SMALL, *policies, *budgets, *flags, "--no-progress", "--out", tmp_path / "cmp"],
+            needle)
+    assert not (tmp_path / "cmp").exists()
+
+
 def test_compare_failing_while_writing_keeps_a_previous_result_as_it_was(tmp_path, capsys, monkeypatch):
     from pwsim import plots
     out = tmp_path / "cmp"
     out.mkdir()
     (out / "compare.csv").write_text("old")
+    (out / "compare.json").write_text("{}")  # a previous result, which compare may replace
 
     def broken(*args, **kwargs):
         raise RuntimeError("the last plot fails")
@@ -190,7 +276,7 @@ def test_compare_failing_while_writing_keeps_a_previous_result_as_it_was(tmp_pat
     with pytest.raises(RuntimeError, match="the last plot fails"):  # not a user error: it keeps its traceback
         main(["compare", *SMALL, "--policies", "uniform-4", "--budgets", "30GiB", "--jobs", "1", "--no-progress",
               "--out", str(out)])
-    assert _listing(out) == ["compare.csv"] and (out / "compare.csv").read_text() == "old"
+    assert _listing(out) == ["compare.csv", "compare.json"] and (out / "compare.csv").read_text() == "old"
 
 
 def test_write_files_is_all_or_nothing(tmp_path):
@@ -210,6 +296,72 @@ def test_write_files_is_all_or_nothing(tmp_path):
     assert not (tmp_path / "new").exists()
     write_files(out, {"a.txt": lambda p: p.write_text("new a"), "b.png": lambda p: p.write_text("b")})
     assert _listing(out) == ["a.txt", "b.png"] and (out / "a.txt").read_text() == "new a"
+
+
+# ---------------------------------------------------------------- what --out may hold
+def _fake_result(path: Path, config: dict | None) -> Path:
+    """A result directory as `tool` wrote it, told apart by its config.json (`traces.results.result_tool`)."""
+    requests = {"request_id": np.arange(2), "ttft_s": np.ones(2), "tpot_s": np.ones(2), "e2e_s": np.ones(2)}
+    return write_result_dir(path, {"requests": requests},
+                            {"summary": {"requests": 2}, **({} if config is None else {"config": config})})
+
+
+REPLAY_CONFIG = {"command": "replay", "gpu_memory_budget": "32MiB"}
+SERVE_CONFIG = {"command": "bench", "target": "serve"}
+SIM_CONFIG = {"budget_bytes": 1 << 30, "hardware": "h200-roofline"}
+
+
+def test_run_refuses_to_replace_a_replay(tmp_path, capsys):
+    replay = _fake_result(tmp_path / "replay", REPLAY_CONFIG)
+    before = {p.name: p.read_bytes() for p in replay.iterdir()}
+    _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--out", replay],
+            "holds a `pwruntime replay` result, not a `pwsim run` one; choose another directory or pass --force")
+    assert {p.name: p.read_bytes() for p in replay.iterdir()} == before
+
+
+@pytest.mark.parametrize("config, tool, refused", [
+    (SIM_CONFIG, "replay", "`pwsim run`"), (SIM_CONFIG, "bench serve", "`pwsim run`"),
+    (SERVE_CONFIG, "replay", "`pwruntime bench serve`"), (REPLAY_CONFIG, "bench serve", "`pwruntime replay`"),
+    (REPLAY_CONFIG, "replay", None), (SIM_CONFIG, "pwsim", None),
+    (None, "replay", None), ({"hardware": "h200-roofline"}, "replay", None),  # results that do not say: as before
+])
+def test_a_result_directory_is_replaced_only_by_its_own_tool(tmp_path, config, tool, refused):
+    from traces.clikit import UserError
+    from traces.results import prepare_dir
+    out = _fake_result(tmp_path / "out", config)
+    if refused is None:
+        assert prepare_dir(out, False, tool) == out
+    else:
+        with pytest.raises(UserError, match=f"holds a {refused} result"):
+            prepare_dir(out, False, tool)
+    assert prepare_dir(out, True, tool) == out  # --force
+
+
+@pytest.mark.parametrize("command, argv, marker", [
+    ("compare", [*SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--no-progress"], "compare.json"),
+    ("capacity", [*SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--slo-ttft", "1", "--no-progress"],
+     "capacity.json"),
+    ("fidelity", ["--sim", "{sim}", "--runtime", "{rt}"], "fidelity.json"),
+    ("prefill-fit", [], "prefill_fit.json"),
+])
+@pytest.mark.parametrize("holding", ["unrelated", "a run"])
+def test_reports_refuse_a_directory_that_holds_something_else(tmp_path, capsys, command, argv, marker, holding):
+    sim, rt = _result(tmp_path / "sim"), _fake_result(tmp_path / "rt", REPLAY_CONFIG)
+    argv = [str(a).format(sim=sim, rt=rt) for a in argv]
+    if holding == "unrelated":
+        out = tmp_path / "mine"
+        out.mkdir()
+        (out / "notes.txt").write_text("keep me")
+    else:
+        out = _fake_result(tmp_path / "run", SIM_CONFIG)
+    before = _listing(out)
+    _misuse(capsys, [command, *argv, "--out", out],
+            f"--out {out} is not empty and holds no previous `pwsim {command}` result; choose another directory or "
+            "pass --force")
+    assert _listing(out) == before
+    (out / marker).write_text("{}")  # a previous result of the command: replaced without --force
+    assert main([command, *argv, "--out", str(out), "--json"]) == 0
+    capsys.readouterr()
 
 
 # ---------------------------------------------------------------- fidelity
@@ -275,6 +427,62 @@ def test_fidelity_unwritable_out(tmp_path, capsys):
     _misuse(capsys, ["fidelity", "--sim", sim, "--runtime", rt, "--out", UNWRITABLE], "cannot write in /proc")
 
 
+@pytest.mark.parametrize("sim, runtime, needle", [
+    ("rt", "sim", "--sim {rt} is a `pwruntime replay` result"),
+    ("sim", "sim2", "--runtime {sim2} is a `pwsim run` result"),
+    ("served", "rt", "--sim {served} is a `pwruntime bench serve` result"),
+    ("plain", "plain", "--sim and --runtime are the same directory {plain}"),
+])
+def test_fidelity_refuses_swapped_or_equal_sides(tmp_path, capsys, sim, runtime, needle):
+    paths = {"sim": _fake_result(tmp_path / "sim", SIM_CONFIG), "sim2": _fake_result(tmp_path / "sim2", SIM_CONFIG),
+             "rt": _fake_result(tmp_path / "rt", REPLAY_CONFIG), "served": _fake_result(tmp_path / "sv", SERVE_CONFIG),
+             "plain": _result(tmp_path / "plain")}
+    line = _misuse(capsys, ["fidelity", "--sim", paths[sim], "--runtime", paths[runtime], "--out", tmp_path / "fid"],
+                   needle.format(**paths))
+    assert "give --sim the --out of a `pwsim run` and --runtime that of a `pwruntime replay`" in line
+    assert not (tmp_path / "fid").exists()
+
+
+# ---------------------------------------------------------------- chrome-trace, plan-log
+def test_chrome_trace_on_a_full_disk_writes_nothing(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from traces import clikit
+
+    def full(path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr("traces.chrome_trace.chrome_trace", lambda paths, labels: {"traceEvents": []})
+    monkeypatch.setattr(clikit, "default_mode", full)  # the atomic write's last step before its rename
+    out = tmp_path / "trace.json"
+    _misuse(capsys, ["chrome-trace", _result(tmp_path / "sim"), "--out", out],
+            f"--out {out}: cannot write it ({os.strerror(errno.ENOSPC)}); nothing was written")
+    assert _listing(tmp_path) == ["sim"]
+
+
+def test_chrome_trace_of_a_directory_that_does_not_exist(tmp_path, capsys):
+    _misuse(capsys, ["chrome-trace", tmp_path / "nowhere", "--out", tmp_path / "t.json"],
+            f"{tmp_path / 'nowhere'} does not exist")
+    assert _listing(tmp_path) == []
+
+
+def test_plan_log_plot_must_be_a_png(tmp_path, capsys):
+    _misuse(capsys, ["plan-log", _result(tmp_path / "sim"), "--plot", tmp_path / "moves.pdf"],
+            "give a file name ending in .png")
+    assert _listing(tmp_path) == ["sim"]
+
+
+# ---------------------------------------------------------------- capacity
+@pytest.mark.parametrize("flags, needle", [
+    (["--slo-tpot", "50", "--attainment", "0.9", "--percentile", "90"], "--percentile and --attainment are two ways"),
+    (["--slo-tpot", "50", "--attainment", "0.9", "--percentile", "99"], "--percentile and --attainment are two ways"),
+    (["--slo-tpot", "-5"], "the TPOT bound must be a number > 0, got -5 ms"),
+])
+def test_capacity_slo_misuse(tmp_path, capsys, flags, needle):
+    _misuse(capsys, ["capacity", *flags, "--out", tmp_path / "cap"], needle)
+    assert not (tmp_path / "cap").exists()
+
+
 # ---------------------------------------------------------------- prefill-fit
 def test_prefill_fit_bad_fit_profile_writes_no_report(tmp_path, capsys):
     (tmp_path / "adir").mkdir()
@@ -302,6 +510,8 @@ def test_prefill_fit_bench_that_is_a_directory(tmp_path, capsys):
     (["--max-batch", "0"], "--max-batch must be at least 1"),
     (["--seed", "-1"], "--seed must be at least 0"),
     (["--initial-mean-bits", "nan"], "--initial-mean-bits must be a finite number"),
+    (["--initial-mean-bits", "100"], "--initial-mean-bits must be a finite number from 3 to 8"),
+    (["--initial-mean-bits", "0"], "--initial-mean-bits must be a finite number from 3 to 8"),
     (["--out", "{tmp}"], "is a directory; give a file name"),
     (["--out", "{tmp}/afile/bench.json"], "is a file, not a directory"),
 ])

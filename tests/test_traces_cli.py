@@ -99,6 +99,39 @@ def test_bad_generator_flags_exit_2(tmp_path, capsys):
     assert not (tmp_path / "x" / "requests.parquet").exists()
 
 
+def test_gen_trace_refuses_what_it_cannot_draw_up_front(tmp_path, capsys):
+    line = _one_error_line(capsys, "gen-trace", "--out", str(tmp_path / "x"), "--requests", "100000000")
+    assert "--requests must be at least 1 and at most 10,000,000" in line
+    line = _one_error_line(capsys, "gen-trace", "--out", str(tmp_path / "x"), "--prefix-groups", "3")
+    assert "--prefix-groups 3 groups shared prefixes: give their length too (--shared-prefix-tokens N)" in line
+    assert not (tmp_path / "x").exists()
+
+
+def test_trace_commands_refuse_a_non_empty_out_unless_forced(tmp_path, capsys):
+    log = tmp_path / "log.csv"
+    log.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,5\n1,20,6\n")
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    for argv in (["gen-trace", "--requests", "3", "--no-routing"], ["import-trace", str(log)]):
+        line = _one_error_line(capsys, *argv, "--out", str(out))
+        assert f"--out {out} is not empty; choose another directory or pass --force" in line
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    rc, _, err = _run(capsys, "import-trace", str(log), "--out", str(out), "--force")
+    assert rc == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "requests.parquet"]
+
+
+def test_import_trace_refuses_token_counts_a_trace_cannot_hold(tmp_path, capsys):
+    for value in ("99999999999999", "3000000000", "10.5", "-3"):
+        log = tmp_path / "log.csv"
+        log.write_text(f"TIMESTAMP,ContextTokens,GeneratedTokens\n0,10,5\n1,{value},6\n2,,6\n")
+        line = _one_error_line(capsys, "import-trace", str(log), "--out", str(tmp_path / "trace"))
+        assert f"{log}: column 'ContextTokens', row 1: {value} is not a token count" in line
+        assert "whole numbers from 0 to 2,147,483,647" in line
+        assert not (tmp_path / "trace").exists()
+
+
 def test_importing_traces_pulls_no_torch_simpy_or_cupy():
     code = ("import sys, traces, traces.schema, traces.io, traces.generators, traces.model_card; "
             "print(sorted(m for m in ('torch', 'simpy', 'cupy', 'tqdm') if m in sys.modules))")

@@ -12,8 +12,9 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, Sequence
 
 
 class UserError(Exception):
@@ -57,7 +58,9 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool = True) -> Path:
     """Refuse, before any long work and creating nothing, an output path that cannot be written: a file where a
     directory is wanted (or a directory where a file is), a path under a file, or a place this process cannot create
-    entries in (probed with a temporary directory, removed at once). One UserError naming `flag`."""
+    entries in (probed with a temporary directory, removed at once), or an empty one. One UserError naming `flag`."""
+    if str(path) == "":
+        raise UserError(f"{flag} is empty; give a path")
     p = Path(path)
     if directory and p.exists() and not p.is_dir():
         raise UserError(f"{flag} {p} is a file; give a directory")
@@ -73,6 +76,16 @@ def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool =
     except OSError as e:
         raise UserError(f"{flag} {p}: cannot write in {base} ({e.strerror or e}); choose another path") from None
     return p
+
+
+@contextmanager
+def writing(path: str | os.PathLike, flag: str = "--out") -> Iterator[None]:
+    """An OSError while writing `path` inside (a full disk, a folder gone or not writable) as one UserError naming
+    it; the atomic writers below leave nothing behind."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"{flag} {path}: cannot write it ({e.strerror or e}); nothing was written") from None
 
 
 def default_mode(path: str | os.PathLike) -> Path:

@@ -20,7 +20,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from traces.clikit import UserError
-from traces.schema import RequestTrace
+from traces.generators import MAX_LENGTH
+from traces.schema import RequestTrace, TraceError
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,17 @@ def _seconds(column, name: str) -> np.ndarray:
     return stamps.astype(np.int64).astype(np.float64) / 1e9
 
 
+def _token_counts(values: np.ndarray, name: str, path: str | os.PathLike) -> np.ndarray:
+    """A token-count column (missing values as 0, NaN as missing), refused at its first value that is not a whole
+    number from 0 to MAX_LENGTH (a request trace holds them as int32)."""
+    bad = np.flatnonzero(~np.isnan(values) & ((values < 0) | (values > MAX_LENGTH) | (values != np.floor(values))))
+    if bad.size:
+        raise TraceError(str(path), f"{values[bad[0]]:.15g} is not a token count", column=name, row=int(bad[0]),
+                         fix=f"token counts are whole numbers from 0 to {MAX_LENGTH:,} (2**31 - 1); fix or drop "
+                             "the row")
+    return values
+
+
 def read_csv_trace(path: str | os.PathLike, columns: CsvColumns, domain: str = "imported", start_s: float = 0.0,
                    max_requests: int | None = None) -> Imported:
     """The requests of a CSV log (see the module docstring): those arriving `start_s` seconds or more after its
@@ -91,7 +103,8 @@ def read_csv_trace(path: str | os.PathLike, columns: CsvColumns, domain: str = "
         col = table[name]
         if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_null(col.type)):
             raise UserError(f"column {name!r} must hold token counts (numbers), it holds {col.type}")
-        counts.append(pc.fill_null(col.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False))
+        counts.append(_token_counts(pc.fill_null(col.cast(pa.float64()), 0.0).to_numpy(zero_copy_only=False),
+                                    name, path))
     prompt, output = counts
     keep = np.isfinite(times) & (prompt >= 1) & (output >= 1)
     order = np.flatnonzero(keep)[np.argsort(times[keep], kind="stable")]

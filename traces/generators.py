@@ -33,6 +33,7 @@ LENGTH_KINDS = {"fixed": ("value",), "uniform": ("min", "max"), "lognormal": ("m
                 "zipf": ("alpha", "min", "max")}
 CHUNK_ROWS = 1 << 16
 MAX_LENGTH = 2**31 - 1  # lengths are int32 in a request trace
+MAX_REQUESTS = 10_000_000  # a synthetic trace's requests at most: they (and their routing) are drawn in memory
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,8 @@ def check_token_id_options(token_ids_vocab: int, shared_prefix_tokens: int, pref
 
 
 def _check_spec(spec: WorkloadSpec, seed: int) -> None:
-    if spec.requests < 0:
-        raise UserError(f"number of requests must be >= 0, got {spec.requests}")
+    if not 0 <= spec.requests <= MAX_REQUESTS:
+        raise UserError(f"number of requests (--requests) must be from 0 to {MAX_REQUESTS:,}, got {spec.requests}")
     check_token_id_options(spec.token_ids_vocab, spec.shared_prefix_tokens, spec.prefix_groups)
     if seed < 0:
         raise UserError(f"seed must be >= 0, got {seed}")

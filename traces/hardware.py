@@ -224,7 +224,8 @@ def load_profile(path_or_name: str | os.PathLike) -> HardwareProfile:
     if not p.is_file():
         bundled = BUNDLED_DIR / f"{path_or_name}.json"
         if not bundled.is_file():
-            raise HardwareProfileError(f"hardware profile {str(path_or_name)!r} not found; pass a JSON file or one of "
+            what = "is a directory, not a JSON file" if p.is_dir() else "not found"
+            raise HardwareProfileError(f"hardware profile {str(path_or_name)!r} {what}; pass a JSON file or one of "
                                        f"the bundled profiles: {', '.join(bundled_profiles())}")
         p = bundled
     try:

@@ -157,14 +157,46 @@ def read_columns(path: Path) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------- result directories
-def prepare_dir(out: Path, force: bool, tool: str = "pwsim") -> None:
-    """Refuse to overwrite a directory that is not a previous result unless forced, and an `out` that cannot be
-    written (`check_output`)."""
-    out = Path(out)
-    check_output(out)
-    if out.exists() and any(out.iterdir()) and not (out / RESULT_MARKER).exists() and not force:
-        raise UserError(f"--out {out} is not empty and holds no previous {tool} result; choose another directory "
-                        "or pass --force")
+RUNTIME_TOOLS = ("replay", "bench serve")  # the `tool` names of the runtime's results (`result_tool`)
+_COMMANDS = {"pwsim": "pwsim run", "replay": "pwruntime replay", "bench serve": "pwruntime bench serve"}
+
+
+def result_tool(path: str | os.PathLike) -> str | None:
+    """Which tool wrote the result directory `path`, as its config.json records it: "replay" or "bench serve" (their
+    `command`, `target`), "pwsim" (a `pwsim run`: its RunConfig, `budget_bytes`); None where it does not say."""
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if config.get("command") == "replay":
+        return "replay"
+    if config.get("command") == "bench" and config.get("target") == "serve":
+        return "bench serve"
+    return "pwsim" if "budget_bytes" in config else None
+
+
+def command_of(tool: str) -> str:
+    """A `tool` name (`result_tool`, `prepare_dir`) as the command line that writes such results."""
+    return _COMMANDS.get(tool, tool)
+
+
+def prepare_dir(out: str | os.PathLike, force: bool, tool: str = "pwsim", marker: str = RESULT_MARKER) -> Path:
+    """Refuse, unless forced, to write into a directory that holds something other than a previous result of `tool`
+    (one with `marker`, and for a run's result one that no other tool wrote: `result_tool`; one that does not say is
+    taken as `tool`'s), and an `out` that cannot be written (`check_output`)."""
+    out = check_output(out)
+    if force or not out.is_dir() or not any(out.iterdir()):
+        return out
+    if not (out / marker).exists():
+        raise UserError(f"--out {out} is not empty and holds no previous `{command_of(tool)}` result; choose another "
+                        "directory or pass --force")
+    other = result_tool(out) if marker == RESULT_MARKER else None
+    if other not in (None, tool):
+        raise UserError(f"--out {out} holds a `{command_of(other)}` result, not a `{command_of(tool)}` one; choose "
+                        "another directory or pass --force to replace it")
+    return out
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:
@@ -236,6 +268,9 @@ def read_result_dir(path: str | os.PathLike, flag: str = "--run") -> tuple[dict,
     """(summary, request columns, timeline columns, config) of a result directory; a missing or partial one is a
     UserError."""
     path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{flag} {path} {'is a file' if path.exists() else 'does not exist'}; give the --out "
+                        "directory of a `pwsim run` or `pwruntime replay`")
     if not (path / RESULT_MARKER).is_file() or not (path / "requests.parquet").is_file():
         levels = sorted(p.name for p in path.glob("c[0-9]*") if (p / "requests.parquet").is_file())
         if levels:  # a concurrency sweep (traces.sweep): its levels are the result directories
