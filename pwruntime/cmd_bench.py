@@ -50,10 +50,13 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from pwruntime import bench_serve
-from traces.clikit import UserError, write_json_atomic
+from pwruntime.cli_checks import check_seed
+from traces.clikit import UserError, check_output, write_json_atomic
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
@@ -230,13 +233,24 @@ def _run_prefix_cache(args) -> int:
     return _report(args, res, command, bpc.print_table)
 
 
+@contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """Turn an OSError writing `path` (--out is checked up front, but a disk can fill up) into a UserError."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror or e}); choose another --out") from None
+
+
 def _report(args, res: dict, command: str, print_table, plot=None) -> int:
     """Write `res` to --out (and its figure beside it), print it (JSON or a table), then the reproducing command."""
     figure = args.out.with_suffix(".png") if args.out and plot is not None else None
     if args.out:
-        write_json_atomic(args.out, res)
+        with _writing(args.out):
+            write_json_atomic(args.out, res)
     if figure is not None:
-        plot(res, figure)
+        with _writing(figure):
+            plot(res, figure)
     if args.json:
         print(json.dumps(res, indent=2))
     else:
@@ -445,6 +459,7 @@ def _run_step_inputs(args) -> int:
 
 
 def run(args) -> int:
+    check_seed(args.seed)
     if args.layers is not None and args.target != "plans":
         raise UserError("--layers belongs to `pwruntime bench plans`")
     if args.plane_arena and args.target != "plans":
@@ -460,6 +475,9 @@ def run(args) -> int:
             raise UserError(f"--{name.replace('_', '-')} belongs to `pwruntime bench serve`")
     if args.force:
         raise UserError("--force belongs to `pwruntime bench serve`")
+    for flag, path in (("--out", args.out), ("--profile-out", args.profile_out)):
+        if path is not None:  # before the benchmark runs: its results are written at the end
+            check_output(path, flag, directory=False)
     if args.target == "decode":
         return _run_decode(args)
     if args.target == "mixed":

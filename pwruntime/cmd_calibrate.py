@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError
 
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from pwruntime.calibrate import CalibrateOptions, calibrate
     from pwruntime.calibrate.inputs import parse_domains
 
+    check_seed(args.seed)
     domains = parse_domains(args.domains)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if not 0.0 < args.heldout_fraction < 1.0:

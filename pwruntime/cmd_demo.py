@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError, check_output, write_json_atomic
 
 
@@ -122,6 +123,7 @@ def run_train(args) -> int:
                         ("--aux-loss-coef", args.aux_loss_coef)):
         if value < 0:
             raise UserError(f"{flag} must be >= 0, got {value}")
+    check_seed(args.seed)
     out = check_output(args.out)
     fresh = not out.exists()
     cfg = TrainConfig(model=spec, domains=_csv(args.domains), domain_mix=args.domain_mix,

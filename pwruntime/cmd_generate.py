@@ -16,6 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from policies.memory_budget import LUT_ROOMS
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError
 
 
@@ -117,6 +118,9 @@ def _load(args, dtype: str, device: str):
     if args.ap is None:
         if args.plane_arena:
             raise UserError("--plane-arena keeps AP expert planes: it needs --ap DIR")
+        if args.lut_room == "pool":
+            raise UserError("--lut-room pool places the LUTs of AP expert offloads, which --model's full-precision "
+                            "experts never make: it needs --ap DIR")
         if args.calibration:
             raise UserError("--calibration needs --ap (the planner moves the bits of AP expert weights)")
         if args.policy != "noop":
@@ -265,6 +269,7 @@ def build_engine(args, recorder=None):
 
 
 def run(args) -> int:
+    check_seed(args.seed)
     if args.logprobs is not None and not args.json:
         raise UserError("--logprobs N is reported in the JSON output: add --json")
     params = _params(args)

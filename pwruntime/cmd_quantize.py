@@ -18,24 +18,29 @@ import json
 import sys
 from pathlib import Path
 
+from policies.apformat import MAX_BITS
 from pwruntime.calibrate.inputs import check_files
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError, check_output
 
 WEIGHTINGS = ("auto", "hessian", "fisher", "none")
 
 
 def parse_bits(text: str) -> tuple[int, ...]:
-    """'3..8' or '3,4,6,8' -> sorted tuple of bitwidths in 1..8."""
+    """'3..8' or '3,4,6,8' -> sorted tuple of distinct bitwidths in 1..8."""
     try:
         if ".." in text:
             lo, hi = (int(x) for x in text.split(".."))
-            bits = tuple(range(lo, hi + 1))
+            listed = list(range(lo, hi + 1))
         else:
-            bits = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+            listed = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UserError(f"--bits {text!r} is not a range LO..HI or a comma list, e.g. 3..8") from None
-    if not bits or min(bits) < 1 or max(bits) > 8:
-        raise UserError(f"--bits {text!r} must name bitwidths in 1..8, e.g. 3..8")
+    bits = tuple(sorted(set(listed)))
+    if not bits or min(bits) < 1 or max(bits) > MAX_BITS:
+        raise UserError(f"--bits {text!r} must name bitwidths in 1..{MAX_BITS}, e.g. 3..{MAX_BITS}")
+    if len(bits) < len(listed):
+        raise UserError(f"--bits {text!r} names a bitwidth more than once; list each once, e.g. 3,4,{MAX_BITS}")
     return bits
 
 
@@ -63,6 +68,10 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     bits = parse_bits(args.bits)
+    if MAX_BITS not in bits:  # every AP store starts its blocks there (pwruntime.quant.store)
+        raise UserError(f"--bits {args.bits!r} must include {MAX_BITS}, the AP checkpoint's top bitwidth that "
+                        f"serving starts from, e.g. {','.join(map(str, bits))},{MAX_BITS} or 3..{MAX_BITS}")
+    check_seed(args.seed)
     write = _dummy(args, bits) if args.load_format == "dummy" else _kmeans(args, bits)
     check_output(args.out)
     if Path(args.model).is_dir() and Path(args.out).resolve() == Path(args.model).resolve():
@@ -91,6 +100,9 @@ def _kmeans(args: argparse.Namespace, bits: tuple[int, ...]):
         weighting = "hessian" if args.calib_data else "none"
     if weighting != "none" and not args.calib_data:
         raise UserError(f"--weighting {weighting} needs calibration text: pass --calib-data FILE...")
+    if weighting == "none" and args.calib_data:
+        raise UserError("--weighting none reads no calibration text: drop --calib-data, or weight the k-means by it "
+                        "with --weighting hessian or fisher")
     if args.calib_tokens < 2 or args.calib_seq_len < 2:
         raise UserError("--calib-tokens and --calib-seq-len must be at least 2")
     check_files(args.calib_data, "calibration file", "--calib-data")

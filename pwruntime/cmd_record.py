@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError, check_output
 
 
@@ -36,6 +38,7 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature (default 0.8; 0 = greedy)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out, overwriting a trace there")
     p.add_argument("--json", action="store_true", help="print a JSON summary")
     p.set_defaults(func=run)
 
@@ -72,6 +75,34 @@ def _domains(args) -> dict[str, Path]:
     return files
 
 
+def _prepare_out(out: Path, force: bool) -> Path | None:
+    """Refuse an --out that cannot be written, a run's result directory, or (unless forced) a non-empty directory;
+    return the topmost directory the write will create (None if --out exists), to remove if the write fails."""
+    from traces.io import REQUESTS_FILE
+    from traces.results import RESULT_MARKER
+
+    check_output(out)
+    if (out / RESULT_MARKER).is_file():
+        raise UserError(f"--out {out} is a run's result directory ({RESULT_MARKER}), not a trace directory; choose "
+                        "another directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        what = f"already holds a trace ({REQUESTS_FILE})" if (out / REQUESTS_FILE).exists() else "is not empty"
+        raise UserError(f"--out {out} {what}; choose another directory or pass --force to write into it")
+    missing = [d for d in (out, *out.parents) if not d.exists()]
+    return missing[-1] if missing else None
+
+
+def _check_card(card, model) -> None:
+    """Refuse a --card whose MoE layers, experts or top-k differ from the served model's: the routing would be
+    labelled with a card of another shape, which no simulation can read."""
+    c = model.config
+    served = (c.num_moe_layers or c.layers, c.experts, c.top_k)
+    if (card.moe_layers, card.experts, card.top_k) != served:
+        raise UserError(f"--card {card.name} has {card.moe_layers} MoE layers of {card.experts} experts "
+                        f"(top-{card.top_k}), the model served has {served[0]} of {served[1]} (top-{served[2]}): name "
+                        "a card of that shape, or drop --card for the model's own")
+
+
 def run(args) -> int:
     from pwruntime.cmd_perplexity import default_model_dir, read_text
     from pwruntime.engine import EngineConfig, LLMEngine
@@ -87,18 +118,21 @@ def run(args) -> int:
         raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    check_seed(args.seed)
     if args.card:
         from traces.model_card import CardError, load_card
         try:
-            load_card(args.card)
+            card_spec = load_card(args.card)
         except CardError as e:
             raise UserError(f"--card: {e}") from None
-    check_output(args.out)
+    created = _prepare_out(Path(args.out), args.force)
     files = _domains(args)
     model_dir = args.model or default_model_dir()
     if model_dir is None:
         raise UserError("no model: pass --model DIR")
     model = load_model(model_dir)
+    if args.card:
+        _check_card(card_spec, model)
     card, card_json = (args.card, None) if args.card else card_for(model_dir)
     rng = np.random.default_rng(args.seed)
     jobs = []  # (domain, prompt ids, output tokens)
@@ -134,6 +168,8 @@ def run(args) -> int:
     try:
         out = recorder.write(args.out)
     except OSError as e:  # checked up front, but a disk can fill up: the files are each written atomically
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
         raise UserError(f"cannot write the trace to {args.out} ({e.strerror or e})") from None
     summary = {"out": str(out), "requests": len(jobs), "output_tokens": int(total), "card": card,
                "domains": sorted(files), "seconds": round(time.perf_counter() - t0, 2)}

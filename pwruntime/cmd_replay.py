@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError
 from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
@@ -110,6 +111,8 @@ def _read_requests(path: str, limit: int | None):
         raise UserError(f"--trace {src} holds no requests.parquet; give a trace directory recorded by "
                         "`pwruntime record-trace`")
     trace = read_requests(src / "requests.parquet" if src.is_dir() else src)
+    if len(trace) == 0:
+        raise UserError(f"--trace {src} holds no requests; give a trace with at least one (`pwruntime record-trace`)")
     if limit is not None:
         if limit < 1:
             raise UserError(f"--max-requests must be >= 1, got {limit}")
@@ -126,8 +129,12 @@ def run(args) -> int:
     from traces.io import Trace, write_trace_dir
     from traces.results import prepare_dir, write_result_dir
 
+    check_seed(args.seed)
     rate, burstiness = arrival_args(args)
     source = _read_requests(args.trace, args.max_requests)
+    if not 0 <= args.warmup_requests <= len(source):
+        raise UserError(f"--warmup-requests must lie in 0..{len(source)}, the requests replayed (it serves the first "
+                        f"of them), got {args.warmup_requests}")
     trace = _retimed(source, rate, burstiness, args.seed)
     slo = slo_bounds(args)
     out = Path(args.out)
@@ -183,8 +190,10 @@ def run(args) -> int:
         if summary["gpu_memory"] is not None:
             print("\n".join(gpu_memory_lines(summary["gpu_memory"], args.gpu_memory_budget)))
         if result.routing is not None:
-            print(f"the routing it computed: {out / 'trace'} (`pwsim run --like-replay {out}` simulates it with this "
-                  "replay's settings)")
+            how = (f"`pwsim run --like-replay {out}` simulates it with this replay's settings" if args.gpu_memory_budget
+                   else "`pwsim run --like-replay` needs a replay with --gpu-memory-budget: give `pwsim run --trace "
+                        f"{out / 'trace'} --budget SIZE` and the other settings yourself")
+            print(f"the routing it computed: {out / 'trace'} ({how})")
         if slo is not None:
             print("SLO " + slo_line(summary["slo"]))
         if sampler is not None:

@@ -79,6 +79,13 @@ from pwruntime.sampling import (History, PendingLogprobs, RequestDraws, Sampling
                                 find_stop, logprobs_on_device)
 from pwruntime.trace_recorder import TraceRecorder
 from traces.clikit import UserError
+from traces.sizes import format_size
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is an allocation the device could not satisfy: CUDA's out-of-memory error, the driver's (a
+    MemoryError, pwruntime.vmm) or the CPU allocator's RuntimeError."""
+    return isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 @dataclass(frozen=True)
@@ -226,9 +233,17 @@ class LLMEngine:
         self.activation_reserve = self._activation_reserve()
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
-        self.pool = new_pool(self.kv_layout, blocks, cfg.prefix_caching)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
-        self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs, hybrid=cfg.hybrid_kv_cache)
+        try:
+            self.pool = new_pool(self.kv_layout, blocks, cfg.prefix_caching)
+            self.kv = model.new_kv_cache(self.pool.id_limit, cfg.block_size, scratch=graphs,
+                                         hybrid=cfg.hybrid_kv_cache)
+        except (RuntimeError, MemoryError) as e:  # a pool sized past the memory there is
+            if not _out_of_memory(e):
+                raise
+            size = format_size(blocks * self.block_bytes)
+            raise UserError(f"cannot allocate a KV cache of {blocks:,} blocks ({size}) on {model.device}: lower "
+                            "--gpu-memory-budget or --num-kv-blocks") from None
         self.runner = ModelRunner(model, self.kv, cuda_graphs=graphs, max_num_seqs=cfg.max_num_seqs,
                                   graph_settle_steps=cfg.graph_settle_steps,
                                   max_num_batched_tokens=cfg.max_num_batched_tokens if cfg.mixed_cuda_graphs else None,

@@ -12,6 +12,7 @@ holds and uses (`MappedMemory.held_peak`, `in_use_peak`).
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -71,13 +72,17 @@ def _budget_blocks(budget: int, model, policy, table: PageTable, block_bytes: in
                         f"starting bits), the allocator's slack ({format_size(allocator_slack_bytes(budget))}), "
                         f"a step's activations ({format_size(activation_bytes)}: --activation-reserve) and one KV "
                         f"block ({block_bytes} bytes): raise --gpu-memory-budget")
-    if model.device.type == "cuda":
-        free = torch.cuda.mem_get_info(model.device)[0]
-        if n * block_bytes > free:
-            raise UserError(f"a memory budget of {format_size(budget)} leaves the KV cache "
-                            f"{format_size(n * block_bytes)}, more than the {format_size(free)} free on "
-                            f"{model.device}: lower --gpu-memory-budget")
+    free = torch.cuda.mem_get_info(model.device)[0] if model.device.type == "cuda" else _host_free_bytes()
+    if n * block_bytes > free:
+        raise UserError(f"a memory budget of {format_size(budget)} leaves the KV cache "
+                        f"{format_size(n * block_bytes)}, more than the {format_size(free)} free on "
+                        f"{model.device}: lower --gpu-memory-budget")
     return int(n), int(room - n * block_bytes)
+
+
+def _host_free_bytes() -> int:
+    """Host memory available now (the CPU engine's KV cache lives there)."""
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class KvCapacity:

@@ -5,7 +5,9 @@ before the fix it guards.
 """
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -50,6 +52,23 @@ def entries(d: Path) -> set[str]:
     return {p.name for p in d.iterdir()}
 
 
+# -------------------------------------------------------------------------------------------- every command
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "ba"],                                                   # accepted
+    ["replay", "--trace", DEMO_TRACE, "--out", "OUT"],                                # accepted
+    ["quantize", "--model", "CKPT", "--out", "OUT", "--weighting", "none"],          # accepted
+    ["calibrate", "--model", "CKPT", "--ap", "AP", "--data", "TEXT", "--out", "OUT"],  # ValueError traceback
+    ["record-trace", "--data", "a=TEXT", "--out", "OUT"],                             # ValueError traceback
+    ["bench", "plans"],
+    ["demo", "train", "--corpus", "TEXT", "--out", "OUT"],
+])
+def test_negative_seed_is_refused(env, capsys, tmp_path, argv):
+    subs = {"CKPT": env["ckpt"], "AP": env["ap"], "TEXT": env["text"], "a=TEXT": f"a={env['text']}",
+            "OUT": tmp_path / "out"}
+    misuse(capsys, [*(subs.get(a, a) for a in argv), "--seed", "-1"], "--seed must be >= 0, got -1")
+    assert entries(tmp_path) == set()
+
+
 # ----------------------------------------------------------------------------------------- generate / serve
 def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
     # PolicyError from the planner's reset used to escape as a traceback (exit 1)
@@ -66,6 +85,45 @@ def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
 def test_generate_incompatible_model_options(env, capsys, extra, needles):
     extra = [env["ap"] if a == "AP" else a for a in extra]
     misuse(capsys, ["generate", "--model", env["ckpt"], *extra, "--prompt", "ba", "--max-tokens", "1"], *needles)
+
+
+def test_lut_room_pool_without_ap_is_a_user_error(env, capsys):
+    # was ignored: --model's full-precision experts never offload
+    misuse(capsys, ["generate", "--model", env["ckpt"], "--lut-room", "pool", "--prompt", "ba", "--max-tokens", "1"],
+           "--lut-room pool", "--ap DIR")
+
+
+def test_corrupt_ap_expert_file_names_it(env, capsys, tmp_path):
+    # was: SafetensorError "Error while deserializing header" traceback
+    ap = tmp_path / "ap"
+    shutil.copytree(env["ap"], ap)
+    (ap / "experts-L001.safetensors").write_bytes(b"\x00garbage" * 50)
+    misuse(capsys, ["generate", "--ap", ap, "--device", "cpu", "--prompt", "ba", "--max-tokens", "1"],
+           "cannot open", "experts-L001.safetensors", "pwruntime quantize")
+    misuse(capsys, ["calibrate", "--model", env["ckpt"], "--ap", ap, "--data", env["text"], "--out", tmp_path / "cal"],
+           "experts-L001.safetensors", "pwruntime quantize")
+    assert not (tmp_path / "cal").exists()
+
+
+def test_kv_cache_past_the_memory_there_is(env, capsys, monkeypatch):
+    # was: RuntimeError "DefaultCPUAllocator: can't allocate memory" traceback (`--gpu-memory-budget 1TiB`)
+    from pwruntime.kv_cache import KVCache
+
+    def no_memory(self, *a, **k):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(KVCache, "__init__", no_memory)
+    misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--num-kv-blocks", "64", "--prompt", "ba",
+                    "--max-tokens", "1"], "cannot allocate a KV cache of 64 blocks", "lower --gpu-memory-budget")
+
+
+def test_a_budget_past_the_host_memory_is_refused_before_the_pool(env, capsys, monkeypatch):
+    # was: 4 s and ~5 GB building a pool of 134M blocks for `--gpu-memory-budget 1TiB` on the CPU, then a traceback
+    from pwruntime import kv_capacity
+
+    monkeypatch.setattr(kv_capacity, "_host_free_bytes", lambda: 1 << 20)
+    misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--gpu-memory-budget", "64MiB", "--prompt", "ba",
+                    "--max-tokens", "1"], "more than the 1.00 MiB free on cpu", "lower --gpu-memory-budget")
 
 
 def test_plane_arena_off_cuda_is_a_user_error(env, capsys):
@@ -142,6 +200,21 @@ def test_quantize_out_in_an_unwritable_place(env, capsys):
            "--out /proc/pw-misuse/ap", "cannot write")
 
 
+@pytest.mark.parametrize("extra, needles", [
+    # exit 0, then every use: "bitwidths [8] are not stored in this AP checkpoint"
+    (["--bits", "3,4"], ["--bits '3,4' must include 8"]),
+    (["--bits", "3,3"], ["names a bitwidth more than once"]),
+    (["--bits", "3,4,8,8"], ["names a bitwidth more than once"]),
+    (["--load-format", "dummy", "--bits", "3..7"], ["must include 8"]),
+    (["--calib-data", "TEXT"], ["--weighting none reads no calibration text", "drop --calib-data"]),  # was ignored
+])
+def test_quantize_options_that_make_no_usable_checkpoint(env, capsys, tmp_path, extra, needles):
+    extra = [env["text"] if a == "TEXT" else a for a in extra]
+    misuse(capsys, ["quantize", "--model", env["ckpt"], "--out", tmp_path / "ap", "--weighting", "none", *extra],
+           *needles)
+    assert entries(tmp_path) == set()
+
+
 # --------------------------------------------------------------------------------------------- record-trace
 @pytest.mark.parametrize("extra, needles", [
     (["--temperature", "-1"], ["--temperature"]),                # ValueError traceback before
@@ -152,10 +225,51 @@ def test_quantize_out_in_an_unwritable_place(env, capsys):
 def test_record_trace_misuse(env, capsys, tmp_path, extra, needles):
     out = tmp_path / "trace"
     extra = [str(env["plain"]) if a == "PLAIN" else a for a in extra]
-    misuse(capsys, ["record-trace", "--model", env["ckpt"], "--data", f"a={env['text']}", "--out", out,
-                    "--requests-per-domain", "1", "--prompt-tokens", "4,8", "--output-tokens", "2,3", *extra],
-           *needles)
+    misuse(capsys, _record(env, out, *extra), *needles)
     assert not out.exists() and env["plain"].read_text() == "keep me\n"
+
+
+def _record(env, out, *extra):
+    return ["record-trace", "--model", env["ckpt"], "--data", f"a={env['text']}", "--out", out,
+            "--requests-per-domain", "1", "--prompt-tokens", "4,8", "--output-tokens", "2,3", *extra]
+
+
+def test_record_trace_card_of_another_shape(env, capsys, tmp_path):
+    # was: exit 0, routing of 2 layers x 4 experts labelled Mixtral (32 x 8), which no `pwsim run` could read
+    misuse(capsys, _record(env, tmp_path / "trace", "--card", "Mixtral-8x7B-v0.1"),
+           "--card Mixtral-8x7B-v0.1 has 32 MoE layers of 8 experts", "2 of 4", "drop --card")
+    assert entries(tmp_path) == set()
+
+
+def test_record_trace_does_not_overwrite_without_force(env, capsys, tmp_path):
+    trace, other, result = tmp_path / "trace", tmp_path / "other", tmp_path / "result"
+    assert main([str(a) for a in _record(env, trace)]) == 0
+    before = (trace / "requests.parquet").read_bytes()
+    other.mkdir()
+    (other / "keep.txt").write_text("x")
+    result.mkdir()
+    (result / "summary.json").write_text("{}")
+    (result / "requests.parquet").write_bytes(b"measured")
+    # each was overwritten or written into silently
+    misuse(capsys, _record(env, trace, "--seed", "1"), "already holds a trace", "--force")
+    assert (trace / "requests.parquet").read_bytes() == before
+    misuse(capsys, _record(env, other), "is not empty", "--force")
+    misuse(capsys, _record(env, result, "--force"), "is a run's result directory")
+    assert entries(other) == {"keep.txt"} and (result / "requests.parquet").read_bytes() == b"measured"
+    assert main([str(a) for a in _record(env, trace, "--seed", "1", "--force")]) == 0
+    assert (trace / "requests.parquet").read_bytes() != before
+
+
+def test_record_trace_write_failure_leaves_no_out(env, capsys, tmp_path, monkeypatch):
+    import traces.io
+
+    def disk_full(tables):
+        next(iter(tables)).parent.mkdir(parents=True, exist_ok=True)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(traces.io, "write_tables_atomic", disk_full)
+    misuse(capsys, _record(env, tmp_path / "new" / "trace", "--json"), "cannot write the trace", "No space left")
+    assert entries(tmp_path) == set()  # was: an empty --out (and its parent) left behind
 
 
 # --------------------------------------------------------------------------------------------------- replay
@@ -178,6 +292,30 @@ def test_replay_trace_dir_without_requests_and_planner_without_ap(env, capsys, t
     misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--request-rate", "0"],
            "rate and burstiness must be positive")
     assert not out.exists()
+
+
+def test_replay_of_no_requests_or_a_longer_warm_up(env, capsys, tmp_path):
+    from traces.io import Trace, read_requests, write_trace_dir
+
+    empty = write_trace_dir(tmp_path / "empty", Trace(read_requests(DEMO_TRACE / "requests.parquet").head(0), None))
+    out = tmp_path / "res"
+    # was: exit 0, "replayed 0 requests" and an empty result
+    misuse(capsys, ["replay", "--trace", empty, "--out", out], "holds no requests")
+    # was: accepted, the warm-up serving only the 2 there are
+    misuse(capsys, ["replay", "--trace", DEMO_TRACE, "--out", out, "--max-requests", "2", "--warmup-requests", "3"],
+           "--warmup-requests must lie in 0..2")
+    assert not out.exists()
+
+
+def test_replay_routing_hint_without_a_budget(env, capsys, tmp_path):
+    # was: "`pwsim run --like-replay DIR` simulates it", which refuses a replay without --gpu-memory-budget
+    trace, out = tmp_path / "trace", tmp_path / "res"
+    assert main([str(a) for a in _record(env, trace)]) == 0
+    capsys.readouterr()
+    assert main(["replay", "--trace", str(trace), "--out", str(out), "--model", env["ckpt"], "--num-kv-blocks", "64",
+                 "--time-scale", "0", "--record-routing"]) == 0
+    printed = capsys.readouterr().out
+    assert "needs a replay with --gpu-memory-budget" in printed and f"--like-replay {out}" not in printed
 
 
 # ------------------------------------------------------------------------------------------------ calibrate
@@ -296,3 +434,27 @@ def test_bench_plot_from_another_json_keeps_its_figure(capsys, tmp_path):
     png.write_bytes(b"the prefill figure")
     misuse(capsys, ["bench", "kernels", "--plot-from", src], "--plot-from", "not a `pwruntime bench kernels --out`")
     assert png.read_bytes() == b"the prefill figure"
+
+
+@pytest.mark.parametrize("target", ["prefix-cache", "decode", "plans", "step-inputs", "mixed", "kv-resize"])
+def test_bench_out_is_checked_before_the_benchmark(env, capsys, tmp_path, target):
+    # the benchmark ran, then IsADirectoryError / FileExistsError / OSError tracebacks writing --out
+    misuse(capsys, ["bench", target, "--out", tmp_path], "--out", "is a directory; give a file name")
+    misuse(capsys, ["bench", target, "--out", env["plain"] / "x.json"], "is a file, not a directory")
+    if Path("/proc/self").is_dir():
+        misuse(capsys, ["bench", target, "--out", "/proc/pw-misuse/x.json"], "cannot write")
+    assert entries(tmp_path) == set() and env["plain"].read_text() == "keep me\n"
+
+
+def test_bench_write_failure_is_a_user_error(capsys, tmp_path, monkeypatch):
+    import pwruntime.bench_step_inputs as bsi
+    import pwruntime.cmd_bench as cb
+
+    def disk_full(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bsi, "measure", lambda *a, **k: {})
+    monkeypatch.setattr(cb, "write_json_atomic", disk_full)
+    assert main(["bench", "step-inputs", "--out", str(tmp_path / "x.json")]) == 2
+    err = capsys.readouterr().err  # after the benchmark's progress line
+    assert "Traceback" not in err and "error: cannot write" in err and "No space left" in err, err

@@ -207,7 +207,7 @@ class APCheckpoint:
         if not f.is_file():
             raise APCheckpointError(f"AP checkpoint {self.path} lacks {f.name}; re-run pwruntime quantize")
         out: dict[str, LayerBlocks] = {}
-        with safe_open(str(f), framework="pt", device=str(device)) as sf:
+        with _open(f, device) as sf:
             names = set(sf.keys())
             for kind in KINDS:
                 try:
@@ -227,8 +227,18 @@ class APCheckpoint:
         name = self.meta.get("nonexpert_file")
         if not name:
             return {}
-        with safe_open(str(self.path / name), framework="pt", device=str(device)) as sf:
+        with _open(self.path / name, device) as sf:
             return {k: sf.get_tensor(k) for k in sf.keys()}
+
+
+def _open(path: Path, device: str | torch.device):
+    """`safe_open` of one of an AP checkpoint's files; a corrupt one (a header that does not parse, a truncated file)
+    is an APCheckpointError naming it."""
+    try:
+        return safe_open(str(path), framework="pt", device=str(device))
+    except Exception as e:  # safetensors raises its own error types for corrupt files
+        raise APCheckpointError(f"cannot open {path}: {e}; re-run `pwruntime quantize` to write the AP checkpoint "
+                                "again") from None
 
 
 def load_ap_checkpoint(path: str | Path) -> APCheckpoint:
