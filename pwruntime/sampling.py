@@ -36,6 +36,7 @@ from pwruntime.host_copy import to_device
 
 
 GREEDY_BELOW = 1e-5
+LOGIT_CAP = 1e30  # adjusted logits stay below it: divided by a temperature >= GREEDY_BELOW, still finite
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,9 @@ def sorted_probs(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.
         probs = probs / probs.sum(dim=-1, keepdim=True)
     if top_p is not None:
         before = torch.cumsum(probs, dim=-1) - probs  # mass of strictly better tokens
-        probs = probs.masked_fill(before >= top_p, 0.0)
+        cut = before >= top_p
+        cut[:, 0] = False   # the most likely token stays, whatever the reach (a top-p that is 0 in float32)
+        probs = probs.masked_fill(cut, 0.0)
     return probs, order
 
 
@@ -203,7 +206,9 @@ def adjust_logits(logits: torch.Tensor, params: Seq[SamplingParams], histories: 
         if h.output_ids and (p.presence_penalty or p.frequency_penalty):
             ids, counts = torch.unique(_ids(h.output_ids, row), return_counts=True)
             row[ids] -= p.frequency_penalty * counts + p.presence_penalty
-    return out
+    # a penalty far from 1 can take a logit past float32 (inf), or near it, where a temperature would: sampling would
+    # turn either into NaN probabilities
+    return torch.nan_to_num_(out, nan=float("-inf"), neginf=float("-inf")).clamp_(max=LOGIT_CAP)
 
 
 def _ids(ids: Collection[int], like: torch.Tensor) -> torch.Tensor:
@@ -244,7 +249,10 @@ def sample_rows(logits: torch.Tensor, values: torch.Tensor, cut_k: bool = True, 
     probs, order = sorted_probs(x, values[:, 3:4].long() if cut_k else None, values[:, 1:2] if cut_p else None,
                                 values[:, 4:5] if cut_min_p else None)
     cdf = torch.cumsum(probs, dim=-1)
-    return order.gather(1, torch.searchsorted(cdf, values[:, 2:3] * cdf[:, -1:], right=True))[:, 0]
+    total = cdf[:, -1:]
+    picked = torch.searchsorted(cdf, values[:, 2:3] * total, right=True).clamp_(max=cdf.shape[-1] - 1)
+    # a row that keeps no mass (every logit -inf: min_tokens holding back every token) takes its first sorted token
+    return order.gather(1, torch.where(total > 0, picked, 0))[:, 0]
 
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams], uniforms: Seq[float | None]) -> torch.Tensor:

@@ -11,8 +11,8 @@ import torch
 from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
-from pwruntime.sampling import (GREEDY_ROW, ROW_VALUES, History, RequestDraws, SamplingParams, adjust_logits,
-                                find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs)
+from pwruntime.sampling import (GREEDY_BELOW, GREEDY_ROW, ROW_VALUES, History, RequestDraws, SamplingParams,
+                                adjust_logits, find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs)
 from traces.clikit import UserError
 
 
@@ -207,6 +207,23 @@ def test_the_largest_number_picks_a_token_where_the_probabilities_add_up_below_i
     assert 0 <= picked < vocab
 
 
+def test_values_that_degenerate_still_sample_a_token_of_the_row():
+    """What a server accepts and float32 cannot hold must not fail a batch (it failed every request beside it, with an
+    index past the vocabulary): a top-p that is 0 in float32 keeps the most likely token; a repetition penalty that
+    takes logits past float32 leaves them finite; a row whose every logit is -inf (min_tokens holding back every
+    token) takes a token of the row."""
+    logits = torch.tensor([[0.5, 3.0, 1.0, 2.0]])
+    assert _support(logits, SamplingParams(temperature=1.0, top_p=1e-46)) == {1}
+    tiny = SamplingParams(temperature=GREEDY_BELOW, repetition_penalty=1e-38)
+    adjusted = adjust_logits(torch.full((1, 8), 5.0), [tiny], [History([1, 2], [3])])
+    assert torch.isfinite(adjusted).all() and (adjusted[0, 1:4] > adjusted[0, 0]).all()
+    assert set(sample_tensor(adjusted.repeat(64, 1), [tiny] * 64, [i / 64 for i in range(64)]).tolist()) == {1, 2, 3}
+    stopped = SamplingParams(temperature=1.0, min_tokens=2, max_tokens=4)
+    masked = adjust_logits(torch.randn(1, 8), [stopped], [History([1], [], stop_ids=range(8))])
+    assert torch.isneginf(masked).all()
+    assert 0 <= sample_tensor(masked, [stopped], [0.5]).item() < 8
+
+
 def test_sorted_probs_cut_per_row():
     """Each row's own k and p, the kept mass a sorted prefix; a row without a nucleus cut keeps its tokens even where
     its probabilities' running sum reaches 1 early."""
@@ -289,6 +306,18 @@ def test_seed_reproducible_and_independent_of_batch(model):
     again = LLMEngine(model, cfg).generate([_prompt(1), _prompt(0), _prompt(2), _prompt(3)],
                                            [others[0], p, others[1], others[2]])
     assert [o.token_ids for o in again] == [o.token_ids for o in batch]
+
+
+def test_a_request_whose_values_degenerate_leaves_the_batch_beside_it_alone(model):
+    """A server took these values and its engine step failed every request of the batch; now each finishes, and the
+    others sample what they sample without it."""
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=8)
+    p = SamplingParams(max_tokens=8, temperature=0.9, seed=5, ignore_eos=True)
+    odd = [SamplingParams(max_tokens=6, temperature=1.0, top_p=1e-46, ignore_eos=True),
+           SamplingParams(max_tokens=6, temperature=0.5, repetition_penalty=1e-38, ignore_eos=True)]
+    alone = LLMEngine(model, cfg).generate([_prompt(0)], p)[0].token_ids
+    out = LLMEngine(model, cfg).generate([_prompt(0), _prompt(1), _prompt(2)], [p, *odd])
+    assert out[0].token_ids == alone and [len(o.token_ids) for o in out[1:]] == [6, 6]
 
 
 def test_stop_string_cuts_text_and_ends_early(model):
