@@ -132,7 +132,8 @@ def _engine_main(args, inbox, outbox) -> None:
     from policies.registry import PolicyError
     from pwruntime.cmd_generate import build_engine
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):   # a stop signal sent to the group (Ctrl-C, systemd's stop) is the
+        signal.signal(sig, signal.SIG_IGN)        # server's to handle: it drains, then closes the pipe, our stop
     start = time.perf_counter()
     try:
         recorder = _recorder(args)

@@ -4,6 +4,7 @@ process stops); an engine process that dies fails what is in flight, and everyth
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import subprocess
@@ -38,7 +39,8 @@ def _serving(extra: list[str]):
     still running."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pwruntime.cli", "serve", "--port", str(port), "--device", "cpu",
-                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)   # a process group of its own, as a service manager's
     url = f"http://127.0.0.1:{port}"
     try:
         for _ in range(240):
@@ -65,12 +67,17 @@ def _long_stream(url: str):
     return stream, next(stream)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_stop_signal_lets_requests_in_flight_finish(server, sig):
+@pytest.mark.parametrize("sig, group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)])
+def test_a_stop_signal_lets_requests_in_flight_finish(server, sig, group):
+    """To the server's process, or to its whole group as systemd's stop sends it (the engine process, which got it
+    too, died at once before and failed the requests in flight)."""
     proc, url = server
     stream, first = _long_stream(url)
     chunks = [first]
-    proc.send_signal(sig)
+    if group:
+        os.killpg(proc.pid, sig)
+    else:
+        proc.send_signal(sig)
     rest = threading.Thread(target=lambda: chunks.extend(stream))
     rest.start()
     time.sleep(0.5)
