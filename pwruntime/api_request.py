@@ -24,6 +24,12 @@ MAX_CHOICES = 16  # `n`
 MAX_ENGINE_REQUESTS = 64  # prompts x n of one request
 MAX_LOGPROBS = 20  # top log-probabilities per token: vLLM's limit (OpenAI's is 5 for completions, 20 for chat)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# vLLM's options that change what is returned and that this server does not serve (refused, not ignored)
+UNSERVED_OPTIONS = (("guided_json", "constrained decoding"), ("guided_regex", "constrained decoding"),
+                    ("guided_choice", "constrained decoding"), ("guided_grammar", "constrained decoding"),
+                    ("structured_outputs", "constrained decoding"), ("allowed_token_ids", "a token whitelist"),
+                    ("bad_words", "banned words"), ("use_beam_search", "beam search"),
+                    ("truncate_prompt_tokens", "prompt truncation"))
 
 
 class RequestError(ValueError):
@@ -242,6 +248,14 @@ def check_unsupported(body: dict, chat: bool) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise RequestError(f"'stream_options' must be an object, got {json.dumps(options)}")
+    if isinstance(options, dict) and flag(options, "continuous_usage_stats"):
+        raise RequestError("'stream_options.continuous_usage_stats' is not supported: usage comes once, in the last "
+                           "chunk ('include_usage')")
+    for key, what in UNSERVED_OPTIONS:
+        if body.get(key) not in (None, False, [], {}):
+            raise RequestError(f"'{key}' ({what}) is not supported; leave it out")
+    if body.get("skip_special_tokens") is False:
+        raise RequestError("'skip_special_tokens' = false is not supported: the text leaves special tokens out")
 
 
 def include_usage(body: dict) -> bool:
@@ -280,13 +294,35 @@ def check_text(text: str, field: str) -> None:
 
 
 def chat_messages(body: dict) -> list[dict]:
+    """The messages, each {role, content} with its content as one string: OpenAI's list of text parts is joined, as
+    vLLM joins them (other parts, such as images, are refused)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list of {role, content} objects")
+    out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string 'content'")
+        if not isinstance(m, dict):
+            raise RequestError(f"messages[{i}] must be an object with a 'content' string or list of text parts")
         if m.get("role") not in CHAT_ROLES:
-            raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(m.get('role'))}")
-        check_text(m["content"], f"messages[{i}].content")
-    return messages
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
+                               f"{json.dumps(m.get('role'))}")
+        content = _message_text(m.get("content"), f"messages[{i}].content")
+        check_text(content, f"messages[{i}].content")
+        out.append({**m, "content": content})
+    return out
+
+
+def _message_text(content, field: str) -> str:
+    """A message's content: a string, or a list of {"type": "text", "text": ...} parts, joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise RequestError(f"'{field}' must be a string or a non-empty list of text parts, got {brief(content)}")
+    texts = []
+    for k, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else None
+            raise RequestError(f"'{field}[{k}]' must be a text part {{\"type\": \"text\", \"text\": ...}}"
+                               + (f"; '{kind}' parts are not supported (a text-only model)" if kind else ""))
+        texts.append(part["text"])
+    return "\n".join(texts)

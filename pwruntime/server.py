@@ -49,6 +49,8 @@ def _package_version() -> str:
 FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": "stop"}
 
 
+MAX_BODY_BYTES = 256 << 20  # a request's JSON: 64 prompts of 100k token ids fit (aiohttp's default is 1 MiB)
+
 GAUGES_NAMED_TOTAL = ("kv_blocks_total",)  # the KV pool's blocks, which go down as well as up: every other *_total
 # scalar (the requests', the engine's, the page mover's) is a counter
 
@@ -56,7 +58,7 @@ GAUGES_NAMED_TOTAL = ("kv_blocks_total",)  # the KV pool's blocks, which go down
 def _error_payload(message: str, status: int = 400, code: str | None = None) -> dict:
     """OpenAI's error object."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "code": code}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 def _error(message: str, status: int = 400, code: str | None = None) -> web.Response:
@@ -161,7 +163,8 @@ class Server:
         """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
         self.worker, self.model_name = worker, model_name
         self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
-        self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []))
+        self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []),
+                                   client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.get("/health", self.health), web.get("/version", self.version),
                              web.get("/server_info", self.server_info),
                              web.get("/v1/models", self.models),

@@ -175,6 +175,12 @@ def _expect_aborted(base_url: str, before: float, n: int) -> None:
     (b'{"prompt": "hi", "max_tokens": 4, "tools": [{"type": "function"}]}', "'tools' (tool calls) is not supported"),
     (b'{"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_object"}}',
      "'response_format' {\"type\": \"json_object\"} is not supported"),
+    (b'{"prompt": "hi", "max_tokens": 4, "guided_choice": ["a", "b"]}', "'guided_choice' (constrained decoding)"),
+    (b'{"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [1, 2]}', "'allowed_token_ids' (a token whitelist)"),
+    (b'{"prompt": "hi", "max_tokens": 4, "use_beam_search": true}', "'use_beam_search' (beam search)"),
+    (b'{"prompt": "hi", "max_tokens": 4, "skip_special_tokens": false}', "'skip_special_tokens' = false"),
+    (b'{"prompt": "hi", "max_tokens": 4, "stream": true, "stream_options": {"continuous_usage_stats": true}}',
+     "'stream_options.continuous_usage_stats' is not supported"),
     (b'{"prompt": "\\ud800", "max_tokens": 4}', "'prompt' is not valid Unicode"),
     (b"[" * 100000 + b"]" * 100000, "not valid JSON"),
 ])
@@ -196,8 +202,27 @@ def test_chat_and_transport_misuse_get_json_errors(base_url):
     assert status == 200 and body["usage"]["completion_tokens"] == 2
     status, body = post(base_url, "/v1/nowhere", b"{}")
     assert status == 404 and "no route POST /v1/nowhere" in body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}   # OpenAI's error object
+    image = b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'
+    status, body = post(base_url, "/v1/chat/completions", image)
+    assert status == 400 and "'image_url' parts are not supported" in body["error"]["message"]
     status, body = post(base_url, "/v1/models", b"{}")
     assert status == 405 and "POST is not allowed" in body["error"]["message"]
+
+
+def test_chat_content_as_text_parts_is_the_joined_text(client):
+    """OpenAI's (and vLLM's) list of text parts: the same chat as their text joined by newlines."""
+    def reply(content):
+        return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": content}],
+                                              max_tokens=8, temperature=0).choices[0].message.content
+    assert reply([{"type": "text", "text": "And God"}, {"type": "text", "text": "said"}]) == reply("And God\nsaid")
+
+
+def test_a_body_past_aiohttps_default_1_mib_is_served(base_url):
+    """Prompts of token ids take about 6 bytes a token (64 of 4,000 make 1.5 MB), which aiohttp refused (413) past
+    1 MiB; a body of that size (JSON's whitespace, which costs no forward) is served."""
+    status, body = post(base_url, "/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b" " * 1_500_000 + b"}")
+    assert status == 200 and body["usage"]["completion_tokens"] == 1
 
 
 def test_tiny_temperature_is_greedy(client, expected):
