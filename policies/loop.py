@@ -31,12 +31,15 @@ the same plans.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
+
+import numpy as np
 
 from policies.contract import Observation, Plan, Policy, Transition
 from policies.apformat import MAX_BITS, lut_bytes, plane_bytes
 from policies.page_table import PageTable, PageTableError
+from policies.planners.base import PolicyError
 
 
 class PageMover(Protocol):
@@ -90,15 +93,48 @@ def borrows_from_slack(lut_bytes: int, slack: int) -> bool:
     return 0 < lut_bytes <= slack
 
 
+def policy_name(policy) -> str:
+    return str(getattr(policy, "name", type(policy).__name__))
+
+
+def absent_error(policy, block: str) -> str:
+    """Why an engine that fetches no absent expert cannot serve a policy that leaves `block` at 0 bits."""
+    return (f"policy {policy_name(policy)} leaves {block} at 0 bits (an absent expert): the runtime does not fetch "
+            "absent experts when the router picks them, as the simulator models it, so it cannot serve this policy; "
+            "keep every block at a bitwidth the table supports")
+
+
+def checked_plan(plan, policy) -> Plan | None:
+    """What `plan_step` returned, as the loop begins it: None, or a Plan of Transitions (a PolicyError naming what is
+    wrong otherwise), their numbers plain ints (numpy's would leak into the engines' state and reports)."""
+    if plan is None:
+        return None
+    if not isinstance(plan, Plan):
+        raise PolicyError(f"policy {policy_name(policy)}: plan_step returned {type(plan).__name__}; return a "
+                          "policies.Plan (policies.planners.base.make_plan builds one) or None")
+    moves = plan.transitions
+    if not isinstance(moves, (tuple, list)) or any(type(t) is not Transition for t in moves):
+        kinds = sorted({type(t).__name__ for t in moves}) if isinstance(moves, (tuple, list)) else \
+            [type(moves).__name__]
+        raise PolicyError(f"policy {policy_name(policy)}: a Plan's transitions must be a tuple of "
+                          f"policies.Transition, got {', '.join(kinds)}")
+    if all(type(v) is int for t in moves for v in (t.block, t.from_bits, t.to_bits, t.delta_bytes)):
+        return plan if isinstance(moves, tuple) else replace(plan, transitions=tuple(moves))
+    return replace(plan, transitions=tuple(Transition(int(t.block), int(t.from_bits), int(t.to_bits),
+                                                      int(t.delta_bytes), bool(t.in_place)) for t in moves))
+
+
 class PlanLoop:
     """One policy over one page table, with a mover and the engine's memory callbacks."""
 
     def __init__(self, policy: Policy, table: PageTable, mover: PageMover | None = None,
                  reserve: Callable[[int], bool] | None = None,
-                 release: Callable[[int], None] | None = None, lut_slack_bytes: int = 0) -> None:
+                 release: Callable[[int], None] | None = None, lut_slack_bytes: int = 0,
+                 serves_absent: bool = True) -> None:
         if lut_slack_bytes < 0:
             raise ValueError(f"lut_slack_bytes must be >= 0, got {lut_slack_bytes}")
         self.policy, self.table = policy, table
+        self.serves_absent = serves_absent  # whether the engine fetches a block at 0 bits when it is routed to
         self.mover = mover if mover is not None else ImmediateMover()
         self._reserve, self._release = reserve, release
         self.lut_slack_bytes = int(lut_slack_bytes)
@@ -109,7 +145,12 @@ class PlanLoop:
         self._beginning: Plan | None = None  # the plan whose transitions step() is beginning
 
     def step(self, observation: Observation) -> LoopResult:
+        q, target = self.table.q.copy(), self.table.target.copy()
         plan = self.policy.plan_step(self.table, observation)
+        if not (np.array_equal(q, self.table.q) and np.array_equal(target, self.table.target)):
+            raise PolicyError(f"policy {policy_name(self.policy)}: plan_step changed the page table itself; return the "
+                              "moves as a policies.Plan instead (the loop begins them, and the mover moves the pages)")
+        plan = checked_plan(plan, self.policy)
         started, rejected = [], []
         reserved = 0
         if plan is not None:
@@ -190,6 +231,8 @@ class PlanLoop:
                 table.commit_in_place(i, t.to_bits)
                 return None, 0
             if t.is_offload:
+                if t.to_bits == 0 and not self.serves_absent:
+                    raise PolicyError(absent_error(self.policy, table.block_id(i)))
                 # the lower bits' LUT must be on the GPU before they are committed, while the
                 # surplus planes and the old LUT stay until the commit: ask for the LUT's room first
                 new_lut = room_for(table, t)

@@ -58,3 +58,18 @@ class PlanLog:
                  object)
         cols = list(zip(*self.rows)) if self.rows else [()] * len(COLUMNS)
         return {name: np.array(col, dtype=dt) for name, col, dt in zip(COLUMNS, cols, types)}
+
+
+def refusal_line(columns: dict[str, np.ndarray], where: str) -> str | None:
+    """A line on the transitions the loop refused in plan log `columns` (None when none was): how many of those asked
+    for, the commonest reason, and where the log lies (`where`: a result directory) for `pwsim plan-log`."""
+    status = np.asarray(columns.get("status", []), dtype=object)
+    refused = status == "rejected"
+    if not refused.any():
+        return None
+    why = [str(r).split(":")[0] for r in np.asarray(columns["reason"], dtype=object)[refused]]  # without its numbers
+    reasons, counts = np.unique(why, return_counts=True)
+    top = int(np.argmax(counts))
+    asked = int(refused.sum() + (status == "started").sum())
+    return (f"the plan loop refused {int(refused.sum()):,} of the {asked:,} transitions the planner asked for (most: "
+            f"'{reasons[top]}', {int(counts[top]):,}); `pwsim plan-log {where}` lists them")

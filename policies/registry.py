@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import inspect
 import re
 import sys
 import typing
@@ -96,8 +97,24 @@ def _user_entry(spec: str) -> _Entry:
     if missing:
         raise PolicyError(f"policy {spec!r}: {cls_name} does not implement policies.Policy, it lacks "
                           f"{', '.join(missing)} (a name, reset(table, calibration), plan_step(table, observation))")
+    for method in ("reset", "plan_step"):
+        _check_two_arguments(spec, cls_name, method, inspect.getattr_static(cls, method))
     doc = (cls.__doc__ or "").strip().splitlines()
     return _Entry(cls, lambda p, n: p, summary=doc[0] if doc and not doc[0].startswith(cls_name + "(") else "")
+
+
+def _check_two_arguments(spec: str, cls_name: str, method: str, fn) -> None:
+    """A planner's `reset(table, calibration)` and `plan_step(table, observation)` must take their two arguments."""
+    want = "(table, calibration)" if method == "reset" else "(table, observation)"
+    try:
+        if isinstance(fn, staticmethod):
+            inspect.signature(fn.__func__).bind(None, None)
+        else:
+            inspect.signature(fn).bind(None, None, None)   # self and the two arguments
+    except TypeError:
+        raise PolicyError(f"policy {spec!r}: {cls_name}.{method} must be a method taking {want}") from None
+    except ValueError:   # no signature to read (a builtin): called as it is
+        pass
 
 
 def _import(where: str, spec: str):
@@ -106,6 +123,8 @@ def _import(where: str, spec: str):
         if not where.endswith(".py"):
             return importlib.import_module(where)
         path = Path(where).resolve()
+        if str(path.parent) not in sys.path:   # its own helpers beside it import as they would run as a script
+            sys.path.append(str(path.parent))
         key = "pw_policy_" + re.sub(r"\W", "_", str(path))
         if key not in sys.modules:
             if not path.is_file():

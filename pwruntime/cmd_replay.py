@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from policies.plan_log import refusal_line
 from pwruntime.cli_checks import check_seed
 from traces.clikit import UserError
 from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
@@ -187,6 +188,9 @@ def run(args) -> int:
             print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "
                   f"{plan['plan']:.2f} ms each: routing read {plan['read']:.2f}, page moves {plan['moves']:.2f}, "
                   f"KV resizes {plan['kv']:.2f}, the rest {plan['other']:.2f}")
+        refused = refusal_line(result.plans, str(out))
+        if refused:
+            print(refused)
         if summary["gpu_memory"] is not None:
             print("\n".join(gpu_memory_lines(summary["gpu_memory"], args.gpu_memory_budget)))
         if result.routing is not None:

@@ -64,7 +64,7 @@ import torch
 
 import policies
 from policies.kv_groups import new_pool
-from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop
+from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop, absent_error
 from policies.memory_budget import allocator_slack_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import PageTable
@@ -227,6 +227,9 @@ class LLMEngine:
             except ValueError as e:
                 raise UserError(str(e)) from None
         policy.reset(self.table, calibration)  # its starting bits, which a memory budget's pool is sized after
+        absent = np.flatnonzero(self.table.q == 0)
+        if absent.size:
+            raise policies.PolicyError(absent_error(policy, self.table.block_id(int(absent[0]))))
         self.policy = policy
         # the blocks a request of the full context holds at its last position
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
@@ -253,7 +256,8 @@ class LLMEngine:
         budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack
         slack = allocator_slack_bytes(cfg.gpu_memory_budget) if budget_sized else 0
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self.capacity.reserve,
-                             release=self.capacity.release, lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack))
+                             release=self.capacity.release, lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack),
+                             serves_absent=False)
         self.capacity.loop = self.loop
         self.routing = RoutingStats(n_moe, mc.experts, cfg.routing_half_life_tokens)
         self.recorder = recorder if recorder is not None else (TraceRecorder(card=mc.arch) if cfg.record_traces else None)

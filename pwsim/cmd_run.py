@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from policies.memory_budget import LUT_ROOMS
+from policies.plan_log import refusal_line
 from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
@@ -364,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
         print(output.dumps(result.summary))
     else:
         print(describe(result.summary))
+        refused = refusal_line(result.plan_log, str(path))
+        if refused:
+            print(f"  {refused}")
         print(f"wrote {path}/ (requests.parquet, timeline.parquet, summary.json, config.json, events.json"
               f"{', timeline.png, latency.png' if not args.no_plots else ''}) in {time.perf_counter() - t0:.1f} s")
     return 0

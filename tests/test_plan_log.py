@@ -8,7 +8,7 @@ import numpy as np
 
 from policies import PageTable, Plan, Transition
 from policies.loop import LoopResult
-from policies.plan_log import COLUMNS, PlanLog
+from policies.plan_log import COLUMNS, PlanLog, refusal_line
 from pwsim.cli import main as pwsim_main
 from pwsim.fidelity import RunView, transitions
 from traces.results import read_plan_log
@@ -66,3 +66,13 @@ def test_a_simulation_writes_its_plan_log(tmp_path, capsys):
     offloads = (log["status"] == "started") & (log["to_bits"] < log["from_bits"])
     assert int(offloads.sum()) == started["offload"] and (log["delta_bytes"][offloads] > 0).all()
     assert read_plan_log(tmp_path) == {}  # a directory without one
+
+
+def test_a_run_says_how_many_transitions_the_loop_refused_and_why():
+    """A planner whose every transition is refused looked as if it worked (`pwsim plan-log` alone showed it)."""
+    cols = {"status": np.array(["started", "rejected", "rejected", "rejected", "landed"], dtype=object),
+            "reason": np.array(["kv", "stale plan: block is at 3 bits, not 4", "stale plan: block is at 5 bits, not 4",
+                                "9 bits not supported; supported: (3, 4)", "kv"], dtype=object)}
+    assert refusal_line(cols, "runs/x") == ("the plan loop refused 3 of the 4 transitions the planner asked for (most: "
+                                            "'stale plan', 2); `pwsim plan-log runs/x` lists them")
+    assert refusal_line({"status": cols["status"][:1], "reason": cols["reason"][:1]}, "runs/x") is None

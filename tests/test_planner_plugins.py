@@ -4,6 +4,7 @@ example (`policies/examples/coldest_first.py`) lowers the coldest experts first 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +46,19 @@ def test_a_planner_by_file_or_module_takes_typed_parameters(monkeypatch):
     ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: int = 3\n"
      "    def reset(self, table, calibration): pass\n    def plan_step(self, table, obs): pass\n",
      "p.py:Planner", "its name must be a string"),
+    ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: str = 'p'\n"
+     "    def reset(self, table): pass\n    def plan_step(self, table, obs): pass\n",
+     "p.py:Planner", r"Planner.reset must be a method taking \(table, calibration\)"),
+    ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: str = 'p'\n    reset = 3\n"
+     "    def plan_step(self, table, obs): pass\n", "p.py:Planner", "Planner.reset must be a method"),
+    ("from dataclasses import dataclass\nfrom helper_pw import BITS\n@dataclass\nclass Planner:\n    name: str = 'p'\n"
+     "    def reset(self, table, calibration): pass\n    def plan_step(self, table): pass\n",
+     "p.py:Planner", r"Planner.plan_step must be a method taking \(table, observation\)"),
 ])
 def test_a_planner_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch, source, spec, match):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))   # a planner file's folder joins it (for its helpers)
+    (tmp_path / "helper_pw.py").write_text("BITS = 4\n")   # a module beside the planner's file
     if source is not None:
         (tmp_path / spec.partition(":")[0]).write_text(source)
     with pytest.raises(PolicyError, match=match):

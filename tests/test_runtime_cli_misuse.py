@@ -126,6 +126,18 @@ def test_a_budget_past_the_host_memory_is_refused_before_the_pool(env, capsys, m
                     "--max-tokens", "1"], "more than the 1.00 MiB free on cpu", "lower --gpu-memory-budget")
 
 
+def test_a_planner_that_starts_experts_absent_is_refused_by_the_runtime(env, capsys, tmp_path):
+    """0 bits is an absent expert, which the simulator fetches when routed to and the runtime cannot serve (its CPU
+    store failed with a traceback, its CUDA store would have read zeros)."""
+    (tmp_path / "absent.py").write_text(
+        "from dataclasses import dataclass\n@dataclass\nclass Absent:\n    name: str = 'absent'\n"
+        "    def reset(self, table, calibration):\n        table.initialize(0)\n"
+        "    def plan_step(self, table, observation):\n        return None\n")
+    misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--policy", f"{tmp_path / 'absent.py'}:Absent",
+                    "--calibration", "synthetic", "--prompt", "ba", "--max-tokens", "1"],
+           "policy absent leaves L0.E0.gate_up at 0 bits (an absent expert)", "the runtime does not fetch")
+
+
 def test_plane_arena_off_cuda_is_a_user_error(env, capsys):
     misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--plane-arena", "--prompt", "ba",
                     "--max-tokens", "1"], "--plane-arena needs a CUDA device")

@@ -1,6 +1,7 @@
 """Shared observe/plan/commit pieces: routing mass, prompt features, Observation, PlanLoop."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -8,6 +9,7 @@ import numpy as np
 from policies.apformat import plane_bytes
 import pytest
 
+import policies
 from policies.contract import Observation, Plan, Transition
 from policies.kv_blocks import BlockPool
 from policies.loop import ImmediateMover, PlanLoop
@@ -369,3 +371,55 @@ def test_in_place_transition_commits_without_moving_pages():
     assert np.all(table.planes[0] == PlaneState.GPU)  # every plane stays resident
     r1 = loop.step(_obs(1))  # a paged reload of a block held in place is refused, not raised
     assert r1.started == () and "in place" in r1.rejected[0][1] and table.q[0] == 5
+
+
+@dataclass
+class _Misbehaving:
+    """A planner of one's own that does what the contract forbids at step 0 (`how`)."""
+    how: str
+    name: str = "mine"
+
+    def reset(self, table, calibration):
+        return None
+
+    def plan_step(self, table, observation):
+        if self.how == "mutates":
+            table.q[0] = 4
+            return None
+        if self.how == "list":
+            return [Transition(0, 8, 4, 0)]
+        if self.how == "tuples":
+            return Plan(((0, 8, 4, 0),))
+        return Plan((Transition(0, 8, 0, 0),))   # "absent": a block left at 0 bits
+
+
+@pytest.mark.parametrize("how, message", [
+    ("mutates", "plan_step changed the page table itself; return the moves as a policies.Plan"),
+    ("list", "plan_step returned list; return a policies.Plan"),
+    ("tuples", "a Plan's transitions must be a tuple of policies.Transition, got tuple"),
+])
+def test_a_plan_step_that_breaks_the_contract_is_one_policy_error(how, message):
+    """Before, the simulator ran on with bits that never moved (and reported them), or both engines failed with an
+    AttributeError deep in the loop."""
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    with pytest.raises(policies.PolicyError, match=re.escape(message)):
+        PlanLoop(_Misbehaving(how), table).step(_obs(0))
+
+
+def test_an_engine_that_fetches_no_absent_expert_refuses_a_plan_to_0_bits():
+    """The simulator models absent experts (fetched when routed to); the runtime does not, and says so."""
+    sim = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    assert PlanLoop(_Misbehaving("absent"), sim).step(_obs(0)).started and sim.q[0] == 0
+    runtime = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    with pytest.raises(policies.PolicyError, match="leaves L0.E0.gate_up at 0 bits .an absent expert.: the runtime"):
+        PlanLoop(_Misbehaving("absent"), runtime, serves_absent=False).step(_obs(0))
+
+
+def test_numpy_numbers_in_a_plan_become_ints():
+    """They leaked into the engines' state (the KV pool's capacity) and broke `pwruntime generate --json`."""
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    t = Transition(np.int64(0), table.q[0], np.int64(4), np.int64(table.M[0, 8] - table.M[0, 4]))
+    result = PlanLoop(ScriptedPolicy([Plan((t,))]), table).step(_obs(0))
+    (started,) = result.started
+    assert started == t and all(type(v) is int for v in (started.block, started.from_bits, started.to_bits,
+                                                          started.delta_bytes))
