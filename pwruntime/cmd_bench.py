@@ -50,13 +50,11 @@ from __future__ import annotations
 import json
 import shlex
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from pwruntime import bench_serve
 from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError, check_output, write_json_atomic
+from traces.clikit import UserError, check_output, write_json_atomic, writing
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
@@ -233,23 +231,14 @@ def _run_prefix_cache(args) -> int:
     return _report(args, res, command, bpc.print_table)
 
 
-@contextmanager
-def _writing(path: Path) -> Iterator[None]:
-    """Turn an OSError writing `path` (--out is checked up front, but a disk can fill up) into a UserError."""
-    try:
-        yield
-    except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror or e}); choose another --out") from None
-
-
 def _report(args, res: dict, command: str, print_table, plot=None) -> int:
     """Write `res` to --out (and its figure beside it), print it (JSON or a table), then the reproducing command."""
     figure = args.out.with_suffix(".png") if args.out and plot is not None else None
     if args.out:
-        with _writing(args.out):
+        with writing(args.out):
             write_json_atomic(args.out, res)
     if figure is not None:
-        with _writing(figure):
+        with writing(figure):
             plot(res, figure)
     if args.json:
         print(json.dumps(res, indent=2))

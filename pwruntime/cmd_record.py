@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError
 
 
 def register(subparsers) -> None:
@@ -76,18 +76,11 @@ def _domains(args) -> dict[str, Path]:
 
 
 def _prepare_out(out: Path, force: bool) -> Path | None:
-    """Refuse an --out that cannot be written, a run's result directory, or (unless forced) a non-empty directory;
-    return the topmost directory the write will create (None if --out exists), to remove if the write fails."""
-    from traces.io import REQUESTS_FILE
-    from traces.results import RESULT_MARKER
+    """`prepare_trace_dir`, and the topmost directory the write will create (None if --out exists), to remove if the
+    write fails."""
+    from traces.results import prepare_trace_dir
 
-    check_output(out)
-    if (out / RESULT_MARKER).is_file():
-        raise UserError(f"--out {out} is a run's result directory ({RESULT_MARKER}), not a trace directory; choose "
-                        "another directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        what = f"already holds a trace ({REQUESTS_FILE})" if (out / REQUESTS_FILE).exists() else "is not empty"
-        raise UserError(f"--out {out} {what}; choose another directory or pass --force to write into it")
+    prepare_trace_dir(out, force)
     missing = [d for d in (out, *out.parents) if not d.exists()]
     return missing[-1] if missing else None
 

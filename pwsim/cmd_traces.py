@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError
 from traces.generators import (MAX_REQUESTS, LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options,
                                generate_requests, generate_routing, parse_domains)
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
 from traces.model_card import ModelSpec, load_card
+from traces.results import prepare_trace_dir
 from traces.schema import RequestTrace, RoutingTrace
 
 
@@ -24,7 +24,7 @@ def _progress(total: int, enabled: bool):
 
 
 def run_gen(args: argparse.Namespace) -> int:
-    out = _prepare_out(args)
+    out = prepare_trace_dir(args.out, args.force)
     if not 1 <= args.requests <= MAX_REQUESTS:
         raise UserError(f"--requests must be at least 1 and at most {MAX_REQUESTS:,} (a trace is drawn in memory), "
                         f"got {args.requests}")
@@ -79,16 +79,6 @@ def _routing(args: argparse.Namespace, requests: RequestTrace, spec: ModelSpec, 
             bar.close()
 
 
-def _prepare_out(args: argparse.Namespace) -> Path:
-    """--out as a trace directory to write (`check_output`): refused, unless --force, when it holds anything (a
-    trace among them)."""
-    out = check_output(args.out)
-    if not args.force and out.is_dir() and any(out.iterdir()):
-        what = f"already holds a trace ({REQUESTS_FILE})" if (out / REQUESTS_FILE).exists() else "is not empty"
-        raise UserError(f"--out {out} {what}; choose another directory or pass --force to write the trace there")
-    return out
-
-
 def run_import(args: argparse.Namespace) -> int:
     from traces.csv_import import FORMATS, CsvColumns, read_csv_trace
 
@@ -101,7 +91,7 @@ def run_import(args: argparse.Namespace) -> int:
         if any(c is not None for c in (*named, args.domain_column)):
             raise UserError(f"--format {args.format} names its columns itself; give --format columns to name them")
         columns = FORMATS[args.format]
-    out = _prepare_out(args)
+    out = prepare_trace_dir(args.out, args.force)
     imported = read_csv_trace(args.csv, columns, domain=args.domain, start_s=args.start_s,
                               max_requests=args.max_requests)
     try:

@@ -469,4 +469,4 @@ def test_bench_write_failure_is_a_user_error(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(cb, "write_json_atomic", disk_full)
     assert main(["bench", "step-inputs", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err  # after the benchmark's progress line
-    assert "Traceback" not in err and "error: cannot write" in err and "No space left" in err, err
+    assert "Traceback" not in err and "cannot write it" in err and "No space left" in err, err

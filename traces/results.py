@@ -199,6 +199,21 @@ def prepare_dir(out: str | os.PathLike, force: bool, tool: str = "pwsim", marker
     return out
 
 
+def prepare_trace_dir(out: str | os.PathLike, force: bool) -> Path:
+    """--out as a trace directory to write (`check_output`): refused when it is a run's result directory, and unless
+    `force` when it holds anything (a trace among them)."""
+    from traces.io import REQUESTS_FILE
+
+    out = check_output(out)
+    if (out / RESULT_MARKER).is_file():
+        raise UserError(f"--out {out} is a run's result directory ({RESULT_MARKER}), not a trace directory; choose "
+                        "another directory")
+    if not force and out.is_dir() and any(out.iterdir()):
+        what = f"already holds a trace ({REQUESTS_FILE})" if (out / REQUESTS_FILE).exists() else "is not empty"
+        raise UserError(f"--out {out} {what}; choose another directory or pass --force to write the trace there")
+    return out
+
+
 def _replace_dir(tmp: Path, out: Path) -> None:
     if out.exists():
         old = out.with_name(f".{out.name}.old")
