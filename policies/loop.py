@@ -146,7 +146,12 @@ class PlanLoop:
 
     def step(self, observation: Observation) -> LoopResult:
         q, target = self.table.q.copy(), self.table.target.copy()
-        plan = self.policy.plan_step(self.table, observation)
+        try:
+            plan = self.policy.plan_step(self.table, observation)
+        except Exception as e:  # the planner's own code failed: say whose and when, above its traceback
+            if not isinstance(e, PolicyError):
+                e.add_note(f"(raised by policy {policy_name(self.policy)}'s plan_step at step {observation.step})")
+            raise
         if not (np.array_equal(q, self.table.q) and np.array_equal(target, self.table.target)):
             raise PolicyError(f"policy {policy_name(self.policy)}: plan_step changed the page table itself; return the "
                               "moves as a policies.Plan instead (the loop begins them, and the mover moves the pages)")

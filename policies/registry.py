@@ -77,6 +77,8 @@ def _entry(name: str) -> _Entry:
     if ":" in name:
         return _user_entry(name)
     entries = _entries()
+    if name.endswith(".py"):
+        raise PolicyError(f"policy {name!r}: name the planner's class too, as {name}:CLASS")
     if name not in entries:
         raise PolicyError(f"unknown policy {name!r}; available: {', '.join(sorted(entries))}, or MODULE:CLASS / "
                           "FILE.py:CLASS for a planner of your own")
@@ -151,8 +153,18 @@ def describe(name: str) -> list[tuple[str, str, object]]:
     """(parameter, type, default for this name) of every parameter of a policy."""
     entry = _entry(name)
     hints = typing.get_type_hints(entry.params)
-    return [(f.name, _type_name(hints[f.name]), entry.preset.get(f.name, f.default))
+    return [(f.name, _type_name(hints[f.name]), entry.preset.get(f.name, _default(f)))
             for f in dataclasses.fields(entry.params)]
+
+
+REQUIRED = "required"  # `describe`'s default of a parameter that has none: --policy-arg must give it
+
+
+def _default(f: dataclasses.Field) -> object:
+    """A field's default: its value, what its factory makes, or REQUIRED."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else REQUIRED
 
 
 def get(name: str, **params) -> Policy:
@@ -232,4 +244,5 @@ def _type_name(tp) -> str:
     if type(None) in args:
         inner = [a for a in args if a is not type(None)]
         return f"{_type_name(inner[0])} or none"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, f"{getattr(tp, '__name__', tp)} (not settable by --policy-arg)")

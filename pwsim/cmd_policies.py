@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from policies.registry import available, describe, summary
+from policies.registry import REQUIRED, available, describe, summary
 
 
 def policy_row(name: str) -> dict:
@@ -18,7 +18,8 @@ def _text(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['name']}: {r['summary'] or '-'}")
         for p in r["parameters"]:
-            lines.append(f"    --policy-arg {p['name']}=...  {p['type']}, default {p['default']}")
+            given = "required" if p["default"] == REQUIRED else f"default {p['default']}"
+            lines.append(f"    --policy-arg {p['name']}=...  {p['type']}, {given}")
     return "\n".join(lines)
 
 

@@ -65,6 +65,28 @@ def test_a_planner_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch,
         get(spec)
 
 
+def test_a_planners_parameters_read_as_what_they_take_and_its_errors_say_whose(tmp_path, monkeypatch):
+    """A required parameter, a factory's default and a type --policy-arg cannot set are described as such (they read
+    `<dataclasses._MISSING_TYPE ...>` and `<class 'list'>`); a file without its class is told to name it; an error in
+    the planner's own plan_step says whose and at which step."""
+    from policies.loop import PlanLoop
+    (tmp_path / "mine.py").write_text(
+        "from dataclasses import dataclass, field\n@dataclass\nclass Mine:\n    floor: int\n"
+        "    layers: list = field(default_factory=lambda: [0, 1])\n    name: str = 'mine'\n"
+        "    def reset(self, table, calibration): pass\n"
+        "    def plan_step(self, table, observation): raise RuntimeError('my bug')\n")
+    spec = f"{tmp_path / 'mine.py'}:Mine"
+    assert describe(spec) == [("floor", "an integer", "required"),
+                              ("layers", "list (not settable by --policy-arg)", [0, 1]), ("name", "a string", "mine")]
+    with pytest.raises(PolicyError, match=r"name the planner's class too, as .*mine.py:CLASS"):
+        get(str(tmp_path / "mine.py"))
+    loop = PlanLoop(get(spec, floor=3), PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8))
+    with pytest.raises(RuntimeError, match="my bug") as raised:
+        loop.step(Observation(step=7, time_s=0.0, free_blocks=1, total_blocks=4, kv_block_bytes=64,
+                              free_block_threshold=2))
+    assert raised.value.__notes__ == ["(raised by policy mine's plan_step at step 7)"]
+
+
 def test_pwsim_policies_lists_builtins_and_describes_ones_own(capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert pwsim_main(["policies"]) == 0
