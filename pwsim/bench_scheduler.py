@@ -11,13 +11,13 @@ preemption), as at a budget with room. The least, over `rounds`, of the mean ste
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from pathlib import Path
 
-from traces.clikit import UserError, check_output, pyplot, text_table, write_json_atomic, write_png, writing
+from pwsim.cmd_bench import report
+from traces.clikit import UserError, check_output, pyplot, text_table, write_png
 
 BLOCK_TOKENS = 16
 
@@ -97,20 +97,14 @@ def run_scheduler(args: argparse.Namespace) -> int:
                                             "rounds", "seed")}
     result = {"target": "scheduler", "command": command, "config": config, "python": sys.version.split()[0],
               "rows": rows}
-    if args.out:
-        with writing(args.out):
-            write_json_atomic(args.out, result)
-            plot(result, Path(args.out).with_suffix(".png"))
-    if args.json:
-        print(json.dumps(result, indent=2))
-        print(f"reproduce: {command}", file=sys.stderr)
-    else:
+
+    def text(result: dict) -> None:
         body = [(r["model"], r["layout"], str(r["groups"]), f"{r['step_ms']:.3f}", f"{r['us_a_sequence']:.1f}")
                 for r in rows]
         print(text_table(("model", "layout", "groups", "ms a step", "us a sequence"), body))
         print(f"\n{args.rows} decoding sequences; least mean of {args.rounds} x {args.steps} steps")
-        print(f"reproduce: {command}")
-    return 0
+
+    return report(args, result, command, text, plot)
 
 
 def register_target(targets) -> None:

@@ -11,12 +11,12 @@ and output tokens per wall second, and the run's own summary numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-from traces.clikit import UserError, check_output, write_json_atomic, writing
+from pwsim.cmd_bench import report
+from traces.clikit import UserError, check_output
 
 LIMIT_S = 60.0
 
@@ -87,13 +87,8 @@ def run_sim(args: argparse.Namespace) -> int:
               "sim_tokens_per_wall_s": r["computed_tokens"] / r["run_wall_s"],
               "output_tokens_per_wall_s": r["output_tokens"] / r["run_wall_s"],
               "limit_s": LIMIT_S, "under_limit": r["total_wall_s"] < LIMIT_S}
-    if args.out:
-        with writing(args.out):
-            write_json_atomic(args.out, result)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        print(f"reproduce: {command}", file=sys.stderr)
-    else:
+
+    def text(result: dict) -> None:
         print(f"simulated {r['requests']} requests ({r['computed_tokens']:,} tokens computed, {r['output_tokens']:,} "
               f"generated; {r['simulated_s']:.1f} simulated s, {r['iterations']:,} iterations) in "
               f"{r['run_wall_s']:.1f} wall s ({r['run_cpu_s']:.1f} CPU s) + {r['setup_wall_s']:.1f} s set-up")
@@ -101,8 +96,8 @@ def run_sim(args: argparse.Namespace) -> int:
               f"({result['output_tokens_per_wall_s']:,.0f} output tokens per wall s); pinned core {core}")
         print(f"  plans {r['plans']['plans']}, reloads {r['reloads']}, preemptions {r['preemptions']}, "
               f"budget violations {r['budget_violations']}")
-        print(f"reproduce: {command}")
-    return 0
+
+    return report(args, result, command, text)
 
 
 def register_target(targets) -> None:

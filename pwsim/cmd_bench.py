@@ -21,6 +21,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -216,15 +218,28 @@ def run_planner(args: argparse.Namespace) -> int:
               "initial_mean_bits": args.initial_mean_bits, "max_batch": args.max_batch, "pinned_cpu": core,
               "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
               "numpy": np.__version__, "python": sys.version.split()[0], "limit_ms": LIMIT_MS, "models": rows}
+
+    def text(result: dict) -> None:
+        print(_table(rows))
+        print(f"\ncpu = thread CPU time per plan_step (pinned core {core}); first {args.warmup} steps not timed.")
+
+    return report(args, result, command, text)
+
+
+def report(args: argparse.Namespace, result: dict, command: str, text: Callable[[dict], None],
+           plot: Callable[[dict, Path], object] | None = None) -> int:
+    """A bench target's ending: `result` written to --out (its `plot` as a PNG beside it), then printed as JSON (the
+    reproducing command on stderr, so stdout stays JSON) or as `text`, and the reproducing command."""
     if args.out:
         with writing(args.out):
             write_json_atomic(args.out, result)
+            if plot is not None:
+                plot(result, Path(args.out).with_suffix(".png"))
     if args.json:
         print(json.dumps(result, indent=2))
         print(f"reproduce: {command}", file=sys.stderr)
     else:
-        print(_table(rows))
-        print(f"\ncpu = thread CPU time per plan_step (pinned core {core}); first {args.warmup} steps not timed.")
+        text(result)
         print(f"reproduce: {command}")
     return 0
 
