@@ -103,6 +103,12 @@ def test_corrupt_ap_expert_file_names_it(env, capsys, tmp_path):
     misuse(capsys, ["calibrate", "--model", env["ckpt"], "--ap", ap, "--data", env["text"], "--out", tmp_path / "cal"],
            "experts-L001.safetensors", "pwruntime quantize")
     assert not (tmp_path / "cal").exists()
+    from pwruntime.calibrate.quality import nonexpert_fp16_bytes   # quality-table's count of the other weights
+    from pwruntime.quant.ap_checkpoint import APCheckpointError, load_ap_checkpoint
+    other = ap / load_ap_checkpoint(ap).meta["nonexpert_file"]
+    other.write_bytes(b"\x00garbage" * 50)
+    with pytest.raises(APCheckpointError, match=f"cannot open {other}.*pwruntime quantize"):
+        nonexpert_fp16_bytes(ap)
 
 
 def test_kv_cache_past_the_memory_there_is(env, capsys, monkeypatch):

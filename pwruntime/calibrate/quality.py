@@ -25,16 +25,14 @@ MIB = 1 << 20
 
 def nonexpert_fp16_bytes(ap_dir: str | Path) -> int:
     """fp16 bytes of the AP checkpoint's non-expert tensors (from the safetensors header, no data read)."""
-    from safetensors import safe_open
-
-    from pwruntime.quant.ap_checkpoint import load_ap_checkpoint
+    from pwruntime.quant.ap_checkpoint import load_ap_checkpoint, open_file
 
     ck = load_ap_checkpoint(ap_dir)
     name = ck.meta.get("nonexpert_file")
     if not name:
         return 0
     total = 0
-    with safe_open(str(Path(ap_dir) / name), framework="pt", device="cpu") as sf:
+    with open_file(Path(ap_dir) / name) as sf:
         for k in sf.keys():
             total += int(np.prod(sf.get_slice(k).get_shape(), dtype=np.int64)) * 2
     return total

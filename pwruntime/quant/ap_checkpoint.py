@@ -207,7 +207,7 @@ class APCheckpoint:
         if not f.is_file():
             raise APCheckpointError(f"AP checkpoint {self.path} lacks {f.name}; re-run pwruntime quantize")
         out: dict[str, LayerBlocks] = {}
-        with _open(f, device) as sf:
+        with open_file(f, device) as sf:
             names = set(sf.keys())
             for kind in KINDS:
                 try:
@@ -227,11 +227,11 @@ class APCheckpoint:
         name = self.meta.get("nonexpert_file")
         if not name:
             return {}
-        with _open(self.path / name, device) as sf:
+        with open_file(self.path / name, device) as sf:
             return {k: sf.get_tensor(k) for k in sf.keys()}
 
 
-def _open(path: Path, device: str | torch.device):
+def open_file(path: Path, device: str | torch.device = "cpu"):
     """`safe_open` of one of an AP checkpoint's files; a corrupt one (a header that does not parse, a truncated file)
     is an APCheckpointError naming it."""
     try:
