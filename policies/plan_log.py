@@ -60,6 +60,12 @@ class PlanLog:
         return {name: np.array(col, dtype=dt) for name, col, dt in zip(COLUMNS, cols, types)}
 
 
+def reason_kind(reason: object) -> str:
+    """A plan's or a refusal's reason without the numbers after its colon (`stale plan: block is at 3 bits, not 4`
+    -> `stale plan`), to count reasons by kind."""
+    return str(reason).split(":")[0]
+
+
 def refusal_line(columns: dict[str, np.ndarray], where: str) -> str | None:
     """A line on the transitions the loop refused in plan log `columns` (None when none was): how many of those asked
     for, the commonest reason, and where the log lies (`where`: a result directory) for `pwsim plan-log`."""
@@ -67,7 +73,7 @@ def refusal_line(columns: dict[str, np.ndarray], where: str) -> str | None:
     refused = status == "rejected"
     if not refused.any():
         return None
-    why = [str(r).split(":")[0] for r in np.asarray(columns["reason"], dtype=object)[refused]]  # without its numbers
+    why = [reason_kind(r) for r in np.asarray(columns["reason"], dtype=object)[refused]]
     reasons, counts = np.unique(why, return_counts=True)
     top = int(np.argmax(counts))
     asked = int(refused.sum() + (status == "started").sum())

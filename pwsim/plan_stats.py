@@ -15,7 +15,7 @@ from collections import Counter
 
 import numpy as np
 
-from policies.plan_log import kind_name
+from policies.plan_log import kind_name, reason_kind
 
 
 def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
@@ -35,7 +35,7 @@ def summarize(plans: dict[str, np.ndarray], top: int = 5) -> dict:
         "by_layer": _counts(np.asarray(plans.get("layer", []))[started], offloads[started]),
         "by_kind": {kind_name(k): v
                     for k, v in _counts(np.asarray(plans.get("kind", []))[started], offloads[started]).items()},
-        "plan_reasons": dict(Counter(str(r).split(":")[0] for r in np.asarray(plans.get("reason", []))[started])
+        "plan_reasons": dict(Counter(reason_kind(r) for r in np.asarray(plans.get("reason", []))[started])
                              .most_common()),
         "refusals": dict(Counter(str(r) for r in np.asarray(plans.get("reason", []))[status == "rejected"])
                          .most_common()),

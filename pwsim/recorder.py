@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from policies.plan_log import PlanLog
+from policies.plan_log import PlanLog, reason_kind
 from pwsim.plan_stats import summarize
 
 from traces.results import request_columns, request_summary
@@ -146,7 +146,7 @@ class Recorder:
         for t in res.started:
             self.started["in_place" if getattr(t, "in_place", False) else "offload" if t.is_offload else "reload"] += 1
         for _, why in res.rejected:
-            self.rejected[why.split(":")[0]] += 1
+            self.rejected[reason_kind(why)] += 1
         self.committed += len(res.committed)
         if len(self.plan_list) < 100_000:
             self.plan_list.append({"time_s": now, "step": step, "started": len(res.started),
