@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from traces.clikit import UserError
+from traces.clikit import UserError, writing
 from traces.generators import (MAX_REQUESTS, LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options,
                                generate_requests, generate_routing, parse_domains)
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
@@ -48,10 +48,8 @@ def run_gen(args: argparse.Namespace) -> int:
         routing_too = " and their routing" if args.routing else ""
         raise UserError(f"not enough memory to draw {args.requests:,} requests{routing_too}; give fewer --requests"
                         f"{', --routing-tokens N or --no-routing' if args.routing else ''}") from None
-    try:
+    with writing(out):
         write_trace_dir(out, Trace(requests, routing))
-    except OSError as e:
-        raise UserError(f"cannot write the trace to {out} ({e.strerror or e})") from None
     summary = {"out": str(out), "seconds": round(time.perf_counter() - t0, 3), "requests": requests.summary(),
                "routing": routing.summary() if routing is not None else None}
     if args.json:
@@ -94,10 +92,8 @@ def run_import(args: argparse.Namespace) -> int:
     out = prepare_trace_dir(args.out, args.force)
     imported = read_csv_trace(args.csv, columns, domain=args.domain, start_s=args.start_s,
                               max_requests=args.max_requests)
-    try:
+    with writing(out):
         write_trace_dir(out, Trace(imported.trace, None))
-    except OSError as e:
-        raise UserError(f"cannot write the trace to {out} ({e.strerror or e})") from None
     summary = {"out": str(out), "rows": imported.rows, "dropped": imported.dropped,
                "requests": imported.trace.summary()}
     if args.json:

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError, check_output, writing
 from traces.results import dumps, prepare_dir, write_result_dir  # noqa: F401 (prepare_dir: re-exported for cmd_run)
 
 
@@ -85,11 +85,8 @@ def write_report(out: str | os.PathLike, name: str, report: dict, draw: Callable
         check_output(profile_path, "--fit-profile", directory=False)
 
     def save_profile() -> None:
-        try:
+        with writing(profile_path, "--fit-profile"):
             profile.save(profile_path)
-        except OSError as e:
-            raise UserError(f"--fit-profile {profile_path}: cannot write it ({e.strerror or e}); nothing was "
-                            "written") from None
 
     return write_files(out, {f"{name}.png": draw, f"{name}.json": lambda path: path.write_text(dumps(report))},
                        save_profile if profile is not None else None)
