@@ -172,10 +172,6 @@ class PageTable:
         self.held[:] = False
         self.planes[:] = np.where(np.arange(MAX_BITS)[None, :] < arr[:, None], _GPU, _CPU)
 
-    def set_desired(self, i: int, bits: int) -> None:
-        self._check_bits(i, bits)
-        self.d[i] = bits
-
     def begin_offload(self, i: int, to_bits: int) -> int:
         """Commit the lower bits, mark surplus planes TO_CPU; returns the bytes it will free."""
         self._check_idle(i)

@@ -124,10 +124,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     def abort(self, seq_id: Hashable) -> Sequence | None:
         """Finish a waiting or running sequence with reason "abort"; returns it (None if unknown)."""
         for seq in list(self.running) + list(self.waiting):

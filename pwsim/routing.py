@@ -86,11 +86,6 @@ def hash_key(*keys, seed: int = 0) -> np.ndarray:
     return x
 
 
-def hash_uniform(*keys, seed: int = 0) -> np.ndarray:
-    """Uniform floats in [0, 1) from integer keys (broadcast), via splitmix64; deterministic."""
-    return (hash_key(*keys, seed=seed) >> np.uint64(11)).astype(np.float64) * (1.0 / 9007199254740992.0)
-
-
 def _hi(x: np.ndarray) -> np.ndarray:
     return (x >> np.uint64(32)).astype(np.float64) * _U32
 

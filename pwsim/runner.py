@@ -257,6 +257,3 @@ def execute(cfg: RunConfig, progress: bool = False) -> SimResult:
 def config_json(cfg: RunConfig) -> str:
     return json.dumps(cfg.to_json(), indent=2, sort_keys=True)
 
-
-def with_budget(cfg: RunConfig, budget: str | int) -> RunConfig:
-    return replace(cfg, budget_bytes=parse_size(budget))

@@ -130,10 +130,6 @@ class HardwareProfile:
     def h2d_bytes_per_s(self) -> float:
         return self.pcie_h2d_gbps * 1e9
 
-    @property
-    def d2h_bytes_per_s(self) -> float:
-        return self.pcie_d2h_gbps * 1e9
-
     # ------------------------------------------------------------------ I/O
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

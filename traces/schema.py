@@ -186,9 +186,6 @@ class RequestTrace:
             return None
         return self.token_ids[self.token_offsets[i]:self.token_offsets[i + 1]]
 
-    def with_source(self, source: str) -> "RequestTrace":
-        return replace(self, source=source)
-
     def head(self, k: int) -> "RequestTrace":
         """The first `k` requests (all of them when there are no more)."""
         k = min(int(k), len(self))
@@ -290,9 +287,6 @@ class RoutingTrace:
     @property
     def has_features(self) -> bool:
         return self.gate_up_in_norm is not None
-
-    def with_source(self, source: str) -> "RoutingTrace":
-        return replace(self, source=source)
 
     def validate(self) -> None:
         f, n, k = self.source, len(self.request_id), self.top_k

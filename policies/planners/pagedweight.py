@@ -242,16 +242,6 @@ class PagedWeightPolicy:
         last = p.any_last if p.last_ok is None else np.minimum(p.any_last, p.last_ok[first, np.arange(first.size)])
         return bool((first <= last).any())
 
-    def step_damage(self, table, obs: Observation) -> np.ndarray:
-        """[n, S] predicted damage d (Eq. 8) of every step, block order (for inspection and tests)."""
-        sc = self._prepared().scorer
-        mu = self._p.mu[np.tile(self.expert_buckets(table, obs), 2)]
-        cols, js = np.divmod(np.arange(sc.S * sc.n), sc.n)
-        d = sc.damage(cols, js, mu, self._features(table, obs)).reshape(sc.S, sc.n)
-        out = np.empty((sc.n, sc.S))
-        out[sc.perm] = d.T
-        return out
-
     # ------------------------------------------------------------------ the step
     def plan_step(self, table, observation: Observation) -> Plan | None:
         p, prm, obs = self._prepared(), self.params, observation

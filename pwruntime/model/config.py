@@ -87,10 +87,6 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return len(self.moe_layers)
 
-    @property
-    def kv_groups(self) -> int:
-        return self.heads // self.kv_heads
-
     def kv_shape(self, layer: int) -> tuple[int, int]:
         """(KV heads, head size) of decoder layer `layer`."""
         if layer in self.global_layers:
