@@ -178,3 +178,11 @@ class Calibration:
         if expect_fingerprint is not None:
             cal.check_fingerprint(expect_fingerprint)
         return cal
+
+
+def free_block_threshold(calibration: Calibration | None, override: int | None = None) -> int:
+    """The free KV blocks both engines tell a planner to keep (T_blk of Eq. 7): `override` when given, else the
+    calibration's, else the calibration's default (8)."""
+    if override is not None:
+        return int(override)
+    return int((calibration or Calibration).free_block_threshold)

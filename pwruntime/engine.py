@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 import policies
+from policies.calibration import free_block_threshold
 from policies.kv_groups import new_pool
 from policies.loop import ImmediateMover, LoopResult, PageMover, PlanLoop, absent_error
 from policies.memory_budget import allocator_slack_bytes, lut_slack_bytes
@@ -126,7 +127,7 @@ class EngineConfig:
     max_model_len: int | None = None  # positions a request may use (prompt and output); None: the model's
     policy: str = "noop"
     policy_params: dict = field(default_factory=dict)
-    free_block_threshold: int = 8
+    free_block_threshold: int | None = None  # None: the calibration's (8 without one), as pwsim's
     routing_half_life_tokens: float | None = 4096.0
     observe_routing: bool | None = None  # routing mass and prompt features each forward; None: when the policy plans
     stall_limit: int = 8
@@ -231,6 +232,7 @@ class LLMEngine:
         if absent.size:
             raise policies.PolicyError(absent_error(policy, self.table.block_id(int(absent[0]))))
         self.policy = policy
+        self.threshold = free_block_threshold(calibration, cfg.free_block_threshold)
         # the blocks a request of the full context holds at its last position
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         self.activation_reserve = self._activation_reserve()
@@ -411,7 +413,7 @@ class LLMEngine:
         outputs = [self._output(s) for s in finished]
         self.last_observation = build_observation(
             step=self.num_steps, time_s=self._now(), pool=self.pool, scheduler=self.scheduler,
-            kv_block_bytes=self.block_bytes, free_block_threshold=self.config.free_block_threshold,
+            kv_block_bytes=self.block_bytes, free_block_threshold=self.threshold,
             routing=self.routing if self._record else None,
             headroom_bytes=self.capacity.spare_bytes, inflight_bytes=int(self.table.in_flight_bytes().sum()))
         marks.append(self.clock())

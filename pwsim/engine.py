@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from policies.calibration import Calibration
+from policies.calibration import Calibration, free_block_threshold
 from policies.contract import Policy, Transition
 from policies.kv_groups import new_pool
 from policies.loop import PlanLoop, room_for
@@ -172,8 +172,7 @@ class Simulation:
         self.nonexpert_bytes = card.fp16_bytes() - 2 * card.routed_expert_params()
         layout = card.kv_layout(config.block_size, hybrid=config.hybrid_kv)
         self.kv_block_bytes = layout.page_bytes   # a block of every layer, or with hybrid KV a page of one group
-        self.threshold = (config.free_block_threshold if config.free_block_threshold is not None
-                          else calibration.free_block_threshold if calibration is not None else 8)
+        self.threshold = free_block_threshold(calibration, config.free_block_threshold)
         self._refresh()
         weights = self._weights
         room = kv_room_bytes(config.budget_bytes, weights, config.allocator_slack_bytes, config.activation_bytes)

@@ -511,3 +511,25 @@ def test_a_kv_growth_the_device_cannot_back_leaves_the_pool_and_loses_nothing(ap
     assert engine.capacity.grow_failures == len(attempts) > 0
     assert all(b > a for a, b in zip(attempts, attempts[1:]))   # each retry had more spare bytes than the last
     assert "growing the KV cache by" in caplog.text
+
+
+def test_both_engines_keep_the_free_blocks_the_calibration_names(ap_dir, tmp_path):
+    """T_blk (Eq. 7) is the calibration's `free_block_threshold` in both engines (the runtime once kept 8 whatever
+    the calibration said, and planned apart from the simulator with any other)."""
+    import argparse
+    import dataclasses
+
+    from pwruntime.cmd_generate import add_engine_args, build_engine
+    from pwruntime.sampling import SamplingParams
+    from pwsim.runner import build, make_config
+
+    cal = dataclasses.replace(Calibration.load(CALIBRATION), free_block_threshold=3)
+    cal.save(tmp_path / "cal")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    engine = build_engine(p.parse_args(["--ap", str(ap_dir), "--calibration", str(tmp_path / "cal"), "--policy",
+                                        "pagedweight", "--num-kv-blocks", "12", "--block-size", "4"]))[0]
+    engine.add_request("x", SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert engine.last_observation.free_block_threshold == 3
+    assert build(make_config("24MiB", policy="pagedweight", calibration=str(tmp_path / "cal"))).threshold == 3
