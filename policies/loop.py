@@ -104,6 +104,11 @@ def absent_error(policy, block: str) -> str:
             "keep every block at a bitwidth the table supports")
 
 
+def _served(table: PageTable, bits: int) -> bool:
+    """Whether a transition may end at `bits`: a bitwidth the table supports, or 0 (absent)."""
+    return bits == 0 or 0 < bits <= MAX_BITS and bool(table.supported[bits])
+
+
 def checked_plan(plan, policy) -> Plan | None:
     """What `plan_step` returned, as the loop begins it: None, or a Plan of Transitions (a PolicyError naming what is
     wrong otherwise), their numbers plain ints (numpy's would leak into the engines' state and reports)."""
@@ -149,7 +154,7 @@ class PlanLoop:
         try:
             plan = self.policy.plan_step(self.table, observation)
         except Exception as e:  # the planner's own code failed: say whose and when, above its traceback
-            if not isinstance(e, PolicyError):
+            if not isinstance(e, PolicyError) and hasattr(e, "add_note"):  # Python 3.11 on
                 e.add_note(f"(raised by policy {policy_name(self.policy)}'s plan_step at step {observation.step})")
             raise
         if not (np.array_equal(q, self.table.q) and np.array_equal(target, self.table.target)):
@@ -193,7 +198,8 @@ class PlanLoop:
         table, total, slack = self.table, 0, self.lut_slack_bytes - self.lut_borrowed
         for t in self._beginning.transitions:
             if (t.to_bits == t.from_bits or getattr(t, "in_place", False) or not 0 <= t.block < table.num_blocks
-                    or table.target[t.block] >= 0 or table.q[t.block] != t.from_bits):
+                    or not _served(table, t.to_bits)
+                    or table.target[t.block] >= 0 or table.q[t.block] != t.from_bits):  # `_begin` refuses it
                 continue
             room = room_for(table, t)
             if t.is_offload and borrows_from_slack(room, slack):  # as `_begin` will
@@ -231,6 +237,8 @@ class PlanLoop:
             return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}", 0
         if t.to_bits == t.from_bits or t.to_bits < 0:
             return f"no legal change {t.from_bits} -> {t.to_bits}", 0
+        if not _served(table, t.to_bits):
+            return f"{t.to_bits} bits not supported; supported: {table.bits}", 0
         try:
             if getattr(t, "in_place", False):  # planes already resident: commit now, nothing moves
                 table.commit_in_place(i, t.to_bits)
@@ -256,8 +264,6 @@ class PlanLoop:
                 self._release_on_commit[i] = nbytes + new_lut  # surplus planes and the old LUT
             else:
                 # planes q..to-1 plus LUT_to must fit before the copy starts; LUT_q goes at commit
-                if t.to_bits > MAX_BITS or not table.supported[t.to_bits]:
-                    return f"{t.to_bits} bits not supported; supported: {table.bits}", 0
                 if getattr(table, "held", None) is not None and table.held[i]:
                     return "block keeps planes in place (commit_in_place); it cannot reload", 0
                 need = room_for(table, t)

@@ -280,8 +280,9 @@ def test_room_left_counts_what_the_plan_still_asks_for():
     table.initialize(np.array([6, 6, 4, 4, 8, 8]))
     up0, up1 = Transition(2, 4, 6, 0), Transition(3, 4, 5, 0)
     down, stale = Transition(4, 8, 3, 0), Transition(5, 7, 3, 0)
+    too_high, unsupported = Transition(1, 6, 9, 0), Transition(0, 6, 2, 0)  # the table serves 3..8 bits
     seen = []
-    loop = PlanLoop(ScriptedPolicy([Plan((up0, down, stale, up1))]), table, ImmediateMover(),
+    loop = PlanLoop(ScriptedPolicy([Plan((up0, down, stale, too_high, unsupported, up1))]), table, ImmediateMover(),
                     reserve=lambda b: seen.append((b, loop.room_left())) or True)
     assert loop.room_left() == 0
 
@@ -290,8 +291,9 @@ def test_room_left_counts_what_the_plan_still_asks_for():
         return (to - frm) * plane_bytes(out, inp) + lut_bytes(out, to)
     lut3 = lut_bytes(int(table.shapes[4][0]), 3)
     r = loop.step(_obs(0))
-    assert r.started == (up0, down, up1) and r.rejected[0][0] == stale
-    # stale (block 5 is at 8 bits, not 7) never asks, and is never counted
+    assert r.started == (up0, down, up1) and [x[0] for x in r.rejected] == [stale, too_high, unsupported]
+    # stale (block 5 is at 8 bits, not 7) and bits the table does not serve never ask, and are never counted (9 bits
+    # once raised a ValueError out of room_left)
     assert seen == [(reload(2, 4, 6), reload(2, 4, 6) + lut3 + reload(3, 4, 5)),
                     (lut3, lut3 + reload(3, 4, 5)), (reload(3, 4, 5), reload(3, 4, 5))]
     assert loop.room_left() == 0
