@@ -86,7 +86,8 @@ class Observation:
 
 @dataclass(frozen=True)
 class Transition:
-    """Move block `block` from `from_bits` to `to_bits`; `delta_bytes` = M[from] - M[to] (>0 frees).
+    """Move block `block` from `from_bits` to `to_bits`; `delta_bytes` = M[from] - M[to] (>0 frees), which the plan
+    loop sets from the page table whatever the planner wrote.
 
     `in_place` transitions move no page: the engine applies them with `PageTable.commit_in_place`
     (only the dp-llm baseline, which keeps every plane resident, emits them; `delta_bytes` is 0).

@@ -109,9 +109,11 @@ def _served(table: PageTable, bits: int) -> bool:
     return bits == 0 or 0 < bits <= MAX_BITS and bool(table.supported[bits])
 
 
-def checked_plan(plan, policy) -> Plan | None:
+def checked_plan(plan, policy, table: PageTable) -> Plan | None:
     """What `plan_step` returned, as the loop begins it: None, or a Plan of Transitions (a PolicyError naming what is
-    wrong otherwise), their numbers plain ints (numpy's would leak into the engines' state and reports)."""
+    wrong otherwise), their numbers plain ints (numpy's would leak into the engines' state and reports) and each
+    `delta_bytes` the table's M[from] - M[to], which the plan log and its byte totals report (a planner's own number
+    could be anything)."""
     if plan is None:
         return None
     if not isinstance(plan, Plan):
@@ -123,10 +125,26 @@ def checked_plan(plan, policy) -> Plan | None:
             [type(moves).__name__]
         raise PolicyError(f"policy {policy_name(policy)}: a Plan's transitions must be a tuple of "
                           f"policies.Transition, got {', '.join(kinds)}")
-    if all(type(v) is int for t in moves for v in (t.block, t.from_bits, t.to_bits, t.delta_bytes)):
-        return plan if isinstance(moves, tuple) else replace(plan, transitions=tuple(moves))
-    return replace(plan, transitions=tuple(Transition(int(t.block), int(t.from_bits), int(t.to_bits),
-                                                      int(t.delta_bytes), bool(t.in_place)) for t in moves))
+    if not all(type(v) is int for t in moves for v in (t.block, t.from_bits, t.to_bits, t.delta_bytes)):
+        moves = [Transition(int(t.block), int(t.from_bits), int(t.to_bits), int(t.delta_bytes), bool(t.in_place))
+                 for t in moves]
+    wants = _delta_bytes(table, moves)
+    if any(want is not None and want != t.delta_bytes for t, want in zip(moves, wants)):
+        moves = [t if want is None else replace(t, delta_bytes=want) for t, want in zip(moves, wants)]
+    return plan if isinstance(moves, tuple) and moves is plan.transitions else replace(plan, transitions=tuple(moves))
+
+
+def _delta_bytes(table: PageTable, moves) -> list[int | None]:
+    """The GPU bytes each transition frees by the table's M (0 in place), what the plan log reports; None where the
+    loop refuses it (a block or bits out of range), which keeps the planner's number."""
+    n = len(moves)
+    blocks = np.fromiter((t.block for t in moves), np.int64, n)
+    frm = np.fromiter((t.from_bits for t in moves), np.int64, n)
+    to = np.fromiter((t.to_bits for t in moves), np.int64, n)
+    ok = (blocks >= 0) & (blocks < table.num_blocks) & (frm >= 0) & (frm <= MAX_BITS) & (to >= 0) & (to <= MAX_BITS)
+    b, f, t = np.where(ok, blocks, 0), np.where(ok, frm, 0), np.where(ok, to, 0)
+    delta = np.where([m.in_place for m in moves], 0, table.M[b, f] - table.M[b, t]).tolist() if n else []
+    return [d if good else None for d, good in zip(delta, ok.tolist())]
 
 
 class PlanLoop:
@@ -160,7 +178,7 @@ class PlanLoop:
         if not (np.array_equal(q, self.table.q) and np.array_equal(target, self.table.target)):
             raise PolicyError(f"policy {policy_name(self.policy)}: plan_step changed the page table itself; return the "
                               "moves as a policies.Plan instead (the loop begins them, and the mover moves the pages)")
-        plan = checked_plan(plan, self.policy)
+        plan = checked_plan(plan, self.policy, self.table)
         started, rejected = [], []
         reserved = 0
         if plan is not None:

@@ -238,7 +238,7 @@ def _obs(step):
 def test_plan_loop_offload_then_reload_with_immediate_mover():
     table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
     off = Transition(0, 8, 4, int(table.M[0, 8] - table.M[0, 4]))
-    stale = Transition(1, 6, 4, 0)
+    stale = Transition(1, 6, 4, int(table.M[1, 6] - table.M[1, 4]))
     up = Transition(0, 4, 6, int(table.M[0, 4] - table.M[0, 6]))
     released = []
     asked = []
@@ -278,9 +278,11 @@ def test_room_left_counts_what_the_plan_still_asks_for():
     from policies.apformat import lut_bytes
     table = PageTable(1, 3, hidden=64, intermediate=32, initial_bits=6)
     table.initialize(np.array([6, 6, 4, 4, 8, 8]))
-    up0, up1 = Transition(2, 4, 6, 0), Transition(3, 4, 5, 0)
-    down, stale = Transition(4, 8, 3, 0), Transition(5, 7, 3, 0)
-    too_high, unsupported = Transition(1, 6, 9, 0), Transition(0, 6, 2, 0)  # the table serves 3..8 bits
+    def move(i, frm, to):
+        return Transition(i, frm, to, int(table.M[i, frm] - table.M[i, to]))
+    up0, up1 = move(2, 4, 6), move(3, 4, 5)
+    down, stale = move(4, 8, 3), move(5, 7, 3)
+    too_high, unsupported = Transition(1, 6, 9, 0), move(0, 6, 2)  # the table serves 3..8 bits
     seen = []
     loop = PlanLoop(ScriptedPolicy([Plan((up0, down, stale, too_high, unsupported, up1))]), table, ImmediateMover(),
                     reserve=lambda b: seen.append((b, loop.room_left())) or True)
@@ -297,6 +299,18 @@ def test_room_left_counts_what_the_plan_still_asks_for():
     assert seen == [(reload(2, 4, 6), reload(2, 4, 6) + lut3 + reload(3, 4, 5)),
                     (lut3, lut3 + reload(3, 4, 5)), (reload(3, 4, 5), reload(3, 4, 5))]
     assert loop.room_left() == 0
+
+
+def test_the_loop_reports_the_bytes_the_table_moves_not_the_planners_number():
+    """A plan's `delta_bytes` are the table's M[from] - M[to] once the loop has it (0 in place), so the plan log and
+    its byte totals count what moved whatever a planner wrote; a transition it refuses keeps the planner's."""
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    wrong, in_place, out = Transition(0, 8, 4, 5), Transition(1, 8, 6, 7, True), Transition(9, 8, 4, 3)
+    loop = PlanLoop(ScriptedPolicy([Plan((wrong, in_place, out))]), table, ImmediateMover())
+    r = loop.step(_obs(0))
+    assert [t.delta_bytes for t in r.plan.transitions] == [int(table.M[0, 8] - table.M[0, 4]), 0, 3]
+    assert r.started == r.plan.transitions[:2] and r.rejected[0][0] == out
+    assert r.plan.bytes_freed == int(table.M[0, 8] - table.M[0, 4]) + 3
 
 
 def test_kv_blocks_to_free_covers_the_rest_of_the_plan_as_far_as_free_blocks_go():
