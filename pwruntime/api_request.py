@@ -217,14 +217,16 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
 
 
-def engine_requests(prompts: list, params: SamplingParams, n: int) -> list[tuple[str | list[int], SamplingParams]]:
-    """The (prompt, params) of each engine request: `n` choices of each prompt, prompt-major (choice j of prompt i
-    is the response's choice i * n + j, and samples as choice j of a request for that prompt alone)."""
+def engine_requests(prompts: list[tuple[list[int], str | None]], params: SamplingParams,
+                    n: int) -> list[tuple[list[int], SamplingParams, str | None]]:
+    """The (token ids, params, their text) of each engine request, from each prompt's (token ids, text): `n` choices
+    of each prompt, prompt-major (choice j of prompt i is the response's choice i * n + j, and samples as choice j of
+    a request for that prompt alone)."""
     if len(prompts) * n > MAX_ENGINE_REQUESTS:
         raise RequestError(f"'prompt' holds {len(prompts)} prompts and 'n' is {n}: a request may ask for at most "
                            f"{MAX_ENGINE_REQUESTS} choices in all (prompts x n)")
     choices = choice_params(params, n)
-    return [(prompt, p) for prompt in prompts for p in choices]
+    return [(ids, p, text) for ids, text in prompts for p in choices]
 
 
 def check_unsupported(body: dict, chat: bool) -> None:

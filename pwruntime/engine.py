@@ -313,14 +313,15 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *,
-                    arrival_time: float | None = None, domain: str | None = None) -> int:
-        """Queue a request (text, or token ids); returns its id. Raises UserError for an unusable prompt."""
+                    arrival_time: float | None = None, domain: str | None = None, text: str | None = None) -> int:
+        """Queue a request (text, or token ids); returns its id. Raises UserError for an unusable prompt. `text`:
+        the text token ids were encoded from (what an echo shows; the server encodes off its event loop)."""
         params = params or SamplingParams()
         mc = self.model.config
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
-            text, ids = None, [int(t) for t in prompt]
+            ids = [int(t) for t in prompt]
         if not ids:
             raise UserError("the prompt has no tokens; give a non-empty prompt")
         if min(ids) < 0 or max(ids) >= mc.vocab:

@@ -1,14 +1,15 @@
 """EngineCore: the loop that owns an LLMEngine while it serves: requests in through an inbox, one batch of events
 out per step.
 
-The inbox takes ("add", key, requests, stream): one engine request per (prompt, SamplingParams), added all or none;
-("abort", key): the client left; ("stats", key): the counters, gauges and histograms /metrics shows; and None:
-stop. `key` names one client request (an HTTP request: pwruntime.engine_client holds them). After each turn of the
-loop (the inbox drained, then one engine step) it hands `emit` the turn's events as one list of (key, event):
-("delta", (choice index, token ids, their log-probability records, the engine's PromptOutput on a choice's first
-delta, else None)) for a streaming request's new tokens, ("done", (choice index, RequestOutput)) for each finished
-choice, one ("error", (status, message)) after which none of the request's choices runs any more, or ("stats",
-dict). One list per step, not one message per event: the client side wakes once per step whatever the batch size.
+The inbox takes ("add", key, requests, stream): one engine request per (prompt, SamplingParams[, the text that token
+ids were encoded from]), added all or none; ("abort", key): the client left; ("stats", key): the counters, gauges
+and histograms /metrics shows; and None: stop. `key` names one client request (an HTTP request:
+pwruntime.engine_client holds them). After each turn of the loop (the inbox drained, then one engine step) it hands
+`emit` the turn's events as one list of (key, event): ("delta", (choice index, token ids, their log-probability
+records, the engine's PromptOutput on a choice's first delta, else None)) for a streaming request's new tokens,
+("done", (choice index, RequestOutput)) for each finished choice, one ("error", (status, message)) after which none
+of the request's choices runs any more, or ("stats", dict). One list per step, not one message per event: the client
+side wakes once per step whatever the batch size.
 
 The loop steps the engine while any request is unfinished and sleeps on the inbox otherwise; a step that fails
 fails the requests in flight and the loop goes on. With a StatsLog it writes the periodic stats line
@@ -106,8 +107,8 @@ class EngineCore:
     def _add(self, key, requests: list, stream: bool) -> None:
         eng, rids = self.engine, []
         try:
-            for prompt, params in requests:
-                rids.append(eng.add_request(prompt, params))
+            for prompt, params, *text in requests:  # text: what the server encoded `prompt` from
+                rids.append(eng.add_request(prompt, params, text=text[0] if text else None))
         except Exception as e:  # a prompt the engine refuses (too long, empty ...)
             for rid in rids:
                 eng.abort(rid)

@@ -50,6 +50,9 @@ FINISH = {"stop": "stop", "length": "length", "kv_capacity": "length", "abort": 
 
 
 MAX_BODY_BYTES = 256 << 20  # a request's JSON: 64 prompts of 100k token ids fit (aiohttp's default is 1 MiB)
+PARSE_OFF_LOOP_BYTES = 1 << 20  # a larger body is parsed in a thread, as every text is encoded: the event loop streams
+# the other requests meanwhile
+NORMALIZER_SLACK = 4  # characters a tokenizer's normalizer may fold into one (NFKC composes at most a few)
 
 GAUGES_NAMED_TOTAL = ("kv_blocks_total",)  # the KV pool's blocks, which go down as well as up: every other *_total
 # scalar (the requests', the engine's, the page mover's) is a counter
@@ -163,6 +166,8 @@ class Server:
         """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
         self.worker, self.model_name = worker, model_name
         self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
+        # a text longer than this cannot fit the context: refused before it is encoded
+        self.max_prompt_chars = worker.max_position * self.tokenizer.longest_token_chars() * NORMALIZER_SLACK
         self.app = web.Application(middlewares=[_json_errors] + ([_bearer(api_key)] if api_key else []),
                                    client_max_size=MAX_BODY_BYTES)
         self.app.add_routes([web.get("/health", self.health), web.get("/version", self.version),
@@ -217,9 +222,21 @@ class Server:
 
     async def _parsed(self, request: web.Request) -> dict:
         """The JSON body, for the served model (a `model` naming another is a 404)."""
-        body = api.parse_body(await request.read())
+        raw = await request.read()
+        body = api.parse_body(raw) if len(raw) <= PARSE_OFF_LOOP_BYTES else await _off_loop(api.parse_body, raw)
         self._check_model(body.get("model"))
         return body
+
+    def _check_length(self, texts: list[str], names: list[str]) -> None:
+        """Refuse a text that cannot fit the context before spending the time to encode it."""
+        for text, name in zip(texts, names):
+            if len(text) > self.max_prompt_chars:
+                raise api.RequestError(f"{name} has {len(text):,} characters, more than the model's context of "
+                                       f"{self.worker.max_position:,} tokens can hold; shorten it")
+
+    def _encoded(self, prompts: list) -> list[tuple[list[int], str | None]]:
+        """Each prompt's token ids, and the text they were encoded from (None for a prompt of token ids)."""
+        return [(self.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
 
     async def _body(self, request: web.Request, chat: bool) -> dict:
         """A completion's body, without the options this server does not serve."""
@@ -231,15 +248,19 @@ class Server:
         body = await self._body(request, chat=False)
         prompts = api.completion_prompts(body, self.vocab)
         params = api.sampling_params(body, 16, chat=False, vocab=self.vocab, echo=api.flag(body, "echo"))
-        return await self._serve(request, body, prompts, params, chat=False)
+        texts = [(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)
+                 if isinstance(p, str)]
+        self._check_length([t for t, _ in texts], [name for _, name in texts])
+        return await self._serve(request, body, await _off_loop(self._encoded, prompts), params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, chat=True)
         messages = api.chat_messages(body)
         params = api.sampling_params(body, 1 << 30, chat=True, vocab=self.vocab)
-        ids = self._chat_ids(messages, add_generation_prompt=True)
+        self._check_length(["".join(m["content"] for m in messages)], ["'messages'"])
+        ids = await _off_loop(self._chat_ids, messages, True)
         # as OpenAI: without max_tokens an answer may run to the end of the context (the engine stops it there)
-        return await self._serve(request, body, [ids], params, chat=True)
+        return await self._serve(request, body, [(ids, None)], params, chat=True)
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
         """The prompt token ids of a conversation: the chat template's text (which holds the BOS token)."""
@@ -259,13 +280,13 @@ class Server:
             return body.get(key) is None or api.flag(body, key)
 
         if "messages" in body:
-            ids = self._chat_ids(api.chat_messages(body), flag_on("add_generation_prompt"))
+            ids = await _off_loop(self._chat_ids, api.chat_messages(body), flag_on("add_generation_prompt"))
         else:
             prompt = body["prompt"]
             if not isinstance(prompt, str):
                 raise api.RequestError(f"'prompt' must be a string, got {api.brief(prompt)}")
             api.check_text(prompt, "prompt")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=flag_on("add_special_tokens"))
+            ids = await _off_loop(self.tokenizer.encode, prompt, flag_on("add_special_tokens"))
         return web.json_response({"count": len(ids), "max_model_len": self.worker.max_position,
                                   "tokens": ids})
 
@@ -390,6 +411,12 @@ class Server:
         send(b"data: [DONE]\n\n")
         await resp.write(b"".join(pending))
         await resp.write_eof()
+
+
+async def _off_loop(fn, *args):
+    """`fn(*args)` in a thread of the event loop's executor: parsing a large body, encoding a long text or rendering a
+    chat template holds up no other request's stream (the tokenizer's encoding runs without the GIL)."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 def _usage(outs: list, n: int, generates: bool = True) -> dict:

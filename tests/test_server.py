@@ -311,11 +311,11 @@ def test_a_choice_the_engine_refuses_fails_the_request_and_ends_the_others(model
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=32))
     real_add, calls = engine.add_request, {"n": 0}
 
-    def add_request(prompt, params):
+    def add_request(prompt, params, **kw):
         calls["n"] += 1
         if calls["n"] == 2:
             raise UserError("injected refusal")
-        return real_add(prompt, params)
+        return real_add(prompt, params, **kw)
 
     engine.add_request = add_request
     worker = EngineWorker(engine).start()

@@ -55,6 +55,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def longest_token_chars(self) -> int:
+        """The most characters one token's vocabulary entry spells (byte-level entries a character a byte), so a text
+        of more than this many characters a token, times a normalizer's shrinking, cannot fit a token budget."""
+        return max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens (e.g. BOS) as the tokenizer's post-processor adds them."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
