@@ -48,8 +48,10 @@ class EngineCore:
         self.inbox: queue.Queue = queue.Queue()
         # prompt_tokens_total: the prefill tokens computed (a preempted request's recompute too; what the prefix
         # cache served is not)
+        # kv_capacity_cuts_total: requests the scheduler ended because the KV pool could not hold them (their answer
+        # is cut short: finish_reason "length")
         self.counters = {"requests_total": 0, "prompt_tokens_total": 0, "generated_tokens_total": 0,
-                         "request_errors_total": 0, "aborted_total": 0}
+                         "request_errors_total": 0, "aborted_total": 0, "kv_capacity_cuts_total": 0}
         self.request_metrics = RequestMetrics(engine.max_model_len)
         self.ap_experts = serves_ap_experts(engine)  # the page table describes the experts (their bits are gauges)
         self._live: dict[int, _Choice] = {}  # engine request id -> its choice
@@ -148,6 +150,11 @@ class EngineCore:
         for result in results:
             choice = self._live.pop(result.request_id, None)
             self.request_metrics.observe(result)
+            if result.finish_reason == "kv_capacity":
+                self.counters["kv_capacity_cuts_total"] += 1
+                print(f"engine: request {result.request_id} cut short after {len(result.token_ids)} tokens: the KV pool "
+                      f"({eng.pool.capacity} blocks) cannot hold it with the others (finish_reason length); lower "
+                      "--max-model-len or raise the KV cache", file=sys.stderr, flush=True)
             if choice is not None:
                 out.append((choice.key, ("done", (choice.index, result))))
         for rid, choice in self._live.items():

@@ -102,11 +102,13 @@ def ready_line(info: dict, seconds: float) -> str:
         experts = f"experts in {info['dtype']}"
     reserve = info.get("activation_reserve")
     kept = f", {reserve / 2**20:.0f} MiB kept for activations" if reserve else ""
+    short = ("; a request that outgrows the pool is cut short (finish_reason length, kv_capacity_cuts_total in "
+             "/metrics): lower --max-model-len or raise the KV cache" if blocks < blocks_per_request else "")
     return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} {unit} "
             f"({info['kv_cache_bytes'] / 2**20:.1f} MiB{kept}), "
             f"room for {blocks / blocks_per_request:.1f} requests of the full {context}-token context; "
             f"{experts}; at most {info['max_num_seqs']} sequences and {info['max_num_batched_tokens']} "
-            "tokens a step")
+            f"tokens a step{short}")
 
 
 def stats_line(counters: dict, before: dict, gauges: dict, seconds: float) -> str:

@@ -67,3 +67,20 @@ def test_encoding_a_text_holds_up_no_other_request(model, monkeypatch, path, bod
         assert status == 200
         if path == "/v1/completions":
             assert answer["choices"][0]["text"].startswith("GATE")
+
+
+def test_an_answer_the_kv_pool_cannot_hold_is_counted_and_logged_as_cut(model, capfd):
+    """A pool smaller than one request of the full context: the ready line warns, and an answer that outgrows the
+    pool ends early with finish_reason "length", counted in kv_capacity_cuts_total and logged (it was silent)."""
+    from pwruntime.stats_log import ready_line, serving_info
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=8, block_size=16))
+    assert "is cut short" in ready_line(serving_info(engine), 1.0)
+    with serving(engine) as url:
+        status, body = post(url, "/v1/completions", json.dumps(
+            {"prompt": "And God said", "max_tokens": 400, "ignore_eos": True}).encode())
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] < 8 * 16
+        assert metric(url, "kv_capacity_cuts_total") == 1
+    assert "cut short after" in capfd.readouterr().err
+    roomy = LLMEngine(model, EngineConfig(num_kv_blocks=256, block_size=16))
+    assert "cut short" not in ready_line(serving_info(roomy), 1.0)
