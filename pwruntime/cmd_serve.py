@@ -6,7 +6,8 @@ engine and planner options as `pwruntime generate` (--ap/--calibration/--policy 
 engine runs in a process of its own (pwruntime.engine_process) and logs a stats line every --log-stats-interval.
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
---shutdown-timeout seconds to finish (then cuts them), and exits 0. With --record-trace DIR the engine records the
+--shutdown-timeout seconds to finish, then answers each one still running with a 503 (a stream ends with an error
+event and [DONE]); a second Ctrl-C or SIGTERM does that at once. It exits 0. With --record-trace DIR the engine records the
 requests it served (arrival times, prompt token ids, output lengths) and the routing its forwards computed for them,
 and writes them as a trace directory when the server stops, the planner's log beside them: `pwsim run --trace DIR`
 simulates what was served, `pwsim plan-log DIR` shows what the planner moved.
@@ -21,6 +22,7 @@ import socket
 from traces.clikit import UserError
 
 API_KEY_ENV = "PAGEDWEIGHT_API_KEY"
+SHUTDOWN_GRACE_S = 5.0  # after the drain: for handlers to write their last bytes
 
 
 def register(subparsers) -> None:
@@ -107,12 +109,15 @@ def run(args) -> int:
     _check_record_trace(args)
     model_dir = engine_model_dir(args)
     worker = EngineProcess.launch(args)  # loads the model and captures its CUDA graphs, in the engine's process
-    server = Server(worker, args.served_model_name or model_dir.name, api_key=args.api_key or None)
+    server = Server(worker, args.served_model_name or model_dir.name, api_key=args.api_key or None,
+                    shutdown_timeout=args.shutdown_timeout)
     print(f"serving {model_dir} on http://{args.host}:{args.port}/v1 (Ctrl-C to stop)", flush=True)
     try:
         # handler cancellation: a client that leaves cancels its handler, which aborts its request (pwruntime.server)
+        # the server's drain ends what still runs after --shutdown-timeout with a 503 each; aiohttp's own wait after
+        # it only sees their handlers write that (it waited the timeout twice, then cut streams without an error)
         web.run_app(server.app, host=args.host, port=args.port, print=None, handler_cancellation=True,
-                    shutdown_timeout=args.shutdown_timeout)
+                    shutdown_timeout=SHUTDOWN_GRACE_S)
     except OSError as e:
         raise _listen_error(args.host, args.port, e) from None
     finally:

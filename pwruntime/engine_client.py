@@ -105,6 +105,20 @@ class EngineClient:
             except RuntimeError:  # that event loop is closed: nobody waits for these events any more
                 pass
 
+    def in_flight(self) -> int:
+        """Requests not answered yet."""
+        return len(self._lives)
+
+    def shut_down(self, message: str) -> None:
+        """The server is stopping: each request in flight gets one ("error", (503, message)) and its choices are
+        aborted, and so does every later one."""
+        with self._lock:
+            self._gone = message
+            keys = list(self._lives)
+        for key in keys:
+            self._send(("abort", key))
+        self._deliver([(key, ("error", (503, message))) for key in keys])
+
     def _fail_all(self, message: str) -> None:
         """The engine loop is gone: every request in flight, and every later one, gets a 503 with `message`."""
         with self._lock:

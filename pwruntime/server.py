@@ -23,8 +23,11 @@ first chunk (`_Reply.prompt_parts`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
+import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -162,9 +165,11 @@ class _Reply:
 class Server:
     """aiohttp application over an engine loop (its EngineClient)."""
 
-    def __init__(self, worker: EngineClient, model_name: str, api_key: str | None = None) -> None:
-        """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key)."""
-        self.worker, self.model_name = worker, model_name
+    def __init__(self, worker: EngineClient, model_name: str, api_key: str | None = None,
+                 shutdown_timeout: float = 60.0) -> None:
+        """`api_key`: when given, every /v1 route needs `Authorization: Bearer <api_key>` (as vLLM's --api-key).
+        `shutdown_timeout`: how long requests in flight may run once the server stops (`_drain`)."""
+        self.worker, self.model_name, self.shutdown_timeout = worker, model_name, shutdown_timeout
         self.tokenizer, self.vocab = worker.tokenizer, worker.vocab
         # a text longer than this cannot fit the context: refused before it is encoded
         self.max_prompt_chars = worker.max_position * self.tokenizer.longest_token_chars() * NORMALIZER_SLACK
@@ -176,6 +181,21 @@ class Server:
                              web.get("/v1/models/{model}", self.model), web.get("/metrics", self.metrics),
                              web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                              web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize)])
+        self.app.on_shutdown.append(self._drain)
+
+    async def _drain(self, app: web.Application) -> None:
+        """Once the server stops listening: let the requests in flight run up to `shutdown_timeout` seconds, then
+        end each one still running with a 503 (a stream with an error event and [DONE]), which aiohttp's own wait
+        then sees finish. A second Ctrl-C or SIGTERM meanwhile ends them at once (aiohttp's handler for it would
+        cut them with a traceback each)."""
+        loop, now = asyncio.get_running_loop(), asyncio.Event()
+        _take_signals(loop, now.set)  # until aiohttp's cleanup removes them
+        deadline = loop.time() + self.shutdown_timeout
+        while self.worker.in_flight() and not now.is_set() and loop.time() < deadline:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(now.wait(), min(0.05, max(0.0, deadline - loop.time())))
+        if self.worker.in_flight():
+            self.worker.shut_down("the server is shutting down; send the request again once it is back")
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.worker.alive:
@@ -411,6 +431,15 @@ class Server:
         send(b"data: [DONE]\n\n")
         await resp.write(b"".join(pending))
         await resp.write_eof()
+
+
+def _take_signals(loop: asyncio.AbstractEventLoop, handler) -> None:
+    """Point SIGINT and SIGTERM at `handler` where this loop handles signals (the main thread of `pwruntime
+    serve`)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.add_signal_handler(sig, handler)
 
 
 async def _off_loop(fn, *args):

@@ -1,9 +1,10 @@
 """`pwruntime serve` as a process: it answers the openai client, and a SIGTERM (or Ctrl-C) mid-request lets the
-requests in flight finish, refuses new connections and exits 0 (aiohttp's graceful shutdown, then the engine
-process stops); an engine process that dies fails what is in flight, and everything after, with a 503."""
+requests in flight finish (up to --shutdown-timeout, then a 503 each; at once on a second signal), refuses new
+connections and exits 0; an engine process that dies fails what is in flight, and everything after, with a 503."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -92,18 +93,61 @@ def test_a_stop_signal_lets_requests_in_flight_finish(server, sig, group):
     assert tokens >= 8 * 300 * 0.9  # (a choice's last chunk may carry several tokens' text)
 
 
-@pytest.mark.parametrize("server", [["--shutdown-timeout", "0.2"]], indirect=True)
-def test_the_shutdown_timeout_cuts_what_is_still_running(server):
+def _cut(stream, chunks: list) -> str:
+    """Read `stream` into `chunks` to its end: the error event it ends with (the openai client raises it)."""
+    with pytest.raises(openai.APIError) as e:
+        for c in stream:
+            chunks.append(c)
+    return str(e.value)
+
+
+def _whole(url: str, box: dict) -> None:
+    """A long non-streaming request; its status and body into `box`."""
+    req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+        {"model": "demo_model", "prompt": "And God said", "max_tokens": 3000, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            box["r"] = r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        box["r"] = e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("server", [["--shutdown-timeout", "1"]], indirect=True)
+def test_the_shutdown_timeout_answers_what_is_still_running_with_a_503(server):
+    """Past --shutdown-timeout a stream still running ends with an error event (and [DONE]) and a non-streaming
+    request gets a 503 in OpenAI's error shape, well before aiohttp's own wait: they were cut without a word, after
+    twice the timeout."""
     proc, url = server
     stream, first = _long_stream(url)
+    box: dict = {}
+    whole = threading.Thread(target=_whole, args=(url, box))
+    whole.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    finished = 0
-    try:
-        finished = sum(1 for c in stream if c.choices[0].finish_reason)
-    except openai.APIConnectionError as e:  # the server closed the connection mid-stream
-        assert "incomplete chunked read" in str(e.__cause__), e.__cause__
-    assert finished < 8
-    assert proc.wait(60) == 0
+    chunks = [first]
+    assert "shutting down" in _cut(stream, chunks)
+    whole.join(60)
+    status, body = box["r"]
+    assert status == 503 and "shutting down" in body["error"]["message"] and body["error"]["type"] == "server_error"
+    assert sum(1 for c in chunks if c.choices[0].finish_reason) < 8
+    assert proc.wait(60) == 0 and time.monotonic() - t0 < 1 + 5  # the timeout, then aiohttp's short grace at most
+    assert "Traceback" not in proc.stderr.read()
+
+
+def test_a_second_stop_signal_answers_what_is_running_at_once(server):
+    """A second SIGINT while the server waits for its requests (60 s by default): each gets its 503 at once and the
+    server exits 0 without a traceback (aiohttp's own handler cut each with a traceback, and exit 1)."""
+    proc, url = server
+    stream, first = _long_stream(url)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    assert "shutting down" in _cut(stream, [first])
+    assert proc.wait(60) == 0 and time.monotonic() - t0 < 10
+    assert "Traceback" not in proc.stderr.read()
 
 
 def _engine_pid(server_pid: int) -> int:
