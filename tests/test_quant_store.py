@@ -37,6 +37,20 @@ def ap_dir(tmp_path_factory):
     return out, dense, quant
 
 
+def test_a_layer_written_again_is_the_same_bytes(ap_dir, tmp_path):
+    """Same experts, same file, byte for byte (two metadata keys came out of safetensors in a random order)."""
+    import hashlib
+    _, _, quant = ap_dir
+    blocks = [stack_blocks([pack_quantized(q, BITS) for q in quant[(0, k)]], BITS) for k in ("gate_up", "down")]
+    digests = set()
+    for k in range(12):
+        wr = APCheckpointWriter(tmp_path / f"c{k}")
+        wr.write_layer(0, *blocks)
+        digests.add(hashlib.sha256((wr.tmp / wr.expert_files[0]).read_bytes()).hexdigest())
+        wr.abort()
+    assert len(digests) == 1
+
+
 def test_checkpoint_round_trip(ap_dir):
     path, _, quant = ap_dir
     assert is_ap_checkpoint(path) and not list(path.parent.glob(".ckpt.tmp-*"))

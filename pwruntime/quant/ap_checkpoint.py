@@ -128,8 +128,8 @@ class APCheckpointWriter:
             for b, lut in sorted(blocks.luts.items()):
                 tensors[f"{kind}.lut{b}"] = _to_torch(lut).to(torch.float16).contiguous()
         name = expert_file_name(moe_layer)
-        save_file(tensors, str(self.tmp / name),
-                  metadata={"format": FORMAT, "layout_version": str(LAYOUT_VERSION)})
+        # one metadata key: safetensors writes a dict's keys in a random order, and two runs' files would differ
+        save_file(tensors, str(self.tmp / name), metadata={"format": f"{FORMAT} layout {LAYOUT_VERSION}"})
         self.expert_files[moe_layer] = name
 
     def write_nonexpert(self, tensors: dict[str, torch.Tensor]) -> None:
