@@ -12,8 +12,8 @@ import time
 from dataclasses import asdict
 
 from pwsim.capacity import PERCENTILES, SLO
-from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
-                           policy_variants, remember_defaults, validate_config, variant_flags)
+from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, middle_budget,
+                           policies_and_budgets, policy_variants, remember_defaults, validate_config, variant_flags)
 from pwsim.defaults import DEFAULTS
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     policy_names, budgets = policies_and_budgets(args)
-    curve_budget = args.curve_budget or budgets[len(budgets) // 2]
+    curve_budget = args.curve_budget or middle_budget(budgets)
     if curve_budget not in budgets:
         raise UserError(f"--curve-budget {curve_budget} is not one of --budgets {','.join(budgets)}")
     slo = _slo(args)

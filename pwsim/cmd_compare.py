@@ -10,8 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
-from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, policies_and_budgets,
-                           policy_variants, remember_defaults, validate_config, variant_flags)
+from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, middle_budget,
+                           policies_and_budgets, policy_variants, remember_defaults, validate_config, variant_flags)
 from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     configs = [(p, b, config_from_args(args, p, kw, b)) for p, kw in policy_variants(args, policy_names)
                for b in budgets]
     jobs, slo = worker_count(args.jobs, len(configs)), slo_bounds(args)
-    tl_budget = args.timeline_budget or budgets[len(budgets) // 2]
+    tl_budget = args.timeline_budget or middle_budget(budgets)
     if tl_budget not in budgets:
         raise UserError(f"--timeline-budget {tl_budget} is not one of --budgets {','.join(budgets)}")
     out = prepare_dir(args.out, args.force, "pwsim compare", "compare.json")  # written once every run is done

@@ -243,6 +243,11 @@ def policies_and_budgets(args: argparse.Namespace) -> tuple[list[str], list[str]
     return policy_names, budgets
 
 
+def middle_budget(budgets: list[str]) -> str:
+    """The budget a command plots by default: the middle one by size, in whatever order --budgets names them."""
+    return sorted(budgets, key=parse_size)[len(budgets) // 2]
+
+
 def check_distinct(flag: str, text: str, keys: list) -> None:
     """Refuse a list flag (`text` as given) that names an entry twice (`keys`: what makes two entries the same)."""
     if len(set(keys)) < len(keys):

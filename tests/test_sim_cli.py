@@ -200,3 +200,22 @@ def test_the_bundled_quality_fit_applies_only_to_the_model_and_calibration_it_wa
     own = tmp_path / "fit.json"  # a fit the user gives is theirs to match
     own.write_text(open(DEFAULTS.quality_fit).read())
     assert make_config("20GiB", model="Qwen1.5-MoE-A2.7B", calibration="synthetic", quality_fit=str(own)).uses_quality_fit
+
+
+def test_plots_do_not_depend_on_the_order_levels_and_budgets_are_named_in(tmp_path):
+    """The default budget a compare or capacity run plots is the middle one by size, and a sweep's plot draws its
+    levels in order: named in another order, the same plots (they zig-zagged, or showed another budget)."""
+    from pwsim.cmd_run import middle_budget
+    from traces.sweep import plot_sweep
+    assert middle_budget(["48MiB", "24MiB", "32MiB"]) == middle_budget(["24MiB", "32MiB", "48MiB"]) == "32MiB"
+    assert middle_budget(["1GiB", "512MiB"]) == "1GiB"
+    rows = [{"max_concurrency": n, "throughput_tokens_per_s": 100.0 * n, "ttft_p50_s": 0.01 * n, "ttft_p99_s": 0.02 * n,
+             "tpot_p50_s": 0.001 * n, "tpot_p99_s": None if n == 4 else 0.002 * n} for n in (1, 4, 16)]
+    a = plot_sweep(rows, tmp_path / "a.png", "t").read_bytes()
+    assert plot_sweep(rows[::-1], tmp_path / "b.png", "t").read_bytes() == a
+
+
+def test_a_png_names_no_matplotlib_version(tmp_path):
+    from traces.clikit import pyplot, write_png
+    fig = pyplot().figure()
+    assert b"Matplotlib" not in write_png(fig, tmp_path / "p.png").read_bytes()

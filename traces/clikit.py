@@ -145,9 +145,10 @@ def pyplot():
 
 
 def write_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
-    """Lay `fig` out, write it to `path` as a PNG (atomically, see `write_atomic`) and close it."""
+    """Lay `fig` out, write it to `path` as a PNG (atomically, see `write_atomic`) and close it. The PNG names no
+    matplotlib version, so the same plot is the same bytes wherever it is drawn with the same fonts."""
     try:
         fig.tight_layout()
-        return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
+        return write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=dpi, metadata={"Software": None}))
     finally:
         pyplot().close(fig)

@@ -56,8 +56,10 @@ def level_dirs(sweep_dir: Path, summary: dict) -> dict[int, Path]:
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
-    """Throughput against the level (left); TTFT and TPOT, median and 99th percentile, against it (right)."""
+    """Throughput against the level (left); TTFT and TPOT, median and 99th percentile, against it (right); the levels
+    in order, whatever order the sweep ran them in."""
     plt = pyplot()
+    rows = sorted(rows, key=lambda r: r["max_concurrency"])
     levels = [r["max_concurrency"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(levels, [r["throughput_tokens_per_s"] for r in rows], "o-")
