@@ -1,7 +1,8 @@
 """`pwruntime generate`: generate text for one or more prompts (continuously batched together).
 
 Sampling is greedy unless --temperature > 0. With --seed, every prompt draws its random numbers from that seed
-(pwruntime.sampling.RequestDraws), so a prompt's output does not depend on the other prompts.
+(pwruntime.sampling.RequestDraws), so a prompt's random draws do not depend on the other prompts (its logits may,
+in their last bits: pwruntime.sampling).
 Generation stops at the end-of-sequence token (unless --ignore-eos), at a --stop string (the text
 is cut before it) or after --max-tokens tokens. With --logprobs N, the JSON output carries each token's
 log-probability and the N most likely tokens (of the model's raw distribution, before temperature, top-k, top-p).

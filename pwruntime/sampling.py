@@ -4,8 +4,10 @@ seeds), log-probabilities.
 A batch samples in one set of tensor operations whatever its size: temperature, one sort, min-p, top-k and top-p per
 row, then one inverse-CDF pick per row over its kept tokens, most likely first. Each request's random numbers are
 counter-based (`RequestDraws`: a hash of its `seed`, or when unset of the engine seed and the request's index, and
-of the draw's index), one a sampled token, so its tokens do not depend on which other requests share the batch,
-nor on the device's random number generator.
+of the draw's index), one a sampled token, so its draws do not depend on which other requests share the batch, nor
+on the device's random number generator. Its logits may, in their last bits (a matrix multiply's sums run in an
+order that depends on the batch's rows, as in vLLM without batch-invariant kernels): log-probabilities differ by
+about 1e-6 between batches, and a token whose draw falls on the edge between two could differ.
 
 Stops are applied by the engine: EOS (unless `ignore_eos`) and `stop_token_ids` through the
 scheduler; stop strings on the decoded text (the returned text is cut before the stop string, or after it with
