@@ -102,7 +102,7 @@ class PageTable:
         self.supported = np.zeros(MAX_BITS + 1, dtype=bool)
         self.supported[list(self.bits)] = True
         self.q = np.zeros(n, dtype=np.int8)
-        self.d = np.zeros(n, dtype=np.int8)
+        self.d = np.zeros(n, dtype=np.int8)  # desired: the bits the planner last moved the block to (q once landed)
         self.planes = np.zeros((n, MAX_BITS), dtype=np.int8)
         self.target = np.full(n, -1, dtype=np.int8)  # bits of the transfer in flight, -1 none
         self.held = np.zeros(n, dtype=bool)  # GPU planes kept above q by commit_in_place
