@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from policies.apformat import WORD_BITS
+from policies.apformat import lut_bytes_of
 from policies.contract import NoopPolicy, Plan, Transition
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,9 +36,8 @@ def fp16_block_bytes(table: "PageTable") -> np.ndarray:
 
 
 def plane_bytes_per_block(table: "PageTable") -> np.ndarray:
-    """Per block: bytes of one bit-plane (vectorised `apformat.plane_bytes`)."""
-    out, inp = table.shapes[:, 0], table.shapes[:, 1]
-    return out * (-(-inp // WORD_BITS)) * (WORD_BITS // 8)
+    """Per block: bytes of one bit-plane, from the table's byte table (M at 1 bit less its LUT)."""
+    return table.M[:, 1] - lut_bytes_of(table.shapes[:, 0], 1)
 
 
 def in_flight_split(table: "PageTable") -> tuple[int, int]:
