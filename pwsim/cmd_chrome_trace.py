@@ -23,6 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--label", action="append", default=None, metavar="NAME",
                    help="the name of each DIR's process in the trace, in order (default: its folder and tool)")
     p.add_argument("--out", default="runs/chrome-trace.json", help="the trace file (default runs/chrome-trace.json)")
+    p.add_argument("--json", action="store_true", help="print what was written as JSON (the file, its events, the "
+                                                       "directories and their processes' names)")
     p.set_defaults(func=run)
 
 
@@ -35,6 +37,11 @@ def run(args) -> int:
     trace = chrome_trace(args.results, args.label)
     with writing(args.out):
         write_text_atomic(args.out, json.dumps(trace, separators=(",", ":"), allow_nan=False))
-    print(f"wrote {args.out}: {len(trace['traceEvents'])} events from {', '.join(args.results)}; open it in "
-          "https://ui.perfetto.dev or chrome://tracing")
+    if args.json:
+        names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+        print(json.dumps({"out": str(args.out), "events": len(trace["traceEvents"]), "results": args.results,
+                          "processes": [names[pid] for pid in sorted(names)]}, indent=2))
+    else:
+        print(f"wrote {args.out}: {len(trace['traceEvents'])} events from {', '.join(args.results)}; open it in "
+              "https://ui.perfetto.dev or chrome://tracing")
     return 0

@@ -81,6 +81,10 @@ def test_the_command_writes_both_as_processes(sim_dir, tmp_path, capsys):
     names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "process_name"}
     assert names == {1: "sim", 2: "h200"}
     assert _of(trace, 2, "X", "phase") and not _of(trace, 1, "X", "phase")  # only the replay times phases
+    assert main(["chrome-trace", str(sim_dir), "--out", str(out), "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)
+    assert said["events"] == len(json.loads(out.read_text())["traceEvents"]) and said["results"] == [str(sim_dir)]
+    assert said["out"] == str(out) and len(said["processes"]) == 1
 
 
 def test_chrome_trace_misuse(sim_dir, tmp_path, capsys):
