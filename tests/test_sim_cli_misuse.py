@@ -337,6 +337,22 @@ def test_a_result_directory_is_replaced_only_by_its_own_tool(tmp_path, config, t
     assert prepare_dir(out, True, tool) == out  # --force
 
 
+def test_a_run_does_not_replace_a_result_holding_files_of_ones_own(tmp_path, capsys):
+    """A run's result replaces its directory whole: one holding a file no result writes (a note beside a previous
+    run, in it or a folder below) is refused without --force, and left as it was (it was deleted)."""
+    for where in ("notes.txt", "c1/notes.txt"):
+        out = _fake_result(tmp_path / where.replace("/", "_"), SIM_CONFIG)
+        (out / where).parent.mkdir(exist_ok=True)
+        (out / where).write_text("keep me")
+        before = _listing(out)
+        _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", "--out", out],
+                f"holds a previous result and also {out / where}, which a result does not")
+        assert _listing(out) == before
+    assert main(["run", *SMALL, "--budget", "20GiB", "--out", str(out), "--force", "--json"]) == 0
+    assert not (out / "c1").exists()
+    capsys.readouterr()
+
+
 @pytest.mark.parametrize("command, argv, marker", [
     ("compare", [*SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--no-progress"], "compare.json"),
     ("capacity", [*SMALL, "--policies", "uniform-4", "--budgets", "20GiB", "--slo-ttft", "1", "--no-progress"],

@@ -196,7 +196,26 @@ def prepare_dir(out: str | os.PathLike, force: bool, tool: str = "pwsim", marker
     if other not in (None, tool):
         raise UserError(f"--out {out} holds a `{command_of(other)}` result, not a `{command_of(tool)}` one; choose "
                         "another directory or pass --force to replace it")
+    stranger = _not_a_result_file(out) if marker == RESULT_MARKER else None  # a run's result replaces the directory
+    if stranger is not None:
+        raise UserError(f"--out {out} holds a previous result and also {stranger}, which a result does not; choose "
+                        "another directory or pass --force to replace it all")
     return out
+
+
+RESULT_SUFFIXES = (".json", ".parquet", ".png", ".csv")  # what the tools' results are made of
+
+
+def _not_a_result_file(folder: Path) -> Path | None:
+    """The first file under `folder` that no result writes (a note of one's own, say), or None."""
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            inner = _not_a_result_file(entry)
+            if inner is not None:
+                return inner
+        elif not (entry.is_file() and entry.suffix in RESULT_SUFFIXES):
+            return entry
+    return None
 
 
 def prepare_trace_dir(out: str | os.PathLike, force: bool) -> Path:
