@@ -12,9 +12,11 @@ import time
 from dataclasses import asdict
 
 from pwsim.capacity import PERCENTILES, SLO
-from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, middle_budget,
-                           policies_and_budgets, policy_variants, remember_defaults, validate_config, variant_flags)
+from pwsim.cmd_run import (add_common, add_sweep_flag, command_line, config_from_args, middle_budget,
+                           policies_and_budgets, policy_variants, remember_defaults, validate_config)
 from pwsim.defaults import DEFAULTS
+
+CAPACITY_ALWAYS = ("policies", "budgets", "min_rate", "max_rate", "tolerance")  # in its command even at defaults
 from pwsim.parallel import map_jobs, worker_count
 from traces.clikit import UserError
 from traces.results import prepare_dir
@@ -94,8 +96,8 @@ def run(args: argparse.Namespace) -> int:
                      progress=not args.no_progress)
     searches = [{"policy": cfg.policy_label, "budget": b, **cap} for (_, b, cfg), (cap, _) in zip(configs, found)]
     first = found[0][1]
-    meta = {"command": _command(args, slo, policy_names, budgets), "budgets": budgets, "curve_budget": curve_budget,
-            "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
+    meta = {"command": command_line("pwsim capacity", args, always=CAPACITY_ALWAYS), "budgets": budgets,
+            "curve_budget": curve_budget, "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
                                         "tolerance": args.tolerance},
             "jobs": jobs, "wall_s": None, "hardware": first["hardware"], "calibration": first["calibration"],
             "workload": first["workload"], "model": first["model"]}
@@ -120,18 +122,6 @@ def run(args: argparse.Namespace) -> int:
               f"{meta['wall_s']:.1f} s)")
         print(f"reproduce: {meta['command']}")
     return 0
-
-
-def _command(args: argparse.Namespace, slo: SLO, policies: list[str], budgets: list[str]) -> str:
-    parts = ["pwsim capacity", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}"]
-    parts += variant_flags(args)
-    if args.slo_ttft is not None:
-        parts.append(f"--slo-ttft {args.slo_ttft:g}")
-    if args.slo_tpot is not None:
-        parts.append(f"--slo-tpot {args.slo_tpot:g}")
-    parts.append(f"--percentile {slo.percentile}" if slo.attainment is None else f"--attainment {slo.attainment:g}")
-    parts.append(f"--min-rate {args.min_rate:g} --max-rate {args.max_rate:g} --tolerance {args.tolerance:g}")
-    return " ".join(parts + common_flags(args))
 
 
 def register(subparsers) -> None:

@@ -10,8 +10,8 @@ import argparse
 import time
 from pathlib import Path
 
-from pwsim.cmd_run import (add_common, add_sweep_flag, common_flags, config_from_args, middle_budget,
-                           policies_and_budgets, policy_variants, remember_defaults, validate_config, variant_flags)
+from pwsim.cmd_run import (add_common, add_sweep_flag, command_line, config_from_args, middle_budget,
+                           policies_and_budgets, policy_variants, remember_defaults, validate_config)
 from pwsim.parallel import map_jobs, worker_count
 from pwsim.defaults import DEFAULTS
 from pwsim.hardware import memory_unit
@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
     first = next((results[k][0] for k in range(len(configs)) if results[k][0] is not None), None)
     if first is None:  # nothing to tabulate or plot
         raise UserError(f"no run is feasible at --budgets {','.join(budgets)}; the first: {rows[0]['note']}")
-    meta = {"command": _command(args, policy_names, budgets), "jobs": jobs, "wall_s": None,
-            "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
+    meta = {"command": command_line("pwsim compare", args, always=("policies", "budgets")), "jobs": jobs,
+            "wall_s": None, "policies": policy_names, "budgets": budgets, "timeline_budget": tl_budget,
             "quality_note": first["quality"]["note"], "hardware": first["hardware"],
             "calibration": first["calibration"], "workload": first["workload"], "model": first["model"]}
     timelines = {cfg.policy_label: results[k][1] for k, (p, b, cfg) in enumerate(configs)
@@ -151,11 +151,6 @@ def run(args: argparse.Namespace) -> int:
               f"({len(configs)} runs, {jobs} jobs, {meta['wall_s']:.1f} s)")
         print(f"reproduce: {meta['command']}")
     return 0
-
-
-def _command(args, policies, budgets) -> str:
-    return " ".join(["pwsim compare", f"--policies {','.join(policies)}", f"--budgets {','.join(budgets)}",
-                     *variant_flags(args), *common_flags(args)])
 
 
 def register(subparsers) -> None:

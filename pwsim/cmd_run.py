@@ -156,8 +156,41 @@ SYNTHETIC_ONLY = ("requests", "rate", "prompt_dist", "output_dist", "domains", "
 
 
 def remember_defaults(parser: argparse.ArgumentParser) -> None:
-    """Keep the parser's defaults in `args._defaults`, for `given` (and `common_flags`)."""
-    parser.set_defaults(_defaults={a.dest: a.default for a in parser._actions})
+    """Keep the parser's defaults in `args._defaults`, for `given`, and its options in `args._options`, for
+    `command_line`."""
+    parser.set_defaults(_defaults={a.dest: a.default for a in parser._actions},
+                        _options=[(a.dest, _long_option(a), type(a).__name__) for a in parser._actions
+                                  if a.option_strings and a.dest not in NOT_IN_COMMAND])
+
+
+def _long_option(action: argparse.Action) -> str:
+    """An option's long spelling (a BooleanOptionalAction's positive one)."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return action.option_strings[0]
+    return max(action.option_strings, key=len)
+
+
+NOT_IN_COMMAND = ("help", "force", "json", "no_progress", "jobs")  # flags that change how a result is shown, not it
+
+
+def command_line(prog: str, args: argparse.Namespace, always: tuple[str, ...] = ()) -> str:
+    """The command that reproduces a result: `prog` and every option that differs from its default (and the `always`
+    ones), as a shell takes them (the reproduce lines, a result's `command`)."""
+    import shlex
+    parts = [prog]
+    for dest, option, kind in args._options:
+        value = getattr(args, dest)
+        if value == args._defaults[dest] and dest not in always:
+            continue
+        if kind == "BooleanOptionalAction":
+            parts.append(option if value else option.replace("--", "--no-", 1))
+        elif kind in ("_StoreTrueAction", "_StoreFalseAction"):
+            parts.append(option)
+        elif kind == "_AppendAction":
+            parts += [f"{option} {shlex.quote(str(v))}" for v in value]
+        elif value is not None:
+            parts.append(f"{option} {shlex.quote(str(value))}")
+    return " ".join(parts)
 
 
 def given(args: argparse.Namespace, *dests: str) -> list[str]:
@@ -195,38 +228,6 @@ def validate_config(cfg) -> None:
     else:  # the requests alone (cheap): a bad --rate or --burstiness is refused here, not in every worker
         from traces.generators import generate_requests
         generate_requests(cfg.workload.specs()[0], cfg.seed)
-
-
-def common_flags(args: argparse.Namespace) -> list[str]:
-    """The `add_common` flags that differ from their defaults (`args._defaults`), as a command line would give them."""
-    parts = []
-    for flag in ("trace", "model", "calibration", "hardware", "seed", "requests", "rate", "burstiness",
-                 "prompt_dist", "output_dist", "domains", "token_ids_vocab", "shared_prefix_tokens", "prefix_groups",
-                 "quality_fit"):
-        v = getattr(args, flag)
-        if v is not None and v != args._defaults.get(flag):
-            parts.append(f"--{flag.replace('_', '-')} {v}")
-    if args.enable_prefix_caching:
-        parts.append("--enable-prefix-caching")
-    if not args.hybrid_kv_cache:
-        parts.append("--no-hybrid-kv-cache")
-    if args.async_scheduling:
-        parts.append("--async-scheduling")
-    if args.instant_page_moves:
-        parts.append("--instant-page-moves")
-    if args.lut_room != "slack":
-        parts.append(f"--lut-room {args.lut_room}")
-    if parse_size(args.activation_reserve, allow_zero=True):
-        parts.append(f"--activation-reserve {args.activation_reserve}")
-    if args.warmup_requests:
-        parts.append(f"--warmup-requests {args.warmup_requests}")
-    if args.time_scale != 1.0:
-        parts.append(f"--time-scale {args.time_scale:g}")
-    if args.request_rate is not None:
-        parts.append(f"--request-rate {args.request_rate:g}")
-    if args.max_concurrency is not None:
-        parts.append(f"--max-concurrency {args.max_concurrency}")
-    return parts
 
 
 def policies_and_budgets(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -297,11 +298,6 @@ def policy_variants(args: argparse.Namespace, policy_names: list[str]) -> list[t
     return out
 
 
-def variant_flags(args: argparse.Namespace) -> list[str]:
-    """`--policy-arg` and `--sweep` as a command line gives them (the reproduce lines)."""
-    return [f"--policy-arg {a}" for a in args.policy_arg] + [f"--sweep {s}" for s in args.sweep]
-
-
 def parse_policy(name: str, args_list: list[str]) -> dict:
     import policies
     try:
@@ -349,6 +345,7 @@ def _ms(v) -> str:
 def run(args: argparse.Namespace) -> int:
     from pwsim import output, runner
     from traces.sweep import parse_levels
+    command = command_line("pwsim run", args)  # as given: --like-replay fills in the replay's settings below
     if args.like_replay:
         from pwsim import like_replay
         taken = like_replay.apply(args, args.like_replay)
@@ -357,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     params = parse_policy(args.policy, args.policy_arg)
     levels = parse_levels(args.max_concurrency)
     if len(levels) > 1:
-        return run_sweep(args, params, levels)
+        return run_sweep(args, params, levels, command)
     cfg = config_from_args(args, args.policy, params, args.budget)
     slo = slo_bounds(args)
     out = output.prepare_dir(f"runs/run-{cfg.policy}-{args.budget}" if args.out is None else args.out, args.force)
@@ -365,6 +362,7 @@ def run(args: argparse.Namespace) -> int:
     result = runner.execute(cfg, progress=not (args.json or args.no_progress))
     if slo is not None:
         result.summary["slo"] = slo_attainment(result.requests, *slo)
+    result.summary["command"] = command
     path = output.write_run(result, cfg.to_json(), out, plots=not args.no_plots, force=args.force)
     if args.json:
         print(output.dumps(result.summary))
@@ -373,12 +371,14 @@ def run(args: argparse.Namespace) -> int:
         refused = refusal_line(result.plan_log, str(path))
         if refused:
             print(f"  {refused}")
-        print(f"wrote {path}/ (requests.parquet, timeline.parquet, summary.json, config.json, events.json"
-              f"{', timeline.png, latency.png' if not args.no_plots else ''}) in {time.perf_counter() - t0:.1f} s")
+        print(f"wrote {path}/ (requests.parquet, timeline.parquet, plans.parquet, summary.json, config.json, "
+              f"events.json{', timeline.png, latency.png' if not args.no_plots else ''}) in "
+              f"{time.perf_counter() - t0:.1f} s")
+        print(f"reproduce: {result.summary['command']}")
     return 0
 
 
-def run_sweep(args: argparse.Namespace, params: dict, levels: list[int]) -> int:
+def run_sweep(args: argparse.Namespace, params: dict, levels: list[int], command: str) -> int:
     """One run per --max-concurrency level into `--out/c<N>`, their rows in `--out/summary.json`, a table and
     `sweep.png` (traces.sweep), as `pwruntime bench serve` writes its sweep."""
     import json
@@ -405,9 +405,10 @@ def run_sweep(args: argparse.Namespace, params: dict, levels: list[int]) -> int:
             sweep.plot_sweep(rows, tmp / "sweep.png", f"pwsim run {configs[0].label} ({configs[0].hardware})")
 
     config = {**configs[0].to_json(), "max_concurrency": levels}  # each level's own config is in its directory
-    write_result_dir(out, {}, {"summary": {"sweep": rows}, "config": config}, extra=write_levels, force=args.force)
+    write_result_dir(out, {}, {"summary": {"sweep": rows, "command": command}, "config": config}, extra=write_levels,
+                     force=args.force)
     print(json.dumps(rows) if args.json else sweep.table(rows) + f"\nwrote {out}/ (c{levels[0]}/ ... c{levels[-1]}/, "
-          f"summary.json{', sweep.png' if not args.no_plots else ''})")
+          f"summary.json{', sweep.png' if not args.no_plots else ''})\nreproduce: {command}")
     return 0
 
 

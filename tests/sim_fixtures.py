@@ -55,7 +55,7 @@ def tiny_sim(policy: str = "pagedweight", kv_blocks: int = 24, seed: int = 0, n:
 
 def summary_without_wall(summary: dict) -> dict:
     s = dict(summary)
-    for k in ("wall_s", "sim_tokens_per_wall_s", "output_tokens_per_wall_s"):
+    for k in ("wall_s", "sim_tokens_per_wall_s", "output_tokens_per_wall_s", "command"):
         s.pop(k, None)
     return s
 

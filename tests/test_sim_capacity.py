@@ -165,8 +165,9 @@ def test_capacity_sweeps_a_planner_parameter(tmp_path, capsys):
     carries the sweep."""
     argv = ["capacity", "--policies", "pagedweight", "--jobs", "1", "--no-progress", *DEMO]
     assert main([*argv, "--sweep", "min_plan_blocks=0,16", "--out", str(tmp_path / "sweep")]) == 0
-    assert "reproduce: pwsim capacity --policies pagedweight --budgets 32MiB --sweep min_plan_blocks=0,16" in \
-        capsys.readouterr().out
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("reproduce: pwsim capacity --policies pagedweight ")
+    assert all(f" {flag} " in line for flag in ("--sweep min_plan_blocks=0,16", "--budgets 32MiB", "--min-rate 0.5"))
     searches = json.loads((tmp_path / "sweep" / "capacity.json").read_text())["searches"]
     assert [s["policy"] for s in searches] == ["pagedweight,min_plan_blocks=0", "pagedweight,min_plan_blocks=16"]
     assert main([*argv, "--policy-arg", "min_plan_blocks=16", "--out", str(tmp_path / "one")]) == 0

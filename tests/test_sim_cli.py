@@ -202,6 +202,27 @@ def test_the_bundled_quality_fit_applies_only_to_the_model_and_calibration_it_wa
     assert make_config("20GiB", model="Qwen1.5-MoE-A2.7B", calibration="synthetic", quality_fit=str(own)).uses_quality_fit
 
 
+def test_the_reproduce_line_names_every_setting_and_reproduces_the_run(tmp_path, capsys):
+    """`reproduce:` (and summary.json's `command`) carries every option the run changed, engine limits and SLOs
+    included (it left out --block-size, --max-num-seqs, ...), and running it gives the same result."""
+    import shlex
+    argv = ["run", "--policy", "uniform-4", "--budget", "24MiB", "--max-num-seqs", "8", "--block-size", "32",
+            "--max-num-batched-tokens", "256", "--slo-ttft", "0.5", "--no-hybrid-kv-cache", "--requests", "12",
+            "--trace", "synthetic", "--out", str(tmp_path / "a"), "--no-plots"]
+    assert main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    first = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert line == f"reproduce: {first['command']}"
+    for flag in ("--max-num-seqs 8", "--block-size 32", "--max-num-batched-tokens 256", "--slo-ttft 0.5",
+                 "--no-hybrid-kv-cache", "--policy uniform-4", "--budget 24MiB"):
+        assert flag in line, flag
+    again = shlex.split(line.removeprefix("reproduce: pwsim "))
+    assert main([*again, "--force"]) == 0
+    capsys.readouterr()
+    second = json.loads((tmp_path / "a" / "summary.json").read_text())
+    assert summary_without_wall(second) == summary_without_wall(first) and second["command"] == first["command"]
+
+
 def test_plots_do_not_depend_on_the_order_levels_and_budgets_are_named_in(tmp_path):
     """The default budget a compare or capacity run plots is the middle one by size, and a sweep's plot draws its
     levels in order: named in another order, the same plots (they zig-zagged, or showed another budget)."""
