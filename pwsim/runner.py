@@ -22,6 +22,9 @@ from traces.clikit import UserError
 from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
 
 
+ROUTING_FIELDS = ("skew", "domain_shift", "drift", "features")  # SyntheticWorkload's synthetic routing settings
+
+
 @dataclass(frozen=True)
 class SyntheticWorkload:
     """The generated workload used when `trace` is "synthetic" (requests, then routing)."""
@@ -131,9 +134,13 @@ class RunConfig:
                          warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 
     def to_json(self) -> dict:
+        """As a result's config.json: everything that reproduces the run, and only what it used (a trace's run keeps
+        the synthetic routing's settings, for a trace without routing, not the synthetic requests' it never drew)."""
         d = asdict(self)
         d["policy_params"] = dict(self.policy_params)
         d["workload"]["domains"] = list(self.workload.domains)
+        if self.trace != SYNTHETIC:
+            d["workload"] = {k: v for k, v in d["workload"].items() if k in ROUTING_FIELDS}
         d["budget"] = format_size(self.budget_bytes)
         return d
 

@@ -240,3 +240,16 @@ def test_a_png_names_no_matplotlib_version(tmp_path):
     from traces.clikit import pyplot, write_png
     fig = pyplot().figure()
     assert b"Matplotlib" not in write_png(fig, tmp_path / "p.png").read_bytes()
+
+
+def test_a_trace_runs_config_holds_no_synthetic_requests_it_never_drew(tmp_path, capsys):
+    """config.json of a run on a trace directory keeps the synthetic routing's settings (used where the trace has no
+    routing) but not the synthetic requests' (it showed 100 requests at rate 30 for a trace of 96), and still
+    reproduces the run."""
+    from pwsim.runner import ROUTING_FIELDS
+    assert main(["run", "--budget", "24MiB", "--out", str(tmp_path / "r"), "--no-plots", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    config = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert set(config["workload"]) == set(ROUTING_FIELDS)
+    again = execute(RunConfig.from_json(config))
+    assert again.summary["iterations"] == summary["iterations"] and again.summary["requests"] == summary["requests"]
