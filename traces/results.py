@@ -48,11 +48,11 @@ def percentile(a, p: float) -> float | None:
 
 
 def stats(a) -> dict:
-    """mean, p50, p90, p99 and max of the finite values (None when there are none)."""
+    """mean, p50, p90, p95, p99 and max of the finite values (None when there are none)."""
     a = np.asarray(a, dtype=np.float64)
     f = a[np.isfinite(a)]
     return {"mean": float(f.mean()) if f.size else None, "p50": percentile(f, 50), "p90": percentile(f, 90),
-            "p99": percentile(f, 99), "max": float(f.max()) if f.size else None}
+            "p95": percentile(f, 95), "p99": percentile(f, 99), "max": float(f.max()) if f.size else None}
 
 
 def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens, first_token_s, finish_s, preemptions,
@@ -69,16 +69,20 @@ def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens,
 
 def request_summary(requests: dict[str, np.ndarray]) -> dict:
     """What a run's summary says about its requests (from `request_columns`): completions, makespan (first arrival
-    to last finish), output throughput over it, and latency statistics."""
+    to last finish), throughputs over it (output tokens, as vLLM's benchmark's "output token throughput"; prompt and
+    output tokens; completed requests), and latency statistics of the requests that have them."""
     arrival, finish, reason = requests["arrival_s"], requests["finish_s"], requests["finish_reason"]
     n = len(arrival)
     end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
     start = float(arrival.min()) if n else 0.0
-    out_total = int(requests["output_tokens"].sum())
-    return {"requests": n, "completed": int(np.isin(reason, ("length", "stop")).sum()),
+    out_total, span = int(requests["output_tokens"].sum()), max(end - start, 1e-12)
+    completed = int(np.isin(reason, ("length", "stop")).sum())
+    return {"requests": n, "completed": completed,
             "finish_reasons": dict(Counter(reason.tolist())), "unfinished": int(np.isnan(finish).sum()),
             "makespan_s": end - start, "output_tokens": out_total,
-            "throughput_tokens_per_s": out_total / max(end - start, 1e-12),
+            "throughput_tokens_per_s": out_total / span,
+            "total_tokens_per_s": (int(requests["prompt_tokens"].sum()) + out_total) / span,
+            "requests_per_s": completed / span,
             "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"])}
 
 
