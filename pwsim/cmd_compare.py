@@ -77,8 +77,8 @@ def table(rows: list[dict]) -> str:
     scale = GiB / div  # rows hold GiB
     relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
     slo = any(r.get("slo_attainment") is not None for r in rows)
-    head = ("policy", "budget", f"peak {unit}", f"used {unit}", "weights", "KV pool", "bits", "tok/s", "TTFT p50",
-            "TPOT p50 ms", "preempt", "stall s", "viol", f"reload {unit}",
+    head = ("policy", "budget", f"peak {unit}", f"used {unit}", f"weights {unit}", f"KV pool {unit}", "bits",
+            "out tok/s", "TTFT p50 s", "TPOT p50 ms", "preempt", "stall s", "viol", f"reload {unit}",
             ("ppl/fp" if relative else "ppl") if q_key == "predicted_ppl" else "damage/tok") + (("SLO met %",) * slo)
     body = []
     for r in rows:

@@ -32,21 +32,28 @@ def parse_levels(text: str | None) -> list[int | None]:
 def sweep_row(level: int, summary: dict) -> dict:
     """What the sweep's table shows of one level's run (latencies in seconds, None where no request finished;
     `failed`: the requests not completed, as the client counted them where it did)."""
+    slo = summary.get("slo") or {}
     return {"max_concurrency": level, "requests": summary["requests"], "completed": summary["completed"],
             "failed": summary.get("failed", summary["requests"] - summary["completed"]),
             "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
-            "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"]}
+            "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"],
+            **({"slo_attainment": slo["attainment"], "goodput_rps": slo["goodput_rps"]} if slo else {})}
 
 
 def table(rows: list[dict]) -> str:
-    """The rows as a terminal table."""
+    """The rows as a terminal table (with the SLO's attainment and goodput when the rows have them)."""
     def ms(v):
         return "n/a" if v is None else f"{v * 1e3:.2f}"
-    lines = [f"{'N':>5} {'tokens/s':>10} {'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7} {'failed':>7}  (ms)"]
+    slo = all("goodput_rps" in r for r in rows)
+    lines = [f"{'N':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} {'TPOT p50 ms':>12} {'p99 ms':>8} "
+             f"{'failed':>7}" + (f" {'in SLO %':>9} {'goodput req/s':>14}" if slo else "")]
     for r in rows:
-        lines.append(f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>9} "
-                     f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>9} {ms(r['tpot_p99_s']):>7} {r['failed']:>7}")
+        line = (f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>12} "
+                f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>8} {r['failed']:>7}")
+        if slo:
+            line += f" {100 * (r['slo_attainment'] or 0):>9.1f} {r['goodput_rps']:>14.3g}"
+        lines.append(line)
     return "\n".join(lines)
 
 
