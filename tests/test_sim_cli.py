@@ -253,3 +253,16 @@ def test_a_trace_runs_config_holds_no_synthetic_requests_it_never_drew(tmp_path,
     assert set(config["workload"]) == set(ROUTING_FIELDS)
     again = execute(RunConfig.from_json(config))
     assert again.summary["iterations"] == summary["iterations"] and again.summary["requests"] == summary["requests"]
+
+
+def test_a_concurrency_sweep_keeps_each_levels_slo(tmp_path, capsys):
+    """With --slo-ttft, each level's row keeps its attainment and goodput, and the table shows them (they were only
+    in the levels' own summaries)."""
+    assert main(["run", "--budget", "48MiB", "--max-concurrency", "1,8", "--time-scale", "0", "--slo-ttft", "0.01",
+                 "--out", str(tmp_path / "s"), "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    rows = json.loads((tmp_path / "s" / "summary.json").read_text())["sweep"]
+    for row in rows:
+        level = json.loads((tmp_path / "s" / f"c{row['max_concurrency']}" / "summary.json").read_text())["slo"]
+        assert row["goodput_rps"] == level["goodput_rps"] and row["slo_attainment"] == level["attainment"]
+    assert "goodput req/s" in text.splitlines()[0] and rows[0]["goodput_rps"] != rows[1]["goodput_rps"]
