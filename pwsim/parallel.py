@@ -27,7 +27,8 @@ def map_jobs(fn: Callable, args: Sequence[tuple], workers: int, desc: str, unit:
     function). The first failure cancels the jobs not started and is raised."""
     from tqdm import tqdm
     results: dict[int, Any] = {}
-    bar = tqdm(total=len(args), desc=desc, unit=unit, file=sys.stderr, disable=not progress)
+    # disable=None: a bar on a terminal only, as `pwsim run`'s (piped into a log, it wrote every refresh)
+    bar = tqdm(total=len(args), desc=desc, unit=unit, file=sys.stderr, disable=None if progress else True)
     try:
         if workers == 1:
             for k, a in enumerate(args):
