@@ -10,7 +10,9 @@
    engine for room (`reserve(bytes)`, e.g. by shrinking the KV pool over free blocks) and then
    marks its planes in flight. The mover gets `start(transition, bytes)`. An `in_place` transition
    (planes already resident) is committed at once without the mover. A transition the table
-   or the engine refuses is recorded in `rejected` and changes nothing; nothing raises.
+   or the engine refuses is recorded in `rejected` and changes nothing. What raises is a planner that breaks the
+   contract (a PolicyError: it returned something other than a Plan, changed the table itself, or asked an engine
+   that fetches no absent expert for 0 bits), and its own exceptions, with a note naming it.
 3. Transfers the mover reports as landed are committed (`finish_offload` frees planes, and the
    engine's `release(bytes)` can give them to the KV pool; `finish_reload` raises `q`).
 
@@ -215,9 +217,7 @@ class PlanLoop:
             return 0
         table, total, slack = self.table, 0, self.lut_slack_bytes - self.lut_borrowed
         for t in self._beginning.transitions:
-            if (t.to_bits == t.from_bits or getattr(t, "in_place", False) or not 0 <= t.block < table.num_blocks
-                    or not _served(table, t.to_bits)
-                    or table.target[t.block] >= 0 or table.q[t.block] != t.from_bits):  # `_begin` refuses it
+            if t.in_place or self._refusal(t) is not None:  # moves nothing, or `_begin` refuses it
                 continue
             room = room_for(table, t)
             if t.is_offload and borrows_from_slack(room, slack):  # as `_begin` will
@@ -244,21 +244,31 @@ class PlanLoop:
         self.lut_borrowed -= borrowed
         return borrowed
 
+    def _refusal(self, t: Transition) -> str | None:
+        """Why the loop refuses `t` before asking for any room (None: it may begin, room permitting)."""
+        table, i = self.table, t.block
+        if not 0 <= i < table.num_blocks:
+            return f"block {i} out of range"
+        if table.target[i] >= 0:  # busy
+            return "transfer already in flight"
+        if int(table.q[i]) != t.from_bits:
+            return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}"
+        if t.to_bits == t.from_bits or t.to_bits < 0:
+            return f"no legal change {t.from_bits} -> {t.to_bits}"
+        if not _served(table, t.to_bits):
+            return f"{t.to_bits} bits not supported; supported: {table.bits}"
+        if t.to_bits > t.from_bits and not t.in_place and table.held[i]:
+            return "block keeps planes in place (commit_in_place); it cannot reload"
+        return None
+
     def _begin(self, t: Transition) -> tuple[str | None, int]:
         """Begin one transition; returns (why it was refused or None, bytes moved)."""
         table, i = self.table, t.block
-        if not 0 <= i < table.num_blocks:
-            return f"block {i} out of range", 0
-        if table.target[i] >= 0:  # busy
-            return "transfer already in flight", 0
-        if int(table.q[i]) != t.from_bits:
-            return f"stale plan: block is at {int(table.q[i])} bits, not {t.from_bits}", 0
-        if t.to_bits == t.from_bits or t.to_bits < 0:
-            return f"no legal change {t.from_bits} -> {t.to_bits}", 0
-        if not _served(table, t.to_bits):
-            return f"{t.to_bits} bits not supported; supported: {table.bits}", 0
+        why = self._refusal(t)
+        if why is not None:
+            return why, 0
         try:
-            if getattr(t, "in_place", False):  # planes already resident: commit now, nothing moves
+            if t.in_place:  # planes already resident: commit now, nothing moves
                 table.commit_in_place(i, t.to_bits)
                 return None, 0
             if t.is_offload:
@@ -282,8 +292,6 @@ class PlanLoop:
                 self._release_on_commit[i] = nbytes + new_lut  # surplus planes and the old LUT
             else:
                 # planes q..to-1 plus LUT_to must fit before the copy starts; LUT_q goes at commit
-                if getattr(table, "held", None) is not None and table.held[i]:
-                    return "block keeps planes in place (commit_in_place); it cannot reload", 0
                 need = room_for(table, t)
                 if self._reserve is not None and not self._reserve(need):
                     return "no room for the reload", 0

@@ -12,7 +12,7 @@ import pytest
 import policies
 from policies.contract import Observation, Plan, Transition
 from policies.kv_blocks import BlockPool
-from policies.loop import ImmediateMover, PlanLoop
+from policies.loop import ImmediateMover, PlanLoop, room_for
 from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass, RoutingStats, build_observation, split_tokens
 from policies.page_table import PageTable, PlaneState
@@ -299,6 +299,21 @@ def test_room_left_counts_what_the_plan_still_asks_for():
     assert seen == [(reload(2, 4, 6), reload(2, 4, 6) + lut3 + reload(3, 4, 5)),
                     (lut3, lut3 + reload(3, 4, 5)), (reload(3, 4, 5), reload(3, 4, 5))]
     assert loop.room_left() == 0
+
+
+def test_room_left_leaves_out_a_reload_of_a_block_held_in_place():
+    """A block that keeps its planes above q (commit_in_place) cannot reload, so `_begin` refuses it, and room_left
+    no longer counts it (one check for both: the pool shrank for a reload that never began)."""
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    table.commit_in_place(0, 4)
+    held, down = Transition(0, 4, 6, 0), Transition(2, 8, 4, 0)
+    lut4 = room_for(table, down)  # the offload's new LUT, which it asks `reserve` for (no slack here)
+    seen = []
+    loop = PlanLoop(ScriptedPolicy([Plan((held, down))]), table, ImmediateMover(),
+                    reserve=lambda b: seen.append((b, loop.room_left())) or True)
+    r = loop.step(_obs(0))
+    assert r.rejected[0][0].block == 0 and "cannot reload" in r.rejected[0][1]
+    assert seen == [(lut4, lut4)]
 
 
 def test_the_loop_reports_the_bytes_the_table_moves_not_the_planners_number():
