@@ -45,7 +45,7 @@ from policies.calibration import Calibration, free_block_threshold
 from policies.contract import Policy, Transition
 from policies.kv_groups import new_pool
 from policies.loop import PlanLoop, room_for
-from policies.memory_budget import kv_room_bytes, lut_slack_bytes
+from policies.memory_budget import allocator_slack_bytes, kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import in_flight_split, never_plans, weight_bytes
@@ -62,8 +62,6 @@ from traces.hardware import HardwareProfile
 from traces.model_card import ModelSpec
 from traces.results import WARMUP_TOKENS
 
-MiB = 1 << 20
-
 
 class BudgetError(UserError):
     """The memory budget cannot hold the weights the policy starts with."""
@@ -78,7 +76,8 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     stall_limit: int = 8  # scheduler: consecutive stalls before the blocking request is finished
-    allocator_slack_bytes: int = 64 * MiB  # kept out of the KV pool (LUTs of transitions in flight, fragmentation)
+    allocator_slack_bytes: int | None = None  # kept out of the KV pool (LUTs of transitions in flight,
+    # fragmentation); None: the budget's (policies.memory_budget.allocator_slack_bytes), as the runtime's
     activation_bytes: int = 0  # kept out of the KV pool for a step's activations (policies.memory_budget), never lent
     free_block_threshold: int | None = None  # None: the calibration's (8 without one)
     routing_half_life_tokens: float | None = 4096.0
@@ -101,6 +100,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
             raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
+        if self.allocator_slack_bytes is None:
+            object.__setattr__(self, "allocator_slack_bytes", allocator_slack_bytes(self.budget_bytes))
         if self.warmup_requests < 0 or self.activation_bytes < 0:
             raise ValueError(f"warmup_requests and activation_bytes must be >= 0, got {self.warmup_requests} and "
                              f"{self.activation_bytes}")

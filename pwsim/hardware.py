@@ -11,9 +11,7 @@ from traces.hardware import (AP_BITS, OP_CLASSES, HardwareProfile, HardwareProfi
 from traces.sizes import format_size, parse_size
 
 __all__ = ["AP_BITS", "OP_CLASSES", "HardwareProfile", "HardwareProfileError", "bundled_profiles", "from_json",
-           "load_profile", "parse_size", "format_size", "memory_unit", "DEFAULT_PROFILE"]
-
-DEFAULT_PROFILE = "h200-roofline"
+           "load_profile", "parse_size", "format_size", "memory_unit"]
 
 
 def memory_unit(max_bytes: float) -> tuple[int, str]:
