@@ -1,7 +1,9 @@
 """Continuous-batching scheduler: admission, chunked prefill, decode, preemption by recompute.
 
 Pure python and deterministic (no clocks, no randomness), shared by pwsim and pwruntime: both call
-`schedule()` once per iteration, run the batch (tensors or a cost model), then `postprocess()`.
+`schedule()` once per iteration, run the batch (tensors or a cost model), then `advance()` (the computed tokens)
+and `settle()` (the sampled ones): at once, or a step apart with asynchronous scheduling (`postprocess()` is the
+two together).
 
 Rules of one `schedule()` call, with a token budget of `max_num_batched_tokens`:
 

@@ -28,7 +28,7 @@ class LinkMover:
     """The PCIe link as a queue of copies: reloads serialize on it and land once copied; offloads land at once, or
     one boundary later when a forward was still running at the boundary that began them."""
 
-    def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, on_landed_check: Callable[[], None],
+    def __init__(self, env: simpy.Environment, h2d_bytes_per_s: float, after_plan_begun: Callable[[], None],
                  on_begin: Callable[[Transition, int], None] | None = None, transition_s: float = 0.0,
                  instant: bool = False) -> None:
         self.env, self.bw, self.instant = env, float(h2d_bytes_per_s), instant
@@ -39,7 +39,7 @@ class LinkMover:
         self._offloads_new: list[int] = []
         self._offloads_due: list[int] = []
         self._copies: list[tuple[float, int]] = []  # (end, block) of reloads not landed yet
-        self._check = on_landed_check
+        self._check = after_plan_begun  # checks memory once the plan's transitions began (before any lands)
         self._on_begin = on_begin
         self.transfers: list[tuple[int, float, float, int]] = []  # (block, start, end, bytes) of reloads
         self.offload_bytes = 0
