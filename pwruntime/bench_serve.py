@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pwruntime import server_probe
-from traces.clikit import UserError
+from traces.clikit import UserError, check_time_scale
 from traces.results import request_columns, request_summary
 from traces.schema import RequestTrace
 
@@ -216,9 +216,7 @@ def run_cli(args, command: str) -> int:
                         "serve`'s; give --url, --trace and --time-scale")
     if not args.url:
         raise UserError("`pwruntime bench serve` needs --url: the base URL of a running server (`pwruntime serve`)")
-    scale = 1.0 if args.time_scale is None else args.time_scale
-    if not 0 <= scale < float("inf"):
-        raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {scale}")
+    scale = check_time_scale(1.0 if args.time_scale is None else args.time_scale)
     levels = sweep.parse_levels(args.max_concurrency)
     rate, burstiness = arrival_args(args)
     trace = _requests(args.trace or str(Path(__file__).resolve().parents[1] / "traces/bundled/demo-trace"),

@@ -27,7 +27,7 @@ from dataclasses import astuple, dataclass, field
 import numpy as np
 
 from policies.plan_log import PlanLog
-from traces.clikit import UserError
+from traces.clikit import UserError, check_time_scale
 from pwruntime.cuda_memory import memory_report
 from pwruntime.engine import PlanCosts, StepPhases
 from pwruntime.sampling import SamplingParams
@@ -71,8 +71,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     if trace.token_ids.size and not 0 <= int(trace.token_ids.min()) <= int(trace.token_ids.max()) < vocab:
         raise UserError(f"{trace.source} has prompt token ids outside the model's vocabulary (0..{vocab - 1}): it was "
                         "recorded with another model's tokenizer; replay it with that model (--model or --ap)")
-    if not 0 <= time_scale < float("inf"):  # also refuses NaN
-        raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {time_scale}")
+    check_time_scale(time_scale)
     if engine.has_unfinished():
         raise ValueError("replay needs an engine with no queued requests")
     if warmup_requests < 0:

@@ -18,7 +18,7 @@ from pwsim.defaults import DEFAULT_ROUTING, DEFAULT_WORKLOAD, DEFAULTS, SYNTHETI
 from pwsim.engine import SimConfig, Simulation
 from pwsim.hardware import format_size, load_profile, parse_size
 from pwsim.recorder import SimResult
-from traces.clikit import UserError
+from traces.clikit import UserError, check_time_scale
 from traces.generators import LengthDist, RoutingSpec, WorkloadSpec
 
 
@@ -84,8 +84,7 @@ class RunConfig:
     request_burstiness: float = 1.0  # 1: Poisson, as vLLM's --burstiness default
 
     def __post_init__(self) -> None:
-        if not 0 <= self.time_scale < float("inf"):  # also refuses NaN
-            raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {self.time_scale}")
+        check_time_scale(self.time_scale)
         if self.request_rate is not None:
             if not (0 < self.request_rate < float("inf") and 0 < self.request_burstiness < float("inf")):
                 raise UserError(f"--request-rate must be a number of requests per second > 0 and --burstiness a "

@@ -55,6 +55,14 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         return 141
 
 
+def check_time_scale(value: float) -> float:
+    """`--time-scale` (pwsim run, pwruntime replay and bench serve): a number >= 0, which multiplies the arrival
+    times (0: every request at once)."""
+    if not 0 <= value < float("inf"):  # also refuses NaN
+        raise UserError(f"--time-scale must be a number >= 0 (0: every request at once), got {value}")
+    return value
+
+
 def check_output(path: str | os.PathLike, flag: str = "--out", directory: bool = True) -> Path:
     """Refuse, before any long work and creating nothing, an output path that cannot be written: a file where a
     directory is wanted (or a directory where a file is), a path under a file, or a place this process cannot create
