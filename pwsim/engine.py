@@ -48,7 +48,7 @@ from policies.loop import PlanLoop, room_for
 from policies.memory_budget import allocator_slack_bytes, kv_room_bytes, lut_slack_bytes
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
-from policies.planners.base import in_flight_split, never_plans, weight_bytes
+from policies.planners.base import never_plans, weight_bytes
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwsim.cost_model import BatchShape, CostBreakdown, CostModel
@@ -217,18 +217,14 @@ class Simulation:
 
     # ------------------------------------------------------------------ memory
     def expert_bytes(self) -> int:
-        """GPU bytes of the routed experts: the policy's own figure, else the page table's accounting
-        (committed planes and LUTs plus transfers in flight, as `PageTable.resident_bytes`)."""
-        off, rel = in_flight_split(self.table)
-        self._inflight = off + rel
-        if callable(self._own_bytes):
-            own = self._own_bytes(self.table)
-            if own is not None:
-                return int(own)
-        return self.table.committed_bytes() + off + rel
+        """GPU bytes of the routed experts, as the runtime sizes its pool by them (policies.planners.base.weight_bytes:
+        the policy's own figure, else the page table's committed planes and LUTs plus transfers in flight)."""
+        return weight_bytes(self.policy, self.table)
 
     def _refresh(self) -> None:
-        """Recompute the weight bytes after the page table changed (only the plan loop changes it)."""
+        """Recompute the weight bytes and those in flight after the page table changed (only the plan loop changes
+        it)."""
+        self._inflight = int(self.table.in_flight_bytes().sum())
         self._weights = self.nonexpert_bytes + self.expert_bytes()
 
     def used_bytes(self) -> tuple[int, int]:
@@ -476,7 +472,7 @@ class Simulation:
             self.pool.check_invariants()
             self.table.check_invariants()
             shared = self.nonexpert_bytes + weight_bytes(self.policy, self.table)
-            assert self._weights == shared, f"weight bytes {self._weights} != policies.planners.weight_bytes {shared}"
+            assert self._weights == shared, f"incremental weight bytes {self._weights} != recount {shared}"
         w, kv = self.used_bytes()
         bits = self._mean_bits()
         self.rec.timeline(self.now, self._step, w, kv, self.pool, self.table, self.sched, self._inflight, bits)
