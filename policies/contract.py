@@ -120,7 +120,13 @@ class Plan:
 
 @runtime_checkable
 class Policy(Protocol):
-    """A planner. Deterministic given its inputs, parameters and seed."""
+    """A planner. Deterministic given its inputs, parameters and seed.
+
+    Optional, looked up by name where an engine needs them: `weight_bytes(table) -> int | None` (the routed experts'
+    GPU bytes when the table does not tell them, as the full-precision baselines'; `planners.base.weight_bytes`),
+    `full_precision: bool` (the simulator costs fp16 experts and no quality damage), and `touch(used)` (the
+    simulator passes the [layers, experts] mask of the experts a step used before planning; expert-lru, which
+    otherwise reads them off the routing mass, as it does in the runtime)."""
 
     name: str
 

@@ -1,4 +1,5 @@
-"""StatsLog: the serving engine's periodic log line (vLLM's "Avg prompt throughput ..." line).
+"""What a serving engine says about itself: StatsLog, its periodic log line (vLLM's "Avg prompt throughput ..."
+line), and `serving_info` / `ready_line`, what it serves with (/server_info, the ready line, a replay's record).
 
 Every `interval_s` seconds while the engine has work, and once more after its work ends, one line goes to `write`:
 the prompt and generation tokens per second since the last line, the requests running and waiting, how full the KV
