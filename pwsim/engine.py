@@ -214,6 +214,7 @@ class Simulation:
         self._plan_time = 0.0  # the planning part of it
         self.in_boundary = False
         self.total_cost = CostBreakdown()
+        self.charged_s = (0.0, 0.0)  # host time charged besides the cost model's: in all, and its planning part
 
     # ------------------------------------------------------------------ memory
     def expert_bytes(self) -> int:
@@ -485,6 +486,7 @@ class Simulation:
     def _take_extra(self) -> tuple[float, float]:
         """The host time charged to the next forward (or stall), and the planning part of it."""
         taken = (self._extra_time, self._plan_time)
+        self.charged_s = (self.charged_s[0] + taken[0], self.charged_s[1] + taken[1])
         self._extra_time = self._plan_time = 0.0
         return taken
 

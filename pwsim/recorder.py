@@ -27,6 +27,15 @@ _ITER = TIMELINE_COLUMNS.index("iter_s")  # iter_s, batch_tokens, decode_tokens,
 _EMPTY_ITER = (0.0, 0, 0, 0, 0.0)
 
 
+def cost_breakdown(cost, charged_s: float, planning_s: float, iteration_s: float) -> dict:
+    """Simulated seconds of work by kind over the run: the cost model's operators (attention, moe, dense, lm_head,
+    the host's per-step overhead), the planning host work and the KV copies charged besides them, their `total`, and
+    `iterations_s`, the time the forwards took (below the total with asynchronous scheduling, where the host's work
+    overlaps the device's)."""
+    return {**cost.to_json(), "planning": planning_s, "kv_copies": charged_s - planning_s,
+            "total": cost.total + charged_s, "iterations_s": iteration_s}
+
+
 @dataclass
 class SimResult:
     requests: dict[str, np.ndarray]  # per-request columns
@@ -58,6 +67,7 @@ class Recorder:
         self._pending_iter = _EMPTY_ITER
         self._plan_transitions = 0  # transitions the current boundary's plan started
         self.iterations = 0
+        self.iteration_s = 0.0  # simulated seconds the forwards took
         self.decode_tokens = 0
         self.computed_tokens = 0
         self.counters: Counter = Counter()
@@ -88,6 +98,7 @@ class Recorder:
         its launch and its run) to that boundary's row, so a row holds the batch its step scheduled, as the runtime's
         timeline does."""
         self.iterations += 1
+        self.iteration_s += dt
         self.computed_tokens += tokens
         self.decode_tokens += decode_tokens
         row = (dt, tokens, decode_tokens, seqs, plan_s)
@@ -214,7 +225,7 @@ class Recorder:
             "stalls": {k: {"count": int(self.stall_count[k]), "time_s": float(self.stall_time[k])} for k in
                        sorted(self.stall_count)},
             "counters": {k: int(v) for k, v in sorted(self.counters.items()) if k != "budget_violations"},
-            "cost_breakdown_s": cost.to_json(),
+            "cost_breakdown_s": cost_breakdown(cost, *sim.charged_s, self.iteration_s),
             "quality": sim.quality.summary().to_json(),
             "wall_s": wall, "sim_tokens_per_wall_s": (self.computed_tokens / wall) if wall > 0 else None,
             "output_tokens_per_wall_s": out_total / wall if wall > 0 else None,

@@ -420,3 +420,20 @@ def test_instant_page_moves_land_every_transfer_at_the_boundary_that_began_it():
     assert all(start == end == 0.0 for _, start, end, _ in mover.transfers)
     mover, now = plan(instant=False)
     assert now == [] and mover.in_flight_reloads == 2
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_the_cost_breakdown_adds_up_to_the_forwards_time(asynchronous):
+    """cost_breakdown_s: operators plus the planning and KV copies charged besides them make its total, which is the
+    forwards' time synchronously (they left the charged host work out) and above it asynchronously, where host and
+    device work overlap."""
+    from pwsim.runner import execute, make_config
+    cfg = make_config("24MiB", policy="pagedweight", async_scheduling=asynchronous)
+    c = execute(cfg).summary["cost_breakdown_s"]
+    ops = c["attention"] + c["moe"] + c["dense"] + c["lm_head"] + c["overhead"]
+    assert c["total"] == pytest.approx(ops + c["planning"] + c["kv_copies"])
+    assert c["kv_copies"] > 0
+    if asynchronous:
+        assert c["iterations_s"] < c["total"]
+    else:
+        assert c["iterations_s"] == pytest.approx(c["total"])
