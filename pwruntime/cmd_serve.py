@@ -7,10 +7,10 @@ engine runs in a process of its own (pwruntime.engine_process) and logs a stats 
 Listens on 127.0.0.1 by default; with --api-key (or $PAGEDWEIGHT_API_KEY) every /v1 request needs it as a bearer
 token. Stop it with Ctrl-C or SIGTERM: it stops accepting connections at once and gives the requests in flight up to
 --shutdown-timeout seconds to finish, then answers each one still running with a 503 (a stream ends with an error
-event and [DONE]); a second Ctrl-C or SIGTERM does that at once. It exits 0. With --record-trace DIR the engine records the
-requests it served (arrival times, prompt token ids, output lengths) and the routing its forwards computed for them,
-and writes them as a trace directory when the server stops, the planner's log beside them: `pwsim run --trace DIR`
-simulates what was served, `pwsim plan-log DIR` shows what the planner moved.
+event and [DONE]); a second Ctrl-C or SIGTERM does that at once. It exits 0. With --record-trace DIR the engine
+records the requests it served (arrival times, prompt token ids, output lengths) and the routing its forwards
+computed for them, and writes them as a trace directory when the server stops, the planner's log beside them: `pwsim
+run --trace DIR` simulates what was served, `pwsim plan-log DIR` shows what the planner moved.
 """
 from __future__ import annotations
 

@@ -152,9 +152,9 @@ class EngineCore:
             self.request_metrics.observe(result)
             if result.finish_reason == "kv_capacity":
                 self.counters["kv_capacity_cuts_total"] += 1
-                print(f"engine: request {result.request_id} cut short after {len(result.token_ids)} tokens: the KV pool "
-                      f"({eng.pool.capacity} blocks) cannot hold it with the others (finish_reason length); lower "
-                      "--max-model-len or raise the KV cache", file=sys.stderr, flush=True)
+                print(f"engine: request {result.request_id} cut short after {len(result.token_ids)} tokens: the KV "
+                      f"pool ({eng.pool.capacity} blocks) cannot hold it with the others (finish_reason length); "
+                      "lower --max-model-len or raise the KV cache", file=sys.stderr, flush=True)
             if choice is not None:
                 out.append((choice.key, ("done", (choice.index, result))))
         for rid, choice in self._live.items():

@@ -247,9 +247,9 @@ class Server:
         self._check_model(body.get("model"))
         return body
 
-    def _check_length(self, texts: list[str], names: list[str]) -> None:
-        """Refuse a text that cannot fit the context before spending the time to encode it."""
-        for text, name in zip(texts, names):
+    def _check_length(self, named: list[tuple[str, str]]) -> None:
+        """Refuse a text that cannot fit the context, of (text, its name), before spending the time to encode it."""
+        for text, name in named:
             if len(text) > self.max_prompt_chars:
                 raise api.RequestError(f"{name} has {len(text):,} characters, more than the model's context of "
                                        f"{self.worker.max_position:,} tokens can hold; shorten it")
@@ -268,16 +268,15 @@ class Server:
         body = await self._body(request, chat=False)
         prompts = api.completion_prompts(body, self.vocab)
         params = api.sampling_params(body, 16, chat=False, vocab=self.vocab, echo=api.flag(body, "echo"))
-        texts = [(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)
-                 if isinstance(p, str)]
-        self._check_length([t for t, _ in texts], [name for _, name in texts])
+        self._check_length([(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)
+                            if isinstance(p, str)])
         return await self._serve(request, body, await _off_loop(self._encoded, prompts), params, chat=False)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request, chat=True)
         messages = api.chat_messages(body)
         params = api.sampling_params(body, 1 << 30, chat=True, vocab=self.vocab)
-        self._check_length(["".join(m["content"] for m in messages)], ["'messages'"])
+        self._check_length([("".join(m["content"] for m in messages), "'messages'")])
         ids = await _off_loop(self._chat_ids, messages, True)
         # as OpenAI: without max_tokens an answer may run to the end of the context (the engine stops it there)
         return await self._serve(request, body, [(ids, None)], params, chat=True)

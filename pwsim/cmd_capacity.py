@@ -97,8 +97,8 @@ def run(args: argparse.Namespace) -> int:
     searches = [{"policy": cfg.policy_label, "budget": b, **cap} for (_, b, cfg), (cap, _) in zip(configs, found)]
     first = found[0][1]
     meta = {"command": command_line("pwsim capacity", args, always=CAPACITY_ALWAYS), "budgets": budgets,
-            "curve_budget": curve_budget, "slo": slo_json, "search": {"min_rate": args.min_rate, "max_rate": args.max_rate,
-                                        "tolerance": args.tolerance},
+            "curve_budget": curve_budget, "slo": slo_json,
+            "search": {"min_rate": args.min_rate, "max_rate": args.max_rate, "tolerance": args.tolerance},
             "jobs": jobs, "wall_s": None, "hardware": first["hardware"], "calibration": first["calibration"],
             "workload": first["workload"], "model": first["model"]}
     rows = [{"policy": s["policy"], "budget": s["budget"], **pt} for s in searches for pt in s["points"]]
