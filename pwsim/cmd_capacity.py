@@ -110,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
     output.write_files(out, {  # all three or none
         "capacity.csv": lambda path: path.write_text(output.csv_text(rows, POINT_COLUMNS)),
-        "capacity.png": lambda path: plots.capacity(searches, budgets, curve_budget, slo_json, path),
+        "capacity.png": lambda path: plots.capacity(searches, budgets, curve_budget, slo_json, path,
+                                                    plots.setting(meta["model"], meta["hardware"])),
         "capacity.json": write_json})
     if args.json:
         print(output.dumps({**meta, "searches": searches}))

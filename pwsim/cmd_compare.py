@@ -128,15 +128,17 @@ def run(args: argparse.Namespace) -> int:
     timelines = {cfg.policy_label: results[k][1] for k, (p, b, cfg) in enumerate(configs)
                  if b == tl_budget and results[k][1] is not None}
 
+    context = plots.setting(meta["model"], meta["hardware"])
+
     def write_json(path: Path) -> None:
         meta["wall_s"] = time.perf_counter() - t0
         path.write_text(output.dumps({**meta, "rows": rows, "configs": [c.to_json() for _, _, c in configs]}))
 
     output.write_files(out, {  # all five or none
         "compare.csv": lambda path: path.write_text(output.csv_text(rows, COLUMNS)),
-        "quality_vs_memory.png": lambda path: plots.compare_quality_memory(rows, path),
-        "throughput.png": lambda path: plots.compare_throughput(rows, budgets, path),
-        "timelines.png": lambda path: plots.compare_timelines(timelines, path, f"timelines at {tl_budget}"),
+        "quality_vs_memory.png": lambda path: plots.compare_quality_memory(rows, path, context),
+        "throughput.png": lambda path: plots.compare_throughput(rows, budgets, path, context),
+        "timelines.png": lambda path: plots.compare_timelines(timelines, path, f"timelines at {tl_budget} · {context}"),
         "compare.json": write_json})
     if args.json:
         print(output.dumps({**meta, "rows": rows}))

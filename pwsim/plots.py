@@ -14,6 +14,18 @@ from traces.clikit import pyplot, write_png
 GiB = 2**30
 
 
+def setting(model: str, hardware) -> str:
+    """What a plot's results simulate, for its title: the model card and the hardware profile (a summary's
+    `hardware` record, or its name)."""
+    name = hardware.get("name") if isinstance(hardware, dict) else hardware
+    return f"{model} on {name}"
+
+
+def _title(result) -> str:
+    s = result.summary
+    return f"{s.get('label', '')} · {setting(s.get('model', '?'), s.get('hardware', '?'))}"
+
+
 def run_timeline(result, path: Path, title: str = "") -> Path:
     """Memory stack (weights, KV pool, KV in use) against the budget, mean committed bits, free blocks."""
     plt = pyplot()
@@ -33,9 +45,10 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
         axes[1].set_ylabel("mean committed bits")
         axes[2].plot(t, tl["free_blocks"], color="#8172b3", lw=0.8, label="free KV blocks")
         axes[2].plot(t, tl["running"], color="#c44e52", lw=0.8, label="running requests")
+        axes[2].set_ylabel("blocks / requests")
         axes[2].legend(loc="upper right", fontsize=8)
     axes[-1].set_xlabel("simulated time (s)")
-    axes[0].set_title(title or result.summary.get("label", ""))
+    axes[0].set_title(title or _title(result))
     return write_png(fig, path)
 
 
@@ -52,7 +65,7 @@ def run_latency(result, path: Path, title: str = "") -> Path:
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")
-    fig.suptitle(title or result.summary.get("label", ""))
+    fig.suptitle(title or _title(result))
     return write_png(fig, path)
 
 
@@ -60,11 +73,11 @@ def _quality_axis(rows: list[dict]) -> tuple[str, str]:
     if any(r.get("predicted_ppl") is not None for r in rows):
         relative = any((r.get("quality_fit") or {}).get("relative") for r in rows)
         what = "perplexity / full precision" if relative else "perplexity"
-        return "predicted_ppl", f"predicted {what} (fit on runtime measurements)"
-    return "damage_per_token", "mean damage per generated token (no perplexity fit measured)"
+        return "predicted_ppl", f"predicted {what}\n(fit on runtime measurements)"
+    return "damage_per_token", "mean damage per generated token\n(no perplexity fit measured)"
 
 
-def compare_quality_memory(rows: list[dict], path: Path) -> Path:
+def compare_quality_memory(rows: list[dict], path: Path, context: str = "") -> Path:
     """Quality against peak GPU memory, one series per policy across budgets (Figure 5 style)."""
     plt = pyplot()
     key, label = _quality_axis(rows)
@@ -81,29 +94,32 @@ def compare_quality_memory(rows: list[dict], path: Path) -> Path:
     ax.set_ylabel(label)
     if key == "damage_per_token" and any((r.get(key) or 0) > 0 for r in rows):
         ax.set_yscale("symlog", linthresh=max(1e-9, min((r[key] for r in rows if r.get(key)), default=1.0)))
-    ax.set_title("quality vs memory (lower is better)")
+    ax.set_title("quality vs memory (lower is better)" + (f"\n{context}" if context else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return write_png(fig, path)
 
 
-def compare_throughput(rows: list[dict], budgets: list[str], path: Path) -> Path:
+def compare_throughput(rows: list[dict], budgets: list[str], path: Path, context: str = "") -> Path:
     """Output tokens per simulated second per policy and budget (grouped bars; infeasible runs empty)."""
     plt = pyplot()
     pols = list(dict.fromkeys(r["policy"] for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(budgets) * max(1, len(pols)) / 3), 4))
-    width = 0.8 / max(1, len(pols))
+    width, top = 0.8 / max(1, len(pols)), 0.0
     for j, pol in enumerate(pols):
         ys = []
         for b in budgets:
             r = next((r for r in rows if r["policy"] == pol and r["budget"] == b), None)
             ys.append(r["throughput_tok_s"] if r and r["status"] == "ok" else 0.0)
         ax.bar(np.arange(len(budgets)) + j * width, ys, width, label=pol)
+        top = max(top, *ys)
     ax.set_xticks(np.arange(len(budgets)) + width * (len(pols) - 1) / 2)
     ax.set_xticklabels(budgets)
     ax.set_xlabel("memory budget")
     ax.set_ylabel("output tokens / simulated s")
-    ax.legend(fontsize=8)
+    ax.set_title("throughput" + (f"\n{context}" if context else ""), fontsize=10)
+    ax.set_ylim(0, 1.25 * top or 1.0)  # room above the bars for the legend
+    ax.legend(fontsize=8, ncol=min(4, len(pols)), loc="upper center")
     ax.grid(axis="y", alpha=0.3)
     return write_png(fig, path)
 
@@ -133,11 +149,13 @@ def compare_timelines(results: dict[str, object], path: Path, title: str) -> Pat
     return write_png(fig, path)
 
 
-def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: dict, path: Path) -> Path:
+def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: dict, path: Path,
+             context: str = "") -> Path:
     """Left: each policy's capacity (requests/s) against the memory budget (none drawn where it missed at the lowest
     rate). Right, at `curve_budget`: the SLO's TTFT and TPOT percentile against the arrival rate at every point a
     search ran (open markers: points that missed), the bounds dashed and each capacity dotted."""
     plt = pyplot()
+    from matplotlib import ticker
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     key = f"p{slo['percentile']}"
     policies = list(dict.fromkeys(s["policy"] for s in searches))
@@ -170,11 +188,17 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
             ax.axhline(slo[field] * 1e3, ls="--", color="k", lw=0.8, label="SLO")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 a decade, none on the minor ticks (they overlapped)
+            axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel("arrival rate (requests / s)")
         ax.set_ylabel(f"{label} {key} (ms)")
-        ax.set_title(f"at {curve_budget}; dotted: each capacity", fontsize=9)
+        ax.set_title(f"at {curve_budget}; open markers missed the SLO; dotted: each capacity", fontsize=9)
         ax.grid(alpha=0.3, which="both")
     axes[1].legend(fontsize=8)
+    if context:
+        fig.suptitle(context, fontsize=10)
     return write_png(fig, path)
 
 
