@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from pwsim.hardware import memory_unit
-from traces.clikit import pyplot, write_png
+from traces.clikit import plain_log_ticks, pyplot, write_png
 
 GiB = 2**30
 
@@ -155,7 +155,6 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
     rate). Right, at `curve_budget`: the SLO's TTFT and TPOT percentile against the arrival rate at every point a
     search ran (open markers: points that missed), the bounds dashed and each capacity dotted."""
     plt = pyplot()
-    from matplotlib import ticker
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     key = f"p{slo['percentile']}"
     policies = list(dict.fromkeys(s["policy"] for s in searches))
@@ -188,10 +187,7 @@ def capacity(searches: list[dict], budgets: list[str], curve_budget: str, slo: d
             ax.axhline(slo[field] * 1e3, ls="--", color="k", lw=0.8, label="SLO")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        for axis in (ax.xaxis, ax.yaxis):  # plain numbers at 1, 2, 5 a decade, none on the minor ticks (they overlapped)
-            axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            axis.set_minor_formatter(ticker.NullFormatter())
+        plain_log_ticks(ax)
         ax.set_xlabel("arrival rate (requests / s)")
         ax.set_ylabel(f"{label} {key} (ms)")
         ax.set_title(f"at {curve_budget}; open markers missed the SLO; dotted: each capacity", fontsize=9)

@@ -152,6 +152,17 @@ def pyplot():
     return plt
 
 
+def plain_log_ticks(ax) -> None:
+    """Label a log-scaled axes' ticks as plain numbers at 1, 2 and 5 a decade, the minor ticks unlabelled (matplotlib's
+    own labels overlapped, or left a short range with one)."""
+    from matplotlib import ticker
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale == "log":
+            axis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            axis.set_minor_formatter(ticker.NullFormatter())
+
+
 def write_png(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
     """Lay `fig` out, write it to `path` as a PNG (atomically, see `write_atomic`) and close it. The PNG names no
     matplotlib version, so the same plot is the same bytes wherever it is drawn with the same fonts."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traces.clikit import UserError, pyplot, write_png
+from traces.clikit import UserError, plain_log_ticks, pyplot, write_png
 
 
 def parse_levels(text: str | None) -> list[int | None]:
@@ -78,6 +78,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> Path:
                        label=f"{label} {pct}")
     right.set(xscale="log", yscale="log", xlabel="client slots (--max-concurrency)", ylabel="ms", title="latency")
     right.legend(fontsize=8)
+    plain_log_ticks(right)
     for ax in (left, right):
         ax.set_xticks(levels, [str(n) for n in levels])
         ax.minorticks_off()
