@@ -495,9 +495,7 @@ class Simulation:
 
     def _finish(self, seq: Sequence) -> None:
         self._forget(seq)
-        release = getattr(self.routing_source, "release", None)
-        if callable(release):
-            release(int(seq.seq_id))
+        self.routing_source.release(int(seq.seq_id))
         self.rec.finish(int(seq.seq_id), self.now, seq.num_output_tokens, seq.finish_reason,
                         seq.num_preemptions)
         self._finished += 1

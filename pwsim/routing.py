@@ -51,6 +51,11 @@ class RoutingSource(Protocol):
         """Routing of positions [start[s], start[s] + n[s]) of request index requests[s], flattened."""
         ...
 
+    def release(self, request: int) -> None:
+        """Request index `request` finished: forget what was kept of it (served again, it routes as the first
+        time)."""
+        ...
+
 
 def flat_positions(requests: np.ndarray, start: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per flattened token: (request index, position)."""
