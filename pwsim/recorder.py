@@ -155,7 +155,7 @@ class Recorder:
         if res.plan is None and not res.committed:
             return
         for t in res.started:
-            self.started["in_place" if getattr(t, "in_place", False) else "offload" if t.is_offload else "reload"] += 1
+            self.started["in_place" if t.in_place else "offload" if t.is_offload else "reload"] += 1
         for _, why in res.rejected:
             self.rejected[reason_kind(why)] += 1
         self.committed += len(res.committed)
