@@ -96,6 +96,13 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.entries
 
+    def mark_scheduled(self, now: float) -> None:
+        """Note `now`, the engine's time of this batch, on the sequences it holds for the first time (a request's
+        queueing delay is from its arrival to then)."""
+        for e in self.entries:
+            if e.seq.first_scheduled_time is None:
+                e.seq.first_scheduled_time = now
+
 
 @dataclass
 class Scheduler:

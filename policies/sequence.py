@@ -45,6 +45,7 @@ class Sequence:
     stop_token_ids: tuple[int, ...] = ()
     params: Any = None  # the engine's sampling parameters (opaque here)
     arrival_time: float = 0.0  # given by the engine (simulated or wall time); unused by the scheduler
+    first_scheduled_time: float | None = None  # when a batch first held it (`ScheduledBatch.mark_scheduled`)
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0

@@ -167,6 +167,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when SamplingParams.logprobs is set, else empty
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # one per prompt token after the first when
     # SamplingParams.prompt_logprobs is set (pwruntime.prompt_logprobs), else empty
+    first_scheduled_time: float | None = None  # when a batch first held it (None: never)
 
 
 @dataclass(frozen=True)
@@ -391,6 +392,7 @@ class LLMEngine:
             finished += self._settle(self._inflight)
             self._inflight = None
         batch = self.last_batch = self.scheduler.schedule()
+        batch.mark_scheduled(self._now())
         for s in batch.preempted:
             self.routing.drop(s.seq_id)  # its recompute will observe its tokens again
         finished += batch.aborted
@@ -573,7 +575,8 @@ class LLMEngine:
             self.recorder.on_finish(seq.seq_id, len(ids))
         return RequestOutput(seq.seq_id, req.prompt, list(seq.prompt_token_ids or []), ids, text,
                              seq.finish_reason or "abort", seq.num_preemptions, req.arrival_time,
-                             req.first_token_time, self._now(), tuple(req.logprobs), tuple(req.prompt_logprobs))
+                             req.first_token_time, self._now(), tuple(req.logprobs), tuple(req.prompt_logprobs),
+                             seq.first_scheduled_time)
 
     def _mover_seconds(self) -> float:
         """Host time the page mover has spent so far (0 for one that keeps no such count)."""

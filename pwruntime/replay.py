@@ -137,17 +137,17 @@ TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "batch_
 
 def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
     n = len(trace)
-    first = np.full(n, np.nan)
-    finish = np.full(n, np.nan)
+    first, finish, scheduled = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     out_tokens = np.zeros(n, dtype=np.int64)
     preempt = np.zeros(n, dtype=np.int64)
     reason = np.full(n, "", dtype=object)
     for rid, o in outputs.items():
         i = index[rid]
         first[i] = np.nan if o.first_token_time is None else o.first_token_time
+        scheduled[i] = np.nan if o.first_scheduled_time is None else o.first_scheduled_time
         finish[i], out_tokens[i], preempt[i], reason[i] = o.finish_time, len(o.token_ids), o.num_preemptions, o.finish_reason
     requests = request_columns(trace.request_id, trace.domain, arrival, trace.prompt_tokens, out_tokens, first, finish,
-                               preempt, reason)
+                               preempt, reason, first_scheduled_s=scheduled)
     tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
     iters = np.asarray(tl["iter_s"], dtype=np.float64)
     is_decode = np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"])

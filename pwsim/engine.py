@@ -349,6 +349,7 @@ class Simulation:
                 yield self._wake
                 continue
             batch = self.sched.schedule()
+            batch.mark_scheduled(self.now)
             for s in batch.preempted:
                 self._forget(s)
             for s in batch.aborted:
@@ -497,7 +498,7 @@ class Simulation:
         self._forget(seq)
         self.routing_source.release(int(seq.seq_id))
         self.rec.finish(int(seq.seq_id), self.now, seq.num_output_tokens, seq.finish_reason,
-                        seq.num_preemptions)
+                        seq.num_preemptions, seq.first_scheduled_time)
         self._finished += 1
         if self._slot is not None and not self._slot.triggered:
             self._slot.succeed()

@@ -56,6 +56,7 @@ class Recorder:
         self.arrival = np.array(arrival_s, dtype=np.float64)  # a copy: a request held for a client slot moves it
         self.first = np.full(n_requests, np.nan)
         self.finish_s = np.full(n_requests, np.nan)
+        self.scheduled_s = np.full(n_requests, np.nan)  # when a batch first held each request
         self.out_tokens = np.zeros(n_requests, dtype=np.int64)
         self.preemptions = np.zeros(n_requests, dtype=np.int64)
         self.reason = np.full(n_requests, "", dtype=object)
@@ -116,8 +117,10 @@ class Recorder:
         np.add.at(self.damage_sum, reqs, dmg)
         np.add.at(self.damage_tokens, reqs, 1)
 
-    def finish(self, r: int, now: float, n_out: int, reason: str | None, preemptions: int) -> None:
+    def finish(self, r: int, now: float, n_out: int, reason: str | None, preemptions: int,
+               first_scheduled: float | None = None) -> None:
         self.finish_s[r] = now
+        self.scheduled_s[r] = np.nan if first_scheduled is None else first_scheduled
         self.out_tokens[r] = n_out
         self.reason[r] = reason or ""
         self.preemptions[r] = preemptions
@@ -192,7 +195,8 @@ class Recorder:
         requests = request_columns(
             wl.request_id if wl.request_id is not None else np.arange(self.n),
             np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object), self.arrival,
-            wl.prompt_tokens, self.out_tokens, self.first, self.finish_s, self.preemptions, self.reason)
+            wl.prompt_tokens, self.out_tokens, self.first, self.finish_s, self.preemptions, self.reason,
+            first_scheduled_s=self.scheduled_s)
         requests["damage_per_token"] = dpt
         about = request_summary(requests)
         end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0

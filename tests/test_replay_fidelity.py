@@ -670,3 +670,20 @@ def test_a_profile_fitted_net_of_planning_predicts_its_replay(tmp_path, replay, 
     (net_tp, net_e2e), (raw_tp, raw_e2e) = ratios["net"], ratios["raw"]
     assert 0.95 <= net_tp <= 1.05 and 0.9 <= net_e2e <= 1.1, ratios
     assert abs(raw_tp - 1) >= abs(net_tp - 1) and abs(raw_e2e - 1) >= abs(net_e2e - 1), ratios
+
+
+def test_a_request_s_queueing_delay_is_from_its_arrival_to_its_first_batch(ckpt):
+    """One sequence at a time, every request at once: each waits for the one before it to finish, and queue_s (first
+    batch - arrival, in requests.parquet and the summary) says how long; never more than its TTFT."""
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.model import load_model
+    from pwruntime.replay import replay
+
+    ticks = iter(range(1_000_000))
+    engine = LLMEngine(load_model(ckpt), EngineConfig(num_kv_blocks=64, block_size=4, max_num_seqs=1),
+                       clock=lambda: next(ticks) * 1e-3)  # every reading of the clock a millisecond on
+    r = replay(engine, _trace(), time_scale=0.0, sleep=lambda s: None).requests
+    order = np.argsort(r["first_scheduled_s"])
+    assert r["queue_s"][order[0]] < r["queue_s"][order[1]] < r["queue_s"][order[2]]
+    assert all(r["first_scheduled_s"][b] >= r["finish_s"][a] for a, b in zip(order, order[1:]))
+    assert np.all(r["queue_s"] <= r["ttft_s"]) and np.all(r["queue_s"] >= 0)

@@ -437,3 +437,13 @@ def test_the_cost_breakdown_adds_up_to_the_forwards_time(asynchronous):
         assert c["iterations_s"] < c["total"]
     else:
         assert c["iterations_s"] == pytest.approx(c["total"])
+
+
+def test_the_simulator_reports_each_request_s_queueing_delay():
+    """queue_s: from arrival to the first batch that holds the request, at most its TTFT; with every request at once
+    and few sequences at a time, later requests wait longer."""
+    from pwsim.runner import execute, make_config
+    res = execute(make_config("48MiB", policy="uniform-4", time_scale=0.0, max_num_seqs=4))
+    q, ttft = res.requests["queue_s"], res.requests["ttft_s"]
+    assert np.all(q >= 0) and np.all(q <= ttft + 1e-12) and q.max() > 10 * max(q.min(), 1e-9)
+    assert res.summary["queue_s"]["max"] == pytest.approx(q.max())

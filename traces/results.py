@@ -56,13 +56,18 @@ def stats(a) -> dict:
 
 
 def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens, first_token_s, finish_s, preemptions,
-                    finish_reason) -> dict[str, np.ndarray]:
-    """The per-request table of a result directory (`requests.parquet`), latencies included, in trace order."""
+                    finish_reason, first_scheduled_s=None) -> dict[str, np.ndarray]:
+    """The per-request table of a result directory (`requests.parquet`), latencies included, in trace order; with
+    `first_scheduled_s` (an engine's: when a batch first held each request) its queueing delay `queue_s` too."""
     n = len(arrival_s)
+    queued = {}
+    if first_scheduled_s is not None:
+        scheduled = np.asarray(first_scheduled_s, dtype=np.float64)
+        queued = {"first_scheduled_s": scheduled, "queue_s": scheduled - np.asarray(arrival_s, dtype=np.float64)}
     return {"request": np.arange(n), "request_id": np.asarray(request_id), "domain": np.asarray(domain, dtype=object),
             "arrival_s": np.asarray(arrival_s, dtype=np.float64), "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64),
             "output_tokens": np.asarray(output_tokens, dtype=np.int64), "first_token_s": np.asarray(first_token_s),
-            "finish_s": np.asarray(finish_s),
+            "finish_s": np.asarray(finish_s), **queued,
             **latency_columns(arrival_s, first_token_s, finish_s, output_tokens),
             "preemptions": np.asarray(preemptions), "finish_reason": np.asarray(finish_reason).astype(str)}
 
@@ -83,7 +88,8 @@ def request_summary(requests: dict[str, np.ndarray]) -> dict:
             "throughput_tokens_per_s": out_total / span,
             "total_tokens_per_s": (int(requests["prompt_tokens"].sum()) + out_total) / span,
             "requests_per_s": completed / span,
-            "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"])}
+            "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"]),
+            **({"queue_s": stats(requests["queue_s"])} if "queue_s" in requests else {})}
 
 
 def slo_attainment(requests: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> dict:
