@@ -127,13 +127,14 @@ def checked_plan(plan, policy, table: PageTable) -> Plan | None:
             [type(moves).__name__]
         raise PolicyError(f"policy {policy_name(policy)}: a Plan's transitions must be a tuple of "
                           f"policies.Transition, got {', '.join(kinds)}")
-    if not all(type(v) is int for t in moves for v in (t.block, t.from_bits, t.to_bits, t.delta_bytes)):
-        moves = [Transition(int(t.block), int(t.from_bits), int(t.to_bits), int(t.delta_bytes), bool(t.in_place))
-                 for t in moves]
     wants = _delta_bytes(table, moves)
-    if any(want is not None and want != t.delta_bytes for t, want in zip(moves, wants)):
-        moves = [t if want is None else replace(t, delta_bytes=want) for t, want in zip(moves, wants)]
-    return plan if isinstance(moves, tuple) and moves is plan.transitions else replace(plan, transitions=tuple(moves))
+    if isinstance(moves, tuple) and all(type(v) is int for t in moves for v in (t.block, t.from_bits, t.to_bits)) \
+            and all(want == t.delta_bytes if want is not None else type(t.delta_bytes) is int
+                    for t, want in zip(moves, wants)):
+        return plan  # as the built-in planners return it: nothing to mend
+    return replace(plan, transitions=tuple(
+        Transition(int(t.block), int(t.from_bits), int(t.to_bits), int(t.delta_bytes) if want is None else want,
+                   bool(t.in_place)) for t, want in zip(moves, wants)))
 
 
 def _delta_bytes(table: PageTable, moves) -> list[int | None]:
