@@ -138,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
         "compare.csv": lambda path: path.write_text(output.csv_text(rows, COLUMNS)),
         "quality_vs_memory.png": lambda path: plots.compare_quality_memory(rows, path, context),
         "throughput.png": lambda path: plots.compare_throughput(rows, budgets, path, context),
-        "timelines.png": lambda path: plots.compare_timelines(timelines, path, f"timelines at {tl_budget} · {context}"),
+        "timelines.png": lambda path: plots.compare_timelines(timelines, path,
+                                                              f"timelines at {tl_budget} · {context}"),
         "compare.json": write_json})
     if args.json:
         print(output.dumps({**meta, "rows": rows}))
