@@ -53,8 +53,7 @@ import sys
 from pathlib import Path
 
 from pwruntime import bench_serve
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError, check_output, write_json_atomic, writing
+from traces.clikit import UserError, check_output, check_seed, write_json_atomic, writing
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",

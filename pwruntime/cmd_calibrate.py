@@ -14,8 +14,7 @@ import argparse
 import json
 import sys
 
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError
+from traces.clikit import UserError, check_seed
 
 
 def register(subparsers) -> None:

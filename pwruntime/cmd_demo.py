@@ -9,8 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError, check_output, write_json_atomic
+from traces.clikit import UserError, check_output, check_seed, write_json_atomic
 
 
 def register(subparsers) -> None:

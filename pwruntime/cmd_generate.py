@@ -17,8 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from policies.memory_budget import LUT_ROOMS
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError
+from traces.clikit import UserError, check_seed
 
 
 def register(subparsers) -> None:

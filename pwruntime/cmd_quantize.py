@@ -20,8 +20,7 @@ from pathlib import Path
 
 from policies.apformat import MAX_BITS
 from pwruntime.calibrate.inputs import check_files
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError, check_output, check_seed
 
 WEIGHTINGS = ("auto", "hessian", "fisher", "none")
 

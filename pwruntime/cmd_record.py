@@ -18,8 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError
+from traces.clikit import UserError, check_seed
 
 
 def register(subparsers) -> None:

@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 from policies.plan_log import refusal_line
-from pwruntime.cli_checks import check_seed
-from traces.clikit import UserError
+from traces.clikit import UserError, check_seed
 from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 from pwsim.cmd_bench import report
-from traces.clikit import UserError, check_output
+from traces.clikit import UserError, check_output, check_seed
 
 LIMIT_S = 60.0
 
@@ -48,8 +48,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
     if args.requests < 1:
         raise UserError("--requests must be positive")
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    check_seed(args.seed)
     if args.out:
         check_output(args.out, directory=False)
     params = parse_policy(args.policy, args.policy_arg)

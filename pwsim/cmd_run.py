@@ -12,7 +12,7 @@ from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
 from pwsim.runner import RunConfig, SyntheticWorkload, make_config
-from traces.clikit import UserError
+from traces.clikit import UserError, check_seed
 from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
 
@@ -120,8 +120,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if min(args.block_size, args.max_num_seqs, args.max_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
         raise UserError("--requests, --block-size, --max-num-seqs, --max-num-batched-tokens and --timeline-stride "
                         "must be positive")
-    if args.seed < 0:
-        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    check_seed(args.seed)
     if args.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     try:

@@ -6,7 +6,7 @@ import argparse
 import json
 import time
 
-from traces.clikit import UserError, writing
+from traces.clikit import UserError, check_seed, writing
 from traces.generators import (MAX_REQUESTS, LengthDist, RoutingSpec, WorkloadSpec, check_token_id_options,
                                generate_requests, generate_routing, parse_domains)
 from traces.io import REQUESTS_FILE, ROUTING_FILE, Trace, read_trace, write_trace_dir
@@ -28,9 +28,9 @@ def run_gen(args: argparse.Namespace) -> int:
     if not 1 <= args.requests <= MAX_REQUESTS:
         raise UserError(f"--requests must be at least 1 and at most {MAX_REQUESTS:,} (a trace is drawn in memory), "
                         f"got {args.requests}")
-    for flag, value in (("--routing-tokens", args.routing_tokens), ("--seed", args.seed)):
-        if value < 0:
-            raise UserError(f"{flag} must be >= 0, got {value}")
+    if args.routing_tokens < 0:
+        raise UserError(f"--routing-tokens must be >= 0, got {args.routing_tokens}")
+    check_seed(args.seed)
     check_prefix_flags(args)
     names, weights = parse_domains(args.domains)
     workload = WorkloadSpec(requests=args.requests, rate=args.rate, burstiness=args.burstiness,

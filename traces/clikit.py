@@ -55,6 +55,12 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         return 141
 
 
+def check_seed(seed: int | None, flag: str = "--seed") -> None:
+    """Refuse a negative seed (numpy's generators take none) before any work; None (no seed given) passes."""
+    if seed is not None and seed < 0:
+        raise UserError(f"{flag} must be >= 0, got {seed}")
+
+
 def check_time_scale(value: float) -> float:
     """`--time-scale` (pwsim run, pwruntime replay and bench serve): a number >= 0, which multiplies the arrival
     times (0: every request at once)."""
