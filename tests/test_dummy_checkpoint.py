@@ -154,7 +154,8 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
     assert f"--activation-reserve {0 if reserve == 'auto' else 256 << 10}" in taken
     sim_config = json.loads((tmp_path / "sim" / "config.json").read_text())
     assert sim_config["activation_reserve_bytes"] == (0 if reserve == "auto" else 256 << 10)
-    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--json"]) == 0
+    assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--json",
+                     "--out", str(tmp_path / "fid")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 2  # under pressure
     d, t = report["decisions"], report["transitions"]

@@ -197,7 +197,8 @@ def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys,
     taken = capsys.readouterr().out
     assert f"--model {rt / 'trace' / CARD_FILE}" in taken
     assert (" --hybrid-kv-cache" in taken) == hybrid and ("--no-hybrid-kv-cache" in taken) != hybrid
-    assert sim_main(["fidelity", "--sim", str(sim), "--runtime", str(rt), "--json"]) == 0
+    assert sim_main(["fidelity", "--sim", str(sim), "--runtime", str(rt), "--json",
+                     "--out", str(tmp_path / "fid")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 5  # under pressure
     assert report["scheduler"]["hybrid_kv_cache"] == {"sim": hybrid, "runtime": hybrid}
