@@ -260,8 +260,7 @@ def run_cli(args, command: str) -> int:
         write_result_dir(out, {}, {"summary": {"sweep": rows, "url": args.url, "command": command},
                                    "config": config}, extra=write_levels, force=args.force, tool="bench serve")
         print(json.dumps(rows) if args.json else sweep.table(rows))
-    if not args.json:
-        print(f"\nreproduce: {command}\nresults: {out}")
+    print(f"\nreproduce: {command}\nresults: {out}", file=sys.stderr if args.json else sys.stdout)
     return 1 if failed else 0
 
 

@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 from pwruntime import bench_serve
-from traces.clikit import UserError, check_output, check_seed, write_json_atomic, writing
+from traces.clikit import UserError, check_output, check_seed, report_bench
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
@@ -203,7 +203,7 @@ def _run_prefill(args) -> int:
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
         res["rows"] += bp.prefill_layers(cfg, m, bits, dtype)
         torch.cuda.empty_cache()
-    return _report(args, res, command, bp.print_table, bp.plot)
+    return report_bench(res, command, args.out, args.json, bp.print_table, bp.plot)
 
 
 def _run_prefix_cache(args) -> int:
@@ -227,26 +227,7 @@ def _run_prefix_cache(args) -> int:
     torch.manual_seed(args.seed)
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu", "command": command, "torch": torch.__version__,
            "dtype": dtype, **bpc.run(model, args.prompts, args.max_tokens, rounds)}
-    return _report(args, res, command, bpc.print_table)
-
-
-def _report(args, res: dict, command: str, print_table, plot=None) -> int:
-    """Write `res` to --out (and its figure beside it), print it (JSON or a table), then the reproducing command."""
-    figure = args.out.with_suffix(".png") if args.out and plot is not None else None
-    if args.out:
-        with writing(args.out):
-            write_json_atomic(args.out, res)
-    if figure is not None:
-        with writing(figure):
-            plot(res, figure)
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        print_table(res)
-    print(f"\nreproduce: {command}")
-    if args.out:
-        print(f"results: {args.out}" + (f" (figure: {figure})" if figure is not None else ""))
-    return 0
+    return report_bench(res, command, args.out, args.json, bpc.print_table)
 
 
 _DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv_blocks", "temperature", "top_p")
@@ -299,7 +280,7 @@ def _run_mixed(args) -> int:
                                                      rows + max(sizes))
     command = _command(f"pwruntime bench mixed --prompts {rows} --tokens {text} --reps {reps}")
     res = {**_engine_header(command, model_dir, dtype, device, blocks), **bm.run(engine, rows, sizes, reps, args.seed)}
-    return _report(args, res, command, bm.print_table)
+    return report_bench(res, command, args.out, args.json, bm.print_table)
 
 
 def _run_decode(args) -> int:
@@ -332,7 +313,7 @@ def _run_decode(args) -> int:
         raise UserError(f"{e} (--num-kv-blocks {blocks})") from None
     res = {**_engine_header(command, model_dir, dtype, device, blocks), "policy": policy,
            "async_scheduling": engine.config.async_scheduling, "temperature": temperature, "top_p": top_p, **res}
-    return _report(args, res, command, bd.print_table)
+    return report_bench(res, command, args.out, args.json, bd.print_table)
 
 
 def _run_plans(args) -> int:
@@ -369,7 +350,7 @@ def _run_plans(args) -> int:
         res = bpl.run(cfg, device, progress)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
-    return _report(args, res, command, bpl.print_table, bpl.plot)
+    return report_bench(res, command, args.out, args.json, bpl.print_table, bpl.plot)
 
 
 def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str) -> int:
@@ -390,7 +371,7 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str
         res = bpg.measure(cfg, device, progress=bar.set_postfix_str)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
-    return _report(args, res, command, bpg.print_table, bpg.plot)
+    return report_bench(res, command, args.out, args.json, bpg.print_table, bpg.plot)
 
 
 def _cards_and_reps(args, target: str, models: tuple[str, ...], reps: int) -> tuple[tuple[str, ...], int]:
@@ -427,7 +408,7 @@ def _run_kv_resize(args) -> int:
             bar.update()
         res = bkv.run(cfg, progress)
     res = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__, **res}
-    return _report(args, res, command, bkv.print_table, bkv.plot)
+    return report_bench(res, command, args.out, args.json, bkv.print_table, bkv.plot)
 
 
 def _run_step_inputs(args) -> int:
@@ -443,7 +424,7 @@ def _run_step_inputs(args) -> int:
         res = bsi.measure(cfg, device, progress=bar.set_postfix_str)
     res = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
-    return _report(args, res, command, bsi.print_table, bsi.plot)
+    return report_bench(res, command, args.out, args.json, bsi.print_table, bsi.plot)
 
 
 def run(args) -> int:
@@ -531,20 +512,10 @@ def run(args) -> int:
     bar.close()
     report.add_rooflines(res)
 
-    if args.out:
-        write_json_atomic(args.out, res)
-        from pwruntime.kernels.plots import plot_bench
-        plot_bench(res, args.out.with_suffix(".png"))
+    from pwruntime.kernels.plots import plot_bench
     profile_path = args.profile_out or report.default_profile_path(res, args.out)
     profile = report.measured_profile(res, args.profile_name or f"{report.slug(res['device'])}-measured")
     profile.save(profile_path)
-
-    if args.json:
-        print(json.dumps(res, indent=2))
-    else:
-        report.print_tables(res)
-    print(f"\nreproduce: {command}")
-    if args.out:
-        print(f"results: {args.out} (figure: {args.out.with_suffix('.png')})")
-    print(f"hardware profile: {profile_path}")
+    report_bench(res, command, args.out, args.json, report.print_tables, plot_bench)
+    print(f"hardware profile: {profile_path}", file=sys.stderr if args.json else sys.stdout)
     return 0

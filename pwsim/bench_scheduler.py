@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from pwsim.cmd_bench import report
-from traces.clikit import UserError, check_output, pyplot, text_table, write_png
+from traces.clikit import UserError, check_output, pyplot, report_bench, text_table, write_png
 
 BLOCK_TOKENS = 16
 
@@ -104,7 +103,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
         print(text_table(("model", "layout", "groups", "ms a step", "us a sequence"), body))
         print(f"\n{args.rows} decoding sequences; least mean of {args.rounds} x {args.steps} steps")
 
-    return report(args, result, command, text, plot)
+    return report_bench(result, command, args.out, args.json, text, plot)
 
 
 def register_target(targets) -> None:

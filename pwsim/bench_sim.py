@@ -15,8 +15,7 @@ import os
 import sys
 import time
 
-from pwsim.cmd_bench import report
-from traces.clikit import UserError, check_output, check_seed
+from traces.clikit import UserError, check_output, check_seed, report_bench
 
 LIMIT_S = 60.0
 
@@ -96,7 +95,7 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"  plans {r['plans']['plans']}, reloads {r['reloads']}, preemptions {r['preemptions']}, "
               f"budget violations {r['budget_violations']}")
 
-    return report(args, result, command, text)
+    return report_bench(result, command, args.out, args.json, text)
 
 
 def register_target(targets) -> None:

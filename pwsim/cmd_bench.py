@@ -17,16 +17,13 @@ time the process waits for a core), on one pinned core unless `--no-pin`.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
-from traces.clikit import UserError, check_output, text_table, write_json_atomic, writing
+from traces.clikit import UserError, check_output, report_bench, text_table
 
 BLOCK_TOKENS = 16
 LIMIT_MS = 2.0  # the acceptance bound at the Gemma-4-26B-A4B size
@@ -223,25 +220,7 @@ def run_planner(args: argparse.Namespace) -> int:
         print(_table(rows))
         print(f"\ncpu = thread CPU time per plan_step (pinned core {core}); first {args.warmup} steps not timed.")
 
-    return report(args, result, command, text)
-
-
-def report(args: argparse.Namespace, result: dict, command: str, text: Callable[[dict], None],
-           plot: Callable[[dict, Path], object] | None = None) -> int:
-    """A bench target's ending: `result` written to --out (its `plot` as a PNG beside it), then printed as JSON (the
-    reproducing command on stderr, so stdout stays JSON) or as `text`, and the reproducing command."""
-    if args.out:
-        with writing(args.out):
-            write_json_atomic(args.out, result)
-            if plot is not None:
-                plot(result, Path(args.out).with_suffix(".png"))
-    if args.json:
-        print(json.dumps(result, indent=2))
-        print(f"reproduce: {command}", file=sys.stderr)
-    else:
-        text(result)
-        print(f"reproduce: {command}")
-    return 0
+    return report_bench(result, command, args.out, args.json, text)
 
 
 def _register_planner(targets) -> None:

@@ -1,5 +1,5 @@
 """CLI plumbing shared by `pwsim` and `pwruntime`: user errors, exit codes, subcommand dispatch, atomic output files
-(PNG figures among them), fixed-width text tables.
+(PNG figures among them), fixed-width text tables, a benchmark's report.
 
 A command module exposes `register(subparsers)` which adds its parser and sets `func=run`.
 `UserError` (and its subclasses across the project) print one line `error: ...` and exit 2;
@@ -137,6 +137,29 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     """`obj` as indented JSON with a final newline, written atomically (see `write_text_atomic`)."""
     return write_text_atomic(path, json.dumps(obj, indent=2) + "\n")
+
+
+def report_bench(result: dict, command: str, out: Path | None, as_json: bool, text: Callable[[dict], None],
+                 plot: Callable[[dict, Path], Any] | None = None) -> int:
+    """A benchmark's ending, the same for every `pwsim bench` and `pwruntime bench` target: `result` written to
+    `out` (with `plot`'s PNG beside it), then printed as JSON (stdout stays JSON: the reproducing command and the
+    files go to stderr) or as `text` followed by them. Returns the exit code, 0."""
+    figure = Path(out).with_suffix(".png") if out and plot is not None else None
+    if out:
+        with writing(out):
+            write_json_atomic(out, result)
+    if figure is not None:
+        with writing(figure):
+            plot(result, figure)
+    if as_json:
+        print(json.dumps(result, indent=2))
+    else:
+        text(result)
+    ending = sys.stderr if as_json else sys.stdout
+    print(f"\nreproduce: {command}", file=ending)
+    if out:
+        print(f"results: {out}" + (f" (figure: {figure})" if figure is not None else ""), file=ending)
+    return 0
 
 
 def text_table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
