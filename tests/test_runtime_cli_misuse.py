@@ -466,13 +466,13 @@ def test_bench_out_is_checked_before_the_benchmark(env, capsys, tmp_path, target
 
 def test_bench_write_failure_is_a_user_error(capsys, tmp_path, monkeypatch):
     import pwruntime.bench_step_inputs as bsi
-    import pwruntime.cmd_bench as cb
+    import traces.clikit as clikit
 
     def disk_full(path, obj):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(bsi, "measure", lambda *a, **k: {})
-    monkeypatch.setattr(cb, "write_json_atomic", disk_full)
+    monkeypatch.setattr(clikit, "write_json_atomic", disk_full)  # what every bench's report writes with
     assert main(["bench", "step-inputs", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err  # after the benchmark's progress line
     assert "Traceback" not in err and "cannot write it" in err and "No space left" in err, err
