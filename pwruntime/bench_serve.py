@@ -2,30 +2,31 @@
 sent to a running OpenAI-compatible server at its arrival times, each request streamed and timed by the client.
 
 Request i of the trace (its recorded prompt token ids and output length) is sent at its arrival time (times
-`time_scale`, on the client's clock from the first request) to /v1/completions: the ids as the prompt, max_tokens its
-output length, `ignore_eos`, greedy, streamed with usage. The client records when its first text arrived and when its
-stream ended (seconds from the trace's start, latencies measured from the scheduled arrival, as `pwruntime replay`
-measures them) and the output tokens the server counted; a request that fails (an HTTP error, an error event, a
-stream cut short, fewer tokens than asked) keeps its place with finish reason "error" and its message, so nothing is
-dropped silently. With `max_concurrency` N at most N requests are in flight, as vLLM's --max-concurrency (N
-users): a request whose arrival finds N in flight waits for one to end, and its latencies count from when it was
-sent; `time_scale` 0 sends the whole trace at once (vLLM's --request-rate inf). The result directory has the
-request columns and summary of `pwruntime replay` and `pwsim run` (traces.results): `pwsim fidelity --runtime DIR`
-and `--slo-*` read it, and it sets the HTTP server's costs beside the engine's own replay of the same trace. Several
-concurrency levels make a sweep (traces.sweep).
+`time_scale`, on the client's clock from the first request) to /v1/completions: the ids as the prompt, max_tokens
+its output length, `ignore_eos`, greedy, streamed with usage. The client records when each chunk of text arrived
+(the first: TTFT; the gaps between them: ITL, `traces.results.TokenGaps`) and when its stream ended (seconds from
+the trace's start, latencies measured from the scheduled arrival, as `pwruntime replay` measures them) and the
+output tokens the server counted; a request that fails (an HTTP error, an error event, a stream cut short, fewer
+tokens than asked) keeps its place with finish reason "error" and its message, so nothing is dropped silently. With
+`max_concurrency` N at most N requests are in flight, as vLLM's --max-concurrency (N users): a request whose arrival
+finds N in flight waits for one to end, and its latencies count from when it was sent; `time_scale` 0 sends the
+whole trace at once (vLLM's --request-rate inf). The result directory has the request columns and summary of
+`pwruntime replay` and `pwsim run` (traces.results): `pwsim fidelity --runtime DIR` and `--slo-*` read it, and it
+sets the HTTP server's costs beside the engine's own replay of the same trace. Several concurrency levels make a
+sweep (traces.sweep).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from pwruntime import server_probe
 from traces.clikit import UserError, check_time_scale
-from traces.results import request_columns, request_summary
+from traces.results import TokenGaps, request_columns, request_summary
 from traces.schema import RequestTrace
 
 
@@ -34,6 +35,7 @@ class Timing:
     """What the client saw of one request (seconds on its clock, from the trace's start)."""
     first_s: float = float("nan")
     finish_s: float = float("nan")
+    text_s: list[float] = field(default_factory=list)  # when each chunk with text came (the first at first_s)
     tokens: int = 0
     reason: str = "error"
     error: str | None = None
@@ -81,9 +83,11 @@ async def _one(session, url: str, body: dict, api_key: str | None, t0: float, ti
                 if "error" in chunk:
                     timing.error = f"error event: {chunk['error'].get('message', chunk['error'])}"
                     return
+                if any(choice.get("text") for choice in chunk.get("choices", [])):
+                    timing.text_s.append(time.perf_counter() - t0)
+                    if np.isnan(timing.first_s):
+                        timing.first_s = timing.text_s[0]
                 for choice in chunk.get("choices", []):
-                    if choice.get("text") and np.isnan(timing.first_s):
-                        timing.first_s = time.perf_counter() - t0
                     if choice.get("finish_reason"):
                         timing.reason = choice["finish_reason"]
                 if chunk.get("usage"):
@@ -97,7 +101,7 @@ async def _one(session, url: str, body: dict, api_key: str | None, t0: float, ti
         timing.error = f"{type(e).__name__}: {e}"
     finally:
         if timing.error is not None:
-            timing.reason, timing.first_s, timing.finish_s = "error", float("nan"), float("nan")
+            timing.reason, timing.first_s, timing.finish_s, timing.text_s = "error", float("nan"), float("nan"), []
 
 
 async def _limited(slots: asyncio.Semaphore, sent: np.ndarray, i: int, session, url: str, body: dict,
@@ -152,11 +156,15 @@ async def run_trace(url: str, trace: RequestTrace, *, time_scale: float = 1.0, m
         counted = server_probe.counter_deltas(before, await server_probe.engine_counters(session, url))
     first = np.array([t.first_s for t in timings])
     finish = np.array([t.finish_s for t in timings])
+    gaps = TokenGaps(len(timings))  # between chunks: a chunk may hold more than one token, as in vLLM's benchmark
+    for i, t in enumerate(timings):
+        for when in t.text_s:
+            gaps.settled([i], when)
     requests = request_columns(trace.request_id, trace.domain, sent, trace.prompt_tokens,
                                np.array([t.tokens for t in timings]), first, finish, np.zeros(len(trace), np.int64),
-                               np.array([t.reason for t in timings], dtype=object))
+                               np.array([t.reason for t in timings], dtype=object), max_itl_s=gaps.max_s)
     errors = [f"request {trace.request_id[i]}: {t.error}" for i, t in enumerate(timings) if t.error is not None]
-    summary = {**request_summary(requests), "failed": len(errors), "errors": errors[:10],
+    summary = {**request_summary(requests, gaps.all()), "failed": len(errors), "errors": errors[:10],
                "max_send_lateness_s": late, "time_scale": time_scale, "max_concurrency": max_concurrency,
                "server": counted, **{k: counted[k] for k in ("plans", "preemptions") if k in counted}}
     return {"requests": requests, "summary": summary, "model": model, "server_info": info}
@@ -265,11 +273,12 @@ def run_cli(args, command: str) -> int:
 
 
 def _print_run(summary: dict, url: str, slo: str | None) -> None:
-    t, f = summary["tpot_s"]["p50"], summary["ttft_s"]["p50"]
+    t, f, itl = summary["tpot_s"]["p50"], summary["ttft_s"]["p50"], summary["itl_s"]["p99"]
     print(f"sent {summary['requests']} requests to {url}: {summary['completed']} completed, {summary['failed']} "
           f"failed; {summary['output_tokens']} output tokens in {summary['makespan_s']:.2f} s, "
           f"{summary['throughput_tokens_per_s']:.0f} tokens/s; median TTFT "
-          f"{'n/a' if f is None else f'{f * 1e3:.1f} ms'}, TPOT {'n/a' if t is None else f'{t * 1e3:.2f} ms'}")
+          f"{'n/a' if f is None else f'{f * 1e3:.1f} ms'}, TPOT {'n/a' if t is None else f'{t * 1e3:.2f} ms'}, "
+          f"ITL p99 {'n/a' if itl is None else f'{itl * 1e3:.2f} ms'}")
     for e in summary["errors"]:
         print(f"  {e}")
     server = summary["server"]

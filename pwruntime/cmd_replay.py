@@ -178,10 +178,11 @@ def run(args) -> int:
     if args.json:
         print(json.dumps(summary))
     else:
-        t = summary["tpot_s"]["p50"]
+        t, itl = summary["tpot_s"]["p50"], summary["itl_s"]["p99"]
         print(f"replayed {summary['requests']} requests ({summary['output_tokens']} output tokens) in "
               f"{summary['makespan_s']:.2f} s: {summary['throughput_tokens_per_s']:.0f} tokens/s, median TPOT "
-              f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}; wrote {out}")
+              f"{'n/a' if t is None else f'{t * 1e3:.2f} ms'}, ITL p99 "
+              f"{'n/a' if itl is None else f'{itl * 1e3:.2f} ms'}; wrote {out}")
         plan = summary["plan_ms"]
         if plan is not None:
             print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "

@@ -283,6 +283,7 @@ class LLMEngine:
         self.last_batch: ScheduledBatch | None = None  # what the last step scheduled
         self.last_phases: StepPhases | None = None  # how long the last step's phases took
         self.last_plan_costs: PlanCosts | None = None  # and parts of its plan phase
+        self.last_tokens: list[tuple[int, float]] = []  # (request id, engine time) of each token the last step settled
         self._inflight: _Launched | None = None  # launched and not yet settled (asynchronous scheduling)
 
     @property
@@ -387,6 +388,7 @@ class LLMEngine:
         asynchronous scheduling the batch launched here settles in the next step, after that step's launch."""
         marks = [self.clock()]
         finished: list[Sequence] = []
+        self.last_tokens = []
         if self._inflight is not None and any(r.params.reads_history for r in self._requests.values()):
             # their logits processing reads every token so far
             finished += self._settle(self._inflight)
@@ -456,8 +458,8 @@ class LLMEngine:
 
     def _settle(self, launched: _Launched) -> list[Sequence]:
         """Wait for a launched batch's tokens and settle them: routing observed, tokens in place, stops applied,
-        log-probabilities and first-token times kept. A request that finished since it was launched (stopped by the
-        token settled before, or aborted) gets nothing from it."""
+        log-probabilities, first-token times and `last_tokens` kept. A request that finished since it was launched
+        (stopped by the token settled before, or aborted) gets nothing from it."""
         if launched.ready is not None:
             launched.ready.synchronize()
         sampling, batch = launched.sampling, launched.batch
@@ -476,8 +478,10 @@ class LLMEngine:
                     r.logprobs.append(rec)
         now = self._now()
         for r, ok in zip(sampling, live):
-            if ok and r.first_token_time is None:
-                r.first_token_time = now
+            if ok:
+                self.last_tokens.append((r.seq.seq_id, now))
+                if r.first_token_time is None:
+                    r.first_token_time = now
         return finished
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -147,6 +147,7 @@ class EngineCore:
         if batch is not None:
             self.counters["prompt_tokens_total"] += batch.num_prefill_tokens
         self.counters["generated_tokens_total"] = eng.num_generated_tokens  # as the tokens come, not as requests end
+        self.request_metrics.tokens(eng.last_tokens)
         for result in results:
             choice = self._live.pop(result.request_id, None)
             self.request_metrics.observe(result)

@@ -4,7 +4,9 @@
 engine's clock) into five histograms, named as vLLM's with the `pagedweight_` prefix:
 `time_to_first_token_seconds` (first token - arrival), `time_per_output_token_seconds` ((finish - first token) /
 (tokens - 1), of requests with at least two tokens), `e2e_request_latency_seconds` (finish - arrival),
-`request_prompt_tokens` and `request_generation_tokens`. Observing and rendering take a lock, so a scrape from
+`request_prompt_tokens` and `request_generation_tokens`; and each step's tokens (`LLMEngine.last_tokens`) into a
+sixth, `inter_token_latency_seconds`: the time since the same request's previous token, every gap apart (a stall
+shows in its tail, where a request's mean hides it). Observing and rendering take a lock, so a scrape from
 another thread sees whole observations (each histogram's +Inf bucket equals its count).
 """
 from __future__ import annotations
@@ -91,9 +93,21 @@ class RequestMetrics:
         self.e2e = Histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds.", E2E_BUCKETS)
         self.prompt = Histogram("request_prompt_tokens", "Prompt tokens of each finished request.", tokens)
         self.generation = Histogram("request_generation_tokens", "Generated tokens of each finished request.", tokens)
+        self.itl = Histogram("inter_token_latency_seconds",
+                             "Time between two consecutive output tokens of a request, in seconds.", TPOT_BUCKETS)
+        self._last_token: dict[int, float] = {}  # request id -> when its latest token came, while it runs
+
+    def tokens(self, settled: list[tuple[int, float]]) -> None:
+        """The tokens one engine step settled ((request id, engine time) each): the gap since each request's last."""
+        for rid, now in settled:
+            last = self._last_token.get(rid)
+            if last is not None:
+                self.itl.observe(now - last)
+            self._last_token[rid] = now
 
     def observe(self, out) -> None:
         """One finished request (a pwruntime.engine.RequestOutput)."""
+        self._last_token.pop(out.request_id, None)
         self.e2e.observe(out.finish_time - out.arrival_time)
         self.prompt.observe(len(out.prompt_token_ids))
         self.generation.observe(len(out.token_ids))
@@ -103,4 +117,5 @@ class RequestMetrics:
                 self.tpot.observe((out.finish_time - out.first_token_time) / (len(out.token_ids) - 1))
 
     def render(self) -> list[str]:
-        return [line for h in (self.ttft, self.tpot, self.e2e, self.prompt, self.generation) for line in h.render()]
+        return [line for h in (self.ttft, self.tpot, self.itl, self.e2e, self.prompt, self.generation)
+                for line in h.render()]

@@ -5,7 +5,8 @@ recorded output length, forced with ignore_eos) once the wall clock reaches its 
 whenever it has work and sleeps until the next arrival when it has none. Before its clock starts the engine captures
 every CUDA graph it may replay, as `pwruntime serve` does before its first request (a replay measures that server, not
 its start-up), after an optional untimed warm-up on the trace's first prompts. It records what the simulator records
-for the same trace: per request the arrival, first-token and finish times (seconds from the trace's start), per
+for the same trace: per request the arrival, first-token and finish times (seconds from the trace's start) and
+the gaps between its tokens (`traces.results.TokenGaps`, from the engine's `last_tokens`), per
 iteration its end, duration, tokens and the committed mean bits, the engine's own phase times (`StepPhases`: schedule,
 forward, sample, observe, plan), averaged per decode-only and mixed iteration in the summary's `phase_ms`, and whether
 the step's planner read the routing statistics (`routing_read`; `pwsim fidelity` measures their cost from it) and
@@ -32,7 +33,7 @@ from pwruntime.cuda_memory import memory_report
 from pwruntime.engine import PlanCosts, StepPhases
 from pwruntime.sampling import SamplingParams
 from pwruntime.stats_log import lut_room
-from traces.results import WARMUP_TOKENS, request_columns, request_summary, stats
+from traces.results import WARMUP_TOKENS, TokenGaps, request_columns, request_summary, stats
 from traces.schema import RequestTrace, RoutingTrace
 
 
@@ -87,6 +88,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     timeline: list[tuple] = []
     plan_log = PlanLog()
     mean_bits = engine.table.mean_bits
+    gaps = TokenGaps(n)
     engine.t0 = engine.clock()  # the engine's clock is the trace's from here on
     nxt = 0
     from tqdm import tqdm
@@ -116,7 +118,10 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
                              *astuple(engine.last_plan_costs)))
             if engine.last_loop is not None:
                 plan_log.add(engine.num_steps - 1, end, engine.last_loop, engine.table)
-    result = _result(trace, arrival, outputs, index, timeline, engine)
+            rows = np.fromiter((index.get(rid, -1) for rid, _ in engine.last_tokens), np.int64)
+            times = np.fromiter((t for _, t in engine.last_tokens), np.float64)
+            gaps.settled(rows[rows >= 0], times[rows >= 0])
+    result = _result(trace, arrival, outputs, index, timeline, engine, gaps)
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
@@ -135,7 +140,7 @@ TIMELINE = ("time_s", "step", "iter_s", "batch_tokens", "decode_tokens", "batch_
             *(f"plan_{part}" for part in PlanCosts.PARTS))
 
 
-def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
+def _result(trace, arrival, outputs, index, timeline, engine, gaps: TokenGaps) -> ReplayResult:
     n = len(trace)
     first, finish, scheduled = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
     out_tokens = np.zeros(n, dtype=np.int64)
@@ -147,12 +152,12 @@ def _result(trace, arrival, outputs, index, timeline, engine) -> ReplayResult:
         scheduled[i] = np.nan if o.first_scheduled_time is None else o.first_scheduled_time
         finish[i], out_tokens[i], preempt[i], reason[i] = o.finish_time, len(o.token_ids), o.num_preemptions, o.finish_reason
     requests = request_columns(trace.request_id, trace.domain, arrival, trace.prompt_tokens, out_tokens, first, finish,
-                               preempt, reason, first_scheduled_s=scheduled)
+                               preempt, reason, first_scheduled_s=scheduled, max_itl_s=gaps.max_s)
     tl = {c: np.array([row[k] for row in timeline]) for k, c in enumerate(TIMELINE)}
     iters = np.asarray(tl["iter_s"], dtype=np.float64)
     is_decode = np.asarray(tl["batch_tokens"]) == np.asarray(tl["decode_tokens"])
     summary = {
-        **request_summary(requests), "iterations": len(timeline),
+        **request_summary(requests, gaps.all()), "iterations": len(timeline),
         "computed_tokens": int(np.asarray(tl["batch_tokens"]).sum()) if timeline else 0,
         "iteration_s": stats(iters), "decode_iteration_s": stats(iters[is_decode]),
         "preemptions": int(engine.scheduler.num_preemptions),

@@ -19,10 +19,10 @@ from traces.clikit import UserError
 from traces.results import add_slo_flags, prepare_dir, slo_attainment, slo_bounds
 
 GiB = 2**30
-COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits", "throughput_tok_s",
-           "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "e2e_p50_s", "completed", "requests", "preemptions",
-           "stall_s", "budget_violations", "reloaded_gib", "damage_per_token", "predicted_ppl", "slo_attainment",
-           "goodput_rps", "round_trips", "round_trip_share", "wall_s", "note"]
+COLUMNS = ["policy", "budget", "status", "peak_gib", "used_gib", "weights_gib", "kv_pool_gib", "mean_bits",
+           "throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "itl_p99_ms", "e2e_p50_s", "completed",
+           "requests", "preemptions", "stall_s", "budget_violations", "reloaded_gib", "damage_per_token",
+           "predicted_ppl", "slo_attainment", "goodput_rps", "round_trips", "round_trip_share", "wall_s", "note"]
 
 
 def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
@@ -36,6 +36,7 @@ def _row(cfg, budget: str, summary: dict | None, error: str | None) -> dict:
             "throughput_tok_s": summary["throughput_tokens_per_s"], "ttft_p50_s": summary["ttft_s"]["p50"],
             "ttft_p99_s": summary["ttft_s"]["p99"],
             "tpot_p50_ms": None if summary["tpot_s"]["p50"] is None else summary["tpot_s"]["p50"] * 1e3,
+            "itl_p99_ms": None if summary["itl_s"]["p99"] is None else summary["itl_s"]["p99"] * 1e3,
             "e2e_p50_s": summary["e2e_s"]["p50"], "completed": summary["completed"], "requests": summary["requests"],
             "preemptions": summary["preemptions"], "stall_s": sum(v["time_s"] for v in summary["stalls"].values()),
             "budget_violations": m["budget_violations"], "reloaded_gib": summary["page_traffic"]["reload_bytes"] / GiB,

@@ -283,6 +283,12 @@ def run(args) -> int:
               f"{reserve['runtime']}, as --like-replay does)")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         print(_line(name, report["metrics"][key]))
+    itl = report["itl"]
+    if itl is not None:
+        ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
+        print(f"ITL (gaps between a request's tokens) p50 / p99 / max, ms: sim {ms(itl['sim']['p50'])} / "
+              f"{ms(itl['sim']['p99'])} / {ms(itl['sim']['max'])}, runtime {ms(itl['runtime']['p50'])} / "
+              f"{ms(itl['runtime']['p99'])} / {ms(itl['runtime']['max'])}")
     it = report["iterations"]
     tr = report["throughput_ratio"]
     gap = it["overhead_gap_us"]

@@ -315,7 +315,8 @@ def describe(summary: dict) -> str:
         f"  throughput {summary['throughput_tokens_per_s']:.0f} output tok/s ({summary['total_tokens_per_s']:.0f} "
         f"with prompts, {summary['requests_per_s']:.3g} requests/s); TTFT p50 {_ms(summary['ttft_s']['p50'])}, "
         f"p99 {_ms(summary['ttft_s']['p99'])}; TPOT p50 {_ms(summary['tpot_s']['p50'])}, "
-        f"p99 {_ms(summary['tpot_s']['p99'])}; e2e p50 {summary['e2e_s']['p50'] or 0:.2f} s",
+        f"p99 {_ms(summary['tpot_s']['p99'])}; ITL p99 {_ms(summary['itl_s']['p99'])}, max "
+        f"{_ms(summary['itl_s']['max'])}; e2e p50 {summary['e2e_s']['p50'] or 0:.2f} s",
         f"  memory: peak {format_size(m['peak_bytes'])} of {format_size(m['budget_bytes'])} "
         f"(weights {format_size(m['peak_weight_bytes'])}, KV pool {format_size(m['peak_kv_pool_bytes'])}); "
         f"budget violations {m['budget_violations']}",

@@ -3,7 +3,8 @@
 `compare(sim, runtime)` takes two result directories' contents (`traces.results.read_result_dir`: a
 `pwsim run` and a `pwruntime replay` of one request trace), pairs their requests by request_id and
 reports, per latency metric (TTFT, TPOT, end to end), the ratio sim / runtime (median, p10, p90) and
-the median absolute relative error; the ratios of throughput and makespan; the planner's plans and
+the median absolute relative error; the ratios of throughput and makespan; where both summaries have them, each
+side's gaps between consecutive tokens (`itl`: p50, p99, max, and their ratios); the planner's plans and
 the scheduler's preemptions on each side; and a least-squares fit
 `iteration seconds = a + b * tokens` on each side: the intercepts are the per-iteration overhead each
 engine pays, the slopes the cost of a token. Their gaps (`overhead_gap_us`, `per_token_gap_us`) are
@@ -250,6 +251,17 @@ def _count(summary: dict, key: str) -> int | None:
     return None if v is None else int(v)
 
 
+def inter_token_latency(sim: dict, runtime: dict) -> dict | None:
+    """Each side's gaps between consecutive tokens (`itl_s`: p50, p99, max) and the sim / runtime ratios of p50 and
+    p99; None where a summary lacks them (runs before session 57)."""
+    a, b = sim.get("itl_s"), runtime.get("itl_s")
+    if not a or not b:
+        return None
+    keep = ("p50", "p99", "max")
+    return {"sim": {k: a[k] for k in keep}, "runtime": {k: b[k] for k in keep},
+            "ratio_p50": _ratio(a["p50"], b["p50"]), "ratio_p99": _ratio(a["p99"], b["p99"])}
+
+
 def _ratio(a, b) -> float | None:
     return float(a) / float(b) if a is not None and b not in (None, 0) else None
 
@@ -296,6 +308,7 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "throughput_ratio": _ratio(sim.summary.get("throughput_tokens_per_s"),
                                    runtime.summary.get("throughput_tokens_per_s")),
         "makespan_ratio": _ratio(sim.summary.get("makespan_s"), runtime.summary.get("makespan_s")),
+        "itl": inter_token_latency(sim.summary, runtime.summary),
         "one_off_steps": one_off,
         "throughput_ratio_without_one_off": _without_one_off(sim, runtime, one_off["runtime"]),
         "lut_room": {"sim": lut_room_of(sim, True), "runtime": lut_room_of(runtime, False)},

@@ -53,15 +53,17 @@ def run_timeline(result, path: Path, title: str = "") -> Path:
 
 
 def run_latency(result, path: Path, title: str = "") -> Path:
-    """CDFs of TTFT, TPOT and end-to-end latency."""
+    """CDFs of TTFT, TPOT, each request's longest gap between two tokens (its worst stall) and end-to-end latency."""
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.4))
-    for ax, key, name in zip(axes, ("ttft_s", "tpot_s", "e2e_s"), ("TTFT", "TPOT", "end to end")):
+    panels = [("ttft_s", "TTFT", 1), ("tpot_s", "TPOT", 1e3), ("max_itl_s", "longest token gap", 1e3),
+              ("e2e_s", "end to end", 1)]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.4))
+    for ax, (key, name, scale) in zip(axes, panels):
         v = np.sort(np.asarray(result.requests[key], dtype=float))
         v = v[np.isfinite(v)]
         if v.size:
-            ax.plot(v * (1e3 if key == "tpot_s" else 1), np.arange(1, v.size + 1) / v.size)
-        ax.set_xlabel(f"{name} ({'ms' if key == 'tpot_s' else 's'})")
+            ax.plot(v * scale, np.arange(1, v.size + 1) / v.size)
+        ax.set_xlabel(f"{name} ({'ms' if scale == 1e3 else 's'})")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("fraction of requests")

@@ -15,7 +15,7 @@ import numpy as np
 from policies.plan_log import PlanLog, reason_kind
 from pwsim.plan_stats import summarize
 
-from traces.results import request_columns, request_summary
+from traces.results import TokenGaps, request_columns, request_summary
 
 if TYPE_CHECKING:  # pragma: no cover
     from pwsim.engine import Simulation
@@ -57,6 +57,7 @@ class Recorder:
         self.first = np.full(n_requests, np.nan)
         self.finish_s = np.full(n_requests, np.nan)
         self.scheduled_s = np.full(n_requests, np.nan)  # when a batch first held each request
+        self.token_gaps = TokenGaps(n_requests)
         self.out_tokens = np.zeros(n_requests, dtype=np.int64)
         self.preemptions = np.zeros(n_requests, dtype=np.int64)
         self.reason = np.full(n_requests, "", dtype=object)
@@ -110,6 +111,7 @@ class Recorder:
 
     def tokens(self, reqs: np.ndarray, now: float, first: np.ndarray) -> None:
         self.out_tokens[reqs] += 1
+        self.token_gaps.settled(reqs, now)
         f = reqs[first]
         self.first[f] = np.where(np.isnan(self.first[f]), now, self.first[f])
 
@@ -196,9 +198,9 @@ class Recorder:
             wl.request_id if wl.request_id is not None else np.arange(self.n),
             np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object), self.arrival,
             wl.prompt_tokens, self.out_tokens, self.first, self.finish_s, self.preemptions, self.reason,
-            first_scheduled_s=self.scheduled_s)
+            first_scheduled_s=self.scheduled_s, max_itl_s=self.token_gaps.max_s)
         requests["damage_per_token"] = dpt
-        about = request_summary(requests)
+        about = request_summary(requests, self.token_gaps.all())
         end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0
         if self._last_bits is not None and end > self._last_t:
             self.bits_time += self._last_bits * (end - self._last_t)

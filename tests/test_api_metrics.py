@@ -31,8 +31,8 @@ def test_histogram_text_is_cumulative_and_ends_with_inf():
 
 
 def _output(tokens: int, first: float | None, prompt: int = 3):
-    return SimpleNamespace(arrival_time=1.0, first_token_time=first, finish_time=2.0, token_ids=[7] * tokens,
-                           prompt_token_ids=[1] * prompt)
+    return SimpleNamespace(request_id=0, arrival_time=1.0, first_token_time=first, finish_time=2.0,
+                           token_ids=[7] * tokens, prompt_token_ids=[1] * prompt)
 
 
 def test_a_finished_request_adds_one_observation_to_each_histogram():
@@ -47,6 +47,20 @@ def test_a_finished_request_adds_one_observation_to_each_histogram():
     assert samples["e2e_request_latency_seconds_sum"] == pytest.approx(3.0)
     assert samples["request_prompt_tokens_sum"] == 46 and samples['request_prompt_tokens_bucket{le="5.0"}'] == 2
     assert samples["request_generation_tokens_sum"] == 6
+
+
+def test_each_gap_between_a_request_s_tokens_is_one_observation():
+    m = RequestMetrics(4096)
+    m.tokens([(1, 0.5), (2, 0.5)])           # first tokens: no gap
+    m.tokens([(1, 0.6), (2, 0.75)])
+    m.tokens([(1, 1.1)])
+    m.observe(SimpleNamespace(request_id=1, arrival_time=0.0, first_token_time=0.5, finish_time=1.1, token_ids=[7] * 3,
+                              prompt_token_ids=[1]))
+    m.tokens([(1, 2.0)])                     # a new request under a reused id starts afresh
+    samples = _samples(m.render())
+    assert samples["inter_token_latency_seconds_count"] == 3
+    assert samples["inter_token_latency_seconds_sum"] == pytest.approx(0.1 + 0.25 + 0.5)
+    assert samples['inter_token_latency_seconds_bucket{le="0.1"}'] == 1
 
 
 def _samples(lines) -> dict[str, float]:
@@ -73,4 +87,6 @@ def test_metrics_after_requests(client, base_url):
                          if (m := re.fullmatch(rf'{name}_bucket\{{le="(.*)"\}}', key)))
         assert len(buckets) > 5 and [c for _, c in buckets] == sorted(c for _, c in buckets)  # cumulative
     assert after["request_generation_tokens_sum"] - before.get("request_generation_tokens_sum", 0) == 16
+    # four requests of four tokens: three gaps each
+    assert after["inter_token_latency_seconds_count"] - before.get("inter_token_latency_seconds_count", 0) == 12
     assert after["generated_tokens_total"] - before["generated_tokens_total"] == 16

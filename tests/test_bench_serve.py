@@ -50,6 +50,12 @@ def test_every_request_is_served_and_timed_from_the_client(url, tmp_path, capsys
     assert np.allclose(requests["arrival_s"], arrival)
     assert (requests["ttft_s"] > 0).all() and (requests["ttft_s"] <= requests["e2e_s"]).all()
     assert set(requests["finish_reason"]) == {"length"}
+    # the gaps between text chunks: each request's longest lies inside its decode time, the longest of all is one
+    many = requests["output_tokens"] > 1
+    assert many.any() and (requests["max_itl_s"][many] > 0).all()
+    assert (requests["max_itl_s"][many] <= (requests["e2e_s"] - requests["ttft_s"])[many]).all()
+    assert summary["itl_s"]["max"] == pytest.approx(np.nanmax(requests["max_itl_s"]))
+    assert 0 < summary["itl_s"]["p50"] <= summary["itl_s"]["p99"] <= summary["itl_s"]["max"]
 
 
 def test_a_request_the_server_refuses_is_counted_as_failed(url, tmp_path, capsys):

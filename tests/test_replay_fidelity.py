@@ -77,6 +77,25 @@ def test_replay_serves_each_request_at_its_arrival(ckpt):
     assert s["completed"] == 3 and s["output_tokens"] == sum(OUTPUTS) and s["iterations"] == len(tl["time_s"])
 
 
+def test_replay_times_the_gaps_between_each_request_s_tokens(ckpt, monkeypatch):
+    """A step that takes 10 ms on the clock puts 10 ms between two tokens of a request; a step the replay skips
+    (nothing to run until the next arrival) puts none."""
+    from pwruntime.replay import replay
+    clock = VirtualClock()
+    engine = _engine(ckpt, clock)
+    step = engine.step
+
+    def slow_step():
+        clock.now += 0.01
+        return step()
+    monkeypatch.setattr(engine, "step", slow_step)
+    res = replay(engine, _trace(), sleep=clock.sleep)
+    r, s = res.requests, res.summary
+    np.testing.assert_allclose(r["max_itl_s"], 0.01)
+    np.testing.assert_allclose([s["itl_s"][k] for k in ("p50", "p99", "max")], 0.01)
+    assert s["itl_s"]["mean"] * (sum(OUTPUTS) - 3) == pytest.approx(np.sum(r["finish_s"] - r["first_token_s"]))
+
+
 def test_a_time_scale_of_zero_sends_every_request_at_once(ckpt):
     from pwruntime.replay import replay
     clock = VirtualClock()
@@ -236,6 +255,16 @@ def test_fidelity_ratios_errors_and_overhead_gap():
     prof = load_profile("h200-roofline")
     fit = fitted_profile(prof, rep)
     assert fit.iteration_overhead_us == pytest.approx(prof.iteration_overhead_us + 2000.0) and fit.name.endswith("-fit")
+
+
+def test_fidelity_sets_the_two_sides_gaps_between_tokens_side_by_side():
+    itl = lambda p50, p99: {"mean": p50, "p50": p50, "p90": p99, "p95": p99, "p99": p99, "max": 2 * p99}  # noqa: E731
+    sim, runtime = _view([1], [0.1], [0.01], [1.0], [0.01], [1]), _view([1], [0.1], [0.01], [1.0], [0.01], [1])
+    assert compare(sim, runtime)["itl"] is None      # results from before session 57 have none
+    sim.summary["itl_s"], runtime.summary["itl_s"] = itl(0.01, 0.03), itl(0.02, 0.12)
+    rep = compare(sim, runtime)["itl"]
+    assert rep["ratio_p50"] == pytest.approx(0.5) and rep["ratio_p99"] == pytest.approx(0.25)
+    assert rep["runtime"] == {"p50": 0.02, "p99": 0.12, "max": 0.24}
 
 
 def test_the_fit_tells_a_sequence_s_host_cost_from_a_token_s():

@@ -66,6 +66,7 @@ def test_a_concurrency_sweep_runs_each_level_and_fidelity_pairs_two_sweeps(tmp_p
     for level in (1, 4):
         saved = json.loads((out / f"c{level}" / "summary.json").read_text())
         assert saved["throughput_tokens_per_s"] == pytest.approx(rows[[1, 4].index(level)]["throughput_tokens_per_s"])
+        assert saved["itl_s"]["p99"] == rows[[1, 4].index(level)]["itl_p99_s"] > 0
         assert json.loads((out / f"c{level}" / "config.json").read_text())["max_concurrency"] == level
     assert json.loads((out / "summary.json").read_text())["sweep"] == rows
     # the same sweep against itself, as `pwruntime bench serve` would have written it: every ratio 1

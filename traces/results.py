@@ -55,15 +55,45 @@ def stats(a) -> dict:
             "p95": percentile(f, 95), "p99": percentile(f, 99), "max": float(f.max()) if f.size else None}
 
 
+class TokenGaps:
+    """Inter-token latency (vLLM's ITL): the time between consecutive output tokens of each of `n` requests, from the
+    times an engine settles them (or a streaming client receives them). Unlike TPOT, a request's mean, it keeps each
+    gap, so a stall (a prefill beside the decodes, a wait for a page move, a recompute after preemption) shows in
+    its tail. `max_s`: each request's longest gap (NaN before its second token); `all()`: every gap so far."""
+
+    def __init__(self, n: int) -> None:
+        self.last_s = np.full(n, np.nan)  # when each request's latest token came
+        self.max_s = np.full(n, np.nan)
+        self._gaps: list[np.ndarray] = []
+
+    def settled(self, rows, now) -> None:
+        """Requests `rows` (each once) got a token at `now` (one time, or one a row)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        now = np.broadcast_to(np.asarray(now, dtype=np.float64), rows.shape)
+        prev = self.last_s[rows]
+        seen = ~np.isnan(prev)
+        if seen.any():
+            gap, r = now[seen] - prev[seen], rows[seen]
+            self._gaps.append(gap)
+            self.max_s[r] = np.fmax(self.max_s[r], gap)
+        self.last_s[rows] = now
+
+    def all(self) -> np.ndarray:
+        return np.concatenate(self._gaps) if self._gaps else np.empty(0)
+
+
 def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens, first_token_s, finish_s, preemptions,
-                    finish_reason, first_scheduled_s=None) -> dict[str, np.ndarray]:
+                    finish_reason, first_scheduled_s=None, max_itl_s=None) -> dict[str, np.ndarray]:
     """The per-request table of a result directory (`requests.parquet`), latencies included, in trace order; with
-    `first_scheduled_s` (an engine's: when a batch first held each request) its queueing delay `queue_s` too."""
+    `first_scheduled_s` (an engine's: when a batch first held each request) its queueing delay `queue_s` too, and with
+    `max_itl_s` (`TokenGaps.max_s`) each request's longest time between two of its tokens."""
     n = len(arrival_s)
     queued = {}
     if first_scheduled_s is not None:
         scheduled = np.asarray(first_scheduled_s, dtype=np.float64)
         queued = {"first_scheduled_s": scheduled, "queue_s": scheduled - np.asarray(arrival_s, dtype=np.float64)}
+    if max_itl_s is not None:
+        queued["max_itl_s"] = np.asarray(max_itl_s, dtype=np.float64)
     return {"request": np.arange(n), "request_id": np.asarray(request_id), "domain": np.asarray(domain, dtype=object),
             "arrival_s": np.asarray(arrival_s, dtype=np.float64), "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64),
             "output_tokens": np.asarray(output_tokens, dtype=np.int64), "first_token_s": np.asarray(first_token_s),
@@ -72,10 +102,11 @@ def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens,
             "preemptions": np.asarray(preemptions), "finish_reason": np.asarray(finish_reason).astype(str)}
 
 
-def request_summary(requests: dict[str, np.ndarray]) -> dict:
+def request_summary(requests: dict[str, np.ndarray], itl_s: np.ndarray | None = None) -> dict:
     """What a run's summary says about its requests (from `request_columns`): completions, makespan (first arrival
     to last finish), throughputs over it (output tokens, as vLLM's benchmark's "output token throughput"; prompt and
-    output tokens; completed requests), and latency statistics of the requests that have them."""
+    output tokens; completed requests), and latency statistics of the requests that have them; with `itl_s`
+    (`TokenGaps.all()`) those of every gap between two tokens of a request."""
     arrival, finish, reason = requests["arrival_s"], requests["finish_s"], requests["finish_reason"]
     n = len(arrival)
     end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
@@ -89,7 +120,8 @@ def request_summary(requests: dict[str, np.ndarray]) -> dict:
             "total_tokens_per_s": (int(requests["prompt_tokens"].sum()) + out_total) / span,
             "requests_per_s": completed / span,
             "ttft_s": stats(requests["ttft_s"]), "tpot_s": stats(requests["tpot_s"]), "e2e_s": stats(requests["e2e_s"]),
-            **({"queue_s": stats(requests["queue_s"])} if "queue_s" in requests else {})}
+            **({"queue_s": stats(requests["queue_s"])} if "queue_s" in requests else {}),
+            **({"itl_s": stats(itl_s)} if itl_s is not None else {})}
 
 
 def slo_attainment(requests: dict[str, np.ndarray], ttft_s: float | None, tpot_s: float | None) -> dict:

@@ -38,6 +38,7 @@ def sweep_row(level: int, summary: dict) -> dict:
             "throughput_tokens_per_s": summary["throughput_tokens_per_s"],
             "ttft_p50_s": summary["ttft_s"]["p50"], "ttft_p99_s": summary["ttft_s"]["p99"],
             "tpot_p50_s": summary["tpot_s"]["p50"], "tpot_p99_s": summary["tpot_s"]["p99"],
+            "itl_p99_s": (summary.get("itl_s") or {}).get("p99"),  # None in runs before session 57
             **({"slo_attainment": slo["attainment"], "goodput_rps": slo["goodput_rps"]} if slo else {})}
 
 
@@ -47,10 +48,11 @@ def table(rows: list[dict]) -> str:
         return "n/a" if v is None else f"{v * 1e3:.2f}"
     slo = all("goodput_rps" in r for r in rows)
     lines = [f"{'N':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} {'TPOT p50 ms':>12} {'p99 ms':>8} "
-             f"{'failed':>7}" + (f" {'in SLO %':>9} {'goodput req/s':>14}" if slo else "")]
+             f"{'ITL p99 ms':>11} {'failed':>7}" + (f" {'in SLO %':>9} {'goodput req/s':>14}" if slo else "")]
     for r in rows:
         line = (f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>12} "
-                f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>8} {r['failed']:>7}")
+                f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>8} "
+                f"{ms(r.get('itl_p99_s')):>11} {r['failed']:>7}")
         if slo:
             line += f" {100 * (r['slo_attainment'] or 0):>9.1f} {r['goodput_rps']:>14.3g}"
         lines.append(line)
