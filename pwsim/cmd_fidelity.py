@@ -209,6 +209,127 @@ def _transition_lines(report: dict) -> list[str]:
                   f"the runtime's only {rows(t['runtime_only'])}", trip_line]
 
 
+def _setting_lines(report: dict) -> list[str]:
+    """What was paired, and a note for each setting the two runs did not share (their results part for it)."""
+    r = report["requests"]
+    lines = [f"{r['paired']} requests paired ({r['sim']} simulated, {r['runtime']} replayed)"]
+    a = report["async_scheduling"]
+    if a["runtime"] is None:
+        lines.append("note: the served run's server did not say how it scheduled (no /server_info), so neither this "
+                     "nor its scheduler limits are checked")
+    elif a["sim"] != a["runtime"]:
+        on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
+        lines.append(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
+                     "(run both with or both without --async-scheduling)")
+    m = report["instant_page_moves"]
+    if m["runtime"] is not None and m["sim"] != m["runtime"]:
+        lines.append(f"note: the {'simulation' if m['sim'] else 'replay'}'s page moves landed at the boundary that "
+                     f"began them and the {'replay' if m['sim'] else 'simulation'}'s did not; their reloads land at "
+                     "other steps (the CPU runtime's land at once: simulate it with --instant-page-moves, as "
+                     "--like-replay does)")
+    differ = [f"{key} {v['sim']} simulated, {v['runtime']} on the runtime" for key, v in report["scheduler"].items()
+              if None not in (v["sim"], v["runtime"]) and v["sim"] != v["runtime"]]
+    if differ:
+        lines.append(f"note: the scheduler limits differ ({'; '.join(differ)}); give both engines the same")
+    w = report["warmup_requests"]
+    if w["sim"] != w["runtime"]:
+        lines.append(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the "
+                     "state their pressure left (bits, KV pool) differs at the start (give both the same "
+                     "--warmup-requests)")
+    for key, describe, flag in ARRIVAL_SETTINGS:
+        v = report[key]
+        if v["sim"] != v["runtime"]:
+            lines.append(f"note: the simulation ran the trace {describe(v['sim'])} and the runtime "
+                         f"{describe(v['runtime'])}; their requests went at other times (give both the same {flag})")
+    lut = report["lut_room"]
+    planned = any(v for v in report["planner"]["plans"].values())
+    if planned and None not in lut.values() and lut["sim"] != lut["runtime"]:
+        lines.append(f"note: the runtime's offloads found room for their lower LUTs in the {lut['runtime']}, the "
+                     f"simulation's in the {lut['sim']}; their plans part (simulate with --lut-room {lut['runtime']}, "
+                     "as --like-replay does)")
+    reserve = report["activation_reserve"]
+    if None not in reserve.values() and reserve["sim"] != reserve["runtime"]:
+        lines.append(f"note: the runtime kept {format_size(reserve['runtime'])} of its budget for a step's "
+                     f"activations, the simulation {format_size(reserve['sim'])}; their KV pools differ (simulate "
+                     f"with --activation-reserve {reserve['runtime']}, as --like-replay does)")
+    return lines
+
+
+def _latency_lines(report: dict) -> list[str]:
+    """Each paired latency metric, and the gaps between tokens where both sides have them."""
+    lines = [_line(name, report["metrics"][key]) for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"),
+                                                                      ("e2e_s", "E2E"))]
+    itl = report["itl"]
+    if itl is not None:
+        ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
+        lines.append(f"ITL (gaps between a request's tokens) p50 / p99 / max, ms: sim {ms(itl['sim']['p50'])} / "
+                     f"{ms(itl['sim']['p99'])} / {ms(itl['sim']['max'])}, runtime {ms(itl['runtime']['p50'])} / "
+                     f"{ms(itl['runtime']['p99'])} / {ms(itl['runtime']['max'])}")
+    return lines
+
+
+def _iteration_lines(report: dict) -> list[str]:
+    """Throughput, and what the runtime pays an iteration and a token against the simulator (the host-cost fits)."""
+    it = report["iterations"]
+    tr = report["throughput_ratio"]
+    gap = it["overhead_gap_us"]
+    slope = it["per_token_gap_us"]
+    lines = [f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
+             f"{'n/a' if gap is None else f'{signed(gap, 0)} us'} an iteration and "
+             f"{'n/a' if slope is None else f'{signed(slope, 1)} us'}"
+             f" a token against the simulator{' besides planning' if it.get('net_of_planning') else ''}"]
+    one = report["one_off_steps"]["runtime"]
+    if one and one["steps"]:
+        without = report["throughput_ratio_without_one_off"]
+        lines.append(f"  the runtime's one-off steps: {one['steps']} far longer than the typical step of their kind "
+                     f"and size (a new batch shape's first launch; before session 39 its graph capture), "
+                     f"{one['excess_s']:.2f} s beyond it, "
+                     f"{one['share']:.0%} of its iteration time, which the simulator does not charge"
+                     + ("" if without is None else f"; without them throughput sim/runtime about {without:.2f}")
+                     + ("" if report["warmup_requests"]["runtime"] else
+                        " (`pwruntime replay --warmup-requests N` serves a warm-up before the clock)"))
+    seq = it["per_sequence"]
+    if seq is not None:
+        lines.append(f"  with a per-sequence term: {signed(seq['overhead_gap_us'], 0)} us an iteration, "
+                     f"{signed(seq['per_seq_gap_us'], 1)} us a sequence and {signed(seq['per_token_gap_us'], 1)} us "
+                     "a token (--fit-per-sequence fits these)")
+    kinds = it["by_kind"]
+    if kinds["sim"] and kinds["runtime"]:
+        def kind(k: str, side: str) -> str:
+            m = kinds[side][k]
+            return "none" if m["mean_iter_s"] is None else \
+                f"{m['iterations']} of {m['mean_iter_s'] * 1e3:.3g} ms ({m['mean_tokens']:.0f} tokens)"
+        lines += [f"{k} iterations: sim {kind(k, 'sim')}, runtime {kind(k, 'runtime')}" for k in ("decode", "mixed")]
+    return lines
+
+
+def _planner_lines(report: dict) -> list[str]:
+    """Plans, preemptions and KV cache resizes on each side."""
+    pl = report["planner"]
+
+    def count(v) -> str:
+        return "not recorded" if v is None else str(v)
+    return [f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
+            f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}"
+            + ("" if report["kv_resizes"]["runtime"] is None else
+               f"; KV cache resizes: {count(report['kv_resizes']['sim'])} and {report['kv_resizes']['runtime']}")]
+
+
+def _runtime_plan_lines(report: dict) -> list[str]:
+    """The runtime's phase times by kind of iteration, and what its planner's routing reads and transitions cost."""
+    lines = [f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items())
+             for kind, ms in (report["runtime_phase_ms"] or {}).items()]
+    rr = report["routing_reads"]
+    if rr["runtime"] is not None:
+        cost = rr["plan_gap_us"]
+        lines.append(f"planner steps that read the routing statistics: {rr['sim']} simulated, {rr['runtime']} on the "
+                     "runtime" + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
+        if rr.get("transition_us") is not None:
+            lines.append(f"  the runtime's plan phase fitted: {rr['read_us']:.0f} us a read and "
+                         f"{rr['transition_us']:.0f} us a transition its plan starts")
+    return lines
+
+
 def run(args) -> int:
     from pwsim import plots
     from pwsim.fidelity import RunView, compare, fitted_profile, paired_columns
@@ -243,103 +364,9 @@ def run(args) -> int:
     if args.json:
         print(dumps(report))
         return 0
-    r = report["requests"]
-    print(f"{r['paired']} requests paired ({r['sim']} simulated, {r['runtime']} replayed)")
-    a = report["async_scheduling"]
-    if a["runtime"] is None:
-        print("note: the served run's server did not say how it scheduled (no /server_info), so neither this nor its "
-              "scheduler limits are checked")
-    elif a["sim"] != a["runtime"]:
-        on, off = ("the simulation", "the replay") if a["sim"] else ("the replay", "the simulation")
-        print(f"note: {on} scheduled asynchronously and {off} did not; their decisions come in another order "
-              "(run both with or both without --async-scheduling)")
-    m = report["instant_page_moves"]
-    if m["runtime"] is not None and m["sim"] != m["runtime"]:
-        print(f"note: the {'simulation' if m['sim'] else 'replay'}'s page moves landed at the boundary that began them "
-              f"and the {'replay' if m['sim'] else 'simulation'}'s did not; their reloads land at other steps (the "
-              "CPU runtime's land at once: simulate it with --instant-page-moves, as --like-replay does)")
-    differ = [f"{key} {v['sim']} simulated, {v['runtime']} on the runtime" for key, v in report["scheduler"].items()
-              if None not in (v["sim"], v["runtime"]) and v["sim"] != v["runtime"]]
-    if differ:
-        print(f"note: the scheduler limits differ ({'; '.join(differ)}); give both engines the same")
-    w = report["warmup_requests"]
-    if w["sim"] != w["runtime"]:
-        print(f"note: the simulation warmed up on {w['sim']} requests and the replay on {w['runtime']}; the state "
-              "their pressure left (bits, KV pool) differs at the start (give both the same --warmup-requests)")
-    for key, describe, flag in ARRIVAL_SETTINGS:
-        v = report[key]
-        if v["sim"] != v["runtime"]:
-            print(f"note: the simulation ran the trace {describe(v['sim'])} and the runtime {describe(v['runtime'])}; "
-                  f"their requests went at other times (give both the same {flag})")
-    lut = report["lut_room"]
-    planned = any(v for v in report["planner"]["plans"].values())
-    if planned and None not in lut.values() and lut["sim"] != lut["runtime"]:
-        print(f"note: the runtime's offloads found room for their lower LUTs in the {lut['runtime']}, the simulation's "
-              f"in the {lut['sim']}; their plans part (simulate with --lut-room {lut['runtime']}, as --like-replay does)")
-    reserve = report["activation_reserve"]
-    if None not in reserve.values() and reserve["sim"] != reserve["runtime"]:
-        print(f"note: the runtime kept {format_size(reserve['runtime'])} of its budget for a step's activations, the "
-              f"simulation {format_size(reserve['sim'])}; their KV pools differ (simulate with --activation-reserve "
-              f"{reserve['runtime']}, as --like-replay does)")
-    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
-        print(_line(name, report["metrics"][key]))
-    itl = report["itl"]
-    if itl is not None:
-        ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
-        print(f"ITL (gaps between a request's tokens) p50 / p99 / max, ms: sim {ms(itl['sim']['p50'])} / "
-              f"{ms(itl['sim']['p99'])} / {ms(itl['sim']['max'])}, runtime {ms(itl['runtime']['p50'])} / "
-              f"{ms(itl['runtime']['p99'])} / {ms(itl['runtime']['max'])}")
-    it = report["iterations"]
-    tr = report["throughput_ratio"]
-    gap = it["overhead_gap_us"]
-    slope = it["per_token_gap_us"]
-    print(f"throughput sim/runtime {'n/a' if tr is None else f'{tr:.2f}'}; the runtime pays "
-          f"{'n/a' if gap is None else f'{signed(gap, 0)} us'} an iteration and "
-          f"{'n/a' if slope is None else f'{signed(slope, 1)} us'}"
-          f" a token against the simulator{' besides planning' if it.get('net_of_planning') else ''}")
-    one = report["one_off_steps"]["runtime"]
-    if one and one["steps"]:
-        without = report["throughput_ratio_without_one_off"]
-        print(f"  the runtime's one-off steps: {one['steps']} far longer than the typical step of their kind and size "
-              f"(a new batch shape's first launch; before session 39 its graph capture), "
-              f"{one['excess_s']:.2f} s beyond it, "
-              f"{one['share']:.0%} of its iteration time, which the simulator does not charge"
-              + ("" if without is None else f"; without them throughput sim/runtime about {without:.2f}")
-              + ("" if report["warmup_requests"]["runtime"] else
-                 " (`pwruntime replay --warmup-requests N` serves a warm-up before the clock)"))
-    seq = it["per_sequence"]
-    if seq is not None:
-        print(f"  with a per-sequence term: {signed(seq['overhead_gap_us'], 0)} us an iteration, "
-              f"{signed(seq['per_seq_gap_us'], 1)} us a sequence and {signed(seq['per_token_gap_us'], 1)} us a token "
-              "(--fit-per-sequence fits these)")
-    kinds = it["by_kind"]
-    if kinds["sim"] and kinds["runtime"]:
-        def kind(k: str, side: str) -> str:
-            m = kinds[side][k]
-            return "none" if m["mean_iter_s"] is None else \
-                f"{m['iterations']} of {m['mean_iter_s'] * 1e3:.3g} ms ({m['mean_tokens']:.0f} tokens)"
-        for k in ("decode", "mixed"):
-            print(f"{k} iterations: sim {kind(k, 'sim')}, runtime {kind(k, 'runtime')}")
-    pl = report["planner"]
-
-    def count(v) -> str:
-        return "not recorded" if v is None else str(v)
-    print(f"plans: {count(pl['plans']['sim'])} simulated, {count(pl['plans']['runtime'])} on the runtime; "
-          f"preemptions: {count(pl['preemptions']['sim'])} and {count(pl['preemptions']['runtime'])}"
-          + ("" if report["kv_resizes"]["runtime"] is None else
-             f"; KV cache resizes: {count(report['kv_resizes']['sim'])} and {report['kv_resizes']['runtime']}"))
-    for line in _decision_lines(report, sim, args.runtime) + _transition_lines(report):
-        print(line)
-    for kind, ms in (report["runtime_phase_ms"] or {}).items():
-        print(f"runtime {kind} iterations, mean ms: " + ", ".join(f"{k} {v:.3g}" for k, v in ms.items()))
-    rr = report["routing_reads"]
-    if rr["runtime"] is not None:
-        cost = rr["plan_gap_us"]
-        print(f"planner steps that read the routing statistics: {rr['sim']} simulated, {rr['runtime']} on the runtime"
-              + ("" if cost is None else f", each {cost:.0f} us more of plan phase there"))
-        if rr.get("transition_us") is not None:
-            print(f"  the runtime's plan phase fitted: {rr['read_us']:.0f} us a read and "
-                  f"{rr['transition_us']:.0f} us a transition its plan starts")
+    lines = (_setting_lines(report) + _latency_lines(report) + _iteration_lines(report) + _planner_lines(report)
+             + _decision_lines(report, sim, args.runtime) + _transition_lines(report) + _runtime_plan_lines(report))
+    print("\n".join(lines))
     print(f"wrote {out / 'fidelity.json'} and {out / 'fidelity.png'}"
           + (f"; the fitted profile ({fitted.iteration_overhead_us:.0f} us an iteration, "
              f"{fitted.sequence_overhead_us:.1f} us a sequence, {fitted.token_overhead_us:.1f} us a token, "
