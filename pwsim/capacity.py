@@ -161,7 +161,7 @@ def base_rate_rps(cfg) -> float:
     """The run's arrival rate at multiplier 1: requests per second of its arrival span (the first to the last)."""
     from pwsim.runner import build_workload
     from traces.clikit import UserError
-    arrivals = build_workload(replace(cfg, time_scale=1.0)).arrival_s
+    arrivals = build_workload(replace(cfg, time_scale=1.0)).requests.arrival_s
     span = float(arrivals.max() - arrivals.min()) if len(arrivals) else 0.0
     if len(arrivals) < 2 or span <= 0:
         raise UserError("a capacity search needs a trace whose requests arrive over time (at least two, at "

@@ -36,7 +36,7 @@ time and hardware:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import simpy
@@ -61,6 +61,7 @@ from traces.clikit import UserError
 from traces.hardware import HardwareProfile
 from traces.model_card import ModelSpec
 from traces.results import WARMUP_TOKENS
+from traces.schema import RequestTrace
 
 
 class BudgetError(UserError):
@@ -112,30 +113,21 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class Workload:
-    """Requests (index r = row) and the routing of their tokens."""
+    """Requests (`requests`: request r is row r, its arrival, lengths, domain and prompt ids) and the routing of their
+    tokens; `warmup_routing`: what a recorded warm-up routed for the first requests (`_warm_up`)."""
 
-    arrival_s: np.ndarray
-    prompt_tokens: np.ndarray
-    output_tokens: np.ndarray
-    domains: tuple[str, ...]
-    domain_idx: np.ndarray
+    requests: RequestTrace
     routing: RoutingSource
-    request_id: np.ndarray | None = None
     description: dict = field(default_factory=dict)
-    token_offsets: np.ndarray | None = None  # int64 [n+1]: prompt ids of request r are token_ids[o[r]:o[r+1]]
-    token_ids: np.ndarray | None = None  # int32 prompt token ids (None: lengths only)
-    warmup_routing: RoutingSource | None = None  # what a recorded warm-up routed for the first requests (`_warm_up`)
+    warmup_routing: RoutingSource | None = None
 
     def __len__(self) -> int:
-        return len(self.arrival_s)
+        return len(self.requests)
 
-    @property
-    def has_token_ids(self) -> bool:
-        return self.token_ids is not None and self.token_offsets is not None
-
-    def prompt_ids(self, r: int) -> list[int]:
-        """Request r's prompt token ids (the workload must have them)."""
-        return self.token_ids[self.token_offsets[r]:self.token_offsets[r + 1]].tolist()
+    def retimed(self, arrival_s: np.ndarray, **about) -> "Workload":
+        """The same requests and routing arriving at `arrival_s`; `about` joins the description."""
+        return replace(self, requests=replace(self.requests, arrival_s=arrival_s),
+                       description={**self.description, **about})
 
 
 @dataclass(frozen=True)
@@ -182,7 +174,7 @@ class Simulation:
                               f"{getattr(policy, 'name', policy)!r} starts with ({format_size(weights)} + "
                               f"{format_size(config.allocator_slack_bytes)} allocator slack + "
                               f"{format_size(config.activation_bytes)} activation reserve); raise the budget")
-        if config.prefix_caching and not workload.has_token_ids:
+        if config.prefix_caching and workload.requests.token_ids is None:
             raise UserError("prefix caching needs the prompt token ids of every request, and this trace has none; "
                             "generate one with them (`pwsim gen-trace --token-ids-vocab V`, optionally "
                             "`--shared-prefix-tokens N`; or `--trace synthetic --token-ids-vocab V`)")
@@ -200,9 +192,10 @@ class Simulation:
                                     features=config.prompt_features and not never_plans(policy))
         damage = {} if calibration is None else calibration.domain_damage
         self.quality = QualityModel(damage, L, E, quality_fit, zero_damage=self.full_precision)
-        self._req_dom = np.array([self.quality.domain_index(d) for d in workload.domains], dtype=np.int64)[
-            workload.domain_idx] if len(workload) else np.zeros(0, np.int64)
-        self.rec = Recorder(len(workload), workload.arrival_s, config.timeline_stride, self.kv_block_bytes)
+        req = workload.requests
+        self._req_dom = np.array([self.quality.domain_index(d) for d in req.domains], dtype=np.int64)[
+            req.domain_idx] if len(workload) else np.zeros(0, np.int64)
+        self.rec = Recorder(len(workload), req.arrival_s, config.timeline_stride, self.kv_block_bytes)
         self._arrived = 0
         self._finished = 0  # requests of the trace finished (in flight: arrived - finished)
         self._slot: simpy.Event | None = None  # a request waits on it for a client slot (max_concurrency)
@@ -311,17 +304,17 @@ class Simulation:
 
     # ---------------------------------------------------------------- processes
     def _arrivals(self):
-        wl, limit = self.workload, self.cfg.max_concurrency
-        for r in range(len(wl)):
-            delay = float(wl.arrival_s[r]) - self.now
+        req, limit = self.workload.requests, self.cfg.max_concurrency
+        for r in range(len(req)):
+            delay = float(req.arrival_s[r]) - self.now
             if delay > 0:
                 yield self.env.timeout(delay)
             while limit is not None and self._arrived - self._finished >= limit:
                 self._slot = self.env.event()
                 yield self._slot
-            arrival = max(float(wl.arrival_s[r]), self.now)  # later when it waited for a slot
+            arrival = max(float(req.arrival_s[r]), self.now)  # later when it waited for a slot
             self.rec.arrival[r] = arrival
-            self.sched.add(self._sequence(r, int(wl.output_tokens[r]), arrival))
+            self.sched.add(self._sequence(r, int(req.output_tokens[r]), arrival))
             self._arrived += 1
             if self._wake is not None and not self._wake.triggered:
                 self._wake.succeed()
@@ -329,9 +322,9 @@ class Simulation:
     def _sequence(self, r: int, max_tokens: int, arrival: float) -> Sequence:
         """Request r of the workload as a scheduler sequence (with its prompt ids only for prefix caching: the outputs
         are unknown, so prompts alone are cached)."""
-        wl = self.workload
-        return Sequence(r, prompt_token_ids=wl.prompt_ids(r) if self.cfg.prefix_caching else None,
-                        prompt_len=int(wl.prompt_tokens[r]), max_tokens=max_tokens, arrival_time=arrival)
+        req = self.workload.requests
+        return Sequence(r, prompt_token_ids=req.prompt_ids(r).tolist() if self.cfg.prefix_caching else None,
+                        prompt_len=int(req.prompt_tokens[r]), max_tokens=max_tokens, arrival_time=arrival)
 
     @property
     def now(self) -> float:
@@ -533,9 +526,9 @@ class Simulation:
                 raise UserError(f"the trace's recorded warm-up routed its first {recorded} requests, not {k}: give "
                                 f"--warmup-requests {recorded} or fewer")
             self.routing_source = wl.warmup_routing
-        self.rec = Recorder(len(wl), wl.arrival_s, self.cfg.timeline_stride, self.kv_block_bytes)  # thrown away
+        self.rec = Recorder(len(wl), wl.requests.arrival_s, self.cfg.timeline_stride, self.kv_block_bytes)  # not kept
         for r in range(k):
-            self.sched.add(self._sequence(r, min(WARMUP_TOKENS, int(wl.output_tokens[r])), self.now))
+            self.sched.add(self._sequence(r, min(WARMUP_TOKENS, int(wl.requests.output_tokens[r])), self.now))
         self._arrived = k
         self.env.run(until=self.env.process(self._engine(k)))
         rec.keep_memory_checks(self.rec)  # a budget exceeded is never hidden, warm-up or not

@@ -195,9 +195,8 @@ class Recorder:
         with np.errstate(invalid="ignore", divide="ignore"):
             dpt = np.where(self.damage_tokens > 0, self.damage_sum / np.maximum(self.damage_tokens, 1), np.nan)
         requests = request_columns(
-            wl.request_id if wl.request_id is not None else np.arange(self.n),
-            np.asarray(wl.domains, dtype=object)[wl.domain_idx] if self.n else np.array([], object), self.arrival,
-            wl.prompt_tokens, self.out_tokens, self.first, self.finish_s, self.preemptions, self.reason,
+            wl.requests.request_id, wl.requests.domain, self.arrival, wl.requests.prompt_tokens, self.out_tokens,
+            self.first, self.finish_s, self.preemptions, self.reason,
             first_scheduled_s=self.scheduled_s, max_itl_s=self.token_gaps.max_s)
         requests["damage_per_token"] = dpt
         about = request_summary(requests, self.token_gaps.all())

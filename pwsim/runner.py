@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import zipfile
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
@@ -203,13 +203,12 @@ def build_workload(cfg: RunConfig):
     else:
         wl = workload.from_trace_dir(cfg.trace, card, cfg.workload.specs()[1], cfg.seed)
     if cfg.time_scale != 1.0:
-        wl = replace(wl, arrival_s=wl.arrival_s * cfg.time_scale,
-                     description={**wl.description, "time_scale": cfg.time_scale})
+        wl = wl.retimed(wl.requests.arrival_s * cfg.time_scale, time_scale=cfg.time_scale)
     if cfg.request_rate is not None:
         from traces.generators import retimed_arrivals
         burst = cfg.request_burstiness
-        wl = replace(wl, arrival_s=retimed_arrivals(wl.arrival_s, cfg.request_rate, burst, cfg.seed),
-                     description={**wl.description, "request_rate": cfg.request_rate, "burstiness": burst})
+        wl = wl.retimed(retimed_arrivals(wl.requests.arrival_s, cfg.request_rate, burst, cfg.seed),
+                        request_rate=cfg.request_rate, burstiness=burst)
     return wl
 
 

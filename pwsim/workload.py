@@ -7,14 +7,12 @@
 * `synthetic(card, workload_spec, routing_spec, seed)`: requests from `traces.generators` and the
   fast synthetic routing source (`pwsim.routing.synthetic_routing`, same popularity model).
 
-Prompt token ids travel with the requests when the trace has them (`Workload.token_ids`); only a
+Prompt token ids travel with the requests when the trace has them (`RequestTrace.token_ids`); only a
 prefix-caching simulation reads them.
 """
 from __future__ import annotations
 
 import os
-
-import numpy as np
 
 from pwsim.engine import Workload
 from pwsim.routing import RoutingSource, TraceRouting, synthetic_routing
@@ -22,26 +20,14 @@ from traces.clikit import UserError
 from traces.generators import RoutingSpec, WorkloadSpec, generate_requests
 from traces.io import read_trace_dir
 from traces.model_card import ModelSpec
-from traces.schema import RequestTrace
-
-
-def from_requests(requests: RequestTrace, routing: RoutingSource, description: dict | None = None,
-                  warmup_routing: RoutingSource | None = None) -> Workload:
-    return Workload(arrival_s=np.asarray(requests.arrival_s, dtype=np.float64),
-                    prompt_tokens=np.asarray(requests.prompt_tokens, dtype=np.int64),
-                    output_tokens=np.asarray(requests.output_tokens, dtype=np.int64),
-                    domains=tuple(requests.domains), domain_idx=np.asarray(requests.domain_idx, dtype=np.int64),
-                    routing=routing, request_id=np.asarray(requests.request_id),
-                    description=dict(description or {}), token_offsets=requests.token_offsets,
-                    token_ids=requests.token_ids, warmup_routing=warmup_routing)
 
 
 def synthetic(card: ModelSpec, workload_spec: WorkloadSpec, routing_spec: RoutingSpec, seed: int) -> Workload:
     requests = generate_requests(workload_spec, seed)
     routing = synthetic_routing(requests, card, routing_spec, seed)
     rspec = {k: getattr(routing_spec, k) for k in routing_spec.__dataclass_fields__}
-    return from_requests(requests, routing, {"kind": "synthetic", "seed": seed, "workload": workload_spec.describe(),
-                                             "routing": rspec})
+    return Workload(requests, routing, {"kind": "synthetic", "seed": seed, "workload": workload_spec.describe(),
+                                        "routing": rspec})
 
 
 def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: RoutingSpec | None = None,
@@ -62,5 +48,5 @@ def from_trace_dir(path: str | os.PathLike, card: ModelSpec, routing_spec: Routi
         first = requests.head(trace.warmup_routing.num_requests)
         warmup = TraceRouting.from_trace(trace.warmup_routing, first)
         kind += f", and a recorded warm-up's for the first {len(first)} requests"
-    return from_requests(requests, routing, {"kind": "trace", "path": str(path), "routing": kind,
-                                             "requests": requests.summary()}, warmup)
+    return Workload(requests, routing, {"kind": "trace", "path": str(path), "routing": kind,
+                                        "requests": requests.summary()}, warmup)

@@ -83,10 +83,10 @@ def test_request_rate_re_times_a_trace_as_replay_and_bench_serve_do(tmp_path, ca
     fast = build_workload(replace(cfg, request_rate=40.0, seed=5))
     assert fast.description["request_rate"] == 40.0
     base = build_workload(cfg)
-    assert np.array_equal(fast.prompt_tokens, base.prompt_tokens)
+    assert np.array_equal(fast.requests.prompt_tokens, base.requests.prompt_tokens)
     served = _requests(cfg.trace, None, 40.0, 1.0, 5)
-    assert np.allclose(np.sort(fast.arrival_s), np.sort(served.arrival_s))
-    assert len(fast.arrival_s) / fast.arrival_s.max() == pytest.approx(40.0, rel=0.35)
+    assert np.allclose(np.sort(fast.requests.arrival_s), np.sort(served.arrival_s))
+    assert len(fast.requests.arrival_s) / fast.requests.arrival_s.max() == pytest.approx(40.0, rel=0.35)
     with pytest.raises(UserError, match="not both"):
         replace(cfg, request_rate=40.0, time_scale=0.5)
     with pytest.raises(UserError, match="a synthetic trace's rate is --rate"):
@@ -100,15 +100,15 @@ def test_request_rate_re_times_a_trace_as_replay_and_bench_serve_do(tmp_path, ca
 def test_time_scale_moves_only_the_arrivals():
     cfg = make_config("32MiB")
     base, fast = build_workload(cfg), build_workload(replace(cfg, time_scale=0.5))
-    assert np.allclose(fast.arrival_s, base.arrival_s * 0.5)
-    assert np.array_equal(fast.prompt_tokens, base.prompt_tokens) and fast.description["time_scale"] == 0.5
+    assert np.allclose(fast.requests.arrival_s, base.requests.arrival_s * 0.5)
+    assert np.array_equal(fast.requests.prompt_tokens, base.requests.prompt_tokens) and fast.description["time_scale"] == 0.5
     assert RunConfig.from_json(replace(cfg, time_scale=0.5).to_json()).time_scale == 0.5
-    arrivals = base.arrival_s
+    arrivals = base.requests.arrival_s
     assert base_rate_rps(cfg) == pytest.approx((len(arrivals) - 1) / (arrivals.max() - arrivals.min()))
     with pytest.raises(UserError, match="--time-scale must be a number >= 0"):
         replace(cfg, time_scale=-1.0)
     at_once = execute(replace(cfg, time_scale=0.0))  # every request at 0 s (bench serve's --time-scale 0)
-    assert build_workload(replace(cfg, time_scale=0.0)).arrival_s.max() == 0.0
+    assert build_workload(replace(cfg, time_scale=0.0)).requests.arrival_s.max() == 0.0
     assert at_once.summary["completed"] == len(arrivals)
     # twice the rate queues requests longer behind each other
     assert execute(replace(cfg, time_scale=0.25)).summary["ttft_s"]["p99"] > execute(cfg).summary["ttft_s"]["p99"]

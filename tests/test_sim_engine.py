@@ -19,7 +19,7 @@ def test_every_request_completes(policy):
     r = res.requests
     assert res.summary["completed"] == 30 and res.summary["unfinished"] == 0
     assert (r["finish_reason"] == "length").all()
-    assert (r["output_tokens"] == sim.workload.output_tokens).all()  # every requested token was generated
+    assert (r["output_tokens"] == sim.workload.requests.output_tokens).all()  # every requested token was generated
     assert (r["first_token_s"] >= r["arrival_s"]).all() and (r["finish_s"] >= r["first_token_s"]).all()
     assert not sim.sched.has_unfinished() and sim.pool.num_used == 0
 
@@ -275,7 +275,7 @@ def test_async_scheduling_serves_every_token_in_the_runtimes_order():
         sim.loop.step = step_logged
         res = sim.run()
         r = res.requests
-        assert res.summary["completed"] == 30 and (r["output_tokens"] == sim.workload.output_tokens).all()
+        assert res.summary["completed"] == 30 and (r["output_tokens"] == sim.workload.requests.output_tokens).all()
         assert not sim.sched.has_unfinished() and sim.pool.num_used == 0
         assert any(pending_at_boundary) == asynchronous
         runs[asynchronous] = res
@@ -331,11 +331,11 @@ def test_warm_up_serves_the_first_prompts_before_the_clock_and_keeps_their_plans
     sim.sched.add = lambda seq: served.append((seq.seq_id, seq.max_tokens)) or add(seq)
     warm = sim.run()
     wl = sim.workload
-    assert served[:8] == [(r, min(WARMUP_TOKENS, int(wl.output_tokens[r]))) for r in range(8)]
+    assert served[:8] == [(r, min(WARMUP_TOKENS, int(wl.requests.output_tokens[r]))) for r in range(8)]
     assert [s for s, _ in served[8:]] == list(range(30))  # then the whole trace, from its first request
     r = warm.requests
-    assert warm.summary["completed"] == 30 and (r["output_tokens"] == wl.output_tokens).all()
-    assert np.allclose(r["arrival_s"], wl.arrival_s) and (r["ttft_s"] > 0).all()
+    assert warm.summary["completed"] == 30 and (r["output_tokens"] == wl.requests.output_tokens).all()
+    assert np.allclose(r["arrival_s"], wl.requests.arrival_s) and (r["ttft_s"] > 0).all()
     t = warm.timeline
     assert t["step"][0] > 0 and 0 < t["time_s"][0] < 0.01  # the warm-up's boundaries came first, off the clock
     assert warm.summary["iterations"] == len(t["step"])
@@ -350,7 +350,7 @@ def test_warm_up_serves_the_first_prompts_before_the_clock_and_keeps_their_plans
 def test_max_concurrency_holds_requests_until_a_slot_frees():
     """As `pwruntime bench serve --max-concurrency`: never more than N requests between their send and their end,
     each sent no earlier than its arrival and timed from its send; no limit is the unlimited run itself."""
-    arrivals = tiny_workload(tiny_card(), n=24).arrival_s
+    arrivals = tiny_workload(tiny_card(), n=24).requests.arrival_s
     free = tiny_sim("noop", kv_blocks=64, n=24).run()
     held = tiny_sim("noop", kv_blocks=64, n=24, max_concurrency=3).run()
     sent = held.requests["arrival_s"]

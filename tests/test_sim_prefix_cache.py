@@ -208,7 +208,7 @@ def test_caching_skips_shared_prompt_blocks_and_lowers_ttft(kv_blocks):
 
 def test_caching_off_ignores_token_ids():
     with_ids, without = _workload(shared=48), _workload(shared=0, vocab=0)
-    assert with_ids.token_ids is not None and without.token_ids is None
+    assert with_ids.requests.token_ids is not None and without.requests.token_ids is None
     a, b = tiny_sim(workload=with_ids, kv_blocks=16).run(), tiny_sim(workload=without, kv_blocks=16).run()
     assert summary_without_wall(a.summary) == summary_without_wall(b.summary)
     assert same_arrays(a.requests, b.requests) and same_arrays(a.timeline, b.timeline)
