@@ -482,6 +482,12 @@ def run(args) -> int:
         return _run_prefill(args)
     if args.plot_from is not None:
         return _replot(args.plot_from)
+    return _run_kernels(args)
+
+
+def _run_kernels(args) -> int:
+    """`bench kernels`: copy bandwidth, fp16 GEMM, the single AP block, paged attention and each model's MoE layers;
+    writes the results and a measured hardware profile from them."""
     import torch
     from tqdm import tqdm
 
