@@ -293,3 +293,14 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
     assert GroupedBlockPool(layout, 8).match_prefix(tokens) == []   # caching off
 
 
+
+
+def test_a_prefix_of_one_alignment_unit_is_matched():
+    """The shortest prefix every group can serve (one unit of 8 tokens: the blocks' least common multiple) is found,
+    as longer ones are."""
+    pool = GroupedBlockPool(_gemma_like(), 64, prefix_caching=True)
+    tokens = list(range(200, 212))
+    pool.allocate("c", 12)
+    pool.register("c", tokens, 12)
+    assert pool.match_prefix(tokens[:9]).tokens == 8
+    assert pool.match_prefix(tokens[:7]) == []

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from policies import Observation, PageTable, PageTableError, PolicyError, RoutingReadout, get
+from policies import Observation, PageTable, PageTableError, Plan, PolicyError, RoutingReadout, Transition, get
 from policies.apformat import fp16_bytes, lut_bytes
 from policies.planners import apply_plan_now, sensitivity_optimal_bits, weight_bytes
 from policies.planners.expert_lru import routed_since
@@ -109,6 +109,48 @@ def test_dp_llm_changes_precision_in_place(setup):
     assert (table.planes == 1).all() and weight_bytes(pol, table) == real  # nothing moved
     assert table.q[table.layer == 2].mean() > before[table.layer == 2].mean()
     assert table.q.reshape(table.layers, -1)[:, 0].mean() <= 5.0
+
+
+def test_dp_llm_weighs_an_unobserved_layer_as_one_and_chooses_every_update_interval(setup, monkeypatch):
+    """A layer no token was routed in has no evidence: weight 1 (as the docstring says), not 0, which would make it
+    the first to lose bits; `update_interval` 3 re-chooses at steps 0, 3 and 6 only."""
+    table, cal = setup
+    pol = get("dp-llm", target_bits=5.0, update_interval=3, use_features=False)
+    pol.reset(table, cal)
+    mass = np.zeros((3, 4))
+    mass[1], mass[2] = [0.7, 0.1, 0.1, 0.1], 0.25
+    w = pol.block_weights(table, obs(routing_mass=mass))
+    assert (w[table.layer == 0] == 1).all()
+    np.testing.assert_allclose(w[table.layer == 1], np.repeat([2.8, 0.4, 0.4, 0.4], 2))
+    np.testing.assert_allclose(w[table.layer == 2], 1.0)
+    chose = []
+    monkeypatch.setattr(pol, "choose", lambda t, o: chose.append(o.step) or pol.layer_bits)
+    for step in range(7):
+        pol.plan_step(table, obs(step=step, routing_mass=mass))
+    assert chose == [0, 3, 6]
+
+
+def test_a_re_initialized_table_forgets_blocks_held_in_place():
+    table = PageTable(1, 2, 64, 32, bits=BITS, initial_bits=8)
+    table.commit_in_place(0, 4)
+    assert table.held[0]
+    table.initialize(8)
+    assert not table.held.any() and table.begin_offload(0, 4) > 0
+
+
+def test_apply_plan_now_returns_the_bytes_freed_negative_for_a_reload():
+    table = PageTable(1, 1, 64, 32, bits=BITS, initial_bits=8)
+    def move(frm, to):
+        return Plan((Transition(0, frm, to, int(table.M[0, frm] - table.M[0, to])),))
+    assert apply_plan_now(table, move(8, 4)) == int(table.M[0, 8] - table.M[0, 4]) > 0
+    assert apply_plan_now(table, move(4, 6)) == -int(table.M[0, 6] - table.M[0, 4]) < 0
+    assert apply_plan_now(table, None) == 0 and table.q[0] == 6
+
+
+def test_routed_since_counts_every_expert_of_a_layer_that_had_no_mass_before():
+    prev = np.array([[0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+    cur = np.array([[0.6, 0.4, 0.0], [0.5, 0.5, 0.0]])
+    assert routed_since(prev, cur).tolist() == [[True, True, False], [False, False, False]]
 
 
 def test_in_place_blocks_refuse_page_moves(setup):

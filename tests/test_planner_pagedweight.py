@@ -298,6 +298,18 @@ def test_reload_after_pressure_clears():
     assert kind(eng.step(10)[0]) is None
 
 
+def test_no_reload_while_requests_wait():
+    """Free blocks with requests still queued are no ease: the planner takes nothing back until the queue is empty."""
+    eng, cal = engine()
+    for _ in range(5):
+        eng.step(60)
+    lowered = eng.table.q.copy()
+    for _ in range(60):   # past the reload cooldown (32 steps)
+        assert kind(eng.step(10, num_waiting=1)[0]) is None
+    assert (eng.table.q == lowered).all()
+    assert kind(eng.step(10)[0]) == "reload"   # the queue is empty: the first step takes back
+
+
 def test_reload_leaves_the_margin_and_never_triggers_an_offload():
     eng, _ = engine(margin=4)
     for _ in range(3):

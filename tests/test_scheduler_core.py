@@ -57,6 +57,51 @@ def test_decodes_and_prefill_chunks_share_the_budget():
     assert batch.num_decode_tokens == 1 and batch.num_prefill_tokens == 19
 
 
+def test_a_prompt_s_last_one_token_chunk_is_prefill_not_decode():
+    """A 9-token prompt under an 8-token budget: its second chunk is one token and samples, but it is the prompt's
+    last token, not a decode (no output yet): the cost model and the decode-only paths must not take it for one."""
+    sched = Scheduler(BlockPool(16, 4), max_num_seqs=4, max_num_batched_tokens=8)
+    sched.add(Sequence("a", prompt_len=9, max_tokens=3))
+    sched.postprocess(sched.schedule(), None)
+    b = sched.schedule()
+    assert [(e.num_new_tokens, e.sample, e.is_decode) for e in b.entries] == [(1, True, False)]
+    assert b.num_prefill_tokens == 1 and b.num_decode_tokens == 0
+    sched.postprocess(b, None)
+    assert sched.schedule().entries[0].is_decode   # now it has an output: its next token is a decode
+
+
+def test_a_stalled_running_sequence_keeps_its_turn():
+    """First come, first served: while the oldest running sequence cannot get the blocks of its next chunk, nobody
+    new is admitted, even where a free block would hold the newcomer (it would be preempted again at once)."""
+    sched = Scheduler(BlockPool(3, 4), max_num_seqs=4, max_num_batched_tokens=8, stall_limit=1)
+    a, b = Sequence("a", prompt_len=20, max_tokens=2), Sequence("b", prompt_len=2, max_tokens=2)
+    sched.add(a)
+    sched.postprocess(sched.schedule(), None)          # a's first chunk: 8 tokens in 2 of the 3 blocks
+    sched.add(b)
+    batch = sched.schedule()                            # a's next chunk needs 4 blocks: a stalls
+    assert batch.entries == () and batch.stalled and list(sched.waiting) == [b] and sched.pool.num_free == 1
+    batches = drive(sched)
+    assert a.finish_reason == "kv_capacity" and b.finish_reason == "length" and b.num_preemptions == 0
+    assert batches[0].entries == () and batches[0].aborted == (a,)   # a gave up before b ran
+
+
+def test_pending_blocks_are_what_the_next_step_allocates_within_its_budget():
+    """The planner's view of the next step's KV demand: the running sequences' growth within the token budget, and
+    the next waiting request's first chunk only where budget is left (here: 3, then 2 with the budget spent on a's
+    second chunk, then a's decode and b's prompt)."""
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(Sequence("a", prompt_len=20, max_tokens=2))
+    sched.add(Sequence("b", prompt_len=8, max_tokens=2))
+    pending = []
+    for _ in range(3):
+        pending.append(sched.pending_blocks())
+        free = sched.pool.num_free
+        batch = sched.schedule()
+        assert free - sched.pool.num_free == pending[-1]
+        sched.postprocess(batch, None)
+    assert pending == [3, 2, 3]
+
+
 def test_max_num_seqs_limits_admission():
     sched = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=1000)
     for s in make_sequences([5, 5, 5], [3, 3, 3]):

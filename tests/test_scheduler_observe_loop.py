@@ -250,11 +250,14 @@ def test_plan_loop_offload_then_reload_with_immediate_mover():
     lut4 = int(table.M[0, 4] - 4 * plane_bytes(*table.shapes[0]))
     assert asked == [lut4]
     assert r0.committed == (0,) and r0.released_bytes == released[0] == off.delta_bytes + lut4
+    assert r0.reserved_bytes == 0   # an offload reserves nothing: its LUT's room is not a reload's bytes
     assert table.q[0] == 4 and not table.busy.any()
     assert np.all(table.planes[0, 4:] == PlaneState.CPU)
     assert loop.step(_obs(1)).plan is None
     r2 = loop.step(_obs(2))
-    assert r2.committed == (0,) and table.q[0] == 6 and asked and r2.reserved_bytes > 0
+    assert r2.committed == (0,) and table.q[0] == 6 and asked[-1] == r2.reserved_bytes == room_for(table, up) > 0
+    # when the reload lands, the LUT it replaced (4 bits) goes back, not the one it brought
+    assert r2.released_bytes == released[-1] == lut4
     table.check_invariants()
 
 
@@ -336,6 +339,8 @@ def test_kv_blocks_to_free_covers_the_rest_of_the_plan_as_far_as_free_blocks_go(
     loop = PlanLoop(ScriptedPolicy([]), table)
     loop.room_left = lambda: 950
     assert loop.kv_blocks_to_free(300, 300, 100, 0) == 0
+    assert loop.kv_blocks_to_free(300, 300, 100, 20) == 0   # spare bytes just enough: the pool keeps its blocks
+    assert loop.kv_blocks_to_free(300, 0, 100, 3) == 3      # exactly the free blocks: granted, all of them
     assert loop.kv_blocks_to_free(300, 50, 100, 2) is None  # 3 blocks needed, 2 free
     assert loop.kv_blocks_to_free(300, 50, 100, 20) == 9  # the plan's 950 - 50 spare
     assert loop.kv_blocks_to_free(300, 50, 100, 5) == 5
