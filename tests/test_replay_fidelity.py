@@ -239,6 +239,14 @@ def _view(ids, ttft, tpot, e2e, iter_s, tokens, throughput=100.0):
                    {"iter_s": np.asarray(iter_s, float), "batch_tokens": np.asarray(tokens)})
 
 
+def test_a_metric_s_ratios_are_its_median_and_10th_and_90th_percentiles():
+    from pwsim.fidelity import metric_report
+    ratio = np.arange(1.0, 101.0)
+    r = metric_report(ratio, np.ones(100))
+    assert (r["ratio_p10"], r["ratio_p50"], r["ratio_p90"]) == pytest.approx((10.9, 50.5, 90.1))
+    assert r["pairs"] == 100 and r["median_abs_rel_error"] == pytest.approx(49.5)
+
+
 def test_fidelity_ratios_errors_and_overhead_gap():
     tokens = np.array([1, 2, 4, 8, 16])
     runtime = _view([1, 2, 3], [0.1, 0.2, 0.4], [0.01, 0.02, 0.04], [1.0, 2.0, 4.0], 0.003 + 1e-4 * tokens, tokens, 50)
@@ -445,6 +453,10 @@ def test_one_off_steps_are_those_far_above_their_kind_and_size():
     assert one_off_steps({"iter_s": np.full(9, 0.01), "batch_tokens": np.full(9, 8), "decode_tokens": np.full(9, 8)}
                          )["steps"] == 0
     assert one_off_steps({"iter_s": t, "batch_tokens": tokens}) is None  # an older timeline
+    # 5x its median but 4 ms longer: a jitter, not one-off work
+    short = np.array([0.001] * 20 + [0.005])
+    assert one_off_steps({"iter_s": short, "batch_tokens": np.full(21, 8), "decode_tokens": np.full(21, 8)}
+                         )["steps"] == 0
 
 
 def _against_kv236(out_dir, capsys, *flags) -> tuple[str, dict]:

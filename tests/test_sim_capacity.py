@@ -46,6 +46,8 @@ def test_search_reports_a_floor_missed_and_a_ceiling_met():
     always = search(lambda m: _point(m, True), 0.5, 8.0, 0.1)
     assert always.multiplier == 8.0 and always.missed_at is None and "ceiling" in always.note
     assert [p.multiplier for p in always.points] == [0.5, 1.0, 2.0, 4.0, 8.0]
+    capped = search(lambda m: _point(m, True), 0.5, 6.0, 0.1)   # the ceiling is no power of two times the floor
+    assert [p.multiplier for p in capped.points] == [0.5, 1.0, 2.0, 4.0, 6.0] and capped.multiplier == 6.0
     with pytest.raises(ValueError, match="lowest < highest"):
         search(lambda m: _point(m, True), 2.0, 2.0, 0.1)
     with pytest.raises(ValueError, match="tolerance"):
@@ -66,6 +68,8 @@ def test_slo_reads_its_percentile_and_needs_every_request_done():
     assert by_share.check({**summary, "completed": 3}, 0.95) == (True, "")
     assert by_share.check(summary, 0.85) == (False, "85.0% of requests within the bounds < 90%")
     assert not by_share.check(summary, None)[0]
+    assert SLO(ttft_s=0.05, attainment=1.0).check(summary, 1.0) == (True, "")   # every request: met
+    assert SLO(ttft_s=0.09).check(summary) == (True, "")                          # at the bound: met
     for kw, msg in ((dict(), "needs a TTFT or a TPOT"), (dict(ttft_s=0.0), "must be a number > 0"),
                     (dict(tpot_s=float("nan")), "must be a number > 0"), (dict(ttft_s=1.0, percentile=95), "one of"),
                     (dict(ttft_s=1.0, attainment=0.0), "attainment must lie in"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pwsim.cost_model import BatchShape, CostModel, iteration_cost
+from pwsim.cost_model import BatchShape, CostModel, _roof, iteration_cost
 from traces.hardware import load_profile
 from traces.model_card import load_card
 
@@ -132,3 +132,18 @@ def test_fused_kernel_or_dequantize_is_decided_by_the_batch_as_in_the_runtime(qw
     assert cm2.moe(q, et, batch_tokens=8) == pytest.approx(fused / (0.5 - 0.25 * 3 / 4))  # log2(8) / log2(16)
     one_set = CostModel(card, dataclasses.replace(measured, ap_fused_launch_tokens=128))
     assert cm2.moe(q, et, batch_tokens=128) == pytest.approx(2 * one_set.moe(q, et, batch_tokens=64))
+
+
+def test_a_long_prefill_s_attention_counts_the_causal_pairs_and_its_lm_head_one_row(qwen):
+    """A prompt of n tokens from an empty cache: token j attends to j + 1 keys, n(n + 1)/2 pairs (compute bound at
+    this length); it samples one row, so its LM head costs what one decode row's does."""
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    n = 8192
+    b = BatchShape.of([n], [0], 1)
+    proj = _roof(cm.attn_weight_bytes, cm.attn_weight_flops_per_token * n, cm.bw["attention"], cm.rate)
+    pairs = n * (n + 1) / 2
+    flops = 4 * (cm.qk_full + cm.qk_slide) * pairs
+    assert flops / cm.rate > (cm.kv_full + cm.kv_slide) * n / cm.bw["kv"]       # compute bound
+    assert cm.attention(b) == pytest.approx(float(proj) + flops / cm.rate, rel=1e-12)
+    assert cm.lm_head(b) == cm.lm_head(BatchShape.of([1], [100], 1))

@@ -51,6 +51,7 @@ def test_round_trip_and_validation(tmp_path):
         (lambda d: d["achieved_bandwidth_fraction"].__setitem__("moe", 1.5), "must be <= 1"),
         (lambda d: d["ap_kernel_efficiency"].pop("3"), "lacks bitwidths"),
         (lambda d: d.__setitem__("pcie_h2d_gbps", -1), "pcie_h2d_gbps"),
+        (lambda d: d.__setitem__("hbm_gbps", 0), "hbm_gbps must be a positive number"),
         (lambda d: d.__setitem__("routing_read_us", -5.0), "routing_read_us"),
         (lambda d: d["metadata"].pop("measured"), "measured"),
         (lambda d: d.__setitem__("format_version", 9), "format_version"),
@@ -128,3 +129,8 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
     assert main(["hardware", "no-such-profile"]) == 2
     err = capsys.readouterr().err
     assert "no-such-profile" in err and "h200-olmoe-runtime" in err and "Traceback" not in err
+
+
+def test_reloads_cross_the_host_to_device_link():
+    p = load_profile("h200-roofline")
+    assert p.pcie_h2d_gbps != p.pcie_d2h_gbps and p.h2d_bytes_per_s == p.pcie_h2d_gbps * 1e9

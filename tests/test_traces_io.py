@@ -209,6 +209,7 @@ def test_request_errors_name_file_column_row(tmp_path, small):
         ("request_id", pa.array([0, 7, 2, 3, 7, 5], pa.int64()), 4, "duplicate request id 7 (first at row 1)"),
         ("request_id", pa.array([0, 1, None, 3, 4, 5], pa.int64()), 2, "null value"),
         ("prompt_tokens", pa.array([1, 2, 3, 2**40, 1, 1], pa.int64()), 3, "does not fit int32"),
+        ("output_tokens", pa.array([1, 2, -2**40, 1, 1, 1], pa.int64()), 2, "does not fit int32"),  # would wrap to 0
     ]
     for column, array, row, match in cases:
         _write(_set(base, column, array), f)

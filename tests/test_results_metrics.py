@@ -1,0 +1,53 @@
+"""A run's request metrics on requests whose answers are known: `traces.results` (statistics, summary, SLO
+attainment) and `traces.sweep` (a sweep's rows and table)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from traces.results import request_columns, request_summary, slo_attainment, stats
+from traces.sweep import sweep_row, table
+
+
+def _requests():
+    """Four requests over 3 s: two cut at their length, one stopped by EOS, one given a first token and never
+    finished."""
+    nan = float("nan")
+    return request_columns([1, 2, 3, 4], ["a"] * 4, [0.0, 0.0, 1.0, 2.0], [10, 20, 30, 40], [3, 5, 2, 1],
+                           [0.5, 1.0, 1.5, 2.2], [1.5, 3.0, 2.5, nan], [0] * 4, ["length", "stop", "length", ""])
+
+
+def test_stats_are_the_percentiles_of_the_finite_values():
+    s = stats(np.r_[np.arange(1.0, 101.0), np.nan, np.inf])
+    assert s["p50"] == pytest.approx(50.5) and s["p90"] == pytest.approx(90.1) and s["p95"] == pytest.approx(95.05)
+    assert s["p99"] == pytest.approx(99.01) and s["max"] == 100.0 and s["mean"] == pytest.approx(50.5)
+    assert stats([np.nan])["p99"] is None
+
+
+def test_the_summary_counts_eos_stops_as_completed_and_a_first_token_without_a_finish_as_unfinished():
+    r = _requests()
+    np.testing.assert_allclose(r["tpot_s"], [0.5, 0.5, 1.0, np.nan])   # (finish - first) / (tokens - 1)
+    s = request_summary(r)
+    assert s["completed"] == 3 and s["unfinished"] == 1 and s["finish_reasons"] == {"length": 2, "stop": 1, "": 1}
+    assert s["makespan_s"] == 3.0 and s["output_tokens"] == 11
+    assert s["throughput_tokens_per_s"] == pytest.approx(11 / 3)
+    assert s["total_tokens_per_s"] == pytest.approx((100 + 11) / 3)      # prompt and output tokens
+    assert s["requests_per_s"] == pytest.approx(3 / 3)                    # completed ones only
+
+
+def test_a_request_exactly_at_an_slo_bound_meets_it():
+    r = _requests()   # TTFT 0.5, 1.0, 0.5 and 0.2 (unfinished: never met)
+    at = slo_attainment(r, ttft_s=1.0, tpot_s=None)
+    assert at["met"] == 3 and at["attainment"] == pytest.approx(0.75) and at["goodput_rps"] == pytest.approx(1.0)
+    assert slo_attainment(r, ttft_s=0.999, tpot_s=0.5)["met"] == 1      # request 1: TTFT 0.5, TPOT 0.5
+
+
+def test_a_sweep_row_and_its_table_in_the_units_they_name():
+    s = request_summary(_requests())
+    row = sweep_row(4, s)
+    assert row["ttft_p99_s"] == s["ttft_s"]["p99"] != s["ttft_s"]["p90"]
+    assert row["failed"] == 1                      # a simulated level: the requests not completed
+    assert sweep_row(4, {**s, "failed": 0})["failed"] == 0   # a served one: what its client counted
+    text = table([row])
+    assert f"{s['ttft_s']['p50'] * 1e3:.2f}" in text and f"{s['tpot_s']['p99'] * 1e3:.2f}" in text
+    assert "ms" in text.splitlines()[0]
