@@ -247,6 +247,15 @@ def test_a_metric_s_ratios_are_its_median_and_10th_and_90th_percentiles():
     assert r["pairs"] == 100 and r["median_abs_rel_error"] == pytest.approx(49.5)
 
 
+def test_the_iteration_fit_leaves_out_steps_that_computed_no_token():
+    """A boundary with no tokens (a stall, an empty step) is no point on the line a token's cost is fitted from."""
+    tokens = np.array([1, 2, 4, 8, 16, 0, 0])
+    t = np.r_[0.003 + 1e-4 * tokens[:5], 0.5, 0.5]
+    fit = iteration_fit({"iter_s": t, "batch_tokens": tokens})
+    assert fit["iterations"] == 5 and fit["intercept_s"] == pytest.approx(0.003) and fit["per_token_s"] == \
+        pytest.approx(1e-4)
+
+
 def test_fidelity_ratios_errors_and_overhead_gap():
     tokens = np.array([1, 2, 4, 8, 16])
     runtime = _view([1, 2, 3], [0.1, 0.2, 0.4], [0.01, 0.02, 0.04], [1.0, 2.0, 4.0], 0.003 + 1e-4 * tokens, tokens, 50)

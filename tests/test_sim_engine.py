@@ -457,3 +457,11 @@ def test_the_simulator_reports_each_request_s_queueing_delay():
     q, ttft = res.requests["queue_s"], res.requests["ttft_s"]
     assert np.all(q >= 0) and np.all(q <= ttft + 1e-12) and q.max() > 10 * max(q.min(), 1e-9)
     assert res.summary["queue_s"]["max"] == pytest.approx(q.max())
+
+
+def test_a_timeline_stride_keeps_every_nth_boundary_from_the_first():
+    every = tiny_sim("pagedweight", kv_blocks=24).run().timeline
+    third = tiny_sim("pagedweight", kv_blocks=24, timeline_stride=3).run().timeline
+    assert len(every["time_s"]) > 6
+    for column in ("time_s", "step", "kv_pool_bytes", "mean_bits"):
+        np.testing.assert_array_equal(third[column], every[column][::3])
