@@ -352,7 +352,8 @@ def run(args) -> int:
         from traces.hardware import load_profile
         hw = sim.config.get("hardware")
         if not hw:
-            raise UserError(f"--sim {args.sim} names no hardware profile in its config.json; is it a `pwsim run` result?")
+            raise UserError(f"--sim {args.sim} names no hardware profile in its config.json; is it a `pwsim run` "
+                            "result?")
         fitted = fitted_profile(load_profile(hw), report, per_sequence=args.fit_per_sequence)
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "iteration_overhead_us": fitted.iteration_overhead_us,
