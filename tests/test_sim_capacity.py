@@ -238,3 +238,15 @@ def test_run_and_compare_report_slo_attainment(tmp_path, capsys):
     assert "slo_attainment" in (tmp_path / "cmp" / "compare.csv").read_text().splitlines()[0]
     assert main(["run", "--slo-ttft", "0", "--out", str(tmp_path / "bad")]) == 2
     assert "--slo-ttft must be a number > 0" in capsys.readouterr().err
+
+
+def test_the_capacity_table_shows_the_point_at_capacity_and_a_tolerance_of_one_is_allowed():
+    import argparse
+    from pwsim.cmd_capacity import _check_search, table
+    point = lambda m, ttft, tok, met: dict(multiplier=m, rate_rps=10.0 * m, ttft_s=ttft, tpot_s=0.001,  # noqa: E731
+                                          attained=1.0 if met else 0.5, throughput_tok_s=tok, met=met)
+    search_ = {"policy": "p", "budget": "32MiB", "multiplier": 1.0, "note": "",
+               "points": [point(1.0, 0.02, 500.0, True), point(2.0, 0.09, 900.0, False)]}
+    row = table([search_], SLO(ttft_s=0.05)).splitlines()[1].split()
+    assert row[2:5] == ["1", "10", "20"] and "500" in row and "900" not in row   # the capacity's point, not the last
+    _check_search(argparse.Namespace(min_rate=0.5, max_rate=4.0, tolerance=1.0, time_scale=1.0, request_rate=None))

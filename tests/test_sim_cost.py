@@ -147,3 +147,13 @@ def test_a_long_prefill_s_attention_counts_the_causal_pairs_and_its_lm_head_one_
     assert flops / cm.rate > (cm.kv_full + cm.kv_slide) * n / cm.bw["kv"]       # compute bound
     assert cm.attention(b) == pytest.approx(float(proj) + flops / cm.rate, rel=1e-12)
     assert cm.lm_head(b) == cm.lm_head(BatchShape.of([1], [100], 1))
+
+
+def test_sliding_layers_read_the_new_token_s_key_too():
+    """A decode after 100 tokens on Gemma 4 (window 1024): every layer reads 101 keys, sliding ones included."""
+    card, prof = load_card("gemma-4-26b-a4b"), load_profile("h200-roofline")
+    cm = CostModel(card, prof)
+    assert cm.window == 1024
+    b = BatchShape.of([1], [100], 1)
+    proj = float(_roof(cm.attn_weight_bytes, cm.attn_weight_flops_per_token, cm.bw["attention"], cm.rate))
+    assert cm.attention(b) - proj == pytest.approx((cm.kv_full + cm.kv_slide) * 101 / cm.bw["kv"], rel=1e-9)
