@@ -88,16 +88,16 @@ def request_columns(request_id, domain, arrival_s, prompt_tokens, output_tokens,
     `first_scheduled_s` (an engine's: when a batch first held each request) its queueing delay `queue_s` too, and with
     `max_itl_s` (`TokenGaps.max_s`) each request's longest time between two of its tokens."""
     n = len(arrival_s)
-    queued = {}
+    extra = {}  # the optional columns
     if first_scheduled_s is not None:
         scheduled = np.asarray(first_scheduled_s, dtype=np.float64)
-        queued = {"first_scheduled_s": scheduled, "queue_s": scheduled - np.asarray(arrival_s, dtype=np.float64)}
+        extra |= {"first_scheduled_s": scheduled, "queue_s": scheduled - np.asarray(arrival_s, dtype=np.float64)}
     if max_itl_s is not None:
-        queued["max_itl_s"] = np.asarray(max_itl_s, dtype=np.float64)
+        extra["max_itl_s"] = np.asarray(max_itl_s, dtype=np.float64)
     return {"request": np.arange(n), "request_id": np.asarray(request_id), "domain": np.asarray(domain, dtype=object),
             "arrival_s": np.asarray(arrival_s, dtype=np.float64), "prompt_tokens": np.asarray(prompt_tokens, dtype=np.int64),
             "output_tokens": np.asarray(output_tokens, dtype=np.int64), "first_token_s": np.asarray(first_token_s),
-            "finish_s": np.asarray(finish_s), **queued,
+            "finish_s": np.asarray(finish_s), **extra,
             **latency_columns(arrival_s, first_token_s, finish_s, output_tokens),
             "preemptions": np.asarray(preemptions), "finish_reason": np.asarray(finish_reason).astype(str)}
 
