@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 
-from traces.clikit import UserError
+from traces.clikit import UserError, millis
 from traces.sizes import format_size
 
 
@@ -261,10 +261,9 @@ def _latency_lines(report: dict) -> list[str]:
                                                                       ("e2e_s", "E2E"))]
     itl = report["itl"]
     if itl is not None:
-        ms = lambda v: "n/a" if v is None else f"{v * 1e3:.2f}"  # noqa: E731
-        lines.append(f"ITL (gaps between a request's tokens) p50 / p99 / max, ms: sim {ms(itl['sim']['p50'])} / "
-                     f"{ms(itl['sim']['p99'])} / {ms(itl['sim']['max'])}, runtime {ms(itl['runtime']['p50'])} / "
-                     f"{ms(itl['runtime']['p99'])} / {ms(itl['runtime']['max'])}")
+        side = lambda k: " / ".join(millis(itl[k][p]) for p in ("p50", "p99", "max"))  # noqa: E731
+        lines.append(f"ITL (gaps between a request's tokens) p50 / p99 / max, ms: sim {side('sim')}, runtime "
+                     f"{side('runtime')}")
     return lines
 
 

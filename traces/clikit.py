@@ -162,6 +162,11 @@ def report_bench(result: dict, command: str, out: Path | None, as_json: bool, te
     return 0
 
 
+def millis(seconds: float | None) -> str:
+    """Seconds as milliseconds to two decimals for a table or a line ("n/a" for None)."""
+    return "n/a" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
 def text_table(head: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) -> str:
     """Cells as a terminal table: each column as wide as its widest cell, the first `left` columns left-aligned and
     the others right-aligned, a rule of dashes under the header."""

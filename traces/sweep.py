@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from traces.clikit import UserError, plain_log_ticks, pyplot, write_png
+from traces.clikit import UserError, millis, plain_log_ticks, pyplot, write_png
 
 
 def parse_levels(text: str | None) -> list[int | None]:
@@ -44,15 +44,13 @@ def sweep_row(level: int, summary: dict) -> dict:
 
 def table(rows: list[dict]) -> str:
     """The rows as a terminal table (with the SLO's attainment and goodput when the rows have them)."""
-    def ms(v):
-        return "n/a" if v is None else f"{v * 1e3:.2f}"
     slo = all("goodput_rps" in r for r in rows)
     lines = [f"{'N':>5} {'out tok/s':>10} {'TTFT p50 ms':>12} {'p99 ms':>8} {'TPOT p50 ms':>12} {'p99 ms':>8} "
              f"{'ITL p99 ms':>11} {'failed':>7}" + (f" {'in SLO %':>9} {'goodput req/s':>14}" if slo else "")]
     for r in rows:
-        line = (f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {ms(r['ttft_p50_s']):>12} "
-                f"{ms(r['ttft_p99_s']):>8} {ms(r['tpot_p50_s']):>12} {ms(r['tpot_p99_s']):>8} "
-                f"{ms(r.get('itl_p99_s')):>11} {r['failed']:>7}")
+        line = (f"{r['max_concurrency']:>5} {r['throughput_tokens_per_s']:>10.0f} {millis(r['ttft_p50_s']):>12} "
+                f"{millis(r['ttft_p99_s']):>8} {millis(r['tpot_p50_s']):>12} {millis(r['tpot_p99_s']):>8} "
+                f"{millis(r.get('itl_p99_s')):>11} {r['failed']:>7}")
         if slo:
             line += f" {100 * (r['slo_attainment'] or 0):>9.1f} {r['goodput_rps']:>14.3g}"
         lines.append(line)
