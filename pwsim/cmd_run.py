@@ -49,7 +49,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=256,
                    help="sequences an iteration may run (default 256; the runtime's default is 32: give the same "
                         "limits to compare the two engines)")
-    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", dest="max_batched_tokens", type=int,
+    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", type=int,
                    default=2048,
                    help="tokens an iteration may compute, prompt chunks and decodes together (vLLM's and `pwruntime`'s "
                         "name; default 2048)")
@@ -117,7 +117,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if not domains:
         raise UserError("--domains needs at least one name")
-    if min(args.block_size, args.max_num_seqs, args.max_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
+    if min(args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
         raise UserError("--requests, --block-size, --max-num-seqs, --max-num-batched-tokens and --timeline-stride "
                         "must be positive")
     check_seed(args.seed)
@@ -139,7 +139,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     return make_config(budget, policy=policy, policy_params=policy_params, model=args.model,
                        calibration=args.calibration, hardware=args.hardware, trace=args.trace, workload=wl,
                        quality_fit=args.quality_fit, seed=args.seed, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        hybrid_kv=args.hybrid_kv_cache, async_scheduling=args.async_scheduling,
                        instant_page_moves=args.instant_page_moves,

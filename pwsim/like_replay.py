@@ -28,7 +28,7 @@ SETTINGS = (
     ("calibration", "calibration", "--calibration"),
     ("block_size", "block_size", "--block-size"),
     ("max_num_seqs", "max_num_seqs", "--max-num-seqs"),
-    ("max_num_batched_tokens", "max_batched_tokens", "--max-num-batched-tokens"),
+    ("max_num_batched_tokens", "max_num_batched_tokens", "--max-num-batched-tokens"),
     ("enable_prefix_caching", "enable_prefix_caching", "--enable-prefix-caching"),
     ("hybrid_kv_cache", "hybrid_kv_cache", "--hybrid-kv-cache"),
     ("async_scheduling", "async_scheduling", "--async-scheduling"),
