@@ -271,7 +271,7 @@ class Simulation:
             return True
         before = self.pool.id_limit
         self.pool.shrink(need)
-        if before - self.pool.id_limit < need:  # retired blocks left holes inside the id space
+        if self.pool.hole_blocks:  # retired blocks left holes below live ones: compact, as the runtime's KvCapacity
             moves = self.pool.compact()
             self.rec.count("kv_compactions")
             self.rec.count("kv_blocks_moved", len(moves))

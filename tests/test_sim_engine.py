@@ -465,3 +465,23 @@ def test_a_timeline_stride_keeps_every_nth_boundary_from_the_first():
     assert len(every["time_s"]) > 6
     for column in ("time_s", "step", "kv_pool_bytes", "mean_bits"):
         np.testing.assert_array_equal(third[column], every[column][::3])
+
+
+def test_a_reserve_that_retires_blocks_below_a_live_one_compacts_the_pool():
+    """A reload's room taken from the KV pool retires its highest free blocks; where one of them lies below a live
+    block, the pool is compacted (as the runtime's KvCapacity does): no hole is left, the move is counted, and the
+    next forward pays the copy of each moved block (read and written over the KV link)."""
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30)
+    pool, B = sim.pool, sim.kv_block_bytes
+    n = pool.capacity
+    pool.allocate("low", 4 * pool.block_size)
+    pool.allocate("high", pool.block_size)  # block 4, live above the 4 free blocks below it
+    pool.free("low")
+    sim._extra_time = 0.0
+    assert sim._reserve(sim._headroom() + (n - 4) * B)  # retires the n - 5 free blocks above 4 and block 3
+    assert pool.hole_blocks == 0 and pool.id_limit == pool.capacity == 4
+    assert pool.block_table("high")[0] < 4
+    c = sim.rec.counters
+    assert c["kv_compactions"] == 1 and c["kv_blocks_moved"] == 1
+    resize = 2 * 4 * B / sim.profile.bandwidth("dense")  # the cache's copy of the 4 blocks it keeps
+    assert sim._extra_time == pytest.approx(2 * B / sim.profile.bandwidth("kv") + resize)
