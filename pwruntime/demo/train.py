@@ -237,19 +237,180 @@ def _restore(ckpt_path: Path, identity: dict, model, opt, acc: _Accumulator, dev
     return int(ck["step"])
 
 
+class _TimeLimit:
+    """Whether a run given `max_minutes` must stop now, keeping room for a checkpoint, an evaluation and a few steps
+    (their costs measured as the run goes)."""
+
+    def __init__(self, t0: float, max_minutes: float | None):
+        self.t0, self.max_minutes = t0, max_minutes
+        self.ckpt_s, self.eval_s, self.step_s = 2.0, 0.0, None
+
+    def stepped(self, dt: float) -> None:
+        self.step_s = dt if self.step_s is None else 0.9 * self.step_s + 0.1 * dt
+
+    def spent(self) -> bool:
+        if self.max_minutes is None:
+            return False
+        reserve = 2 * self.ckpt_s + self.eval_s + 3 * self.step_s + 10.0
+        return time.monotonic() - self.t0 + reserve > self.max_minutes * 60
+
+
+class _Run:
+    """One training run's model, optimizer, data and log accumulators, and what it does with them: a step, an
+    evaluation, a checkpoint."""
+
+    def __init__(self, cfg: TrainConfig, opts: RunOptions, data: _Data, device, ckpt_path: Path):
+        import numpy as np
+        import torch
+
+        from .model import build_model, count_parameters
+
+        self.cfg, self.data, self.device, self.ckpt_path = cfg, data, device, ckpt_path
+        # transformers' grouped_mm experts path is not bitwise reproducible on CPU (gather backward); eager is
+        experts_impl = opts.experts_impl or ("eager" if device.type == "cpu" else None)
+        self.model = build_model(cfg.model, data.eos, cfg.seed, experts_impl)
+        self.params = count_parameters(self.model)
+        self.model.to(device)
+        self.fwd = torch.compile(self.model) if opts.compile else self.model
+        self.opt = make_optimizer(self.model, cfg, device)
+        self.acc = _Accumulator(len(data.domains), device)
+        self.identity = {"config": cfg.identity(), "domains": list(data.domains),
+                         "tokenizer_sha256": data.tokenizer_sha}
+        self.amp_dtype = _amp_dtype(opts.amp, device)
+        self.bounds = np.concatenate([[0], np.cumsum(data.counts)]).tolist()  # each domain's rows of a batch
+
+    def autocast(self):
+        import torch
+
+        return torch.autocast(self.device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+
+    def step(self, step: int) -> float:
+        """One optimizer step on the step's batch, its losses added to the accumulators; returns its learning rate."""
+        import torch
+        import torch.nn.functional as F
+
+        cfg, opt = self.cfg, self.opt
+        lr = lr_at(step, cfg)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x = torch.from_numpy(self.data.sampler.batch(step)).to(self.device, non_blocking=True)
+        with self.autocast():
+            o = self.fwd(input_ids=x[:, :-1], output_router_logits=True, use_cache=False)
+        ce = F.cross_entropy(o.logits.float().reshape(-1, o.logits.shape[-1]), x[:, 1:].reshape(-1),
+                             reduction="none").view(x.shape[0], -1)
+        lm = ce.mean()
+        aux = o.aux_loss.float()
+        loss = lm + cfg.model.router_aux_loss_coef * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        opt.step()
+        rows = ce.detach().mean(1)
+        self.acc.add(loss.detach(), lm.detach(), aux.detach(), gnorm.detach(),
+                     torch.stack([rows[a:b].mean() for a, b in zip(self.bounds[:-1], self.bounds[1:])]))
+        return lr
+
+    def train_record(self, done: int, lr: float, seconds: float, elapsed_s: float) -> dict:
+        """The log record of the steps since the last one (`seconds` of them); empties the accumulators."""
+        n_steps, vals, cfg = self.acc.n, self.acc.pop(), self.cfg
+        return {"type": "train", "step": done, "loss": vals[0], "lm_loss": vals[1], "aux_loss": vals[2],
+                "grad_norm": vals[3], "lr": lr, "train_loss_by_domain": dict(zip(self.data.domains, vals[4:])),
+                "tokens_per_s": n_steps * cfg.batch_size * cfg.seq_len / max(seconds, 1e-9), "elapsed_s": elapsed_s}
+
+    def evaluate(self, step: int, logf) -> dict:
+        """Each domain's validation loss over the logged windows, written to the log."""
+        import numpy as np
+
+        from .stats import window_losses
+
+        self.model.eval()
+        with self.autocast():
+            vl = {d: float(np.mean(window_losses(self.model, self.data.valid[d], self.device,
+                                                 batch_size=self.cfg.batch_size)))
+                  for d in self.data.domains}
+        self.model.train()
+        rec = {"type": "eval", "step": step, "valid_loss": vl, "valid_ppl": {d: math.exp(v) for d, v in vl.items()}}
+        logf.write(json.dumps(rec) + "\n")
+        return vl
+
+    def save(self, step: int, logf) -> None:
+        """A checkpoint of everything resuming needs, the log's length among it."""
+        import torch
+
+        logf.flush()
+        device = self.device
+        rng = {"torch": torch.get_rng_state(),
+               "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        state = {"format": CKPT_FORMAT, "step": step, "identity": self.identity, "model": self.model.state_dict(),
+                 "optimizer": self.opt.state_dict(), "acc": self.acc.state(), "rng": rng, "log_bytes": logf.tell()}
+        write_atomic(self.ckpt_path, lambda f: torch.save(state, f))
+
+
+def _start(run: _Run, opts: RunOptions, log_path: Path, model_dir: Path, echo) -> int:
+    """The step to start from: a checkpoint's (resuming), else 0 with the folder's old run removed."""
+    import shutil
+
+    ckpt_path = run.ckpt_path
+    if ckpt_path.exists() and opts.resume:
+        start = _restore(ckpt_path, run.identity, run.model, run.opt, run.acc, run.device, log_path)
+        echo(f"resuming from {ckpt_path} at step {start}/{run.cfg.steps}")
+        return start
+    for p in (ckpt_path, log_path):
+        p.unlink(missing_ok=True)
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return 0
+
+
+def _steps(run: _Run, start: int, opts: RunOptions, log_path: Path, t0: float, echo) -> tuple[int, dict | None]:
+    """Steps from `start` until the last, or until `stop_at` or the time limit (with a checkpoint); logs, evaluations
+    and checkpoints at their intervals. Returns the step reached and the last evaluation's losses (None if none ran)."""
+    from tqdm.auto import tqdm
+
+    cfg = run.cfg
+    limit = _TimeLimit(t0, opts.max_minutes)
+    last_log_t, valid_loss, step = time.monotonic(), None, start
+    run.model.train()
+    with open(log_path, "a") as logf, tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
+                                          disable=not opts.progress or start >= cfg.steps,
+                                          desc="demo train") as bar:
+        for step in range(start, cfg.steps):
+            t_step = time.monotonic()
+            lr = run.step(step)
+            done = step + 1
+            bar.update(1)
+            if done % cfg.log_every == 0 or done == cfg.steps:
+                now = time.monotonic()
+                rec = run.train_record(done, lr, now - last_log_t, now - t0)
+                logf.write(json.dumps(rec) + "\n")
+                last_log_t = now
+                bar.set_postfix(loss=f"{rec['lm_loss']:.3f}", aux=f"{rec['aux_loss']:.3f}", lr=f"{lr:.2e}")
+            if done % cfg.eval_every == 0 or done == cfg.steps:
+                te = time.monotonic()
+                valid_loss = run.evaluate(done, logf)
+                limit.eval_s = time.monotonic() - te
+                msg = f"step {done}: valid loss " + ", ".join(f"{d} {v:.3f}" for d, v in valid_loss.items())
+                if bar.disable:
+                    echo(msg)
+                else:
+                    bar.write(msg, file=sys.stderr)
+            limit.stepped(time.monotonic() - t_step)
+            stop_now = done < cfg.steps and (limit.spent() or (opts.stop_at is not None and done >= opts.stop_at))
+            if done == cfg.steps or stop_now or done % cfg.ckpt_every == 0:
+                tc = time.monotonic()
+                run.save(done, logf)
+                limit.ckpt_s = time.monotonic() - tc
+            step = done
+            if stop_now:
+                break
+    return step, valid_loss
+
+
 def train(corpus: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
           opts: RunOptions = RunOptions(), echo=print) -> TrainResult:
     """Train (or resume) the demo model in `out`; see the module docstring for the folder's contents."""
-    import shutil
-
-    import numpy as np
     import torch
-    import torch.nn.functional as F
-    from tqdm.auto import tqdm
 
     from .export import save_hf_model
-    from .model import build_model, count_parameters
-    from .stats import window_losses
 
     t0 = opts.start_time if opts.start_time is not None else time.monotonic()
     out = Path(out)
@@ -263,123 +424,20 @@ def train(corpus: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     data = _prepare_data(corpus, out, cfg)
-    domains = data.domains
-
-    # transformers' grouped_mm experts path is not bitwise reproducible on CPU (gather backward); eager is
-    experts_impl = opts.experts_impl or ("eager" if device.type == "cpu" else None)
-    model = build_model(cfg.model, data.eos, cfg.seed, experts_impl)
-    params = count_parameters(model)
-    model.to(device)
-    opt = make_optimizer(model, cfg, device)
-    acc = _Accumulator(len(domains), device)
-    identity = {"config": cfg.identity(), "domains": list(domains), "tokenizer_sha256": data.tokenizer_sha}
-
-    start = 0
-    if ckpt_path.exists() and opts.resume:
-        start = _restore(ckpt_path, identity, model, opt, acc, device, log_path)
-        echo(f"resuming from {ckpt_path} at step {start}/{cfg.steps}")
-    else:
-        for p in (ckpt_path, log_path):
-            p.unlink(missing_ok=True)
-        shutil.rmtree(model_dir, ignore_errors=True)
+    run = _Run(cfg, opts, data, device, ckpt_path)
+    params = run.params
+    start = _start(run, opts, log_path, model_dir, echo)
     write_json_atomic(out / "train_config.json", {
-        **identity, "export": {"save_dtype": cfg.save_dtype, "max_shard_bytes": cfg.max_shard_bytes},
+        **run.identity, "export": {"save_dtype": cfg.save_dtype, "max_shard_bytes": cfg.max_shard_bytes},
         "params": params, "counts_per_batch": list(data.counts),
         "train_tokens": data.tokens["train"], "valid_tokens": data.tokens["valid"]})
     if start == 0:
         echo(f"model: {params['total'] / 1e6:.2f}M parameters "
              f"({params['active_per_token'] / 1e6:.2f}M active per token); device {device}; "
              f"{cfg.steps} steps of {cfg.batch_size}x{cfg.seq_len} tokens "
-             f"(rows per domain {dict(zip(domains, data.counts))})")
+             f"(rows per domain {dict(zip(data.domains, data.counts))})")
 
-    amp_dtype = _amp_dtype(opts.amp, device)
-    fwd = torch.compile(model) if opts.compile else model
-    bounds = np.concatenate([[0], np.cumsum(data.counts)]).tolist()
-    ckpt_cost, eval_cost, step_time = 2.0, 0.0, None
-    last_log_t = time.monotonic()
-    valid_loss = None
-
-    def autocast():
-        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
-
-    def run_eval(step: int, logf) -> dict:
-        model.eval()
-        with autocast():
-            vl = {d: float(np.mean(window_losses(model, data.valid[d], device, batch_size=cfg.batch_size)))
-                  for d in domains}
-        model.train()
-        rec = {"type": "eval", "step": step, "valid_loss": vl, "valid_ppl": {d: math.exp(v) for d, v in vl.items()}}
-        logf.write(json.dumps(rec) + "\n")
-        return vl
-
-    def save_ckpt(step: int, logf) -> None:
-        logf.flush()
-        rng = {"torch": torch.get_rng_state(),
-               "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-        state = {"format": CKPT_FORMAT, "step": step, "identity": identity, "model": model.state_dict(),
-                 "optimizer": opt.state_dict(), "acc": acc.state(), "rng": rng, "log_bytes": logf.tell()}
-        write_atomic(ckpt_path, lambda f: torch.save(state, f))
-
-    step = start
-    model.train()
-    with open(log_path, "a") as logf, tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
-                                          disable=not opts.progress or start >= cfg.steps,
-                                          desc="demo train") as bar:
-        for step in range(start, cfg.steps):
-            t_step = time.monotonic()
-            lr = lr_at(step, cfg)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            x = torch.from_numpy(data.sampler.batch(step)).to(device, non_blocking=True)
-            with autocast():
-                o = fwd(input_ids=x[:, :-1], output_router_logits=True, use_cache=False)
-            ce = F.cross_entropy(o.logits.float().reshape(-1, o.logits.shape[-1]), x[:, 1:].reshape(-1),
-                                 reduction="none").view(x.shape[0], -1)
-            lm = ce.mean()
-            aux = o.aux_loss.float()
-            loss = lm + cfg.model.router_aux_loss_coef * aux
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            rows = ce.detach().mean(1)
-            acc.add(loss.detach(), lm.detach(), aux.detach(), gnorm.detach(),
-                    torch.stack([rows[a:b].mean() for a, b in zip(bounds[:-1], bounds[1:])]))
-            done = step + 1
-            bar.update(1)
-            if done % cfg.log_every == 0 or done == cfg.steps:
-                n_steps, vals, now = acc.n, acc.pop(), time.monotonic()
-                rec = {"type": "train", "step": done, "loss": vals[0], "lm_loss": vals[1], "aux_loss": vals[2],
-                       "grad_norm": vals[3], "lr": lr, "train_loss_by_domain": dict(zip(domains, vals[4:])),
-                       "tokens_per_s": n_steps * cfg.batch_size * cfg.seq_len / max(now - last_log_t, 1e-9),
-                       "elapsed_s": now - t0}
-                last_log_t = now
-                logf.write(json.dumps(rec) + "\n")
-                bar.set_postfix(loss=f"{vals[1]:.3f}", aux=f"{vals[2]:.3f}", lr=f"{lr:.2e}")
-            if done % cfg.eval_every == 0 or done == cfg.steps:
-                te = time.monotonic()
-                valid_loss = run_eval(done, logf)
-                eval_cost = time.monotonic() - te
-                msg = f"step {done}: valid loss " + ", ".join(f"{d} {v:.3f}" for d, v in valid_loss.items())
-                if bar.disable:
-                    echo(msg)
-                else:
-                    bar.write(msg, file=sys.stderr)
-            dt = time.monotonic() - t_step
-            step_time = dt if step_time is None else 0.9 * step_time + 0.1 * dt
-            over_budget = False
-            if opts.max_minutes is not None:   # keep room for the checkpoint, an evaluation and a few steps
-                reserve = 2 * ckpt_cost + eval_cost + 3 * step_time + 10.0
-                over_budget = time.monotonic() - t0 + reserve > opts.max_minutes * 60
-            stop_now = done < cfg.steps and (over_budget or (opts.stop_at is not None and done >= opts.stop_at))
-            if done == cfg.steps or stop_now or done % cfg.ckpt_every == 0:
-                tc = time.monotonic()
-                save_ckpt(done, logf)
-                ckpt_cost = time.monotonic() - tc
-            step = done
-            if stop_now:
-                break
-
+    step, valid_loss = _steps(run, start, opts, log_path, t0, echo)
     elapsed = time.monotonic() - t0
     if step < cfg.steps:
         msg = (f"stopped at step {step}/{cfg.steps} with a checkpoint in {ckpt_path}; "
@@ -387,7 +445,7 @@ def train(corpus: str | Path, out: str | Path, cfg: TrainConfig = TrainConfig(),
         echo(msg)
         return TrainResult(False, step, cfg.steps, str(out), None, params, valid_loss, elapsed, msg)
     if not model_dir.exists() or start < cfg.steps:
-        save_hf_model(model, model_dir, out / "tokenizer", cfg.save_dtype, cfg.max_shard_bytes)
+        save_hf_model(run.model, model_dir, out / "tokenizer", cfg.save_dtype, cfg.max_shard_bytes)
     if valid_loss is None:                     # nothing was left to train: report the last logged evaluation
         evals = read_log(log_path, "eval")
         valid_loss = evals[-1]["valid_loss"] if evals else None
