@@ -53,6 +53,18 @@ def test_fidelity_compares_two_logs_transition_by_transition():
     assert transitions(_view(5, same), RunView({}, {}, {"step": np.arange(5)})) is None  # a run without a log
 
 
+def test_fidelity_counts_the_rows_of_the_last_step_both_engines_ran():
+    """The last step both timelines record is shared: its rows are compared (one alike, one the runtime's alone);
+    a row a step past it is not."""
+    common = [(4, 1, 8, 4, "started"), (11, 2, 8, 4, "started")]
+    sim = _view(12, common)  # steps 0..11
+    rt = _view(20, common + [(11, 3, 8, 4, "started"), (12, 6, 8, 4, "started")])
+    t = transitions(sim, rt)
+    assert (t["alike"], t["rows"], t["first_difference"]) == (2, 3, 11)
+    assert t["runtime_only"] == [{"step": 11, "block": 3, "from_bits": 8, "to_bits": 4, "status": "started"}]
+    assert t["sim"]["started"] == 2 and t["runtime"]["started"] == 3
+
+
 def test_a_simulation_writes_its_plan_log(tmp_path, capsys):
     out = tmp_path / "run"
     assert pwsim_main(["run", "--policy", "pagedweight", "--budget", "24MiB", "--out", str(out), "--no-progress"]) == 0

@@ -127,6 +127,32 @@ def test_largest_safe_reduction_when_target_unreachable():
     assert plan.bytes_freed < 9 * 10**9
 
 
+def test_largest_safe_reduction_ties_go_to_less_damage_then_the_tighter_stage():
+    """No stage meets the target: the plan freeing the most bytes; among those, the least predicted damage; among
+    those, the tighter (lower) stage, whatever order the queue holds them in. Two loose stages allowing the same
+    steps queue the same plan, and the planner reports the tighter of them."""
+    from policies.planners.pagedweight import QueuedPlan, select_best
+
+    def queued(stage: int, freed: int, damage: float) -> QueuedPlan:
+        one = np.array([stage], dtype=np.int64)
+        return QueuedPlan(stage, 1, 10**9, freed, damage, one, one * 0 + 8, one * 0 + 4, one * 0 + freed)
+
+    a, b, c, d = queued(0, 500, 2.0), queued(1, 900, 3.0), queued(2, 900, 1.0), queued(3, 900, 1.0)
+    assert select_best((a, b, c, d), 10**9) is c and select_best((d, c, b, a), 10**9) is c
+    assert select_best((a, b), 10**9) is b  # more bytes freed beats less damage
+    assert select_best((a, b, c, d), 900) is b  # meeting the target: the first stage that does
+    table = PageTable(1, 4, 256, 128, bits=BITS)
+    cal = flat_calibration(table, floor_stages=((7, 7), (5, 5), (5, 5)), depth_caps=(1, 3, 3),
+                           bucket_bounds=(0.5, 1.0), bucket_multipliers=(1.0, 1.0))
+    pol = get("pagedweight")
+    pol.reset(table, cal)
+    plan = pol.plan_step(table, obs(0, T=8, B=10**9))
+    assert plan is not None and "largest safe reduction" in plan.reason
+    loose = [e for e in pol.queue if e.stage > 0]
+    assert [e.stage for e in loose] == [1, 2] and loose[0].bytes_freed == loose[1].bytes_freed
+    assert pol.last.stage == 1 and all(t.to_bits == 5 for t in plan.transitions)
+
+
 # ------------------------------------------------------------------------------ floors, caps, buckets
 @pytest.mark.parametrize("seed", range(12))
 def test_floors_and_depth_caps_respected(seed):

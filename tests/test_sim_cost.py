@@ -157,3 +157,18 @@ def test_sliding_layers_read_the_new_token_s_key_too():
     b = BatchShape.of([1], [100], 1)
     proj = float(_roof(cm.attn_weight_bytes, cm.attn_weight_flops_per_token, cm.bw["attention"], cm.rate))
     assert cm.attention(b) - proj == pytest.approx((cm.kv_full + cm.kv_slide) * 101 / cm.bw["kv"], rel=1e-9)
+
+
+def test_layer_launch_overhead_is_charged_over_every_decoder_layer_dense_ones_too(qwen):
+    """A model whose first layers are dense launches kernels for them too: the per-layer overhead counts all the
+    decoder layers, not only the MoE ones."""
+    from dataclasses import replace
+    card, prof = qwen
+    dense = replace(card, dense_layers=(0, 1, 2), dense_intermediate=5632)
+    assert dense.layers == 24 and dense.moe_layers == 21
+    prof = replace(prof, iteration_overhead_us=100.0, layer_overhead_us=10.0)
+    cm = CostModel(dense, prof)
+    assert cm.overhead == pytest.approx((100.0 + 24 * 10.0) * 1e-6)
+    q = np.full(dense.moe_layers * dense.experts * 2, 4)
+    empty = cm.iteration(BatchShape.of([], [], 0), q, np.zeros((dense.moe_layers, dense.experts)))
+    assert empty.total == empty.overhead == pytest.approx((100.0 + 24 * 10.0) * 1e-6)

@@ -485,3 +485,83 @@ def test_a_reserve_that_retires_blocks_below_a_live_one_compacts_the_pool():
     assert c["kv_compactions"] == 1 and c["kv_blocks_moved"] == 1
     resize = 2 * 4 * B / sim.profile.bandwidth("dense")  # the cache's copy of the 4 blocks it keeps
     assert sim._extra_time == pytest.approx(2 * B / sim.profile.bandwidth("kv") + resize)
+
+
+def test_a_boundary_charges_plan_transition_us_for_each_transition_it_began():
+    """The host work a boundary charges for its plan's moves is plan_transition_us a transition begun there (not
+    one a transfer committed there; on a slow link reloads land boundaries later): each boundary's planning time
+    grows by exactly that."""
+    profile = replace(load_profile("h200-roofline"), plan_transition_us=37.0, routing_read_us=0.0, pcie_h2d_gbps=0.05)
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024, profile=profile)
+    seen = []  # (transitions begun, transitions committed, planning time the boundary added)
+    step, boundary = sim.loop.step, sim._boundary
+
+    def step_logged(obs):
+        res = step(obs)
+        seen.append([len(res.started), len(res.committed), None])
+        return res
+
+    def boundary_logged(*a, **kw):
+        before = sim._plan_time
+        boundary(*a, **kw)
+        seen[-1][2] = sim._plan_time - before
+    sim.loop.step, sim._boundary = step_logged, boundary_logged
+    assert sim.run().summary["completed"] == 30
+    started, committed, added = (np.array(col, dtype=float) for col in zip(*seen))
+    assert started.sum() > 10 and (started != committed).any()
+    np.testing.assert_allclose(added, started * 37e-6, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("asynchronous, slow_device", [(False, False), (True, False), (True, True)])
+def test_an_iteration_pays_its_planning_host_work_beside_or_after_the_device_work(asynchronous, slow_device):
+    """The host work charged to a forward (planning, KV copies) adds to its time synchronously; asynchronously it
+    joins the host's overhead, which overlaps the device work: the iteration lasts the longer of the two (on a
+    device ten thousand times slower the device work outlasts it)."""
+    profile = replace(load_profile("h200-roofline"), plan_transition_us=300.0, routing_read_us=200.0)
+    if slow_device:
+        profile = replace(profile, hbm_gbps=profile.hbm_gbps / 1e4, fp16_tflops=profile.fp16_tflops / 1e4)
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024, profile=profile,
+                   async_scheduling=asynchronous)
+    rows, take, iteration = [], sim._take_extra, sim.rec.iteration
+    run = sim._run
+
+    def run_logged(b, overlap):
+        rows.append([b.cost.device, b.cost.overhead, None, None])
+        return run(b, overlap)
+
+    def take_logged():
+        extra = take()
+        if rows and rows[-1][2] is None:
+            rows[-1][2] = extra[0]
+        return extra
+
+    def iteration_logged(now, dt, *a, **kw):
+        rows[-1][3] = dt
+        return iteration(now, dt, *a, **kw)
+    sim._run, sim._take_extra, sim.rec.iteration = run_logged, take_logged, iteration_logged
+    assert sim.run().summary["completed"] == 30
+    device, host, extra, lasted = (np.array(col, dtype=float) for col in zip(*rows))
+    assert (extra > 0).sum() > 5
+    if asynchronous:
+        want = np.maximum(device, host + extra)
+        slower = device > host + extra
+        assert ((slower if slow_device else ~slower) & (extra > 0)).sum() > 5
+    else:
+        want = device + host + extra
+    np.testing.assert_allclose(lasted, want, rtol=1e-12, atol=0)
+
+
+def test_weights_and_kv_beyond_the_budget_less_the_activation_reserve_are_a_violation():
+    """The activation reserve is no memory for the weights and the KV pool: they are checked against the budget less
+    the reserve, so a pool one block into the reserve (well within the whole budget) is over at every check."""
+    block = 16 * tiny_card().kv_bytes_per_token()
+    fits = tiny_sim("noop", kv_blocks=22, n=8, activation_bytes=6 * block)
+    assert fits.pool.capacity == 16 and fits.run().summary["memory"]["budget_violations"] == 0
+    sim = tiny_sim("noop", kv_blocks=22, n=8, activation_bytes=6 * block)
+    sim.pool.grow(1)
+    w, kv = sim.used_bytes()
+    assert sim.cfg.budget_bytes - 6 * block < w + kv <= sim.cfg.budget_bytes - 5 * block
+    res = sim.run()
+    assert res.summary["completed"] == 8 and res.summary["memory"]["budget_violations"] == len(res.violations) > 8
+    assert {v["budget_bytes"] for v in res.violations} == {sim.cfg.budget_bytes - 6 * block}
+    assert {v["excess_bytes"] for v in res.violations} == {block}
