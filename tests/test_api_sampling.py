@@ -113,6 +113,28 @@ def test_logit_bias_bans_and_forces_tokens(client, model):
     assert chat.choices[0].message.content == model.tokenizer.decode([forced] * 4)
 
 
+def test_request_fields_take_openai_s_defaults_and_bounds():
+    """What a body leaves out or sets at a bound: temperature 1 (OpenAI's default: it samples), up to four stop
+    strings, chat's `max_completion_tokens` as max_tokens (at least 1, not 0 read as 1), and with `echo` the prompt
+    records keep as many alternatives as the larger of `logprobs` and `prompt_logprobs`."""
+    from pwruntime.api_request import MAX_STOPS, RequestError, sampling_params
+
+    def params(body, chat=False, echo=False):
+        return sampling_params(body, 16, chat, 4096, echo=echo)
+
+    assert params({}).temperature == 1.0 and not params({}).greedy and params({}).max_tokens == 16
+    stops = [f"s{i}" for i in range(MAX_STOPS)]
+    assert params({"stop": stops}).stop == tuple(stops)
+    with pytest.raises(RequestError, match=f"up to {MAX_STOPS} strings"):
+        params({"stop": [*stops, "one more"]})
+    assert params({"max_completion_tokens": 3}, chat=True).max_tokens == 3
+    with pytest.raises(RequestError, match="'max_completion_tokens' must be at least 1, got 0"):
+        params({"max_completion_tokens": 0}, chat=True)
+    assert params({"logprobs": 2, "prompt_logprobs": 1}, echo=True).prompt_logprobs == 2
+    assert params({"logprobs": 1, "prompt_logprobs": 3}, echo=True).prompt_logprobs == 3
+    assert params({"logprobs": 2}).prompt_logprobs is None  # without echo only prompt_logprobs asks
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"top_k": -2}, "'top_k' must be at least -1, got -2"), ({"top_k": 1.5}, "'top_k' must be an integer"),
     ({"min_p": 1.5}, "'min_p' must lie in [0, 1], got 1.5"), ({"min_p": "0.1"}, "'min_p' must be a number"),

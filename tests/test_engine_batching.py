@@ -80,8 +80,27 @@ def test_prompt_too_large_for_pool_is_a_clear_error(models):
     engine = LLMEngine(models["mixtral"], EngineConfig(num_kv_blocks=2, block_size=4))
     with pytest.raises(UserError, match="KV blocks"):
         engine.add_request(list(range(3, 12)))
+    with pytest.raises(UserError, match="needs 3 KV blocks"):  # 8 tokens fill the pool: no room for one more
+        engine.add_request(list(range(3, 11)))
     with pytest.raises(UserError, match="no tokens"):
         engine.add_request([])
+
+
+def test_a_pool_sized_from_host_memory_takes_whole_blocks_up_to_max_num_seqs_requests(models):
+    """On CPU the pool takes cpu_kv_cache_bytes' whole blocks, never more than max_num_seqs full-length requests hold;
+    bytes short of one block, or num_kv_blocks below 1, are a UserError naming the setting."""
+    from traces.clikit import UserError
+
+    model = models["mixtral"]
+    one = LLMEngine(model, EngineConfig(num_kv_blocks=1, block_size=4))
+    b, per_request = one.block_bytes, one.kv_blocks_per_request
+    assert LLMEngine(model, EngineConfig(block_size=4, cpu_kv_cache_bytes=5 * b + b // 2)).pool.capacity == 5
+    capped = LLMEngine(model, EngineConfig(block_size=4, max_num_seqs=2, cpu_kv_cache_bytes=3 * per_request * b))
+    assert capped.pool.capacity == 2 * per_request
+    with pytest.raises(UserError, match="no memory left for the KV cache"):
+        LLMEngine(model, EngineConfig(block_size=4, cpu_kv_cache_bytes=b - 1))
+    with pytest.raises(UserError, match="num_kv_blocks must be >= 1, got 0"):
+        LLMEngine(model, EngineConfig(num_kv_blocks=0, block_size=4))
 
 
 def test_observation_routing_mass_and_features(models):
@@ -204,6 +223,29 @@ def test_weight_bytes_freed_outside_the_loop_grow_the_kv_pool(models):
     assert engine.capacity.give(b // 2) == 0 and engine.pool.capacity == 8   # half a block waits as spare
     assert engine.capacity.give(b * 2) == 2 and engine.pool.capacity == 10   # 2.5 blocks: two more, half spare
     assert engine.kv.num_blocks == engine.pool.id_limit and engine.capacity.spare_bytes == b // 2
+
+
+def test_a_growth_the_device_refuses_is_tried_again_only_once_more_bytes_come(models, monkeypatch):
+    """A growth with no memory behind it leaves its bytes spare; the release(0) of every step does not try it again,
+    more released bytes do, and once one succeeds any later release grows the pool again."""
+    engine = LLMEngine(models["mixtral"], EngineConfig(num_kv_blocks=8, block_size=4))
+    cap, b, resize = engine.capacity, engine.block_bytes, engine.kv.resize
+
+    def no_memory(num_blocks):
+        raise MemoryError("out of device memory")
+
+    monkeypatch.setattr(engine.kv, "resize", no_memory)
+    cap.release(3 * b)
+    assert cap.grow_failures == 1 and cap.spare_bytes == 3 * b and engine.pool.capacity == 8
+    cap.release(0)
+    assert cap.grow_failures == 1  # nothing new: not tried again
+    cap.release(b)
+    assert cap.grow_failures == 2 and cap.spare_bytes == 4 * b
+    monkeypatch.setattr(engine.kv, "resize", resize)
+    cap.release(b)
+    assert engine.pool.capacity == 13 and cap.spare_bytes == 0
+    cap.release(2 * b)  # fewer bytes than the refused growth had: grows, the refusal is forgotten
+    assert engine.pool.capacity == 15 and engine.kv.num_blocks == engine.pool.id_limit
 
 
 def test_trace_recording(models, tmp_path):

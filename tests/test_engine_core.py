@@ -86,6 +86,23 @@ def test_an_abort_ends_every_choice_of_its_request(model):  # noqa: F811
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
 
 
+def test_a_refused_request_counts_each_of_its_choices_and_leaves_none_running(model):  # noqa: F811
+    """A request whose second prompt the engine refuses gets one 400; request_errors_total counts its engine requests
+    (as requests_total does), and the prompt added before the refused one does not run; the next request, ended by
+    its max_tokens, is no KV capacity cut."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
+    p, long = SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=100, ignore_eos=True)
+    too_long = list(range(5, 5 + engine.max_model_len))
+    items = [("add", "bad", [(PROMPT, long), (too_long, p), (PROMPT, long)], False),
+             ("add", "ok", [(PROMPT, p)], False)]
+    batches, core = _run_core(engine, items, until_done=1)
+    events = [(key, e[0]) for b in batches for key, e in b if e[0] != "stats"]
+    assert events == [("bad", "error"), ("ok", "done")]
+    assert core.counters["request_errors_total"] == 3 and core.counters["requests_total"] == 1
+    assert core.counters["kv_capacity_cuts_total"] == 0  # "ok" ended by its length: no KV cut
+    assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
+
+
 class _Loopback(EngineClient):
     """A client whose engine loop is a queue the test reads, answering by hand."""
 
@@ -164,6 +181,26 @@ def test_the_stats_log_writes_rates_since_its_last_line_and_nothing_when_idle():
     assert "mean bits" not in dense and dense.endswith("KV cache 25.0% of 100 blocks used, 7 plans")
 
 
+def test_the_stats_log_keeps_writing_for_waiting_requests_and_never_asks_a_negative_sleep():
+    """Requests that only wait (nothing ran since the last line) still get a line, which names no plans when none
+    were made; a line overdue while the loop sat idle is due now (0 s), never a negative timeout for the inbox; an
+    interval of 0 is refused."""
+    clock, lines = _Clock(), []
+    log = StatsLog(10.0, lines.append, clock)
+    counters = {"prompt_tokens_total": 0, "generated_tokens_total": 0}
+    waiting = {**GAUGES, "running_requests": 0, "waiting_requests": 3}
+    clock.t += 10
+    log.tick(counters, lambda: waiting)
+    clock.t += 10
+    log.tick(counters, lambda: waiting)  # nothing happened, the 7 plans were there at the last line
+    assert len(lines) == 2 and "0 running, 3 waiting" in lines[1] and "plans" not in lines[1]
+    counters = {**counters, "generated_tokens_total": 5}
+    clock.t += 25
+    assert log.wait_s(counters) == 0.0
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        StatsLog(0.0, lines.append, clock)
+
+
 def test_the_engine_loop_logs_while_it_works_and_once_after(model):  # noqa: F811
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
     lines: list[str] = []
@@ -189,18 +226,21 @@ def test_the_engine_loop_logs_while_it_works_and_once_after(model):  # noqa: F81
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_the_engine_counts_each_output_token_once_as_it_settles(model, asynchronous):  # noqa: F811
     """The generation counter grows as tokens settle, and at the end equals the outputs' tokens: a sequence that
-    stopped is not counted for the step launched past its end (asynchronous scheduling launches one)."""
+    stopped is not counted for the step launched past its end (asynchronous scheduling launches one), nor is it in
+    `last_tokens` (the inter-token gaps of /metrics and a replay)."""
     engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, async_scheduling=asynchronous))
     params = [SamplingParams(max_tokens=30, ignore_eos=True), SamplingParams(max_tokens=30, stop=("e",)),
               SamplingParams(max_tokens=7, temperature=1.0, seed=3)]
     ids = [engine.add_request(PROMPT, p) for p in params]
-    seen, outputs = [], {}
+    seen, outputs, settled = [], {}, []
     while engine.has_unfinished():
         for out in engine.step():
             outputs[out.request_id] = out
         seen.append(engine.num_generated_tokens)
+        settled += [rid for rid, _ in engine.last_tokens]
     assert seen == sorted(seen) and len(set(seen)) > 5  # it grew step by step
-    assert engine.num_generated_tokens == sum(len(outputs[i].token_ids) for i in ids)
+    assert engine.num_generated_tokens == sum(len(outputs[i].token_ids) for i in ids) == len(settled)
+    assert sorted(settled) == sorted(i for i in ids for _ in outputs[i].token_ids)  # last_tokens: the kept ones
     assert len(outputs[ids[1]].token_ids) < 30  # the stop string ended one early
 
 
@@ -218,3 +258,28 @@ def test_max_model_len_bounds_prompts_and_outputs(model):  # noqa: F811
     positions = model.config.max_position
     with pytest.raises(UserError, match=rf"max_model_len \(--max-model-len\) must be in 2..{positions}"):
         LLMEngine(model, EngineConfig(num_kv_blocks=8, max_model_len=positions + 1))
+
+
+def test_an_explicit_length_that_fills_the_context_exactly_is_served(model):  # noqa: F811
+    """clip_to_context False (an API request's explicit max_tokens): prompt + max_tokens up to the context's positions
+    is served, one more is refused."""
+    from traces.clikit import UserError
+
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, max_model_len=24))
+    n = len(engine.tokenizer.encode(PROMPT))
+    (out,) = engine.generate([PROMPT], SamplingParams(max_tokens=24 - n, ignore_eos=True, clip_to_context=False))
+    assert len(out.token_ids) == 24 - n and out.finish_reason == "length"
+    with pytest.raises(UserError, match=f"ask for at most {24 - n} tokens"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=25 - n, clip_to_context=False))
+
+
+def test_a_request_s_first_token_time_is_its_first_token_s(model):  # noqa: F811
+    """first_token_time (time to first token in /metrics) is when the first token settled, not the latest."""
+    ticks = iter(range(10**6))
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64), clock=lambda: float(next(ticks)))
+    rid = engine.add_request(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True))
+    times, outs = [], []
+    while engine.has_unfinished():
+        outs += engine.step()
+        times += [t for r, t in engine.last_tokens if r == rid]
+    assert len(times) == 4 and outs[0].first_token_time == times[0] < times[-1]

@@ -50,6 +50,21 @@ def test_min_p_keeps_the_tokens_near_the_most_likely_one_before_top_p():
             SamplingParams(min_p=bad)
 
 
+def test_top_p_reaches_its_share_of_what_min_p_kept_not_of_the_whole():
+    """min-p renormalizes what it keeps: 0.5 of the {0.5, 0.2, 0.15} it keeps (0.85) is 0.59, which alone reaches a
+    top-p of 0.55 (0.5 of the whole would not)."""
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.1, 0.2, 0.15]]))
+    assert _support(logits, SamplingParams(temperature=1.0, min_p=0.29, top_p=0.55)) == {1}
+    assert _support(logits, SamplingParams(temperature=1.0, top_p=0.55)) == {1, 3}  # without min-p: 0.5 < 0.55
+
+
+def test_a_stop_search_that_starts_before_the_text_searches_all_of_it():
+    """The engine searches from (the characters checked before) - (the longest stop) + 1, below 0 at first: a stop
+    inside the first token's text is found, not one only among the text's last characters."""
+    assert find_stop("xaby", ("ab",), search_from=-1) == 1
+    assert find_stop("abcd", ("bc", "a"), search_from=-5) == 0
+
+
 def test_params_validation_and_stop_search():
     with pytest.raises(ValueError):
         SamplingParams(top_p=0.0)
@@ -103,6 +118,7 @@ def test_logit_bias_adds_to_the_listed_tokens_before_the_other_processing():
     ({3: float("nan")}, "logit_bias values must lie in [-100, 100], got nan"),
     (((3, 1.0), (3, 2.0)), "logit_bias must name distinct token ids >= 0"),
     ({-1: 1.0}, "logit_bias must name distinct token ids >= 0, got [-1]"),
+    ({3: 1.0, -1: 2.0}, "logit_bias must name distinct token ids >= 0, got [-1, 3]"),  # a negative id beside others
 ])
 def test_logit_bias_is_checked(bias, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -133,6 +149,24 @@ def test_engine_follows_logit_bias_and_refuses_a_token_past_the_vocabulary(model
 def test_logits_processing_params_are_checked(kw, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         SamplingParams(**kw)
+
+
+def test_logits_processing_params_take_their_bounds():
+    """The ends of each range are served: min_tokens up to max_tokens itself, penalties of exactly -2 and 2."""
+    assert SamplingParams(max_tokens=4, min_tokens=4).min_tokens == 4
+    for name in ("presence_penalty", "frequency_penalty"):
+        for bound in (-2.0, 2.0):
+            assert getattr(SamplingParams(**{name: bound}), name) == bound
+
+
+def test_a_temperature_below_greedy_below_is_greedy_not_a_sharp_sample():
+    """A positive temperature under GREEDY_BELOW takes the argmax whatever the request's number: dividing by it would
+    turn logits 1e-6 apart into a real choice (or overflow)."""
+    logits = torch.tensor([[0.0, 1.0, 1.0 - 1e-6, -3.0]])
+    tiny = SamplingParams(temperature=GREEDY_BELOW / 2)
+    assert tiny.greedy and not SamplingParams(temperature=GREEDY_BELOW).greedy
+    grid = [i / 16 for i in range(16)]
+    assert sample_tensor(logits.repeat(16, 1), [tiny] * 16, grid).tolist() == [1] * 16
 
 
 def test_seeded_sampling_follows_the_distribution_and_repeats():
@@ -170,6 +204,17 @@ def test_request_draws_are_uniform_and_their_own():
     d8 = RequestDraws(8)
     ys = torch.tensor([d8.next() for _ in range(20000)], dtype=torch.float64)
     assert (xs == ys).float().mean() < 0.001 and abs(float(torch.corrcoef(torch.stack([xs, ys]))[0, 1])) < 0.03
+
+
+def test_a_request_s_draws_follow_the_documented_counter():
+    """Draw i (1, 2, ...) of a seed is the top 23 bits of splitmix64's finalizer of (the seed, mixed) + i x gamma: a
+    seeded request samples the same tokens in every version, not another stream of equally good numbers."""
+    from pwruntime.sampling import _GAMMA, _MASK64, _mix64
+
+    d = RequestDraws(123)
+    key = _mix64(123)
+    expect = [(_mix64((key + i * _GAMMA) & _MASK64) >> 41) / 2 ** 23 for i in (1, 2, 3)]
+    assert [d.next() for _ in range(3)] == expect
 
 
 def test_a_batch_samples_what_each_row_samples_alone():
@@ -306,6 +351,45 @@ def test_seed_reproducible_and_independent_of_batch(model):
     again = LLMEngine(model, cfg).generate([_prompt(1), _prompt(0), _prompt(2), _prompt(3)],
                                            [others[0], p, others[1], others[2]])
     assert [o.token_ids for o in again] == [o.token_ids for o in batch]
+
+
+def test_requests_without_a_seed_each_draw_their_own_numbers(model):
+    """Unseeded requests take the engine's seed mixed with their own id: the same prompt twice samples two answers
+    (n choices without a seed), and the same engine seed repeats them."""
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4)
+    p = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    outs = [o.token_ids for o in LLMEngine(model, cfg).generate([_prompt(0)] * 2, p)]
+    assert outs[0] != outs[1]
+    assert [o.token_ids for o in LLMEngine(model, cfg).generate([_prompt(0)] * 2, p)] == outs
+
+
+def test_a_stop_string_counts_only_once_min_tokens_are_out(model):
+    """As vLLM: a stop string that the min_tokens-th output token (or an earlier one) completes does not end the
+    request; one that the next token completes does."""
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4)
+    full = LLMEngine(model, cfg).generate([_prompt(3)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    for n in range(2, 16):  # the first token whose text is new: the stop string it completes
+        before, upto = (model.tokenizer.decode(full.token_ids[:k]) for k in (n, n + 1))
+        stop = upto[len(before):]
+        if stop.strip() and upto.find(stop) == len(before):
+            break
+    assert stop.strip() and upto.find(stop) == len(before)
+
+    def run(min_tokens):
+        return LLMEngine(model, cfg).generate([_prompt(3)], SamplingParams(
+            max_tokens=20, ignore_eos=True, stop=(stop,), min_tokens=min_tokens))[0]
+    out = run(n)
+    assert (out.text, len(out.token_ids), out.finish_reason) == (before, n + 1, "stop")
+    held = run(n + 1)  # token n + 1 completes it: not yet counted
+    assert len(held.token_ids) > n + 1 and held.token_ids == full.token_ids[:len(held.token_ids)]
+
+def test_a_logit_bias_past_the_vocabulary_is_refused_beside_valid_ids(model):
+    """Every listed id is checked, not only the lowest: a bias for token `vocab` beside token 0 is a UserError, not a
+    failed step."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4))
+    with pytest.raises(UserError, match="logit_bias names token"):
+        engine.add_request(_prompt(1), SamplingParams(logit_bias={0: 1.0, model.config.vocab: 1.0}))
+    assert not engine.has_unfinished()
 
 
 def test_a_request_whose_values_degenerate_leaves_the_batch_beside_it_alone(model):

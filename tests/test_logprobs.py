@@ -64,6 +64,23 @@ def test_a_token_ending_inside_a_character_adds_nothing_until_one_completes_it(d
     assert alt.pieces[1].top_texts == (" ca", "\ufffd")
 
 
+class _LeadingSpaceTokenizer:
+    """Decodes as SentencePiece's tokenizers do: a text's leading space is dropped, so a word read alone loses it."""
+    words = ("And", " God", " said")
+
+    def decode(self, ids) -> str:
+        return "".join(self.words[i] for i in ids).lstrip(" ")
+
+
+def test_a_token_s_text_is_decoded_after_the_tokens_before_it():
+    """A token's text is what it adds after the settled tokens before it, not the token decoded alone: the space
+    before a word stays with its token."""
+    texts = TokenTexts(_LeadingSpaceTokenizer())
+    for i in range(3):
+        texts.add([i])
+    assert [p.text for p in texts.pieces] == ["And", " God", " said"]
+
+
 def _pieces(*texts: str) -> list[Piece]:
     return [Piece(t) for t in texts]
 
@@ -92,6 +109,42 @@ def test_a_stream_releases_whole_tokens_no_stop_string_can_cut(demo_tokenizer):
     assert "".join(texts) + text == out.text and sum(1 for t in texts if t) >= 5
     assert [p.text for p in pieces][-1] == " t"
     assert stream.sent == len(choice_pieces(tok, out)) == len(tok.encode(out.text, add_special_tokens=False))
+
+
+def test_a_stream_without_stop_strings_sends_each_token_as_it_comes(demo_tokenizer):
+    """hold 0 (no stop string can cut into the text): each push sends the whole tokens it brought, none a push late."""
+    tok = demo_tokenizer
+    ids = tok.encode(" And God said unto Moses", add_special_tokens=False)
+    whole = TokenTexts(tok)
+    whole.add(ids)
+    stream = TextStream(tok, hold=0)
+    assert [stream.push([i], ())[0] for i in ids] == [p.text for p in whole.pieces]
+    assert stream.sent == len(ids)
+
+
+def test_the_shapes_floor_log_probabilities_and_keep_the_likelier_of_two_alternatives_that_read_alike():
+    """JSON has no -Infinity: a log-probability below OpenAI's -9999 reads -9999.0; two alternatives whose texts are
+    the same (two halves of a character, both U+FFFD) share one key of the completions shape, the more likely's."""
+    from pwruntime.api_tokens import chat_logprobs, completion_logprobs
+
+    p = Piece("a", TokenLogprob(5, float("-inf"), ((7, -1.5), (6, -3.0), (8, -20000.0))), ("\ufffd", "\ufffd", "b"))
+    comp = completion_logprobs([p], 0)
+    assert comp["token_logprobs"] == [-9999.0] and comp["top_logprobs"] == [{"\ufffd": -1.5, "b": -9999.0}]
+    chat = chat_logprobs([p])["content"][0]
+    assert chat["logprob"] == -9999.0 and [t["logprob"] for t in chat["top_logprobs"]] == [-1.5, -3.0, -9999.0]
+
+
+def test_prompt_pieces_keep_the_alternatives_asked_for(demo_tokenizer):
+    """The engine's prompt records may hold more alternatives than a choice shows (an echo's `logprobs` N beside a
+    larger `prompt_logprobs`): each piece keeps the first `top`, None keeping all; the first token has no record."""
+    from pwruntime.api_tokens import prompt_pieces
+
+    tok = demo_tokenizer
+    ids = tok.encode(" And God said", add_special_tokens=False)
+    records = [TokenLogprob(t, -1.0, ((t, -1.0), (ids[0], -2.0), (ids[1], -3.0))) for t in ids[1:]]
+    one = prompt_pieces(tok, ids, records, 1)
+    assert one[0].record is None and all(len(p.record.top) == len(p.top_texts) == 1 for p in one[1:])
+    assert all(len(p.record.top) == 3 for p in prompt_pieces(tok, ids, records, None)[1:])
 
 
 # ------------------------------------------------------------------------------------------------- the engine

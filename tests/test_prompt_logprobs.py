@@ -94,6 +94,17 @@ def test_preempted_and_batched_requests_keep_one_record_per_prompt_token(tmp_pat
     assert not engine._prompt_cursors
 
 
+def test_three_asking_prompts_in_one_step_each_get_their_own_records(tiny):
+    """A step's records are read back owner after owner: the third asking prompt of a step gets its own rows, not
+    the second's."""
+    prompts = [_prompt(tiny, n, seed=20 + i) for i, n in enumerate((5, 9, 7))]
+    engine = LLMEngine(tiny, EngineConfig(num_kv_blocks=64, block_size=4))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    assert engine.num_steps == 1  # the three prompts in one step
+    for prompt, out in zip(prompts, outs):
+        _check(tiny, prompt, out.prompt_logprobs, 1)
+
+
 def test_a_request_preempted_inside_its_prompt_asks_no_position_twice(tiny):
     """An old request's growth preempts a young one between two chunks of its prompt; its recompute starts over at
     position 0 and must not ask for the positions its first chunks gave."""
@@ -140,6 +151,21 @@ def test_asynchronous_steps_give_the_same_records_and_aborts_leave_nothing_behin
     while engine.has_unfinished():
         engine.step()
     assert not engine._prompt_cursors
+
+
+def test_an_abort_while_its_prompt_records_are_in_flight_leaves_the_request_beside_it_served(tiny):
+    """Asynchronous steps: a request aborted after its prompt chunk was launched gets nothing when that batch settles
+    (the step beside it does not fail), and the request sharing the batch runs to its end."""
+    engine = LLMEngine(tiny, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=16,
+                                          async_scheduling=True))
+    other = engine.add_request(_prompt(tiny, 5, seed=4), SamplingParams(max_tokens=6, ignore_eos=True))
+    rid = engine.add_request(_prompt(tiny, 40, seed=3), SamplingParams(max_tokens=5, prompt_logprobs=2))
+    engine.step()  # both launched, nothing settled
+    assert rid in engine._prompt_cursors and engine.abort(rid).prompt_logprobs == ()
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.request_id for o in outs] == [other] and len(outs[0].token_ids) == 6
 
 
 def test_a_one_token_prompt_has_no_prompt_records(tiny):

@@ -75,6 +75,7 @@ def test_replay_serves_each_request_at_its_arrival(ckpt):
     np.testing.assert_allclose(tl["iter_s"], 0.0)
     s = res.summary
     assert s["completed"] == 3 and s["output_tokens"] == sum(OUTPUTS) and s["iterations"] == len(tl["time_s"])
+    assert s["computed_tokens"] == 5 + 3 + 7 + sum(OUTPUTS) - 3  # prefill tokens too, not only decode ones
 
 
 def test_replay_times_the_gaps_between_each_request_s_tokens(ckpt, monkeypatch):
@@ -121,6 +122,13 @@ def test_warm_up_runs_before_the_clock_and_stays_out_of_the_result(ckpt):
     np.testing.assert_array_equal(res.requests["output_tokens"], OUTPUTS)  # the trace's own requests, in full
     np.testing.assert_allclose(res.requests["first_token_s"], ARRIVALS)   # the clock started after the warm-up
     assert res.summary["iterations"] == len(res.timeline["step"])
+
+
+def test_a_warm_up_of_more_requests_than_the_trace_has_serves_each_prompt_once(ckpt):
+    """`--warmup-requests 32` on a shorter trace warms up with every prompt it has, once."""
+    from pwruntime.replay import warm_up
+    engine = _engine(ckpt)
+    assert len(warm_up(engine, _trace(), 32)) == len(_trace()) and not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("warmup", [0, 2])

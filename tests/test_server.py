@@ -191,6 +191,17 @@ def test_bad_fields_get_one_clear_400_and_the_engine_keeps_serving(base_url, cli
     assert client.completions.create(model="demo", prompt="A fool", max_tokens=2, temperature=0).choices[0].text
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_unserved_options_at_values_that_ask_for_nothing_are_served(base_url, path):
+    """best_of 1, a text response_format and empty or false constrained-decoding fields ask for nothing this server
+    lacks (clients send them so): served, not refused."""
+    body = {"max_tokens": 2, "temperature": 0, "best_of": 1, "response_format": {"type": "text"},
+            "allowed_token_ids": [], "structured_outputs": {}, "guided_json": None, "use_beam_search": False}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    status, out = post(base_url, path, json.dumps(body).encode())
+    assert status == 200 and out["usage"]["completion_tokens"] == 2, out
+
+
 def test_chat_and_transport_misuse_get_json_errors(base_url):
     bad_role = b'{"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}'
     status, body = post(base_url, "/v1/chat/completions", bad_role)
@@ -301,6 +312,7 @@ def test_a_failing_engine_step_fails_its_requests_and_serving_goes_on(model, n, 
         (event,) = _request_events(worker, n)
         assert event[0] == "error" and event[1][0] == 500 and "injected failure" in event[1][1]
         assert not engine.has_unfinished()  # every choice of the failed request was aborted, its blocks freed
+        assert worker.core.counters["request_errors_total"] == n  # each of its choices
         _serves_on(worker, n)
     finally:
         worker.stop()

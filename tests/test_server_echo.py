@@ -59,6 +59,14 @@ def test_echo_with_a_completion_joins_prompt_and_output(client, engine_out):
     assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[n:], abs=1e-6)
 
 
+def test_an_echo_that_leaves_max_tokens_out_is_completed(client):
+    """Only an explicit `max_tokens` 0 asks for the prompt alone: an echo without max_tokens gets a completion of the
+    default length after the prompt."""
+    r = client.completions.create(model="demo", prompt=PROMPT, echo=True, temperature=0)
+    assert r.usage.completion_tokens > 0 and r.choices[0].text.startswith(PROMPT)
+    assert len(r.choices[0].text) > len(PROMPT)
+
+
 def test_lm_evaluation_harness_loglikelihood_requests(base_url, engine_out):
     """lm-evaluation-harness's `local-completions` scores a continuation with this body (its token-id prompts batched)
     and reads token_logprobs[ctxlen:-1] (the last entry is the completion's one token) and whether each continuation
