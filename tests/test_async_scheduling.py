@@ -221,3 +221,15 @@ def test_gpu_async_engine_replays_graphs_and_equals_sync():
         for s_, a in zip(sync, asyn):
             assert a.token_ids == s_.token_ids and a.text == s_.text
             assert [r.token_id for r in a.logprobs] == [r.token_id for r in s_.logprobs]
+
+
+def test_one_request_s_penalties_settle_every_step_of_a_batch_of_plain_ones(model):
+    """A penalty reads every token so far, so asynchronous steps settle first while any request asks for one, not
+    only when all do: beside plain requests, a request that two boosted tokens and a frequency penalty make switch
+    between them (each token's count so far decides) gives the tokens it gives synchronously."""
+    pair = SamplingParams(max_tokens=12, ignore_eos=True, frequency_penalty=1.0, logit_bias={50: 30.0, 90: 30.0})
+    plain = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = [plain, pair, plain, plain, plain]
+    sync, asyn = (_run(model, params, a, max_num_batched_tokens=64)[1] for a in (False, True))
+    _same(sync, asyn)
+    assert set(sync[1].token_ids) == {50, 90} and min(sync[1].token_ids.count(t) for t in (50, 90)) >= 4
