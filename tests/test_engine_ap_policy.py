@@ -415,6 +415,10 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     plan = json.loads((tmp_path / "rt" / "summary.json").read_text())["plan_ms"]  # the planning steps' plan phase
     assert plan["steps"] == sum(n > 0 for n in timeline) and plan["read"] > 0 and plan["kv"] > 0
     assert plan["moves"] == 0 and plan["plan"] >= plan["read"] + plan["kv"]  # the CPU's mover lands at once, no work
+    assert plan["other"] == pytest.approx(plan["plan"] - plan["read"] - plan["kv"], abs=2e-4)  # the rest of the phase
+    preempted = json.loads((tmp_path / "rt" / "summary.json").read_text())["preemptions"]
+    per_request = pq.read_table(tmp_path / "rt" / "requests.parquet").column("preemptions").to_pylist()
+    assert sum(per_request) == preempted > 0 and max(per_request) >= 1  # each request's own preemptions, none lost
     assert synthetic["sim_routing"].startswith("synthetic") and synthetic["decisions"]["first_difference"] is not None
     assert sim_main(["fidelity", "--sim", str(tmp_path / "own"), "--runtime", str(tmp_path / "rt"), "--out",
                      str(tmp_path / "fid-own")]) == 0

@@ -103,6 +103,19 @@ def test_a_refused_request_counts_each_of_its_choices_and_leaves_none_running(mo
     assert not engine.has_unfinished() and engine.pool.num_free == engine.pool.capacity
 
 
+def test_the_gauges_show_the_engine_mid_request(model):  # noqa: F811
+    """/metrics' gauges are the engine's state when asked: while a request runs, its blocks are not free."""
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
+    core = EngineCore(engine, lambda events: None)
+    engine.add_request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request(PROMPT, SamplingParams(max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    g = core.stats()["gauges"]
+    assert (g["running_requests"], g["waiting_requests"], g["steps_total"]) == (2, 0, 3)
+    assert g["kv_blocks_free"] == engine.pool.num_free < g["kv_blocks_total"] == engine.pool.capacity == 64
+
+
 class _Loopback(EngineClient):
     """A client whose engine loop is a queue the test reads, answering by hand."""
 
