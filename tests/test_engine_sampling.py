@@ -420,6 +420,24 @@ def test_stop_string_cuts_text_and_ends_early(model):
     assert kept.text == expect_text + stop and kept.token_ids == out.token_ids and kept.finish_reason == "stop"
 
 
+def test_a_kept_stop_is_the_longest_of_the_stops_one_token_completes(model):
+    """Two stops that start at the same place and that the same token completes (one a prefix of the other): with
+    include_stop_str_in_output the text keeps the longer one, as the whole match; without it neither."""
+    cfg = EngineConfig(num_kv_blocks=64, block_size=4)
+    full = LLMEngine(model, cfg).generate([_prompt(0)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    for n in range(1, 20):  # a token whose text, and that text less its last character, first occur at its start
+        before, upto = (model.tokenizer.decode(full.token_ids[:k]) for k in (n, n + 1))
+        piece = upto[len(before):]
+        if len(piece.strip()) >= 2 and upto.find(piece) == upto.find(piece[:-1]) == len(before):
+            break
+    assert len(piece.strip()) >= 2 and upto.find(piece[:-1]) == len(before)
+    stops = (piece[:-1], piece)
+    for keep in (False, True):
+        out = LLMEngine(model, cfg).generate([_prompt(0)], SamplingParams(
+            max_tokens=20, ignore_eos=True, stop=stops, include_stop_str_in_output=keep))[0]
+        assert (out.text, len(out.token_ids), out.finish_reason) == (upto if keep else before, n + 1, "stop")
+
+
 def test_max_tokens_and_eos(model, tmp_path):
     cfg = EngineConfig(num_kv_blocks=64, block_size=4)
     full = LLMEngine(model, cfg).generate([_prompt(1)], SamplingParams(max_tokens=10, ignore_eos=True))[0]
