@@ -121,6 +121,13 @@ def test_quality_table_rows_bytes_and_fit_points(setup, capsys):
     assert abs(ppl[8] - ppl[16]) < 0.01 * ppl[16] and ppl[3] != ppl[8]
     assert rows[3]["damage_per_token"]["a"] > rows[2]["damage_per_token"]["a"] > rows[1]["damage_per_token"]["a"]
     assert res["markdown"].count("\n| AP uniform") == 3
+    # the other weights in fp16, the token cap, the default stride (half the context) and the ratios
+    from pwruntime.quant.ap_checkpoint import load_ap_checkpoint
+    rest = sum(t.numel() for t in load_ap_checkpoint(root / "ap").nonexpert_state().values()) * 2
+    assert rows[0]["nonexpert_bytes"] == rest and res["domains"] == {"a": 200, "b": 200} and res["stride"] == 32
+    assert all(r["vs_fp16"] == r["total_bytes"] / rows[0]["total_bytes"] for r in rows)
+    for p in res["fit_points"]:
+        assert p["ppl_ratio"] == pytest.approx(p["ppl"] / rows[0]["perplexity"][p["domain"]])
     from pwsim.quality import load_fit_points
     f = load_fit_points(fit)
     assert f.n_points == 8 and f.measured

@@ -150,3 +150,20 @@ def test_domain_damage_is_per_routed_pair_and_falls_back_for_unrouted_blocks():
     np.testing.assert_allclose(freq, [[6 / 8, 2 / 8, 0.0]])
     bits = np.full(n, 3)
     assert expected_token_damage(Ed, freq, bits) == pytest.approx(6 / 8 * 4 + 2 / 8 * 12 + 0.0)
+    # without a fallback, a block the domain never routed to gets 0 damage at every stored bitwidth, not NaN
+    Ed0, _ = domain_damage(stats, BITS, L, E)
+    assert (Ed0[4:, list(BITS)] == 0).all() and Ed0[0, 3] == Ed[0, 3]
+
+
+def test_routing_frequency_is_weight_per_token_floored_per_layer_and_scales_both_blocks():
+    """f[l, e] = summed gate_up routing weight / tokens, floored at 1% of the layer's mean; frequency_scaled multiplies
+    both blocks of expert (l, e) (rows 2i and 2i + 1) by that expert's f."""
+    from pwruntime.calibrate.global_sensitivity import frequency_scaled, routing_frequency
+
+    weight = np.array([6.0, 6.0, 3.0, 3.0, 0.0, 0.0, 12.0, 12.0, 0.0, 0.0, 0.0, 0.0])  # 2 layers x 3 experts x 2
+    f = routing_frequency(weight, 3, 2, 3)
+    np.testing.assert_allclose(f, [[2.0, 1.0, 0.01], [4.0, 0.04 / 3, 0.04 / 3]])
+    s = np.arange(12 * NB, dtype=float).reshape(12, NB) + 1.0
+    scaled = frequency_scaled(s, f)
+    np.testing.assert_allclose(scaled, s * np.repeat(f.reshape(-1), 2)[:, None])
+    np.testing.assert_allclose(scaled[6:8], 4.0 * s[6:8])  # layer 1, expert 0: both blocks

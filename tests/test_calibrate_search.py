@@ -61,3 +61,50 @@ def test_search_is_small_deterministic_and_picks_a_protecting_candidate():
     assert best.bucket_multipliers[0] > best.bucket_multipliers[-1]
     best2, rows2 = search(cal, problem, progress=False)
     assert best2 == best and rows2 == rows
+
+
+def test_damage_is_per_token_over_sequences_of_different_lengths():
+    """SearchProblem.damage sums err[s, i, bits[s, i]] and divides by the tokens: the total over all sequences by all
+    tokens (a long sequence counts more), and each sequence's by its own tokens."""
+    table, _, problem = _problem()
+    S, n = problem.held.err.shape[:2]
+    tokens = np.array([100, 300, 50, 50])
+    err = np.full((S, n, NB), np.nan)
+    err[:, :, list(BITS)] = np.arange(S)[:, None, None] + 0.5 * np.array(BITS, dtype=float)[None, None, :]
+    held = SequenceStats(tokens, *(getattr(problem.held, f) for f in ("weight", "pairs")), err, err, err,
+                         problem.held.phi, problem.held.mass)
+    bits = np.tile(np.where(np.arange(n) % 2 == 0, 3, 8), (S, 1))
+    score, per_seq = SearchProblem(table, problem.initial, problem.target_bytes, held).damage(bits)
+    sums = np.array([n // 2 * (s + 1.5) + n // 2 * (s + 4.0) for s in range(S)])
+    assert np.isclose(score, sums.sum() / tokens.sum(), rtol=1e-12)
+    np.testing.assert_allclose(per_seq, sums / tokens)
+
+
+def test_search_ranks_a_candidate_that_misses_the_target_below_every_one_that_meets_it(monkeypatch):
+    """Of the candidates the search scores, it keeps the lowest score among those whose plans free the target bytes:
+    a lower-scoring candidate that misses the target is never chosen."""
+    from pwruntime.calibrate import search as search_mod
+
+    _, cal, problem = _problem()
+    scores = {0.0: (0.1, False), 0.5: (0.5, True), 1.0: (0.8, True), 2.0: (0.9, True)}  # by alpha
+
+    def fake(c, _problem):
+        score, meets = scores[c.alpha]
+        return {"score": score, "meets_target": meets, "min_bytes_freed": 0, "mean_bits": 0.0}
+
+    monkeypatch.setattr(search_mod, "evaluate", fake)
+    best, rows = search(cal, problem, progress=False)
+    assert best.alpha == 0.5 and [r["alpha"] for r in rows if r["chosen"]] == [0.5]
+    assert DEFAULT.with_option("alpha", 2.0).calibration(cal).alpha == 2.0  # the candidate's alpha reaches the planner
+
+
+def test_reference_rows_count_bytes_freed_from_the_initial_assignment():
+    """A reference assignment's bytes_freed is against the initial assignment (not against 8 bits everywhere)."""
+    table, _, problem = _problem()
+    init = np.full(table.num_blocks, 6)
+    problem = SearchProblem(table, init, problem.target_bytes, problem.held)
+    refs = {r["reference"]: r for r in reference_rows(problem, np.full(table.num_blocks, 4), 5)}
+    assert refs["initial assignment (no offload)"]["bytes_freed"] == 0
+    assert refs["uniform 5 bits"]["bytes_freed"] == int(table.M[:, 6].sum() - table.M[:, 5].sum())
+    assert refs["static sensitivity-optimal at the target"]["bytes_freed"] == int(table.M[:, 6].sum()
+                                                                                   - table.M[:, 4].sum())

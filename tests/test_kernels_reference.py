@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from pwruntime.kernels import DeviceWeightTable, MoEShape, ap_linear, dequantize_blocks, fused_moe
+from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, ap_linear, dequantize_blocks, fused_moe
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import decode_variant, paged_attention_decode
 from pwruntime.kernels.device_table import device_layout, unpack_top_planes
@@ -27,6 +27,7 @@ from pwruntime.kernels.moe import (BLOCK_LUT_SLICE, BLOCK_XS_CAP, LUT_SLICE, MAX
                                    plan_launch, single_block_plan)
 from pwruntime.kernels.reference import (B1_CHUNK, ap_linear_one_token_int16_ref, dequantize_resident, fused_moe_ref,
                                          int16_chunks, load_pattern_ref, paged_attention_decode_ref)
+from pwruntime.kernels.reference import gated as reference_gated
 from pwruntime.quant.pack import pack_planes
 
 
@@ -153,6 +154,32 @@ def test_fused_moe_ref_bf16_rounds_like_the_kernel():
     assert _rel(got, want) < 2e-2
 
 
+def test_fused_moe_ref_rounds_the_intermediate_to_the_activation_dtype():
+    """In bf16 the reference keeps act(gate) * up in bf16 (it travels between the kernel's two launches in the
+    activation dtype) before the down projection; with identity down weights that rounding shows exactly."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(6, 8, generator=gen).to(torch.bfloat16)
+    wgu = {e: torch.randn(16, 8, generator=gen) for e in range(2)}
+    ids = torch.tensor([[0, 1]] * 6)
+    w = torch.full((6, 2), 0.5)
+    got = fused_moe_ref(x, ids, w, lambda e: wgu[e], lambda e: torch.eye(8))
+    acts = [reference_gated(x.float() @ wgu[e].to(torch.bfloat16).float().T).to(torch.bfloat16).float() for e in (0, 1)]
+    assert torch.equal(got, (0.5 * acts[0] + 0.5 * acts[1]).to(torch.bfloat16))
+    unrounded = [reference_gated(x.float() @ wgu[e].to(torch.bfloat16).float().T) for e in (0, 1)]
+    assert not torch.equal(got, (0.5 * unrounded[0] + 0.5 * unrounded[1]).to(torch.bfloat16))
+
+
+def test_gated_activations_are_silu_and_the_tanh_gelu():
+    """gated(h) = act(gate) * up of h = [gate | up]: SiLU, or Gemma 4's tanh approximation of GELU (not the erf one,
+    which differs by up to ~5e-4), from their formulas in float64."""
+    h = torch.linspace(-4, 4, 2 * 81, dtype=torch.float64).reshape(1, -1)
+    gate, up = h[:, :81], h[:, 81:]
+    silu = gate / (1 + torch.exp(-gate)) * up
+    gelu = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    torch.testing.assert_close(reference_gated(h), silu, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(reference_gated(h, "gelu_tanh"), gelu, rtol=1e-10, atol=1e-10)
+
+
 def test_fused_moe_ref_sums_slots_in_order():
     # two slots of one token on the same expert weight set: per-slot weighting, not per-expert
     gen = torch.Generator().manual_seed(3)
@@ -221,6 +248,11 @@ def test_paged_attention_reference_matches_dense(heads, kv_heads):
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     via_api = paged_attention_decode(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32))
     torch.testing.assert_close(via_api, got)
+    # a sliding window of 5: the query (the last of n tokens) sees exactly the last 5 of them
+    want_w = _dense_attention(q, [k[-5:] for k in ks], [v[-5:] for v in vs], scale)
+    got_w = paged_attention_decode_ref(q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32), scale,
+                                       window=5)
+    torch.testing.assert_close(got_w.double(), want_w, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("bits", [3, 4])
@@ -280,6 +312,7 @@ def test_int16_chunks_and_the_one_token_int16_reference():
     x = torch.randn(k, generator=gen) * torch.tensor([1e3, 0.0, 1e-3, 5.0]).repeat_interleave(B1_CHUNK)[:k]
     big, scale = int16_chunks(x)
     assert scale.shape == (4,) and float(scale[1]) == 0.0
+    assert int16_chunks(x[:2 * B1_CHUNK])[1].shape == (2,)  # no extra chunk where K is a multiple of 512
     per_col = scale.repeat_interleave(B1_CHUNK)[:k].double()
     assert big.abs().max() <= 32767 and torch.all(big == torch.round(big))
     assert torch.all((x.double() - big * per_col).abs() <= per_col / 2 * (1 + 1e-6))
@@ -371,6 +404,10 @@ def test_device_table_defers_rows_to_one_flush():
     assert torch.equal(t.table[2], before[2]) and torch.equal(t.table[5], before[5])
     t.flush()
     assert not t.dirty and torch.equal(t.table, torch.from_numpy(t.host)) and t.table[5, 9] == 3
+    t.set_block(1, planes, luts[7], 7, flush=False)  # rows written in ascending order: the span takes the last too
+    t.set_block(3, planes, luts[4], 4, flush=False)
+    t.flush()
+    assert torch.equal(t.table, torch.from_numpy(t.host)) and (t.table[1, 9], t.table[3, 9]) == (7, 4)
     # a row keeping its planes still checks what is new to it
     with pytest.raises(ValueError, match="LUT_4"):
         t.set_block(5, planes, luts[3], 4, flush=False)
@@ -457,6 +494,49 @@ def test_overflow_slots_cover_every_routing(arch, group, monkeypatch):
                 counts = np.bincount(ids.ravel(), minlength=e)
                 needed = sum((int(n) - 1) // (8 * p.nt) for n in counts if n > 0)
                 assert needed <= extra, (tokens, p.nt, needed, extra)
+
+
+def test_moe_shape_blocks_follow_the_page_table_order():
+    """The fused kernel reads block (layer * experts + expert) * 2 + kind (gate_up 0, down 1), the page table's row."""
+    from policies.page_table import block_index
+    shape = MoEShape(6, 64, 32, 2)
+    assert [shape.block(layer, e, k) for layer in range(2) for e in range(6) for k in (0, 1)] == \
+        [block_index(layer, e, k, 6) for layer in range(2) for e in range(6) for k in (0, 1)] == list(range(24))
+
+
+def test_overflow_slots_are_as_many_as_the_worst_routing_needs():
+    """Mixtral at 64 tokens (two groups of 32 a launch): 128 slots need at most (128 - 1) // 32 = 3 further groups, and
+    a routing of three experts with 33 tokens each and one with 29 needs all 3 (no spare slot of empty CTAs)."""
+    shape = MoEShape(8, 4096, 14336, 2)
+    ids = np.zeros((64, 2), dtype=np.int64)
+    ids[:33, 0], ids[33:, 0] = 0, 1
+    ids[:2, 1], ids[2:35, 1], ids[35:, 1] = 1, 2, 3
+    counts = np.bincount(ids.ravel(), minlength=8)
+    assert counts.tolist()[:4] == [33, 33, 33, 29] and all(len(set(row)) == 2 for row in ids.tolist())
+    for p in moe_plans(shape, 64):
+        assert (p.nt, p.token_groups) == (4, 2)
+        needed = sum((int(n) - 1) // (8 * p.nt) for n in counts if n > 0)
+        assert overflow_slots(shape, 64, 8, p) == needed == 3 == p.overflow
+
+
+def test_a_workspace_holds_the_counters_of_every_down_launch():
+    """MoEWorkspace's counters (one per row tile of the down launch) cover every token count, also where the hidden
+    size is not a multiple of 16."""
+    for shape in [MoEShape(e, h, i, k) for h, i, e, k in ARCHS.values()] + [MoEShape(2, 40, 4096, 2)]:
+        ws = MoEWorkspace.create(shape, MAX_TOKENS, torch.float32, "cpu")
+        assert all(ws.counters.numel() >= moe_plans(shape, t)[1].n_tiles for t in (1, 4, 16, 64)), shape
+
+
+def test_registers_bound_is_the_kernels_launch_bounds():
+    """ctas_by_registers is ap_moe.cu's PW_MINB, (16, 12 or 8 for <= 2, 4 or 8 n-tiles) / warps, at least one."""
+    from pathlib import Path
+
+    from pwruntime.kernels.moe import ctas_by_registers
+    src = (Path(__file__).resolve().parents[1] / "cuda" / "ap_moe.cu").read_text()
+    assert "#define PW_MINB ((PW_NT <= 2 ? 16 : PW_NT == 4 ? 12 : 8) / PW_WARPS)" in src
+    got = {(nt, w): ctas_by_registers(nt, w) for nt in (1, 2, 4, 8) for w in (4, 8, 16)}
+    assert got == {(nt, w): max(1, (16 if nt <= 2 else 12 if nt == 4 else 8) // w) for nt, w in got}
+    assert (got[(4, 4)], got[(8, 4)], got[(2, 8)], got[(4, 16)]) == (3, 2, 2, 1)
 
 
 def test_every_planned_moe_launch_is_precompiled():

@@ -22,6 +22,11 @@ def test_add_rms_norm_adds_then_normalizes():
     torch.testing.assert_close(out.double(), s.double() / rms * weight.double(), atol=1e-5, rtol=1e-5)
     s2, out2 = layer_ops.add_rms_norm(s, None, weight, 1e-6)
     assert s2 is s and torch.equal(out2, out)
+    # bf16: the norm in float32, rounded to bf16 before the weight multiplies it (as transformers does)
+    xb, wb = x.to(torch.bfloat16), weight.to(torch.bfloat16)
+    _, outb = layer_ops.add_rms_norm(xb, None, wb, 1e-6)
+    normed = (xb.double() / (xb.double() ** 2).mean(-1, keepdim=True).add(1e-6).sqrt()).to(torch.bfloat16)
+    assert outb.dtype == torch.bfloat16 and torch.equal(outb, wb * normed)
 
 
 def test_rotary_rotates_each_pair_by_its_angle_and_writes_the_cache():

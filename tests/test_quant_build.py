@@ -75,12 +75,8 @@ class _Capture:
         return self.store.moe(layer, x, ids, w, down_in_norm)
 
 
-def test_hessian_diagonal_is_the_mean_square_of_routed_inputs(tiny):
-    _, src, _ = tiny
-    model = load_model(src)
-    seqs = [torch.tensor(model.tokenizer.encode(make_text(60, seed=s)))[:50] for s in (3, 4)]
-    h = sensitivity.hessian_diagonals(model, seqs, prior_tokens=0.0, damp=0.0, progress=False)
-    assert isinstance(model.experts, DenseExpertStore)  # restored
+def _routed_second_moments(model, seqs):
+    """(sum x^2 of gate_up inputs [L, E, H], of down inputs [L, E, I], routed rows [L, E]), by direct computation."""
     cap = _Capture(model.experts)
     model.experts = cap
     for s in seqs:
@@ -97,9 +93,62 @@ def test_hessian_diagonal_is_the_mean_square_of_routed_inputs(tiny):
             sq_gu[layer, e] += rows.pow(2).sum(0).numpy()
             sq_dn[layer, e] += act.pow(2).sum(0).numpy()
             cnt[layer, e] += rows.shape[0]
+    model.experts = cap.store
+    return sq_gu, sq_dn, cnt
+
+
+def test_hessian_diagonal_is_the_mean_square_of_routed_inputs(tiny):
+    _, src, _ = tiny
+    model = load_model(src)
+    seqs = [torch.tensor(model.tokenizer.encode(make_text(60, seed=s)))[:50] for s in (3, 4)]
+    h = sensitivity.hessian_diagonals(model, seqs, prior_tokens=0.0, damp=0.0, progress=False)
+    assert isinstance(model.experts, DenseExpertStore)  # restored
+    sq_gu, sq_dn, cnt = _routed_second_moments(model, seqs)
     assert (cnt > 0).all()
     np.testing.assert_allclose(h["gate_up"], sq_gu / cnt[..., None], rtol=1e-4)
     np.testing.assert_allclose(h["down"], sq_dn / cnt[..., None], rtol=1e-4, atol=1e-9)
+
+
+def test_hessian_shrinks_experts_towards_their_layer_mean_and_adds_damping(tiny):
+    """With a prior worth P tokens, an expert's h is (its sum x^2 + P * layer mean) / (its rows + P), the layer mean
+    pooling the rows of that MoE layer's experts only; `damp` then adds damp * the mean of the block's own h."""
+    _, src, _ = tiny
+    model = load_model(src)
+    seqs = [torch.tensor(model.tokenizer.encode(make_text(60, seed=s)))[:50] for s in (3, 4)]
+    sq_gu, sq_dn, cnt = _routed_second_moments(model, seqs)
+    assert model.config.num_moe_layers == 2 and (cnt > 0).all()
+    undamped = sensitivity.hessian_diagonals(model, seqs, prior_tokens=16.0, damp=0.0, progress=False)
+    damped = sensitivity.hessian_diagonals(model, seqs, prior_tokens=16.0, damp=0.25, progress=False)
+    pooled = sensitivity.hessian_diagonals(model, seqs, prior_tokens=1e12, damp=0.0, progress=False)
+    for kind, sq in (("gate_up", sq_gu), ("down", sq_dn)):
+        layer_mean = sq.sum(1, keepdims=True) / cnt.sum(1)[:, None, None]  # [L, 1, in]
+        assert not np.allclose(layer_mean[0], layer_mean[1], rtol=1e-2)  # the two layers' inputs differ
+        np.testing.assert_allclose(pooled[kind], np.broadcast_to(layer_mean, sq.shape), rtol=1e-6, atol=1e-12)
+        want = (sq + 16.0 * layer_mean) / (cnt[..., None] + 16.0)
+        np.testing.assert_allclose(undamped[kind], want, rtol=1e-4, atol=1e-9)
+        np.testing.assert_allclose(damped[kind], want + 0.25 * want.mean(axis=-1, keepdims=True), rtol=1e-4,
+                                   atol=1e-9)
+
+
+def test_calibration_sequences_are_the_first_tokens_in_windows_of_seq_len():
+    """The first n_tokens tokens of the texts, in order across files, cut into windows of seq_len; a last window of one
+    token (nothing to predict) is dropped; text of fewer than 2 tokens is a UserError."""
+    from traces.clikit import UserError
+
+    class Words:
+        def encode(self, text):
+            return [int(w) for w in text.split()]
+
+    texts = ["1 2 3 4", "5 6 7 8 9", "10 11"]
+    seqs = sensitivity.calibration_sequences(Words(), texts, 7, 3)
+    assert [s.tolist() for s in seqs] == [[1, 2, 3], [4, 5, 6]] and seqs[0].dtype == torch.long
+    assert [s.tolist() for s in sensitivity.calibration_sequences(Words(), texts, 8, 3)] == [[1, 2, 3], [4, 5, 6],
+                                                                                            [7, 8]]
+    assert [s.tolist() for s in sensitivity.calibration_sequences(Words(), texts, 100, 6)] == [list(range(1, 7)),
+                                                                                              list(range(7, 12))]
+    for few, n in ((["5"], 10), (texts, 1)):
+        with pytest.raises(UserError, match="1 tokens"):
+            sensitivity.calibration_sequences(Words(), few, n, 3)
 
 
 def test_fisher_is_the_squared_loss_gradient(tiny):
@@ -126,3 +175,57 @@ def test_fisher_is_the_squared_loss_gradient(tiny):
         w[idx] = old
         grad = (up - down) / (2 * eps)
         assert abs(grad) > 1e-3 and float(f[idx]) ** 0.5 == pytest.approx(abs(grad), rel=1e-2)
+
+
+def test_each_expert_block_is_quantized_with_its_own_weights(tiny, monkeypatch):
+    """With Hessian weighting every block's k-means gets its own expert's column weights (not another expert's), the
+    calibration windows are cut at the model's positions when --calib-seq-len is longer, and ap_config.json records
+    the seed bitwidth (the lowest stored one)."""
+    from pwruntime.quant import build
+
+    root, _, calib = tiny
+    src = make_tiny_checkpoint(root / "short", "qwen2_moe", seed=4, max_position_embeddings=64)
+    seen, calls = {}, []
+    real_hessian, real_block = sensitivity.hessian_diagonals, build.quantize_block
+
+    def hessian(model, seqs, **kw):
+        seen["lens"] = [len(s) for s in seqs]
+        seen["h"] = real_hessian(model, seqs, **kw)
+        return seen["h"]
+
+    def block(w, wt, **kw):
+        calls.append(wt)
+        return real_block(w, wt, **kw)
+
+    monkeypatch.setattr(sensitivity, "hessian_diagonals", hessian)
+    monkeypatch.setattr(build, "quantize_block", block)
+    opts = build.QuantizeOptions(bits=(4, 6, 8), weighting="hessian", calib_files=(str(calib),), calib_tokens=300,
+                                 calib_seq_len=1000)
+    build.quantize_checkpoint(src, root / "ap-own-weights", opts, progress=False)
+    assert max(seen["lens"]) == 64 and sum(seen["lens"]) == 300
+    h = seen["h"]
+    layers, experts = h["gate_up"].shape[:2]
+    want = [h[kind][layer, e] for layer in range(layers) for kind in ("gate_up", "down") for e in range(experts)]
+    assert len(calls) == len(want) and all(np.array_equal(a, b) for a, b in zip(calls, want))
+    assert not np.allclose(h["gate_up"][0, 0], h["gate_up"][0, 1])  # the experts' weights differ
+    ck = load_ap_checkpoint(root / "ap-own-weights")
+    assert ck.bits == (4, 6, 8) and ck.meta["seed_bits"] == 4 and ck.meta["weighting"]["calib_tokens"] == 300
+
+
+def test_source_digest_samples_a_large_file_across_its_length(tmp_path, monkeypatch):
+    """Past FULL_HASH_LIMIT the digest reads the header and 16 evenly spaced samples: a change inside any sample (not
+    only at the start of the file) changes it, and a change between samples does not (nothing else is read)."""
+    from pwruntime.quant import build
+
+    monkeypatch.setattr(build, "FULL_HASH_LIMIT", 1024)
+    monkeypatch.setattr(build, "SAMPLE_BYTES", 16)
+    data = bytearray(np.random.default_rng(0).integers(0, 256, 16 * 256, dtype=np.uint8).tobytes())
+    data[:8] = (8).to_bytes(8, "little")  # a safetensors-like header length
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(bytes(data))
+    base = build.source_digest([f])
+    for offset, changes in ((5 * 256 + 3, True), (11 * 256, True), (15 * 256 + 15, True), (5 * 256 + 100, False)):
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        f.write_bytes(bytes(changed))
+        assert (build.source_digest([f]) != base) == changes, offset

@@ -107,3 +107,15 @@ def test_per_column_weights_broadcast_and_bad_weights_rejected():
         quantize_matrix(w, -h)
     with pytest.raises(ValueError):
         quantize_matrix(w[:, :0])
+
+
+def test_normalize_weights_scales_rows_to_mean_one_and_floors_zeros():
+    """Each row is scaled to mean 1 on its own, zero weights are lifted to WEIGHT_FLOOR (so no cluster is weightless),
+    an all-zero row falls back to uniform, and a per-column vector broadcasts over the rows."""
+    from pwruntime.quant.kmeans import WEIGHT_FLOOR, normalize_weights
+
+    w = normalize_weights(np.array([[0.0, 1.0, 3.0, 0.0], [2.0, 2.0, 2.0, 2.0], [0.0, 0.0, 0.0, 0.0]]), (3, 4))
+    np.testing.assert_allclose(w, [[WEIGHT_FLOOR, 1.0, 3.0, WEIGHT_FLOOR], [1.0] * 4, [1.0] * 4])
+    assert w.dtype == np.float64 and (w > 0).all()
+    np.testing.assert_allclose(normalize_weights(np.array([1.0, 3.0]), (2, 2)), [[0.5, 1.5], [0.5, 1.5]])
+    assert np.array_equal(normalize_weights(None, (2, 3)), np.ones((2, 3)))

@@ -80,3 +80,39 @@ def test_packed_block_dequantizes_to_the_quantized_matrix():
     for b in range(3, 9):
         got = dequantize(planes[:b], torch.from_numpy(q.luts[b]), 12, 100, dtype=torch.float32)
         assert np.array_equal(got.numpy(), q.reconstruct(b))
+
+
+def test_unpack_and_dequantize_refuse_planes_of_another_shape():
+    """Planes whose word count, plane count or rows do not match the matrix are an error, not a silent misread."""
+    codes = np.random.default_rng(3).integers(0, 256, (4, 70), dtype=np.uint8)
+    planes = pack_planes(codes)  # 3 words per row
+    planes_t = torch.from_numpy(planes.view(np.int32))
+    for unpack, p in ((unpack_codes, planes), (unpack_codes_torch, planes_t)):
+        with pytest.raises(ValueError, match="words per row"):
+            unpack(p, 4, 40)  # 40 columns take 2 words, not 3
+        with pytest.raises(ValueError, match="words per row"):
+            unpack(p, 4, 100)  # 100 columns take 4 words
+        with pytest.raises(ValueError, match="bits must be"):
+            unpack(p, 0, 70)
+        with pytest.raises(ValueError, match="bits must be"):
+            unpack(p[:3], 4, 70)  # 4 bits from 3 planes
+    lut = torch.zeros(3, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="rows"):
+        dequantize(planes_t[:4], lut, 3, 70)  # LUT and out_features say 3 rows, the planes have 4
+
+
+def test_quantize_block_seeds_at_its_lowest_bits_and_keeps_only_its_luts():
+    """quantize_block(bits) is the k-means seeded at min(bits) (not a fixed 3), packed, with LUT_b for those bits only;
+    asking pack_quantized for a bitwidth below the seed is a ValueError."""
+    from pwruntime.quant.kmeans import quantize_matrix
+    from pwruntime.quant.quantizer import pack_quantized
+
+    w = np.random.default_rng(12).standard_normal((8, 96)).astype(np.float32)
+    blk = quantize_block(w, bits=(6, 4, 8), seed=4)
+    q = quantize_matrix(w, seed_bits=4, seed=4)
+    assert sorted(blk.luts) == [4, 6, 8]
+    assert np.array_equal(blk.planes, pack_planes(q.codes))
+    assert all(np.array_equal(blk.luts[b], q.luts[b]) for b in (4, 6, 8))
+    assert not np.array_equal(pack_planes(quantize_matrix(w, seed_bits=3, seed=4).codes), blk.planes)
+    with pytest.raises(ValueError, match="no LUT for bits"):
+        pack_quantized(q, (3, 4))

@@ -65,6 +65,7 @@ def test_checkpoint_round_trip(ap_dir):
                 want = pack_quantized(quant[(layer, kind)][e], BITS)
                 assert np.array_equal(blk.planes[e].view(torch.int32).numpy().view(np.uint32), want.planes)
                 for b in BITS:
+                    assert blk.luts[b].dtype == torch.float16  # fp16 centroids on disk, as a kernel reads them
                     assert np.array_equal(blk.luts[b][e].numpy(), want.luts[b])
                     out_f, in_f = ck.shape(kind)
                     stored = blk.planes[e, :b].numel() * 4 + blk.luts[b][e].numel() * 2
@@ -168,3 +169,62 @@ def test_page_table_bits_are_read_at_every_call_and_cache_is_bounded(ap_dir):
         store.weight(0, 1, "down")
     with pytest.raises(ValueError, match="not stored"):
         store.set_bits(2)
+
+
+def test_cache_evicts_the_least_recently_used_and_as_many_as_a_larger_block_needs(ap_dir):
+    """A hit refreshes a block (LRU, not first-in first-out); a gate_up block (twice a down block's bytes) entering a
+    cache full of down blocks evicts two of them, and the byte count stays that of the blocks held."""
+    path, _, _ = ap_dir
+    down = H * I * 4  # bytes of one dequantized fp32 down block; gate_up is twice that
+    store = APExpertStore.from_checkpoint(path, cache_bytes=2 * down)
+    store.weight(0, 0, "down")
+    store.weight(0, 1, "down")
+    store.weight(0, 0, "down")  # a hit: (0, 0) is now the most recently used
+    store.weight(0, 2, "down")  # evicts (0, 1), the least recently used
+    assert (store.hits, store.misses) == (1, 3)
+    store.weight(0, 0, "down")
+    assert (store.hits, store.misses) == (2, 3)
+    store.weight(1, 0, "gate_up")  # needs both down blocks' room
+    assert store.cache_info()["entries"] == 1 and store.cache_info()["bytes"] == 2 * down
+    store.weight(1, 1, "down")
+    store.weight(1, 2, "down")  # evicts the gate_up block
+    assert store.cache_info()["entries"] == 2 and store.cache_info()["bytes"] == 2 * down
+    store.weight(1, 0, "gate_up")
+    assert store.misses == 7 and store.cache_info()["bytes"] == 2 * down
+
+
+def test_a_page_table_of_another_model_is_refused(ap_dir):
+    """attach_table needs exactly this store's blocks: a table of more blocks (another model) is an error."""
+    path, _, _ = ap_dir
+    store = APExpertStore.from_checkpoint(path)
+    for layers, experts in ((L, E + 1), (L + 1, E), (L, E - 1)):
+        with pytest.raises(ValueError, match="page table has"):
+            store.attach_table(PageTable(layers, experts, H, I, bits=BITS, initial_bits=8))
+
+
+def test_loader_refuses_expert_tensors_of_other_shapes(ap_dir, tmp_path):
+    """A layer file whose planes hold another number of experts than ap_config.json says, or whose LUT_b is not
+    [E, out, 2**b], is an APCheckpointError naming the tensor, not a silently misread checkpoint."""
+    path, _, quant = ap_dir
+    blocks = {k: stack_blocks([pack_quantized(q, BITS) for q in quant[(0, k)]], BITS) for k in ("gate_up", "down")}
+    meta = {"experts": E, "hidden": H, "intermediate": I, "moe_layers": [0], "bits": list(BITS)}
+    fewer = {k: type(b)(planes=b.planes[:E - 1], luts={n: lut[:E - 1] for n, lut in b.luts.items()})
+             for k, b in blocks.items()}
+    swapped = {k: type(b)(planes=b.planes, luts={**b.luts, 4: b.luts[3].copy()}) for k, b in blocks.items()}
+    for name, layer, match in (("fewer", fewer, "planes have shape"), ("swapped", swapped, "LUT for 4 bits")):
+        with APCheckpointWriter(tmp_path / name) as wr:
+            wr.write_layer(0, layer["gate_up"], layer["down"])
+            wr.finish(meta)
+        with pytest.raises(APCheckpointError, match=match):
+            load_ap_checkpoint(tmp_path / name).read_layer(0)
+    with APCheckpointWriter(tmp_path / "good") as wr:
+        wr.write_layer(0, blocks["gate_up"], blocks["down"])
+        wr.finish(meta)
+    good = load_ap_checkpoint(tmp_path / "good")
+    assert set(good.read_layer(0)) == {"gate_up", "down"}
+    with pytest.raises(APCheckpointError, match="out of range"):
+        good.read_layer(1)
+    cfg = json.loads((tmp_path / "good" / "ap_config.json").read_text())
+    (tmp_path / "good" / "ap_config.json").write_text(json.dumps({**cfg, "moe_layers": [0, 1]}))  # one file, 2 layers
+    with pytest.raises(APCheckpointError, match="1 expert files for 2 MoE layers"):
+        load_ap_checkpoint(tmp_path / "good")
