@@ -52,8 +52,9 @@ def test_pad_puts_padding_rows_on_the_scratch_block():
     assert empty.slot_mapping.tolist() == [scratch * bs] * 2 and empty.seq_lens.tolist() == [1, 1]
     with pytest.raises(ValueError):
         DecodeInputs.pad(rows, 2, 5, bs, scratch)           # more rows than the graph size
-    with pytest.raises(ValueError):
-        DecodeInputs.pad(rows, 4, 2, bs, scratch)           # a table wider than the buffer
+    for window in (None, 4):   # a table wider than the buffer: refused as such, sliding window or not
+        with pytest.raises(ValueError, match="do not fit"):
+            DecodeInputs.pad(rows, 4, 2, bs, scratch, window=window)
     with pytest.raises(ValueError):
         DecodeInputs.pad(DecodeRows([1], [4], [[3]]), 1, 2, bs, scratch)   # position 4 needs a second block
 

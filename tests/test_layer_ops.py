@@ -9,7 +9,7 @@ import torch
 
 from pwruntime.kernels import layer_ops
 from pwruntime.kv_cache import KVCache
-from pwruntime.model.layers import Rotary
+from pwruntime.model.layers import FloatRMSNorm, Linear, Rotary
 
 
 def test_add_rms_norm_adds_then_normalizes():
@@ -75,3 +75,36 @@ def test_row_norms_into_out_and_the_elementwise_ops():
     torch.testing.assert_close(layer_ops.silu_mul(h), torch.tensor([[1.0 * sig(1.0) * 3.0, -2.0 * sig(-2.0) * 5.0]]))
     o, s, gate = torch.ones(2, 3), torch.full((2, 3), 2.0), torch.tensor([[0.0], [100.0]])
     torch.testing.assert_close(layer_ops.gated_add(o, gate, s), torch.tensor([[2.0] * 3, [3.0] * 3]))
+
+
+def test_rotary_linear_factor_divides_positions():
+    """Linear rope scaling (rope_scaling {"type": "linear", "factor": f}): the inverse frequencies are divided by f, so
+    position f * p gets the angles position p gets without scaling."""
+    plain, scaled = Rotary(8, 10000.0), Rotary(8, 10000.0, linear_factor=4.0)
+    torch.testing.assert_close(scaled.inv_freq, plain.inv_freq / 4)
+    cos_s, sin_s = scaled.cos_sin(torch.tensor([0, 4, 12]), torch.float32)
+    cos_p, sin_p = plain.cos_sin(torch.tensor([0, 1, 3]), torch.float32)
+    torch.testing.assert_close(cos_s, cos_p)
+    torch.testing.assert_close(sin_s, sin_p)
+
+
+def test_float_rms_norm_add_returns_the_sum_and_its_norm():
+    """FloatRMSNorm.add (Gemma 4's residual add before a norm): (x + delta, norm of x + delta); without delta, (x,
+    norm of x)."""
+    g = torch.Generator().manual_seed(3)
+    x, delta = torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+    norm = FloatRMSNorm(torch.rand(16, generator=g) + 0.5, 1e-6)
+    s, out = norm.add(x, delta)
+    assert torch.equal(s, x + delta)
+    rms = (s.double() ** 2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    torch.testing.assert_close(out.double(), s.double() / rms * norm.weight.double(), atol=1e-5, rtol=1e-5)
+    s2, out2 = norm.add(x, None)
+    assert s2 is x and torch.equal(out2, norm(x))
+
+
+def test_linear_adds_its_bias():
+    """Linear: x W^T + b (the attention projections of models with qkv or output biases), x W^T without a bias."""
+    g = torch.Generator().manual_seed(4)
+    x, w, b = torch.randn(3, 5, generator=g), torch.randn(6, 5, generator=g), torch.randn(6, generator=g)
+    torch.testing.assert_close(Linear(w, b)(x), x @ w.T + b)
+    torch.testing.assert_close(Linear(w)(x), x @ w.T)

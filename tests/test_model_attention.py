@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from policies.kv_groups import KVLayout
 from pwruntime.kv_cache import KVCache
 from pwruntime.model.attention import paged_attention
 from pwruntime.model.attention_plan import AttentionPlan, VarlenChunks, batch_metadata, prefill_metadata
@@ -32,6 +33,15 @@ def test_kv_cache_resize_keeps_low_blocks_and_counts_bytes():
     with pytest.raises(ValueError):
         kv.resize(-1)
 
+
+
+def test_kv_cache_refuses_a_single_group_layout_of_other_blocks():
+    """A single-group layout sizes pages for its own block size: a cache of another block size over it is refused
+    (its blocks would not be the layout's pages), one of the same block size is built."""
+    layout = KVLayout.build([2 * 2 * 8 * 4], [None], 8)
+    with pytest.raises(ValueError, match="single-group layout"):
+        KVCache(1, 4, 4, 2, 8, layout=layout)
+    assert KVCache(1, 4, 8, 2, 8, layout=layout).k[0].shape == (4, 8, 2, 8)
 
 def test_kv_cache_layers_of_their_own_shapes():
     """Layers of two geometries (Gemma 4's sliding and global layers): each layer's tensors have its shape, a block's
@@ -184,6 +194,16 @@ def test_groups_of_a_kind_build_together_what_each_builds_alone():
     with pytest.raises(ValueError, match="one batch"):
         AttentionPlan.build_all([metas[0], batch_metadata([(5, 1, [0, 1])], 4)], 4, cpu)
 
+
+
+def test_plans_built_together_refuse_metadata_of_other_context_lengths():
+    """`build_all` shares one batch's rows and lengths among its groups: metadata with the same query lengths but
+    other context lengths (another batch) are refused, not planned with the first one's lengths."""
+    cpu = torch.device("cpu")
+    a = batch_metadata([(5, 3, [0, 1]), (2, 1, [2])], 4)
+    b = batch_metadata([(4, 3, [3, 4]), (2, 1, [5])], 4)
+    with pytest.raises(ValueError, match="one batch"):
+        AttentionPlan.build_all([a, b], 4, cpu, torch.float32)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

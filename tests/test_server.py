@@ -14,6 +14,7 @@ import pytest
 from pwruntime import api_tokens
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.sampling import SamplingParams
+from pwruntime.server import Server, _error_payload
 from pwruntime.engine_client import EngineWorker
 from server_fixtures import assert_idle, base_url, client, metric, model, post, serving  # noqa: F401 (fixtures)
 from traces.clikit import UserError
@@ -560,3 +561,36 @@ def test_max_model_len_is_the_server_s_context(model):
                                               extra_body={"ignore_eos": True})
         assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 64
         assert chat.choices[0].finish_reason == "length"
+
+
+def test_error_objects_name_client_and_server_errors_as_openai_does():
+    """OpenAI's error object: a 4xx is an "invalid_request_error", a 5xx (an engine step's failure: 500; no engine:
+    503) a "server_error", each with its message and code."""
+    assert _error_payload("bad", 400) == {"error": {"message": "bad", "type": "invalid_request_error", "param": None,
+                                                    "code": None}}
+    assert _error_payload("gone", 404, "model_not_found")["error"]["type"] == "invalid_request_error"
+    for status in (500, 503):
+        error = _error_payload("boom", status)["error"]
+        assert error["type"] == "server_error" and error["message"] == "boom"
+
+
+def test_a_stream_without_stop_strings_holds_back_no_token(client, expected):
+    """With no stop string to wait for, nothing is held back: each streamed chunk carries the one token generated
+    (its text and its log-probability), the last token too, and not a chunk later."""
+    chunks = list(client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+                                            logprobs=1))
+    assert len(chunks) == 12
+    assert [len(c.choices[0].logprobs.tokens) for c in chunks] == [1] * 12
+    assert [c.choices[0].text for c in chunks] == [c.choices[0].logprobs.tokens[0] for c in chunks]
+    assert expected.text.startswith("".join(c.choices[0].text for c in chunks))   # the engine's first 12 tokens
+
+
+def test_health_is_503_once_the_engine_loop_is_gone(model):
+    """/health answers 200 while the engine loop runs and 503 ("engine stopped") once it is gone, so a load balancer
+    stops sending requests to a server that can only fail them."""
+    worker = EngineWorker(LLMEngine(model, EngineConfig(num_kv_blocks=32)))
+    server = Server(worker, "demo")
+    assert asyncio.run(server.health(None)).status == 200
+    worker.shut_down("stopping")
+    response = asyncio.run(server.health(None))
+    assert response.status == 503 and json.loads(response.text) == {"status": "engine stopped"}
