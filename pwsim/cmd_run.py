@@ -117,7 +117,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if not domains:
         raise UserError("--domains needs at least one name")
-    if min(args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.timeline_stride) < 1 or args.requests < 1:
+    limits = (args.requests, args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.timeline_stride)
+    if min(limits) < 1:
         raise UserError("--requests, --block-size, --max-num-seqs, --max-num-batched-tokens and --timeline-stride "
                         "must be positive")
     check_seed(args.seed)
