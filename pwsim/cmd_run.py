@@ -49,8 +49,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-seqs", type=int, default=256,
                    help="sequences an iteration may run (default 256; the runtime's default is 32: give the same "
                         "limits to compare the two engines)")
-    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", type=int,
-                   default=2048,
+    e.add_argument("--max-num-batched-tokens", "--max-batched-tokens", type=int, default=2048,
                    help="tokens an iteration may compute, prompt chunks and decodes together (vLLM's and `pwruntime`'s "
                         "name; default 2048)")
     e.add_argument("--timeline-stride", type=int, default=1, help="record every n-th iteration boundary")
