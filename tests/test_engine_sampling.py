@@ -363,17 +363,25 @@ def test_requests_without_a_seed_each_draw_their_own_numbers(model):
     assert [o.token_ids for o in LLMEngine(model, cfg).generate([_prompt(0)] * 2, p)] == outs
 
 
+def _first_new_text(model, token_ids, positions, wanted) -> tuple[int, str, str]:
+    """The first n of `positions` where `wanted(before, upto, piece)` holds: before and upto the text of the first n and
+    n + 1 tokens, piece what token n adds; (n, before, upto). No such n fails the test."""
+    for n in positions:
+        before, upto = (model.tokenizer.decode(token_ids[:k]) for k in (n, n + 1))
+        if wanted(before, upto, upto[len(before):]):
+            return n, before, upto
+    raise AssertionError(f"no token at {positions} adds the text the test needs")
+
+
 def test_a_stop_string_counts_only_once_min_tokens_are_out(model):
     """As vLLM: a stop string that the min_tokens-th output token (or an earlier one) completes does not end the
     request; one that the next token completes does."""
     cfg = EngineConfig(num_kv_blocks=64, block_size=4)
     full = LLMEngine(model, cfg).generate([_prompt(3)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
-    for n in range(2, 16):  # the first token whose text is new: the stop string it completes
-        before, upto = (model.tokenizer.decode(full.token_ids[:k]) for k in (n, n + 1))
-        stop = upto[len(before):]
-        if stop.strip() and upto.find(stop) == len(before):
-            break
-    assert stop.strip() and upto.find(stop) == len(before)
+    # the first token whose text is new: the stop string it completes
+    n, before, upto = _first_new_text(model, full.token_ids, range(2, 16),
+                                      lambda before, upto, piece: piece.strip() and upto.find(piece) == len(before))
+    stop = upto[len(before):]
 
     def run(min_tokens):
         return LLMEngine(model, cfg).generate([_prompt(3)], SamplingParams(
@@ -382,6 +390,7 @@ def test_a_stop_string_counts_only_once_min_tokens_are_out(model):
     assert (out.text, len(out.token_ids), out.finish_reason) == (before, n + 1, "stop")
     held = run(n + 1)  # token n + 1 completes it: not yet counted
     assert len(held.token_ids) > n + 1 and held.token_ids == full.token_ids[:len(held.token_ids)]
+
 
 def test_a_logit_bias_past_the_vocabulary_is_refused_beside_valid_ids(model):
     """Every listed id is checked, not only the lowest: a bias for token `vocab` beside token 0 is a UserError, not a
@@ -425,12 +434,10 @@ def test_a_kept_stop_is_the_longest_of_the_stops_one_token_completes(model):
     include_stop_str_in_output the text keeps the longer one, as the whole match; without it neither."""
     cfg = EngineConfig(num_kv_blocks=64, block_size=4)
     full = LLMEngine(model, cfg).generate([_prompt(0)], SamplingParams(max_tokens=20, ignore_eos=True))[0]
-    for n in range(1, 20):  # a token whose text, and that text less its last character, first occur at its start
-        before, upto = (model.tokenizer.decode(full.token_ids[:k]) for k in (n, n + 1))
-        piece = upto[len(before):]
-        if len(piece.strip()) >= 2 and upto.find(piece) == upto.find(piece[:-1]) == len(before):
-            break
-    assert len(piece.strip()) >= 2 and upto.find(piece[:-1]) == len(before)
+    # a token whose text, and that text less its last character, first occur at its start
+    n, before, upto = _first_new_text(model, full.token_ids, range(1, 20), lambda before, upto, piece: len(
+        piece.strip()) >= 2 and upto.find(piece) == upto.find(piece[:-1]) == len(before))
+    piece = upto[len(before):]
     stops = (piece[:-1], piece)
     for keep in (False, True):
         out = LLMEngine(model, cfg).generate([_prompt(0)], SamplingParams(
