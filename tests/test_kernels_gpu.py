@@ -504,6 +504,24 @@ def test_kv_pointer_table_reads_and_writes_the_caches(dtype):
     assert torch.equal(out, paged_attention_decode(static_q, kc2, vc2, tables, cl))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kv_write_reads_k_and_v_at_their_head_stride(dtype):
+    """The K/V write kernel takes any head stride (here heads padded to 80 of which 64 are the row), as its
+    index_copy_ reference does."""
+    from pwruntime.kernels.attention import write_kv
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    n, hk, d = 9, 4, 64
+    kc, vc = (torch.zeros(6, 16, hk, d, dtype=dtype, device="cuda") for _ in range(2))
+    k, v = (torch.randn(n, hk, d + 16, device="cuda", generator=gen).to(dtype)[:, :, :d] for _ in range(2))
+    assert k.stride(1) == d + 16
+    slots = torch.randperm(6 * 16, device="cuda", generator=gen)[:n]
+    ptrs = torch.tensor([kc.data_ptr(), vc.data_ptr()], dtype=torch.int64, device="cuda")
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(k, v, want_k, want_v, slots)
+    write_kv(k, v, kc, vc, slots, ptrs)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_load_pattern_probe_reads_every_word_once(mode):
     """The load microbenchmark (cuda/load_pattern.cu) XORs every word it reads: in each access pattern and

@@ -46,6 +46,19 @@ def test_add_rms_norm(dtype, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_adds_eps_inside_the_root(dtype):
+    """eps counts: a large one shrinks every output, and a row that sums to zero comes out zero, not NaN."""
+    x, weight = _rand(8, 256, dtype=dtype), _rand(256, dtype=dtype, seed=2)
+    delta = _rand(8, 256, dtype=dtype, seed=1)
+    delta[3] = -x[3]                                  # row 3 sums to exactly zero
+    for eps in (1e-6, 1.0):
+        s, out = layer_ops.add_rms_norm(x, delta, weight, eps)
+        ref_s, ref_out = add_rms_norm_ref(x, delta, weight, eps)
+        assert not s[3].any() and torch.isfinite(out).all() and not out[3].any()
+        _mostly_exact(out, ref_out, ulps=4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (16, 16, 128), (32, 4, 128)])
 def test_rotary_kv_writes_the_cache_through_the_table(dtype, heads, kv_heads, dim):
     tokens = 21
@@ -67,6 +80,35 @@ def test_rotary_kv_writes_the_cache_through_the_table(dtype, heads, kv_heads, di
     kv2 = KVCache(1, 8, 16, kv_heads, dim, dtype, "cuda")
     layer_ops.rotary_kv(q, k, v, cos, sin, kv2.k[0], kv2.v[0], slots, None)
     assert torch.equal(kv2.k[0], kv.k[0]) and torch.equal(kv2.v[0], kv.v[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_kv_reads_q_k_v_at_their_head_strides(dtype):
+    """q, k and v with heads padded past their rows (head stride 80, rows of 64): the same rotation and cache rows
+    as from contiguous copies."""
+    tokens, heads, kv_heads, dim = 11, 4, 2, 64
+    q, k, v = (_rand(tokens, h, dim + 16, dtype=dtype, seed=s)[:, :, :dim]
+               for s, h in enumerate((heads, kv_heads, kv_heads)))
+    cos, sin = Rotary(dim, 10000.0, device="cuda").cos_sin(torch.arange(tokens, device="cuda") * 7, dtype)
+    slots = torch.randperm(4 * 16, device="cuda")[:tokens]
+    got, want = KVCache(1, 4, 16, kv_heads, dim, dtype, "cuda"), KVCache(1, 4, 16, kv_heads, dim, dtype, "cuda")
+    q_rot, k_rot = layer_ops.rotary_kv(q, k, v, cos, sin, got.k[0], got.v[0], slots, got.layer_ptrs(0))
+    q_ref, k_ref = layer_ops.rotary_kv(q.contiguous(), k.contiguous(), v.contiguous(), cos, sin, want.k[0], want.v[0],
+                                       slots, want.layer_ptrs(0))
+    assert torch.equal(q_rot, q_ref) and torch.equal(k_rot, k_ref)
+    assert torch.equal(got.k[0], want.k[0]) and torch.equal(got.v[0], want.v[0]) and got.v[0].any()
+
+
+@pytest.mark.parametrize("renorm", [False, True])
+def test_route_topk_breaks_ties_by_the_lower_expert_id(renorm):
+    """Equal weights are taken in ascending expert id (the kernel's stated order; torch.topk leaves it open)."""
+    experts, top_k = 64, 8
+    logits = torch.zeros(3, experts, dtype=torch.float16, device="cuda")
+    logits[1, [40, 9, 33]] = 1.0                      # three equal leaders, then ties among the rest
+    weights, ids = layer_ops.route_topk(logits, top_k, renorm)
+    assert ids[0].tolist() == list(range(top_k)) and ids[2].tolist() == list(range(top_k))
+    assert ids[1].tolist() == [9, 33, 40, 0, 1, 2, 3, 4]
+    assert torch.equal(weights[0], weights[0, :1].expand(top_k))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
