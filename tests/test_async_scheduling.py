@@ -65,6 +65,14 @@ def test_a_sequence_awaiting_its_last_token_is_not_scheduled_and_is_no_stall():
     assert s.settle(b0, [4]) == [a] and a.finish_reason == "length" and a.output_token_ids == [4]
 
 
+def test_a_sequence_awaiting_its_last_token_asks_no_block_of_the_next_step():
+    s = _sched()
+    a = Sequence("a", [1, 2, 3, 4], max_tokens=1)   # a full block: a next token would need a new one
+    s.add(a)
+    s.advance(s.schedule())
+    assert a.awaits_last_token and s.pending_blocks() == 0
+
+
 def test_max_tokens_counts_only_the_outputs_up_to_the_settled_one():
     s = _sched()
     a = Sequence("a", [1], max_tokens=2)

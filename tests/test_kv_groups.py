@@ -74,6 +74,13 @@ def test_layouts_that_cannot_split_evenly_fall_back_to_one_table():
     assert layout.page_bytes == 4 * 64
 
 
+def test_groups_take_the_greatest_common_divisor_of_the_kinds_layer_counts():
+    """6 sliding layers and 4 global ones: groups of 2 (not 4, which would leave a sliding group of 2 beside 4s)."""
+    layout = KVLayout.build([64] * 6 + [32] * 4, [8] * 6 + [None] * 4, 4)
+    assert [g.layers for g in layout.groups] == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+    assert layout.layers_per_group == 2 and layout.page_bytes == 2 * 4 * 64
+
+
 @pytest.mark.parametrize("args", [([], [], 16), ([64], [None, None], 16), ([64], [None], 0), ([0], [None], 16)])
 def test_bad_layouts_are_refused(args):
     with pytest.raises(ValueError):
@@ -293,6 +300,32 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
     assert GroupedBlockPool(layout, 8).match_prefix(tokens) == []   # caching off
 
 
+
+
+def test_a_sequence_id_freed_and_used_again_registers_its_new_blocks():
+    """A preempted sequence comes back under its id; whatever it registered before, its new blocks are registered."""
+    pool = GroupedBlockPool(_gemma_like(), 64, prefix_caching=True)
+    first, again = list(range(200, 212)), list(range(300, 312))
+    pool.allocate("c", 12)
+    assert pool.register("c", first, 12) > 0
+    pool.free("c")
+    pool.allocate("c", 12)
+    assert pool.register("c", again, 12) > 0 and pool.match_prefix(again[:9]).tokens == 8
+    pool.check_invariants()
+
+
+def test_a_matched_prefix_is_a_whole_number_of_every_group_s_blocks():
+    """A matched prefix ends on a multiple of every group's block size (8 here), whatever bounds it."""
+    pool = GroupedBlockPool(KVLayout.build([64, 32], [8, 16], 4), 64, prefix_caching=True)
+    tokens = list(range(200, 216))
+    pool.allocate("c", 12)
+    pool.register("c", tokens, 12)
+    assert pool.match_prefix(tokens[:13]).tokens == 8
+    # a full-attention group of finer blocks (4 tokens) than the alignment: its cached run of 12 tokens bounds at 8
+    pool = GroupedBlockPool(KVLayout.build([32, 64], [8, None], 4), 64, prefix_caching=True)
+    pool.allocate("c", 12)
+    pool.register("c", tokens, 12)
+    assert pool.match_prefix(tokens).tokens == 8
 
 
 def test_a_prefix_of_one_alignment_unit_is_matched():

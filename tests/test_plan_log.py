@@ -8,7 +8,7 @@ import numpy as np
 
 from policies import PageTable, Plan, Transition
 from policies.loop import LoopResult
-from policies.plan_log import COLUMNS, PlanLog, refusal_line
+from policies.plan_log import COLUMNS, PlanLog, kind_name, refusal_line
 from pwsim.cli import main as pwsim_main
 from pwsim.fidelity import RunView, transitions
 from traces.results import read_plan_log
@@ -30,6 +30,18 @@ def test_rows_for_begun_refused_and_landed_transitions():
     assert cols["reason"].tolist()[:3] == ["pressure", "pressure", "stale plan: block is at 8 bits, not 6"]
     assert cols["delta_bytes"].dtype == np.int64 and cols["time_s"].tolist()[-1] == 0.6
     assert all(len(v) == 0 for v in PlanLog().columns().values())
+
+
+def test_an_in_place_commit_has_no_landed_row_and_an_unknown_block_no_kind():
+    table = PageTable(2, 4, 64, 32)
+    inp, ghost = Transition(6, 8, 5, 0, in_place=True), Transition(99, 8, 4, 0)
+    log = PlanLog()
+    log.add(1, 0.1, LoopResult(Plan((inp, ghost)), started=(inp,), rejected=((ghost, "block 99 out of range"),)), table)
+    log.add(2, 0.2, LoopResult(None, committed=(6,)), table)   # a transfer begun before the log started lands
+    cols = log.columns()
+    assert cols["status"].tolist() == ["started", "rejected"]
+    assert (cols["layer"][1], cols["expert"][1], cols["kind"][1]) == (-1, -1, -1)
+    assert [kind_name(k) for k in (0, 1, -1, 2)] == ["gate_up", "down", "-", "-"]
 
 
 def _view(steps: int, rows: list[tuple]) -> RunView:

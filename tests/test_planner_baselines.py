@@ -9,6 +9,7 @@ import pytest
 from policies import Observation, PageTable, PageTableError, Plan, PolicyError, RoutingReadout, Transition, get
 from policies.apformat import fp16_bytes, lut_bytes
 from policies.planners import apply_plan_now, sensitivity_optimal_bits, weight_bytes
+from policies.planners.base import make_plan, never_plans
 from policies.planners.expert_lru import routed_since
 from policies.synthetic import synthetic_calibration, synthetic_features, synthetic_routing_mass
 
@@ -79,6 +80,17 @@ def test_allocation_is_optimal_on_tiny_convex_problems():
         assert s[rows, bits].sum() <= best * (1 + 1e-12)
 
 
+def test_allocation_to_a_mean_counts_the_bits_each_step_drops():
+    """With bitwidths (4, 8) one step drops 4 bits a parameter: a mean of 6 is met, not undershot to 4."""
+    table = PageTable(1, 2, 64, 32, bits=(4, 8), initial_bits=8)
+    params = (table.shapes[:, 0] * table.shapes[:, 1]).astype(float)
+    for target in (6.0, 7.0):
+        bits = sensitivity_optimal_bits(table, np.ones((4, 9)), target_mean_bits=target)
+        mean = float((bits * params).sum() / params.sum())
+        assert 4.0 < mean <= target
+    assert (sensitivity_optimal_bits(table, np.ones((4, 9)), target_mean_bits=4) == 4).all()  # the lowest: allowed
+
+
 def test_allocation_errors():
     table = PageTable(1, 2, 64, 32, bits=BITS)
     s = np.ones((4, 9))
@@ -86,6 +98,8 @@ def test_allocation_errors():
         sensitivity_optimal_bits(table, s, budget_bytes=10)
     with pytest.raises(PolicyError, match="exactly one"):
         sensitivity_optimal_bits(table, s)
+    floor = int(table.M[:, 3].sum())  # a budget of exactly the lowest bits' bytes is met, not refused
+    assert (sensitivity_optimal_bits(table, s, budget_bytes=floor) == 3).all()
 
 
 # --------------------------------------------------------------------------------------- dp-llm
@@ -136,6 +150,20 @@ def test_a_re_initialized_table_forgets_blocks_held_in_place():
     assert table.held[0]
     table.initialize(8)
     assert not table.held.any() and table.begin_offload(0, 4) > 0
+
+
+def test_make_plan_leaves_out_blocks_already_at_their_bits():
+    table = PageTable(1, 2, 64, 32, bits=BITS, initial_bits=8)
+    assert make_plan(table, [0, 1, 2], [8, 8, 8], 0.0, "none") is None
+    plan = make_plan(table, [0, 1, 2], [8, 4, 8], 0.0, "one")
+    assert [(t.block, t.from_bits, t.to_bits, t.delta_bytes) for t in plan.transitions] == [
+        (1, 8, 4, int(table.M[1, 8] - table.M[1, 4]))]
+
+
+@pytest.mark.parametrize("name, never", [("noop", True), ("fp16", True), ("uniform-4", True), ("static-mixed", True),
+                                         ("pagedweight", False), ("dp-llm", False), ("expert-lru", False)])
+def test_engines_skip_routing_statistics_only_for_policies_that_never_plan(name, never):
+    assert never_plans(get(name)) is never
 
 
 def test_apply_plan_now_returns_the_bytes_freed_negative_for_a_reload():
@@ -208,6 +236,65 @@ def test_expert_lru_misses_fetch_and_evict_lru():
     assert resident() == {0, 4, 5}
     assert pol.misses == 4 and pol.last_used.tolist() == [[4, 1, -1, 2, 3, 5]]
     assert table.resident_bytes() <= 3 * per_expert
+
+
+def _lru(experts: int, capacity: int, **params):
+    table = PageTable(1, experts, 256, 128, bits=BITS)
+    pol = get("expert-lru", bits=4, budget_bytes=capacity * int(table.M[0, 4] + table.M[1, 4]), **params)
+    pol.reset(table, None)
+    return table, pol
+
+
+def _touch(pol, experts: int, used: list[int]) -> None:
+    mask = np.zeros((1, experts), bool)
+    mask[0, used] = True
+    pol.touch(mask)
+
+
+def test_expert_lru_counts_a_fetch_in_flight_against_its_capacity():
+    table, pol = _lru(6, 3)   # 0, 1, 2 resident
+    _touch(pol, 6, [3])
+    for t in pol.plan_step(table, obs(step=0)).transitions:   # the eviction lands, the fetch of 3 is still copying
+        (table.begin_offload if t.is_offload else table.begin_reload)(t.block, t.to_bits)
+        if t.is_offload:
+            table.finish_offload(t.block)
+    _touch(pol, 6, [4])
+    plan = pol.plan_step(table, obs(step=1))
+    assert sum(t.is_offload for t in plan.transitions) == 2   # room for 4: one more expert out
+    apply_plan_now(table, plan)
+    assert int(((table.q[0::2] > 0) | (table.target[0::2] > 0)).sum()) == 3
+
+
+def test_expert_lru_warms_the_lowest_experts_of_every_layer_round_robin():
+    table = PageTable(2, 4, 256, 128, bits=BITS)
+    pol = get("expert-lru", bits=4, budget_bytes=4 * int(table.M[0, 4] + table.M[1, 4]))
+    pol.reset(table, None)
+    assert (table.q[0::2] > 0).reshape(2, 4).tolist() == [[True, True, False, False]] * 2
+
+
+def test_expert_lru_does_not_fetch_an_expert_whose_eviction_is_in_flight():
+    table, pol = _lru(4, 2)   # 0, 1 resident
+    _touch(pol, 4, [2])
+    for t in pol.plan_step(table, obs(step=0)).transitions:   # 0 is evicted; nothing lands yet
+        (table.begin_offload if t.is_offload else table.begin_reload)(t.block, t.to_bits)
+    _touch(pol, 4, [0])
+    assert pol.plan_step(table, obs(step=1)) is None and pol.misses == 1   # 0 is fetched once its eviction lands
+
+
+def test_expert_lru_evicts_the_least_recently_used_whatever_its_routing_mass():
+    table, pol = _lru(4, 2)   # 0, 1 resident
+    mass = np.array([[0.7, 0.1, 0.1, 0.1]])
+    for step, used in enumerate([[0], [1], [2]]):   # 0 is the least recently used when 2 comes, for all its mass
+        _touch(pol, 4, used)
+        apply_plan_now(table, pol.plan_step(table, obs(step=step, routing_mass=mass)))
+    assert set(np.flatnonzero(table.q[0::2] > 0).tolist()) == {1, 2}
+
+
+def test_expert_lru_fetches_the_most_routed_misses_first():
+    table, pol = _lru(4, 2, max_fetch_per_step=1)   # 0, 1 resident
+    _touch(pol, 4, [2, 3])
+    plan = pol.plan_step(table, obs(routing_mass=np.array([[0.1, 0.1, 0.2, 0.6]])))
+    assert {t.block // 2 for t in plan.transitions if not t.is_offload} == {3}
 
 
 def test_expert_lru_budget_errors():

@@ -7,6 +7,7 @@ meets the target, else the plan freeing the most bytes. The planner must return 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -171,6 +172,43 @@ def test_planner_equals_reference_greedy(ties):
     assert checked > 75  # the cases exercise real plans, not just "no pressure"
 
 
+def test_planner_equals_reference_with_a_negative_residual_strength():
+    """Eq. 6 clips rho before scaling it: with alpha < 0 (a `--policy-arg alpha=`) the bounds of log eta swap."""
+    checked = 0
+    for seed in range(150):
+        table, cal, policy, obs, start = random_case(seed, False, alpha=-0.8)
+        if obs.prompt_features is None:
+            continue
+        plan = policy.plan_step(table, obs)
+        expected, _ = ref_plan(table, dataclasses.replace(cal, alpha=-0.8), obs, start)
+        assert ({} if plan is None else {t.block: t.to_bits for t in plan.transitions}) == expected, f"seed {seed}"
+        checked += plan is not None
+    assert checked > 20
+
+
+def test_reload_reports_the_damage_it_recovers():
+    """A reload's predicted damage is minus Eq. 8 of each raised step, each block scored with its own kind's head."""
+    checked = 0
+    for seed in range(120):
+        table, cal, policy, obs, start = random_case(seed, False, reload_threshold=6)
+        if obs.prompt_features is None:
+            continue
+        o = Observation(step=2, time_s=0.0, free_blocks=200, total_blocks=200, kv_block_bytes=10**9,
+                        free_block_threshold=obs.free_block_threshold, routing=obs.routing)
+        plan = policy.plan_step(table, o)
+        if plan is None:
+            continue
+        mass = None if o.routing_mass is None else o.routing_mass.tolist()
+        buckets = ref_buckets(mass, table.layers, table.experts, cal.bucket_bounds)
+        mu = [cal.bucket_multipliers[buckets[int(table.layer[t.block])][int(table.expert[t.block])]]
+              for t in plan.transitions]
+        want = sum(ref_step_damage(cal, table, t.block, t.to_bits, t.from_bits, m, o.prompt_features, cal.alpha)
+                   for t, m in zip(plan.transitions, mu))
+        assert plan.predicted_damage == pytest.approx(-want, rel=1e-9), f"seed {seed}"
+        checked += 1
+    assert checked > 10
+
+
 # ---------------------------------------------------------------------------- the selection kernels
 def brute_chain_greedy(ratio, weight, first, last, target):
     """Literal frontier loop on [n, S] block-major arrays; returns picks as (row, col) in order."""
@@ -203,6 +241,20 @@ def test_chain_greedy_stages_matches_the_frontier_loop(data):
     out = chain_greedy_stages(MatrixChains(keys, np.ascontiguousarray(weight.T)), np.arange(n), first, lasts, target)
     for s, last in enumerate(lasts):
         cols, rows = out[s]
+        assert list(zip(rows.tolist(), cols.tolist())) == brute_chain_greedy(ratio, weight, first, last, target)
+
+
+def test_chain_greedy_stages_matches_the_frontier_loop_over_many_tied_chains():
+    """More chains than the target needs, so only a partial sort runs: chains whose first key ties the bound count."""
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        n, S = int(rng.integers(8, 30)), int(rng.integers(1, 6))
+        ratio, weight = rng.integers(1, 4, (n, S)).astype(float), rng.integers(1, 6, (n, S))
+        first, last = rng.integers(0, S + 1, n), rng.integers(-1, S, n)
+        target = int(rng.integers(1, 3 * n))
+        keys = chain_keys(np.ascontiguousarray(ratio.T), first)
+        cols, rows = chain_greedy_stages(MatrixChains(keys, np.ascontiguousarray(weight.T)), np.arange(n), first,
+                                         [last], target)[0]
         assert list(zip(rows.tolist(), cols.tolist())) == brute_chain_greedy(ratio, weight, first, last, target)
 
 

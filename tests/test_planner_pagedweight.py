@@ -62,6 +62,23 @@ def test_target_is_eq7_then_adjusted_for_pending_flight_and_headroom():
     assert pressure and D == 9 * 10**6 - releasing
 
 
+def test_negative_headroom_does_not_raise_the_target():
+    """An engine over its budget reports negative headroom: the target stays Eq. 7's deficit, not more."""
+    table, cal = small()
+    pol = get("pagedweight")
+    pol.reset(table, cal)
+    assert pol.target_bytes(table, obs(5, T=8, B=1000, headroom_bytes=-1500)) == (4000, True)
+
+
+def test_the_queue_empties_once_pressure_is_gone():
+    """The queue holds the plans of the latest observation: none once the target is met."""
+    table, cal = small()
+    pol = get("pagedweight", reload=False)
+    pol.reset(table, cal)
+    assert pol.plan_step(table, obs(0, T=8)) is not None and pol.queue
+    assert pol.plan_step(table, obs(50, T=8)) is None and pol.queue == ()
+
+
 def test_min_plan_blocks_makes_a_triggered_offload_free_at_least_that_many_blocks():
     """Eq. 7 asks for the deficit alone, so a load that grows a block at a time plans on every step; with
     `min_plan_blocks` a plan, once pressure triggers it, frees at least that many blocks' bytes. No pressure is
@@ -109,6 +126,7 @@ def test_byte_target_met_with_the_cheapest_steps():
     plan = pol.plan_step(table, obs(8, T=8, B=step))  # one block's worth: the cheapest gate_up step
     assert moves(plan) == {2: (8, 7)}
     assert plan.bytes_freed >= step
+    assert "meets target" in plan.reason  # exactly the target's bytes meet it
 
 
 def test_largest_safe_reduction_when_target_unreachable():
@@ -181,6 +199,17 @@ def test_floors_and_depth_caps_respected(seed):
         table.check_invariants()
 
 
+def test_a_step_with_unknown_sensitivity_is_never_taken():
+    """A bitwidth the calibration has no sensitivity for bars that block's way down, even for the largest reduction."""
+    table = PageTable(1, 2, 256, 128, bits=BITS)
+    cal = flat_calibration(table, floor_stages=((3,) * 3,), depth_caps=(5,))
+    cal.sensitivity[0, 7] = np.nan  # block 0: 8->7 and 7->6 unknown
+    pol = get("pagedweight")
+    pol.reset(table, cal)
+    plan = pol.plan_step(table, obs(0, T=8, B=10**9))
+    assert "largest safe reduction" in plan.reason and 0 not in moves(plan) and moves(plan)[1] == (8, 3)
+
+
 def test_tighter_stage_preferred_while_it_suffices():
     table = PageTable(1, 4, 256, 128, bits=BITS)
     cal = flat_calibration(table, floor_stages=((7, 7), (5, 5)), depth_caps=(1, 3), bucket_bounds=(0.5, 1.0),
@@ -235,8 +264,8 @@ def test_prompt_residual_steers_the_choice():
     phi[:, 0] *= -1
     assert moves(pol.plan_step(table, obs(8, T=8, B=step, prompt_features=phi))) == {table.index(0, 0, 0): (8, 7)}
     abl = get("pagedweight-no-residual")
-    abl.reset(table, cal)  # equal damages: the lower block index wins
-    assert moves(abl.plan_step(table, obs(8, T=8, B=step, prompt_features=phi))) == {table.index(0, 0, 0): (8, 7)}
+    abl.reset(table, cal)  # equal damages: the lower block index wins, even where the residual would pick expert 1
+    assert moves(abl.plan_step(table, obs(8, T=8, B=step, prompt_features=-phi))) == {table.index(0, 0, 0): (8, 7)}
 
 
 
@@ -466,6 +495,14 @@ def test_no_sensitivity_ignores_the_sensitivity_table():
     assert moves(pol.plan_step(table, o)) == moves(pol2.plan_step(table2, o))
 
 
+def test_a_calibration_must_cover_every_bitwidth_of_the_table():
+    full = synthetic_calibration(PageTable(2, 4, 256, 128, bits=BITS), seed=3)
+    get("pagedweight").reset(PageTable(2, 4, 256, 128, bits=(4, 8)), full)  # more bitwidths than needed: fine
+    part = synthetic_calibration(PageTable(2, 4, 256, 128, bits=(4, 5, 6, 7, 8)), seed=3, bits=(4, 5, 6, 7, 8))
+    with pytest.raises(PolicyError, match=r"missing \[3\]"):
+        get("pagedweight").reset(PageTable(2, 4, 256, 128, bits=BITS), part)
+
+
 def test_reset_errors_are_clear():
     table, cal = small()
     with pytest.raises(PolicyError, match="needs a calibration"):
@@ -474,3 +511,5 @@ def test_reset_errors_are_clear():
         get("pagedweight").reset(PageTable(3, 4, 256, 128), cal)
     with pytest.raises(PolicyError, match="call reset"):
         get("pagedweight").plan_step(table, obs(0))
+    with pytest.raises(PolicyError, match="bucket multipliers must be positive"):
+        get("pagedweight").reset(table, synthetic_calibration(table, seed=3, bucket_multipliers=(4.0, 2.0, 0.0)))

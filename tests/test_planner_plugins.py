@@ -3,6 +3,7 @@ refused with one clear error when they cannot be, listed by `pwsim policies`, an
 example (`policies/examples/coldest_first.py`) lowers the coldest experts first and raises the hottest back."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def test_a_planner_by_file_or_module_takes_typed_parameters(monkeypatch):
     ("class Planner:\n    name = 'p'\n", "p.py:Planner", "must be a dataclass"),
     ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: str = 'p'\n"
      "    def reset(self, table, calibration): pass\n", "p.py:Planner", "lacks plan_step"),
+    ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n"
+     "    def reset(self, table, calibration): pass\n    def plan_step(self, table, obs): pass\n",
+     "p.py:Planner", "lacks name"),
     ("def broken(:\n", "p.py:Planner", r"cannot import p.py \(SyntaxError"),
     ("raise RuntimeError('no GPU here')\n", "p.py:Planner", r"cannot import p.py \(RuntimeError: no GPU here\)"),
     ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: int = 3\n"
@@ -63,6 +67,21 @@ def test_a_planner_that_cannot_be_used_is_one_clear_error(tmp_path, monkeypatch,
         (tmp_path / spec.partition(":")[0]).write_text(source)
     with pytest.raises(PolicyError, match=match):
         get(spec)
+
+
+PLANNER = ("from dataclasses import dataclass\n@dataclass\nclass Planner:\n    name: str = 'p'\n    x: int = 1\n"
+           "    def reset(self, table, calibration): pass\n    def plan_step(self, table, obs): pass\n")
+
+
+def test_a_planner_file_that_failed_to_import_is_read_again_once_fixed(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    spec = f"{tmp_path / 'fixme.py'}:Planner"
+    (tmp_path / "fixme.py").write_text("raise RuntimeError('not yet')\n")
+    with pytest.raises(PolicyError, match="not yet"):
+        get(spec)
+    (tmp_path / "fixme.py").write_text(PLANNER)
+    assert get(spec).name == "p"
+    assert summary(spec) == ""   # no docstring of its own: no summary (not the dataclass's generated signature)
 
 
 def test_a_planners_parameters_read_as_what_they_take_and_its_errors_say_whose(tmp_path, monkeypatch):
@@ -118,6 +137,52 @@ def test_the_simulator_runs_ones_own_planner_under_pressure(tmp_path, capsys, mo
 def _obs(free: int, mass: np.ndarray | None, threshold: int = 4) -> Observation:
     return Observation(step=1, time_s=0.0, free_blocks=free, total_blocks=100, kv_block_bytes=4096,
                        free_block_threshold=threshold, routing=RoutingReadout(mass=mass))
+
+
+def test_the_example_counts_the_blocks_the_next_step_takes_as_gone():
+    table = PageTable(2, 4, 256, 128, bits=(3, 4, 6, 8))
+    planner = ColdestFirst(floor_bits=4)
+    planner.reset(table, None)
+    ob = Observation(step=1, time_s=0.0, free_blocks=6, total_blocks=100, kv_block_bytes=4096, free_block_threshold=4,
+                     pending_kv_blocks=4, routing=RoutingReadout(mass=None))
+    assert planner.plan_step(table, ob).transitions  # 6 free, 4 of them taken next step: 2 left, 3 short
+    assert planner.plan_step(table, dataclasses.replace(ob, pending_kv_blocks=2)).transitions  # 4 left: 1 short
+
+
+def test_the_example_counts_what_offloads_in_flight_will_free():
+    table = PageTable(2, 4, 256, 128, bits=(3, 4, 6, 8))
+    planner = ColdestFirst(floor_bits=4)
+    planner.reset(table, None)
+    table.begin_offload(0, 4)   # frees more than one KV block once it lands
+    ob = Observation(step=1, time_s=0.0, free_blocks=4, total_blocks=100, kv_block_bytes=4096, free_block_threshold=4)
+    assert planner.plan_step(table, ob) is None
+
+
+def test_the_example_raises_a_block_whose_planes_just_fit_the_room():
+    table = PageTable(2, 4, 256, 128, bits=(3, 4, 6, 8))
+    planner = ColdestFirst(floor_bits=4, reload_margin_blocks=2)
+    planner.reset(table, None)
+    table.begin_offload(0, 6)
+    table.finish_offload(0)
+    cost = int(table.M[0, 8] - table.M[0, 6])
+    ob = Observation(step=1, time_s=0.0, free_blocks=4 + 2 + 1, total_blocks=100, kv_block_bytes=cost,
+                     free_block_threshold=4)   # room for exactly one KV block: block 0's planes and LUT
+    assert [(t.block, t.to_bits) for t in planner.plan_step(table, ob).transitions] == [(0, 8)]
+
+
+def test_the_example_raises_the_hottest_block_the_room_holds():
+    table = PageTable(2, 4, 256, 128, bits=(3, 4, 6, 8))
+    planner = ColdestFirst(floor_bits=4, reload_margin_blocks=2)
+    planner.reset(table, None)
+    hot, cold = table.index(0, 0, 0), table.index(0, 1, 0)
+    for i in (cold, hot):
+        table.begin_offload(i, 6)
+        table.finish_offload(i)
+    cost = int(table.M[hot, 8] - table.M[hot, 6])   # the same for both: two gate_up blocks
+    mass = np.array([[0.4, 0.1, 0.3, 0.2], [0.05, 0.5, 0.25, 0.2]])
+    ob = Observation(step=1, time_s=0.0, free_blocks=4 + 2 + 1, total_blocks=100, kv_block_bytes=cost,
+                     free_block_threshold=4, routing=RoutingReadout(mass=mass))   # room for one of them
+    assert [(t.block, t.to_bits) for t in planner.plan_step(table, ob).transitions] == [(hot, 8)]
 
 
 def test_the_example_lowers_the_coldest_first_and_raises_the_hottest_back():

@@ -8,10 +8,28 @@ import policies
 from policies import Calibration, Observation, PageTable, PolicyError, RoutingReadout, get, parse_policy_args
 from policies.planners import apply_plan_now, weight_bytes
 from policies.registry import describe, params_class
-from policies.synthetic import model_dims, synthetic_calibration, synthetic_features, synthetic_routing_mass
+from policies.synthetic import (model_dims, synthetic_calibration, synthetic_features, synthetic_routing_mass,
+                                synthetic_seed)
 
 NAMES = ["noop", "pagedweight", "pagedweight-no-routing", "pagedweight-no-residual", "pagedweight-no-movement",
          "pagedweight-no-sensitivity", "fp16", "static-mixed", "dp-llm", "expert-lru"] + [f"uniform-{b}" for b in range(3, 9)]
+
+
+@pytest.mark.parametrize("args, want", [
+    (["reload=1", "no_routing=yes", "count_headroom=0"], {"reload": True, "no_routing": True, "count_headroom": False}),
+    (["alpha=", "reload_threshold=none", "min_plan_blocks=8e0"], {"alpha": None, "reload_threshold": None,
+                                                                  "min_plan_blocks": 8}),
+])
+def test_policy_args_take_the_usual_spellings(args, want):
+    assert parse_policy_args("pagedweight", args) == want
+
+
+def test_model_dims_of_a_page_table_and_synthetic_seeds():
+    assert model_dims(PageTable(2, 4, 256, 128)) == (2, 4, 256, 128)
+    assert [synthetic_seed(s, 5) for s in ("synthetic", "synthetic:3", "runs/cal")] == [5, 3, None]
+    for bad in ("synthetic:-1", "synthetic:x"):
+        with pytest.raises(ValueError, match="integer >= 0"):
+            synthetic_seed(bad, 0)
 
 
 def test_every_name_is_registered():

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import policies
-from policies.apformat import ap_block_bytes, byte_table
-from policies.calibration import Calibration, CalibrationError, model_fingerprint
+from policies.apformat import ap_block_bytes, byte_table, lut_bytes, lut_bytes_of
+from policies.calibration import Calibration, CalibrationError, free_block_threshold, model_fingerprint
 
 
 def test_ap_bytes_are_exact():
@@ -23,6 +23,24 @@ def test_ap_bytes_are_exact():
     table = byte_table(shapes)
     for r, (o, i) in enumerate(shapes):
         assert [ap_block_bytes(int(o), int(i), b) for b in range(9)] == list(table[r])
+
+
+def test_a_block_at_0_bits_holds_no_lut():
+    assert lut_bytes_of(np.array([64, 64, 96]), np.array([0, 3, 8])).tolist() == [0, 64 * 8 * 2, 96 * 256 * 2]
+    with pytest.raises(ValueError, match="bits must be in 1..8"):
+        lut_bytes(64, 0)
+
+
+def test_an_observation_refuses_more_free_blocks_than_blocks():
+    with pytest.raises(ValueError, match="not within 0..4"):
+        policies.Observation(step=0, time_s=0.0, free_blocks=5, total_blocks=4, kv_block_bytes=1,
+                             free_block_threshold=0)
+
+
+def test_only_a_paged_lowering_is_an_offload():
+    assert policies.Transition(0, 8, 4, 100).is_offload
+    assert not policies.Transition(0, 8, 4, 0, in_place=True).is_offload   # dp-llm: no page moves
+    assert not policies.Transition(0, 4, 8, -100).is_offload
 
 
 def _calibration(fp: str = "arch:abc") -> Calibration:
@@ -88,6 +106,23 @@ def test_calibration_missing_or_malformed(tmp_path):
     with pytest.raises(CalibrationError, match="shape"):
         Calibration(fingerprint="x", layers=2, experts=3, bits=(3,), sensitivity=np.zeros((5, 9)),
                     initial_bits=np.zeros(12))
+
+
+def test_calibration_scalars_and_checks(tmp_path):
+    """Tuples load back as tuples; a file without a format version is refused; depth caps need one entry a stage."""
+    cal = _calibration()
+    loaded = Calibration.load(cal.save(tmp_path / "cal"))
+    assert (loaded.bits, loaded.bucket_bounds, loaded.depth_caps) == (cal.bits, cal.bucket_bounds, cal.depth_caps)
+    meta = tmp_path / "cal" / "calibration.json"
+    data = json.loads(meta.read_text())
+    del data["format_version"]
+    meta.write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match="format_version None"):
+        Calibration.load(tmp_path / "cal")
+    with pytest.raises(CalibrationError, match="depth_caps needs one entry per floor stage"):
+        Calibration(fingerprint="x", layers=2, experts=3, bits=(3,), sensitivity=np.zeros((12, 9)),
+                    initial_bits=np.zeros(12), depth_caps=(1, 2))
+    assert free_block_threshold(cal, 0) == 0 and free_block_threshold(cal) == cal.free_block_threshold
 
 
 def test_registry():

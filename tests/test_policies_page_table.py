@@ -104,6 +104,7 @@ def test_offload_then_reload_round_trip_restores_bytes():
     lambda t: t.finish_offload(0),            # nothing in flight
     lambda t: t.finish_reload(0),
     lambda t: t.begin_offload(99, 4),         # out of range
+    lambda t: t.begin_offload(t.num_blocks, 4),  # one past the last block
 ])
 def test_illegal_calls_raise_and_change_nothing(call):
     t = make_table()
@@ -152,3 +153,46 @@ def test_initialize_validates_bits():
     t.initialize(np.array([3, 4] * 6))
     assert t.mean_bits() == 3.5
     check_invariants(t)
+
+
+def test_desired_bits_follow_initialize_and_each_transfer():
+    """d: the bits the planner last moved a block to; set by initialize and at begin (a reload's q lags behind it)."""
+    t = make_table()
+    t.initialize(4)
+    assert (t.d == 4).all() and (t.q == 4).all()
+    t.begin_reload(0, 6)
+    assert (t.q[0], t.d[0]) == (4, 6)
+    t.finish_reload(0)
+    assert (t.q[0], t.d[0]) == (6, 6)
+    t.begin_offload(1, 3)
+    assert (t.q[1], t.d[1]) == (3, 3)
+    t.finish_offload(1)
+    t.initialize(5)
+    assert (t.d == 5).all()
+
+
+def test_committing_in_place_back_to_all_resident_planes_frees_the_block_for_page_moves():
+    """A block whose in-place q is back at its leading GPU planes holds nothing above q: it may offload again."""
+    t = make_table()
+    t.commit_in_place(0, 5)
+    assert t.held[0]
+    t.commit_in_place(0, 8)
+    assert not t.held[0]
+    t.begin_offload(0, 4)
+    t.finish_offload(0)
+    check_invariants(t)
+
+
+def test_a_busy_block_refuses_an_in_place_commit():
+    t = make_table()
+    t.begin_offload(0, 4)
+    before = snapshot(t)
+    with pytest.raises(PageTableError, match="in flight"):
+        t.commit_in_place(0, 3)
+    assert snapshot(t) == before
+
+
+@pytest.mark.parametrize("layers, experts", [(0, 3), (2, 0)])
+def test_a_table_needs_a_layer_and_an_expert(layers, experts):
+    with pytest.raises(ValueError, match="at least one layer and one expert"):
+        PageTable(layers=layers, experts=experts, hidden=48, intermediate=40)

@@ -126,6 +126,34 @@ def test_a_finished_chain_is_evicted_tail_first_so_its_head_still_matches():
     pool.check_invariants()
 
 
+def test_blocks_a_window_releases_are_evicted_tail_first_as_a_freed_chain_s_are():
+    pool = BlockPool(3, block_size=2, prefix_caching=True)
+    toks = [1, 2, 3, 4, 5, 6]
+    assert _cached_chain(pool, "a", toks) == [0, 1, 2]
+    assert pool.release_leading("a", 2) == 2 and pool.block_table("a") == [-1, -1, 2]
+    assert pool.allocate("b", 2) == [1]  # the released run's tail goes first; its head stays matchable
+    assert pool.is_cached(0) and not pool.is_cached(1)
+    pool.check_invariants()
+
+
+def test_register_hashes_only_the_blocks_whose_tokens_it_is_given():
+    """More computed tokens than token ids (a caller's slip) must not register a block under a hash of fewer tokens."""
+    pool = BlockPool(4, block_size=2, prefix_caching=True)
+    pool.allocate("a", 6)
+    assert pool.register("a", [1, 2, 3], 6) == 1
+    assert pool.num_cached_blocks == 1 and pool.match_prefix([1, 2, 3, 4]) == [0]
+    pool.check_invariants()
+
+
+def test_register_block_keeps_one_key_per_block():
+    pool = BlockPool(4, block_size=1, prefix_caching=True)
+    pool.allocate("a", 2)
+    assert pool.register_block("a", 0, b"k0") and not pool.register_block("a", 1, b"k0")  # the key is held
+    assert not pool.register_block("a", 0, b"other")  # the block is registered already
+    assert pool.cached_block(b"k0") == 0 and pool.cached_block(b"other") is None and pool.num_cached_blocks == 1
+    pool.check_invariants()
+
+
 def test_cached_free_blocks_are_evicted_least_recently_freed_first_across_sequences():
     pool = BlockPool(4, block_size=2, prefix_caching=True)
     b, a = [5, 6, 7, 8], [1, 2, 3, 4]

@@ -34,6 +34,20 @@ def test_can_allocate_and_refusal_leaves_pool_unchanged():
     assert pool.blocks_needed("a", 48) == 1 and pool.can_allocate("a", 48)
 
 
+def test_a_sequence_holding_more_than_asked_needs_no_block():
+    pool = BlockPool(8, block_size=4)
+    pool.allocate("a", 12)
+    assert pool.blocks_needed("a", 1) == 0 and pool.blocks_needed("a", 12) == 0 and pool.blocks_needed("a", 13) == 1
+
+
+def test_release_leading_past_the_table_releases_the_whole_table():
+    pool = BlockPool(8, block_size=4)
+    pool.allocate("a", 12)
+    assert pool.release_leading("a", 10) == 3
+    assert pool.block_table("a") == [-1, -1, -1] and pool.num_free == 8 and pool.num_blocks_of("a") == 0
+    pool.check_invariants()
+
+
 def test_free_returns_blocks_and_reuses_lowest():
     pool = BlockPool(6, block_size=2)
     pool.allocate("a", 4)
@@ -65,6 +79,28 @@ def test_shrink_with_live_block_on_top_leaves_holes_then_compact():
     moves = pool.compact()
     assert moves == [(5, 2)]
     assert pool.block_table("b") == [2] and pool.id_limit == 3 and pool.hole_blocks == 0
+    pool.check_invariants()
+
+
+def test_compaction_that_moves_no_block_keeps_tables_and_is_no_rewrite():
+    """`rewrites` tells readers holding copies of block tables to read them again: only a compaction that moved."""
+    pool = BlockPool(3, block_size=1)
+    for s in "abc":
+        pool.allocate(s, 1)
+    pool.free("a")
+    pool.free("b")
+    assert pool.shrink(1) == 3 and pool.hole_blocks == 1  # id 1 retired below the live block 2
+    pool.free("c")
+    assert pool.compact() == [] and pool.rewrites == 0
+    assert pool.id_limit == 2 and pool.hole_blocks == 0 and pool.num_free == 2
+    pool.check_invariants()
+
+
+def test_allocating_fewer_tokens_than_reserved_never_shrinks_a_sequence():
+    pool = BlockPool(8, block_size=4)
+    pool.allocate("a", 10)
+    assert pool.allocate("a", 3) == [] and pool.num_tokens("a") == 10
+    assert pool.slot("a", 9) == 2 * 4 + 1
     pool.check_invariants()
 
 

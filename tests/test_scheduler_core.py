@@ -102,6 +102,26 @@ def test_pending_blocks_are_what_the_next_step_allocates_within_its_budget():
     assert pending == [3, 2, 3]
 
 
+def test_pending_blocks_of_a_long_prefill_count_only_its_next_chunk():
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=8, max_num_batched_tokens=10)
+    sched.add(Sequence("a", prompt_len=40, max_tokens=2))
+    for _ in range(3):
+        pending, free = sched.pending_blocks(), sched.pool.num_free
+        sched.postprocess(sched.schedule(), None)
+        assert pending == free - sched.pool.num_free and pending <= 3  # 10 tokens: at most 3 new blocks of 4
+
+
+def test_pending_blocks_leave_out_a_waiting_request_no_seat_is_free_for():
+    sched = Scheduler(BlockPool(64, 4), max_num_seqs=1, max_num_batched_tokens=10)
+    sched.add(Sequence("a", prompt_len=4, max_tokens=5))
+    sched.add(Sequence("b", prompt_len=8, max_tokens=2))
+    sched.postprocess(sched.schedule(), None)
+    pending, free = sched.pending_blocks(), sched.pool.num_free
+    assert pending == 1  # a's fifth token; b cannot be admitted while a holds the one seat
+    sched.schedule()
+    assert free - sched.pool.num_free == pending
+
+
 def test_max_num_seqs_limits_admission():
     sched = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=1000)
     for s in make_sequences([5, 5, 5], [3, 3, 3]):
@@ -129,6 +149,22 @@ def test_preemption_takes_newest_and_keeps_outputs():
     drive(sched)
     assert all(s.finish_reason == "length" and s.num_output_tokens == 6 for s in seqs)
     assert sched.num_preemptions >= 2
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """Rule 2: waiting sequences are admitted only in a step without preemption, even where the blocks a preemption
+    freed would hold the head's first chunk (re-admitting the sequence just preempted would undo it)."""
+    sched = Scheduler(BlockPool(5, 2), max_num_seqs=3, max_num_batched_tokens=5)
+    seqs = make_sequences([2, 2, 4, 2], [4, 1, 3, 3])
+    for s in seqs:
+        sched.add(s)
+    for _ in range(3):
+        sched.postprocess(sched.schedule(), None)
+    batch = sched.schedule()
+    assert [s.seq_id for s in batch.preempted] == [2] and [e.seq.seq_id for e in batch.entries] == [0]
+    assert list(sched.waiting) == [seqs[2], seqs[3]] and sched.pool.num_free == 2
+    sched.postprocess(batch, None)
+    assert [e.seq.seq_id for e in sched.schedule().entries] == [2]  # its turn comes at the next step
 
 
 def test_recompute_covers_prompt_and_outputs():
@@ -162,6 +198,42 @@ def test_stall_then_kv_capacity_finish():
     stalls = [b for b in batches if b.stalled]
     assert len(stalls) == 4 and any(b.aborted == (big,) for b in batches)
     assert sched.pool.num_free == 2
+
+
+def test_only_consecutive_stalls_count_toward_the_stall_limit():
+    """A step that schedules something ends a run of stalls: a later request gets its own stall_limit tries."""
+    sched = Scheduler(BlockPool(1, 4), max_num_seqs=4, max_num_batched_tokens=64, stall_limit=1)
+    a, b = Sequence("a", prompt_len=8, max_tokens=1), Sequence("b", prompt_len=12, max_tokens=1)
+    sched.add(a)
+    assert sched.schedule().stalled
+    sched.pool.grow(1)  # as a planner would
+    sched.postprocess(sched.schedule(), None)
+    assert a.finish_reason == "length"
+    sched.add(b)
+    batch = sched.schedule()
+    assert batch.stalled and batch.aborted == ()
+    sched.pool.grow(1)
+    sched.postprocess(sched.schedule(), None)
+    assert b.finish_reason == "length"
+
+
+@pytest.mark.parametrize("make", [lambda: Sequence("a", prompt_len=0), lambda: Sequence("a", []),
+                                  lambda: Sequence("a", prompt_len=3, max_tokens=0)])
+def test_a_sequence_needs_a_prompt_token_and_room_for_an_output(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_add_takes_only_fresh_waiting_sequences():
+    sched = Scheduler(BlockPool(4, 4))
+    started = Sequence("a", prompt_len=4)
+    started.num_computed_tokens = 2
+    with pytest.raises(ValueError, match="fresh waiting"):
+        sched.add(started)
+    done = Sequence("b", prompt_len=4)
+    done.status = SequenceStatus.FINISHED
+    with pytest.raises(ValueError, match="fresh waiting"):
+        sched.add(done)
 
 
 def test_prompt_larger_than_pool_is_not_lost():

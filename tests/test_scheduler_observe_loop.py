@@ -397,6 +397,18 @@ def test_reload_commits_only_at_a_later_boundary():
     assert r1.committed == (0,) and table.q[0] == 6 and not table.busy[0]
 
 
+def test_a_block_offloading_to_0_bits_refuses_a_second_transition_before_asking_room():
+    """Target 0 (an eviction in flight) is a transfer too: a fetch planned meanwhile is refused and reserves nothing."""
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    out, back = Transition(0, 8, 0, int(table.M[0, 8])), Transition(0, 0, 4, -int(table.M[0, 4]))
+    asked = []
+    loop = PlanLoop(ScriptedPolicy([Plan((out,)), Plan((back,))]), table, _SlowMover(),
+                    reserve=lambda b: asked.append(b) or True, release=lambda b: None)
+    assert loop.step(_obs(0)).started == (out,) and table.busy[0]
+    r1 = loop.step(_obs(1))
+    assert r1.rejected == ((back, "transfer already in flight"),) and asked == [] and r1.committed == (0,)
+
+
 def test_in_place_transition_commits_without_moving_pages():
     table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
     mover = ImmediateMover()
@@ -407,6 +419,16 @@ def test_in_place_transition_commits_without_moving_pages():
     assert np.all(table.planes[0] == PlaneState.GPU)  # every plane stays resident
     r1 = loop.step(_obs(1))  # a paged reload of a block held in place is refused, not raised
     assert r1.started == () and "in place" in r1.rejected[0][1] and table.q[0] == 5
+
+
+def test_a_block_held_in_place_rises_in_place():
+    """dp-llm raises a layer's bits again among the planes it kept: only a paged reload of a held block is refused."""
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    up = Transition(0, 5, 7, 0, in_place=True)
+    loop = PlanLoop(ScriptedPolicy([Plan((Transition(0, 8, 5, 0, in_place=True),)), Plan((up,))]), table)
+    loop.step(_obs(0))
+    r1 = loop.step(_obs(1))
+    assert r1.started == (up,) and r1.rejected == () and table.q[0] == 7 and table.held[0]
 
 
 @dataclass
@@ -440,6 +462,56 @@ def test_a_plan_step_that_breaks_the_contract_is_one_policy_error(how, message):
     table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
     with pytest.raises(policies.PolicyError, match=re.escape(message)):
         PlanLoop(_Misbehaving(how), table).step(_obs(0))
+
+
+class _BeginsReload:
+    name = "mine"
+
+    def reset(self, table, calibration):
+        return None
+
+    def plan_step(self, table, observation):
+        table.begin_reload(0, 6)   # q stays until the reload lands: only the transfer in flight shows it
+        return None
+
+
+def test_a_plan_step_that_begins_a_transfer_itself_is_a_policy_error():
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=4)
+    with pytest.raises(policies.PolicyError, match="plan_step changed the page table itself"):
+        PlanLoop(_BeginsReload(), table).step(_obs(0))
+
+
+def test_a_transition_of_a_block_past_the_table_is_refused():
+    table = PageTable(1, 2, hidden=64, intermediate=32, initial_bits=8)
+    t = Transition(table.num_blocks, 8, 4, 0)
+    r = PlanLoop(ScriptedPolicy([Plan((t,))]), table).step(_obs(0))
+    assert r.started == () and r.rejected == ((t, f"block {table.num_blocks} out of range"),)
+
+
+def test_the_immediate_mover_counts_only_the_bytes_copied_to_the_gpu():
+    """An offload copies nothing (the CPU keeps the 8-bit master); a reload copies its planes and LUT."""
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    off, up = Transition(0, 8, 4, 0), Transition(0, 4, 6, 0)
+    mover = ImmediateMover()
+    loop = PlanLoop(ScriptedPolicy([Plan((off,)), Plan((up,))]), table, mover)
+    loop.step(_obs(0))
+    assert mover.bytes_moved == 0
+    loop.step(_obs(1))
+    assert table.q[0] == 6 and mover.bytes_moved == room_for(table, up) > 0
+
+
+class _ReportsTwice(ImmediateMover):
+    def landed(self):
+        out = super().landed()
+        return out + out
+
+
+def test_a_block_a_mover_reports_landed_twice_is_committed_once():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    released = []
+    loop = PlanLoop(ScriptedPolicy([Plan((Transition(0, 8, 4, 0),))]), table, _ReportsTwice(), release=released.append)
+    r = loop.step(_obs(0))
+    assert r.committed == (0,) and table.q[0] == 4 and released == [r.released_bytes] and not table.busy.any()
 
 
 def test_an_engine_that_fetches_no_absent_expert_refuses_a_plan_to_0_bits():
