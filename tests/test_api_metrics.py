@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pwruntime.metrics import Histogram, RequestMetrics, buckets_1_2_5, scalar
@@ -61,6 +62,22 @@ def test_each_gap_between_a_request_s_tokens_is_one_observation():
     assert samples["inter_token_latency_seconds_count"] == 3
     assert samples["inter_token_latency_seconds_sum"] == pytest.approx(0.1 + 0.25 + 0.5)
     assert samples['inter_token_latency_seconds_bucket{le="0.1"}'] == 1
+
+
+def test_two_tokens_give_one_time_per_output_token():
+    m = RequestMetrics(4096)
+    m.observe(_output(2, first=1.25))   # finished at 2.0: one gap after the first token
+    samples = _samples(m.render())
+    assert samples["time_per_output_token_seconds_count"] == 1
+    assert samples["time_per_output_token_seconds_sum"] == pytest.approx(0.75)
+
+
+def test_numpy_integers_print_as_integers_and_repeated_bounds_are_refused():
+    """A count that is a numpy integer (numpy sums, as the page table makes) is written as an integer too."""
+    assert scalar("kv_blocks_free", "gauge", np.int64(12)) == ["# TYPE pagedweight_kv_blocks_free gauge",
+                                                               "pagedweight_kv_blocks_free 12"]
+    with pytest.raises(ValueError, match="increasing"):
+        Histogram("x", "x", [1, 1, 2])
 
 
 def _samples(lines) -> dict[str, float]:

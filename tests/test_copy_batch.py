@@ -37,6 +37,28 @@ def test_a_source_must_be_contiguous_and_empty_sources_queue_nothing():
     batch.issue()
 
 
+def test_a_rollback_forgets_the_copies_and_after_work_added_since_its_savepoint():
+    """What a failed reload staged is dropped unwritten: neither its copies nor its `after` work run."""
+    batch = CopyBatch(torch.device("cpu"))
+    srcs = sources(3)
+    kept = [batch.upload(s) for s in srcs[:2]]
+    ran = []
+    point = batch.savepoint()
+    batch.upload(srcs[2])
+    batch.after(lambda: ran.append("dropped"))
+    batch.rollback(point)
+    batch.after(lambda: ran.append("kept"))
+    assert len(batch) == 2
+    batch.issue()
+    assert ran == ["kept"] and all(torch.equal(d, s) for d, s in zip(kept, srcs))
+
+
+def test_a_copy_between_tensors_of_other_byte_sizes_is_refused():
+    batch = CopyBatch(torch.device("cpu"))
+    with pytest.raises(ValueError, match="one size"):
+        batch.copy(torch.empty(8, dtype=torch.int32), torch.zeros(8, dtype=torch.float16))   # 8 of each, other bytes
+
+
 @pytest.mark.gpu
 def test_gpu_batch_copies_with_one_driver_call_on_a_side_stream_and_on_the_default_stream():
     dev = torch.device("cuda", torch.cuda.current_device())

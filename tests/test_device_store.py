@@ -31,7 +31,7 @@ from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
 from pwruntime.quant.store import APExpertStore, load_ap_model
 from pwruntime.sampling import SamplingParams
-from pwruntime.stream_marks import Mark
+from pwruntime.stream_marks import DeferredFree, Mark
 from model_fixtures import make_tiny_checkpoint
 from vmm_fakes import HostBuffer
 
@@ -214,6 +214,43 @@ def test_a_captured_moe_takes_tokens_up_to_what_its_rereads_allow(ap_path, monke
     assert dev.captured_tokens_limit(torch.float16, 2) == device_store.FUSED_MAX_TOKENS == 128
 
 
+def test_deferred_frees_keep_tensors_until_their_mark_is_done():
+    gate = Gate()
+    deferred = DeferredFree(torch.device("cpu"))
+    t = torch.zeros(16)
+    deferred.add([t], Mark(gate, 0.0))   # a queued kernel may still read t
+    deferred.add([])
+    assert deferred.nbytes == t.nbytes and deferred.collect() == 0 and deferred.nbytes == t.nbytes
+    gate.is_open = True
+    assert deferred.collect() == t.nbytes and deferred.nbytes == 0
+
+
+def test_prefill_with_a_chunk_smaller_than_one_expert_dequantizes_one_expert_at_a_time(ap_path):
+    ref, _, dev = stores(ap_path, 5)
+    dev.prefill_chunk_bytes = 1   # less than one expert's weights: still one expert a group
+    out, want, n_dev, n_ref = moe_pair(ref, dev, 1, 130)
+    assert_same_moe(out, want)
+    assert_same_moe(n_dev, n_ref)
+
+
+def test_a_launch_s_rereads_count_the_experts_its_tokens_top_k_can_reach(ap_path, monkeypatch):
+    """A launch of MAX_TOKENS tokens routes to at most MAX_TOKENS * top_k experts (here 2 tokens of top-2: 4 of the 8),
+    and that is what each of its re-reads costs."""
+    _, _, dev = stores(ap_path, 5)
+    monkeypatch.setattr(device_store, "MAX_TOKENS", 2)
+    launch = 4 * 3 * dev.hidden * dev.intermediate   # bytes at 8 bits
+    monkeypatch.setattr(device_store, "CAPTURE_REREAD_BYTES", 100 * launch)
+    assert dev.captured_tokens_limit(torch.float16, 2) == 2 * (1 + 100)
+
+
+def test_a_workspace_serves_every_token_count_of_its_bucket(ap_path):
+    """One MoE workspace per bucket of 1, 2, 4, ... 64 tokens, reused by every count up to the bucket's."""
+    _, _, dev = stores(ap_path, 5)
+    ws = {t: dev.workspace(t, torch.float16, 2) for t in (1, 2, 3, 4, 5, 33, 64)}
+    assert [ws[t].tokens for t in (1, 2, 3, 5, 64)] == [1, 2, 4, 8, 64]
+    assert ws[3] is ws[4] and ws[5] is not ws[4] and ws[33] is ws[64] and ws[64].act.shape[0] == 64 * 2
+
+
 def test_offload_lands_after_the_mark_and_frees_its_planes(ap_path, monkeypatch):
     ref, table, dev = stores(ap_path, 6)
     gate = gated(monkeypatch)
@@ -311,6 +348,58 @@ def test_in_place_commits_and_initialize_reach_the_device(ap_path):
     assert_rows_follow(dev, table)
     assert dev.resident_bytes() == table.resident_bytes()
 
+
+def test_a_reset_to_the_bits_a_row_already_reads_drops_the_planes_an_in_place_commit_held(ap_path):
+    _, table, dev = stores(ap_path, 8)
+    mover = CudaPageMover(dev)
+    loop = PlanLoop(Scripted({0: [(i, 4) for i in range(4)]}, in_place=True), table, mover)
+    loop.step(observation(0))
+    assert (dev.row_bits[:4] == 4).all() and (dev.row_planes[:4] == 8).all()
+    table.initialize(4)   # nothing held any more: planes 4..7 of blocks 0..3 go at the next boundary
+    loop.step(observation(1))
+    assert_rows_follow(dev, table)
+    assert dev.resident_bytes() == table.resident_bytes()
+
+
+def test_a_transition_begun_before_a_reset_reached_the_rows_moves_from_the_committed_bits(ap_path, monkeypatch):
+    """A policy's reset reaches the rows at the next boundary; an offload begun before that starts from the bits the
+    table committed, so what is in flight and what it frees are the bytes the loop accounts for."""
+    _, table, dev = stores(ap_path, 8)
+    gate = gated(monkeypatch)
+    mover = CudaPageMover(dev)
+    loop = PlanLoop(Scripted({1: [(4, 3)]}, initial_bits=8), table, mover)
+    loop.step(observation(0))
+    table.initialize(6)  # no boundary since: row 4 still names 8 planes and LUT_8
+    res = loop.step(observation(1))
+    assert res.started and res.committed == ()
+    assert mover.device_bytes() == table.resident_bytes()
+    gate.is_open = True
+    res = loop.step(observation(2))
+    assert res.committed == (4,) and mover.stats.bytes_freed == res.released_bytes
+    assert_rows_follow(dev, table)
+
+
+def test_the_mover_s_metrics_count_every_host_to_device_byte(ap_path):
+    """page_bytes_moved_total: the LUTs offloads upload plus the planes and LUTs reloads copy."""
+    _, table, dev = stores(ap_path, 6)
+    mover = CudaPageMover(dev)
+    loop = PlanLoop(Scripted({0: [(0, 3)], 1: [(0, 5)]}), table, mover)
+    loop.step(observation(0))
+    loop.step(observation(1))
+    lut3, lut5 = dev.master_lut(0, 3).nbytes, dev.master_lut(0, 5).nbytes
+    planes = sum(p.nbytes for p in dev.resident(0)[0][3:5])
+    m = mover.metrics()
+    assert m["page_offloads_total"] == m["page_reloads_total"] == 1
+    assert m["page_bytes_lut_uploaded_total"] == lut3 and m["page_bytes_reloaded_total"] == planes + lut5
+    assert m["page_bytes_moved_total"] == lut3 + planes + lut5
+
+
+def test_a_page_table_of_another_size_is_refused(ap_path):
+    _, table, dev = stores(ap_path, 6)
+    for layers in (dev.num_layers - 1, dev.num_layers + 1):   # fewer or more blocks than the store's
+        other = PageTable(layers, dev.experts, dev.hidden, dev.intermediate, bits=dev.bits)
+        with pytest.raises(ValueError, match="page table has"):
+            dev.attach_table(other)
 
 def test_offload_to_zero_bits_and_back(ap_path):
     _, table, dev = stores(ap_path, 5)

@@ -40,6 +40,7 @@ def test_a_bundled_card_becomes_a_checkpoint_of_its_shapes_the_same_for_the_same
     ck = load_ap_checkpoint(tmp_path / "a")
     assert (ck.experts, ck.hidden, ck.intermediate, ck.num_moe_layers) == (16, 256, 128, 4)
     assert a["blocks"] == 4 * 16 * 2 and ck.meta["load_format"] == "dummy"
+    assert ck.meta["seed_bits"] == min(ck.meta["bits"]) == 3   # the lowest bitwidth, as `quantize` writes it
     assert ck.meta["source"]["fingerprint"].endswith("+w:dummy")
     for name in ("experts-L000.safetensors", "experts-L003.safetensors", "model.safetensors"):
         a_, b_, c_ = (load_file(str(tmp_path / d / name)) for d in "abc")
@@ -79,6 +80,22 @@ def test_the_reader_makes_norms_ones_biases_zeros_and_each_tensor_from_its_name(
     assert not torch.equal(one.get("model.layers.2.self_attn.q_proj.weight", (64, 32)), q)
     assert 0.015 < float(q.std()) < 0.025
     assert torch.equal(one.made["model.layers.1.self_attn.q_proj.weight"], q)  # kept, to be written
+
+
+def test_the_reader_draws_at_its_std_and_makes_gemma_4_s_scales_ones(tmp_path):
+    c = read_config(find_files(make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=0)))
+    wide = DummyTensorReader(c, torch.float32, "cpu", std=0.5).get("model.layers.0.self_attn.q_proj.weight", (64, 32))
+    assert 0.4 < float(wide.std()) < 0.6
+    reader = DummyTensorReader(c, torch.float32, "cpu")
+    for name in ("layer_scalar", "router.scale", "router.per_expert_scale"):
+        assert torch.equal(reader.get(f"model.layers.0.{name}", (4,)), torch.ones(4)), name
+
+
+def test_random_ap_planes_have_a_word_for_every_32_input_columns_or_part():
+    from pwruntime.quant.dummy import random_planes
+
+    planes = random_planes(2, 4, 40, torch.Generator().manual_seed(0))   # 40 columns: two words a row
+    assert planes.shape == (2, 8, 4, 2) and planes.dtype == torch.int32
 
 
 def test_synthetic_calibration_is_the_simulators_and_drives_the_planner(tmp_path, capsys):

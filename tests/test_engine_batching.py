@@ -53,6 +53,37 @@ def test_batched_equals_alone(models, arch):
     assert engine.pool.num_free == engine.pool.capacity
 
 
+def test_a_forward_s_routing_reaches_the_host_as_it_was(models):
+    """routing_to_host packs every MoE layer's routing into int32 words and RoutingCopy.arrays reads it back: the
+    same ids, weights and norms, layer by layer."""
+    import torch
+
+    from pwruntime.model.moe_model import LayerRouting
+    from pwruntime.model_runner import routing_to_host
+
+    g = torch.Generator().manual_seed(0)
+    layers = [LayerRouting(torch.randint(0, 60, (5, 2), generator=g), torch.rand(5, 2, generator=g),
+                           torch.rand(5, generator=g), torch.rand(5, 2, generator=g)) for _ in range(3)]
+    got = routing_to_host(layers, (2, 3)).arrays()
+    assert got.query_lens == (2, 3)
+    for name in ("topk_ids", "topk_weights", "gate_up_in_norm", "down_in_norm"):
+        want = np.stack([getattr(x, name).numpy() for x in layers])
+        assert np.array_equal(getattr(got, name), want), name
+
+
+def test_a_step_keeps_as_many_sampled_tokens_as_the_runner_has_rows(models):
+    import torch
+
+    from pwruntime.model_runner import ModelRunner
+
+    model = models["qwen2_moe"]
+    runner = ModelRunner(model, model.new_kv_cache(4, 4), max_num_seqs=3)
+    runner.keep_sampled(torch.tensor([7, 8, 9]), ["a", "b", "c"])
+    assert runner.sampled.tolist() == [7, 8, 9]
+    with pytest.raises(ValueError, match="4 sampled tokens for a buffer of 3"):
+        runner.keep_sampled(torch.tensor([1, 2, 3, 4]), ["a", "b", "c", "d"])
+
+
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gemma4"])
 def test_batched_with_preemption_equals_alone(models, arch):
     model = models[arch]

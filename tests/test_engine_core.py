@@ -151,6 +151,52 @@ def test_a_client_whose_engine_is_gone_fails_requests_in_flight_and_later_with_a
     asyncio.run(run())
 
 
+async def _next(live):
+    """The request's next event (a missing one fails the test instead of hanging it)."""
+    return await asyncio.wait_for(live.events.get(), 5)
+
+
+def test_a_client_forgets_a_request_when_its_last_choice_is_done_its_stats_come_or_its_client_leaves():
+    async def run():
+        client = _Loopback()
+        two = await client.submit([("a", SamplingParams())] * 2, stream=False)
+        left = await client.submit([("b", SamplingParams())], stream=True)
+        client.sent.get_nowait(), client.sent.get_nowait()   # the two "add"s
+        client._deliver([(two.key, ("done", (0, "x")))])
+        assert client.in_flight() == 2   # one choice of `two` still runs
+        client._deliver([(two.key, ("done", (1, "y")))])
+        assert [await _next(two) for _ in range(2)] == [("done", (0, "x")), ("done", (1, "y"))]
+        client.cancel(left)
+        assert client.sent.get_nowait() == ("abort", left.key)
+        client.cancel(left)   # a second cancel of the same request sends nothing
+        assert client.sent.empty()
+        client._deliver([(left.key, ("delta", (0, [1], [], None)))])   # late events of a cancelled request: dropped
+        assert left.events.empty() and client.in_flight() == 0
+        task = asyncio.ensure_future(client.stats())
+        await asyncio.sleep(0)
+        kind, key = client.sent.get_nowait()
+        assert kind == "stats" and client.in_flight() == 1
+        client._deliver([(key, ("stats", {"gauges": {}}))])
+        assert await asyncio.wait_for(task, 5) == {"gauges": {}} and client.in_flight() == 0
+
+    asyncio.run(run())
+
+
+def test_shutting_down_aborts_what_is_in_flight_and_answers_it_and_every_later_request_with_a_503():
+    async def run():
+        client = _Loopback()
+        live = await client.submit([("a", SamplingParams())], stream=True)
+        client.sent.get_nowait()
+        client.shut_down("the server is shutting down")
+        assert client.sent.get_nowait() == ("abort", live.key)   # its KV blocks go at the engine's next step
+        assert await _next(live) == ("error", (503, "the server is shutting down"))
+        assert client.in_flight() == 0 and not client.alive
+        later = await client.submit([("b", SamplingParams())], stream=False)
+        assert await _next(later) == ("error", (503, "the server is shutting down")) and client.sent.empty()
+
+    asyncio.run(run())
+
+
 class _Clock:
     def __init__(self) -> None:
         self.t = 100.0

@@ -39,6 +39,14 @@ def test_recorded_trace_is_valid_and_deterministic(tmp_path):
     assert len(a.routing) == int((a.requests.prompt_tokens + a.requests.output_tokens - 1).sum()) * 4
 
 
+def test_a_range_of_one_length_gives_requests_of_exactly_that_length(tmp_path):
+    assert _record(tmp_path, "one", "--prompt-tokens", "8,8", "--output-tokens", "4,4") == 0
+    requests = read_trace_dir(tmp_path / "one").requests
+    assert set(requests.prompt_tokens.tolist()) == {8} and set(requests.output_tokens.tolist()) == {4}
+    ids = requests.request_id.tolist()   # in arrival order: the requests were submitted as they arrive
+    assert ids == sorted(ids)
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--prompt-tokens", "9"], "MIN,MAX"),
     (["--output-tokens", "5,2"], "MIN <= MAX"),

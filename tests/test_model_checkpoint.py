@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from model_fixtures import load_hf_model, make_tiny_checkpoint, tiny_words
 from pwruntime.cli import main
 from pwruntime.model import CheckpointError, load_model, parse_dtype, prefill_metadata
+from pwruntime.model.config import parse_config
 from traces.clikit import UserError
 
 
@@ -35,6 +36,12 @@ def _drop_tensor(path, name):
     save_file(state, str(path / "model.safetensors"))
 
 
+def _narrow_tensor(path, name):
+    state = load_file(str(path / "model.safetensors"))
+    state[name] = state[name][:, :-4].contiguous()   # the first dimension right, the second not
+    save_file(state, str(path / "model.safetensors"))
+
+
 def _bin_only(path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
 
@@ -47,9 +54,14 @@ BREAKERS = {
                      ["unsupported architecture LlamaForCausalLM", "MixtralForCausalLM"]),
     "wrong shape": (lambda p: _edit_config(p, moe_intermediate_size=40),
                     ["model.layers.0.mlp.experts.0.gate_proj.weight", "[32, 64]", "[40, 64]"]),
+    "narrow tensor": (lambda p: _narrow_tensor(p, "model.layers.0.mlp.gate.weight"),
+                      ["model.layers.0.mlp.gate.weight", "[4, 60]", "[4, 64]"]),
     "missing tensor": (lambda p: _drop_tensor(p, "model.layers.1.mlp.shared_expert_gate.weight"),
                        ["model.layers.1.mlp.shared_expert_gate.weight", "missing"]),
     "bad json": (lambda p: (p / "config.json").write_text("{not json"), ["config.json", "cannot read"]),
+    "json not an object": (lambda p: (p / "config.json").write_text("[1, 2]"), ["config.json", "not a JSON object"]),
+    "empty index": (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": {}}'),
+                    ["model.safetensors.index.json", "weight_map"]),
     "bad act": (lambda p: _edit_config(p, hidden_act="gelu"), ["gelu"]),
     "yarn rope": (lambda p: _edit_config(p, rope_parameters={"rope_type": "yarn", "factor": 4.0}), ["yarn"]),
     "no num_experts": (lambda p: _edit_config(p, num_experts=None), ["num_experts"]),
@@ -73,6 +85,22 @@ def test_bad_checkpoint_clear_error_and_exit_2(base, tmp_path, capsys, kind):
     assert needles[0] in stderr and "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
 
 
+def test_optional_files_are_optional_and_generation_config_adds_its_eos_ids(base, tmp_path):
+    path = _copy(base, tmp_path)
+    (path / "tokenizer_config.json").unlink(missing_ok=True)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    (path / "model.safetensors").rename(path / "weights.safetensors")   # no index: every *.safetensors is read
+    model = load_model(path)
+    assert model.config.eos_token_ids == (2, 5) and model.tokenizer.eos_id == 2
+    assert model.tokenizer.chat_template is None
+
+
+def test_a_cuda_device_without_a_gpu_is_a_user_error(base, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="no CUDA GPU is available"):
+        load_model(base, device="cuda")
+
+
 def test_missing_dir_and_missing_shard(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nowhere")
@@ -80,7 +108,7 @@ def test_missing_dir_and_missing_shard(tmp_path):
     shards = sorted(sharded.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[1].unlink()
-    with pytest.raises(CheckpointError, match=shards[1].name):
+    with pytest.raises(CheckpointError, match=f"lacks shard.*{shards[1].name}"):   # before any file is opened
         load_model(sharded)
 
 
@@ -94,6 +122,42 @@ def test_config_fields(tmp_path):
     assert q3.head_dim == 24 and q3.qk_norm == "head" and q3.norm_topk_prob and q3.shared_intermediate == 0
     mx = load_model(make_tiny_checkpoint(tmp_path, "mixtral")).config
     assert mx.rope_theta == 1e6 and mx.norm_topk_prob and mx.qk_norm == "none" and mx.experts == 4
+
+
+def _config(arch: str, **changes) -> dict:
+    """A small config.json of `arch` with only the fields it needs (older or hand-written checkpoints leave the rest
+    out: transformers' defaults apply), plus `changes`."""
+    cfg = {"architectures": [arch], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 5,
+           "vocab_size": 100, "num_experts_per_tok": 2, "intermediate_size": 48}
+    cfg.update({"Qwen2MoeForCausalLM": {"num_experts": 4, "moe_intermediate_size": 32},
+                "Qwen3MoeForCausalLM": {"num_experts": 4, "moe_intermediate_size": 32},
+                "OlmoeForCausalLM": {"num_experts": 4}, "MixtralForCausalLM": {"num_local_experts": 4}}[arch])
+    return {**cfg, **changes}
+
+
+def test_config_defaults_and_layer_kinds_follow_transformers():
+    """Fields a config.json leaves out take transformers' defaults, and the layers' kinds (MoE or dense, sliding or
+    not) follow its Qwen2-MoE rules: MoE every decoder_sparse_step-th layer, sliding windows only with
+    use_sliding_window, on odd-numbered layers below max_window_layers."""
+    q2 = parse_config(_config("Qwen2MoeForCausalLM"))
+    assert q2.moe_layers == (0, 1, 2, 3, 4) and q2.kv_heads == 4 and q2.head_dim == 16 and not q2.tie_word_embeddings
+    assert q2.qkv_bias and not q2.norm_topk_prob and q2.sliding_windows == (None,) * 5
+    assert parse_config(_config("Qwen2MoeForCausalLM", sliding_window=8)).sliding_windows == (None,) * 5
+    slide = parse_config(_config("Qwen2MoeForCausalLM", use_sliding_window=True, sliding_window=8, max_window_layers=2))
+    assert slide.sliding_windows == (8, None, None, None, None)
+    q3 = parse_config(_config("Qwen3MoeForCausalLM", attention_bias=True))
+    assert not q3.norm_topk_prob and q3.qkv_bias and q3.o_bias
+    assert parse_config(_config("OlmoeForCausalLM", sliding_window=8)).sliding_windows == (None,) * 5
+    mx = parse_config(_config("MixtralForCausalLM", head_dim=32, sliding_window=8))
+    assert (mx.head_dim, mx.experts, mx.sliding_windows) == (32, 4, (8,) * 5)
+    eos = parse_config(_config("OlmoeForCausalLM", eos_token_id=2), {"eos_token_id": [2, 7]})
+    assert (eos.eos_token_id, eos.eos_token_ids) == (2, (2, 7))
+    with pytest.raises(CheckpointError, match="partial_rotary_factor"):
+        parse_config(_config("Qwen3MoeForCausalLM", partial_rotary_factor=0.5))
+    assert parse_config({**_config("MixtralForCausalLM", model_type="mixtral"), "architectures": []}).arch == "mixtral"
+    with pytest.raises(CheckpointError, match="unsupported architecture MixtralForSequenceClassification"):
+        parse_config(_config("MixtralForCausalLM", architectures=["MixtralForSequenceClassification"],
+                             model_type="mixtral"))
 
 
 def test_tokenizer_and_chat_template(tmp_path):
@@ -113,6 +177,36 @@ def test_tokenizer_and_chat_template(tmp_path):
     assert plain.chat_template is None
     with pytest.raises(UserError, match="chat template"):
         plain.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_special_tokens_as_added_token_dicts_and_config_json_s_eos_first(base, tmp_path):
+    """Older tokenizer_config.json files spell special tokens as AddedToken dicts; config.json's EOS id wins over the
+    tokenizer's EOS token."""
+    from pwruntime.model.tokenizer import Tokenizer
+
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": {"content": "</s>"}}))
+    tok = Tokenizer(base / "tokenizer.json", cfg)
+    assert (tok.bos_token, tok.bos_id, tok.eos_token, tok.eos_id) == ("<s>", 1, "</s>", 2)
+    assert Tokenizer(base / "tokenizer.json", cfg, eos_token_id=5).eos_id == 5
+    bare = Tokenizer(base / "tokenizer.json", None, eos_token_id=2)   # no tokenizer_config.json: the EOS id names it
+    assert (bare.eos_token, bare.bos_token, bare.bos_id) == ("</s>", None, None)
+
+
+def test_the_chat_template_is_the_default_of_a_named_list_else_chat_template_jinja(base, tmp_path):
+    from pwruntime.model.tokenizer import Tokenizer
+
+    shutil.copy(base / "tokenizer.json", tmp_path / "tokenizer.json")
+    (tmp_path / "chat_template.jinja").write_text("from the jinja file")
+    cfg = tmp_path / "tokenizer_config.json"
+    named = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "plain"}]
+    for template, want in ((named, "plain"), ("from the config", "from the config"), (None, "from the jinja file")):
+        cfg.write_text(json.dumps({"chat_template": template}))
+        assert Tokenizer(tmp_path / "tokenizer.json", cfg).chat_template == want
+    cfg.write_text(json.dumps({"chat_template": "{{ bos_token }}{{ messages[0]['content'] }}{{ eos_token }}",
+                               "bos_token": "<s>", "eos_token": "</s>"}))
+    assert Tokenizer(tmp_path / "tokenizer.json", cfg).apply_chat_template([{"role": "user", "content": "ba"}]) == \
+        "<s>ba</s>"
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp16", 0.05), ("bf16", 0.3)])
@@ -141,3 +235,11 @@ def test_tied_embeddings(tmp_path):
     got = model.logits(model.forward(torch.tensor(ids), torch.arange(6), model.new_kv_cache(2, 4),
                                      prefill_metadata(6, 4)).hidden)
     assert torch.allclose(got, ref, atol=1e-4, rtol=0)
+
+
+def test_tied_embeddings_count_once_in_the_weight_bytes_and_positions_must_match_the_ids(tmp_path):
+    model = load_model(make_tiny_checkpoint(tmp_path, "qwen3_moe", tie_word_embeddings=True))
+    assert model.lm_head.data_ptr() == model.embed.data_ptr()
+    assert model.weight_bytes() == sum(p.nbytes for p in model.parameters()) - model.lm_head.nbytes
+    with pytest.raises(ValueError, match="6 input ids and 5 positions"):
+        model.forward(torch.arange(1, 7), torch.arange(5), model.new_kv_cache(2, 4), prefill_metadata(6, 4))

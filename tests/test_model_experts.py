@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from model_fixtures import load_hf_model, make_tiny_checkpoint
 from pwruntime.model import DenseExpertStore, ExpertStore, load_model, prefill_metadata
-from pwruntime.model.experts import expert_groups, grouped_mm_moe, padded_moe
+from pwruntime.model.experts import checked_block_index, expert_groups, grouped_mm_moe, padded_moe
 
 
 def _naive_moe(gate_up, down, x, ids, weights):
@@ -47,6 +47,13 @@ def test_dense_store_matches_naive_definition():
     assert store.weight(1, 5, "down").shape == (h, inter)
     with pytest.raises(ValueError):
         store.weight(0, 0, "up")
+
+
+def test_a_block_index_exists_only_for_the_store_s_layers_and_experts():
+    assert checked_block_index(1, 7, "down", 2, 8) == (1 * 8 + 7) * 2 + 1   # the page table's row
+    for layer, expert in ((2, 0), (0, 8), (-1, 0)):
+        with pytest.raises(ValueError, match=f"no block L{layer}.E{expert}"):
+            checked_block_index(layer, expert, "gate_up", 2, 8)
 
 
 def test_expert_groups_cover_active_experts_once_within_the_padding_bound():

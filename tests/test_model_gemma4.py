@@ -42,6 +42,17 @@ def test_the_published_config_reads_as_the_card_says():
     assert per_token == card.kv_bytes_per_token() == 225_280
 
 
+def test_the_text_config_s_fields_come_first_and_absent_ones_take_transformers_defaults():
+    """A multimodal config's EOS ids are its text model's where it names them; embeddings are tied unless a config
+    says otherwise."""
+    hf = json.loads(json.dumps(read_card_json("Gemma-4-26B-A4B")["hf_config"]))
+    for cfg in (hf, hf["text_config"]):
+        cfg.pop("tie_word_embeddings", None)
+    hf["eos_token_id"], hf["text_config"]["eos_token_id"] = 1, [1, 106]
+    c = parse_config(hf)
+    assert c.tie_word_embeddings and c.eos_token_ids == (1, 106)
+
+
 def test_a_saved_checkpoint_reads_as_its_card_reads_it(tmp_path):
     """transformers 5 saves the global layers' geometry as per_layer_config: the card and the runtime both read it."""
     path = make_tiny_checkpoint(tmp_path, "gemma4")

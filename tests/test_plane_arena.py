@@ -117,6 +117,37 @@ def test_pack_moves_top_tensors_into_the_holes_below_keeping_content_and_telling
     assert slot(arena, plane(arena, 2)) == 2 and arena.moves == 4
 
 
+def test_a_moved_tensor_that_dies_late_leaves_its_old_slot_to_whoever_took_it_since(host_arena):
+    arena = host_arena({PLANE: 64})
+    ts = [plane(arena, v) for v in range(4)]
+    ts[0] = ts[1] = ts[2] = None   # three holes below slot 3: over the slack, so pack moves 3 down
+    late_view = []
+
+    def relocate(old, new):
+        late_view.append(old.view(-1))   # a view of the moved-from tensor outlives the move
+        ts[3] = new
+
+    batch = CopyBatch(torch.device("cpu"))
+    assert arena.pack(lambda t: True, relocate, batch) == 1 and slot(arena, ts[3]) == 0
+    batch.issue()
+    taken = [plane(arena, 10 + v) for v in range(3)]   # slots 1, 2 and the moved-from 3
+    assert [slot(arena, t) for t in taken] == [1, 2, 3]
+    late_view.clear()   # the old tensor dies now: slot 3 is not its any more
+    assert arena.holes() == 0 and slot(arena, plane(arena, 99)) == 4
+    assert torch.equal(taken[2], torch.full((16, 32), 12, dtype=torch.int32))
+
+
+def test_a_class_keeps_a_64th_of_its_bytes_in_holes_without_moving_anything(host_arena):
+    arena = host_arena({PLANE: 400})
+    ts = [plane(arena, v) for v in range(300)]
+    cls = arena._classes[PLANE]
+    for v in (10, 20, 30):   # 6 KiB of holes: over one 4 KiB step, within a 64th of the 600 KiB the class holds
+        ts[v] = None
+    assert cls.slack == cls.live * PLANE // 64 > 3 * PLANE
+    assert arena.pack(lambda t: True, lambda old, new: None, CopyBatch(torch.device("cpu"))) == 0
+    assert arena.holes() == 3
+
+
 def test_trim_gives_the_free_tail_back_beyond_the_slack(host_arena):
     arena = host_arena({PLANE: 256})
     cls = arena._classes[PLANE]
@@ -131,6 +162,38 @@ def test_trim_gives_the_free_tail_back_beyond_the_slack(host_arena):
     ts.append(plane(arena, 7))
     arena.trim()   # a tail within twice the slack stays: no resize back and forth at the edge
     assert buf.size == 2 * PLANE + cls.slack
+
+
+def test_a_buffer_grows_its_slack_ahead_and_keeps_a_tail_up_to_twice_the_slack(host_arena):
+    """Growth maps the class's slack beyond the slot it needs (not a driver call every slot or two), and a trim lets
+    go only a tail over twice the slack, so a class at the edge is not resized back and forth."""
+    arena = host_arena({PLANE: 256})
+    cls = arena._classes[PLANE]
+    buf = cls.buffer
+    ts = [plane(arena, v) for v in range(40)]
+    assert buf.calls.grants <= 40 * PLANE // (buf.step + PLANE) + 1
+    del ts[4:]
+    arena.trim()
+    assert buf.size == 4 * PLANE + cls.slack
+    del ts[3]   # a tail of the slack and one slot: within twice the slack
+    arena.trim()
+    assert buf.size == 4 * PLANE + cls.slack
+
+
+def test_holes_of_exactly_the_slack_stay_where_they_are(host_arena):
+    arena = host_arena({PLANE: 64})
+    ts = [plane(arena, v) for v in range(6)]
+    ts[1] = ts[2] = None   # 4 KiB: the class's slack (one step)
+    assert arena._classes[PLANE].slack == 2 * PLANE
+    assert arena.pack(lambda t: True, lambda old, new: None, CopyBatch(torch.device("cpu"))) == 0
+    assert arena.holes() == 2
+
+
+def test_slots_of_a_size_off_the_alignment_are_rounded_up_and_never_overlap(host_arena):
+    arena = host_arena({1000: 8})   # e.g. a [500] fp16 LUT: slots of 1024 bytes
+    a, b = arena.empty((500,), torch.float16).fill_(1), arena.empty((500,), torch.float16).fill_(2)
+    assert b.data_ptr() - a.data_ptr() == 1024   # the next 256-byte boundary (SLOT_ALIGN)
+    assert bool((a == 1).all()) and bool((b == 2).all())
 
 
 def _check_books(arena: PlaneArena, live: dict, pinned_sizes: set[int]) -> None:

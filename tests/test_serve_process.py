@@ -258,3 +258,33 @@ def test_record_trace_misuse_is_one_line_before_the_model_loads(tmp_path, capsys
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and needle in err[0] and "Traceback" not in err[0], err
     assert not (tmp_path / "t").exists()
+
+
+def test_the_engine_process_forwards_the_server_s_items_and_a_stop_once_the_server_is_gone():
+    """Its inbox thread passes what the server sends to the loop, then None (stop) when the pipe closes, so an
+    engine whose server died does not outlive it."""
+    import queue
+
+    from pwruntime.engine_process import _forward
+
+    class Pipe:
+        items = [("add", 1, [], False), ("abort", 1)]
+
+        def recv(self):
+            if self.items:
+                return self.items.pop(0)
+            raise EOFError
+
+    inbox: queue.Queue = queue.Queue()
+    _forward(Pipe(), inbox)
+    assert [inbox.get_nowait() for _ in range(3)] == [("add", 1, [], False), ("abort", 1), None]
+
+
+def test_a_recorder_that_served_nothing_writes_no_trace(tmp_path, capsys):
+    from policies.plan_log import PlanLog
+    from pwruntime.engine_process import _write_trace
+    from pwruntime.trace_recorder import TraceRecorder
+
+    _write_trace(TraceRecorder(card="PagedWeight-demo"), PlanLog(), str(tmp_path / "trace"))
+    assert "no request was served: no trace written" in capsys.readouterr().err
+    assert not (tmp_path / "trace").exists()

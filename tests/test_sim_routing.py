@@ -172,3 +172,43 @@ def test_the_recorder_records_a_recompute_as_the_next_attempt():
     r = rec.routing_trace()
     assert r.attempts.tolist() == [0] * 4 + [1] * 5 and r.position.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]
     assert r.expert_ids[:, 0].tolist() == [0] * 4 + [2] * 5
+
+
+def test_the_recorder_keeps_what_was_computed_of_the_requests_it_may_record(tmp_path):
+    """At most max_requests requests (later ones counted as skipped); each batch entry's routing is its own rows; a
+    request never routed (aborted before its first step) and routing past a request's finish are left out; a
+    request cut before it finished keeps the outputs it was routed for; a server's trace counts arrivals and its
+    plans' times from the first computed request's arrival."""
+    from pwruntime.model_runner import RoutingArrays
+    from pwruntime.trace_recorder import TraceRecorder
+    from traces.io import read_trace_dir
+    from traces.results import read_columns
+
+    rec = TraceRecorder(card="demo", max_requests=4)
+    rec.set_model(1, 200, 2)
+    for rid, t in ((7, 1.0), (3, 2.0), (9, 0.5), (12, 3.0), (20, 4.0)):   # 20 arrives past max_requests
+        rec.on_arrival(rid, t, [1, 2, 3])
+
+    def route(entries, first):
+        n = sum(k for *_, k in entries)
+        ids = np.stack([np.arange(first, first + n), np.arange(first, first + n) + 100], axis=-1)[None]
+        rec.on_routing(entries, RoutingArrays(ids, np.full((1, n, 2), 0.5, np.float32), np.ones((1, n), np.float32),
+                                              np.ones((1, n, 2), np.float32), tuple(k for *_, k in entries)))
+
+    route([(3, 0, 3), (7, 0, 3), (12, 0, 2)], 0)   # rows 0-2, 3-5, 6-7; 12's prompt is cut after 2 tokens
+    route([(3, 3, 1), (7, 3, 1)], 10)
+    rec.on_finish(3, 2)
+    route([(3, 4, 1), (7, 4, 1)], 20)               # 3 ran one step past its stop: not recorded
+    assert rec.skipped == 1 and rec.num_requests == 3   # 9 was never routed
+    r = rec.routing_trace()
+    got = {rid: r.expert_ids[r.request_id == rid, 0].tolist() for rid in (3, 7, 12)}
+    assert got == {3: [0, 1, 2, 10], 7: [3, 4, 5, 11, 21], 12: [6, 7]}
+    plans = {"step": np.array([1, 2]), "time_s": np.array([1.5, 2.5])}
+    trace = read_trace_dir(rec.write(tmp_path / "t", from_first_arrival=True, plans=plans))
+    assert trace.requests.request_id.tolist() == [7, 3, 12]   # arrival order
+    assert trace.requests.arrival_s.tolist() == [0.0, 1.0, 2.0]
+    assert trace.requests.output_tokens.tolist() == [3, 2, 1]   # 7: cut after two routed outputs and one sampled
+    assert read_columns(tmp_path / "t" / "plans.parquet")["time_s"].tolist() == [0.5, 1.5]
+    unrouted = TraceRecorder(card="demo")   # a recorder that saw no routing holds every request
+    unrouted.on_arrival(1, 0.0, [1, 2])
+    assert unrouted.num_requests == 1
