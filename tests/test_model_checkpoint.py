@@ -101,6 +101,21 @@ def test_a_cuda_device_without_a_gpu_is_a_user_error(base, monkeypatch):
         load_model(base, device="cuda")
 
 
+def test_a_tied_checkpoint_that_stores_its_own_lm_head_reads_it_as_transformers_does(base, tmp_path):
+    """tie_word_embeddings with an lm_head.weight of other values in the file: transformers keeps the stored head
+    (it ties only what the file leaves out), and so does the loader; without one the head is the embedding."""
+    path = _copy(base, tmp_path)
+    _edit_config(path, tie_word_embeddings=True)
+    state = load_file(str(path / "model.safetensors"))
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, str(path / "model.safetensors"))
+    ours, theirs = load_model(path), load_hf_model(path)
+    assert torch.equal(ours.lm_head, state["lm_head.weight"])
+    assert torch.equal(theirs.lm_head.weight, state["lm_head.weight"])
+    _drop_tensor(path, "lm_head.weight")
+    assert torch.equal(load_model(path).lm_head, state["model.embed_tokens.weight"])
+
+
 def test_missing_dir_and_missing_shard(tmp_path):
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nowhere")
