@@ -127,6 +127,11 @@ class _Loopback(EngineClient):
         self.sent.put(item)
 
 
+async def _next(live):
+    """The request's next event (a missing one fails the test instead of hanging it)."""
+    return await asyncio.wait_for(live.events.get(), 5)
+
+
 def test_a_client_whose_engine_is_gone_fails_requests_in_flight_and_later_with_a_503():
     async def run():
         client = _Loopback()
@@ -135,25 +140,20 @@ def test_a_client_whose_engine_is_gone_fails_requests_in_flight_and_later_with_a
         key = client.sent.get_nowait()[1]
         assert key == first.key
         client._deliver([(first.key, ("delta", (0, [1], [], None))), (second.key, ("done", (0, "out")))])
-        assert await first.events.get() == ("delta", (0, [1], [], None))
-        assert await second.events.get() == ("done", (0, "out"))
+        assert await _next(first) == ("delta", (0, [1], [], None))
+        assert await _next(second) == ("done", (0, "out"))
         client._fail_all("the engine process exited (exit code -9)")
         assert not client.alive
-        assert await first.events.get() == ("error", (503, "the engine process exited (exit code -9)"))
+        assert await _next(first) == ("error", (503, "the engine process exited (exit code -9)"))
         assert second.events.empty()  # it had finished: nothing more for it
         client.sent.get_nowait()  # the second request's "add"
         later = await client.submit([("c", SamplingParams())], stream=False)
-        assert await later.events.get() == ("error", (503, "the engine process exited (exit code -9)"))
+        assert await _next(later) == ("error", (503, "the engine process exited (exit code -9)"))
         with pytest.raises(RuntimeError, match="exit code -9"):
             await client.stats()
         assert client.sent.empty()  # nothing was sent to the engine that is gone
 
     asyncio.run(run())
-
-
-async def _next(live):
-    """The request's next event (a missing one fails the test instead of hanging it)."""
-    return await asyncio.wait_for(live.events.get(), 5)
 
 
 def test_a_client_forgets_a_request_when_its_last_choice_is_done_its_stats_come_or_its_client_leaves():
