@@ -42,6 +42,13 @@ def _narrow_tensor(path, name):
     save_file(state, str(path / "model.safetensors"))
 
 
+def _add_special_token(path, token):
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([token])   # an added token: its id is past the model's vocabulary
+    tok.save(str(path / "tokenizer.json"))
+
+
 def _bin_only(path):
     (path / "model.safetensors").rename(path / "pytorch_model.bin")
 
@@ -58,6 +65,8 @@ BREAKERS = {
                       ["model.layers.0.mlp.gate.weight", "[4, 60]", "[4, 64]"]),
     "missing tensor": (lambda p: _drop_tensor(p, "model.layers.1.mlp.shared_expert_gate.weight"),
                        ["model.layers.1.mlp.shared_expert_gate.weight", "missing"]),
+    "tokenizer past the vocab": (lambda p: _add_special_token(p, "<extra>"),
+                                 ["tokenizer.json has 129 tokens", "vocab_size is 128"]),
     "bad json": (lambda p: (p / "config.json").write_text("{not json"), ["config.json", "cannot read"]),
     "json not an object": (lambda p: (p / "config.json").write_text("[1, 2]"), ["config.json", "not a JSON object"]),
     "empty index": (lambda p: (p / "model.safetensors.index.json").write_text('{"weight_map": {}}'),
