@@ -612,6 +612,19 @@ def test_gpu_prefill_takes_the_grouped_gemm_for_small_experts_in_bf16():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a GPU of compute capability 9.0 or newer (the grouped GEMM)")
+def test_gpu_a_prefill_chunk_that_just_holds_every_expert_reads_nothing_back():
+    """Every expert of the layer in one chunk, with no byte to spare, still runs without reading the experts' row
+    counts back (a capturable prefill); one byte less and it must read them."""
+    shape, x = MoEShape(64, 4096, 1024, 8), torch.zeros(100, 4096, dtype=torch.bfloat16, device="cuda")
+    exact = shape.num_experts * 3 * shape.hidden * shape.intermediate * x.element_size()
+    assert device_store.prefill_group_limits(shape, x.element_size(), exact)[0] == shape.num_experts
+    assert not device_store.prefill_syncs(shape, x, exact)
+    assert device_store.prefill_syncs(shape, x, exact - 1)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arena", [False, True], ids=["torch-allocator", "plane-arena"])
 def test_gpu_offload_frees_device_memory_and_reload_restores_it(ap_path, arena):
     """Offloads free exactly their surplus (the allocator's tensors, or the plane arena's slots once packed), and
