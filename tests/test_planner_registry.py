@@ -26,6 +26,7 @@ def test_policy_args_take_the_usual_spellings(args, want):
 
 def test_model_dims_of_a_page_table_and_synthetic_seeds():
     assert model_dims(PageTable(2, 4, 256, 128)) == (2, 4, 256, 128)
+    assert model_dims(PageTable(2, 4, 512, 96)) == (2, 4, 512, 96)  # hidden != 2 * intermediate: not swapped
     assert [synthetic_seed(s, 5) for s in ("synthetic", "synthetic:3", "runs/cal")] == [5, 3, None]
     for bad in ("synthetic:-1", "synthetic:x"):
         with pytest.raises(ValueError, match="integer >= 0"):
@@ -122,3 +123,12 @@ def test_synthetic_from_a_model_card():
     assert model_dims(spec) == (16, 64, 2048, 1024)
     cal = synthetic_calibration(spec, seed=0)
     assert cal.fingerprint == spec.fingerprint() and cal.num_blocks == 16 * 64 * 2
+
+
+def test_synthetic_residual_heads_only_for_lower_bitwidths():
+    """Heads exist for every b -> b' < b of each kind, none for b -> b (no change) or b -> b' > b."""
+    cal = synthetic_calibration(PageTable(2, 4, 256, 128), seed=0)
+    for k in (0, 1):
+        for b in cal.bits:
+            for b2 in cal.bits:
+                assert (cal.residual_confidence[k, b, b2] > 0) == (b2 < b), (k, b, b2)

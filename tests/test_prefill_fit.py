@@ -187,3 +187,13 @@ def test_misuse_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("pwsim prefill-fit: error:") and needle in err[0], err
     assert not out.exists() and not fitted.exists()
+
+
+def test_a_row_with_more_active_experts_than_routed_slots_is_refused():
+    """5 tokens of OLMoE (top-8) route 40 slots: 60 active experts cannot be, though OLMoE has 64."""
+    from traces.clikit import UserError
+    prof = replace(load_profile("h200-roofline"), ap_fused_max_tokens=4, ap_fused_launch_tokens=4)
+    card = card_for("olmoe-1b-7b")
+    assert layer_ms(card, prof, BenchRow("olmoe-1b-7b", 5, 4, 40, 1.0)) > 0
+    with pytest.raises(UserError, match="more than"):
+        layer_ms(card, prof, BenchRow("olmoe-1b-7b", 5, 4, 60, 1.0))

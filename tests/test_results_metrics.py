@@ -51,3 +51,11 @@ def test_a_sweep_row_and_its_table_in_the_units_they_name():
     text = table([row])
     assert f"{s['ttft_s']['p50'] * 1e3:.2f}" in text and f"{s['tpot_s']['p99'] * 1e3:.2f}" in text
     assert "ms" in text.splitlines()[0]
+
+
+def test_concurrency_levels_must_be_distinct():
+    from traces.clikit import UserError
+    from traces.sweep import parse_levels
+    assert parse_levels("1,4,16") == [1, 4, 16] and parse_levels(None) == [None]
+    with pytest.raises(UserError, match="distinct"):
+        parse_levels("4,4")

@@ -531,3 +531,31 @@ def test_numpy_numbers_in_a_plan_become_ints():
     (started,) = result.started
     assert started == t and all(type(v) is int for v in (started.block, started.from_bits, started.to_bits,
                                                           started.delta_bytes))
+
+
+def test_routing_mass_decay_counts_tokens_against_the_half_life():
+    """4 tokens with an 8-token half-life decay the earlier mass by 0.5 ** 0.5, not 0.5 ** 2."""
+    rm = RoutingMass(1, 2, half_life_tokens=8.0)
+    rm.update(np.zeros((1, 4, 1), int), np.ones((1, 4, 1)))
+    rm.update(np.ones((1, 4, 1), int), np.ones((1, 4, 1)))
+    old = 4 * 0.5 ** 0.5
+    np.testing.assert_allclose(rm.mass(), [[old / (old + 4), 4 / (old + 4)]])
+    with pytest.raises(ValueError):
+        RoutingMass(1, 2, half_life_tokens=0)
+
+
+def test_routing_stats_folds_once_held_slots_reach_hold_slots_exactly():
+    stats = RoutingStats(1, 2, half_life_tokens=None, features=False, hold_slots=4)
+    step = (np.zeros((1, 4, 1), int), np.ones((1, 4, 1)))
+    stats.add(["a"], [4], *step)
+    assert stats.routing.tokens_seen == 0  # held, not folded yet
+    stats.add(["a"], [4], *step)  # the held step routes exactly hold_slots slots: folded before holding this one
+    assert stats.routing.tokens_seen == 4
+
+
+def test_routing_stats_without_both_norms_keeps_only_the_routing_mass():
+    """A step given only the gate_up norms keeps no prompt features (both norm arrays are needed)."""
+    stats = RoutingStats(1, 2, half_life_tokens=None)
+    stats.add(["a"], [2], np.zeros((1, 2, 1), int), np.ones((1, 2, 1)), gate_up_in_norm=np.ones((1, 2)))
+    np.testing.assert_allclose(stats.mass(), [[1.0, 0.0]])
+    assert np.all(stats.sequence_features("a") == 0)

@@ -172,3 +172,47 @@ def test_layer_launch_overhead_is_charged_over_every_decoder_layer_dense_ones_to
     q = np.full(dense.moe_layers * dense.experts * 2, 4)
     empty = cm.iteration(BatchShape.of([], [], 0), q, np.zeros((dense.moe_layers, dense.experts)))
     assert empty.total == empty.overhead == pytest.approx((100.0 + 24 * 10.0) * 1e-6)
+
+
+def test_a_window_the_context_never_reaches_costs_what_no_window_does():
+    """A 1000-token prefill on Gemma 4 (window 1024): its sliding layers see every causal pair, as full ones do."""
+    from dataclasses import replace
+    card, prof = load_card("gemma-4-26b-a4b"), load_profile("h200-roofline")
+    b = BatchShape.of([1000], [0], 1)
+    windowed, unwindowed = CostModel(card, prof), CostModel(replace(card, sliding_window=0), prof)
+    assert windowed.window == 1024 and unwindowed.window == 0
+    assert windowed.attention(b) == pytest.approx(unwindowed.attention(b), rel=1e-12)
+
+
+def test_a_long_decode_reads_the_window_on_sliding_layers_and_everything_on_global_ones():
+    card, prof = load_card("gemma-4-26b-a4b"), load_profile("h200-roofline")
+    cm = CostModel(card, prof)
+    per_layer = {l: 2 * card.attention_geometry(l)[1] * card.attention_geometry(l)[0] * 2 for l in range(card.layers)}
+    assert card.global_layers and cm.kv_full == sum(per_layer[l] for l in card.global_layers)
+    b = BatchShape.of([1], [5000], 1)
+    proj = float(_roof(cm.attn_weight_bytes, cm.attn_weight_flops_per_token, cm.bw["attention"], cm.rate))
+    assert cm.attention(b) - proj == pytest.approx((cm.kv_full * 5001 + cm.kv_slide * 1024) / cm.bw["kv"], rel=1e-9)
+
+
+def test_dense_parameters_are_the_model_less_attention_routed_experts_and_embeddings(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    attention = sum(card.attention_params(l) for l in range(card.layers))
+    assert cm.dense_params + attention + card.routed_expert_params() + card.embedding_params() == card.total_params()
+
+
+def test_dense_reads_each_token_s_activations(qwen):
+    """Even where the dense weights' read dominates, a batch of more tokens reads more activations."""
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    assert cm.dense(BatchShape.of([2], [0], 1)) > cm.dense(BatchShape.of([1], [0], 1))
+
+
+def test_moe_batch_tokens_default_to_the_busiest_layer_over_top_k(qwen):
+    card, prof = qwen
+    cm = CostModel(card, prof)
+    q = np.full(card.moe_layers * card.experts * 2, 4)
+    tok = _decode_routing(card.moe_layers, card.experts, active=card.top_k)  # one token a layer ...
+    tok[0, :card.top_k] = 200  # ... but 200 in layer 0: beyond the fused kernel's batch
+    assert cm.moe(q, tok) == cm.moe(q, tok, batch_tokens=200)
+    assert cm.moe(q, tok) != cm.moe(q, tok, batch_tokens=1)

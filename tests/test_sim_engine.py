@@ -565,3 +565,24 @@ def test_weights_and_kv_beyond_the_budget_less_the_activation_reserve_are_a_viol
     assert res.summary["completed"] == 8 and res.summary["memory"]["budget_violations"] == len(res.violations) > 8
     assert {v["budget_bytes"] for v in res.violations} == {sim.cfg.budget_bytes - 6 * block}
     assert {v["excess_bytes"] for v in res.violations} == {block}
+
+
+def test_a_budget_that_exactly_holds_the_weights_is_accepted():
+    """The weights may fill the budget to the byte: no KV room left is not a refusal."""
+    sim = tiny_sim("uniform-8", kv_blocks=0)
+    assert sim.pool.capacity == 0
+
+
+def test_routing_reads_are_charged_in_microseconds_as_planning():
+    """Each boundary whose planner read the routing charges the profile's routing_read_us (microseconds)."""
+    prof = replace(load_profile("h200-roofline"), routing_read_us=250.0, plan_transition_us=0.0)
+    res = tiny_sim("pagedweight", kv_blocks=12, profile=prof).run()
+    reads = res.summary["counters"]["routing_reads"]
+    assert reads > 0
+    charged = res.summary["cost_breakdown_s"]["planning"] / 250e-6  # the last boundary's read precedes no forward
+    assert charged == pytest.approx(round(charged)) and reads - 1 <= round(charged) <= reads
+
+
+def test_more_warmup_requests_than_the_trace_warms_up_with_the_whole_trace():
+    res = tiny_sim("pagedweight", kv_blocks=12, n=5, warmup_requests=8).run()
+    assert res.summary["completed"] == 5

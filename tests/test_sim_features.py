@@ -154,3 +154,16 @@ def test_rows_start_on_cache_lines_and_survive_growth():
     for a in (f._acc, f._feat):
         assert a.ctypes.data % 64 == 0 and a.flags.c_contiguous and a.shape == (8, f.num_blocks, 4)
     assert np.allclose(f.merged({s: 1 for s in range(5)})[0], [2.0, 2.0, 2.0])
+
+
+def test_update_batch_with_a_sequence_twice_equals_two_updates():
+    """Two steps' single tokens of one sequence in one batch both count (none is overwritten by the other)."""
+    ids = np.zeros((1, 2, 1), dtype=np.int64)
+    w = np.ones((1, 2, 1))
+    gu, dn = np.array([[1.0, 3.0]]), np.array([[[2.0], [4.0]]])
+    batched, stepwise = BatchedPromptFeatures(1, 2), BatchedPromptFeatures(1, 2)
+    batched.update_batch(["s", "s"], [1, 1], ids, w, gu, dn)
+    for t in range(2):
+        stepwise.update("s", ids[:, t:t + 1], w[:, t:t + 1], gu[:, t:t + 1], dn[:, t:t + 1])
+    np.testing.assert_allclose(batched.sequence_features("s"), stepwise.sequence_features("s"))
+    np.testing.assert_allclose(batched.sequence_features("s")[0], [2.0, np.sqrt(5.0), 3.0])  # gate_up: mean, rms, max

@@ -134,3 +134,11 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
 def test_reloads_cross_the_host_to_device_link():
     p = load_profile("h200-roofline")
     assert p.pcie_h2d_gbps != p.pcie_d2h_gbps and p.h2d_bytes_per_s == p.pcie_h2d_gbps * 1e9
+
+
+def test_a_profile_may_achieve_the_full_flops_rate():
+    from dataclasses import replace
+    p = replace(load_profile("h200-roofline"), achieved_flops_fraction=1.0)  # validated on construction: accepted
+    assert p.achieved_flops_fraction == 1.0
+    with pytest.raises(HardwareProfileError, match="achieved_flops_fraction must be <= 1"):
+        replace(p, achieved_flops_fraction=1.5)

@@ -111,3 +111,11 @@ def test_bad_fit_files_are_refused(tmp_path):
         load_fit_points(p)
     with pytest.raises(QualityError):
         fit_perplexity(np.array([1.0, 1.0]), np.array([2.0, 3.0]))
+
+
+def test_a_relative_fit_measures_each_domain_from_its_least_damaged_point():
+    """With domains, log perplexity is taken relative to each domain's lowest-damage (reference) point."""
+    x = np.array([0.0, 1.0, 0.0, 1.0])
+    ppl = np.array([10.0, 10.0 * np.e, 20.0, 20.0 * np.e])
+    f = fit_perplexity(x, ppl, domains=["a", "a", "b", "b"])
+    assert f.relative and f.a == pytest.approx(0.0, abs=1e-12) and f.b == pytest.approx(1.0)

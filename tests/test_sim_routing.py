@@ -212,3 +212,54 @@ def test_the_recorder_keeps_what_was_computed_of_the_requests_it_may_record(tmp_
     unrouted = TraceRecorder(card="demo")   # a recorder that saw no routing holds every request
     unrouted.on_arrival(1, 0.0, [1, 2])
     assert unrouted.num_requests == 1
+
+
+def test_a_later_recompute_falls_back_on_the_latest_recorded_attempt():
+    """Request 11 was recorded twice (attempts 0, 1), request 10 three times: 11's third computation replays its
+    attempt 1, the latest it has, not its first."""
+    from traces.schema import RequestTrace, RoutingTrace
+    rows = [(10, a, p, [a, a + 1]) for a in range(3) for p in range(2)] \
+        + [(11, 0, p, [0, 3]) for p in range(2)] + [(11, 1, p, [1, 3]) for p in range(2)]
+    rid, att, pos, ids = zip(*rows)
+    trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
+                         np.full((len(rows), 2), 0.5), attempt=np.array(att))
+    requests = RequestTrace.from_columns(np.array([10, 11]), np.zeros(2), np.array([1, 1]), np.array([1, 1]),
+                                         np.array(["x", "x"], dtype=object))
+    tr = TraceRouting.from_trace(trace, requests)
+    got = [tr.route(np.array([1]), np.array([0]), np.array([2])).ids[0, 0].tolist() for _ in range(3)]
+    assert got == [[0, 3], [1, 3], [1, 3]]
+
+
+def test_a_request_without_routing_rows_is_a_trace_error():
+    from traces.schema import RequestTrace
+    trace = _without_attempts(_routing_with_a_recompute())
+    requests = RequestTrace.from_columns(np.array([10, 11, 12]), np.zeros(3), np.array([3, 1, 1]),
+                                         np.array([2, 1, 1]), np.array(["x"] * 3, dtype=object))
+    with pytest.raises(TraceError, match="request 12 has no routing rows"):
+        TraceRouting.from_trace(trace, requests)
+
+
+def test_popularity_routing_past_a_request_s_length_reuses_its_last_position():
+    src = PopularityRouting(np.ones((1, 2, 4)), np.array([0]), np.array([3]), top_k=2, seed=1)
+    last = src.route(np.array([0]), np.array([2]), np.array([1]))
+    past = src.route(np.array([0]), np.array([2]), np.array([3]))
+    assert np.array_equal(past.ids, np.repeat(last.ids, 3, axis=1))
+
+
+def test_popularity_routing_may_route_to_every_expert():
+    src = PopularityRouting(np.ones((1, 1, 3)), np.array([0]), np.array([4]), top_k=3, seed=0)
+    ids = src.route(np.array([0]), np.array([0]), np.array([4])).ids
+    assert (np.sort(ids, axis=2) == np.arange(3)).all()
+    with pytest.raises(ValueError, match="top_k"):
+        PopularityRouting(np.ones((1, 1, 3)), np.array([0]), np.array([4]), top_k=4)
+    with pytest.raises(ValueError, match="positive length"):
+        PopularityRouting(np.ones((1, 1, 3)), np.array([0]), np.array([0]), top_k=1)
+
+
+def test_popularity_routing_draws_each_norm_around_its_own_scale():
+    """gate_up norms centre on exp(gate_up_mu), down norms on exp(down_mu): the columns are not mixed up."""
+    src = PopularityRouting(np.ones((1, 1, 8)), np.array([0]), np.array([2000]), top_k=2, seed=3,
+                            gate_up_mu=np.log(20.0), down_mu=np.log(5.0))
+    r = src.route(np.array([0]), np.array([0]), np.array([2000]))
+    assert np.median(r.gate_up_norm) == pytest.approx(20.0, rel=0.05)
+    assert np.median(r.down_norm) == pytest.approx(5.0, rel=0.05)

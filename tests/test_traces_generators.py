@@ -154,3 +154,11 @@ def test_synthetic_features_are_positive_and_shaped():
     rt = generate_routing(_requests(20, prompt=3), CARD, RoutingSpec(features=True), seed=0)
     assert rt.gate_up_in_norm.shape == (len(rt),) and rt.down_in_norm.shape == (len(rt), CARD.top_k)
     assert (rt.gate_up_in_norm > 0).all() and (rt.down_in_norm > 0).all()
+
+
+def test_the_drift_walk_starts_at_zero_and_widens_with_time():
+    """At the first arrival the popularity logits have not drifted yet; later grid points have."""
+    from traces.generators import drift_walk
+    grid, walk = drift_walk(np.linspace(0.0, 10.0, 50), 2, 8, 0.5, np.random.default_rng(0), max_steps=16)
+    assert grid[0] == 0.0 and len(grid) == 16
+    assert np.all(walk[0] == 0) and np.abs(walk[-1]).max() > 0

@@ -331,3 +331,73 @@ def test_atomic_writes_follow_the_umask_not_tempfiles_private_modes(tmp_path):
     assert stat.S_IMODE(f.stat().st_mode) == 0o644
     assert stat.S_IMODE(d.stat().st_mode) == 0o755
     assert {stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()} == {0o644}
+
+
+def test_request_summary_rate_and_percentiles():
+    """Five requests over 2 s arrive at 2/s (four gaps); p99 of lengths 1..100 is 99.01, not p95."""
+    req = RequestTrace.from_columns(np.arange(5), np.array([0.0, 0.5, 1.0, 1.5, 2.0]), np.array([1, 2, 3, 4, 5]),
+                                    np.ones(5, int), ["a"] * 5)
+    s = req.summary()
+    assert s["duration_s"] == 2.0 and s["rate_per_s"] == 2.0
+    req = RequestTrace.from_columns(np.arange(100), np.zeros(100), np.arange(1, 101), np.ones(100, int), ["a"] * 100)
+    assert req.summary()["prompt_tokens"]["p99"] == pytest.approx(99.01)
+
+
+def test_request_domain_index_and_negative_token_id_rows():
+    with pytest.raises(TraceError, match="domain index 1 out of range"):
+        RequestTrace(np.arange(2), np.zeros(2), np.ones(2), np.ones(2), np.array([0, 1]), ("a",))
+    with pytest.raises(TraceError, match=r"row 1: negative token id -3"):  # the row of the request holding it
+        RequestTrace.from_columns(np.arange(3), np.zeros(3), np.array([2, 2, 1]), np.ones(3, int), ["a"] * 3,
+                                  prompt_token_ids=[[1, 2], [-3, 3], [4]])
+
+
+def _tiny_routing(**kw):
+    """Request 0, two positions of one layer; then request 0's recompute (attempt 1) of position 0."""
+    args = dict(request_id=np.zeros(3), position=np.array([0, 1, 0]), layer=np.zeros(3),
+                expert_ids=np.array([[0, 1], [2, 3], [1, 2]]), weights=np.array([[0.75, 0.25], [0.5, 0.5], [1.0, 0.0]]),
+                attempt=np.array([0, 0, 1]))
+    args.update(kw)
+    return RoutingTrace("OLMoE-1B-7B-0924", 1, 40, 2, **args)
+
+
+def test_routing_sorted_orders_attempts_before_positions():
+    back = _tiny_routing(position=np.array([0, 1, 0]), attempt=np.array([1, 0, 0]))
+    assert not back.is_sorted() and _tiny_routing().is_sorted()  # attempt 1's position 0 follows attempt 0's 1
+    s = back.sorted()
+    assert s.is_sorted() and s.attempts.tolist() == [0, 0, 1] and s.position.tolist() == [0, 1, 0]
+
+
+def test_routing_mass_summary_and_card_check():
+    rt = _tiny_routing()
+    mass = rt.routing_mass()
+    assert mass.sum() == pytest.approx(1.0) and mass[0, :4] == pytest.approx([0.75 / 3, 1.25 / 3, 0.5 / 3, 0.5 / 3])
+    two = RoutingTrace("x", 2, 4, 2, np.zeros(2), np.zeros(2), np.array([0, 1]), np.array([[0, 1], [0, 1]]),
+                       np.array([[1.0, 1.0], [0.5, 0.0]]))
+    assert two.routing_mass().tolist() == [[0.5, 0.5, 0, 0], [1.0, 0, 0, 0]]  # each layer's row sums to 1
+    # experts 40 // 10 = 4 hottest: expert 4 and beyond hold nothing, so they hold all of it
+    assert rt.summary()["hottest_10pct_mass"] == pytest.approx(1.0)
+    from types import SimpleNamespace
+    rt.check_model(SimpleNamespace(name="olmoe-1b-7b-0924", moe_layers=1, experts=40, top_k=2))  # names ignore case
+    with pytest.raises(TraceError, match="not a valid MoE shape"):
+        RoutingTrace("OLMoE-1B-7B-0924", 0, 40, 2, np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, 2)),
+                     np.zeros((0, 2)))
+
+
+def test_reader_edge_values_null_rows_and_boolean_metadata(tmp_path, small):
+    """An int64 column at the target type's maximum fits; a null first in a row's list names that row; a boolean is
+    not an integer in the metadata."""
+    _, rt = small
+    f = tmp_path / "edge.parquet"
+    base = tio.routing_table(rt)
+    layer = rt.layer.astype(np.int64).copy()
+    layer[0] = np.iinfo(np.int16).max
+    _write(_set(base, "layer", pa.array(layer)), f)
+    _raises(lambda: tio.read_routing(f), f, "layer", 0, "out of range")  # it fits int16: the range check speaks
+    ids = [list(r) for r in rt.expert_ids.tolist()]
+    ids[4][0] = None
+    _write(_set(base, "expert_ids", pa.array(ids, pa.list_(pa.int16()))), f)
+    _raises(lambda: tio.read_routing(f), f, "expert_ids", 4, "null inside a list")
+    meta = dict(base.schema.metadata)
+    meta[b"pagedweight"] = meta[b"pagedweight"].replace(b'"top_k": 8', b'"top_k": true')
+    _write(base.replace_schema_metadata(meta), f)
+    _raises(lambda: tio.read_routing(f), f, "metadata.top_k", None, "lacks a valid 'top_k'")
