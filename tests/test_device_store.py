@@ -401,6 +401,7 @@ def test_a_page_table_of_another_size_is_refused(ap_path):
         with pytest.raises(ValueError, match="page table has"):
             dev.attach_table(other)
 
+
 def test_offload_to_zero_bits_and_back(ap_path):
     _, table, dev = stores(ap_path, 5)
     mover = CudaPageMover(dev)
