@@ -238,6 +238,22 @@ def test_a_kv_pool_resize_charges_the_cache_s_copy():
     assert res.summary["counters"]["kv_resizes"] > 5  # under pressure the pool follows the planes
 
 
+def test_an_expert_missing_only_its_gate_up_is_absent_for_a_forward():
+    """An expert needs both blocks: one whose gate_up planes are all gone (its down resident) makes a forward that
+    routes to it wait for a fetch, and run anyway, counted, when no planner fetches it."""
+    sim = tiny_sim("noop", kv_blocks=16, n=2)
+    gate_up = sim.table.index(0, 0, 0)
+    sim.table.begin_offload(gate_up, 0)
+    sim.table.finish_offload(gate_up)
+    sim._refresh()   # the page table changed outside a plan step: the weight bytes follow it
+    used = np.zeros((sim.table.layers, sim.table.experts), bool)
+    used[0, 0] = True
+    assert list(sim._wait_for_absent(used)) == []   # nothing in flight to wait on: noop plans no fetch
+    assert sim.rec.counters["forwards_with_absent_experts"] == 1
+    used[0, 0], used[0, 1] = False, True            # an expert with both blocks resident: no wait
+    assert list(sim._wait_for_absent(used)) == [] and sim.rec.counters["forwards_with_absent_experts"] == 1
+
+
 def test_weight_accounting_matches_the_page_table():
     sim = tiny_sim("pagedweight", kv_blocks=16, n=20, slack=256 * 1024)
     sim.run()
