@@ -258,8 +258,7 @@ class GrowableBuffer:
     def rows(self, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor [rows, *row_shape] over the whole reserved range. Only the rows inside the mapped front may be
         touched: slice it to the size asked for. It does not own the memory, so it must not outlive the buffer."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        shape = (self.capacity // (torch.Size(row_shape).numel() * elem), *row_shape)
+        shape = (self.capacity // (torch.Size(row_shape).numel() * dtype.itemsize), *row_shape)
         return wrap(self.ptr, shape, dtype, self.device, self)
 
 
@@ -267,14 +266,21 @@ def wrap(ptr: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     """A tensor of `shape` and `dtype` over memory at `ptr` that torch does not own, on `device` (CUDA, or the CPU for
     host memory). Its storage holds `owner` until the last tensor over it dies (the buffer behind the memory, or a
     slot of it: pwruntime.plane_arena), and lets it go then."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    face = {"shape": tuple(shape), "typestr": f"<i{elem}", "data": (ptr, False), "version": 3, "strides": None}
-    holder = _ArrayInterface(owner)   # an integer of the same width: bf16 has no type code
+    typestr = _TYPESTR.get(dtype) or f"<i{dtype.itemsize}"   # bf16 has no type code: an integer of its width
+    face = {"shape": tuple(shape), "typestr": typestr, "data": (ptr, False), "version": 3, "strides": None}
+    holder = _ArrayInterface(owner)
     if torch.device(device).type == "cuda":
         holder.__cuda_array_interface__ = face
-        return torch.as_tensor(holder, device=device).view(dtype)
-    holder.__array_interface__ = face
-    return torch.from_numpy(np.asarray(holder)).view(dtype)
+        t = torch.as_tensor(holder, device=device)
+    else:
+        holder.__array_interface__ = face
+        t = torch.from_numpy(np.asarray(holder))
+    return t if t.dtype == dtype else t.view(dtype)
+
+
+# the array-interface type codes of the dtypes that have one (a view costs the plane arena's every tensor a microsecond)
+_TYPESTR = {torch.int32: "<i4", torch.int16: "<i2", torch.int64: "<i8", torch.uint8: "|u1", torch.int8: "|i1",
+            torch.float16: "<f2", torch.float32: "<f4", torch.float64: "<f8"}
 
 
 class _ArrayInterface:
