@@ -33,7 +33,7 @@ from pwruntime.vmm import DriverCalls, GrowableBuffer, wrap
 
 SLOT_ALIGN = 256  # bytes: every slot starts on a 256-byte boundary (the kernels' 16-byte loads need 16)
 SLACK_SHARE = 64  # a class keeps up to 1/64 of its bytes free (_Class.slack)
-HANDLE_BYTES = 2 << 20  # physical handles of at most 2 MiB (the H200's granularity), so a trim gives back all it lets go
+MAX_HANDLE_BYTES = 32 << 20  # the largest physical handle a growth maps (_Class.handle_bytes)
 
 
 class ArenaFull(MemoryError):
@@ -58,6 +58,14 @@ class _Class:
         the driver's granularity. Under a plan's mixed offloads and reloads most of what one frees the next takes
         again, without a move or a driver call."""
         return max(self.buffer.step, self.live * self.size // SLACK_SHARE)
+
+    @property
+    def handle_bytes(self) -> int:
+        """The physical handles a growth maps: half the slack, at least the driver's step, at most 32 MiB. The driver
+        charges by the handle (about 100 us to map, grant and unmap one, whatever its size), and a growth maps the
+        slack ahead, so a class of a large model grows in two or three handles, not one a 2 MiB step; a trim, which
+        gives back only whole handles, then keeps less than half the slack past what it keeps on purpose."""
+        return min(MAX_HANDLE_BYTES, max(self.buffer.step, self.slack // 2))
 
     @property
     def top(self) -> int:
@@ -116,7 +124,7 @@ class PlaneArena:
         self._classes: dict[int, _Class] = {}
         for nbytes, count in sorted(sizes.items()):
             size = -(-int(nbytes) // SLOT_ALIGN) * SLOT_ALIGN
-            buffer = GrowableBuffer(size * int(count), self.device, max_handle=HANDLE_BYTES)
+            buffer = GrowableBuffer(size * int(count), self.device)
             self._classes[int(nbytes)] = _Class(size, buffer.capacity // size, buffer)
         self.moves = 0  # tensors `pack` has moved so far
 
@@ -125,7 +133,7 @@ class PlaneArena:
         """An uninitialized tensor in the lowest free slot of its size's class (ValueError for a size the arena has no
         class for, ArenaFull when the class's range is used up, VmmOutOfMemory when the device is)."""
         shape = tuple(int(d) for d in shape)
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         cls = self._classes.get(nbytes)
         if cls is None:
             raise ValueError(f"the plane arena has no class for tensors of {nbytes} bytes (it has {sorted(self._classes)})")
@@ -136,6 +144,7 @@ class PlaneArena:
                 raise ArenaFull(f"the plane arena's {nbytes}-byte class is full ({cls.capacity} tensors)")
             end = (k + 1) * cls.size
             if end > cls.buffer.size:   # its slack ahead, so that growth does not call the driver every few slots
+                cls.buffer.max_handle = cls.handle_bytes
                 cls.buffer.resize(min(end + cls.slack, cls.capacity * cls.size))
         return self._take(cls, k, shape, dtype)
 

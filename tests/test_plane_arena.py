@@ -180,6 +180,21 @@ def test_a_buffer_grows_its_slack_ahead_and_keeps_a_tail_up_to_twice_the_slack(h
     assert buf.size == 4 * PLANE + cls.slack
 
 
+def test_a_large_class_grows_in_a_few_handles_of_at_most_half_its_slack(host_arena):
+    """The driver charges by the handle, so a growth maps the slack ahead in two or three handles, not one a step,
+    and none over half the slack, so that a trim gives back nearly all it lets go."""
+    arena = host_arena({PLANE: 8192})
+    cls = arena._classes[PLANE]
+    buf = cls.buffer
+    ts = [plane(arena, v) for v in range(6000)]   # 12 MiB: a slack of 188 KiB, 47 steps of the fake's 4 KiB
+    assert cls.slack == 6000 * PLANE // 64 and cls.handle_bytes == cls.slack // 2
+    assert buf.calls.mapped <= 3 * buf.calls.grants and buf.calls.mapped < buf.size // buf.step // 3
+    assert buf.largest_handle <= cls.slack // 2
+    del ts[3000:]
+    arena.trim()
+    assert buf.size == 3000 * PLANE + cls.slack
+
+
 def test_holes_of_exactly_the_slack_stay_where_they_are(host_arena):
     arena = host_arena({PLANE: 64})
     ts = [plane(arena, v) for v in range(6)]

@@ -10,7 +10,8 @@ from pwruntime import vmm
 class HostBuffer:
     """A GrowableBuffer over a host tensor: `size` follows `resize` exactly and a shrink's memory is unmapped at once;
     with `growths_left` set, the growth after that many raises as the driver's out-of-memory does. `calls` counts a
-    growth's grant and the `step`s it maps or a shrink unmaps, as the driver's handles."""
+    growth's grant and the handles it maps (of `max_handle` bytes at most, a `step` unless told), and the `step`s a
+    shrink unmaps; `largest_handle` is the largest it mapped."""
     growths_left: int | None = None
     step = 4096
 
@@ -20,6 +21,8 @@ class HostBuffer:
         self.ptr = self._memory.data_ptr()
         self.closed = False
         self.calls = vmm.DriverCalls()
+        self.max_handle = max_handle or self.step
+        self.largest_handle = 0
 
     def resize(self, nbytes: int) -> None:
         if nbytes > self.capacity:
@@ -30,7 +33,9 @@ class HostBuffer:
             HostBuffer.growths_left -= 1
         if nbytes > self.size:
             self.calls.grants += 1
-            self.calls.mapped += -(-(nbytes - self.size) // self.step)
+            sizes = vmm.handle_sizes(self.size, nbytes, self.step, self.max_handle)
+            self.calls.mapped += len(sizes)
+            self.largest_handle = max(self.largest_handle, *sizes)
         else:
             self.calls.unmapped += (self.size - nbytes) // self.step
         self.size = self.mapped = nbytes
