@@ -20,6 +20,25 @@ def test_handle_sizes_cover_the_range_in_steps_no_larger_than_the_cap():
     assert vmm.round_up(0, 8) == 0 and vmm.round_up(9, 8) == 16 and vmm.round_up(16, 8) == 16
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint32, torch.float16, torch.bfloat16, torch.uint8])
+def test_wrap_makes_a_tensor_of_the_dtype_over_the_memory_that_holds_its_owner_until_the_last_view_dies(dtype):
+    memory = torch.arange(64, dtype=torch.uint8)
+    gone = []
+
+    class Owner:
+        def __del__(self):
+            gone.append(True)
+
+    t = vmm.wrap(memory.data_ptr() + 16, (2, 8 // dtype.itemsize), dtype, torch.device("cpu"), Owner())
+    assert t.dtype == dtype and t.shape == (2, 8 // dtype.itemsize) and t.data_ptr() == memory.data_ptr() + 16
+    assert torch.equal(t.view(torch.uint8).flatten(), memory[16:32])
+    view = t[1:]
+    del t
+    assert gone == []
+    del view
+    assert gone == [True]
+
+
 def test_the_kv_cache_off_cuda_is_torch_tensors_and_maps_nothing():
     kv = KVCache(2, 6, 4, 2, 8, scratch=True)
     assert not kv.buffers and kv.mapped_bytes == 0 and kv.peak_mapped_bytes == 0
