@@ -107,6 +107,18 @@ def test_metadata_from_the_copy_equals_metadata_from_the_lists():
         table_metadata([40], [1], TableRows.of([[1, 2]]), 4)
 
 
+
+def test_rows_without_a_block_yet_are_one_null_entry_wide_and_every_reader_takes_them():
+    """Tables given as lists that are all empty still make rows of width 1 (NULL): placing them leaves the callers'
+    fill as it is, and their metadata is a NULL table, where a zero-width array could not be gathered from."""
+    from pwruntime.model.attention_plan import place_block_tables
+    rows = TableRows.of([[], []])
+    assert rows.ids.shape == (2, 1) and (rows.ids == NULL_BLOCK).all() and rows.max_blocks == 0
+    out = np.full((2, 3), 5, np.int32)
+    place_block_tables(rows, out, 4, None, np.zeros(2, np.int64))
+    assert (out == 5).all()
+    assert table_metadata([0, 0], [0, 0], rows, 4).host_tables.tolist() == [[NULL_BLOCK], [NULL_BLOCK]]
+
 def test_a_pool_of_other_groups_is_refused():
     with pytest.raises(ValueError, match="KV groups"):
         BlockTables(2).batch(BlockPool(10, 4), [0])

@@ -561,6 +561,34 @@ def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path, host_arena,
     assert_rows_follow(engine.model.experts, engine.table)
 
 
+
+
+def test_a_plane_arena_holds_twice_the_planes_and_four_luts_a_block_while_frees_wait_for_the_device(
+        ap_path, host_arena, monkeypatch):
+    """A policy's resets reach the rows at once (`sync`), and what the rows stop naming waits for the device: every
+    block lowered to 3 bits and raised back to 8 (13 planes a block alive), then to 7 and back twice (15 planes, four
+    LUT_8: three retired and the row's), fits the arena; once the device passes the marks the held ones go."""
+    from pwruntime import stream_marks
+    _, table, dev = stores(ap_path, 8, arena=True)
+    gate = Gate()
+    monkeypatch.setattr(stream_marks, "mark", lambda device, stream=None, timing=False: Mark(gate, time.perf_counter()))
+    for bits in (3, 8, 7, 8, 7, 8):
+        table.initialize(bits)
+        dev.sync()
+        assert (dev.row_bits == bits).all()
+    assert_rows_follow(dev, table)
+    held = [t for _, ts in dev.deferred._held for t in ts]
+    assert len(held) == dev.num_blocks * (5 + 2 + 6)   # planes 3..7, plane 7 twice, and LUT 8, 3, 8, 7, 8, 7
+    assert dev.arena.live == sum(slot_bytes(t.nbytes) for i in range(dev.num_blocks)
+                                 for t in dev.resident(i)[0] + dev.resident(i)[1:]) + sum(slot_bytes(t.nbytes)
+                                                                                         for t in held)
+    gate.is_open = True
+    del held
+    dev.sync()
+    assert dev.deferred.nbytes == 0
+    assert dev.arena.live == sum(slot_bytes(t.nbytes) for i in range(dev.num_blocks)
+                                 for t in dev.resident(i)[0] + dev.resident(i)[1:])
+
 # ---------------------------------------------------------------------------------------------- GPU
 def rounded(nbytes: int) -> int:
     """What the caching allocator charges for a tensor of `nbytes` (512-byte granules)."""

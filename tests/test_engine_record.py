@@ -62,3 +62,24 @@ def test_bad_options_exit_2(tmp_path, capsys, extra, needle):
 def test_missing_text_exit_2(tmp_path, capsys):
     assert main(["record-trace", "--data", f"a={tmp_path / 'nope.txt'}", "--out", str(tmp_path / "o")]) == 2
     assert "nope.txt" in capsys.readouterr().err
+
+
+def test_a_domain_needs_more_tokens_than_the_longest_prompt(tmp_path, capsys):
+    """A prompt is cut from a random place before the text's last token: a domain of n tokens takes prompts of up to
+    n - 1 tokens, and one of n is refused with a clear error (no crash, nothing written)."""
+    from pwruntime.cmd_perplexity import default_model_dir, read_text
+    from pwruntime.model import load_model
+
+    path = tmp_path / "verse.txt"
+    path.write_text(TEXT["verse"][:150])
+    n = len(load_model(default_model_dir()).tokenizer.encode(read_text(path), add_special_tokens=False))
+
+    def record(name, tokens):
+        return main(["record-trace", "--data", f"verse={path}", "--out", str(tmp_path / name), "--requests-per-domain",
+                     "2", "--prompt-tokens", f"{tokens},{tokens}", "--output-tokens", "2,2"])
+    assert record("whole", n) == 2
+    err = capsys.readouterr().err
+    assert f"has only {n} tokens; it needs more than {n}" in err and "Traceback" not in err
+    assert not (tmp_path / "whole").exists()
+    assert record("fits", n - 1) == 0
+    assert set(read_trace_dir(tmp_path / "fits").requests.prompt_tokens.tolist()) == {n - 1}

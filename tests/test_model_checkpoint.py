@@ -233,6 +233,76 @@ def test_the_chat_template_is_the_default_of_a_named_list_else_chat_template_jin
         "<s>ba</s>"
 
 
+def test_the_chat_template_renders_as_transformers_renders_it(base, tmp_path):
+    """Jinja as transformers sets it up (block tags trim their newline and the indentation before them), the generation
+    prompt only when asked, extra variables passed through, and the template's raise_exception message as the error."""
+    import transformers
+    from pwruntime.model.tokenizer import Tokenizer
+
+    template = ("{% for m in messages %}\n"
+                "  {% if m['role'] == 'bad' %}{{ raise_exception('no role ' + m['role']) }}{% endif %}\n"
+                "{{ bos_token }}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n"
+                "  {% endfor %}\n"
+                "{% if add_generation_prompt %}{{ greeting }}:{% endif %}")
+    shutil.copy(base / "tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"chat_template": template, "bos_token": "<s>", "eos_token": "</s>"}))
+    ours = Tokenizer(tmp_path / "tokenizer.json", cfg)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    messages = [{"role": "user", "content": "ba be"}, {"role": "assistant", "content": "bi"}]
+    for generation_prompt in (True, False):
+        want = theirs.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
+                                          greeting="bo")
+        assert ours.apply_chat_template(messages, add_generation_prompt=generation_prompt, greeting="bo") == want
+    assert want == "<s>user: ba be</s>\n<s>assistant: bi</s>\n"
+    with pytest.raises(UserError, match="chat template failed: no role bad"):
+        ours.apply_chat_template([{"role": "bad", "content": "ba"}])
+
+
+def test_special_tokens_details_the_chat_template_and_the_prompt_budget_rely_on(base, tmp_path):
+    """config.json's EOS id leaves tokenizer_config.json's EOS token the templates' `eos_token`; a named template list
+    without a "default" gives its first; the longest token counts added tokens; a tokenizer_config.json that is not
+    UTF-8 is a checkpoint error."""
+    from pwruntime.model.tokenizer import Tokenizer
+
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"eos_token": "</s>", "chat_template": [{"name": "rag", "template": "first"},
+                                                                      {"name": "tool_use", "template": "second"}]}))
+    tok = Tokenizer(base / "tokenizer.json", cfg, eos_token_id=5)
+    assert (tok.eos_token, tok.eos_id, tok.chat_template) == ("</s>", 5, "first")
+    path = _copy(base, tmp_path)
+    _add_special_token(path, "<|an added token longer than any word|>")
+    assert Tokenizer(path / "tokenizer.json").longest_token_chars() == len("<|an added token longer than any word|>")
+    cfg.write_bytes(b'{"eos_token": "\xff"}')
+    with pytest.raises(CheckpointError, match="cannot read"):
+        Tokenizer(base / "tokenizer.json", cfg)
+
+
+
+def test_special_tokens_and_templates_of_other_types_are_ignored_not_a_crash(base, tmp_path):
+    """A special token that is neither a string nor an AddedToken dict, a template list's entries that are not dicts
+    and a chat_template of another type count as absent."""
+    from pwruntime.model.tokenizer import Tokenizer
+
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"bos_token": 1, "eos_token": ["</s>"],
+                               "chat_template": ["junk", {"name": "default", "template": "plain"}]}))
+    tok = Tokenizer(base / "tokenizer.json", cfg)
+    assert (tok.bos_token, tok.bos_id, tok.eos_token, tok.eos_id) == (None, None, None, None)
+    assert tok.chat_template == "plain"
+    cfg.write_text(json.dumps({"chat_template": {"default": "plain"}}))
+    assert Tokenizer(base / "tokenizer.json", cfg).chat_template is None
+
+def test_encode_adds_the_post_processor_s_bos_only_when_asked():
+    from pwruntime.cmd_perplexity import default_model_dir
+    from pwruntime.model.tokenizer import Tokenizer
+
+    root = default_model_dir()
+    tok = Tokenizer(root / "tokenizer.json", root / "tokenizer_config.json")
+    ids = tok.encode("And God said")
+    assert tok.bos_id is not None and ids[0] == tok.bos_id and tok.encode("And God said", False) == ids[1:]
+
+
 @pytest.mark.parametrize("dtype,tol", [("fp16", 0.05), ("bf16", 0.3)])
 def test_half_precision_dtypes(tmp_path, dtype, tol):
     path = make_tiny_checkpoint(tmp_path, "olmoe", seed=4)

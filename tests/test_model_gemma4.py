@@ -174,6 +174,21 @@ def test_half_precision_errs_no_more_than_transformers_own(tmp_path, dtype, torc
     assert 0 < our_err <= 1.5 * their_err
 
 
+@pytest.mark.parametrize("dtype, torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_the_final_norm_weighs_in_float32_as_transformers_gemma4_norm_does(tmp_path, dtype, torch_dtype):
+    """The final norm of a half-precision model: the weight applied in float32 before the cast back, bit for bit
+    transformers' (a norm that casts first, as the other architectures' do, rounds differently)."""
+    import transformers
+
+    path = make_tiny_checkpoint(tmp_path, "gemma4", seed=3)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype,
+                                                               attn_implementation="eager").eval().model.norm
+    ours = load_model(path, dtype=dtype).norm
+    x = 3 * torch.randn(64, ours.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ours(x.to(torch_dtype)), theirs(x.to(torch_dtype)))
+
+
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-table", "hybrid-kv"])
 def test_a_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, hybrid):
     """The runtime's Gemma 4 under a planner's pressure (AP experts, synthetic calibration, `replay --record-routing`)

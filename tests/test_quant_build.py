@@ -61,6 +61,26 @@ def test_quantize_command_writes_a_loadable_checkpoint(tiny, capsys):
     assert "--calib-data" in capsys.readouterr().err
 
 
+
+def test_auto_weighting_is_hessian_with_calibration_text_and_none_without(tiny, capsys, monkeypatch):
+    from pwruntime.quant import build
+
+    root, src, calib = tiny
+    seen = []
+    monkeypatch.setattr(build, "quantize_checkpoint", lambda model, out, opts: seen.append(opts) or {"out": str(out)})
+    for extra in ([], ["--calib-data", str(calib)]):
+        assert main(["quantize", "--model", str(src), "--out", str(root / "auto"), "--json", *extra]) == 0
+    assert [o.weighting for o in seen] == ["none", "hessian"] and seen[1].calib_files == (str(calib),)
+
+
+def test_an_unweighted_checkpoint_records_no_calibration_tokens(tiny):
+    from pwruntime.quant.build import QuantizeOptions, quantize_checkpoint
+
+    root, src, _ = tiny
+    quantize_checkpoint(src, root / "ap-none", QuantizeOptions(bits=(3, 8), calib_tokens=300), progress=False)
+    meta = load_ap_checkpoint(root / "ap-none").meta
+    assert meta["weighting"] == {"method": "none", "calib_files": [], "calib_tokens": 0}
+
 class _Capture:
     """Wraps the dense store and records each MoE call's inputs."""
 
@@ -229,3 +249,29 @@ def test_source_digest_samples_a_large_file_across_its_length(tmp_path, monkeypa
         changed[offset] ^= 0xFF
         f.write_bytes(bytes(changed))
         assert (build.source_digest([f]) != base) == changes, offset
+
+
+def test_source_digest_hashes_a_file_of_exactly_the_limit_whole_and_a_larger_one_s_header_whole(tmp_path,
+                                                                                                 monkeypatch):
+    """A file of FULL_HASH_LIMIT bytes is still hashed whole (a change between samples changes the digest); past it,
+    the safetensors header is read whole, however far it reaches past the first sample."""
+    from pwruntime.quant import build
+
+    monkeypatch.setattr(build, "SAMPLE_BYTES", 16)
+    data = bytearray(np.random.default_rng(1).integers(0, 256, 16 * 256, dtype=np.uint8).tobytes())
+    data[:8] = (1000).to_bytes(8, "little")  # a header of 1000 bytes, past the first samples
+    f = tmp_path / "model.safetensors"
+
+    def digest_changes(offset: int) -> bool:
+        f.write_bytes(bytes(data))
+        before = build.source_digest([f])
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        f.write_bytes(bytes(changed))
+        return build.source_digest([f]) != before
+
+    monkeypatch.setattr(build, "FULL_HASH_LIMIT", len(data))
+    assert digest_changes(5 * 256 + 100)  # between samples: the whole file is hashed
+    monkeypatch.setattr(build, "FULL_HASH_LIMIT", len(data) - 1)
+    assert not digest_changes(5 * 256 + 100)  # sampled now: a change between samples goes unseen
+    assert digest_changes(8 + 900)  # inside the header, between the first two samples

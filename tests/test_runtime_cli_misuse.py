@@ -225,6 +225,12 @@ def test_quantize_out_in_an_unwritable_place(env, capsys):
     (["--bits", "3,4,8,8"], ["names a bitwidth more than once"]),
     (["--load-format", "dummy", "--bits", "3..7"], ["must include 8"]),
     (["--calib-data", "TEXT"], ["--weighting none reads no calibration text", "drop --calib-data"]),  # was ignored
+    (["--bits", "0..8"], ["must name bitwidths in 1..8"]),
+    (["--weighting", "hessian", "--calib-data", "TEXT", "--calib-seq-len", "1"], ["--calib-seq-len must be at least"]),
+    (["--weighting", "hessian", "--calib-data", "TEXT", "--calib-tokens", "1"], ["--calib-tokens and"]),
+    (["--weighting", "hessian", "--calib-data", "/no/such/calib.txt"], ["calibration file /no/such/calib.txt does not "
+                                                                          "exist", "--calib-data"]),
+    (["--load-format", "dummy", "--calib-data", "TEXT"], ["--load-format dummy makes random weights"]),
 ])
 def test_quantize_options_that_make_no_usable_checkpoint(env, capsys, tmp_path, extra, needles):
     extra = [env["text"] if a == "TEXT" else a for a in extra]

@@ -209,6 +209,20 @@ def test_the_engine_writes_stats_lines_while_it_works(server):
     assert "0 running, 0 waiting" in lines[-1]
 
 
+
+@pytest.mark.parametrize("server", [["--log-stats-interval", "0"]], indirect=True)
+def test_an_interval_of_zero_serves_without_stats_lines(server):
+    proc, url = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0, timeout=60)
+    out = client.completions.create(model="demo_model", prompt="And God said", max_tokens=20, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 20
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    lines = [line for line in err.splitlines() if line.startswith("engine: ")]
+    assert len(lines) == 1 and lines[0].startswith("engine: ready in "), err
+
 def test_a_recorded_trace_holds_what_was_served_and_the_simulator_runs_it(tmp_path):
     """`--record-trace DIR --record-trace-max-requests 3`: when the server stops, DIR holds the first three requests
     (their prompt token ids, the outputs they got, arrivals from the first one's) and the routing the engine computed
@@ -288,3 +302,61 @@ def test_a_recorder_that_served_nothing_writes_no_trace(tmp_path, capsys):
     _write_trace(TraceRecorder(card="PagedWeight-demo"), PlanLog(), str(tmp_path / "trace"))
     assert "no request was served: no trace written" in capsys.readouterr().err
     assert not (tmp_path / "trace").exists()
+
+
+def test_a_recorded_trace_that_cannot_be_written_is_one_line_not_a_crash(tmp_path, capsys):
+    """A folder gone or a file in the way (an OSError) when the engine writes its trace on the way out: said in one
+    line, and the engine process still exits cleanly."""
+    from policies.plan_log import PlanLog
+    from pwruntime.engine_process import _write_trace
+    from pwruntime.model_runner import RoutingArrays
+    from pwruntime.trace_recorder import TraceRecorder
+
+    rec = TraceRecorder(card="PagedWeight-demo")
+    rec.set_model(1, 4, 2)
+    rec.on_arrival(5, 0.0, [1, 2, 3])
+    ids = np.stack([np.zeros((1, 3), np.int64), np.ones((1, 3), np.int64)], axis=-1)
+    rec.on_routing([(5, 0, 3)], RoutingArrays(ids, np.full((1, 3, 2), 0.5, np.float32), np.ones((1, 3), np.float32),
+                                              np.ones((1, 3, 2), np.float32), (3,)))
+    rec.on_finish(5, 1)
+    (tmp_path / "file").write_text("x")
+    _write_trace(rec, PlanLog(), str(tmp_path / "file" / "trace"))
+    err = capsys.readouterr().err
+    assert f"could not write the recorded trace to {tmp_path / 'file' / 'trace'}" in err and "Not a directory" in err
+
+
+def test_stop_kills_an_engine_process_that_outlives_its_timeout():
+    """`stop` sends the stop item and waits `timeout`; an engine process still running then is killed, one that
+    exited is left alone."""
+    from pwruntime.engine_process import EngineProcess
+
+    class Proc:
+        def __init__(self, exits: bool):
+            self.exits, self.running, self.killed, self.exitcode = exits, True, False, None
+
+        def join(self, timeout=None):
+            self.running = self.running and not self.exits
+
+        def is_alive(self):
+            return self.running
+
+        def kill(self):
+            self.killed, self.running = True, False
+
+    class Pipe:
+        def __init__(self):
+            self.sent, self.closed = [], threading.Event()
+
+        def send(self, item):
+            self.sent.append(item)
+            if item is None:
+                self.closed.set()
+
+        def recv(self):
+            self.closed.wait(10)
+            raise EOFError
+
+    for exits in (True, False):
+        proc, pipe = Proc(exits), Pipe()
+        EngineProcess(proc, pipe, pipe, None, 128, {"max_model_len": 64}).stop(timeout=0.01)
+        assert pipe.sent == [None] and proc.killed == (not exits) and not proc.is_alive()

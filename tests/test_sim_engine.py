@@ -86,6 +86,36 @@ def test_memory_over_budget_is_recorded_never_hidden():
     assert (roomy.timeline["memory_bytes"] <= roomy.summary["memory"]["budget_bytes"]).all()
 
 
+
+def test_the_largest_of_the_varying_excesses_is_the_summary_s_max_excess():
+    from pwsim.recorder import Recorder
+    sim = tiny_sim("noop", kv_blocks=16, n=2)
+    rec = Recorder(2, np.zeros(2), kv_block_bytes=sim.kv_block_bytes)
+    for step, kv in enumerate((12, 17, 9, 14)):  # excesses 2, 7, none and 4 over a budget of 20
+        rec.memory(0.1 * step, step, 10, kv, budget=20, where="boundary")
+    memory = rec.result(sim).summary["memory"]
+    assert memory["budget_violations"] == 3 and memory["max_excess_bytes"] == 7 and memory["peak_bytes"] == 27
+
+
+def test_mean_committed_bits_weigh_each_boundary_s_bits_by_the_time_until_the_next():
+    """The bits committed at a boundary hold until the next one (from the start's bits at time 0), and the last
+    boundary's until the last request finishes."""
+    from pwsim.recorder import Recorder
+    sim = tiny_sim("pagedweight", kv_blocks=12, n=30, slack=256 * 1024)
+    res = sim.run()
+    tl, end = res.timeline, np.nanmax(res.requests["finish_s"])
+    assert len(np.unique(tl["mean_bits"])) > 3 and tl["time_s"][-1] == end
+    held = np.diff(np.concatenate([[0.0], tl["time_s"]]))
+    bits = np.concatenate([[8.0], tl["mean_bits"][:-1]])
+    assert res.summary["mean_committed_bits"] == pytest.approx((bits * held).sum() / end, rel=1e-12)
+    small = tiny_sim("noop", kv_blocks=16, n=2)
+    rec = Recorder(2, np.zeros(2), kv_block_bytes=small.kv_block_bytes)  # requests finishing after the last boundary
+    rec.start(8.0)
+    rec.timeline(1.0, 0, 0, 0, small.pool, small.table, small.sched, 0, 4.0)
+    rec.finish(0, 2.0, 1, "length", 0)
+    rec.finish(1, 3.0, 1, "length", 0)
+    assert rec.result(small).summary["mean_committed_bits"] == pytest.approx((8.0 * 1 + 4.0 * 2) / 3)
+
 def test_static_policy_never_exceeds_the_budget():
     res = tiny_sim("uniform-4", kv_blocks=8, n=20).run()
     assert res.summary["memory"]["budget_violations"] == 0
@@ -197,6 +227,26 @@ def test_budget_pressure_lowers_bits_and_quality_damage():
     assert tight.summary["mean_committed_bits"] < 8.0
     assert tight.summary["quality"]["mean_damage_per_token"] > roomy.summary["quality"]["mean_damage_per_token"]
 
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_each_sampled_token_accrues_the_damage_of_its_own_position_s_routing(asynchronous):
+    """A request's damage per token is the mean over the positions that sample its tokens (the prompt's last, then
+    each decode's) of the damage of that position's own routing at the committed bits, not a neighbour's."""
+    from pwsim.quality import QualityModel
+
+    sim = tiny_sim("uniform-4", kv_blocks=400, n=12, async_scheduling=asynchronous)
+    res = sim.run()
+    assert res.summary["preemptions"] == 0 and (sim.table.q == 4).all()  # every token read the same bits
+    wl, card = sim.workload, sim.card
+    fresh = QualityModel(sim.cal.domain_damage, card.moe_layers, card.experts)
+    want = []
+    for r in range(len(wl)):
+        P, O = int(wl.requests.prompt_tokens[r]), int(wl.requests.output_tokens[r])
+        ids = wl.routing.route(np.array([r]), np.array([P - 1]), np.array([O])).ids  # positions P-1 .. P+O-2
+        dmg = fresh.accrue(sim.table.q, np.full(O, sim._req_dom[r]), np.ascontiguousarray(ids.transpose(1, 0, 2)))
+        want.append(dmg.mean())
+    assert np.allclose(res.requests["damage_per_token"], want, rtol=1e-9)
 
 def test_offload_luts_borrow_the_slack_within_the_budget():
     """An offload's lower LUT is held by the allocator slack while in flight (`lut_room="slack"`, the runtime's
@@ -314,6 +364,22 @@ def test_async_scheduling_serves_every_token_in_the_runtimes_order():
     assert same_arrays(again.timeline, runs[True].timeline)
     assert not same_arrays(runs[False].timeline, runs[True].timeline)
 
+
+
+@pytest.mark.parametrize("asynchronous, outputs", [(False, 9), (True, 8)])
+def test_a_sequence_aborted_after_its_launch_is_credited_only_its_settled_tokens(asynchronous, outputs):
+    """A 120-token prompt in a pool of 8 blocks (128 positions) samples 9 tokens (at positions 119..127) and then
+    cannot grow: the stall aborts it at once (stall_limit 0). Asynchronously the 9th is still pending when the next
+    schedule aborts it, so it is dropped, and settling that launched batch afterwards credits it nothing."""
+    card = tiny_card()
+    wl = tiny_workload(card, n=1, prompt="fixed:120", output="fixed:30")
+    finished = []
+    sim = tiny_sim("uniform-8", kv_blocks=8, card=card, workload=wl, async_scheduling=asynchronous, stall_limit=0)
+    finish = sim._finish
+    sim._finish = lambda seq: (finished.append(seq.num_output_tokens), finish(seq))
+    res = sim.run()
+    assert list(res.requests["finish_reason"]) == ["kv_capacity"] and finished == [outputs]
+    assert list(res.requests["output_tokens"]) == [outputs] and res.summary["output_tokens"] == outputs
 
 def test_async_iterations_take_the_longer_of_device_and_host_work():
     """Asynchronous: an iteration lasts max(device, host) where a synchronous one lasts their sum (a profile whose

@@ -263,3 +263,52 @@ def test_popularity_routing_draws_each_norm_around_its_own_scale():
     r = src.route(np.array([0]), np.array([0]), np.array([2000]))
     assert np.median(r.gate_up_norm) == pytest.approx(20.0, rel=0.05)
     assert np.median(r.down_norm) == pytest.approx(5.0, rel=0.05)
+
+
+@pytest.mark.parametrize("rounds", [0, 1])
+def test_a_repeated_expert_is_redrawn_for_each_round_then_the_next_unused_expert_is_taken(rounds):
+    """Top-2 of 4 experts, another popularity in each layer: the second slot draws c with p_c; a draw of the first
+    slot's expert a is redrawn from the layer's own popularity `rounds` times, and a repeat left after them is
+    replaced by a + 1 (mod 4). So P(a, c) = p_a p_c (1 + p_a + ... + p_a^rounds) for c != a, plus p_a^(rounds + 2) for
+    c = a + 1."""
+    p = np.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+    n, E = 20000, 4
+    src = PopularityRouting(p[None], np.zeros(1, np.int64), np.array([n]), 2, seed=7, redraw_rounds=rounds, norms=False)
+    ids = src.route(np.array([0]), np.array([0]), np.array([n])).ids
+    assert not _duplicate_slots(ids).any()
+    for layer, q in enumerate(p):
+        got = np.zeros((E, E))
+        np.add.at(got, (ids[layer, :, 0], ids[layer, :, 1]), 1 / n)
+        want = q[:, None] * q[None, :] * sum(q[:, None] ** r for r in range(rounds + 1))
+        np.fill_diagonal(want, 0.0)
+        want[np.arange(E), (np.arange(E) + 1) % E] += q ** (rounds + 2)
+        assert np.abs(got - want).max() < 0.012, (layer, got, want)
+
+
+def test_the_fallback_expert_is_unused_by_every_other_slot():
+    """Without redraws, a repeat takes the next expert that no other slot holds, the later slots' included."""
+    p = np.array([[[0.7, 0.1, 0.1, 0.05, 0.05]]])
+    src = PopularityRouting(p, np.zeros(1, np.int64), np.array([4000]), 3, seed=1, redraw_rounds=0, norms=False)
+    ids = src.route(np.array([0]), np.array([0]), np.array([4000])).ids
+    assert not _duplicate_slots(ids).any()
+
+
+def test_the_last_arrival_routes_with_the_drift_at_the_end_of_the_walk(olmoe):
+    """Two requests of one domain, arriving at the two ends of the drift walk's grid: each routes with the popularity
+    the generator gives it (the second with the walk's last step), and the drift sets them apart."""
+    L, E, tokens = olmoe.moe_layers, olmoe.experts, 3001
+    req = generate_requests(WorkloadSpec(requests=2, rate=10.0, prompt=LengthDist("fixed", tokens - 1),
+                                         output=LengthDist("fixed", 1), domains=("chat",)), seed=0)
+    spec = RoutingSpec(drift=1.0)
+    gen = generate_routing(req, olmoe, spec, seed=0)
+    src = synthetic_routing(req, olmoe, spec, seed=0)
+
+    def freq(layer, ids):
+        flat = (np.asarray(layer, np.int64)[:, None] * E + ids).ravel()
+        return np.bincount(flat, minlength=L * E).reshape(L, E) / (tokens * olmoe.top_k)
+    sim = [freq(np.repeat(np.arange(L), tokens), src.route(np.array([r]), np.array([0]), np.array([tokens])).ids
+                .reshape(L * tokens, -1)) for r in range(2)]
+    for r in range(2):
+        mine = gen.request_id == r
+        assert np.abs(freq(gen.layer[mine], gen.expert_ids[mine]) - sim[r]).mean() < 0.002, r
+    assert np.abs(sim[1] - sim[0]).mean() > 0.004
