@@ -203,6 +203,7 @@ class Recorder:
         end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0
         if self._last_bits is not None and end > self._last_t:
             self.bits_time += self._last_bits * (end - self._last_t)
+        span = max(end, self._last_t)   # what the bits were integrated over: a stall's boundary may follow the last finish
         wall = time.perf_counter() - self.wall_start
         out_total = about["output_tokens"]
         transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
@@ -220,7 +221,7 @@ class Recorder:
                        "nonexpert_weight_bytes": sim.nonexpert_bytes, "kv_block_bytes": B,
                        "budget_violations": int(self.counters["budget_violations"]),
                        "max_excess_bytes": max((v["excess_bytes"] for v in self.violations), default=0)},
-            "mean_committed_bits": self.bits_time / end if end > 0 else self._last_bits,
+            "mean_committed_bits": self.bits_time / span if span > 0 else self._last_bits,
             "page_traffic": {"reload_bytes": int(sim.mover.reload_bytes),
                              "offload_bytes_released": int(sim.mover.offload_bytes), "reloads": int(len(transfers)),
                              "link_busy_s": float((transfers[:, 2] - transfers[:, 1]).sum())},

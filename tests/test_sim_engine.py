@@ -116,6 +116,18 @@ def test_mean_committed_bits_weigh_each_boundary_s_bits_by_the_time_until_the_ne
     rec.finish(1, 3.0, 1, "length", 0)
     assert rec.result(small).summary["mean_committed_bits"] == pytest.approx((8.0 * 1 + 4.0 * 2) / 3)
 
+
+def test_mean_committed_bits_cover_a_boundary_after_the_last_finish():
+    """Requests each larger than the pool are aborted by stalls, the last one before its boundary: the mean holds
+    over every boundary it integrates, so bits that never change are their own mean."""
+    card = tiny_card()
+    res = tiny_sim("uniform-8", kv_blocks=8, card=card,
+                   workload=tiny_workload(card, n=3, prompt="fixed:200", output="fixed:8")).run()
+    assert set(res.requests["finish_reason"]) == {"kv_capacity"}
+    assert res.timeline["time_s"][-1] > np.nanmax(res.requests["finish_s"])
+    assert set(res.timeline["mean_bits"]) == {8.0} and res.summary["mean_committed_bits"] == 8.0
+
+
 def test_static_policy_never_exceeds_the_budget():
     res = tiny_sim("uniform-4", kv_blocks=8, n=20).run()
     assert res.summary["memory"]["budget_violations"] == 0
