@@ -159,6 +159,20 @@ def _config(arch: str, **changes) -> dict:
     return {**cfg, **changes}
 
 
+@pytest.mark.parametrize("arch", ["MixtralForCausalLM", "OlmoeForCausalLM", "Qwen2MoeForCausalLM",
+                                  "Qwen3MoeForCausalLM"])
+def test_the_expert_count_takes_either_spelling_and_refuses_two_that_disagree(arch):
+    """transformers spells it num_local_experts or num_experts. Which one it takes from a config that gives both at
+    different values depends on its version and the architecture (5.25: Mixtral's num_experts, OLMoE's
+    num_local_experts), so such a config is refused, naming both."""
+    base = {k: v for k, v in _config(arch).items() if k not in ("num_experts", "num_local_experts")}
+    for key in ("num_experts", "num_local_experts"):
+        assert parse_config({**base, key: 6}).experts == 6
+    assert parse_config({**base, "num_experts": 6, "num_local_experts": 6}).experts == 6
+    with pytest.raises(CheckpointError, match="num_local_experts 4 and num_experts 6: keep the one"):
+        parse_config({**base, "num_experts": 6, "num_local_experts": 4})
+
+
 def test_config_defaults_and_layer_kinds_follow_transformers():
     """Fields a config.json leaves out take transformers' defaults, and the layers' kinds (MoE or dense, sliding or
     not) follow its Qwen2-MoE rules: MoE every decoder_sparse_step-th layer, sliding windows only with

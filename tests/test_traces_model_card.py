@@ -140,3 +140,7 @@ def test_card_errors_are_clear(tmp_path):
     with pytest.raises(CardError, match="lacks 'num_local_experts'"):
         ModelSpec.from_hf_config({k: v for k, v in read_card_json("Mixtral-8x7B-v0.1")["hf_config"].items()
                                   if k != "num_local_experts"})
+    mixtral = read_card_json("Mixtral-8x7B-v0.1")["hf_config"]
+    assert ModelSpec.from_hf_config({**mixtral, "num_experts": 8}).experts == 8
+    with pytest.raises(CardError, match="num_local_experts 8 and num_experts 16"):
+        ModelSpec.from_hf_config({**mixtral, "num_experts": 16})

@@ -252,15 +252,26 @@ def _qwen_dense_layers(cfg: dict, layers: int) -> tuple[int, ...]:
     return tuple(l for l in range(layers) if l in only or (l + 1) % step != 0)
 
 
+def expert_count(cfg: dict, error: type[UserError] = CardError) -> int | None:
+    """The expert count of a config.json (its text config for Gemma 4), None where it gives none. transformers spells
+    it num_local_experts or num_experts (an attribute_map alias; transformers 5 may save either). A config that gives
+    both at different values is refused: which one transformers takes depends on its version and the architecture."""
+    values = {k: int(cfg[k]) for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None}
+    if len(set(values.values())) > 1:
+        raise error(f"config.json gives num_local_experts {values['num_local_experts']} and num_experts "
+                     f"{values['num_experts']}: keep the one the checkpoint's experts match")
+    return next(iter(values.values()), None)
+
+
 def _fields_from_hf_config(config: dict) -> dict:
     arch = str(config.get("model_type", ""))
     arch = "gemma4" if arch == "gemma4_text" else arch
     if arch not in HF_ARCHS:
         raise CardError(f"model_type {arch!r} is not supported; supported: {', '.join(HF_ARCHS)}")
     cfg = dict(text_config(config)) if arch == "gemma4" else dict(config)
-    for a, b in (("num_experts", "num_local_experts"), ("num_local_experts", "num_experts")):
-        if cfg.get(a) is None and cfg.get(b) is not None:  # transformers 5 may save either spelling
-            cfg[a] = cfg[b]
+    experts = expert_count(cfg)
+    if experts is not None:
+        cfg["num_experts"] = cfg["num_local_experts"] = experts
     g = lambda key: int(_get(cfg, key, arch))  # noqa: E731
     layers, hidden, heads = g("num_hidden_layers"), g("hidden_size"), g("num_attention_heads")
     bias = bool(cfg.get("attention_bias", False))

@@ -22,6 +22,7 @@ from typing import Any
 from policies.kv_groups import KVLayout
 from traces.clikit import UserError
 from traces.gemma4_config import gemma4_layout, text_config
+from traces.model_card import expert_count
 
 
 class CheckpointError(UserError):
@@ -200,9 +201,9 @@ def parse_config(cfg: dict, generation_config: dict | None = None) -> ModelConfi
         head_dim = int(cfg["head_dim"])
     if heads % kv_heads:
         raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    # transformers spells the expert count num_local_experts or num_experts (an attribute_map alias)
-    expert_keys = ("num_local_experts", "num_experts") if arch == "mixtral" else ("num_experts", "num_local_experts")
-    experts = int(_get(cfg, next((k for k in expert_keys if cfg.get(k) is not None), expert_keys[0])))
+    experts = expert_count(cfg, CheckpointError)
+    if experts is None:
+        experts = int(_get(cfg, "num_local_experts" if arch == "mixtral" else "num_experts"))
     inter = int(_get(cfg, "moe_intermediate_size" if arch in ("qwen2_moe", "qwen3_moe") else "intermediate_size"))
     moe_layers = _moe_layers(cfg, layers, experts) if arch in ("qwen2_moe", "qwen3_moe") else tuple(range(layers))
     theta, linear = _rope(cfg, arch)
