@@ -57,6 +57,8 @@ class BlockTables:
     rows run out, those of sequences outside the batch asked for are let go (read whole again if they come back)."""
 
     def __init__(self, groups: int, rows: int = 8, width: int = 64) -> None:
+        if rows < 1 or width < 1:   # they grow by doubling
+            raise ValueError(f"block tables start at least one row and one entry wide, got {rows} x {width}")
         self._ids = [np.full((rows, width), NULL_BLOCK, np.int32) for _ in range(groups)]
         self._written = [np.zeros(rows, np.int64) for _ in range(groups)]   # entries written into each row
         self._row_of: dict[Hashable, int] = {}

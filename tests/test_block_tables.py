@@ -122,3 +122,9 @@ def test_rows_without_a_block_yet_are_one_null_entry_wide_and_every_reader_takes
 def test_a_pool_of_other_groups_is_refused():
     with pytest.raises(ValueError, match="KV groups"):
         BlockTables(2).batch(BlockPool(10, 4), [0])
+
+
+@pytest.mark.parametrize("rows, width", [(0, 64), (8, 0)])
+def test_tables_that_could_never_grow_are_refused(rows, width):
+    with pytest.raises(ValueError, match="at least one row and one entry wide"):
+        BlockTables(1, rows=rows, width=width)
