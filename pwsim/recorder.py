@@ -203,7 +203,7 @@ class Recorder:
         end = float(np.nanmax(self.finish_s)) if self.n and np.isfinite(self.finish_s).any() else 0.0
         if self._last_bits is not None and end > self._last_t:
             self.bits_time += self._last_bits * (end - self._last_t)
-        span = max(end, self._last_t)   # what the bits were integrated over: a stall's boundary may follow the last finish
+        span = max(end, self._last_t)   # what the bits were integrated over: a stall may follow the last finish
         wall = time.perf_counter() - self.wall_start
         out_total = about["output_tokens"]
         transfers = np.array(sim.mover.transfers, dtype=np.float64).reshape(-1, 4)
