@@ -107,7 +107,6 @@ def test_metadata_from_the_copy_equals_metadata_from_the_lists():
         table_metadata([40], [1], TableRows.of([[1, 2]]), 4)
 
 
-
 def test_rows_without_a_block_yet_are_one_null_entry_wide_and_every_reader_takes_them():
     """Tables given as lists that are all empty still make rows of width 1 (NULL): placing them leaves the callers'
     fill as it is, and their metadata is a NULL table, where a zero-width array could not be gathered from."""
@@ -118,6 +117,7 @@ def test_rows_without_a_block_yet_are_one_null_entry_wide_and_every_reader_takes
     place_block_tables(rows, out, 4, None, np.zeros(2, np.int64))
     assert (out == 5).all()
     assert table_metadata([0, 0], [0, 0], rows, 4).host_tables.tolist() == [[NULL_BLOCK], [NULL_BLOCK]]
+
 
 def test_a_pool_of_other_groups_is_refused():
     with pytest.raises(ValueError, match="KV groups"):

@@ -561,8 +561,6 @@ def test_pagedweight_under_kv_pressure_matches_the_ap_store(ap_path, host_arena,
     assert_rows_follow(engine.model.experts, engine.table)
 
 
-
-
 def test_a_plane_arena_holds_twice_the_planes_and_four_luts_a_block_while_frees_wait_for_the_device(
         ap_path, host_arena, monkeypatch):
     """A policy's resets reach the rows at once (`sync`), and what the rows stop naming waits for the device: every

@@ -292,7 +292,6 @@ def test_special_tokens_details_the_chat_template_and_the_prompt_budget_rely_on(
         Tokenizer(base / "tokenizer.json", cfg)
 
 
-
 def test_special_tokens_and_templates_of_other_types_are_ignored_not_a_crash(base, tmp_path):
     """A special token that is neither a string nor an AddedToken dict, a template list's entries that are not dicts
     and a chat_template of another type count as absent."""
@@ -306,6 +305,7 @@ def test_special_tokens_and_templates_of_other_types_are_ignored_not_a_crash(bas
     assert tok.chat_template == "plain"
     cfg.write_text(json.dumps({"chat_template": {"default": "plain"}}))
     assert Tokenizer(base / "tokenizer.json", cfg).chat_template is None
+
 
 def test_encode_adds_the_post_processor_s_bos_only_when_asked():
     from pwruntime.cmd_perplexity import default_model_dir

@@ -61,7 +61,6 @@ def test_quantize_command_writes_a_loadable_checkpoint(tiny, capsys):
     assert "--calib-data" in capsys.readouterr().err
 
 
-
 def test_auto_weighting_is_hessian_with_calibration_text_and_none_without(tiny, capsys, monkeypatch):
     from pwruntime.quant import build
 
@@ -80,6 +79,7 @@ def test_an_unweighted_checkpoint_records_no_calibration_tokens(tiny):
     quantize_checkpoint(src, root / "ap-none", QuantizeOptions(bits=(3, 8), calib_tokens=300), progress=False)
     meta = load_ap_checkpoint(root / "ap-none").meta
     assert meta["weighting"] == {"method": "none", "calib_files": [], "calib_tokens": 0}
+
 
 class _Capture:
     """Wraps the dense store and records each MoE call's inputs."""

@@ -209,7 +209,6 @@ def test_the_engine_writes_stats_lines_while_it_works(server):
     assert "0 running, 0 waiting" in lines[-1]
 
 
-
 @pytest.mark.parametrize("server", [["--log-stats-interval", "0"]], indirect=True)
 def test_an_interval_of_zero_serves_without_stats_lines(server):
     proc, url = server
@@ -222,6 +221,7 @@ def test_an_interval_of_zero_serves_without_stats_lines(server):
     assert proc.returncode == 0
     lines = [line for line in err.splitlines() if line.startswith("engine: ")]
     assert len(lines) == 1 and lines[0].startswith("engine: ready in "), err
+
 
 def test_a_recorded_trace_holds_what_was_served_and_the_simulator_runs_it(tmp_path):
     """`--record-trace DIR --record-trace-max-requests 3`: when the server stops, DIR holds the first three requests

@@ -134,7 +134,6 @@ def test_fused_kernel_or_dequantize_is_decided_by_the_batch_as_in_the_runtime(qw
     assert cm2.moe(q, et, batch_tokens=128) == pytest.approx(2 * one_set.moe(q, et, batch_tokens=64))
 
 
-
 def test_a_batch_in_uneven_launch_sets_is_timed_at_its_largest_set_s_efficiency(qwen):
     """9 tokens in launch sets of at most 8: two sets, of 5 and 4 tokens; each reads the planes at the efficiency of
     the larger share (5 tokens, rounded up), not the smaller."""
@@ -147,6 +146,7 @@ def test_a_batch_in_uneven_launch_sets_is_timed_at_its_largest_set_s_efficiency(
     cm = CostModel(card, measured)
     assert cm.moe(q, et, batch_tokens=9) == pytest.approx(2 * fused / (0.5 - 0.25 * np.log2(5) / 4))
     assert cm.moe(q, et, batch_tokens=8) == pytest.approx(fused / (0.5 - 0.25 * 3 / 4))  # one set of 8
+
 
 def test_a_long_prefill_s_attention_counts_the_causal_pairs_and_its_lm_head_one_row(qwen):
     """A prompt of n tokens from an empty cache: token j attends to j + 1 keys, n(n + 1)/2 pairs (compute bound at

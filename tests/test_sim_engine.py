@@ -86,7 +86,6 @@ def test_memory_over_budget_is_recorded_never_hidden():
     assert (roomy.timeline["memory_bytes"] <= roomy.summary["memory"]["budget_bytes"]).all()
 
 
-
 def test_the_largest_of_the_varying_excesses_is_the_summary_s_max_excess():
     from pwsim.recorder import Recorder
     sim = tiny_sim("noop", kv_blocks=16, n=2)
@@ -240,7 +239,6 @@ def test_budget_pressure_lowers_bits_and_quality_damage():
     assert tight.summary["quality"]["mean_damage_per_token"] > roomy.summary["quality"]["mean_damage_per_token"]
 
 
-
 @pytest.mark.parametrize("asynchronous", [False, True])
 def test_each_sampled_token_accrues_the_damage_of_its_own_position_s_routing(asynchronous):
     """A request's damage per token is the mean over the positions that sample its tokens (the prompt's last, then
@@ -259,6 +257,7 @@ def test_each_sampled_token_accrues_the_damage_of_its_own_position_s_routing(asy
         dmg = fresh.accrue(sim.table.q, np.full(O, sim._req_dom[r]), np.ascontiguousarray(ids.transpose(1, 0, 2)))
         want.append(dmg.mean())
     assert np.allclose(res.requests["damage_per_token"], want, rtol=1e-9)
+
 
 def test_offload_luts_borrow_the_slack_within_the_budget():
     """An offload's lower LUT is held by the allocator slack while in flight (`lut_room="slack"`, the runtime's
@@ -377,7 +376,6 @@ def test_async_scheduling_serves_every_token_in_the_runtimes_order():
     assert not same_arrays(runs[False].timeline, runs[True].timeline)
 
 
-
 @pytest.mark.parametrize("asynchronous, outputs", [(False, 9), (True, 8)])
 def test_a_sequence_aborted_after_its_launch_is_credited_only_its_settled_tokens(asynchronous, outputs):
     """A 120-token prompt in a pool of 8 blocks (128 positions) samples 9 tokens (at positions 119..127) and then
@@ -392,6 +390,7 @@ def test_a_sequence_aborted_after_its_launch_is_credited_only_its_settled_tokens
     res = sim.run()
     assert list(res.requests["finish_reason"]) == ["kv_capacity"] and finished == [outputs]
     assert list(res.requests["output_tokens"]) == [outputs] and res.summary["output_tokens"] == outputs
+
 
 def test_async_iterations_take_the_longer_of_device_and_host_work():
     """Asynchronous: an iteration lasts max(device, host) where a synchronous one lasts their sum (a profile whose
