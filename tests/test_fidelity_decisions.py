@@ -49,3 +49,13 @@ def test_recorder_gives_the_routing_of_some_requests_under_other_ids():
     assert sorted(set(some.request_id.tolist())) == [101, 102] and len(some) == 2 * (4 + 4)
     for old, new in ((1, 101), (2, 102)):
         np.testing.assert_array_equal(some.expert_ids[some.request_id == new], whole.expert_ids[whole.request_id == old])
+
+
+def test_decisions_tell_apart_the_plan_transitions_begun_and_a_small_change_of_bits():
+    """A plan that began another number of transitions is another decision; so is a mean bitwidth a block's move
+    apart on a model of many blocks (1e-4), not only float noise (1e-9)."""
+    sim = _timeline([0, 1, 2], [10, 10, 10], [6.0, 6.0, 6.0], plan_transitions=np.array([0, 3, 0]))
+    rt = _timeline([0, 1, 2], [10, 10, 10], [6.0, 6.0, 6.0 + 1e-4], plan_transitions=np.array([0, 4, 0]))
+    d = decisions(sim, rt)
+    assert d["columns"] == ["total_blocks", "mean_bits", "plan_transitions"] and d["agreeing_steps"] == 1
+    assert d["first_difference"] == 1 and d["values"] == {"plan_transitions": [3.0, 4.0]}

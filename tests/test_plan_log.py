@@ -100,3 +100,10 @@ def test_a_run_says_how_many_transitions_the_loop_refused_and_why():
     assert refusal_line(cols, "runs/x") == ("the plan loop refused 3 of the 4 transitions the planner asked for (most: "
                                             "'stale plan', 2); `pwsim plan-log runs/x` lists them")
     assert refusal_line({"status": cols["status"][:1], "reason": cols["reason"][:1]}, "runs/x") is None
+
+
+def test_fidelity_shows_at_most_five_rows_of_the_first_step_apart():
+    rows = [(2, b, 8, 4, "started") for b in range(6)]
+    t = transitions(_view(10, []), _view(10, rows))
+    assert t["first_difference"] == 2 and t["sim_only"] == []
+    assert [r["block"] for r in t["runtime_only"]] == [0, 1, 2, 3, 4]

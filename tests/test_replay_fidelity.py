@@ -415,6 +415,159 @@ def test_the_host_fit_leaves_planning_to_the_plan_terms():
     assert not old["net_of_planning"] and old["overhead_gap_us"] > 2000.0
 
 
+def test_a_metric_pairs_only_requests_both_sides_measured():
+    """A request with no finite value on either side, or a runtime value of 0 (no ratio), is no pair: it counts in
+    neither side's median."""
+    from pwsim.fidelity import metric_report
+    r = metric_report(np.array([1.0, np.nan, 2.0, 4.0]), np.array([2.0, 1.0, 0.0, 8.0]))
+    assert r["pairs"] == 2 and r["ratio_p50"] == pytest.approx(0.5)
+    assert (r["sim_p50"], r["runtime_p50"]) == (pytest.approx(2.5), pytest.approx(5.0))
+
+
+def test_old_timelines_count_a_step_with_prompt_tokens_as_one_more_sequence():
+    from pwsim.fidelity import batch_seqs
+    seqs = batch_seqs({"batch_tokens": np.array([4, 100, 300]), "decode_tokens": np.array([4, 3, 0])})
+    assert seqs.tolist() == [4.0, 4.0, 1.0]  # a decode-only step is its decode tokens
+
+
+def test_three_steps_of_three_sizes_give_the_fit_with_a_sequence_term():
+    seqs, tokens = np.array([1, 4, 2]), np.array([1, 4, 400])
+    fit = iteration_fit({"iter_s": 500e-6 + 20e-6 * seqs + 5e-6 * tokens, "batch_tokens": tokens, "batch_seqs": seqs},
+                        per_seq=True)
+    assert (fit["intercept_s"], fit["per_seq_s"], fit["per_token_s"]) == (
+        pytest.approx(500e-6), pytest.approx(20e-6), pytest.approx(5e-6))
+
+
+def test_steps_of_one_size_fit_no_token_cost_and_their_median_is_the_intercept():
+    fit = iteration_fit({"iter_s": np.array([0.01, 0.02, 0.06]), "batch_tokens": np.array([8, 8, 8])})
+    assert fit["per_token_s"] is None and fit["intercept_s"] == pytest.approx(0.02)
+    assert fit["median_iter_s"] == pytest.approx(0.02) and fit["iterations"] == 3
+
+
+def test_the_kinds_of_iteration_report_mean_times_and_tokens():
+    tokens = np.array([2, 4, 12, 100, 150, 500])
+    kinds = iteration_kinds({"iter_s": np.array([0.001, 0.002, 0.006, 0.01, 0.01, 0.04]), "batch_tokens": tokens,
+                             "decode_tokens": np.array([2, 4, 12, 3, 0, 0])})
+    assert kinds["decode"] == {"iterations": 3, "mean_iter_s": pytest.approx(0.003), "mean_tokens": pytest.approx(6.0)}
+    assert kinds["mixed"] == {"iterations": 3, "mean_iter_s": pytest.approx(0.02), "mean_tokens": pytest.approx(250.0)}
+
+
+def test_a_mixed_step_is_judged_among_mixed_steps_of_its_size_not_decode_ones():
+    """A prompt chunk of 32 tokens costs more than 32 decode tokens: six such steps at 60 ms beside twenty decode
+    steps at 10 ms are the mixed steps' typical cost, not one-off work."""
+    from pwsim.fidelity import one_off_steps
+    tokens, decode = np.full(26, 32), np.array([32] * 20 + [0] * 6)
+    t = np.array([0.01] * 20 + [0.06] * 6)
+    assert one_off_steps({"iter_s": t, "batch_tokens": tokens, "decode_tokens": decode})["steps"] == 0
+    # a run whose steps took no time (a virtual clock) has no one-off share
+    none = one_off_steps({"iter_s": np.zeros(3), "batch_tokens": np.full(3, 8), "decode_tokens": np.full(3, 8)})
+    assert none == {"steps": 0, "excess_s": 0.0, "share": 0.0}
+
+
+def test_no_throughput_without_one_off_steps_when_they_are_the_whole_makespan():
+    tokens, decode = np.full(21, 8), np.full(21, 8)
+    sim = _view([1], [0.1], [0.01], [1.0], np.full(21, 0.0078125), tokens)
+    runtime = _view([1], [0.1], [0.01], [1.0], np.r_[np.full(20, 0.0078125), 2.0078125], tokens)
+    for run in (sim, runtime):
+        run.timeline["decode_tokens"] = decode
+    runtime.summary["output_tokens"] = 100
+    rep = compare(sim, runtime)
+    assert rep["one_off_steps"]["runtime"]["excess_s"] == runtime.summary["makespan_s"] == 2.0
+    assert rep["throughput_ratio_without_one_off"] is None  # nothing left of the makespan to divide by
+    runtime.summary["makespan_s"] = 4.0  # half of it one-off work: the runtime's throughput, twice
+    assert compare(sim, runtime)["throughput_ratio_without_one_off"] == pytest.approx(100.0 / (100 / 2.0))
+
+
+def test_where_each_side_found_room_for_its_lower_luts():
+    from pwsim.fidelity import lut_room_of
+    old = RunView({}, {}, {})
+    assert lut_room_of(old, True) == "pool" and lut_room_of(old, False) == "pool"  # results before session 38
+    assert lut_room_of(RunView({}, {}, {}, {"lut_room": "slack"}), True) == "slack"
+    assert lut_room_of(RunView({"lut_room": "slack"}, {}, {}), False) == "slack"  # as the replay's engine had it
+    assert lut_room_of(RunView({}, {}, {}, {"server": {}}), False) is None  # a server that did not say
+    assert lut_room_of(RunView({}, {}, {}, {"server": {}, "lut_room": "slack"}), False) == "slack"
+
+
+def test_the_itl_ratios_are_of_the_medians_and_the_99th_percentiles():
+    sim, runtime = _view([1], [0.1], [0.01], [1.0], [0.01], [1]), _view([1], [0.1], [0.01], [1.0], [0.01], [1])
+    sim.summary["itl_s"] = {"mean": 0.01, "p50": 0.01, "p99": 0.03, "max": 0.5}
+    runtime.summary["itl_s"] = {"mean": 0.02, "p50": 0.02, "p99": 0.06, "max": 0.1}
+    rep = compare(sim, runtime)["itl"]
+    assert rep["ratio_p50"] == pytest.approx(0.5) and rep["ratio_p99"] == pytest.approx(0.5)
+    assert rep["sim"] == {"p50": 0.01, "p99": 0.03, "max": 0.5}
+
+
+def test_fidelity_reads_each_side_s_settings_under_its_own_names():
+    """The simulation's config names (`hybrid_kv`, its counters' `kv_resizes`) and the runtime's (`hybrid_kv_cache`, its
+    summary's `kv_resizes`) each land on their side; the requests each side ran, paired or not; makespan sim/runtime."""
+    sim = _view([1, 2, 3], [0.1] * 3, [0.01] * 3, [1.0] * 3, [0.01], [1])
+    runtime = _view([1, 2], [0.1] * 2, [0.01] * 2, [1.0] * 2, [0.01], [1])
+    sim = replace(sim, config={"request_rate": 40.0, "max_concurrency": 8, "hybrid_kv": False})
+    runtime = replace(runtime, config={"request_rate": 20.0, "max_concurrency": 4, "hybrid_kv_cache": True})
+    sim.summary.update(makespan_s=1.0, counters={"kv_resizes": 2})
+    runtime.summary["kv_resizes"] = 5
+    rep = compare(sim, runtime)
+    assert rep["requests"] == {"sim": 3, "runtime": 2, "paired": 2} and rep["makespan_ratio"] == pytest.approx(0.5)
+    assert rep["kv_resizes"] == {"sim": 2, "runtime": 5}
+    assert rep["request_rate"] == {"sim": 40.0, "runtime": 20.0} and rep["max_concurrency"] == {"sim": 8, "runtime": 4}
+    assert rep["scheduler"]["hybrid_kv_cache"] == {"sim": False, "runtime": True}
+
+
+def test_a_ratio_to_a_runtime_value_of_zero_is_none():
+    sim, runtime = _view([1], [0.1], [0.01], [1.0], [0.01], [1]), _view([1], [0.1], [0.01], [1.0], [0.01], [1], 0.0)
+    assert compare(sim, runtime)["throughput_ratio"] is None  # a runtime result that served no token
+
+
+def test_round_trips_are_compared_only_where_both_sides_wrote_a_plan_log():
+    log = {"step": np.array([1, 5]), "block": np.array([3, 3]), "from_bits": np.array([8, 4]),
+           "to_bits": np.array([4, 8]), "status": np.array(["started", "started"], dtype=object),
+           "delta_bytes": np.array([100, -100]), "layer": np.zeros(2, int), "expert": np.array([1, 1]),
+           "kind": np.zeros(2, int), "reason": np.array(["pressure", "reload"], dtype=object)}
+    sim = replace(_view([1], [0.1], [0.01], [1.0], [0.01], [1]), plans=log)
+    runtime = _view([1], [0.1], [0.01], [1.0], [0.01], [1])  # a replay from before the plan log
+    assert compare(sim, runtime)["round_trips"] is None
+    assert compare(sim, replace(runtime, plans=log))["round_trips"]["runtime"]["count"] == 1
+
+
+def test_the_per_sequence_fit_needs_both_sides_to_tell_a_sequence_from_a_token():
+    seqs, tokens = np.array([1, 4, 16, 32, 2, 33, 8]), np.array([1, 4, 16, 32, 400, 512, 8])
+    sim = _view([1], [0.1], [0.01], [1.0], 400e-6 + 1e-6 * seqs + 2e-6 * tokens, tokens)
+    decode = np.array([1, 4, 16, 32, 8])  # the runtime's decode steps alone: as many sequences as tokens
+    runtime = _view([1], [0.1], [0.01], [1.0], 500e-6 + 25e-6 * decode, decode)
+    sim.timeline["batch_seqs"], runtime.timeline["batch_seqs"] = seqs, decode
+    assert compare(sim, runtime)["iterations"]["per_sequence"] is None
+
+
+def test_three_planning_steps_tell_a_read_from_a_transition():
+    from pwsim.fidelity import routing_read_cost
+    read, moves = np.array([0, 1, 1]), np.array([0, 0, 5])
+    rr = routing_read_cost({"routing_read": read, "plan_transitions": moves, "plan_s": (50 + 1500 * read + 200 * moves)
+                            * 1e-6})
+    assert rr["read_us"] == pytest.approx(1500.0) and rr["transition_us"] == pytest.approx(200.0)
+
+
+def test_a_fitted_profile_charges_no_negative_host_cost():
+    """A runtime faster than the simulation's profile moves its costs down to 0, never below; a fitted read that
+    costs less than nothing is 0 too."""
+    from pwsim.fidelity import plan_terms
+    tokens = np.array([1, 1, 2, 2, 4, 4])
+    sim = _view([1], [0.1], [0.01], [1.0], 0.003 + 1e-4 * tokens, tokens)
+    runtime = _view([1], [0.1], [0.01], [1.0], 0.001 + 1e-4 * tokens, tokens)  # 2 ms an iteration faster
+    # steps that read the routing statistics planned faster than those that did not
+    runtime.timeline.update(plan_s=np.array([6e-4, 1e-4, 7e-4, 1e-4, 5e-4, 1e-4]), routing_read=np.array([0, 1] * 3))
+    prof = replace(load_profile("h200-roofline"), iteration_overhead_us=500.0, routing_read_us=80.0)
+    fit = fitted_profile(prof, compare(sim, runtime))
+    assert fit.iteration_overhead_us == 0.0 and fit.routing_read_us == 0.0
+    assert plan_terms({"read_us": -30.0, "transition_us": 200.0}) == (0.0, 200.0)
+
+
+def test_a_fitted_profile_needs_iterations_of_two_sizes():
+    sim = _view([1], [0.1], [0.01], [1.0], [0.001, 0.002], [8, 8])
+    runtime = _view([1], [0.1], [0.01], [1.0], [0.003, 0.004], [8, 8])  # one size: an intercept, no token slope
+    with pytest.raises(UserError, match="fewer than two iterations of different sizes"):
+        fitted_profile(load_profile("h200-roofline"), compare(sim, runtime))
+
+
 def _runs_under_pressure(tmp_path, field: str, costs: tuple[float, ...]) -> dict:
     """The large-model setup under pressure (pagedweight at 20 GiB), simulated with h200-measured's `field` at each
     of `costs`: SimResult by cost."""
@@ -627,7 +780,6 @@ def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "not a result directory" in err and "Traceback" not in err
     assert not (tmp_path / "fid").exists()
-
 
 
 def test_fidelity_cli_out_that_is_a_file_exit_2(tmp_path, capsys):

@@ -250,3 +250,21 @@ def test_the_capacity_table_shows_the_point_at_capacity_and_a_tolerance_of_one_i
     row = table([search_], SLO(ttft_s=0.05)).splitlines()[1].split()
     assert row[2:5] == ["1", "10", "20"] and "500" in row and "900" not in row   # the capacity's point, not the last
     _check_search(argparse.Namespace(min_rate=0.5, max_rate=4.0, tolerance=1.0, time_scale=1.0, request_rate=None))
+
+
+def test_request_rate_refuses_a_rate_or_burstiness_of_zero_and_any_other_time_scale():
+    cfg = make_config("32MiB")
+    for kw in ({"request_rate": 0.0}, {"request_rate": 40.0, "request_burstiness": 0.0}):
+        with pytest.raises(UserError, match="--request-rate must be"):
+            replace(cfg, **kw)
+    with pytest.raises(UserError, match="not both"):
+        replace(cfg, request_rate=40.0, time_scale=2.0)  # slower, as well as faster, is another time
+
+
+def test_request_burstiness_shapes_the_re_timed_gaps_as_the_runtime_s():
+    from pwruntime.cmd_replay import _requests
+    cfg = replace(make_config("32MiB"), request_rate=40.0, request_burstiness=3.0, seed=5)
+    bursty = build_workload(cfg)
+    assert bursty.description["burstiness"] == 3.0
+    served = _requests(cfg.trace, None, 40.0, 3.0, 5)
+    assert np.allclose(np.sort(bursty.requests.arrival_s), np.sort(served.arrival_s))

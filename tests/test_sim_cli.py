@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -267,3 +268,111 @@ def test_a_concurrency_sweep_keeps_each_levels_slo(tmp_path, capsys):
         level = json.loads((tmp_path / "s" / f"c{row['max_concurrency']}" / "summary.json").read_text())["slo"]
         assert row["goodput_rps"] == level["goodput_rps"] and row["slo_attainment"] == level["attainment"]
     assert "goodput req/s" in text.splitlines()[0] and rows[0]["goodput_rps"] != rows[1]["goodput_rps"]
+
+
+def test_a_trace_run_s_config_reads_back_as_the_same_config():
+    """Every synthetic routing setting (used where the trace has no routing) survives config.json, and what it leaves
+    out (the synthetic requests', their domains among them) reads back as the defaults it had."""
+    from pwsim.runner import SyntheticWorkload, make_config
+    cfg = make_config("24MiB", workload=SyntheticWorkload(skew=2.0, domain_shift=0.1, drift=0.2, features=False))
+    assert RunConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_a_config_s_json_names_its_budget_and_its_policy_parameters():
+    """config.json holds the budget as written and the parameters as a mapping; given in any order they read back as
+    the same config (and the same label)."""
+    from pwsim.runner import make_config
+    cfg = make_config("24MiB", policy_params={"min_plan_blocks": 4, "alpha": 0.5})
+    d = cfg.to_json()
+    assert d["budget"] == "24.00 MiB" and d["budget_bytes"] == 24 << 20
+    assert d["policy_params"] == {"alpha": 0.5, "min_plan_blocks": 4}
+    again = RunConfig.from_json({**d, "policy_params": {"min_plan_blocks": 4, "alpha": 0.5}})
+    assert again == cfg and again.label == "pagedweight,alpha=0.5,min_plan_blocks=4@24.00 MiB"
+
+
+def test_a_synthetic_workload_s_specs_carry_each_of_its_settings():
+    from pwsim.runner import SyntheticWorkload
+    from traces.generators import LengthDist, RoutingSpec
+    w, r = SyntheticWorkload(requests=7, rate=3.0, burstiness=2.5, prompt="fixed:48", output="fixed:24",
+                             domains=("a", "b"), skew=2.0, domain_shift=0.1, drift=0.2, features=False,
+                             token_ids_vocab=50, shared_prefix_tokens=8, prefix_groups=3).specs()
+    assert (w.requests, w.rate, w.burstiness, w.domains) == (7, 3.0, 2.5, ("a", "b"))
+    assert (w.prompt, w.output) == (LengthDist.parse("fixed:48"), LengthDist.parse("fixed:24"))
+    assert (w.token_ids_vocab, w.shared_prefix_tokens, w.prefix_groups) == (50, 8, 3)
+    assert r == RoutingSpec(skew=2.0, domain_shift=0.1, drift=0.2, features=False)
+
+
+def test_a_quality_fit_of_none_in_any_case_turns_the_fit_off():
+    from pwsim.runner import make_config
+    assert not any(make_config("24MiB", quality_fit=v).uses_quality_fit for v in ("none", "None", "NONE", ""))
+
+
+def test_a_run_config_gives_the_simulator_every_engine_setting():
+    from pwsim.runner import make_config
+    cfg = make_config("24MiB", block_size=32, max_num_seqs=8, max_num_batched_tokens=256, allocator_slack_bytes=0,
+                      timeline_stride=3, prefix_caching=True, hybrid_kv=False, async_scheduling=True,
+                      instant_page_moves=True, lut_room="pool", activation_reserve_bytes=1 << 20, warmup_requests=4,
+                      max_concurrency=2)
+    s = cfg.sim_config()
+    assert (s.budget_bytes, s.block_size, s.max_num_seqs, s.max_num_batched_tokens) == (24 << 20, 32, 8, 256)
+    assert s.allocator_slack_bytes == cfg.slack_bytes == 0  # no slack, not the budget's default
+    assert (s.timeline_stride, s.prefix_caching, s.hybrid_kv, s.async_scheduling) == (3, True, False, True)
+    assert (s.instant_page_moves, s.lut_room, s.activation_bytes) == (True, "pool", 1 << 20)
+    assert (s.warmup_requests, s.max_concurrency) == (4, 2)
+
+
+def test_a_config_records_the_kv_layout_its_model_runs():
+    """A model without sliding-window layers keeps one table whatever was asked (a replay of it records
+    hybrid_kv_cache false, and fidelity compares the two); one with them keeps the groups unless told not to."""
+    from pwsim.runner import make_config
+    assert make_config("24MiB").hybrid_kv is False
+    assert make_config("20GiB", model="gemma-4-26b-a4b", calibration="synthetic").hybrid_kv is True
+    assert make_config("20GiB", model="gemma-4-26b-a4b", calibration="synthetic", hybrid_kv=False).hybrid_kv is False
+
+
+def test_a_config_refuses_a_client_limit_below_one():
+    """As a config.json read back (`pwsim compare`'s workers) or built by a caller: no simulation to fail later."""
+    from pwsim.runner import make_config
+    from traces.clikit import UserError
+    with pytest.raises(UserError, match="--max-concurrency must be >= 1"):
+        RunConfig.from_json({**make_config("24MiB").to_json(), "max_concurrency": 0})
+
+
+def test_a_synthetic_calibration_is_drawn_from_the_run_s_seed():
+    from policies.synthetic import synthetic_calibration
+    from pwsim.runner import build, make_config
+    sims = {seed: build(make_config("48MiB", calibration="synthetic", seed=seed)) for seed in (0, 3)}
+    three = synthetic_calibration(sims[3].card, seed=3)
+    assert np.array_equal(sims[3].cal.sensitivity, three.sensitivity, equal_nan=True)  # nan: bits below the lowest
+    assert not np.array_equal(sims[0].cal.sensitivity, sims[3].cal.sensitivity, equal_nan=True)
+
+
+def test_a_trace_without_routing_draws_it_from_the_run_s_seed(tmp_path):
+    from pwsim.defaults import DEFAULTS
+    from pwsim.runner import build_workload, make_config
+    (tmp_path / "t").mkdir()
+    shutil.copy(f"{DEFAULTS.trace}/requests.parquet", tmp_path / "t" / "requests.parquet")  # no routing.parquet
+    def routing(seed: int) -> np.ndarray:
+        return build_workload(make_config("24MiB", trace=str(tmp_path / "t"), seed=seed)).routing.p
+    assert np.array_equal(routing(7), routing(7)) and not np.array_equal(routing(0), routing(7))
+
+
+def test_a_result_says_which_hardware_and_calibration_it_ran_on():
+    from pwsim.hardware import load_profile
+    from pwsim.runner import make_config
+    s = execute(make_config("48MiB", hardware="h200-measured", calibration="synthetic")).summary
+    note = load_profile("h200-measured").metadata["note"]
+    assert s["hardware"] == {"name": "h200-measured", "measured": True, "note": note} and note
+    assert s["calibration"] == {"source": "synthetic", "synthetic": True}
+    assert execute(make_config("48MiB")).summary["calibration"]["synthetic"] is False  # the bundled, measured one
+
+
+def test_a_budget_may_take_the_whole_card_and_no_more(tmp_path):
+    from dataclasses import replace
+    from pwsim.hardware import load_profile
+    from pwsim.runner import build, make_config
+    from traces.clikit import UserError
+    card = replace(load_profile("h200-roofline"), gpu_memory_bytes=48 << 20).save(tmp_path / "card.json")
+    assert build(make_config("48MiB", hardware=str(card))).cfg.budget_bytes == 48 << 20
+    with pytest.raises(UserError, match="exceeds the"):
+        build(make_config("49MiB", hardware=str(card)))

@@ -596,3 +596,11 @@ def test_a_reader_that_leaves_ends_the_command_quietly():
     proc.stdout.close()  # the reader is gone before the first line
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and "Traceback" not in err, err
+
+
+def test_run_calibration_that_is_a_file(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    cal.write_text("{}")
+    _misuse(capsys, ["run", "--budget", "32MiB", "--calibration", cal, "--out", tmp_path / "run"],
+            "is not a directory")
+    assert not (tmp_path / "run").exists()

@@ -683,3 +683,18 @@ def test_routing_reads_are_charged_in_microseconds_as_planning():
 def test_more_warmup_requests_than_the_trace_warms_up_with_the_whole_trace():
     res = tiny_sim("pagedweight", kv_blocks=12, n=5, warmup_requests=8).run()
     assert res.summary["completed"] == 5
+
+
+def test_a_progress_bar_shows_on_a_terminal_unless_turned_off(monkeypatch):
+    import io
+    import sys
+
+    from pwsim.runner import run_simulation
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+    for progress in (True, False):
+        monkeypatch.setattr(sys, "stderr", Terminal())
+        run_simulation(tiny_sim("pagedweight", kv_blocks=24, n=8), progress=progress)
+        assert ("simulating" in sys.stderr.getvalue()) == progress
