@@ -474,8 +474,8 @@ def test_no_throughput_without_one_off_steps_when_they_are_the_whole_makespan():
     rep = compare(sim, runtime)
     assert rep["one_off_steps"]["runtime"]["excess_s"] == runtime.summary["makespan_s"] == 2.0
     assert rep["throughput_ratio_without_one_off"] is None  # nothing left of the makespan to divide by
-    runtime.summary["makespan_s"] = 4.0  # half of it one-off work: the runtime's throughput, twice
-    assert compare(sim, runtime)["throughput_ratio_without_one_off"] == pytest.approx(100.0 / (100 / 2.0))
+    runtime.summary["makespan_s"] = 4.0  # half of it one-off work: 100 tokens in the 2 s left, 50 a second
+    assert compare(sim, runtime)["throughput_ratio_without_one_off"] == pytest.approx(100.0 / 50.0)
 
 
 def test_where_each_side_found_room_for_its_lower_luts():

@@ -258,7 +258,7 @@ def test_request_rate_refuses_a_rate_or_burstiness_of_zero_and_any_other_time_sc
         with pytest.raises(UserError, match="--request-rate must be"):
             replace(cfg, **kw)
     with pytest.raises(UserError, match="not both"):
-        replace(cfg, request_rate=40.0, time_scale=2.0)  # slower, as well as faster, is another time
+        replace(cfg, request_rate=40.0, time_scale=2.0)  # a slower time scale too, not only a faster one
 
 
 def test_request_burstiness_shapes_the_re_timed_gaps_as_the_runtime_s():

@@ -279,8 +279,8 @@ def test_a_trace_run_s_config_reads_back_as_the_same_config():
 
 
 def test_a_config_s_json_names_its_budget_and_its_policy_parameters():
-    """config.json holds the budget as written and the parameters as a mapping; given in any order they read back as
-    the same config (and the same label)."""
+    """config.json holds the budget in words beside its bytes and the parameters as a mapping; given in any order
+    they read back as the same config (and the same label)."""
     from pwsim.runner import make_config
     cfg = make_config("24MiB", policy_params={"min_plan_blocks": 4, "alpha": 0.5})
     d = cfg.to_json()
@@ -343,7 +343,7 @@ def test_a_synthetic_calibration_is_drawn_from_the_run_s_seed():
     from pwsim.runner import build, make_config
     sims = {seed: build(make_config("48MiB", calibration="synthetic", seed=seed)) for seed in (0, 3)}
     three = synthetic_calibration(sims[3].card, seed=3)
-    assert np.array_equal(sims[3].cal.sensitivity, three.sensitivity, equal_nan=True)  # nan: bits below the lowest
+    assert np.array_equal(sims[3].cal.sensitivity, three.sensitivity, equal_nan=True)  # nan: bitwidths it does not hold
     assert not np.array_equal(sims[0].cal.sensitivity, sims[3].cal.sensitivity, equal_nan=True)
 
 
@@ -352,6 +352,7 @@ def test_a_trace_without_routing_draws_it_from_the_run_s_seed(tmp_path):
     from pwsim.runner import build_workload, make_config
     (tmp_path / "t").mkdir()
     shutil.copy(f"{DEFAULTS.trace}/requests.parquet", tmp_path / "t" / "requests.parquet")  # no routing.parquet
+
     def routing(seed: int) -> np.ndarray:
         return build_workload(make_config("24MiB", trace=str(tmp_path / "t"), seed=seed)).routing.p
     assert np.array_equal(routing(7), routing(7)) and not np.array_equal(routing(0), routing(7))
@@ -372,7 +373,7 @@ def test_a_budget_may_take_the_whole_card_and_no_more(tmp_path):
     from pwsim.hardware import load_profile
     from pwsim.runner import build, make_config
     from traces.clikit import UserError
-    card = replace(load_profile("h200-roofline"), gpu_memory_bytes=48 << 20).save(tmp_path / "card.json")
-    assert build(make_config("48MiB", hardware=str(card))).cfg.budget_bytes == 48 << 20
+    small = replace(load_profile("h200-roofline"), gpu_memory_bytes=48 << 20).save(tmp_path / "small.json")
+    assert build(make_config("48MiB", hardware=str(small))).cfg.budget_bytes == 48 << 20
     with pytest.raises(UserError, match="exceeds the"):
-        build(make_config("49MiB", hardware=str(card)))
+        build(make_config("49MiB", hardware=str(small)))

@@ -540,8 +540,8 @@ def test_the_cost_breakdown_adds_up_to_the_forwards_time(asynchronous):
     ops = c["attention"] + c["moe"] + c["dense"] + c["lm_head"] + c["overhead"]
     assert c["total"] == pytest.approx(ops + c["planning"] + c["kv_copies"])
     assert c["kv_copies"] > 0 and c["planning"] > 0   # the profile charges its routing reads
-    if asynchronous:
-        assert c["iterations_s"] < c["total"]
+    if asynchronous:  # below it by more than rounding (a synchronous run's is a few ulps below the total too)
+        assert c["iterations_s"] < c["total"] and c["iterations_s"] != pytest.approx(c["total"])
     else:
         assert c["iterations_s"] == pytest.approx(c["total"])
 
@@ -694,6 +694,7 @@ def test_a_progress_bar_shows_on_a_terminal_unless_turned_off(monkeypatch):
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
+
     for progress in (True, False):
         monkeypatch.setattr(sys, "stderr", Terminal())
         run_simulation(tiny_sim("pagedweight", kv_blocks=24, n=8), progress=progress)
