@@ -54,7 +54,7 @@ class KVCache:
         self.num_layers, self.block_size = num_layers, block_size
         self.dtype, self.device = dtype, torch.device(device)
         self.num_blocks, self.scratch, self.generation = num_blocks, bool(scratch), 0
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         self.layout = layout if layout is not None else KVLayout.build(
             [2 * h * d * elem for h, d in self.layer_shapes], [None] * num_layers, block_size)
         if not self.layout.hybrid and self.layout.groups[0].block_size != block_size:
@@ -88,7 +88,7 @@ class KVCache:
             return (tuple(range(self.num_layers)),
                     tuple((self.block_size, h, d) for h, d in self.layer_shapes))
         place, shape = [0] * self.num_layers, [(0, 0, 0)] * self.num_layers
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         share = self.layout.page_bytes // (2 * self.layout.layers_per_group)   # K (or V) of one layer in a page
         for group in self.layout.groups:
             for p, layer in enumerate(group.layers):
@@ -109,7 +109,7 @@ class KVCache:
         """A buffer per place's K and V, each large enough for the whole device (the ranges are addresses only)."""
         total = torch.cuda.get_device_properties(self.device).total_memory
         most_blocks = total // sum(self._row_bytes) + 1
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         for row_bytes in self._row_bytes:
             buffer = GrowableBuffer(most_blocks * row_bytes, self.device)
             self.buffers.append(buffer)
@@ -207,6 +207,6 @@ class KVCache:
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype, layer_shapes: Sequence[tuple[int, int]] | None = None) -> int:
         """Bytes one block occupies over all layers, K and V (`layer_shapes` as in KVCache)."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         shapes = layer_shapes if layer_shapes is not None else ((num_kv_heads, head_dim),) * num_layers
         return 2 * block_size * elem * sum(h * d for h, d in shapes)

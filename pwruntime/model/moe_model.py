@@ -192,7 +192,7 @@ class MoEModel(nn.Module):
 
     def kv_layout(self, block_size: int, hybrid: bool = False) -> KVLayout:
         """The KV groups of this model's layers at its dtype (ModelConfig.kv_layout)."""
-        return self.config.kv_layout(block_size, torch.empty((), dtype=self.dtype).element_size(), hybrid)
+        return self.config.kv_layout(block_size, self.dtype.itemsize, hybrid)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: KVCache,
