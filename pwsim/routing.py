@@ -14,7 +14,8 @@ records that computation as the request's next attempt, which `TraceRouting` rep
 * `PopularityRouting`: synthetic. Expert popularity per (domain, layer) (rows of `popularity`),
   optionally drifting with the position in the request. Top-k without replacement drawn by
   inverse-CDF sampling from counter-based hashes of (seed, request, position, layer, slot), with
-  duplicate slots redrawn. Weights are the chosen experts' popularity, normalised per token; input
+  duplicate slots redrawn, and a slot still repeating after the rounds drawn from the popularity
+  of the experts its token does not hold yet. Weights are the chosen experts' popularity, normalised per token; input
   norms are log-normal around 1 with a per-layer scale.
 """
 from __future__ import annotations
@@ -224,13 +225,38 @@ class PopularityRouting:
             ids[n, k] = _inverse_cdf(table, row2[n], xr, E)
             still = _repeats(ids[n], k)  # equals another slot
             n, k = n[still], k[still]
-        for i, j in zip(n.tolist(), k.tolist()):  # rare leftovers: the next unused expert
-            used = set(ids[i, :j].tolist()) | set(ids[i, j + 1:].tolist())
-            e = int(ids[i, j])
-            while e in used:
-                e = (e + 1) % E
-            ids[i, j] = e
+        if len(n):
+            self._draw_leftovers(ids, n, k, row2[n], x2[n, k])
         return ids.reshape(x.shape)
+
+    def _draw_leftovers(self, ids: np.ndarray, n: np.ndarray, k: np.ndarray, row: np.ndarray, x: np.ndarray) -> None:
+        """Slots still repeating after the redraw rounds, drawn in place from their popularity row renormalised over
+        the experts their token's settled slots do not hold (the next draw of sampling without replacement).
+
+        `ids [N, K]`; leftover i is slot `k[i]` of token `n[i]`, with popularity row `row[i]` and hash `x[i]`. A
+        token's leftovers settle in slot order, each seeing the ones before it; where the free experts' popularity
+        underflowed to zero, any free expert is equally likely."""
+        E, K = self.experts, ids.shape[1]
+        with np.errstate(over="ignore"):
+            u = _hi(_mix(x + np.uint64(self.redraw_rounds + 1) * _GOLD))
+        pending = np.zeros(ids.shape, dtype=bool)
+        pending[n, k] = True
+        p = self.p.reshape(-1, E)
+        for j in range(K):
+            mine = k == j
+            if not mine.any():
+                continue
+            t = n[mine]
+            free = np.ones((len(t), E), dtype=bool)
+            for m in range(K):
+                settled = ~pending[t, m]
+                free[np.flatnonzero(settled), ids[t[settled], m]] = False
+            w = p[row[mine]] * free
+            none_left = w.sum(axis=1) <= 0
+            w[none_left] = free[none_left]
+            c = np.cumsum(w, axis=1)
+            ids[t, j] = np.minimum((c <= (u[mine] * c[:, -1])[:, None]).sum(axis=1), E - 1)
+            pending[t, j] = False
 
 
 _FILL_CHUNK = 1024  # tokens per `_records` call: each token's draw is its own, and the temporaries stay in cache

@@ -265,12 +265,12 @@ def test_popularity_routing_draws_each_norm_around_its_own_scale():
     assert np.median(r.down_norm) == pytest.approx(5.0, rel=0.05)
 
 
-@pytest.mark.parametrize("rounds", [0, 1])
-def test_a_repeated_expert_is_redrawn_for_each_round_then_the_next_unused_expert_is_taken(rounds):
-    """Top-2 of 4 experts, another popularity in each layer: the second slot draws c with p_c; a draw of the first
-    slot's expert a is redrawn from the layer's own popularity `rounds` times, and a repeat left after them is
-    replaced by a + 1 (mod 4). So P(a, c) = p_a p_c (1 + p_a + ... + p_a^rounds) for c != a, plus p_a^(rounds + 2) for
-    c = a + 1."""
+@pytest.mark.parametrize("rounds", [0, 1, 3])
+def test_a_repeat_left_after_the_redraws_is_drawn_from_the_popularity_of_the_unused_experts(rounds):
+    """Top-2 of 4 experts, another popularity in each layer. The second slot draws the first slot's expert a with
+    p_a each round; a repeat left after the rounds draws from the other experts in proportion to their popularity.
+    So P(a, c) = p_a p_c (1 + ... + p_a^rounds) + p_a p_a^(rounds + 1) p_c / (1 - p_a) = p_a p_c / (1 - p_a) for
+    any number of rounds: sampling without replacement."""
     p = np.array([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
     n, E = 20000, 4
     src = PopularityRouting(p[None], np.zeros(1, np.int64), np.array([n]), 2, seed=7, redraw_rounds=rounds, norms=False)
@@ -279,10 +279,31 @@ def test_a_repeated_expert_is_redrawn_for_each_round_then_the_next_unused_expert
     for layer, q in enumerate(p):
         got = np.zeros((E, E))
         np.add.at(got, (ids[layer, :, 0], ids[layer, :, 1]), 1 / n)
-        want = q[:, None] * q[None, :] * sum(q[:, None] ** r for r in range(rounds + 1))
+        want = q[:, None] * q[None, :] / (1 - q[:, None])
         np.fill_diagonal(want, 0.0)
-        want[np.arange(E), (np.arange(E) + 1) % E] += q ** (rounds + 2)
-        assert np.abs(got - want).max() < 0.012, (layer, got, want)
+        assert np.abs(got - want).max() < 0.01, (layer, got, want)
+
+
+def test_a_token_s_leftovers_settle_in_slot_order_and_never_take_an_expert_of_zero_popularity():
+    """Without redraws, top-3 of 5 experts where two experts hold no popularity: every repeat is a leftover, and each
+    token still ends with three distinct experts, none of them an expert nothing routes to while others are free."""
+    p = np.array([[[0.5, 0.3, 0.2, 0.0, 0.0]]])
+    src = PopularityRouting(p, np.zeros(1, np.int64), np.array([4000]), 3, seed=2, redraw_rounds=0, norms=False)
+    ids = src.route(np.array([0]), np.array([0]), np.array([4000])).ids
+    assert not _duplicate_slots(ids).any()
+    assert set(np.unique(ids).tolist()) == {0, 1, 2}
+
+
+def test_leftovers_with_no_popularity_left_take_a_free_expert_uniformly():
+    """Top-3 of 4 where one expert holds all the popularity: the two other slots can only be leftovers over experts
+    of zero popularity, and they spread evenly over the three."""
+    p = np.array([[[1.0, 0.0, 0.0, 0.0]]])
+    n = 6000
+    src = PopularityRouting(p, np.zeros(1, np.int64), np.array([n]), 3, seed=4, redraw_rounds=2, norms=False)
+    ids = src.route(np.array([0]), np.array([0]), np.array([n])).ids
+    assert not _duplicate_slots(ids).any() and (ids[..., 0] == 0).all()
+    share = np.bincount(ids[..., 1:].ravel(), minlength=4) / (2 * n)
+    assert share[0] == 0 and np.abs(share[1:] - 1 / 3).max() < 0.02, share
 
 
 def test_the_fallback_expert_is_unused_by_every_other_slot():
@@ -312,3 +333,21 @@ def test_the_last_arrival_routes_with_the_drift_at_the_end_of_the_walk(olmoe):
         mine = gen.request_id == r
         assert np.abs(freq(gen.layer[mine], gen.expert_ids[mine]) - sim[r]).mean() < 0.002, r
     assert np.abs(sim[1] - sim[0]).mean() > 0.004
+
+
+def test_with_one_expert_dominating_each_layer_the_experts_are_chosen_as_often_as_the_generator_chooses_them(olmoe):
+    """Skew 3 makes most top-8 draws repeat the leading experts, so many slots outlast the redraw rounds. Per layer and
+    expert, the synthetic source picks each expert as often as the generator's Gumbel top-k (sampling without
+    replacement) does, to sampling noise."""
+    L, E, tokens = olmoe.moe_layers, olmoe.experts, 3001
+    req = generate_requests(WorkloadSpec(requests=1, rate=10.0, prompt=LengthDist("fixed", tokens - 1),
+                                         output=LengthDist("fixed", 1), domains=("chat",)), seed=0)
+    spec = RoutingSpec(skew=3.0)
+    gen = generate_routing(req, olmoe, spec, seed=0)
+    ids = synthetic_routing(req, olmoe, spec, seed=0).route(np.array([0]), np.array([0]), np.array([tokens])).ids
+
+    def freq(layer, chosen):
+        flat = (np.asarray(layer, np.int64)[:, None] * E + chosen).ravel()
+        return np.bincount(flat, minlength=L * E).reshape(L, E) / (tokens * olmoe.top_k)
+    sim = freq(np.repeat(np.arange(L), tokens), ids.reshape(L * tokens, -1))
+    assert np.abs(freq(gen.layer, gen.expert_ids) - sim).max() < 0.012
