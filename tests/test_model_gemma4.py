@@ -98,6 +98,19 @@ def test_what_the_runtime_cannot_serve_is_one_clear_error(tmp_path, change, need
         parse_config({**cfg, **change})
 
 
+def test_the_expert_count_takes_either_spelling_as_the_model_card_does(tmp_path):
+    """Gemma 4's text config names it num_experts; num_local_experts alone is read as the card reads it, and the two
+    at different values are refused, naming both."""
+    path = make_tiny_checkpoint(tmp_path, "gemma4")
+    cfg = json.loads((path / "config.json").read_text())
+    base = {k: v for k, v in cfg.items() if k != "num_experts"}
+    assert parse_config({**base, "num_local_experts": 6}).experts == 6
+    assert parse_config({**base, "num_local_experts": 6}).experts == ModelSpec.from_hf_config(
+        {**base, "num_local_experts": 6}).experts
+    with pytest.raises(CheckpointError, match="num_local_experts 4 and num_experts 6: keep the one"):
+        parse_config({**base, "num_experts": 6, "num_local_experts": 4})
+
+
 def test_which_decode_steps_cuda_graphs_can_capture(tmp_path):
     """Decode steps wherever the attention kernel takes every layer's heads (not the tiny fixture's 16-wide ones; at
     Gemma 4's 256 and 512 it does)."""

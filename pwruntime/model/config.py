@@ -262,9 +262,10 @@ def parse_gemma4_config(config: dict, generation_config: dict | None = None) -> 
     eos = eos_ids(cfg if cfg.get("eos_token_id") is not None else config, generation_config)
     bias = bool(cfg.get("attention_bias", False))
     softcap = cfg.get("final_logit_softcapping")
+    experts = expert_count(cfg, CheckpointError)
     return ModelConfig(
         arch="gemma4", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        vocab=int(_get(cfg, "vocab_size")), experts=int(_get(cfg, "num_experts")),
+        vocab=int(_get(cfg, "vocab_size")), experts=int(_get(cfg, "num_experts")) if experts is None else experts,
         top_k=int(_get(cfg, "top_k_experts")), expert_intermediate=int(_get(cfg, "moe_intermediate_size")),
         shared_intermediate=0, eos_token_id=eos[0] if eos else None, eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id", config.get("bos_token_id")),
