@@ -6,7 +6,6 @@ config dumped beside a result reproduces it.
 """
 from __future__ import annotations
 
-import json
 import sys
 import zipfile
 from dataclasses import asdict, dataclass, field, fields
@@ -257,8 +256,4 @@ def execute(cfg: RunConfig, progress: bool = False) -> SimResult:
                                                                                sim.cal.provenance.get("synthetic"))}
     result.summary["workload"] = sim.workload.description
     return result
-
-
-def config_json(cfg: RunConfig) -> str:
-    return json.dumps(cfg.to_json(), indent=2, sort_keys=True)
 
