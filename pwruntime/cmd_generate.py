@@ -84,10 +84,12 @@ def add_engine_args(p) -> None:
                         "synthetic[:S]: a synthetic calibration of the model's shape, seed S (default 0), as `pwsim "
                         "run --calibration synthetic:S` makes it (for a dummy checkpoint, `quantize --load-format "
                         "dummy`)")
-    w.add_argument("--plane-arena", action="store_true",
+    w.add_argument("--plane-arena", action=argparse.BooleanOptionalAction, default=None,
                    help="keep the expert planes and LUTs in memory the store maps itself and keeps dense, so that what "
-                        "offloads free goes back to the device for the KV cache (CUDA; pwruntime.plane_arena): less "
-                        "memory held, more host time moving pages (the README's results), so off by default")
+                        "offloads free goes back to the device for the KV cache (pwruntime.plane_arena) and the "
+                        "process holds its budget; --no-plane-arena leaves them to torch's caching allocator, which "
+                        "keeps what offloads free (less host time moving pages, more memory held: the README's "
+                        "results). Default: on for AP experts on CUDA")
     w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
                    help="memory for the model's weights and the KV cache together, as `pwsim run --budget` (e.g. "
                         "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "
@@ -116,7 +118,7 @@ def _load(args, dtype: str, device: str):
         raise UserError("give --model or --ap, not both: --ap DIR serves that AP checkpoint, which carries its own "
                         "non-expert weights and tokenizer")
     if args.ap is None:
-        if args.plane_arena:
+        if args.plane_arena is True:
             raise UserError("--plane-arena keeps AP expert planes: it needs --ap DIR")
         if args.lut_room == "pool":
             raise UserError("--lut-room pool places the LUTs of AP expert offloads, which --model's full-precision "
@@ -131,7 +133,7 @@ def _load(args, dtype: str, device: str):
     from pwruntime.quant.store import load_ap_model
 
     cuda = torch.device(device).type == "cuda"
-    if args.plane_arena and not cuda:
+    if args.plane_arena is True and not cuda:
         raise UserError("--plane-arena needs a CUDA device (elsewhere the pure-torch AP store serves the experts): "
                         "drop it or add --device cuda")
     model, store = load_ap_model(args.ap, dtype=dtype, device=device, expert_device="cpu" if cuda else None)
@@ -148,7 +150,7 @@ def _load(args, dtype: str, device: str):
         from pwruntime.page_mover import CudaPageMover
 
         model.experts = DeviceExpertStore.from_ap_store(store, device=model.device, dtype=model.dtype, table=table,
-                                                        arena=args.plane_arena)
+                                                        arena=args.plane_arena is not False)
         mover = CudaPageMover(model.experts)
     else:
         store.attach_table(table)  # the store reads the committed bits q on every call

@@ -66,6 +66,12 @@ def serves_ap_experts(engine) -> bool:
     return not isinstance(engine.model.experts, DenseExpertStore)
 
 
+def serves_from_plane_arena(engine) -> bool:
+    """Whether the engine's expert planes live in a plane arena (pwruntime.plane_arena; AP experts on CUDA by
+    default) rather than in torch's caching allocator."""
+    return getattr(engine.model.experts, "arena", None) is not None
+
+
 def lut_room(engine) -> str:
     """Where the engine's offloads find room for their lower LUTs in flight: "slack" where its plan loop may borrow a
     budget's allocator slack (`--lut-room slack` with `--gpu-memory-budget`), else "pool" (policies.memory_budget)."""
@@ -86,6 +92,7 @@ def serving_info(engine) -> dict:
             "hybrid_kv_cache": engine.kv_layout.hybrid, "activation_reserve": engine.activation_reserve,
             "kv_blocks_per_request": engine.kv_blocks_per_request,
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
+            "plane_arena": serves_from_plane_arena(engine),
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
 

@@ -813,3 +813,35 @@ def test_device_blocks_stay_at_three_bits_or_more(tmp_path):
         dev.set_bits(2)
     dev.sync()
     assert (dev.row_bits == 3).all()
+
+
+def _cli_engine(ap_path, device: str, *flags):
+    from pwruntime.cli import _registrars
+    from pwruntime.cmd_generate import build_engine
+    from traces.clikit import build_parser
+
+    args = build_parser("pwruntime", "", _registrars()).parse_args(
+        ["generate", "--ap", str(ap_path), "--device", device, "--num-kv-blocks", "64", "--prompt", "x", *flags])
+    return build_engine(args)[0]
+
+
+def test_off_cuda_the_cli_serves_ap_experts_without_a_plane_arena_and_says_so(ap_path):
+    """The arena maps device memory: off CUDA the default leaves it out (an explicit --plane-arena is refused, see
+    test_runtime_cli_misuse), --no-plane-arena is accepted, and the engine's serving info says which ran."""
+    from pwruntime.stats_log import serving_info
+
+    for flags in ((), ("--no-plane-arena",)):
+        engine = _cli_engine(ap_path, "cpu", *flags)
+        assert getattr(engine.model.experts, "arena", None) is None and serving_info(engine)["plane_arena"] is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("flags, arena", [((), True), (("--plane-arena",), True), (("--no-plane-arena",), False)])
+def test_gpu_the_cli_serves_ap_experts_from_a_plane_arena_unless_told_not_to(ap_path, flags, arena):
+    """On CUDA the AP experts' planes live in a plane arena by default, so offloads give their memory back to the
+    device; --no-plane-arena leaves them to torch's caching allocator."""
+    from pwruntime.stats_log import serving_info
+
+    engine = _cli_engine(ap_path, "cuda", *flags)
+    assert isinstance(engine.model.experts, DeviceExpertStore)
+    assert (engine.model.experts.arena is not None) is arena and serving_info(engine)["plane_arena"] is arena

@@ -165,6 +165,7 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
                  "--device", "cpu", "--max-num-seqs", "32", "--time-scale", "0", "--record-routing",
                  "--activation-reserve", reserve]) == 0
     capsys.readouterr()
+    assert json.loads((tmp_path / "rt" / "config.json").read_text())["plane_arena"] is False  # what ran, on the CPU
     assert sim_main(["run", "--like-replay", str(tmp_path / "rt"), "--out", str(tmp_path / "sim")]) == 0
     taken = capsys.readouterr().out
     assert "--calibration synthetic:0" in taken and "--model PagedWeight-demo" in taken
