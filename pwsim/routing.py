@@ -11,12 +11,11 @@ records that computation as the request's next attempt, which `TraceRouting` rep
 
 * `TraceRouting`: per request and attempt, the recorded `[positions, layers, k]` ids and weights (and optional
   norms), e.g. read from a routing trace.
-* `PopularityRouting`: synthetic. Expert popularity per (domain, layer) (rows of `popularity`),
-  optionally drifting with the position in the request. Top-k without replacement drawn by
-  inverse-CDF sampling from counter-based hashes of (seed, request, position, layer, slot), with
-  duplicate slots redrawn, and a slot still repeating after the rounds drawn from the popularity
-  of the experts its token does not hold yet. Weights are the chosen experts' popularity, normalised per token; input
-  norms are log-normal around 1 with a per-layer scale.
+* `PopularityRouting`: synthetic. Expert popularity per (domain, layer) (rows of `popularity`), optionally drifting
+  with the position in the request. Top-k without replacement drawn by inverse-CDF sampling from counter-based hashes
+  of (seed, request, position, layer, slot), with duplicate slots redrawn, and a slot still repeating after the
+  rounds drawn from the popularity of the experts its token does not hold yet. Weights are the chosen experts'
+  popularity, normalised per token; input norms are log-normal around 1 with a per-layer scale.
 """
 from __future__ import annotations
 
