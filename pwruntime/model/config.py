@@ -112,6 +112,13 @@ class ModelConfig:
         return KVLayout.build(token_bytes, self.sliding_windows or [None] * self.layers, block_size, hybrid)
 
 
+def _experts(cfg: dict, key: str) -> int:
+    """The expert count under either spelling (traces.model_card.expert_count); where the config gives neither, the
+    missing-key error names `key`, the architecture's own spelling."""
+    experts = expert_count(cfg, CheckpointError)
+    return int(_get(cfg, key)) if experts is None else experts
+
+
 def _get(cfg: dict, key: str, default: Any = ..., where: str = "config.json") -> Any:
     value = cfg.get(key, None)
     if value is None:
@@ -201,9 +208,7 @@ def parse_config(cfg: dict, generation_config: dict | None = None) -> ModelConfi
         head_dim = int(cfg["head_dim"])
     if heads % kv_heads:
         raise CheckpointError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
-    experts = expert_count(cfg, CheckpointError)
-    if experts is None:
-        experts = int(_get(cfg, "num_local_experts" if arch == "mixtral" else "num_experts"))
+    experts = _experts(cfg, "num_local_experts" if arch == "mixtral" else "num_experts")
     inter = int(_get(cfg, "moe_intermediate_size" if arch in ("qwen2_moe", "qwen3_moe") else "intermediate_size"))
     moe_layers = _moe_layers(cfg, layers, experts) if arch in ("qwen2_moe", "qwen3_moe") else tuple(range(layers))
     theta, linear = _rope(cfg, arch)
@@ -262,10 +267,9 @@ def parse_gemma4_config(config: dict, generation_config: dict | None = None) -> 
     eos = eos_ids(cfg if cfg.get("eos_token_id") is not None else config, generation_config)
     bias = bool(cfg.get("attention_bias", False))
     softcap = cfg.get("final_logit_softcapping")
-    experts = expert_count(cfg, CheckpointError)
     return ModelConfig(
         arch="gemma4", layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        vocab=int(_get(cfg, "vocab_size")), experts=int(_get(cfg, "num_experts")) if experts is None else experts,
+        vocab=int(_get(cfg, "vocab_size")), experts=_experts(cfg, "num_experts"),
         top_k=int(_get(cfg, "top_k_experts")), expert_intermediate=int(_get(cfg, "moe_intermediate_size")),
         shared_intermediate=0, eos_token_id=eos[0] if eos else None, eos_token_ids=eos,
         bos_token_id=cfg.get("bos_token_id", config.get("bos_token_id")),
