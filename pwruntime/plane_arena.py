@@ -144,8 +144,7 @@ class PlaneArena:
                 raise ArenaFull(f"the plane arena's {nbytes}-byte class is full ({cls.capacity} tensors)")
             end = (k + 1) * cls.size
             if end > cls.buffer.size:   # its slack ahead, so that growth does not call the driver every few slots
-                cls.buffer.max_handle = cls.handle_bytes
-                cls.buffer.resize(min(end + cls.slack, cls.capacity * cls.size))
+                cls.buffer.resize(min(end + cls.slack, cls.capacity * cls.size), max_handle=cls.handle_bytes)
         return self._take(cls, k, shape, dtype)
 
     def _take(self, cls: _Class, k: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

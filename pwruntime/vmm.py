@@ -156,7 +156,7 @@ class GrowableBuffer:
         self._active = 0
         self.peak_mapped = 0
         self.calls = DriverCalls()
-        self._grow(self.step)    # the first step stays mapped: torch wraps only an address it can see is on the device
+        self._grow(self.step, max_handle)   # the first step stays mapped: torch wraps only addresses on the device
 
     @property
     def mapped(self) -> int:
@@ -168,13 +168,14 @@ class GrowableBuffer:
         """Bytes usable from `ptr` now: the end of the handles that back the buffer (retiring ones not counted)."""
         return self._handles[self._active - 1].end if self._active else 0
 
-    def resize(self, nbytes: int) -> None:
-        """Make [ptr, ptr + nbytes) usable: map memory behind it, or retire the handles wholly above it."""
+    def resize(self, nbytes: int, max_handle: int | None = None) -> None:
+        """Make [ptr, ptr + nbytes) usable: map memory behind it (in handles of `max_handle` bytes at most, the
+        buffer's own unless told), or retire the handles wholly above it."""
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the buffer's reserved {self.capacity}")
         self.release_retired()
         if nbytes > self.size:
-            self._grow(nbytes)
+            self._grow(nbytes, self.max_handle if max_handle is None else max_handle)
             return
         keep = max(round_up(nbytes, self.step), self.step)
         first_above = self._active   # searched from the top: a shrink gives back few of many handles
@@ -187,7 +188,7 @@ class GrowableBuffer:
                 h.retiring = event
             self._active = first_above
 
-    def _grow(self, nbytes: int) -> None:
+    def _grow(self, nbytes: int, max_handle: int) -> None:
         while self._active < len(self._handles) and self.size < nbytes:
             self._handles[self._active].retiring = None   # still mapped: taken back without a driver call
             self._active += 1
@@ -196,7 +197,7 @@ class GrowableBuffer:
             return
         lib, offset, t0 = _driver(), start, time.perf_counter()
         try:
-            for size in handle_sizes(start, nbytes, self.step, self.max_handle):
+            for size in handle_sizes(start, nbytes, self.step, max_handle):
                 self._map(offset, size)
                 offset += size
         finally:   # one access grant for all that got mapped: the driver charges about 25 us a call, whatever its size

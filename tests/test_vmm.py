@@ -80,6 +80,21 @@ def test_gpu_buffer_grows_in_place_keeps_content_and_unmaps_a_shrinks_tail_once_
 
 
 @pytest.mark.gpu
+def test_gpu_a_growth_maps_handles_of_at_most_the_size_it_is_given():
+    buf = vmm.GrowableBuffer(1 << 30, "cuda", max_handle=4 * MIB)
+    buf.resize(20 * MIB)
+    first = len(buf._handles)
+    buf.resize(84 * MIB, max_handle=32 * MIB)   # the arena's way: a class's handle size changes as it fills
+    sizes = [h.size for h in buf._handles]
+    assert max(sizes[:first]) <= 4 * MIB and sizes[first:] == vmm.handle_sizes(buf._handles[first].offset, 84 * MIB,
+                                                                                buf.step, 32 * MIB)
+    assert max(sizes[first:]) == 32 * MIB and buf.max_handle == 4 * MIB   # told for one growth, not kept
+    buf.resize(90 * MIB)
+    assert max(h.size for h in buf._handles[len(sizes):]) <= 4 * MIB
+    buf.close()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_growable_kv_cache_follows_the_torch_one_through_resizes(dtype):
     gen = torch.Generator().manual_seed(3)

@@ -24,7 +24,7 @@ class HostBuffer:
         self.max_handle = max_handle or self.step
         self.largest_handle = 0
 
-    def resize(self, nbytes: int) -> None:
+    def resize(self, nbytes: int, max_handle: int | None = None) -> None:
         if nbytes > self.capacity:
             raise ValueError(f"{nbytes} bytes exceed the buffer's reserved {self.capacity}")
         if nbytes > self.size and HostBuffer.growths_left is not None:
@@ -33,7 +33,7 @@ class HostBuffer:
             HostBuffer.growths_left -= 1
         if nbytes > self.size:
             self.calls.grants += 1
-            sizes = vmm.handle_sizes(self.size, nbytes, self.step, self.max_handle)
+            sizes = vmm.handle_sizes(self.size, nbytes, self.step, max_handle or self.max_handle)
             self.calls.mapped += len(sizes)
             self.largest_handle = max(self.largest_handle, *sizes)
         else:
