@@ -33,7 +33,8 @@ from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.dummy import random_layers
 from traces.clikit import pyplot, write_png
 
-SHAPES: dict[str, tuple[int, int, int, int]] = {"demo": (256, 128, 16, 4), **ARCHS}  # hidden, intermediate, experts, k
+SHAPES: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, k
+    "demo": (256, 128, 16, 4), **ARCHS, "gemma-4-26b-a4b": (2816, 704, 128, 8)}
 PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
 
 

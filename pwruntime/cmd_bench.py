@@ -47,6 +47,7 @@ hybrid KV groups: a decode step's staging into graph inputs, a mixed step's meta
 """
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import sys
@@ -80,8 +81,9 @@ def register(subparsers) -> None:
                    help="prefill: every expert block's committed bits; plans: the bits its offloads lower every "
                         "block to (3..7 there), default 4")
     p.add_argument("--layers", type=int, default=None, help="plans: MoE layers of each model shape (default 1)")
-    p.add_argument("--plane-arena", action="store_true",
-                   help="plans: the store's planes and LUTs in a plane arena, as `--plane-arena` serves them (CUDA)")
+    p.add_argument("--plane-arena", action=argparse.BooleanOptionalAction, default=None,
+                   help="plans: the store's planes and LUTs in a plane arena, as the runtime serves AP experts on "
+                        "CUDA (default there; --no-plane-arena: torch's allocator, the only choice on the CPU)")
     p.add_argument("--plan-log", default=None, metavar="DIR",
                    help="plans: play the plans a `pwsim run` or `pwruntime replay` made (DIR/plans.parquet) instead "
                         "of round trips, those of its first --layers layers, on the one shape --models names")
@@ -235,8 +237,6 @@ _DECODE_ONLY = ("steps", "prompt_tokens", "ap", "calibration", "policy", "num_kv
 
 def _bench_engine(args, blocks: int, max_num_seqs: int, policy: str, max_num_batched_tokens: int | None = None):
     """(engine, model dir, dtype, device) as `pwruntime generate` builds them from the bench's engine options."""
-    import argparse
-
     from pwruntime.cmd_generate import add_engine_args, build_engine
     argv = ["--num-kv-blocks", str(blocks), "--max-num-seqs", str(max_num_seqs), "--policy", policy,
             *(["--max-num-batched-tokens", str(max_num_batched_tokens)] if max_num_batched_tokens else []),
@@ -332,16 +332,17 @@ def _run_plans(args) -> int:
         raise UserError(f"--layers and --reps must be positive, got {layers} and {reps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.plane_arena and device.type != "cuda":
-        raise UserError("--plane-arena needs a CUDA GPU (the arena maps device memory)")
-    arena = " --plane-arena" if args.plane_arena else ""
+        raise UserError("--plane-arena needs a CUDA GPU (the arena maps device memory): leave it out on the CPU")
+    plane_arena = device.type == "cuda" if args.plane_arena is None else args.plane_arena
+    arena = " --plane-arena" if plane_arena else " --no-plane-arena"
     if args.plan_log is not None:
-        return _run_plan_log(args, models, layers, device, arena)
+        return _run_plan_log(args, models, layers, device, plane_arena, arena)
     bits = 4 if args.bits is None else args.bits
     if not 3 <= bits < 8:
         raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {bits}")
     command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {bits} "
                        f"--reps {reps}{arena}")
-    cfg = bpl.PlansConfig(models, layers, bits, reps, args.seed, args.plane_arena)
+    cfg = bpl.PlansConfig(models, layers, bits, reps, args.seed, plane_arena)
     with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
         def progress(text: str) -> None:
             bar.set_postfix_str(text)
@@ -353,7 +354,7 @@ def _run_plans(args) -> int:
     return report_bench(res, command, args.out, args.json, bpl.print_table, bpl.plot)
 
 
-def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str) -> int:
+def _run_plan_log(args, models: tuple[str, ...], layers: int, device, plane_arena: bool, arena: str) -> int:
     """`bench plans --plan-log DIR`: the plans of a run played on one model shape (pwruntime.bench_plan_log)."""
     import torch
     from tqdm import tqdm
@@ -364,7 +365,7 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, arena: str
     if len(models) != 1:
         raise UserError(f"--plan-log plays one run's plans on one model shape: give --models the shape it served "
                         f"(one of {', '.join(models)})")
-    cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, args.plane_arena, args.seed)
+    cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, plane_arena, args.seed)
     command = _command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} --layers {layers}"
                        f"{arena}")
     with tqdm(desc="bench plans --plan-log", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
@@ -431,8 +432,8 @@ def run(args) -> int:
     check_seed(args.seed)
     if args.layers is not None and args.target != "plans":
         raise UserError("--layers belongs to `pwruntime bench plans`")
-    if args.plane_arena and args.target != "plans":
-        raise UserError("--plane-arena belongs to `pwruntime bench plans`")
+    if args.plane_arena is not None and args.target != "plans":
+        raise UserError("--plane-arena and --no-plane-arena belong to `pwruntime bench plans`")
     if args.plan_log is not None and args.target != "plans":
         raise UserError("--plan-log belongs to `pwruntime bench plans`")
     if args.bits is not None and args.target not in ("prefill", "plans"):

@@ -174,6 +174,10 @@ def test_plans_bench_times_every_boundary_and_leaves_the_blocks_at_8_bits(tmp_pa
     assert out.with_suffix(".png").stat().st_size > 0
     text = capsys.readouterr().out
     assert "begin off" in text and "reproduce: pwruntime bench plans --models demo --layers 1 --bits 5" in text
+    # the arena where the runtime serves from one (CUDA), else torch's allocator, and what reproduces it says which
+    gpu = torch.cuda.is_available()
+    assert res["plane_arena"] == gpu and ("arena_moves_per_transition" in row) == gpu
+    assert ("--plane-arena" if gpu else "--no-plane-arena") in res["command"].split()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
@@ -189,9 +193,9 @@ def test_gpu_plans_bench_with_a_plane_arena_moves_tensors_and_leaves_the_blocks_
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = tmp_path / "plans.json"
-    # OLMoE's shape: the demo's planes would all fit in one class's slack, with nothing to move
-    assert main(["bench", "plans", "--models", "olmoe-1b-7b", "--bits", "5", "--reps", "1", "--plane-arena",
-                 "--out", str(out)]) == 0
+    # OLMoE's shape: the demo's planes would all fit in one class's slack, with nothing to move; the arena is the
+    # default on CUDA, as the runtime serves AP experts there
+    assert main(["bench", "plans", "--models", "olmoe-1b-7b", "--bits", "5", "--reps", "1", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     (row,) = res["rows"]
     assert res["plane_arena"] and row["arena_moves_per_transition"] > 0 and row["transition_us"] > 0
@@ -292,7 +296,8 @@ def test_plans_bench_plan_log_misuse_is_one_clear_error(demo_plan_log, capsys, t
     (["plans", "--bits", "8"], "--bits must lie in 3..7"),
     (["plans", "--models", "gpt2"], "unknown model shape(s) ['gpt2']"),
     (["plans", "--layers", "0"], "must be positive"),
-    (["decode", "--plane-arena"], "--plane-arena belongs to `pwruntime bench plans`"),
+    (["decode", "--plane-arena"], "--plane-arena and --no-plane-arena belong to `pwruntime bench plans`"),
+    (["kernels", "--no-plane-arena"], "--plane-arena and --no-plane-arena belong to `pwruntime bench plans`"),
     (["plans", "--dtype", "bf16"], "--dtype does not apply"),
     (["kernels", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
     (["decode", "--layers", "2"], "--layers belongs to `pwruntime bench plans`"),
