@@ -152,7 +152,6 @@ def run(args) -> int:
     sampler = HostStackSampler().start() if args.sample_host_stacks else None
     try:
         engine, model_dir, dtype, device = build_engine(args, recorder)
-        blocks = engine.pool.capacity
         start = time.perf_counter()
         result = replay(engine, trace, time_scale=args.time_scale, warmup_requests=args.warmup_requests,
                         progress=not args.json)
@@ -160,13 +159,14 @@ def run(args) -> int:
         if sampler is not None:
             sampler.stop()
     summary = {**result.summary, "wall_s": time.perf_counter() - start, "model": str(model_dir), "dtype": dtype,
-               "device": device, "policy": engine.policy.name, "kv_blocks_start": blocks,
+               "device": device, "policy": engine.policy.name,
                "instant_page_moves": isinstance(engine.loop.mover, ImmediateMover)}  # no copy stream (the CPU's)
     if slo is not None:
         summary["slo"] = slo_attainment(result.requests, *slo)
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:],
               "hybrid_kv_cache": engine.kv_layout.hybrid,  # what ran: a model without sliding layers has one table
               "activation_reserve": engine.activation_reserve,  # bytes, measured (auto) or given
+              "graph_reserve": engine.graph_reserve,  # bytes the CUDA graphs' pools took of a memory-sized pool
               "plane_arena": serves_from_plane_arena(engine)}  # what ran: the default is on for AP experts on CUDA
     documents = {"summary": summary, "config": config}
     if sampler is not None:

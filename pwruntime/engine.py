@@ -237,6 +237,7 @@ class LLMEngine:
         # the blocks a request of the full context holds at its last position
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         self.activation_reserve = self._activation_reserve()
+        self.graph_reserve = 0  # what the CUDA graphs' pools took of a pool sized from memory (`capture_graphs`)
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
@@ -374,8 +375,15 @@ class LLMEngine:
 
     def capture_graphs(self) -> None:
         """Capture the runner's CUDA graphs for every decode size and mixed-step bucket now, as this engine's steps
-        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA."""
+        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA. A pool sized
+        from device memory then gives up what the graphs' memory pools took so far (`graph_reserve`), as it left the
+        activation reserve out: the memory budget holds them too. (Graphs captured later, on a size's first use,
+        are not charged to the pool: `pwruntime replay` and `serve` capture everything here.)"""
         self.runner.capture_graphs(self._record)
+        owed = self.runner.graph_pool_bytes - self.graph_reserve
+        if owed > 0 and self.config.num_kv_blocks is None:
+            self.capacity.keep_out(owed, "the CUDA graphs' memory pools (--no-cuda-graphs runs without them)")
+            self.graph_reserve += owed
 
     def has_unfinished(self) -> bool:
         """Whether a request is still waiting or running (a launched batch's live sequences are running; one whose

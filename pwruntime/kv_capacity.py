@@ -142,6 +142,18 @@ class KvCapacity:
             else:
                 self._refused_at = self.spare_bytes
 
+    def keep_out(self, nbytes: int, what: str) -> None:
+        """Hold `nbytes` of the budget outside the pool from now on (`what` takes them): spare bytes first, then free
+        blocks. A UserError, the pool as it was, when that would leave it no block or take blocks in use."""
+        need = max(0, -(-(nbytes - self.spare_bytes) // self.block_bytes))
+        if need >= self.pool.capacity or need > self.pool.num_free:
+            raise UserError(f"{what} take {format_size(nbytes)}, which leaves the KV cache {self.pool.capacity - need} "
+                            f"of its {self.pool.capacity} blocks ({self.pool.num_free} free): raise "
+                            "--gpu-memory-budget, or lower --max-num-seqs or --max-num-batched-tokens")
+        if need:
+            self.shrink(need)
+        self.spare_bytes += need * self.block_bytes - nbytes
+
     def give(self, nbytes: int) -> int:
         """Expert bytes freed outside the plan loop (the policy's initial bits) grow the pool; returns blocks added."""
         before = self.pool.capacity

@@ -63,8 +63,9 @@ def warm_up(engine, trace: RequestTrace, requests: int) -> list[int]:
 def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,
            sleep: Callable[[float], None] = time.sleep, progress: bool = False) -> ReplayResult:
     """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`.
-    With `warmup_requests`, `warm_up` runs first (it leaves the engine's routing statistics fed with its tokens); the
-    engine's CUDA graphs are captured before the clock starts either way."""
+    The engine's CUDA graphs are captured first (`Engine.capture_graphs`: a pool sized from memory gives up what they
+    take); then, with `warmup_requests`, `warm_up` runs (it leaves the engine's routing statistics fed with its
+    tokens) before the clock starts."""
     if trace.token_ids is None:
         raise UserError(f"{trace.source} has no prompt token ids (prompt_token_ids); replay needs the prompts "
                         "themselves: record the trace with `pwruntime record-trace`")
@@ -77,8 +78,9 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
         raise ValueError("replay needs an engine with no queued requests")
     if warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {warmup_requests}")
+    engine.capture_graphs()  # before the warm-up and the clock, as a server captures them before its first request
+    kv_blocks_start = engine.pool.capacity  # what the budget leaves the pool beside the graphs' memory
     warmed = warm_up(engine, trace, warmup_requests)
-    engine.capture_graphs()  # before the clock, as a server captures them before its first request
     first_step, first_resize = engine.num_steps, engine.kv.generation
 
     n = len(trace)
@@ -124,6 +126,7 @@ def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_reque
     result = _result(trace, arrival, outputs, index, timeline, engine, gaps)
     result.plans = plan_log.columns()
     result.summary["warmup_steps"] = first_step
+    result.summary["kv_blocks_start"] = kv_blocks_start
     result.summary["kv_resizes"] = engine.kv.generation - first_resize  # the KV cache's, since the clock started
     result.summary["kv_grow_failures"] = engine.capacity.grow_failures  # growths the device had no memory for
     result.summary["gpu_memory"] = memory_report(engine.kv.device, engine.capacity.mapped_memory())  # None off CUDA

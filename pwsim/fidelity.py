@@ -31,7 +31,7 @@ not charge; the report gives their excess
 and the throughput ratio without it (`throughput_ratio_without_one_off`). `lut_room` is where each side's offloads
 found room for their lower LUTs (`--lut-room`; the runtime's as its engine had it: a pool sized by blocks has no
 slack; results before session 38: the pool), and `activation_reserve` what each kept out of its pool for a step's
-activations (`--activation-reserve`).
+activations (`--activation-reserve`), the runtime's CUDA graphs' memory pools included (`graph_reserve`).
 `decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
@@ -313,9 +313,9 @@ def compare(sim: RunView, runtime: RunView) -> dict:
         "throughput_ratio_without_one_off": _without_one_off(sim, runtime, one_off["runtime"]),
         "lut_room": {"sim": lut_room_of(sim, True), "runtime": lut_room_of(runtime, False)},
         # the bytes each side kept out of its KV pool for a step's activations (`--activation-reserve`; absent from
-        # results before session 53: none; None: a served run whose server did not say)
+        # results before session 53: none; None: a served run whose server did not say), the graphs' pools included
         "activation_reserve": {"sim": int(sim.config.get("activation_reserve_bytes") or 0),
-                               "runtime": _setting(runtime.config, "activation_reserve", 0)},
+                               "runtime": _kept_out(runtime.config)},
         "iterations": {"sim": fit_s, "runtime": fit_r, **_gaps(fit_s, fit_r), "net_of_planning": net,
                        "by_kind": {"sim": iteration_kinds(sim.timeline), "runtime": iteration_kinds(runtime.timeline)},
                        "per_sequence": per_sequence_fit(sim_host, runtime_host)},
@@ -359,6 +359,13 @@ def compare(sim: RunView, runtime: RunView) -> dict:
 # the scheduler settings both engines take: the runtime's config key -> the simulator's
 SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max_num_batched_tokens",
                   "block_size": "block_size", "enable_prefix_caching": "prefix_caching", "hybrid_kv_cache": "hybrid_kv"}
+
+
+def _kept_out(config: dict) -> int | None:
+    """What a runtime result kept out of its KV pool beside the weights: the activation reserve and what its CUDA
+    graphs' memory pools took (`Engine.graph_reserve`; absent before session 62: none)."""
+    reserve = _setting(config, "activation_reserve", 0)
+    return None if reserve is None else int(reserve) + int(config.get("graph_reserve") or 0)
 
 
 def _setting(config: dict, key: str, default):

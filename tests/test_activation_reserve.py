@@ -164,3 +164,72 @@ def test_gpu_the_profiling_forward_of_hybrid_groups_matches_one_table(tmp_path):
     hybrid = profile_forward(model, 4, True, 48, 128, 4)
     torch.testing.assert_close(hybrid, profile_forward(model, 4, False, 48, 128, 4), atol=2e-2, rtol=2e-2)
     assert measure_activation_bytes(model, 4, True, 48, 128, 4) > 0
+
+
+def test_what_the_graphs_pools_take_leaves_a_budget_pool_when_they_are_captured(ap_path, monkeypatch):
+    """`capture_graphs` charges a pool sized from memory with what the captures made the allocator reserve (here a
+    stand-in for CUDA's count): spare bytes, then whole blocks, once; the engine reports it. A pool of
+    --num-kv-blocks has no budget to keep it in."""
+    from policies.memory_budget import allocator_slack_bytes
+    from pwruntime.model_runner import ModelRunner
+    from pwruntime.stats_log import ready_line, serving_info
+
+    pools = {"bytes": 5 * MiB}
+    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: pools["bytes"]))
+    budget = 16 * MiB
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "1MiB")
+    before, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
+    engine.capture_graphs()
+    assert engine.graph_reserve == 5 * MiB
+    assert before - engine.pool.capacity == -(-(5 * MiB - spare) // B)
+    used = (engine.model.weight_bytes() + engine.table.resident_bytes() + engine.pool.id_limit * B
+            + engine.capacity.spare_bytes)
+    assert used == budget - allocator_slack_bytes(budget) - 1 * MiB - 5 * MiB
+    info = serving_info(engine)
+    assert info["graph_reserve"] == 5 * MiB
+    assert "1 MiB kept for activations, 5 MiB kept for CUDA graphs" in ready_line(info, 1.0)
+    blocks = engine.pool.capacity
+    engine.capture_graphs()   # nothing new captured: nothing more charged
+    assert (engine.graph_reserve, engine.pool.capacity) == (5 * MiB, blocks)
+    pools["bytes"] = 6 * MiB   # a later capture: only the difference
+    engine.capture_graphs()
+    assert engine.graph_reserve == 6 * MiB and engine.pool.capacity <= blocks
+    sized = _engine(ap_path, "--num-kv-blocks", "64")
+    sized.capture_graphs()
+    assert (sized.graph_reserve, sized.pool.capacity) == (0, 64)
+
+
+def test_graphs_that_would_leave_the_pool_no_block_are_one_clear_error(ap_path, monkeypatch):
+    from pwruntime.model_runner import ModelRunner
+    from traces.clikit import UserError
+
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "0B")
+    blocks, spare = engine.pool.capacity, engine.capacity.spare_bytes
+    too_much = spare + blocks * engine.block_bytes
+    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: too_much))
+    with pytest.raises(UserError, match=r"the CUDA graphs' memory pools .* take .* leaves the KV cache 0 of its "
+                                        r".*raise --gpu-memory-budget"):
+        engine.capture_graphs()
+    assert (engine.pool.capacity, engine.capacity.spare_bytes, engine.graph_reserve) == (blocks, spare, 0)
+    engine.capacity.keep_out(too_much - engine.block_bytes, "one block's less")   # leaves one: taken
+    assert engine.pool.capacity == 1 and engine.capacity.spare_bytes == 0
+
+
+@pytest.mark.gpu
+def test_gpu_the_graphs_memory_pools_come_out_of_the_budget_pool(ap_path):
+    """On CUDA the captures reserve memory (their pool), which the budget's pool gives up in whole blocks; the engine
+    then serves from the graphs as before."""
+    from pwruntime.sampling import SamplingParams
+
+    engine = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
+                     "--max-num-batched-tokens", "256", "--max-model-len", "512")
+    blocks, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
+    engine.capture_graphs()
+    pools = engine.runner.graph_pool_bytes
+    assert pools > 0 and engine.graph_reserve == pools
+    assert blocks - engine.pool.capacity == -(-(pools - spare) // B)
+    replays = engine.runner.graphs.replays
+    engine.add_request([(7 * i) % 120 + 3 for i in range(40)], SamplingParams(max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.runner.graphs.replays > replays and engine.graph_reserve == pools   # nothing captured late

@@ -148,14 +148,19 @@ def test_a_bad_synthetic_seed_is_a_user_error(tmp_path, capsys):
     assert rc == 2 and "integer >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("reserve", ["auto", "256KiB"])
-def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, reserve):
+@pytest.mark.parametrize("reserve, graphs", [("auto", 0), ("256KiB", 0), ("256KiB", 384 << 10)])
+def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, monkeypatch, reserve,
+                                                                              graphs):
     """The chain the H200 runs at OLMoE's size, on the demo card's: a dummy checkpoint served with a synthetic
     calibration under pressure (`replay --record-routing`), then `pwsim run --like-replay` (the card the routing names,
-    the same synthetic calibration, the replay's settings, its activation reserve: auto measures none on the CPU) and
-    `pwsim fidelity`: every step and transition alike."""
+    the same synthetic calibration, the replay's settings, its activation reserve: auto measures none on the CPU; and
+    what CUDA graphs' pools took, here a stand-in for CUDA's count, joins it) and `pwsim fidelity`: every step and
+    transition alike."""
     from demo_fixtures import first_prompts
+    from pwruntime.model_runner import ModelRunner
     from pwsim.cli import main as sim_main
+
+    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: graphs))
 
     ap = tmp_path / "ap"
     _quantize(capsys, "--model", "PagedWeight-demo", "--out", str(ap))
@@ -165,17 +170,20 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
                  "--device", "cpu", "--max-num-seqs", "32", "--time-scale", "0", "--record-routing",
                  "--activation-reserve", reserve]) == 0
     capsys.readouterr()
-    assert json.loads((tmp_path / "rt" / "config.json").read_text())["plane_arena"] is False  # what ran, on the CPU
+    rt_config = json.loads((tmp_path / "rt" / "config.json").read_text())
+    assert rt_config["plane_arena"] is False and rt_config["graph_reserve"] == graphs  # what ran, on the CPU
+    kept = (0 if reserve == "auto" else 256 << 10) + graphs
     assert sim_main(["run", "--like-replay", str(tmp_path / "rt"), "--out", str(tmp_path / "sim")]) == 0
     taken = capsys.readouterr().out
     assert "--calibration synthetic:0" in taken and "--model PagedWeight-demo" in taken
-    assert f"--activation-reserve {0 if reserve == 'auto' else 256 << 10}" in taken
+    assert f"--activation-reserve {kept}" in taken
     sim_config = json.loads((tmp_path / "sim" / "config.json").read_text())
-    assert sim_config["activation_reserve_bytes"] == (0 if reserve == "auto" else 256 << 10)
+    assert sim_config["activation_reserve_bytes"] == kept
     assert sim_main(["fidelity", "--sim", str(tmp_path / "sim"), "--runtime", str(tmp_path / "rt"), "--json",
                      "--out", str(tmp_path / "fid")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["planner"]["plans"]["runtime"] > 2  # under pressure
+    assert report["activation_reserve"] == {"sim": kept, "runtime": kept}
     d, t = report["decisions"], report["transitions"]
     assert d["first_difference"] is None and d["agreeing_steps"] == d["steps"] > 50, d
     assert t["first_difference"] is None and t["sim"] == t["runtime"] and t["runtime"]["started"] > 10, t

@@ -132,17 +132,18 @@ def test_a_warm_up_of_more_requests_than_the_trace_has_serves_each_prompt_once(c
 
 
 @pytest.mark.parametrize("warmup", [0, 2])
-def test_graphs_are_captured_before_the_clock_with_or_without_a_warm_up(ckpt, monkeypatch, warmup):
-    # as a server captures them before its first request: no replayed step pays a capture
+def test_graphs_are_captured_before_the_warm_up_and_the_clock(ckpt, monkeypatch, warmup):
+    # as a server captures them before its first request: no step pays a capture, and a pool sized from memory gives
+    # up what they take before anything runs (the pool the summary says the replay started with)
     from pwruntime.replay import replay
     clock = VirtualClock()
     engine = _engine(ckpt, clock)
     captured = []
-    monkeypatch.setattr(engine, "capture_graphs", lambda: captured.append(engine.num_steps))
+    monkeypatch.setattr(engine, "capture_graphs", lambda: captured.append((engine.num_steps, engine.pool.capacity)))
     res = replay(engine, _trace(), warmup_requests=warmup, sleep=clock.sleep)
-    # once, after the warm-up's steps and before the first replayed one
-    assert captured == [res.summary["warmup_steps"]] == [res.timeline["step"][0]]
-    assert (warmup > 0) == (captured[0] > 0)
+    # once, before the warm-up's steps and the first replayed one
+    assert captured == [(0, res.summary["kv_blocks_start"])]
+    assert res.summary["warmup_steps"] == res.timeline["step"][0] and (warmup > 0) == (res.timeline["step"][0] > 0)
 
 
 def test_replay_on_the_wall_clock_never_serves_early(ckpt):
@@ -664,7 +665,8 @@ def test_fidelity_notes_another_activation_reserve(tmp_path, capsys):
     for reserve in ("0B", "1MiB"):
         out, report = _against_kv236(tmp_path / reserve, capsys, "--lut-room", "pool", "--activation-reserve", reserve)
         assert report["activation_reserve"] == {"sim": 0 if reserve == "0B" else 1 << 20, "runtime": 0}
-        note = "the runtime kept 0 B of its budget for a step's activations, the simulation 1.00 MiB"
+        note = ("the runtime kept 0 B of its budget for a step's activations and its CUDA graphs, the simulation "
+                "1.00 MiB")
         assert (note in out) == (reserve == "1MiB")
 
 
