@@ -225,7 +225,6 @@ class GraphSet:
         self._calm = self.settle_steps        # calls since the last change (the first capture is at once)
         self.disabled: str | None = None     # why graphs are off (a capture failed)
         self.captures = self.replays = self.invalidations = 0
-        self.pool_bytes = 0   # what the captures made the allocator reserve (their memory pool), over the set's life
         self._graphs: dict = {}
         self._pool = None
         self._side: torch.cuda.Stream | None = None   # the warm-ups' stream (cuBLAS keeps a workspace per stream)
@@ -304,10 +303,8 @@ class GraphSet:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
-            before = torch.cuda.memory_reserved(dev)   # a capture allocates only from the graphs' pool
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = fn(*args)
-            self.pool_bytes += max(0, torch.cuda.memory_reserved(dev) - before)
         return graph, out
 
 

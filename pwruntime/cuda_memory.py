@@ -47,6 +47,17 @@ def held_bytes(device: torch.device | str, mapped_bytes: int) -> int:
     return torch.cuda.memory_reserved(device) + mapped_bytes if device.type == "cuda" else 0
 
 
+def allocator_reserved(device: torch.device | str) -> int | None:
+    """What torch's caching allocator holds on a CUDA device once it has given back its wholly free segments (None off
+    CUDA): the memory its live tensors and CUDA graphs' pools keep."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
+
+
 def in_use_bytes(device: torch.device | str, mapped_bytes: int) -> int:
     """The allocator's live tensors plus `mapped_bytes`: what the process uses on a CUDA device now (0 off it)."""
     device = torch.device(device)

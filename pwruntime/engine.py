@@ -73,6 +73,7 @@ from policies.planners.base import never_plans
 from policies.scheduler import ScheduledBatch, Scheduler
 from policies.sequence import Sequence
 from pwruntime.activation_profile import measure_activation_bytes
+from pwruntime.cuda_memory import allocator_reserved
 from pwruntime.kv_capacity import KvCapacity, initial_kv_blocks
 from pwruntime import prompt_logprobs
 from pwruntime.model_runner import ModelRunner, RoutingArrays, RoutingCopy, StepOutput, to_host
@@ -237,7 +238,10 @@ class LLMEngine:
         # the blocks a request of the full context holds at its last position
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         self.activation_reserve = self._activation_reserve()
-        self.graph_reserve = 0  # what the CUDA graphs' pools took of a pool sized from memory (`capture_graphs`)
+        self.serving_reserve = 0  # what serving holds beside weights, KV and activations (`capture_graphs`)
+        # with the activation reserve measured (auto), what the allocator holds before the KV cache and the runner
+        self._serving_base = (allocator_reserved(model.device)
+                              if cfg.num_kv_blocks is None and cfg.activation_reserve is None else None)
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
@@ -375,15 +379,19 @@ class LLMEngine:
 
     def capture_graphs(self) -> None:
         """Capture the runner's CUDA graphs for every decode size and mixed-step bucket now, as this engine's steps
-        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA. A pool sized
-        from device memory then gives up what the graphs' memory pools took so far (`graph_reserve`), as it left the
-        activation reserve out: the memory budget holds them too. (Graphs captured later, on a size's first use,
-        are not charged to the pool: `pwruntime replay` and `serve` capture everything here.)"""
+        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA. With the
+        activation reserve measured (auto) for a pool sized from device memory, the pool then gives up what torch's
+        allocator came to hold since that measurement (`serving_reserve`): the graphs' pools and the MoE workspaces
+        and buffers the runner and the captures' warm-ups made (1.04 GiB for a 12-layer Gemma-4-26B-A4B, against 59
+        MiB for the pools alone), so the memory budget holds them too. An explicit reserve is the whole of it."""
         self.runner.capture_graphs(self._record)
-        owed = self.runner.graph_pool_bytes - self.graph_reserve
-        if owed > 0 and self.config.num_kv_blocks is None:
-            self.capacity.keep_out(owed, "the CUDA graphs' memory pools (--no-cuda-graphs runs without them)")
-            self.graph_reserve += owed
+        if self._serving_base is None:
+            return
+        owed = allocator_reserved(self.model.device) - self._serving_base - self.serving_reserve
+        if owed > 0:
+            self.capacity.keep_out(owed, "the CUDA graphs' pools and the runner's buffers (--activation-reserve SIZE "
+                                         "instead of auto keeps only SIZE)")
+            self.serving_reserve += owed
 
     def has_unfinished(self) -> bool:
         """Whether a request is still waiting or running (a launched batch's live sequences are running; one whose

@@ -138,11 +138,6 @@ class ModelRunner:
             if graphs is not None:
                 graphs.capture_all(record)
 
-    @property
-    def graph_pool_bytes(self) -> int:
-        """The device memory the CUDA graphs' captures made torch's allocator reserve so far (0 without graphs)."""
-        return sum(g.pool_bytes for g in (self.graphs, self.mixed_graphs) if g is not None)
-
     def prepare(self, batch: ScheduledBatch, pool: BlockPool | GroupedBlockPool
                 ) -> tuple[list[int], list[int], AttentionMetadata | tuple[AttentionMetadata, ...], list[int],
                            list[int] | None]:

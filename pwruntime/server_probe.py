@@ -20,7 +20,7 @@ RUN_COUNTERS = {"steps_total": "steps", "plans_total": "plans", "preemptions_tot
                 "prefix_cache_hit_tokens_total": "prefix_cache_hit_tokens"}
 ENGINE_SETTINGS = ("block_size", "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching",
                    "hybrid_kv_cache", "async_scheduling", "max_model_len", "policy", "lut_room",
-                   "activation_reserve", "graph_reserve")
+                   "activation_reserve", "serving_reserve")
 
 
 async def _get(session, url: str) -> tuple[int, str] | None:

@@ -90,7 +90,7 @@ def serving_info(engine) -> dict:
             "max_num_seqs": cfg.max_num_seqs, "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "enable_prefix_caching": cfg.prefix_caching, "async_scheduling": cfg.async_scheduling,
             "hybrid_kv_cache": engine.kv_layout.hybrid, "activation_reserve": engine.activation_reserve,
-            "graph_reserve": engine.graph_reserve, "kv_blocks_per_request": engine.kv_blocks_per_request,
+            "serving_reserve": engine.serving_reserve, "kv_blocks_per_request": engine.kv_blocks_per_request,
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "plane_arena": serves_from_plane_arena(engine),
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
@@ -108,9 +108,9 @@ def ready_line(info: dict, seconds: float) -> str:
                    f"({info['expert_resident_bytes'] / 2**20:.1f} MiB), policy {info['policy']}")
     else:
         experts = f"experts in {info['dtype']}"
-    reserve, graphs = info.get("activation_reserve"), info.get("graph_reserve")
+    reserve, serving = info.get("activation_reserve"), info.get("serving_reserve")
     kept = "".join(f", {n / 2**20:.0f} MiB kept for {what}" for n, what in ((reserve, "activations"),
-                                                                          (graphs, "CUDA graphs")) if n)
+                                                                          (serving, "graphs and buffers")) if n)
     short = ("; a request that outgrows the pool is cut short (finish_reason length, kv_capacity_cuts_total in "
              "/metrics): lower --max-model-len or raise the KV cache" if blocks < blocks_per_request else "")
     return (f"engine: ready in {seconds:.1f} s on {info['device']} ({info['dtype']}): {blocks} {unit} "

@@ -250,7 +250,7 @@ def _setting_lines(report: dict) -> list[str]:
     reserve = report["activation_reserve"]
     if None not in reserve.values() and reserve["sim"] != reserve["runtime"]:
         lines.append(f"note: the runtime kept {format_size(reserve['runtime'])} of its budget for a step's "
-                     f"activations and its CUDA graphs, the simulation {format_size(reserve['sim'])}; their KV pools "
+                     f"activations, graphs and buffers, the simulation {format_size(reserve['sim'])}; their KV pools "
                      f"differ (simulate with --activation-reserve {reserve['runtime']}, as --like-replay does)")
     return lines
 

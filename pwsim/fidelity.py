@@ -31,7 +31,7 @@ not charge; the report gives their excess
 and the throughput ratio without it (`throughput_ratio_without_one_off`). `lut_room` is where each side's offloads
 found room for their lower LUTs (`--lut-room`; the runtime's as its engine had it: a pool sized by blocks has no
 slack; results before session 38: the pool), and `activation_reserve` what each kept out of its pool for a step's
-activations (`--activation-reserve`), the runtime's CUDA graphs' memory pools included (`graph_reserve`).
+activations (`--activation-reserve`), the runtime's CUDA graphs and buffers included (`serving_reserve`).
 `decisions` compares the two engines step by step: over the steps both timelines record, how many scheduled the
 same batch, held the same KV pool and bits and began as many plan transitions, and the first step that did not.
 Both engines share their scheduler, KV pool and planners (policies/), so with the same arrivals (all at once:
@@ -363,9 +363,9 @@ SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max
 
 def _kept_out(config: dict) -> int | None:
     """What a runtime result kept out of its KV pool beside the weights: the activation reserve and what its CUDA
-    graphs' memory pools took (`Engine.graph_reserve`; absent before session 62: none)."""
+    graphs and buffers took (`Engine.serving_reserve`; absent before session 62: none)."""
     reserve = _setting(config, "activation_reserve", 0)
-    return None if reserve is None else int(reserve) + int(config.get("graph_reserve") or 0)
+    return None if reserve is None else int(reserve) + int(config.get("serving_reserve") or 0)
 
 
 def _setting(config: dict, key: str, default):

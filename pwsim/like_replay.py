@@ -4,8 +4,8 @@ A `pwruntime replay --record-routing` result holds the replayed requests and the
 in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
 prefix caching, hybrid KV groups, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for
-a replay older than the flag), what it kept out of its KV pool for a step's activations and its CUDA graphs' memory
-pools (`--activation-reserve`, their sum), the warm-up and the arrival settings, and, from its `summary.json`, whether
+a replay older than the flag), what it kept out of its KV pool for a step's activations and for its CUDA graphs and
+buffers (`--activation-reserve`, their sum), the warm-up and the arrival settings, and, from its `summary.json`, whether
 its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
 simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by
 `--gpu-memory-budget` has no budget the simulator could take, and one that recorded no routing no trace of what it
@@ -68,8 +68,8 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     # what a replay older than a setting ran with: offloads' LUTs took their room from the KV pool (before session 38),
     # and one KV table served every layer (before session 49)
     config = {"lut_room": "pool", "hybrid_kv_cache": False, **config}
-    if config.get("graph_reserve"):  # the simulator has no graphs: their pools' share of the budget joins the reserve
-        config["activation_reserve"] = int(config.get("activation_reserve") or 0) + int(config["graph_reserve"])
+    if config.get("serving_reserve"):  # the simulator has no graphs or buffers: their share joins the reserve
+        config["activation_reserve"] = int(config.get("activation_reserve") or 0) + int(config["serving_reserve"])
     # not recorded (an older replay), or no calibration given: the simulator's default (or the flag) stands
     settings = [(key, attr, flag) for key, attr, flag in SETTINGS
                 if key in config and not (key == "calibration" and not config[key])]

@@ -166,70 +166,88 @@ def test_gpu_the_profiling_forward_of_hybrid_groups_matches_one_table(tmp_path):
     assert measure_activation_bytes(model, 4, True, 48, 128, 4) > 0
 
 
-def test_what_the_graphs_pools_take_leaves_a_budget_pool_when_they_are_captured(ap_path, monkeypatch):
-    """`capture_graphs` charges a pool sized from memory with what the captures made the allocator reserve (here a
-    stand-in for CUDA's count): spare bytes, then whole blocks, once; the engine reports it. A pool of
-    --num-kv-blocks has no budget to keep it in."""
+def _fake_allocator(monkeypatch, base: int, later: list[int]) -> list[int]:
+    """CUDA's allocator count as the engine reads it (`allocator_reserved`): `base` at its first read, when the
+    activation reserve is measured, then what `later` holds at each capture (the last one again after it)."""
+    import pwruntime.engine as engine_module
+
+    reads: list[int] = []
+
+    def reserved(device) -> int:
+        reads.append(base if not reads else base + later[min(len(reads) - 1, len(later) - 1)])
+        return reads[-1]
+    monkeypatch.setattr(engine_module, "allocator_reserved", reserved)
+    return reads
+
+
+def test_what_serving_holds_beside_the_weights_leaves_a_budget_pool_once_graphs_are_captured(ap_path, monkeypatch):
+    """With the activation reserve measured (auto), `capture_graphs` charges a pool sized from memory with what the
+    allocator came to hold since (the graphs' pools, the runner's buffers; a stand-in for CUDA's count here): spare
+    bytes, then whole blocks, only what is new each time; the engine reports it. An explicit reserve is all that is
+    kept, and a pool of --num-kv-blocks has no budget to keep it in: neither reads the allocator."""
     from policies.memory_budget import allocator_slack_bytes
-    from pwruntime.model_runner import ModelRunner
     from pwruntime.stats_log import ready_line, serving_info
 
-    pools = {"bytes": 5 * MiB}
-    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: pools["bytes"]))
+    reads = _fake_allocator(monkeypatch, 100 * MiB, [5 * MiB, 5 * MiB, 6 * MiB])
     budget = 16 * MiB
-    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "1MiB")
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")   # auto: no activations measured on the CPU
+    assert len(reads) == 1 and engine.activation_reserve == 0
     before, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
     engine.capture_graphs()
-    assert engine.graph_reserve == 5 * MiB
+    assert engine.serving_reserve == 5 * MiB
     assert before - engine.pool.capacity == -(-(5 * MiB - spare) // B)
     used = (engine.model.weight_bytes() + engine.table.resident_bytes() + engine.pool.id_limit * B
             + engine.capacity.spare_bytes)
-    assert used == budget - allocator_slack_bytes(budget) - 1 * MiB - 5 * MiB
+    assert used == budget - allocator_slack_bytes(budget) - 5 * MiB
     info = serving_info(engine)
-    assert info["graph_reserve"] == 5 * MiB
-    assert "1 MiB kept for activations, 5 MiB kept for CUDA graphs" in ready_line(info, 1.0)
+    assert info["serving_reserve"] == 5 * MiB and "5 MiB kept for graphs and buffers" in ready_line(info, 1.0)
     blocks = engine.pool.capacity
-    engine.capture_graphs()   # nothing new captured: nothing more charged
-    assert (engine.graph_reserve, engine.pool.capacity) == (5 * MiB, blocks)
-    pools["bytes"] = 6 * MiB   # a later capture: only the difference
-    engine.capture_graphs()
-    assert engine.graph_reserve == 6 * MiB and engine.pool.capacity <= blocks
-    sized = _engine(ap_path, "--num-kv-blocks", "64")
-    sized.capture_graphs()
-    assert (sized.graph_reserve, sized.pool.capacity) == (0, 64)
+    engine.capture_graphs()   # the allocator holds no more: nothing more charged
+    assert (engine.serving_reserve, engine.pool.capacity) == (5 * MiB, blocks)
+    engine.capture_graphs()   # a later capture: only the difference
+    assert engine.serving_reserve == 6 * MiB and engine.pool.capacity <= blocks and len(reads) == 4
+    for flags in (["--gpu-memory-budget", "16MiB", "--activation-reserve", "1MiB"], ["--num-kv-blocks", "64"]):
+        other = _engine(ap_path, *flags)
+        other.capture_graphs()
+        assert other.serving_reserve == 0 and len(reads) == 4
+    assert _engine(ap_path, "--num-kv-blocks", "64").pool.capacity == 64
 
 
-def test_graphs_that_would_leave_the_pool_no_block_are_one_clear_error(ap_path, monkeypatch):
-    from pwruntime.model_runner import ModelRunner
+def test_serving_memory_that_would_leave_the_pool_no_block_is_one_clear_error(ap_path, monkeypatch):
     from traces.clikit import UserError
 
-    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--activation-reserve", "0B")
+    too_much: list[int] = []
+    _fake_allocator(monkeypatch, 0, too_much)
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
     blocks, spare = engine.pool.capacity, engine.capacity.spare_bytes
-    too_much = spare + blocks * engine.block_bytes
-    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: too_much))
-    with pytest.raises(UserError, match=r"the CUDA graphs' memory pools .* take .* leaves the KV cache 0 of its "
-                                        r".*raise --gpu-memory-budget"):
+    too_much.append(spare + blocks * engine.block_bytes)
+    with pytest.raises(UserError, match=r"the CUDA graphs' pools and the runner's buffers .* take .* leaves the KV "
+                                        r"cache 0 of its .*raise --gpu-memory-budget"):
         engine.capture_graphs()
-    assert (engine.pool.capacity, engine.capacity.spare_bytes, engine.graph_reserve) == (blocks, spare, 0)
-    engine.capacity.keep_out(too_much - engine.block_bytes, "one block's less")   # leaves one: taken
+    assert (engine.pool.capacity, engine.capacity.spare_bytes, engine.serving_reserve) == (blocks, spare, 0)
+    engine.capacity.keep_out(too_much[0] - engine.block_bytes, "one block's less")   # leaves one: taken
     assert engine.pool.capacity == 1 and engine.capacity.spare_bytes == 0
 
 
 @pytest.mark.gpu
-def test_gpu_the_graphs_memory_pools_come_out_of_the_budget_pool(ap_path):
-    """On CUDA the captures reserve memory (their pool), which the budget's pool gives up in whole blocks; the engine
-    then serves from the graphs as before."""
+def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
+    """On CUDA the runner's buffers and the captures (their pools, their warm-ups' workspaces) make the allocator hold
+    more, which the budget's pool gives up in whole blocks; the engine then serves from the graphs, and the allocator
+    holds no more than the weights, the two reserves and the budget's slack."""
+    from policies.memory_budget import allocator_slack_bytes
     from pwruntime.sampling import SamplingParams
 
     engine = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
                      "--max-num-batched-tokens", "256", "--max-model-len", "512")
     blocks, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
     engine.capture_graphs()
-    pools = engine.runner.graph_pool_bytes
-    assert pools > 0 and engine.graph_reserve == pools
-    assert blocks - engine.pool.capacity == -(-(pools - spare) // B)
+    reserve = engine.serving_reserve
+    assert reserve > 0 and blocks - engine.pool.capacity == -(-(reserve - spare) // B)
     replays = engine.runner.graphs.replays
-    engine.add_request([(7 * i) % 120 + 3 for i in range(40)], SamplingParams(max_tokens=6, ignore_eos=True))
+    engine.add_request([(7 * i) % 120 + 3 for i in range(200)], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    assert engine.runner.graphs.replays > replays and engine.graph_reserve == pools   # nothing captured late
+    assert engine.runner.graphs.replays > replays
+    dev = engine.model.device
+    held = torch.cuda.memory_reserved(dev) - engine._serving_base
+    assert held <= reserve + engine.activation_reserve + allocator_slack_bytes(256 * MiB), (held, reserve)

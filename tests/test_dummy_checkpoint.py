@@ -148,19 +148,21 @@ def test_a_bad_synthetic_seed_is_a_user_error(tmp_path, capsys):
     assert rc == 2 and "integer >= 0" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("reserve, graphs", [("auto", 0), ("256KiB", 0), ("256KiB", 384 << 10)])
+@pytest.mark.parametrize("reserve, serving", [("auto", 0), ("256KiB", 0), ("auto", 384 << 10)])
 def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp_path, capsys, monkeypatch, reserve,
-                                                                              graphs):
+                                                                              serving):
     """The chain the H200 runs at OLMoE's size, on the demo card's: a dummy checkpoint served with a synthetic
     calibration under pressure (`replay --record-routing`), then `pwsim run --like-replay` (the card the routing names,
     the same synthetic calibration, the replay's settings, its activation reserve: auto measures none on the CPU; and
-    what CUDA graphs' pools took, here a stand-in for CUDA's count, joins it) and `pwsim fidelity`: every step and
+    what its graphs and buffers took, here a stand-in for CUDA's count, joins it) and `pwsim fidelity`: every step and
     transition alike."""
     from demo_fixtures import first_prompts
-    from pwruntime.model_runner import ModelRunner
+    import pwruntime.engine as engine_module
     from pwsim.cli import main as sim_main
 
-    monkeypatch.setattr(ModelRunner, "graph_pool_bytes", property(lambda self: graphs))
+    reads: list[int] = []   # the allocator as the engine reads it: at the activation reserve, then at the capture
+    monkeypatch.setattr(engine_module, "allocator_reserved",
+                        lambda device: reads.append(0) or (len(reads) > 1) * serving)
 
     ap = tmp_path / "ap"
     _quantize(capsys, "--model", "PagedWeight-demo", "--out", str(ap))
@@ -171,8 +173,8 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
                  "--activation-reserve", reserve]) == 0
     capsys.readouterr()
     rt_config = json.loads((tmp_path / "rt" / "config.json").read_text())
-    assert rt_config["plane_arena"] is False and rt_config["graph_reserve"] == graphs  # what ran, on the CPU
-    kept = (0 if reserve == "auto" else 256 << 10) + graphs
+    assert rt_config["plane_arena"] is False and rt_config["serving_reserve"] == serving  # what ran, on the CPU
+    kept = (0 if reserve == "auto" else 256 << 10) + serving
     assert sim_main(["run", "--like-replay", str(tmp_path / "rt"), "--out", str(tmp_path / "sim")]) == 0
     taken = capsys.readouterr().out
     assert "--calibration synthetic:0" in taken and "--model PagedWeight-demo" in taken

@@ -665,7 +665,7 @@ def test_fidelity_notes_another_activation_reserve(tmp_path, capsys):
     for reserve in ("0B", "1MiB"):
         out, report = _against_kv236(tmp_path / reserve, capsys, "--lut-room", "pool", "--activation-reserve", reserve)
         assert report["activation_reserve"] == {"sim": 0 if reserve == "0B" else 1 << 20, "runtime": 0}
-        note = ("the runtime kept 0 B of its budget for a step's activations and its CUDA graphs, the simulation "
+        note = ("the runtime kept 0 B of its budget for a step's activations, graphs and buffers, the simulation "
                 "1.00 MiB")
         assert (note in out) == (reserve == "1MiB")
 
