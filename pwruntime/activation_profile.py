@@ -11,7 +11,8 @@ The context is shortened (halved) until that cache takes at most a quarter of th
 memory is a UserError that names the flags to change.
 What counts is torch's allocator peak during the forward beyond what it held before (a workspace a kernel allocates
 on its first call included), rounded up to 2 MiB. Only CUDA has an allocator to ask: elsewhere the reserve is 0.
-The CUDA graphs' memory pools are not in it (captured after the KV cache exists; README, "Open items").
+The CUDA graphs' memory pools and the runner's buffers are not in it: they are made after the KV cache exists, and the
+serving reserve (`LLMEngine.capture_graphs`) keeps what they hold out of the pool.
 """
 from __future__ import annotations
 

@@ -363,7 +363,7 @@ SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max
 
 def _kept_out(config: dict) -> int | None:
     """What a runtime result kept out of its KV pool beside the weights: the activation reserve and what its CUDA
-    graphs and buffers took (`Engine.serving_reserve`; absent before session 62: none)."""
+    graphs and buffers took (`LLMEngine.serving_reserve`; absent before session 62: none)."""
     reserve = _setting(config, "activation_reserve", 0)
     return None if reserve is None else int(reserve) + int(config.get("serving_reserve") or 0)
 
