@@ -152,6 +152,12 @@ def _command(fallback: str) -> str:
     return "pwruntime " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:2] == ["bench"] else fallback
 
 
+def _with_arena(command: str, arena: str) -> str:
+    """`command` naming the plane-arena choice it ran with (`arena`, a flag), which the device made when the flags as
+    given left it out."""
+    return command if arena.split()[0] in command.split() else command + arena
+
+
 def _int_list(flag: str, text: str) -> tuple[int, ...]:
     try:
         return tuple(int(t) for t in text.split(","))
@@ -340,8 +346,8 @@ def _run_plans(args) -> int:
     bits = 4 if args.bits is None else args.bits
     if not 3 <= bits < 8:
         raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {bits}")
-    command = _command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} --bits {bits} "
-                       f"--reps {reps}{arena}")
+    command = _with_arena(_command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} "
+                                   f"--bits {bits} --reps {reps}{arena}"), arena)
     cfg = bpl.PlansConfig(models, layers, bits, reps, args.seed, plane_arena)
     with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
         def progress(text: str) -> None:
@@ -366,8 +372,8 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, plane_aren
         raise UserError(f"--plan-log plays one run's plans on one model shape: give --models the shape it served "
                         f"(one of {', '.join(models)})")
     cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, plane_arena, args.seed)
-    command = _command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} --layers {layers}"
-                       f"{arena}")
+    command = _with_arena(_command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} "
+                                   f"--layers {layers}{arena}"), arena)
     with tqdm(desc="bench plans --plan-log", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
         res = bpg.measure(cfg, device, progress=bar.set_postfix_str)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,

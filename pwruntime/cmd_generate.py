@@ -258,15 +258,7 @@ def build_engine(args, recorder=None):
         print(f"compiled {builds} CUDA kernel builds in {seconds:.1f} s (CuPy keeps them on disk for the next start)",
               file=sys.stderr)
     if mover is not None:
-        store = mover.store
-        before = store.resident_bytes()
-        store.sync()  # the policy's initial bits (its reset) reach the device before the first request
-        freed = before - store.resident_bytes()
-        if config.num_kv_blocks is None and config.gpu_memory_budget is None and freed > 0:
-            # the pool was sized while every plane was resident: the planes just dropped become KV blocks
-            torch.cuda.synchronize(store.device)
-            store.deferred.collect()
-            engine.capacity.give(freed)
+        engine.apply_starting_bits(mover.store)  # the policy's initial bits reach the device before the first request
     return engine, model_dir, dtype, device
 
 

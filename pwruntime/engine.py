@@ -239,9 +239,10 @@ class LLMEngine:
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         self.activation_reserve = self._activation_reserve()
         self.serving_reserve = 0  # what serving holds beside weights, KV and activations (`capture_graphs`)
-        # with the activation reserve measured (auto), what the allocator holds before the KV cache and the runner
-        self._serving_base = (allocator_reserved(model.device)
-                              if cfg.num_kv_blocks is None and cfg.activation_reserve is None else None)
+        # with a memory budget and the activation reserve measured (auto), what the allocator holds before the KV
+        # cache and the runner (`capture_graphs`)
+        self._serving_base = (allocator_reserved(model.device) if cfg.gpu_memory_budget is not None
+                              and cfg.num_kv_blocks is None and cfg.activation_reserve is None else None)
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
@@ -377,13 +378,31 @@ class LLMEngine:
         """Compile the CUDA kernels this engine's steps can launch now, not inside its first steps (ModelRunner)."""
         return self.runner.compile_kernels()
 
+    def apply_starting_bits(self, store) -> None:
+        """Bring the expert store (a DeviceExpertStore) to the planner's starting bits, which its reset wrote into the
+        page table, before the first request. A pool sized from free memory (no budget, no --num-kv-blocks) takes the
+        bytes that frees; what the store's own allocations change is not charged to the serving reserve."""
+        before = allocator_reserved(store.device) if self._serving_base is not None else None
+        resident = store.resident_bytes()
+        store.sync()
+        freed = resident - store.resident_bytes()
+        cfg = self.config
+        if cfg.num_kv_blocks is None and cfg.gpu_memory_budget is None and freed > 0:
+            # the pool was sized while every plane was resident: the planes just dropped become KV blocks
+            if store.device.type == "cuda":
+                torch.cuda.synchronize(store.device)
+            store.deferred.collect()
+            self.capacity.give(freed)
+        if before is not None:
+            self._serving_base += allocator_reserved(store.device) - before
+
     def capture_graphs(self) -> None:
         """Capture the runner's CUDA graphs for every decode size and mixed-step bucket now, as this engine's steps
-        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA. With the
-        activation reserve measured (auto) for a pool sized from device memory, the pool then gives up what torch's
-        allocator came to hold since that measurement (`serving_reserve`): the graphs' pools and the MoE workspaces
-        and buffers the runner and the captures' warm-ups made (1.04 GiB for a 12-layer Gemma-4-26B-A4B, against 59
-        MiB for the pools alone), so the memory budget holds them too. An explicit reserve is the whole of it."""
+        will replay them (recording routing or not), so no step pays a capture later; nothing off CUDA. With a memory
+        budget and the activation reserve measured (auto), the pool then gives up what torch's allocator came to hold
+        since that measurement (`serving_reserve`): the graphs' pools and the MoE workspaces and buffers the runner
+        and the captures' warm-ups made (1.04 GiB for a 12-layer Gemma-4-26B-A4B, against 59 MiB for the pools
+        alone), so the budget holds them too. An explicit reserve is the whole of it."""
         self.runner.capture_graphs(self._record)
         if self._serving_base is None:
             return

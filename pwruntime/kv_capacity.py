@@ -147,9 +147,10 @@ class KvCapacity:
         blocks. A UserError, the pool as it was, when that would leave it no block or take blocks in use."""
         need = max(0, -(-(nbytes - self.spare_bytes) // self.block_bytes))
         if need >= self.pool.capacity or need > self.pool.num_free:
-            raise UserError(f"{what} take {format_size(nbytes)}, which leaves the KV cache {self.pool.capacity - need} "
-                            f"of its {self.pool.capacity} blocks ({self.pool.num_free} free): raise "
-                            "--gpu-memory-budget, or lower --max-num-seqs or --max-num-batched-tokens")
+            raise UserError(f"{what} take {format_size(nbytes)}, which leaves the KV cache "
+                            f"{max(0, self.pool.capacity - need)} of its {self.pool.capacity} blocks "
+                            f"({self.pool.num_free} free): raise --gpu-memory-budget, or lower --max-num-seqs or "
+                            "--max-num-batched-tokens")
         if need:
             self.shrink(need)
         self.spare_bytes += need * self.block_bytes - nbytes

@@ -4,7 +4,7 @@
 recorded output length, forced with ignore_eos) once the wall clock reaches its arrival time, steps the engine
 whenever it has work and sleeps until the next arrival when it has none. Before its clock starts the engine captures
 every CUDA graph it may replay, as `pwruntime serve` does before its first request (a replay measures that server, not
-its start-up), after an optional untimed warm-up on the trace's first prompts. It records what the simulator records
+its start-up), then runs an optional untimed warm-up on the trace's first prompts. It records what the simulator records
 for the same trace: per request the arrival, first-token and finish times (seconds from the trace's start) and
 the gaps between its tokens (`traces.results.TokenGaps`, from the engine's `last_tokens`), per
 iteration its end, duration, tokens and the committed mean bits, the engine's own phase times (`StepPhases`: schedule,

@@ -166,15 +166,15 @@ def test_gpu_the_profiling_forward_of_hybrid_groups_matches_one_table(tmp_path):
     assert measure_activation_bytes(model, 4, True, 48, 128, 4) > 0
 
 
-def _fake_allocator(monkeypatch, base: int, later: list[int]) -> list[int]:
-    """CUDA's allocator count as the engine reads it (`allocator_reserved`): `base` at its first read, when the
-    activation reserve is measured, then what `later` holds at each capture (the last one again after it)."""
+def _fake_allocator(monkeypatch, values: list[int]) -> list[int]:
+    """CUDA's allocator count as the engine reads it (`allocator_reserved`): `values` in turn, the last one again
+    after them (the first read is the base, taken when the activation reserve is measured); returns the reads."""
     import pwruntime.engine as engine_module
 
     reads: list[int] = []
 
     def reserved(device) -> int:
-        reads.append(base if not reads else base + later[min(len(reads) - 1, len(later) - 1)])
+        reads.append(values[min(len(reads), len(values) - 1)])
         return reads[-1]
     monkeypatch.setattr(engine_module, "allocator_reserved", reserved)
     return reads
@@ -184,11 +184,11 @@ def test_what_serving_holds_beside_the_weights_leaves_a_budget_pool_once_graphs_
     """With the activation reserve measured (auto), `capture_graphs` charges a pool sized from memory with what the
     allocator came to hold since (the graphs' pools, the runner's buffers; a stand-in for CUDA's count here): spare
     bytes, then whole blocks, only what is new each time; the engine reports it. An explicit reserve is all that is
-    kept, and a pool of --num-kv-blocks has no budget to keep it in: neither reads the allocator."""
+    kept, and a pool of --num-kv-blocks or of free memory has no budget to keep it in: none reads the allocator."""
     from policies.memory_budget import allocator_slack_bytes
     from pwruntime.stats_log import ready_line, serving_info
 
-    reads = _fake_allocator(monkeypatch, 100 * MiB, [5 * MiB, 5 * MiB, 6 * MiB])
+    reads = _fake_allocator(monkeypatch, [100 * MiB, 105 * MiB, 105 * MiB, 106 * MiB])
     budget = 16 * MiB
     engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")   # auto: no activations measured on the CPU
     assert len(reads) == 1 and engine.activation_reserve == 0
@@ -206,27 +206,68 @@ def test_what_serving_holds_beside_the_weights_leaves_a_budget_pool_once_graphs_
     assert (engine.serving_reserve, engine.pool.capacity) == (5 * MiB, blocks)
     engine.capture_graphs()   # a later capture: only the difference
     assert engine.serving_reserve == 6 * MiB and engine.pool.capacity <= blocks and len(reads) == 4
-    for flags in (["--gpu-memory-budget", "16MiB", "--activation-reserve", "1MiB"], ["--num-kv-blocks", "64"]):
+    # an explicit reserve, a pool of blocks, a pool sized from free memory (capped by the requests it can hold)
+    for flags in (["--gpu-memory-budget", "16MiB", "--activation-reserve", "1MiB"], ["--num-kv-blocks", "64"], []):
         other = _engine(ap_path, *flags)
+        blocks = other.pool.capacity
         other.capture_graphs()
-        assert other.serving_reserve == 0 and len(reads) == 4
+        assert other.serving_reserve == 0 and other.pool.capacity == blocks and len(reads) == 4
     assert _engine(ap_path, "--num-kv-blocks", "64").pool.capacity == 64
 
 
 def test_serving_memory_that_would_leave_the_pool_no_block_is_one_clear_error(ap_path, monkeypatch):
     from traces.clikit import UserError
 
-    too_much: list[int] = []
-    _fake_allocator(monkeypatch, 0, too_much)
+    values = [0]
+    _fake_allocator(monkeypatch, values)
     engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
     blocks, spare = engine.pool.capacity, engine.capacity.spare_bytes
-    too_much.append(spare + blocks * engine.block_bytes)
+    too_much = [spare + blocks * engine.block_bytes]
+    values.append(too_much[0])
     with pytest.raises(UserError, match=r"the CUDA graphs' pools and the runner's buffers .* take .* leaves the KV "
                                         r"cache 0 of its .*raise --gpu-memory-budget"):
         engine.capture_graphs()
     assert (engine.pool.capacity, engine.capacity.spare_bytes, engine.serving_reserve) == (blocks, spare, 0)
     engine.capacity.keep_out(too_much[0] - engine.block_bytes, "one block's less")   # leaves one: taken
     assert engine.pool.capacity == 1 and engine.capacity.spare_bytes == 0
+
+
+class _Store:
+    """What `apply_starting_bits` asks of a DeviceExpertStore: resident bytes, a sync to the table's bits that drops
+    `drop` of them, and the deferred frees it collects."""
+    device = torch.device("cpu")
+
+    def __init__(self, drop: int):
+        self.resident, self.drop, self.collected = 64 * MiB, drop, 0
+        self.deferred = self
+
+    def resident_bytes(self) -> int:
+        return self.resident
+
+    def sync(self) -> None:
+        self.resident -= self.drop
+
+    def collect(self) -> None:
+        self.collected += 1
+
+
+def test_the_starting_bits_grow_a_pool_of_free_memory_and_stay_out_of_the_serving_reserve(ap_path, monkeypatch):
+    """A pool sized from free memory takes what the starting bits free (whole blocks, the rest spare); a budget's
+    pool, sized for those bits already, does not; and what the store's sync changed in the allocator is not charged
+    to serving when the graphs are captured."""
+    free = _engine(ap_path)
+    B, blocks, spare = free.block_bytes, free.pool.capacity, free.capacity.spare_bytes
+    store = _Store(3 * B + 5)
+    free.apply_starting_bits(store)
+    assert (free.pool.capacity, free.capacity.spare_bytes, store.collected) == (blocks + 3, spare + 5, 1)
+    # base 100 MiB; the sync's LUTs make it 104; the captures add 5 more
+    reads = _fake_allocator(monkeypatch, [100 * MiB, 100 * MiB, 104 * MiB, 109 * MiB])
+    budget = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    blocks, store = budget.pool.capacity, _Store(3 * B)
+    budget.apply_starting_bits(store)
+    assert (budget.pool.capacity, store.collected, len(reads)) == (blocks, 0, 3)
+    budget.capture_graphs()
+    assert budget.serving_reserve == 5 * MiB and len(reads) == 4
 
 
 @pytest.mark.gpu

@@ -3,6 +3,7 @@ the GPU the prefill bench's two paths agree; the prefix-cache bench wherever it 
 from __future__ import annotations
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -178,6 +179,17 @@ def test_plans_bench_times_every_boundary_and_leaves_the_blocks_at_8_bits(tmp_pa
     gpu = torch.cuda.is_available()
     assert res["plane_arena"] == gpu and ("arena_moves_per_transition" in row) == gpu
     assert ("--plane-arena" if gpu else "--no-plane-arena") in res["command"].split()
+
+
+def test_a_plans_bench_s_reproduce_line_names_the_arena_choice_the_device_made(monkeypatch, tmp_path, capsys):
+    """Run as given on the command line, without either flag: what reproduces it says which allocator ran."""
+    out = tmp_path / "plans.json"
+    argv = ["bench", "plans", "--models", "demo", "--reps", "1", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["pwruntime", *argv])
+    assert main(argv) == 0
+    flag = "--plane-arena" if torch.cuda.is_available() else "--no-plane-arena"
+    assert json.loads(out.read_text())["command"] == "pwruntime " + " ".join(argv) + " " + flag
+    assert f"reproduce: pwruntime {' '.join(argv)} {flag}" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
