@@ -153,8 +153,8 @@ def _command(fallback: str) -> str:
 
 
 def _with_arena(command: str, arena: str) -> str:
-    """`command` naming the plane-arena choice it ran with (`arena`, a flag), which the device made when the flags as
-    given left it out."""
+    """`command` with the plane-arena flag it ran with (`arena`) unless it names one: the flags as given may leave the
+    choice to the device, and `_command`'s fallbacks leave it to this."""
     return command if arena.split()[0] in command.split() else command + arena
 
 
@@ -347,7 +347,7 @@ def _run_plans(args) -> int:
     if not 3 <= bits < 8:
         raise UserError(f"--bits must lie in 3..7 for bench plans (offloads from 8 bits), got {bits}")
     command = _with_arena(_command(f"pwruntime bench plans --models {','.join(models)} --layers {layers} "
-                                   f"--bits {bits} --reps {reps}{arena}"), arena)
+                                   f"--bits {bits} --reps {reps}"), arena)
     cfg = bpl.PlansConfig(models, layers, bits, reps, args.seed, plane_arena)
     with tqdm(total=len(models) * (reps + 1), desc="bench plans", file=sys.stderr) as bar:
         def progress(text: str) -> None:
@@ -373,7 +373,7 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, plane_aren
                         f"(one of {', '.join(models)})")
     cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, plane_arena, args.seed)
     command = _with_arena(_command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} "
-                                   f"--layers {layers}{arena}"), arena)
+                                   f"--layers {layers}"), arena)
     with tqdm(desc="bench plans --plan-log", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
         res = bpg.measure(cfg, device, progress=bar.set_postfix_str)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,

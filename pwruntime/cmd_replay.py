@@ -166,7 +166,7 @@ def run(args) -> int:
     config = {**{k: v for k, v in vars(args).items() if k != "func"}, "argv": sys.argv[1:],
               "hybrid_kv_cache": engine.kv_layout.hybrid,  # what ran: a model without sliding layers has one table
               "activation_reserve": engine.activation_reserve,  # bytes, measured (auto) or given
-              "serving_reserve": engine.serving_reserve,  # bytes the graphs and buffers took of a memory-sized pool
+              "serving_reserve": engine.serving_reserve,  # bytes the graphs and buffers took of a budget's pool
               "plane_arena": serves_from_plane_arena(engine)}  # what ran: the default is on for AP experts on CUDA
     documents = {"summary": summary, "config": config}
     if sampler is not None:

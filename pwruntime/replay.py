@@ -63,8 +63,8 @@ def warm_up(engine, trace: RequestTrace, requests: int) -> list[int]:
 def replay(engine, trace: RequestTrace, *, time_scale: float = 1.0, warmup_requests: int = 0,
            sleep: Callable[[float], None] = time.sleep, progress: bool = False) -> ReplayResult:
     """Serve `trace` on `engine` (fresh: nothing queued) in real time; arrival times are multiplied by `time_scale`.
-    The engine's CUDA graphs are captured first (`LLMEngine.capture_graphs`: a pool sized from memory gives up what they
-    take); then, with `warmup_requests`, `warm_up` runs (it leaves the engine's routing statistics fed with its
+    The engine's CUDA graphs are captured first (`LLMEngine.capture_graphs`: a budget's pool gives up what they and the
+    runner hold); then, with `warmup_requests`, `warm_up` runs (it leaves the engine's routing statistics fed with its
     tokens) before the clock starts."""
     if trace.token_ids is None:
         raise UserError(f"{trace.source} has no prompt token ids (prompt_token_ids); replay needs the prompts "
