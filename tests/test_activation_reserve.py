@@ -232,6 +232,50 @@ def test_serving_memory_that_would_leave_the_pool_no_block_is_one_clear_error(ap
     assert engine.pool.capacity == 1 and engine.capacity.spare_bytes == 0
 
 
+def test_keeping_bytes_out_pays_from_spare_bytes_first_and_never_takes_a_block_in_use(ap_path, monkeypatch):
+    """`KvCapacity.keep_out`: spare bytes pay first, even more than a block of them (a growth the device refused
+    leaves them), and the pool keeps its blocks; blocks in use stay, so all the free ones are the most it gives up. A
+    UserError names what would be left (never fewer than no block), the pool as it was."""
+    from traces.clikit import UserError
+
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    cap, pool, B = engine.capacity, engine.pool, engine.block_bytes
+    resize = engine.kv.resize
+
+    def no_memory(num_blocks):
+        raise MemoryError("the device has none")
+    monkeypatch.setattr(engine.kv, "resize", no_memory)
+    cap.release(3 * B)   # three blocks' bytes the cache cannot grow by: they stay spare
+    monkeypatch.setattr(engine.kv, "resize", resize)
+    blocks, spare = pool.capacity, cap.spare_bytes
+    assert cap.grow_failures == 1 and spare >= 3 * B
+    cap.keep_out(B + 5, "a test's bytes")
+    assert (pool.capacity, cap.spare_bytes) == (blocks, spare - B - 5)
+    pool.allocate("held", 3 * pool.block_size)   # three blocks in use
+    free, spare = pool.num_free, cap.spare_bytes
+    assert free == blocks - 3
+    for extra, left in ((1, 2), (blocks, 0)):   # one block past the free ones; past the whole pool
+        with pytest.raises(UserError, match=rf"a test's bytes take .* leaves the KV cache {left} of its {blocks} "
+                                            rf"blocks \({free} free\)"):
+            cap.keep_out(spare + (free + extra) * B, "a test's bytes")
+        assert (pool.capacity, pool.num_free, cap.spare_bytes) == (blocks, free, spare)
+    cap.keep_out(spare + free * B, "a test's bytes")   # every free block: taken, the ones in use kept
+    assert (pool.capacity, pool.num_free, cap.spare_bytes, pool.num_blocks_of("held")) == (3, 0, 0, 3)
+
+
+def test_the_serving_reserve_charges_what_the_captures_themselves_make(ap_path, monkeypatch):
+    """The allocator is read after the runner's captures, so the pools and workspaces a capture makes are charged by
+    that capture (a stand-in for CUDA's captures here: each makes the allocator hold 3 MiB more)."""
+    values = [100 * MiB]
+    _fake_allocator(monkeypatch, values)
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    monkeypatch.setattr(engine.runner, "capture_graphs", lambda record: values.append(values[-1] + 3 * MiB))
+    engine.capture_graphs()
+    assert engine.serving_reserve == 3 * MiB
+    engine.capture_graphs()
+    assert engine.serving_reserve == 6 * MiB
+
+
 class _Store:
     """What `apply_starting_bits` asks of a DeviceExpertStore: resident bytes, a sync to the table's bits that drops
     `drop` of them, and the deferred frees it collects."""
@@ -268,6 +312,30 @@ def test_the_starting_bits_grow_a_pool_of_free_memory_and_stay_out_of_the_servin
     assert (budget.pool.capacity, store.collected, len(reads)) == (blocks, 0, 3)
     budget.capture_graphs()
     assert budget.serving_reserve == 5 * MiB and len(reads) == 4
+
+
+def test_the_starting_bits_leave_a_pool_of_blocks_as_given_and_read_the_allocator_only_for_a_budget(
+        ap_path, tmp_path, monkeypatch):
+    """--num-kv-blocks sizes the pool whatever the starting bits free; only a pool sized from free memory grows. None
+    of them has a serving reserve to keep, so none reads the allocator, at the start or around the store's sync; nor
+    does an engine given both a number of blocks and a budget (`EngineConfig` allows it: the blocks size the pool)."""
+    from pwruntime.engine import EngineConfig, LLMEngine
+    from pwruntime.model import load_model
+
+    reads = _fake_allocator(monkeypatch, [100 * MiB, 104 * MiB])
+    both = LLMEngine(load_model(make_tiny_checkpoint(tmp_path, "mixtral", seed=5)),
+                     EngineConfig(num_kv_blocks=64, gpu_memory_budget=256 * MiB))
+    both.capture_graphs()
+    assert (both.pool.capacity, both.serving_reserve, reads) == (64, 0, [])
+    for flags in (["--num-kv-blocks", "64"], []):
+        engine = _engine(ap_path, *flags)
+        blocks, store = engine.pool.capacity, _Store(3 * engine.block_bytes)
+        engine.apply_starting_bits(store)
+        grows = not flags
+        assert (engine.pool.capacity, store.collected) == (blocks + 3 * grows, int(grows)), flags
+        engine.capture_graphs()
+        assert engine.serving_reserve == 0 and engine.pool.capacity == blocks + 3 * grows
+    assert reads == []
 
 
 @pytest.mark.gpu

@@ -192,6 +192,39 @@ def test_a_plans_bench_s_reproduce_line_names_the_arena_choice_the_device_made(m
     assert f"reproduce: pwruntime {' '.join(argv)} {flag}" in capsys.readouterr().out
 
 
+def test_a_plans_bench_told_no_plane_arena_runs_on_torch_s_allocator_and_names_the_flag_once(monkeypatch, tmp_path):
+    """--no-plane-arena is every device's choice (the CPU's only one): torch's allocator runs, and the command that
+    reproduces it, which names the flag already, is the command as given."""
+    out = tmp_path / "plans.json"
+    argv = ["bench", "plans", "--models", "demo", "--reps", "1", "--no-plane-arena", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["pwruntime", *argv])
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["plane_arena"] is False and "arena_moves_per_transition" not in res["rows"][0]
+    assert res["command"] == "pwruntime " + " ".join(argv)
+
+
+def test_on_cuda_the_plans_bench_s_arena_is_on_unless_told_otherwise(monkeypatch):
+    """What a device that has CUDA makes of the flags (a stand-in here: the bench's config, stopped before it runs):
+    the arena by default and with --plane-arena, torch's allocator with --no-plane-arena; with or without a plan log."""
+    from pwruntime import bench_plan_log as bpg
+    from pwruntime import bench_plans as bpl
+
+    class Ran(Exception):
+        """The config a bench was about to run with."""
+
+    def run(cfg, device, *rest, **kw):
+        raise Ran(cfg.plane_arena, device.type)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bpl, "run", run)
+    monkeypatch.setattr(bpg, "measure", run)
+    for log in ([], ["--plan-log", "nowhere"]):
+        for flags, arena in (([], True), (["--plane-arena"], True), (["--no-plane-arena"], False)):
+            with pytest.raises(Ran) as ran:
+                main(["bench", "plans", "--models", "demo", *log, *flags])
+            assert ran.value.args == (arena, "cuda"), (log, flags)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
 def test_plans_bench_with_a_plane_arena_needs_a_gpu(capsys, tmp_path):
     out = tmp_path / "plans.json"
@@ -254,9 +287,13 @@ def test_plans_bench_plays_a_runs_plan_log(demo_plan_log, tmp_path, capsys):
     assert row["plans"] == len(res["per_plan"]) == len(set(log["step"][started].tolist()))
     assert row["offloads"] == int(np.sum(log["to_bits"][started] < log["from_bits"][started]))
     assert row["begin_us"] > 0 and row["land_us"] > 0 and row["transition_us"] == row["begin_us"] + row["land_us"]
-    assert "arena_moves_per_transition" not in row and out.with_suffix(".png").stat().st_size > 0
+    # the arena where the runtime serves from one (CUDA), else torch's allocator, and what reproduces it says which
+    gpu = torch.cuda.is_available()
+    assert res["plane_arena"] is gpu and ("arena_moves_per_transition" in row) == gpu
+    assert out.with_suffix(".png").stat().st_size > 0
     text = capsys.readouterr().out
-    assert f"reproduce: pwruntime bench plans --plan-log {demo_plan_log} --models demo --layers 4" in text
+    flag = "--plane-arena" if gpu else "--no-plane-arena"
+    assert f"reproduce: pwruntime bench plans --plan-log {demo_plan_log} --models demo --layers 4 {flag}" in text
     assert f"{row['transitions']} transitions" in text
 
 

@@ -146,6 +146,25 @@ def test_graphs_are_captured_before_the_warm_up_and_the_clock(ckpt, monkeypatch,
     assert res.summary["warmup_steps"] == res.timeline["step"][0] and (warmup > 0) == (res.timeline["step"][0] > 0)
 
 
+def test_the_pool_a_replay_starts_with_is_the_one_its_captures_leave(ckpt, monkeypatch):
+    """`kv_blocks_start` is the pool once the graphs are captured (a budget's pool gives up their memory: here two
+    blocks, a stand-in), not the pool before them, after the warm-up or at the end (a plan's reserve shrinks it as
+    steps run: here a block a step, another stand-in)."""
+    from pwruntime.replay import replay
+    clock = VirtualClock()
+    engine = _engine(ckpt, clock)
+    step = engine.step
+
+    def shrinking_step():
+        engine.capacity.shrink(1)
+        return step()
+    monkeypatch.setattr(engine, "capture_graphs", lambda: engine.capacity.shrink(2))
+    monkeypatch.setattr(engine, "step", shrinking_step)
+    res = replay(engine, _trace(), warmup_requests=2, sleep=clock.sleep)
+    assert res.summary["warmup_steps"] > 0 and res.summary["kv_blocks_start"] == 64 - 2
+    assert engine.pool.capacity == 64 - 2 - engine.num_steps
+
+
 def test_replay_on_the_wall_clock_never_serves_early(ckpt):
     from pwruntime.replay import replay
     res = replay(_engine(ckpt), _trace())
@@ -773,6 +792,8 @@ def test_fidelity_cli_writes_report_plot_and_fitted_profile(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "server did not say how it scheduled" in text and "scheduler limits differ" not in text
     assert "plans: not recorded simulated, not recorded on the runtime" in text
+    # nor what it kept out of its KV pool (activations, graphs and buffers): unknown, not none
+    assert json.loads((tmp_path / "fid7" / "fidelity.json").read_text())["activation_reserve"]["runtime"] is None
 
 
 def test_fidelity_cli_bad_directory_exit_2(tmp_path, capsys):

@@ -200,6 +200,20 @@ def test_like_replay_takes_a_flag_the_replay_did_not_record(tmp_path, capsys):
     assert json.loads((tmp_path / "run" / "config.json").read_text())["max_num_seqs"] == 8
 
 
+@pytest.mark.parametrize("recorded, kept", [({"activation_reserve": 1 << 20, "serving_reserve": 512 << 10}, 3 << 19),
+                                            ({"activation_reserve": 1 << 20}, 1 << 20),   # a replay before session 62
+                                            ({"serving_reserve": 512 << 10}, 512 << 10)])
+def test_like_replay_keeps_out_the_replay_s_activation_and_serving_reserves_together(tmp_path, capsys, recorded,
+                                                                                     kept):
+    """The simulator has no CUDA graphs or runner buffers: what the replay kept out of its pool for them joins what it
+    kept for a step's activations, and the simulation keeps their sum out of its own (`--activation-reserve`)."""
+    replay = _fake_replay(tmp_path / "replay", **recorded)
+    assert main(["run", "--like-replay", str(replay), "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert f"--activation-reserve {kept}" in capsys.readouterr().out
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["activation_reserve_bytes"] == kept
+
+
 def test_run_trace_without_requests(tmp_path, capsys):
     from traces.generators import WorkloadSpec, generate_requests
     from traces.io import Trace, write_trace_dir
