@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_fixtures import cli_engine, fake_allocator
 from model_fixtures import make_tiny_checkpoint
 from policies.kv_groups import KVLayout
 from pwruntime.activation_profile import measure_activation_bytes, profile_forward, profile_step
@@ -60,14 +61,8 @@ def test_the_profiling_forward_runs_with_one_table_or_hybrid_groups_alike(gemma)
 
 
 def _engine(ap_path, *flags):
-    from pwruntime.cli import _registrars
-    from pwruntime.cmd_generate import build_engine
-    from traces.clikit import build_parser
-
-    args = build_parser("pwruntime", "", _registrars()).parse_args(
-        ["generate", "--ap", str(ap_path), "--calibration", "synthetic", "--policy", "pagedweight", "--prompt", "x",
-         *flags])
-    return build_engine(args)[0]
+    return cli_engine("--ap", str(ap_path), "--calibration", "synthetic", "--policy", "pagedweight", "--prompt", "x",
+                      *flags)
 
 
 def test_a_given_reserve_stays_out_of_the_budget_pool(ap_path):
@@ -166,29 +161,15 @@ def test_gpu_the_profiling_forward_of_hybrid_groups_matches_one_table(tmp_path):
     assert measure_activation_bytes(model, 4, True, 48, 128, 4) > 0
 
 
-def _fake_allocator(monkeypatch, values: list[int]) -> list[int]:
-    """CUDA's allocator count as the engine reads it (`allocator_reserved`): `values` in turn, the last one again
-    after them (the first read is the base, taken when the activation reserve is measured); returns the reads."""
-    import pwruntime.engine as engine_module
-
-    reads: list[int] = []
-
-    def reserved(device) -> int:
-        reads.append(values[min(len(reads), len(values) - 1)])
-        return reads[-1]
-    monkeypatch.setattr(engine_module, "allocator_reserved", reserved)
-    return reads
-
-
 def test_what_serving_holds_beside_the_weights_leaves_a_budget_pool_once_graphs_are_captured(ap_path, monkeypatch):
-    """With the activation reserve measured (auto), `capture_graphs` charges a pool sized from memory with what the
+    """With the activation reserve measured (auto), `capture_graphs` charges a budget's pool with what the
     allocator came to hold since (the graphs' pools, the runner's buffers; a stand-in for CUDA's count here): spare
     bytes, then whole blocks, only what is new each time; the engine reports it. An explicit reserve is all that is
     kept, and a pool of --num-kv-blocks or of free memory has no budget to keep it in: none reads the allocator."""
     from policies.memory_budget import allocator_slack_bytes
     from pwruntime.stats_log import ready_line, serving_info
 
-    reads = _fake_allocator(monkeypatch, [100 * MiB, 105 * MiB, 105 * MiB, 106 * MiB])
+    reads = fake_allocator(monkeypatch, [100 * MiB, 105 * MiB, 105 * MiB, 106 * MiB])
     budget = 16 * MiB
     engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")   # auto: no activations measured on the CPU
     assert len(reads) == 1 and engine.activation_reserve == 0
@@ -219,7 +200,7 @@ def test_serving_memory_that_would_leave_the_pool_no_block_is_one_clear_error(ap
     from traces.clikit import UserError
 
     values = [0]
-    _fake_allocator(monkeypatch, values)
+    fake_allocator(monkeypatch, values)
     engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
     blocks, spare = engine.pool.capacity, engine.capacity.spare_bytes
     too_much = [spare + blocks * engine.block_bytes]
@@ -267,7 +248,7 @@ def test_the_serving_reserve_charges_what_the_captures_themselves_make(ap_path, 
     """The allocator is read after the runner's captures, so the pools and workspaces a capture makes are charged by
     that capture (a stand-in for CUDA's captures here: each makes the allocator hold 3 MiB more)."""
     values = [100 * MiB]
-    _fake_allocator(monkeypatch, values)
+    fake_allocator(monkeypatch, values)
     engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
     monkeypatch.setattr(engine.runner, "capture_graphs", lambda record: values.append(values[-1] + 3 * MiB))
     engine.capture_graphs()
@@ -305,7 +286,7 @@ def test_the_starting_bits_grow_a_pool_of_free_memory_and_stay_out_of_the_servin
     free.apply_starting_bits(store)
     assert (free.pool.capacity, free.capacity.spare_bytes, store.collected) == (blocks + 3, spare + 5, 1)
     # base 100 MiB; the sync's LUTs make it 104; the captures add 5 more
-    reads = _fake_allocator(monkeypatch, [100 * MiB, 100 * MiB, 104 * MiB, 109 * MiB])
+    reads = fake_allocator(monkeypatch, [100 * MiB, 100 * MiB, 104 * MiB, 109 * MiB])
     budget = _engine(ap_path, "--gpu-memory-budget", "16MiB")
     blocks, store = budget.pool.capacity, _Store(3 * B)
     budget.apply_starting_bits(store)
@@ -322,7 +303,7 @@ def test_the_starting_bits_leave_a_pool_of_blocks_as_given_and_read_the_allocato
     from pwruntime.engine import EngineConfig, LLMEngine
     from pwruntime.model import load_model
 
-    reads = _fake_allocator(monkeypatch, [100 * MiB, 104 * MiB])
+    reads = fake_allocator(monkeypatch, [100 * MiB, 104 * MiB])
     both = LLMEngine(load_model(make_tiny_checkpoint(tmp_path, "mixtral", seed=5)),
                      EngineConfig(num_kv_blocks=64, gpu_memory_budget=256 * MiB))
     both.capture_graphs()

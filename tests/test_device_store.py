@@ -816,13 +816,9 @@ def test_device_blocks_stay_at_three_bits_or_more(tmp_path):
 
 
 def _cli_engine(ap_path, device: str, *flags):
-    from pwruntime.cli import _registrars
-    from pwruntime.cmd_generate import build_engine
-    from traces.clikit import build_parser
+    from engine_fixtures import cli_engine
 
-    args = build_parser("pwruntime", "", _registrars()).parse_args(
-        ["generate", "--ap", str(ap_path), "--device", device, "--num-kv-blocks", "64", "--prompt", "x", *flags])
-    return build_engine(args)[0]
+    return cli_engine("--ap", str(ap_path), "--device", device, "--num-kv-blocks", "64", "--prompt", "x", *flags)
 
 
 def test_off_cuda_the_cli_serves_ap_experts_without_a_plane_arena_and_says_so(ap_path):

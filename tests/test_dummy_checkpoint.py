@@ -157,12 +157,10 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
     what its graphs and buffers took, here a stand-in for CUDA's count, joins it) and `pwsim fidelity`: every step and
     transition alike."""
     from demo_fixtures import first_prompts
-    import pwruntime.engine as engine_module
+    from engine_fixtures import fake_allocator
     from pwsim.cli import main as sim_main
 
-    reads: list[int] = []   # the allocator as the engine reads it: at the activation reserve, then at the capture
-    monkeypatch.setattr(engine_module, "allocator_reserved",
-                        lambda device: reads.append(0) or (len(reads) > 1) * serving)
+    fake_allocator(monkeypatch, [0, serving])   # at the activation reserve, then at the capture
 
     ap = tmp_path / "ap"
     _quantize(capsys, "--model", "PagedWeight-demo", "--out", str(ap))
