@@ -48,7 +48,7 @@ import numpy as np
 from policies.plan_log import STATUSES
 from pwsim.plan_stats import summarize
 from traces.clikit import UserError
-from traces.results import instant_page_moves, percentile
+from traces.results import instant_page_moves, kept_out_of_pool, percentile
 
 METRICS = ("ttft_s", "tpot_s", "e2e_s")
 
@@ -364,8 +364,7 @@ SCHEDULER_KEYS = {"max_num_seqs": "max_num_seqs", "max_num_batched_tokens": "max
 def _kept_out(config: dict) -> int | None:
     """What a runtime result kept out of its KV pool beside the weights: the activation reserve and what its CUDA
     graphs and buffers took (`LLMEngine.serving_reserve`; absent before session 62: none)."""
-    reserve = _setting(config, "activation_reserve", 0)
-    return None if reserve is None else int(reserve) + int(config.get("serving_reserve") or 0)
+    return None if _setting(config, "activation_reserve", 0) is None else kept_out_of_pool(config)
 
 
 def _setting(config: dict, key: str, default):

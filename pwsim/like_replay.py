@@ -47,6 +47,7 @@ DEFAULT_ON = {"--hybrid-kv-cache"}  # the switches on unless turned off (`--no-.
 def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     """Set `args` from the replay at `replay_dir`; returns the settings taken, as flags."""
     from traces.io import CARD_FILE, ROUTING_FILE, read_routing
+    from traces.results import kept_out_of_pool
 
     d = Path(replay_dir)
     try:
@@ -69,7 +70,7 @@ def apply(args: argparse.Namespace, replay_dir: str) -> list[str]:
     # and one KV table served every layer (before session 49)
     config = {"lut_room": "pool", "hybrid_kv_cache": False, **config}
     if config.get("serving_reserve"):  # the simulator has no graphs or buffers: their share joins the reserve
-        config["activation_reserve"] = int(config.get("activation_reserve") or 0) + int(config["serving_reserve"])
+        config["activation_reserve"] = kept_out_of_pool(config)
     # not recorded (an older replay), or no calibration given: the simulator's default (or the flag) stands
     settings = [(key, attr, flag) for key, attr, flag in SETTINGS
                 if key in config and not (key == "calibration" and not config[key])]

@@ -321,6 +321,13 @@ def instant_page_moves(summary: dict) -> bool | None:
     return summary["device"] == "cpu" if "device" in summary else None
 
 
+def kept_out_of_pool(config: dict) -> int:
+    """What a runtime result's KV pool left out of its budget beside the weights, as the simulator's
+    `--activation-reserve` keeps it: the activation reserve and the serving reserve (its CUDA graphs and buffers), each
+    0 where a result older than it has none."""
+    return int(config.get("activation_reserve") or 0) + int(config.get("serving_reserve") or 0)
+
+
 _INCOMPLETE = "give the --out of a complete `pwsim run` or `pwruntime replay` (or run it again)"
 
 
