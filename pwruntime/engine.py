@@ -403,14 +403,16 @@ class LLMEngine:
         since that measurement (`serving_reserve`): the graphs' pools and the MoE workspaces and buffers the runner
         and the captures' warm-ups made (1.04 GiB for a 12-layer Gemma-4-26B-A4B, against 59 MiB for the pools
         alone), so the budget holds them too. An explicit reserve is the whole of it."""
-        self.runner.capture_graphs(self._record)
         if self._serving_base is None:
+            self.runner.capture_graphs(self._record)
             return
-        owed = allocator_reserved(self.model.device) - self._serving_base - self.serving_reserve
-        if owed > 0:
-            self.capacity.keep_out(owed, "the CUDA graphs' pools and the runner's buffers (--activation-reserve SIZE "
-                                         "instead of auto keeps only SIZE)")
-            self.serving_reserve += owed
+        with self.capacity.unmapped():   # the captures allocate where the cache was, so the budget is never passed
+            self.runner.capture_graphs(self._record)
+            owed = allocator_reserved(self.model.device) - self._serving_base - self.serving_reserve
+            if owed > 0:
+                self.capacity.keep_out(owed, "the CUDA graphs' pools and the runner's buffers (--activation-reserve "
+                                             "SIZE instead of auto keeps only SIZE)")
+                self.serving_reserve += owed
 
     def has_unfinished(self) -> bool:
         """Whether a request is still waiting or running (a launched batch's live sequences are running; one whose

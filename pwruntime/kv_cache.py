@@ -177,6 +177,14 @@ class KVCache:
             t[keep:].zero_()     # the blocks added and the scratch block
         self._make_views()
 
+    def release_retired(self) -> int:
+        """Wait for the device, then give the driver back what shrinks retired (GrowableBuffer.release_retired), now
+        instead of at the next resize; returns the bytes (0 without growable buffers)."""
+        if not self.buffers:
+            return 0
+        torch.cuda.synchronize(self.device)
+        return sum(b.release_retired() for b in self.buffers)
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every buffer's block src[i] into dst[i] (int64 indices on the cache's device): a compaction's moves,
         whatever layers and groups use the blocks."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -141,6 +143,23 @@ class KvCapacity:
                 self._refused_at = -1
             else:
                 self._refused_at = self.spare_bytes
+
+    @contextmanager
+    def unmapped(self) -> Iterator[None]:
+        """The cache's memory given back to the device while the body runs, mapped again for the pool as the body
+        leaves it: what the body allocates (the CUDA graphs' captures before the first request) then takes the place
+        the cache will have, not memory beside it. Only a cache in growable buffers with every block free; a no-op
+        otherwise (torch tensors would move, and the graphs captured over them with them)."""
+        if not self.kv.buffers or self.pool.num_free < self.pool.capacity:
+            yield
+            return
+        self.kv.resize(0)   # the scratch block stays: padded graph rows write there
+        self.kv.release_retired()
+        try:
+            yield
+        finally:
+            self.kv.resize(self.pool.id_limit)
+            self._note_held()
 
     def keep_out(self, nbytes: int, what: str) -> None:
         """Hold `nbytes` of the budget outside the pool from now on (`what` takes them): spare bytes first, then free

@@ -257,6 +257,52 @@ def test_the_serving_reserve_charges_what_the_captures_themselves_make(ap_path, 
     assert engine.serving_reserve == 6 * MiB
 
 
+class _MappedKV:
+    """The engine's KV cache as its capacity sees it, standing in for one in growable buffers (as on CUDA): the
+    resizes that change it and the releases are recorded in `events`, then done."""
+    buffers = ["a growable buffer"]
+
+    def __init__(self, kv, events: list):
+        self._kv, self._events = kv, events
+
+    def __getattr__(self, name):
+        return getattr(self._kv, name)
+
+    def resize(self, num_blocks: int) -> None:
+        if num_blocks != self._kv.num_blocks:
+            self._events.append(("resize", num_blocks))
+        self._kv.resize(num_blocks)
+
+    def release_retired(self) -> int:
+        self._events.append(("released",))
+        return 0
+
+
+def test_the_captures_allocate_while_the_cache_is_unmapped_and_it_maps_what_the_budget_leaves_after(
+        ap_path, monkeypatch):
+    """A cache in growable buffers gives its memory back (its blocks all free) while the graphs are captured, so what
+    they allocate never sits beside a cache sized for the whole budget; then it maps the pool the serving reserve
+    left, once. With a block in use a later capture leaves the cache mapped."""
+    values = [100 * MiB]
+    fake_allocator(monkeypatch, values)
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    events, before = [], engine.pool.capacity
+    engine.capacity.kv = _MappedKV(engine.kv, events)
+
+    def capture(record: bool) -> None:
+        events.append(("capture", engine.kv.num_blocks))
+        values.append(values[-1] + 5 * MiB)
+    monkeypatch.setattr(engine.runner, "capture_graphs", capture)
+    engine.capture_graphs()
+    after = engine.pool.id_limit
+    assert events == [("resize", 0), ("released",), ("capture", 0), ("resize", after)]
+    assert engine.kv.num_blocks == after == engine.pool.capacity < before and engine.serving_reserve == 5 * MiB
+    engine.pool.allocate("held", 1)
+    events.clear()
+    engine.capture_graphs()
+    assert events[0] == ("capture", after) and engine.kv.num_blocks == engine.pool.id_limit
+
+
 class _Store:
     """What `apply_starting_bits` asks of a DeviceExpertStore: resident bytes, a sync to the table's bits that drops
     `drop` of them, and the deferred frees it collects."""
@@ -330,9 +376,15 @@ def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
     engine = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
                      "--max-num-batched-tokens", "256", "--max-model-len", "512")
     blocks, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
+    capture, mapped = engine.runner.capture_graphs, []
+    engine.runner.capture_graphs = lambda record: (mapped.append(engine.kv.mapped_bytes), capture(record))
     engine.capture_graphs()
-    reserve = engine.serving_reserve
+    reserve, kv = engine.serving_reserve, engine.kv
     assert reserve > 0 and blocks - engine.pool.capacity == -(-(reserve - spare) // B)
+    assert mapped[0] <= sum(b.step for b in kv.buffers) < kv.mapped_bytes   # the captures ran beside its scratch only
+    budget = 256 * MiB
+    held = engine.capacity.mapped_memory().held_peak
+    assert held <= budget + allocator_slack_bytes(budget), held / MiB
     replays = engine.runner.graphs.replays
     engine.add_request([(7 * i) % 120 + 3 for i in range(200)], SamplingParams(max_tokens=6, ignore_eos=True))
     while engine.has_unfinished():
