@@ -100,9 +100,10 @@ class BatchedPromptFeatures:
             t = first[single]  # the one token of each single-token sequence
             self._update_single(rows[single], *take_tokens(t, ids, w, gu, dn))
         multi = ~single
-        tok = np.flatnonzero(np.repeat(multi, lens))  # the tokens of the multi-token sequences, in order
-        self._update_multi(rows[multi], np.repeat(np.arange(int(multi.sum())), lens[multi]),
-                           *take_tokens(tok, ids, w, gu, dn))
+        # each token's multi-token sequence (a single-token one's tokens to none: the extra row), so the arrays go
+        # to `_update_multi` whole, uncopied (a mixed step's chunk is most of its tokens)
+        local = np.repeat(np.where(multi, np.cumsum(multi) - 1, int(multi.sum())), lens)
+        self._update_multi(rows[multi], local, ids, w, gu, dn)
 
     def _pair_index(self, local: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[layers * tokens * k] flat (row, layer, expert) pair of every routing slot: `local[t]` is token t's row."""
@@ -126,13 +127,14 @@ class BatchedPromptFeatures:
 
     def _update_multi(self, rows, local, ids, w, gu, dn) -> None:
         """Several tokens per sequence: sum per (sequence, block) with bincount, then update whole rows. `rows` are
-        distinct; token t belongs to `rows[local[t]]`, in any order.
+        distinct; token t belongs to `rows[local[t]]`, in any order, or to none where `local[t] == len(rows)` (its
+        sums go to an extra row, dropped).
 
         A pair's two kinds have the same routing weights, so one bincount gives both kinds' sum r; each other sum
         adds the same terms in the same order as one bincount over both kinds' blocks would."""
         m, E2 = len(rows), self.num_blocks // 2
         pair = self._pair_index(local, ids)
-        size = m * E2
+        size = (m + 1) * E2
         r = w.ravel()
         add = np.empty((size, 2, 4))
         add[:, :, 0] = np.bincount(pair, weights=r, minlength=size)[:, None]
@@ -144,7 +146,7 @@ class BatchedPromptFeatures:
             np.maximum.at(add[:, kind, 3], pair, x)
         acc = self._acc[rows]  # [m, nb, 4]
         flat = acc.reshape(-1, 4)
-        add = add.reshape(-1, 4)
+        add = add[:m * E2].reshape(-1, 4)   # the extra row's sums dropped
         flat[:, :3] += add[:, :3]
         np.maximum(flat[:, 3], add[:, 3], out=flat[:, 3])
         _put_rows(self._acc, rows, acc)
