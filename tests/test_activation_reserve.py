@@ -301,6 +301,14 @@ def test_the_captures_allocate_while_the_cache_is_unmapped_and_it_maps_what_the_
     events.clear()
     engine.capture_graphs()
     assert events[0] == ("capture", after) and engine.kv.num_blocks == engine.pool.id_limit
+    # captures that make the allocator hold nothing more: the cache maps its whole pool again
+    values.append(values[-1])
+    fresh = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    events.clear()
+    fresh.capacity.kv = _MappedKV(fresh.kv, events)
+    monkeypatch.setattr(fresh.runner, "capture_graphs", lambda record: events.append(("capture", fresh.kv.num_blocks)))
+    fresh.capture_graphs()
+    assert events == [("resize", 0), ("released",), ("capture", 0), ("resize", before)] and fresh.serving_reserve == 0
 
 
 class _Store:
