@@ -190,6 +190,9 @@ def run(args) -> int:
             print(f"{plan['steps']} planning steps ({plan['transitions_per_step']:.0f} transitions each), "
                   f"{plan['plan']:.2f} ms each: routing read {plan['read']:.2f}, page moves {plan['moves']:.2f}, "
                   f"KV resizes {plan['kv']:.2f}, the rest {plan['other']:.2f}")
+            each = plan["per_transition_us"]
+            print(f"page moves and KV resizes over every step, landings included: {each['moves']:.1f} and "
+                  f"{each['kv']:.1f} us a transition begun")
         refused = refusal_line(result.plans, str(out))
         if refused:
             print(refused)

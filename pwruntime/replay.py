@@ -176,7 +176,10 @@ def _result(trace, arrival, outputs, index, timeline, engine, gaps: TokenGaps) -
 
 def _plan_ms(tl: dict) -> dict | None:
     """The plan phase of the steps that began transitions, in milliseconds a step: in all, its parts (`PlanCosts`) and
-    the rest (the planner's decisions, the loop's bookkeeping); None when no step planned."""
+    the rest (the planner's decisions, the loop's bookkeeping); and the page moves and KV resizes of every step, in
+    microseconds a transition begun (`per_transition_us`: a transition lands at a later boundary, often a step that
+    begins none, so the planning steps' share leaves its landing out; `pwruntime bench plans` counts both); None when
+    no step planned."""
     transitions = np.asarray(tl["plan_transitions"])
     planning = transitions > 0
     if not planning.any():
@@ -185,5 +188,7 @@ def _plan_ms(tl: dict) -> dict | None:
     for part in PlanCosts.PARTS:
         mean[part[:-2]] = float(np.mean(np.asarray(tl[f"plan_{part}"])[planning]))
     mean["other"] = mean["plan"] - sum(mean[part[:-2]] for part in PlanCosts.PARTS)
+    began = int(transitions.sum())
+    per_transition = {part: round(1e6 * float(np.sum(tl[f"plan_{part}_s"])) / began, 3) for part in ("moves", "kv")}
     return {"steps": int(planning.sum()), "transitions_per_step": float(np.mean(transitions[planning])),
-            **{k: round(1e3 * v, 4) for k, v in mean.items()}}
+            **{k: round(1e3 * v, 4) for k, v in mean.items()}, "per_transition_us": per_transition}

@@ -416,6 +416,9 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     assert plan["steps"] == sum(n > 0 for n in timeline) and plan["read"] > 0 and plan["kv"] > 0
     assert plan["moves"] == 0 and plan["plan"] >= plan["read"] + plan["kv"]  # the CPU's mover lands at once, no work
     assert plan["other"] == pytest.approx(plan["plan"] - plan["read"] - plan["kv"], abs=2e-4)  # the rest of the phase
+    kv = pq.read_table(tmp_path / "rt" / "timeline.parquet").column("plan_kv_s").to_pylist()
+    each = plan["per_transition_us"]   # every step's KV resizes (the landings' growths too), a transition begun
+    assert each["moves"] == 0 and each["kv"] == pytest.approx(1e6 * sum(kv) / sum(timeline), abs=1e-3)
     preempted = json.loads((tmp_path / "rt" / "summary.json").read_text())["preemptions"]
     per_request = pq.read_table(tmp_path / "rt" / "requests.parquet").column("preemptions").to_pylist()
     assert sum(per_request) == preempted > 0 and max(per_request) >= 1  # each request's own preemptions, none lost

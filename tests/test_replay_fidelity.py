@@ -920,3 +920,17 @@ def test_a_request_s_queueing_delay_is_from_its_arrival_to_its_first_batch(ckpt)
     assert r["queue_s"][order[0]] < r["queue_s"][order[1]] < r["queue_s"][order[2]]
     assert all(r["first_scheduled_s"][b] >= r["finish_s"][a] for a, b in zip(order, order[1:]))
     assert np.all(r["queue_s"] <= r["ttft_s"]) and np.all(r["queue_s"] >= 0)
+
+
+def test_the_plan_phase_counts_moves_a_transition_over_every_step_landings_included():
+    """A transition lands at a later boundary, often a step that begins none: the planning steps' means leave that out,
+    the costs a transition begun take every step's."""
+    from pwruntime.replay import _plan_ms
+
+    tl = {"plan_transitions": [4, 0, 0, 2, 0], "plan_s": [0.010, 0.003, 0.0, 0.006, 0.002],
+          "plan_read_s": [0.002, 0.0, 0.0, 0.001, 0.0], "plan_moves_s": [0.004, 0.002, 0.0, 0.002, 0.001],
+          "plan_kv_s": [0.001, 0.0005, 0.0, 0.001, 0.0]}
+    plan = _plan_ms(tl)
+    assert (plan["steps"], plan["transitions_per_step"], plan["moves"], plan["kv"]) == (2, 3.0, 3.0, 1.0)
+    assert plan["per_transition_us"] == {"moves": 1500.0, "kv": 416.667}   # 9 ms and 2.5 ms over 6 transitions
+    assert _plan_ms({**tl, "plan_transitions": [0] * 5}) is None
