@@ -162,6 +162,7 @@ class GroupedBlockPool:
     hole_blocks = property(lambda self: self.pages.hole_blocks)
     num_free = property(lambda self: self.pages.num_free)
     num_used = property(lambda self: self.pages.num_used)
+    num_cached_blocks = property(lambda self: self.pages.num_cached_blocks)   # pages registered
     rewrites = property(lambda self: self.pages.rewrites)
 
     def grow(self, n: int) -> None:

@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 
@@ -148,18 +148,27 @@ class KvCapacity:
     def unmapped(self) -> Iterator[None]:
         """The cache's memory given back to the device while the body runs, mapped again for the pool as the body
         leaves it: what the body allocates (the CUDA graphs' captures before the first request) then takes the place
-        the cache will have, not memory beside it. Only a cache in growable buffers with every block free; a no-op
-        otherwise (torch tensors would move, and the graphs captured over them with them)."""
-        if not self.kv.buffers or self.pool.num_free < self.pool.capacity:
+        the cache will have, not memory beside it. Only a cache in growable buffers with every block free and none
+        cached; a no-op otherwise (torch tensors would move, and the graphs captured over them with them; a cached
+        free block's K and V are what a later prefix hit reads)."""
+        if not self.kv.buffers or self.pool.num_free < self.pool.capacity or self.pool.num_cached_blocks:
             yield
             return
         self.kv.resize(0)   # the scratch block stays: padded graph rows write there
-        self.kv.release_retired()
         try:
+            self.kv.release_retired()
             yield
-        finally:
+        except BaseException:
+            with suppress(MemoryError):   # the body's error says more than a remap's failure would
+                self.kv.resize(self.pool.id_limit)
+            raise
+        try:
             self.kv.resize(self.pool.id_limit)
-            self._note_held()
+        except MemoryError:
+            size = format_size(self.pool.id_limit * self.block_bytes)
+            raise UserError(f"cannot map the KV cache's {self.pool.id_limit:,} blocks ({size}) again on "
+                            f"{self.kv.device} once the CUDA graphs are captured: lower --gpu-memory-budget") from None
+        self._note_held()
 
     def keep_out(self, nbytes: int, what: str) -> None:
         """Hold `nbytes` of the budget outside the pool from now on (`what` takes them): spare bytes first, then free

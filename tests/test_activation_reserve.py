@@ -311,6 +311,101 @@ def test_the_captures_allocate_while_the_cache_is_unmapped_and_it_maps_what_the_
     assert events == [("resize", 0), ("released",), ("capture", 0), ("resize", before)] and fresh.serving_reserve == 0
 
 
+@pytest.mark.parametrize("failing", ["capture", "release"])
+def test_a_capture_that_raises_leaves_the_cache_mapped_for_its_whole_pool_again(ap_path, monkeypatch, failing):
+    """The cache given back for the captures is mapped again however they leave: one that raises (or a wait for the
+    device that does, before them) finds its pool's blocks all backed, as before."""
+    fake_allocator(monkeypatch, [100 * MiB])
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    events, blocks = [], engine.pool.id_limit
+    kv = engine.capacity.kv = _MappedKV(engine.kv, events)
+
+    def fail(*args) -> None:
+        events.append((failing,))
+        raise RuntimeError(f"a {failing} failed")
+    monkeypatch.setattr(*((engine.runner, "capture_graphs") if failing == "capture" else (kv, "release_retired")), fail)
+    with pytest.raises(RuntimeError, match=f"a {failing} failed"):
+        engine.capture_graphs()
+    released = [("released",)] if failing == "capture" else []
+    assert events == [("resize", 0), *released, (failing,), ("resize", blocks)] and engine.kv.num_blocks == blocks
+
+
+def test_a_cache_the_device_cannot_map_again_after_the_captures_is_one_clear_error(ap_path, monkeypatch):
+    """The captures took memory the cache had: mapping it again can fail, a UserError naming the budget's flag (the
+    engine does not serve over a cache smaller than its pool)."""
+    from traces.clikit import UserError
+
+    fake_allocator(monkeypatch, [100 * MiB])
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    kv = _MappedKV(engine.kv, [])
+    engine.capacity.kv = kv
+    resize = kv.resize
+
+    def no_memory_to_grow(num_blocks: int) -> None:
+        if num_blocks > engine.kv.num_blocks:
+            raise MemoryError("the device has none")
+        resize(num_blocks)
+    monkeypatch.setattr(kv, "resize", no_memory_to_grow)
+    monkeypatch.setattr(engine.runner, "capture_graphs", lambda record: None)
+    with pytest.raises(UserError, match=r"cannot map the KV cache's .* blocks .* once the CUDA graphs are captured: "
+                                        r"lower --gpu-memory-budget"):
+        engine.capture_graphs()
+
+
+def test_what_the_captures_hold_beside_the_cache_mapped_again_is_sampled_even_when_spare_bytes_pay_for_it(
+        ap_path, monkeypatch):
+    """Spare bytes pay for captures smaller than them (no block leaves the pool, so no shrink samples the device):
+    the cache mapped again for the whole pool, beside what the captures made the allocator hold, is the peak."""
+    import pwruntime.kv_capacity as kv_capacity
+
+    values = [100 * MiB]
+    fake_allocator(monkeypatch, values)
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    spare, blocks = engine.capacity.spare_bytes, engine.pool.capacity
+    assert spare > 1
+    engine.capacity.kv = _MappedKV(engine.kv, [])
+    monkeypatch.setattr(kv_capacity, "held_bytes", lambda device, mapped: values[-1] + engine.kv.nbytes)
+    monkeypatch.setattr(engine.runner, "capture_graphs", lambda record: values.append(values[-1] + spare // 2))
+    engine.capture_graphs()
+    assert engine.pool.capacity == blocks and engine.serving_reserve == spare // 2
+    assert engine.capacity.mapped_memory().held_peak == 100 * MiB + spare // 2 + engine.kv.nbytes
+
+
+def test_a_cache_of_torch_tensors_stays_as_it_is_through_the_captures(ap_path, monkeypatch):
+    """Only a cache in growable buffers is given back for the captures: torch tensors would move (a graph captured
+    over them would go stale), so the CPU's cache keeps its tensors and its generation."""
+    fake_allocator(monkeypatch, [100 * MiB])
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB")
+    kv = engine.kv
+    generation, k = kv.generation, kv.k[0]
+    assert not kv.buffers
+    monkeypatch.setattr(engine.runner, "capture_graphs", lambda record: None)
+    engine.capture_graphs()
+    assert kv.generation == generation and kv.k[0] is k and kv.num_blocks == engine.pool.id_limit
+
+
+def test_the_captures_leave_a_cache_holding_cached_prefixes_mapped(ap_path, monkeypatch):
+    """With prefix caching a finished request's full blocks stay cached: free, yet their K and V are what a later
+    prefix hit reads, so the captures leave the cache mapped (unmapping it would lose them)."""
+    from pwruntime.sampling import SamplingParams
+
+    fake_allocator(monkeypatch, [100 * MiB])
+    engine = _engine(ap_path, "--gpu-memory-budget", "16MiB", "--enable-prefix-caching")
+    engine.add_request([(7 * i) % 120 + 3 for i in range(3 * engine.pool.block_size)],
+                       SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.pool.num_free == engine.pool.capacity and engine.pool.num_cached_blocks > 0
+    events = []
+    engine.capacity.kv = _MappedKV(engine.kv, events)
+
+    def capture(record: bool) -> None:
+        events.append(("capture", engine.kv.num_blocks))
+    monkeypatch.setattr(engine.runner, "capture_graphs", capture)
+    engine.capture_graphs()
+    assert events == [("capture", engine.pool.id_limit)]
+
+
 class _Store:
     """What `apply_starting_bits` asks of a DeviceExpertStore: resident bytes, a sync to the table's bits that drops
     `drop` of them, and the deferred frees it collects."""

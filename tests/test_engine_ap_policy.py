@@ -419,6 +419,7 @@ def test_on_the_runtime_s_routing_the_simulator_makes_its_decisions_step_by_step
     kv = pq.read_table(tmp_path / "rt" / "timeline.parquet").column("plan_kv_s").to_pylist()
     each = plan["per_transition_us"]   # every step's KV resizes (the landings' growths too), a transition begun
     assert each["moves"] == 0 and each["kv"] == pytest.approx(1e6 * sum(kv) / sum(timeline), abs=1e-3)
+    assert f"landings included: {each['moves']:.1f} and {each['kv']:.1f} us a transition begun" in printed
     preempted = json.loads((tmp_path / "rt" / "summary.json").read_text())["preemptions"]
     per_request = pq.read_table(tmp_path / "rt" / "requests.parquet").column("preemptions").to_pylist()
     assert sum(per_request) == preempted > 0 and max(per_request) >= 1  # each request's own preemptions, none lost

@@ -297,6 +297,7 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
     pool.check_invariants()
     assert pool.free("a") == 3 * 5 + 3 and pool.free("b") == 3 * 4 + 4 and pool.num_free == pool.capacity
     assert pool.match_prefix(tokens[:23]).tokens == 16     # freed blocks stay cached until evicted
+    assert pool.num_cached_blocks == 3 * 5 + 3 == pool.pages.num_cached_blocks   # free, yet a prefix hit's (counted)
     assert GroupedBlockPool(layout, 8).match_prefix(tokens) == []   # caching off
 
 

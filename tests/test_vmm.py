@@ -353,3 +353,26 @@ def test_buffer_maps_retires_takes_back_and_unmaps_its_handles_in_order(fake_dri
     assert buf.calls.unmapped == calls.mapped and buf.calls.mapped == calls.mapped
     assert fake_driver.maps == {} and fake_driver.handles == {} and fake_driver.freed == [(base, buf.capacity)]
     assert buf.ptr is None
+
+
+def test_a_kv_cache_gives_back_what_its_shrinks_retired_once_the_device_is_done(monkeypatch):
+    """`KVCache.release_retired` waits for the device, then has each growable buffer unmap what its shrinks retired,
+    and returns their bytes together; a cache of torch tensors has none, and neither waits nor touches CUDA."""
+    class Props:
+        total_memory = 1 << 22
+    events = []
+
+    class Retiring(HostBuffer):
+        def release_retired(self) -> int:
+            events.append("released")
+            return self.step
+    monkeypatch.setattr("pwruntime.kv_cache.GrowableBuffer", Retiring)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("synchronized"))
+    monkeypatch.setattr(HostBuffer, "growths_left", None)
+    kv = KVCache(2, 10, 4, 2, 8, torch.float16, "cpu", scratch=True, growable=True)
+    kv.resize(0)
+    events.clear()
+    assert kv.release_retired() == 4 * HostBuffer.step and events == ["synchronized"] + ["released"] * 4
+    events.clear()
+    assert KVCache(2, 10, 4, 2, 8, torch.float16, "cpu").release_retired() == 0 and events == []
