@@ -100,10 +100,15 @@ class BatchedPromptFeatures:
             t = first[single]  # the one token of each single-token sequence
             self._update_single(rows[single], *take_tokens(t, ids, w, gu, dn))
         multi = ~single
-        # each token's multi-token sequence (a single-token one's tokens to none: the extra row), so the arrays go
-        # to `_update_multi` whole, uncopied (a mixed step's chunk is most of its tokens)
-        local = np.repeat(np.where(multi, np.cumsum(multi) - 1, int(multi.sum())), lens)
-        self._update_multi(rows[multi], local, ids, w, gu, dn)
+        if single.sum() <= lens[multi].sum():
+            # chunks are most of the step: the arrays go to `_update_multi` whole, uncopied, each token to its
+            # multi-token sequence's row (a single-token one's to none: the extra row)
+            local = np.repeat(np.where(multi, np.cumsum(multi) - 1, int(multi.sum())), lens)
+            self._update_multi(rows[multi], local, ids, w, gu, dn)
+            return
+        tok = np.flatnonzero(np.repeat(multi, lens))  # decode rows are most: a copy of the chunks' fewer tokens
+        self._update_multi(rows[multi], np.repeat(np.arange(int(multi.sum())), lens[multi]),
+                           *take_tokens(tok, ids, w, gu, dn))
 
     def _pair_index(self, local: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """[layers * tokens * k] flat (row, layer, expert) pair of every routing slot: `local[t]` is token t's row."""
