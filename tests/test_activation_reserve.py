@@ -471,8 +471,9 @@ def test_the_starting_bits_leave_a_pool_of_blocks_as_given_and_read_the_allocato
 @pytest.mark.gpu
 def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
     """On CUDA the runner's buffers and the captures (their pools, their warm-ups' workspaces) make the allocator hold
-    more, which the budget's pool gives up in whole blocks; the engine then serves from the graphs, and the allocator
-    holds no more than the weights, the two reserves and the budget's slack."""
+    more, which the budget's pool gives up in whole blocks; the engine then serves from the graphs (captured while the
+    cache was unmapped: the tokens an eager engine gives), and the allocator holds no more than the weights, the two
+    reserves and the budget's slack."""
     from policies.memory_budget import allocator_slack_bytes
     from pwruntime.sampling import SamplingParams
 
@@ -492,10 +493,14 @@ def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
     held = engine.capacity.mapped_memory().held_peak
     assert held <= budget + allocator_slack_bytes(budget) + rounding, (held / MiB, rounding / MiB, reserve / MiB)
     replays = engine.runner.graphs.replays
-    engine.add_request([(7 * i) % 120 + 3 for i in range(200)], SamplingParams(max_tokens=6, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+    prompts = [[(7 * i + j) % 120 + 3 for i in range(200 - 9 * j)] for j in range(4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
     assert engine.runner.graphs.replays > replays
     dev = engine.model.device
     held = torch.cuda.memory_reserved(dev) - engine._serving_base
     assert held <= reserve + engine.activation_reserve + allocator_slack_bytes(256 * MiB), (held, reserve)
+    # graphs captured over the cache unmapped, replayed over it mapped again: an eager engine's greedy tokens
+    eager = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
+                    "--max-num-batched-tokens", "256", "--max-model-len", "512", "--no-cuda-graphs")
+    assert [o.token_ids for o in eager.generate(prompts, params)] == tokens
