@@ -52,9 +52,8 @@ def started_plans(log: dict[str, np.ndarray], model: str, layers: int) -> list[t
                                                        np.split(frm, cuts), np.split(to, cuts)) if len(s)]
 
 
-def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -> dict:
-    """The row of a played plan log: host microseconds a transition at the boundaries that begin and land them, and
-    per plan its transitions and host time (and the arena's mapped memory over its tensors')."""
+def log_plans(cfg: PlanLogConfig) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+    """`started_plans` of the config's log; a UserError when it holds no plan log or none of them in its layers."""
     log = read_plan_log(cfg.log, flag="--plan-log")
     if not log:
         raise UserError(f"--plan-log {cfg.log} holds no plan log (plans.parquet); give the --out of a `pwsim run` or "
@@ -62,6 +61,13 @@ def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -
     plans = started_plans(log, cfg.model, cfg.layers)
     if not plans:
         raise UserError(f"--plan-log {cfg.log}: no transition started in the first {cfg.layers} layer(s)")
+    return plans
+
+
+def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -> dict:
+    """The row of a played plan log: host microseconds a transition at the boundaries that begin and land them, and
+    per plan its transitions and host time (and the arena's mapped memory over its tensors')."""
+    plans = log_plans(cfg)
     m = PlanMachinery.build(cfg.model, cfg.layers, cfg.seed, cfg.plane_arena, device, progress)
     _start_where_the_log_starts(m, plans, device)
     arena = m.store.arena
