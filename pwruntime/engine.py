@@ -239,10 +239,11 @@ class LLMEngine:
         self.kv_blocks_per_request = self.kv_layout.pages(self.max_model_len - 1, self.max_model_len)
         self.activation_reserve = self._activation_reserve()
         self.serving_reserve = 0  # what serving holds beside weights, KV and activations (`capture_graphs`)
-        # with a memory budget and the activation reserve measured (auto), what the allocator holds before the KV
-        # cache and the runner (`capture_graphs`)
-        self._serving_base = (allocator_reserved(model.device) if cfg.gpu_memory_budget is not None
-                              and cfg.num_kv_blocks is None and cfg.activation_reserve is None else None)
+        budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack
+        # with a pool sized by the budget and the activation reserve measured (auto), what the allocator holds before
+        # the KV cache and the runner (`capture_graphs`)
+        self._serving_base = (allocator_reserved(model.device) if budget_sized and cfg.activation_reserve is None
+                              else None)
         blocks, spare = initial_kv_blocks(cfg, model, policy, self.table, self.block_bytes, self.kv_blocks_per_request,
                                           self.activation_reserve)
         graphs = cfg.cuda_graphs and model.device.type == "cuda"
@@ -262,7 +263,6 @@ class LLMEngine:
                                   max_model_len=self.max_model_len)
         self.capacity = KvCapacity(model, self.pool, self.kv, self.runner.copy_blocks, self.block_bytes, spare)
         self.scheduler = Scheduler(self.pool, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.stall_limit)
-        budget_sized = cfg.gpu_memory_budget is not None and cfg.num_kv_blocks is None  # else the pool has no slack
         slack = allocator_slack_bytes(cfg.gpu_memory_budget) if budget_sized else 0
         self.loop = PlanLoop(policy, self.table, mover or ImmediateMover(), reserve=self.capacity.reserve,
                              release=self.capacity.release, lut_slack_bytes=lut_slack_bytes(cfg.lut_room, slack),
