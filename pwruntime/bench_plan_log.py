@@ -64,10 +64,9 @@ def log_plans(cfg: PlanLogConfig) -> list[tuple[int, np.ndarray, np.ndarray, np.
     return plans
 
 
-def measure(cfg: PlanLogConfig, device: torch.device, progress=lambda s: None) -> dict:
-    """The row of a played plan log: host microseconds a transition at the boundaries that begin and land them, and
-    per plan its transitions and host time (and the arena's mapped memory over its tensors')."""
-    plans = log_plans(cfg)
+def measure(cfg: PlanLogConfig, device: torch.device, plans: list, progress=lambda s: None) -> dict:
+    """The row of the log's `plans` (`log_plans`) played: host microseconds a transition at the boundaries that begin
+    and land them, and per plan its transitions and host time (and the arena's mapped memory over its tensors')."""
     m = PlanMachinery.build(cfg.model, cfg.layers, cfg.seed, cfg.plane_arena, device, progress)
     _start_where_the_log_starts(m, plans, device)
     arena = m.store.arena

@@ -374,9 +374,9 @@ def _run_plan_log(args, models: tuple[str, ...], layers: int, device, plane_aren
     cfg = bpg.PlanLogConfig(args.plan_log, models[0], layers, plane_arena, args.seed)
     command = _with_arena(_command(f"pwruntime bench plans --plan-log {args.plan_log} --models {models[0]} "
                                    f"--layers {layers}"), arena)
-    bpg.log_plans(cfg)   # a log it cannot play is refused before the progress line
+    plans = bpg.log_plans(cfg)   # a log it cannot play is refused before the progress line
     with tqdm(desc="bench plans --plan-log", file=sys.stderr, bar_format="{desc}{postfix}") as bar:
-        res = bpg.measure(cfg, device, progress=bar.set_postfix_str)
+        res = bpg.measure(cfg, device, plans, progress=bar.set_postfix_str)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "command": command,
            "torch": torch.__version__, **res}
     return report_bench(res, command, args.out, args.json, bpg.print_table, bpg.plot)

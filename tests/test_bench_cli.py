@@ -306,7 +306,8 @@ def test_a_played_plan_log_reports_the_arenas_moves_calls_and_overhead(demo_plan
     from vmm_fakes import HostBuffer
     monkeypatch.setattr(plane_arena, "GrowableBuffer", HostBuffer)
     monkeypatch.setattr(HostBuffer, "growths_left", None)
-    res = bpg.measure(bpg.PlanLogConfig(str(demo_plan_log), "demo", 4, plane_arena=True), torch.device("cpu"))
+    cfg = bpg.PlanLogConfig(str(demo_plan_log), "demo", 4, plane_arena=True)
+    res = bpg.measure(cfg, torch.device("cpu"), bpg.log_plans(cfg))
     row = res["row"]
     ratios = [p["mapped_over_live"] for p in res["per_plan"]]
     assert row["mapped_over_live_max"] == max(ratios) >= row["mapped_over_live_mean"] >= 1
