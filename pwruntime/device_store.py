@@ -272,7 +272,7 @@ class DeviceExpertStore:
             self._luts[i] = new
         else:
             self._planes[i] = tuple(new if p is old else p for p in self._planes[i])
-        self.table.set_block(i, self._planes[i], self._luts[i], int(self.row_bits[i]), flush=False)
+        self.table.repoint(i, old, new, flush=False)
 
     def _write_row(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor | None,
                    bits: int) -> list[torch.Tensor]:

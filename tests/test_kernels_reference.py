@@ -416,6 +416,40 @@ def test_device_table_defers_rows_to_one_flush():
     assert not t.dirty and t.bits(5) == 3
 
 
+def test_device_table_repoints_a_moved_plane_or_lut_in_its_row_only():
+    """A plane arena's move: the row names the new tensor in the old one's column, the reference reads it, and
+    nothing else of the row changes."""
+    rng = np.random.default_rng(9)
+    _, planes, luts = make_block(rng, 4, 64)
+    planes = device_layout(planes)
+    t = DeviceWeightTable(3, "cpu")
+    t.set_block(1, planes[:5], luts[4], 4)
+    before = t.host.copy()
+    moved = planes[3].clone()
+    t.repoint(1, planes[3], moved, flush=False)
+    assert t.dirty and torch.equal(t.table[1], torch.from_numpy(before[1]))  # deferred to the next flush
+    t.flush()
+    want = before.copy()
+    want[1, 3] = moved.data_ptr()
+    np.testing.assert_array_equal(t.host, want)
+    assert torch.equal(t.table, torch.from_numpy(want))
+    rb = t.resident(1)
+    assert rb.planes[3] is moved and rb.planes[:3] == tuple(planes[:3]) and rb.planes[4] is planes[4]
+    assert rb.lut is luts[4] and rb.bits == 4
+    lut = luts[4].clone()
+    t.repoint(1, luts[4], lut)
+    assert t.host[1, 8] == lut.data_ptr() and t.resident(1).lut is lut and t.table[1, 8] == lut.data_ptr()
+    t.commit_bits(1, 5, luts[5])   # later writes see the moved planes as the row's own
+    assert t.host[1, 3] == moved.data_ptr() and t.bits(1) == 5
+    with pytest.raises(ValueError, match="does not name the tensor moved"):
+        t.repoint(1, planes[3], planes[3].clone())    # no longer named: the row names `moved`
+    with pytest.raises(ValueError, match="does not name the tensor moved"):
+        t.repoint(0, planes[0], planes[0].clone())    # a row with nothing resident
+    with pytest.raises(ValueError, match="keeps its shape and dtype"):
+        t.repoint(1, moved, moved.view(torch.float32))
+    assert t.host[1, 3] == moved.data_ptr()
+
+
 ARCHS = {  # hidden, intermediate, experts, top-k
     "qwen1.5-moe": (2048, 1408, 60, 4), "mixtral": (4096, 14336, 8, 2),
     "olmoe": (2048, 1024, 64, 8), "qwen3-moe": (2048, 768, 128, 8), "gemma4": (2816, 704, 128, 8),

@@ -182,6 +182,28 @@ class DeviceWeightTable:
             raise ValueError(f"block {block} has no resident planes; call set_block first")
         self.set_block(block, rb.planes, lut, bits)
 
+    def repoint(self, block: int, old: torch.Tensor, new: torch.Tensor, flush: bool = True) -> None:
+        """`block`'s row names `new` where it named `old`, a plane or its LUT that moved (a plane arena's move: same
+        shape and dtype, new memory); the device row changes now, or with the next `flush()`. Only `new`'s placement
+        is checked: the row passed the rest when it was set."""
+        block = self._check(block)
+        rb = self._blocks.get(block)
+        if new.shape != old.shape or new.dtype != old.dtype:
+            raise ValueError(f"a moved tensor keeps its shape and dtype: {tuple(old.shape)} {old.dtype} -> "
+                             f"{tuple(new.shape)} {new.dtype}")
+        if rb is not None and rb.lut is old:
+            col, rb = COL_LUT, ResidentBlock(rb.planes, new, rb.bits)
+        else:
+            col = next((j for j, p in enumerate(rb.planes) if p is old), None) if rb is not None else None
+            if col is None:
+                raise ValueError(f"block {block}'s row does not name the tensor moved")
+            rb = ResidentBlock(rb.planes[:col] + (new,) + rb.planes[col + 1:], rb.lut, rb.bits)
+        self._check_placed(new)
+        row = self.host[block].copy()
+        row[col] = new.data_ptr()
+        self._write(block, row, flush)
+        self._blocks[block] = rb
+
     def clear(self, block: int, flush: bool = True) -> None:
         """Mark a block not resident (q = 0); kernels then treat its weights as zero."""
         block = self._check(block)
