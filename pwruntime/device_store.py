@@ -18,11 +18,12 @@ Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens 
 inside a CUDA-graph capture for any T whose prefill path would read counts back (`prefill_syncs`), a
 launch set per 64 tokens, with one `MoEWorkspace` per (token bucket, dtype, top-k) reused across layers
 (no host sync, no data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
-workspace's activations. For T > 128 (prefill) it dequantizes the active experts at their committed
-bits (`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
-`grouped_mm_moe` (torch's grouped GEMM over the unpadded rows) for experts of up to 4096 intermediate rows
-in bf16 on Hopper, where it is the faster, and `padded_moe` (two batched GEMMs per group of experts)
-otherwise; either way not a set of launches per expert. Off CUDA, or
+workspace's activations. For T > 128 (prefill) it dequantizes experts at their committed bits
+(`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
+`grouped_mm_moe` (torch's grouped GEMM over the unpadded rows; every expert, a chunk at a time, nothing read back
+to the host) for experts of up to 4096 intermediate rows in bf16 on Hopper, where it is the faster, and
+`padded_moe` (the active experts, two batched GEMMs per group of them) otherwise; either way not a set of launches
+per expert. Off CUDA, or
 in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives no activations, so a
 `down_in_norm` request takes the prefill path there.
 
@@ -399,8 +400,7 @@ class DeviceExpertStore:
         back), else as many as keep the fused launches' re-reads under CAPTURE_REREAD_BYTES (FUSED_MAX_TOKENS at
         least)."""
         shape = self.moe_shape(top_k)
-        if not prefill_syncs(shape, torch.empty(0, self.hidden, dtype=dtype, device=self.device),
-                             self.prefill_chunk_bytes):
+        if not prefill_syncs(shape, torch.empty(0, self.hidden, dtype=dtype, device=self.device)):
             return None
         experts = min(shape.num_experts, MAX_TOKENS * shape.top_k)  # that a launch may route to
         launch_bytes = experts * 3 * self.hidden * self.intermediate * MAX_BITS // 8
@@ -431,7 +431,7 @@ class DeviceExpertStore:
         kernel = _kernel_path(x)
         # inside a capture (a mixed step's piecewise graph) the prefill path only where it reads nothing back
         prefill = tokens > FUSED_MAX_TOKENS and not (
-            kernel and _capturing(self.device) and prefill_syncs(self.moe_shape(k), x, self.prefill_chunk_bytes))
+            kernel and _capturing(self.device) and prefill_syncs(self.moe_shape(k), x))
         if prefill or (down_in_norm is not None and not kernel):
             return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
                                self.prefill_chunk_bytes, down_in_norm)
@@ -464,13 +464,14 @@ def prefill_group_limits(shape: MoEShape, element_size: int,
 
 def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits. Every expert of
-    the layer, in order, is asked for by block ids made on the device (no copy: capturable, see prefill_syncs)."""
-    every = list(experts) == list(range(shape.num_experts)) and table.device.type == "cuda"
-    first = torch.arange(0, 2 * shape.num_experts, 2, device=table.device) if every else None
+    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits. A run of
+    consecutive experts (a `range`, as grouped_mm_moe asks) is asked for by block ids made on the device (no copy:
+    capturable, see prefill_syncs)."""
+    run = isinstance(experts, range) and experts.step == 1 and table.device.type == "cuda"
+    first = torch.arange(2 * experts.start, 2 * experts.stop, 2, device=table.device) if run else None
 
     def ids(kind: int):
-        if every:
+        if run:
             return first + shape.block(layer, 0, kind)
         return [shape.block(layer, e, kind) for e in experts]
 
@@ -479,11 +480,10 @@ def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, ex
     return gate_up, down
 
 
-def prefill_syncs(shape: MoEShape, x: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> bool:
+def prefill_syncs(shape: MoEShape, x: torch.Tensor) -> bool:
     """Whether `prefill_moe` on activations x reads the experts' row counts back to the host (so cannot run in a
-    CUDA graph): everywhere but `grouped_mm_moe` with every expert of the layer in one chunk."""
-    return not (grouped_mm_prefill(x, shape) and shape.num_experts <= prefill_group_limits(
-        shape, x.element_size(), chunk_bytes)[0])
+    CUDA graph): everywhere but `grouped_mm_moe`."""
+    return not grouped_mm_prefill(x, shape)
 
 
 def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:

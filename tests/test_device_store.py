@@ -641,14 +641,36 @@ def test_gpu_prefill_takes_the_grouped_gemm_for_small_experts_in_bf16():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a GPU of compute capability 9.0 or newer (the grouped GEMM)")
-def test_gpu_a_prefill_chunk_that_just_holds_every_expert_reads_nothing_back():
-    """Every expert of the layer in one chunk, with no byte to spare, still runs without reading the experts' row
-    counts back (a capturable prefill); one byte less and it must read them."""
-    shape, x = MoEShape(64, 4096, 1024, 8), torch.zeros(100, 4096, dtype=torch.bfloat16, device="cuda")
-    exact = shape.num_experts * 3 * shape.hidden * shape.intermediate * x.element_size()
-    assert device_store.prefill_group_limits(shape, x.element_size(), exact)[0] == shape.num_experts
-    assert not device_store.prefill_syncs(shape, x, exact)
-    assert device_store.prefill_syncs(shape, x, exact - 1)
+@pytest.mark.parametrize("chunk_experts", [8, 3])
+def test_gpu_a_bf16_prefill_in_chunks_of_experts_reads_nothing_back(ap_path, chunk_experts):
+    """The grouped GEMM's prefill takes the layer's experts a chunk at a time without reading their row counts back:
+    it is captured in a CUDA graph (a read-back raises there), and its replay, on other tokens, gives the eager
+    result, which is the reference's."""
+    ref, _, dev = stores(ap_path, 5, device="cuda", dtype=torch.bfloat16)
+    dev.prefill_chunk_bytes = chunk_experts * 3 * dev.hidden * dev.intermediate * 2
+    assert device_store.prefill_group_limits(dev.moe_shape(2), 2, dev.prefill_chunk_bytes)[0] == chunk_experts
+    assert not device_store.prefill_syncs(dev.moe_shape(2), torch.zeros(1, dev.hidden, dtype=torch.bfloat16,
+                                                                        device="cuda"))
+    tokens = 200
+    x, ids, w = routing(dev, tokens, 1, "cuda")
+    x = x.bfloat16()
+    norms = torch.zeros(tokens, 2, device="cuda")
+    dev.moe(1, x, ids, w, norms)   # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dev.moe(1, x, ids, w, norms)
+    x2, ids2, w2 = routing(dev, tokens, 2, "cuda")
+    x.copy_(x2.bfloat16())
+    ids.copy_(ids2)
+    w.copy_(w2)
+    graph.replay()
+    want_norms = torch.zeros_like(norms)
+    want = dev.moe(1, x, ids, w, want_norms)
+    rel = lambda a, b: float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())  # noqa: E731
+    assert rel(out, want) < 1e-3 and rel(norms, want_norms) < 1e-3
+    n_ref = torch.empty(ids.shape)
+    ref_out = ref.moe(1, x.float().cpu(), ids.cpu(), w.cpu(), down_in_norm=n_ref)
+    assert rel(want, ref_out) < 2e-2 and rel(want_norms, n_ref) < 2e-2
 
 
 @pytest.mark.gpu

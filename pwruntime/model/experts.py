@@ -89,11 +89,16 @@ class _Dispatch:
         return cls(order, token_of, counts, rows, torch.empty_like(rows),
                    torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norms else None)
 
-    def put(self, dest, act: torch.Tensor, y: torch.Tensor) -> None:
-        """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]."""
+    def put(self, dest, act: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]; with
+        `keep` (bool [n] on the device) only the rows it marks, the others keeping what they hold."""
+        norms = None if self.norms is None else act.float().norm(dim=-1)
+        if keep is not None:
+            y = torch.where(keep[:, None], y, self.outputs[dest])
+            norms = None if norms is None else torch.where(keep, norms, self.norms[dest])
         self.outputs[dest] = y
-        if self.norms is not None:
-            self.norms[dest] = act.float().norm(dim=-1)
+        if norms is not None:
+            self.norms[dest] = norms
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
         """sum over each token's rows of routing weight * expert output, in float32, in slot order (deterministic:
@@ -170,29 +175,30 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
 def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    weights_of, max_experts: int, down_in_norm: torch.Tensor | None = None,
                    act: str = "silu") -> torch.Tensor:
-    """grouped_moe's result with torch's grouped GEMM (`torch._grouped_mm`, prefill in bf16 on Hopper).
+    """grouped_moe's result with torch's grouped GEMM (`torch._grouped_mm`, prefill in bf16 on Hopper), reading
+    nothing back to the host: no host sync, capturable in a CUDA graph.
 
-    The rows stay sorted by expert and unpadded; a chunk of experts is two grouped GEMMs over its contiguous
-    rows, with the experts' row offsets on the device (weights_of as in padded_moe). When the layer's experts
-    fit in one chunk (`num_experts <= max_experts`) they are all asked for at once, the experts without rows
-    included, and nothing is read back to the host: the dispatch has no host sync. Otherwise the active
-    experts, in id order, are taken `max_experts` at a time from their counts read back to the host.
+    The rows stay sorted by expert and unpadded, and every expert is asked for (`weights_of` as in padded_moe,
+    with a `range` of expert ids), those without rows included, `max_experts` at a time in id order. A chunk is two
+    grouped GEMMs over its experts' rows with their row offsets on the device. The grouped GEMM takes its rows from
+    the first, so each chunk after the first runs on the sorted rows rotated to start at its own (the rotation is
+    a device index, as are the offsets), and only its own rows of the result are kept; the first chunk writes every
+    row, and the later chunks' own rows cover the rest.
     """
     d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None)
-    if num_experts <= max_experts:
-        chunks = [(list(range(num_experts)), 0, d.rows.shape[0], torch.cumsum(d.counts, 0).to(torch.int32))]
-    else:
-        host = d.counts.tolist()
-        starts = np.concatenate([[0], np.cumsum(host)])
-        active = [e for e, c in enumerate(host) if c > 0]
-        chunks = []
-        for i in range(0, len(active), max_experts):
-            chunk = active[i:i + max_experts]  # experts between two of them have no rows
-            ends = torch.from_numpy(np.cumsum([host[e] for e in chunk]).astype(np.int32))
-            chunks.append((chunk, int(starts[chunk[0]]), int(starts[chunk[-1] + 1]), ends.to(x.device, non_blocking=True)))
-    for chunk, lo, hi, offs in chunks:
-        gate_up, down = weights_of(chunk)
-        d.put(slice(lo, hi), *expert_mlp(d.rows[lo:hi], gate_up, down, offs, act))
+    n = d.rows.shape[0]
+    ends = torch.cumsum(d.counts, 0)
+    pos = torch.arange(n, device=x.device) if num_experts > max_experts else None
+    for first in range(0, num_experts if n else 0, max_experts):
+        last = min(first + max_experts, num_experts)
+        gate_up, down = weights_of(range(first, last))
+        if not first:
+            d.put(slice(None), *expert_mlp(d.rows, gate_up, down, ends[:last].to(torch.int32), act))
+        else:
+            start = ends[first - 1]
+            src = (pos + start) % n   # sorted row of each rotated row: this chunk's rows first
+            offs = (ends[first:last] - start).to(torch.int32)
+            d.put(src, *expert_mlp(d.rows[src], gate_up, down, offs, act), keep=pos < offs[-1])
         del gate_up, down  # the next chunk's weights are made after these go
     return d.combine(topk_weights, down_in_norm)
 
