@@ -121,6 +121,9 @@ def test_batched_dispatches_equal_the_per_expert_one(dispatch, tokens, cap, pad,
     want = store.moe(0, x, ids, weights, down_in_norm=want_norms)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(norms, want_norms, rtol=1e-5, atol=1e-5)
+    naive, naive_norms = _naive_moe(gate_up, down, x, ids, weights)   # the definition, no dispatch shared
+    torch.testing.assert_close(got, naive, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(norms, naive_norms, rtol=1e-4, atol=1e-4)
     assert all(len(grp) <= cap for grp in asked)
 
 

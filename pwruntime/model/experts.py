@@ -70,7 +70,8 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 class _Dispatch:
     """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), the token of each sorted row, each
     expert's row count on the device (reading them back is a dispatch's host sync), the sorted rows, and what a
-    dispatcher fills in: each row's expert output and, when down norms are asked, its activation's norm."""
+    dispatcher fills in, kept in slot order (row t * k + j: token t's slot j) with one more row that takes what is
+    dropped: each row's expert output and, when down norms are asked, its activation's norm."""
     order: torch.Tensor
     token_of: torch.Tensor
     counts: torch.Tensor
@@ -86,29 +87,32 @@ class _Dispatch:
         rows = x[token_of]
         # counted by index_add_ into a fixed size, not bincount, which reads the largest id back to the host
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-        return cls(order, token_of, counts, rows, torch.empty_like(rows),
-                   torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norms else None)
+        n = rows.shape[0]
+        return cls(order, token_of, counts, rows, x.new_empty(n + 1, x.shape[1]),
+                   torch.empty(n + 1, dtype=torch.float32, device=x.device) if norms else None)
 
     def put(self, dest, act: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]; with
-        `keep` (bool [n] on the device) only the rows it marks, the others keeping what they hold."""
-        norms = None if self.norms is None else act.float().norm(dim=-1)
+        `keep` (bool [n] on the device) only the rows it marks, the others going to the dropped row."""
+        slots = self.order[dest]
         if keep is not None:
-            y = torch.where(keep[:, None], y, self.outputs[dest])
-            norms = None if norms is None else torch.where(keep, norms, self.norms[dest])
-        self.outputs[dest] = y
-        if norms is not None:
-            self.norms[dest] = norms
+            slots = torch.where(keep, slots, self.order.shape[0])
+        self.outputs[slots] = y
+        if self.norms is not None:
+            self.norms[slots] = act.float().norm(dim=-1)
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
-        """sum over each token's rows of routing weight * expert output, in float32, in slot order (deterministic:
-        no atomics); fills down_in_norm."""
-        weighted = self.outputs.float() * topk_weights.reshape(-1)[self.order].float()[:, None]
-        by_slot = torch.empty_like(weighted)
-        by_slot[self.order] = weighted
+        """sum over each token's slots of routing weight * expert output, accumulated in float32 slot by slot
+        (deterministic: no atomics, and no float32 copy of the outputs); fills down_in_norm."""
+        tokens, k = topk_weights.shape
+        by_slot = self.outputs[:tokens * k].view(tokens, k, -1)
+        weights = topk_weights.float()
+        out = torch.zeros(tokens, by_slot.shape[2], dtype=torch.float32, device=by_slot.device)
+        for j in range(k):
+            out.addcmul_(by_slot[:, j], weights[:, j, None])
         if self.norms is not None:
-            down_in_norm.view(-1)[self.order] = self.norms
-        return by_slot.view(*topk_weights.shape, -1).sum(dim=1).to(self.outputs.dtype)
+            down_in_norm.view(-1).copy_(self.norms[:tokens * k])
+        return out.to(self.outputs.dtype)
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
