@@ -63,7 +63,7 @@ DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at onc
 # while those re-reads stay under this many bytes a layer (about 80 us of the H200's bandwidth, what a layer's eager
 # prefill spends on its host syncs); past it the step runs eagerly. A Gemma-4-shaped model (128 experts of 2816 x 704,
 # 761 MB a layer at 8 bits) took 372 ms a mixed step (up to 2,048 tokens) from the pieces and 86 ms eagerly (H100,
-# session 52).
+# session 52), when its prefill, two chunks of experts, still read counts back; since session 64 it captures.
 CAPTURE_REREAD_BYTES = 256 << 20
 # Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
 # measured 772 TFLOP/s fp16, less than the host time of the launches another group of experts would cost.
