@@ -68,12 +68,11 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
 @dataclass
 class _Dispatch:
-    """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), the token of each sorted row, each
-    expert's row count on the device (reading them back is a dispatch's host sync), the sorted rows, and what a
+    """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), each expert's row count on the device
+    (reading them back is a dispatch's host sync), the sorted rows (each its token's input), and what a
     dispatcher fills in, kept in slot order (row t * k + j: token t's slot j) with one more row that takes what is
     dropped: each row's expert output and, when down norms are asked, its activation's norm."""
     order: torch.Tensor
-    token_of: torch.Tensor
     counts: torch.Tensor
     rows: torch.Tensor
     outputs: torch.Tensor
@@ -83,12 +82,11 @@ class _Dispatch:
     def of(cls, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, norms: bool) -> _Dispatch:
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        token_of = order // topk_ids.shape[1]
-        rows = x[token_of]
+        rows = x[order // topk_ids.shape[1]]   # each sorted (token, slot) pair's token
         # counted by index_add_ into a fixed size, not bincount, which reads the largest id back to the host
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
         n = rows.shape[0]
-        return cls(order, token_of, counts, rows, x.new_empty(n + 1, x.shape[1]),
+        return cls(order, counts, rows, x.new_empty(n + 1, x.shape[1]),
                    torch.empty(n + 1, dtype=torch.float32, device=x.device) if norms else None)
 
     def put(self, dest, act: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> None:
