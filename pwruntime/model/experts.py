@@ -71,9 +71,9 @@ class _Dispatch:
     """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), each expert's row count on the device
     (reading them back is a dispatch's host sync), the sorted rows (each its token's input), and what a
     dispatcher fills in, kept in slot order (row t * k + j: token t's slot j): each row's expert output and, when
-    down norms are asked, its activation's norm. With `spare`, as many rows again take what `put` drops, sorted row
-    i in row n + i (a scatter that writes one row many times is slower: on an H100, 16,384 rows of 2816 in 0.245 ms
-    with two thirds of them to one row, 0.222 with each to its own); a dispatcher may use them until then."""
+    down norms are asked, its activation's norm. With `spare`, as many rows again take what `put` drops, the p-th
+    row put in row n + p (a scatter that writes one row many times is slower: on an H100, 16,384 rows of 2816 in
+    0.245 ms with two thirds of them to one row, 0.222 with each to its own); a dispatcher may use them until then."""
     order: torch.Tensor
     counts: torch.Tensor
     rows: torch.Tensor
@@ -192,10 +192,11 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     a device index, as are the offsets), and only its own rows of the result are kept; the first chunk writes every
     row, and the later chunks' own rows cover the rest.
     """
-    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None, spare=num_experts > max_experts)
+    chunked = num_experts > max_experts
+    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None, spare=chunked)
     n = d.rows.shape[0]
     ends = torch.cumsum(d.counts, 0)
-    pos = torch.arange(n, device=x.device) if num_experts > max_experts else None
+    pos = torch.arange(n, device=x.device) if chunked else None
     for first in range(0, num_experts if n else 0, max_experts):
         last = min(first + max_experts, num_experts)
         gate_up, down = weights_of(range(first, last))
