@@ -269,11 +269,9 @@ class DeviceExpertStore:
         copy)."""
         i = self._named.pop(old.data_ptr())
         self._named[new.data_ptr()] = i
-        if self._luts[i] is old:
-            self._luts[i] = new
-        else:
-            self._planes[i] = tuple(new if p is old else p for p in self._planes[i])
         self.table.repoint(i, old, new, flush=False)
+        row = self.table.resident(i)   # the row's tensors, `new` in `old`'s place
+        self._planes[i], self._luts[i] = row.planes, row.lut
 
     def _write_row(self, i: int, planes: tuple[torch.Tensor, ...], lut: torch.Tensor | None,
                    bits: int) -> list[torch.Tensor]:
