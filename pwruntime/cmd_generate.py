@@ -90,6 +90,11 @@ def add_engine_args(p) -> None:
                         "process holds its budget; --no-plane-arena leaves them to torch's caching allocator, which "
                         "keeps what offloads free (less host time moving pages, more memory held: the README's "
                         "results). Default: on for AP experts on CUDA")
+    w.add_argument("--prefill-chunk", default=None, metavar="SIZE",
+                   help="dequantized expert weights a prefill's MoE layer holds at once on CUDA (default 1GiB): a "
+                        "layer whose experts take more runs them in several chunks, a larger SIZE in fewer (Gemma-4-"
+                        "26B-A4B's 128 experts take 1.52 GB in bf16; 2GiB runs each of its layers in one), at the "
+                        "price of that much more activation memory, which the activation reserve measures")
     w.add_argument("--gpu-memory-budget", default=None, metavar="SIZE",
                    help="memory for the model's weights and the KV cache together, as `pwsim run --budget` (e.g. "
                         "48MiB, 20GiB): the KV pool starts with what the weights (the routed experts at the policy's "
@@ -120,6 +125,8 @@ def _load(args, dtype: str, device: str):
     if args.ap is None:
         if args.plane_arena is True:
             raise UserError("--plane-arena keeps AP expert planes: it needs --ap DIR")
+        if args.prefill_chunk is not None:
+            raise UserError("--prefill-chunk sizes the dequantized AP experts of a prefill: it needs --ap DIR")
         if args.lut_room == "pool":
             raise UserError("--lut-room pool places the LUTs of AP expert offloads, which --model's full-precision "
                             "experts never make: it needs --ap DIR")
@@ -136,6 +143,7 @@ def _load(args, dtype: str, device: str):
     if args.plane_arena is True and not cuda:
         raise UserError("--plane-arena needs a CUDA device (elsewhere the pure-torch AP store serves the experts): "
                         "drop it or add --device cuda")
+    chunk = _prefill_chunk(args.prefill_chunk, cuda)
     model, store = load_ap_model(args.ap, dtype=dtype, device=device, expert_device="cpu" if cuda else None)
     c = model.config
     # the GPU kernels keep planes 0..2 of a block together (nibble-packed), so on CUDA blocks stay at >= 3 bits
@@ -150,11 +158,27 @@ def _load(args, dtype: str, device: str):
         from pwruntime.page_mover import CudaPageMover
 
         model.experts = DeviceExpertStore.from_ap_store(store, device=model.device, dtype=model.dtype, table=table,
-                                                        arena=args.plane_arena is not False)
+                                                        arena=args.plane_arena is not False, **chunk)
         mover = CudaPageMover(model.experts)
     else:
         store.attach_table(table)  # the store reads the committed bits q on every call
     return model, table, policy, _calibration(args.calibration, table, args.ap), mover
+
+
+def _prefill_chunk(size: str | None, cuda: bool) -> dict[str, int]:
+    """The DeviceExpertStore's `prefill_chunk_bytes` from `--prefill-chunk` ({} when not given)."""
+    from traces.sizes import parse_size
+
+    if size is None:
+        return {}
+    try:
+        chunk_bytes = parse_size(size)
+    except UserError as e:
+        raise UserError(f"--prefill-chunk: {e}") from None
+    if not cuda:
+        raise UserError("--prefill-chunk sizes the CUDA kernels' dequantized experts (elsewhere the pure-torch AP "
+                        "store serves them): drop it or add --device cuda")
+    return {"prefill_chunk_bytes": chunk_bytes}
 
 
 def _calibration(source: str | None, table, ap_dir: str):

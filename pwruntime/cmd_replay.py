@@ -125,7 +125,7 @@ def run(args) -> int:
     from pwruntime.cmd_generate import build_engine, engine_model_dir
     from pwruntime.host_stacks import HostStackSampler
     from pwruntime.replay import replay
-    from pwruntime.stats_log import serves_from_plane_arena
+    from pwruntime.stats_log import prefill_chunk_bytes, serves_from_plane_arena
     from pwruntime.trace_recorder import TraceRecorder, card_for
     from traces.io import Trace, write_trace_dir
     from traces.results import prepare_dir, write_result_dir
@@ -167,7 +167,8 @@ def run(args) -> int:
               "hybrid_kv_cache": engine.kv_layout.hybrid,  # what ran: a model without sliding layers has one table
               "activation_reserve": engine.activation_reserve,  # bytes, measured (auto) or given
               "serving_reserve": engine.serving_reserve,  # bytes the graphs and buffers took of a budget's pool
-              "plane_arena": serves_from_plane_arena(engine)}  # what ran: the default is on for AP experts on CUDA
+              "plane_arena": serves_from_plane_arena(engine),  # what ran: the default is on for AP experts on CUDA
+              "prefill_chunk_bytes": prefill_chunk_bytes(engine)}
     documents = {"summary": summary, "config": config}
     if sampler is not None:
         documents["host_stacks"] = {"interval_s": sampler.interval_s, "min_stretch_s": sampler.min_stretch_s,

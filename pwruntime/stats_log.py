@@ -72,6 +72,12 @@ def serves_from_plane_arena(engine) -> bool:
     return getattr(engine.model.experts, "arena", None) is not None
 
 
+def prefill_chunk_bytes(engine) -> int | None:
+    """The dequantized expert weights a prefill's MoE layer holds at once (`--prefill-chunk`), where the CUDA expert
+    store serves; None elsewhere."""
+    return getattr(engine.model.experts, "prefill_chunk_bytes", None)
+
+
 def lut_room(engine) -> str:
     """Where the engine's offloads find room for their lower LUTs in flight: "slack" where its plan loop may borrow a
     budget's allocator slack (`--lut-room slack` with `--gpu-memory-budget`), else "pool" (policies.memory_budget)."""
@@ -93,6 +99,7 @@ def serving_info(engine) -> dict:
             "serving_reserve": engine.serving_reserve, "kv_blocks_per_request": engine.kv_blocks_per_request,
             "ap_experts": ap, "policy": engine.policy.name if ap else None, "lut_room": lut_room(engine) if ap else None,
             "plane_arena": serves_from_plane_arena(engine),
+            "prefill_chunk_bytes": prefill_chunk_bytes(engine),
             "mean_committed_bits": engine.table.mean_bits() if ap else None,
             "expert_resident_bytes": engine.table.resident_bytes() if ap else None}
 

@@ -851,6 +851,7 @@ def test_off_cuda_the_cli_serves_ap_experts_without_a_plane_arena_and_says_so(ap
     for flags in ((), ("--no-plane-arena",)):
         engine = _cli_engine(ap_path, "cpu", *flags)
         assert getattr(engine.model.experts, "arena", None) is None and serving_info(engine)["plane_arena"] is False
+        assert serving_info(engine)["prefill_chunk_bytes"] is None   # the pure-torch AP store has no such chunk
 
 
 @pytest.mark.gpu
@@ -863,3 +864,14 @@ def test_gpu_the_cli_serves_ap_experts_from_a_plane_arena_unless_told_not_to(ap_
     engine = _cli_engine(ap_path, "cuda", *flags)
     assert isinstance(engine.model.experts, DeviceExpertStore)
     assert (engine.model.experts.arena is not None) is arena and serving_info(engine)["plane_arena"] is arena
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_chunk_sets_the_store_s_dequantized_weights_chunk(ap_path):
+    """--prefill-chunk SIZE reaches the device store (default 1 GiB): what splits a layer's experts into chunks
+    (test_gpu_a_bf16_prefill_in_chunks_of_experts_reads_nothing_back)."""
+    from pwruntime.stats_log import serving_info
+
+    default, small = (_cli_engine(ap_path, "cuda", *flags) for flags in ((), ("--prefill-chunk", "3MiB")))
+    assert default.model.experts.prefill_chunk_bytes == device_store.DEFAULT_PREFILL_CHUNK_BYTES == 1 << 30
+    assert small.model.experts.prefill_chunk_bytes == serving_info(small)["prefill_chunk_bytes"] == 3 << 20

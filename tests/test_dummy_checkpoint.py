@@ -172,6 +172,7 @@ def test_a_dummy_model_s_replay_and_its_simulation_decide_alike_step_by_step(tmp
     capsys.readouterr()
     rt_config = json.loads((tmp_path / "rt" / "config.json").read_text())
     assert rt_config["plane_arena"] is False and rt_config["serving_reserve"] == serving  # what ran, on the CPU
+    assert rt_config["prefill_chunk_bytes"] is None   # the pure-torch AP store's prefill has no chunk
     kept = (0 if reserve == "auto" else 256 << 10) + serving
     assert sim_main(["run", "--like-replay", str(tmp_path / "rt"), "--out", str(tmp_path / "sim")]) == 0
     taken = capsys.readouterr().out

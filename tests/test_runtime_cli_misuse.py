@@ -81,6 +81,7 @@ def test_generate_planner_without_calibration_is_a_user_error(env, capsys):
     (["--ap", "AP"], ["--model or --ap, not both"]),                      # was: --model silently ignored
     (["--max-model-len", "1"], ["--max-model-len", "must be in 2.."]),
     (["--plane-arena"], ["--plane-arena keeps AP expert planes", "--ap DIR"]),
+    (["--prefill-chunk", "2GiB"], ["--prefill-chunk sizes the dequantized AP experts", "--ap DIR"]),
 ])
 def test_generate_incompatible_model_options(env, capsys, extra, needles):
     extra = [env["ap"] if a == "AP" else a for a in extra]
@@ -482,3 +483,10 @@ def test_bench_write_failure_is_a_user_error(capsys, tmp_path, monkeypatch):
     assert main(["bench", "step-inputs", "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err  # after the benchmark's progress line
     assert "Traceback" not in err and "cannot write it" in err and "No space left" in err, err
+
+
+@pytest.mark.parametrize("size, needles", [("2GiB", ["--prefill-chunk sizes the CUDA kernels'", "--device cuda"]),
+                                           ("lots", ["--prefill-chunk:", "lots"])])
+def test_prefill_chunk_off_cuda_or_unreadable_is_a_user_error(env, capsys, size, needles):
+    misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--prefill-chunk", size, "--prompt", "ba",
+                    "--max-tokens", "1"], *needles)
