@@ -3,6 +3,8 @@ leaves a step's activations, measured by a profiling forward of the largest step
 the same bytes out of its pool (`pwsim run --like-replay` takes what a replay measured: test_dummy_checkpoint)."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -477,6 +479,11 @@ def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
     from policies.memory_budget import allocator_slack_bytes
     from pwruntime.sampling import SamplingParams
 
+    # what earlier tests in this process left in torch's allocator is not this engine's: after either GPU test above,
+    # the engine held 20-24 MiB past the bound on an H100 (session 66), alone it stays within it
+    gc.collect()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
     engine = _engine(ap_path, "--gpu-memory-budget", "256MiB", "--device", "cuda", "--dtype", "bf16",
                      "--max-num-batched-tokens", "256", "--max-model-len", "512")
     blocks, spare, B = engine.pool.capacity, engine.capacity.spare_bytes, engine.block_bytes
@@ -490,7 +497,7 @@ def test_gpu_what_serving_holds_comes_out_of_the_budget_pool(ap_path):
     # their tensors (before the captures ran with the cache unmapped it also held the serving reserve twice)
     budget, arena = 256 * MiB, engine.model.experts.arena
     rounding = kv.mapped_bytes - kv.nbytes + arena.mapped - arena.live
-    held = engine.capacity.mapped_memory().held_peak
+    held = engine.capacity.mapped_memory().held_peak - before
     assert held <= budget + allocator_slack_bytes(budget) + rounding, (held / MiB, rounding / MiB, reserve / MiB)
     replays = engine.runner.graphs.replays
     prompts = [[(7 * i + j) % 120 + 3 for i in range(200 - 9 * j)] for j in range(4)]
