@@ -1,5 +1,6 @@
 // The decoder layer's small operations, fused: residual add + RMSNorm, rotary embedding + the K/V cache write, the
-// router's softmax + top-k, row L2 norms, SiLU-and-multiply, and the shared expert's sigmoid-gated add.
+// router's softmax + top-k, row L2 norms, SiLU-and-multiply, the shared expert's sigmoid-gated add, and the MoE
+// dispatch's weighted sum of each token's expert outputs.
 //
 // Each replaces a run of torch's elementwise and reduction kernels (a decode step of the demo model ran 180
 // kernels, most of them these), and each rounds to the activation dtype wherever torch's sequence of ops rounds,
@@ -175,4 +176,28 @@ extern "C" __global__ void pw_gated_add(const u16* __restrict__ out, const u16* 
         const float s = rnd(1.f / (1.f + expf(-ld(gate + r * gate_row))));
         res[n] = st(ld(out + n) + rnd(s * ld(shared + n)));
     }
+}
+
+// out[t] = sum_j w[t, j] * rows[t * k + j] (rows in slot order, w float32 [T, k]), summed in fp32 slot by slot and
+// rounded once: torch's float32 `addcmul_` over the slots, then `.to(dtype)`. 8 columns a thread (cols a multiple
+// of 8, rows 16-byte aligned), so a token's k rows are read once; grid (tokens, column blocks).
+extern "C" __global__ void __launch_bounds__(128) pw_slot_combine(const u16* __restrict__ rows,
+                                                                 const float* __restrict__ w, int k, int cols,
+                                                                 u16* __restrict__ out) {
+    const ll t = blockIdx.x;
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= cols) return;
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < k; ++j) {
+        const float wj = w[t * k + j];
+        const u32x4 v = ldg_nc_v4(rows + (t * k + j) * cols + c);
+        const u32 words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            acc[2 * q] = fmaf(act2f<BF>((u16)(words[q] & 0xffffu)), wj, acc[2 * q]);
+            acc[2 * q + 1] = fmaf(act2f<BF>((u16)(words[q] >> 16)), wj, acc[2 * q + 1]);
+        }
+    }
+    const auto pair = [&acc](int q) { return (u32)st(acc[2 * q]) | ((u32)st(acc[2 * q + 1]) << 16); };
+    *reinterpret_cast<u32x4*>(out + t * cols + c) = u32x4{pair(0), pair(1), pair(2), pair(3)};
 }

@@ -77,6 +77,21 @@ def test_row_norms_into_out_and_the_elementwise_ops():
     torch.testing.assert_close(layer_ops.gated_add(o, gate, s), torch.tensor([[2.0] * 3, [3.0] * 3]))
 
 
+def test_slot_combine_weights_each_token_s_slots_and_rounds_once():
+    g = torch.Generator().manual_seed(3)
+    tokens, k, cols = 5, 3, 16
+    rows = torch.randn(tokens * k, cols, generator=g).to(torch.bfloat16)
+    weights = torch.rand(tokens, k, generator=g)
+    got = layer_ops.slot_combine(rows, weights)
+    want = (rows.double().view(tokens, k, cols) * weights.double()[:, :, None]).sum(1)
+    assert got.dtype == torch.bfloat16 and got.shape == (tokens, cols)
+    # one rounding to bf16 of a float32 sum: within half a bf16 ulp of the exact sum (plus float32's error)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=2 ** -8 + 1e-6)
+    assert torch.equal(layer_ops.slot_combine(rows[:k], weights[:1]), got[:1])   # a token sees only its own rows
+    with pytest.raises(ValueError, match="14 rows for 5 tokens of 3 slots"):
+        layer_ops.slot_combine(rows[:14], weights)
+
+
 def test_rotary_linear_factor_divides_positions():
     """Linear rope scaling (rope_scaling {"type": "linear", "factor": f}): the inverse frequencies are divided by f, so
     position f * p gets the angles position p gets without scaling."""

@@ -8,7 +8,7 @@ import torch
 from model_fixtures import ARCHS, make_tiny_checkpoint
 from pwruntime.kernels import layer_ops
 from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         silu_mul_ref)
+                                         silu_mul_ref, slot_combine_ref)
 from pwruntime.kv_cache import KVCache
 from pwruntime.model import load_model, prefill_metadata
 from pwruntime.model.layers import Rotary
@@ -139,6 +139,20 @@ def test_row_norms_and_elementwise(dtype):
     _mostly_exact(layer_ops.silu_mul(h), silu_mul_ref(h), ulps=2)
     o, s, gate = _rand(19, 2048, dtype=dtype), _rand(19, 2048, dtype=dtype, seed=1), _rand(19, 1, dtype=dtype, seed=2)
     _mostly_exact(layer_ops.gated_add(o, gate, s), gated_add_ref(o, gate, s), ulps=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,k,cols", [(1, 1, 64), (7, 2, 2048), (300, 8, 2816), (33, 4, 2824), (5, 8, 12)])
+def test_slot_combine(dtype, tokens, k, cols):
+    """The kernel's weighted sum of each token's slot rows equals the float32 multiply-adds slot by slot (2824: a
+    partial column block; 12: not a multiple of 8, the reference's)."""
+    rows = _rand(tokens * k, cols, dtype=dtype)
+    weights = torch.rand(tokens, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    got = layer_ops.slot_combine(rows, weights)
+    assert got.shape == (tokens, cols) and got.dtype == dtype
+    _mostly_exact(got, slot_combine_ref(rows, weights), ulps=1)
+    rows[k:] = float("nan")                           # the first token reads its own k rows and no others
+    assert torch.equal(layer_ops.slot_combine(rows, weights)[0], got[0])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -3,8 +3,9 @@ references (pwruntime.kernels.reference) everywhere else.
 
 Each function is one launch on CUDA where torch runs several: the residual add with the RMSNorm after it, rotary
 embedding of q and k with the K/V cache write, the router's softmax and top-k (and renormalization), the rows' L2 norms
-of the routing records, SiLU-and-multiply, and Qwen2-MoE's sigmoid-gated shared-expert add. The kernels round to the
-activation dtype wherever the references' torch ops do, so the two paths differ only in the order of float32 sums.
+of the routing records, SiLU-and-multiply, Qwen2-MoE's sigmoid-gated shared-expert add, and the MoE dispatch's
+weighted sum of each token's expert outputs. The kernels round to the activation dtype wherever the references' torch
+ops do, so the two paths differ only in the order of float32 sums.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import write_kv
 from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         silu_mul_ref)
+                                         silu_mul_ref, slot_combine_ref)
 
 ROUTE_MAX_EXPERTS = 256     # 32 lanes x PW_ROUTE_PER_LANE in cuda/layer_ops.cu
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -160,3 +161,23 @@ def gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> to
                   (_ELEMENTWISE_THREADS,), (kc.ptr(out), kc.ptr(gate), kc.i64(gate.stride(0)), kc.ptr(shared),
                                             kc.i32(out.shape[-1]), kc.i64(total), kc.ptr(res)))
     return res
+
+
+def slot_combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * rows[t * k + j] for each token t: rows [T * k, H] (expert outputs in slot order),
+    weights [T, k] (float32 routing weights) -> [T, H] in the rows' dtype, summed in float32, each token's rows
+    read once (the reference makes k float32 passes over the output)."""
+    tokens, k = weights.shape
+    if rows.shape[0] != tokens * k:
+        raise ValueError(f"{rows.shape[0]} rows for {tokens} tokens of {k} slots")
+    cols = rows.shape[-1]
+    if not (_applies(rows) and weights.is_cuda and rows.is_contiguous() and cols % 8 == 0
+            and rows.data_ptr() % 16 == 0):
+        return slot_combine_ref(rows, weights)
+    w = weights.to(torch.float32).contiguous()
+    out = torch.empty(tokens, cols, dtype=rows.dtype, device=rows.device)
+    if tokens and cols:
+        threads = min(128, 32 * -(-cols // 256))
+        kc.launch(_kernel(rows, "pw_slot_combine"), rows.device, (tokens, -(-cols // (8 * threads))), (threads,),
+                  (kc.ptr(rows), kc.ptr(w), kc.i32(k), kc.i32(cols), kc.ptr(out)))
+    return out

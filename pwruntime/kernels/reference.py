@@ -164,6 +164,18 @@ def row_norms_ref(x: torch.Tensor) -> torch.Tensor:
     return x.float().norm(dim=-1)
 
 
+def slot_combine_ref(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * rows[t * k + j] for each token t: rows [T * k, H] in slot order, weights [T, k] ->
+    [T, H] in the rows' dtype, accumulated in float32 slot by slot (no float32 copy of the rows)."""
+    tokens, k = weights.shape
+    by_slot = rows.view(tokens, k, -1)
+    w = weights.float()
+    out = torch.zeros(tokens, by_slot.shape[2], dtype=torch.float32, device=rows.device)
+    for j in range(k):
+        out.addcmul_(by_slot[:, j], w[:, j, None])
+    return out.to(rows.dtype)
+
+
 def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
     return gated(h, "silu")

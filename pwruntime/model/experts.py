@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from policies.page_table import block_index
+from pwruntime.kernels.layer_ops import row_norms, slot_combine
 from pwruntime.kernels.reference import gated
 
 KINDS = ("gate_up", "down")
@@ -102,20 +103,16 @@ class _Dispatch:
             slots = torch.where(keep, slots, torch.arange(n, 2 * n, device=slots.device))
         self.outputs[slots] = y
         if self.norms is not None:
-            self.norms[slots] = act.float().norm(dim=-1)
+            self.norms[slots] = row_norms(act)
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
         """sum over each token's slots of routing weight * expert output, accumulated in float32 slot by slot
-        (deterministic: no atomics, and no float32 copy of the outputs); fills down_in_norm."""
-        tokens, k = topk_weights.shape
-        by_slot = self.outputs[:tokens * k].view(tokens, k, -1)
-        weights = topk_weights.float()
-        out = torch.zeros(tokens, by_slot.shape[2], dtype=torch.float32, device=by_slot.device)
-        for j in range(k):
-            out.addcmul_(by_slot[:, j], weights[:, j, None])
+        (`layer_ops.slot_combine`: deterministic, no atomics, each output row read once on a GPU); fills
+        down_in_norm."""
+        slots = topk_weights.numel()
         if self.norms is not None:
-            down_in_norm.view(-1).copy_(self.norms[:tokens * k])
-        return out.to(self.outputs.dtype)
+            down_in_norm.view(-1).copy_(self.norms[:slots])
+        return slot_combine(self.outputs[:slots], topk_weights)
 
 
 def grouped_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
