@@ -171,10 +171,7 @@ def _prefill_chunk(size: str | None, cuda: bool) -> dict[str, int]:
 
     if size is None:
         return {}
-    try:
-        chunk_bytes = parse_size(size)
-    except UserError as e:
-        raise UserError(f"--prefill-chunk: {e}") from None
+    chunk_bytes = parse_size(size, flag="--prefill-chunk")
     if not cuda:
         raise UserError("--prefill-chunk sizes the CUDA kernels' dequantized experts (elsewhere the pure-torch AP "
                         "store serves them): drop it or add --device cuda")
@@ -229,10 +226,7 @@ def _engine_config(args):
         if args.ap is None:
             raise UserError("--gpu-memory-budget needs --ap DIR (the budget counts the AP experts at the planner's "
                             "bits); for --model's full-precision experts set --num-kv-blocks")
-        try:
-            budget = parse_size(args.gpu_memory_budget)
-        except UserError as e:
-            raise UserError(f"--gpu-memory-budget: {e}") from None
+        budget = parse_size(args.gpu_memory_budget, flag="--gpu-memory-budget")
     reserve = None
     if args.activation_reserve != "auto":
         if args.num_kv_blocks is not None:

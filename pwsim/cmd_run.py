@@ -123,10 +123,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     check_seed(args.seed)
     if args.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
-    try:
-        reserve = parse_size(args.activation_reserve, allow_zero=True)
-    except UserError as err:
-        raise UserError(f"--activation-reserve: {err}") from None
+    reserve = parse_size(args.activation_reserve, allow_zero=True, flag="--activation-reserve")
     check_prefix_flags(args)
     if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
         raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
