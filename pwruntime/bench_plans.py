@@ -28,13 +28,12 @@ from policies.loop import PlanLoop
 from policies.page_table import PageTable
 from policies.planners.base import make_plan
 from pwruntime.device_store import DeviceExpertStore
-from pwruntime.kernels.bench import ARCHS, BITS
+from pwruntime.kernels.bench import BITS
+from pwruntime.kernels.bench import MODEL_SHAPES as SHAPES
 from pwruntime.page_mover import CudaPageMover
 from pwruntime.quant.dummy import random_layers
 from traces.clikit import pyplot, write_png
 
-SHAPES: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, k
-    "demo": (256, 128, 16, 4), **ARCHS, "gemma-4-26b-a4b": (2816, 704, 128, 8)}
 PHASES = ("begin_offload", "land_offload", "begin_reload", "land_reload")
 
 

@@ -2,7 +2,10 @@
 
 Each case is one MoE layer of random AP experts (all planes resident, every block at `bits`) and T prompt
 tokens routed uniformly at random to the model's top-k, in the activation dtype asked (bf16 by default, what
-the runtime serves on CUDA). Four paths compute the same layer:
+the runtime serves on CUDA), at a shape of `kernels.bench.MODEL_SHAPES` with its experts' gate activation.
+The dequantize paths hold at most `chunk_bytes` of dequantized experts at once (the runtime's
+`--prefill-chunk`; `chunks` is how many pieces `grouped_mm_moe` takes the experts in). Four paths compute the
+same layer:
 - `fused`: the fused AP kernel, a launch set per 64 tokens (`fused_moe`), reading the planes at every launch;
 - `padded`: `padded_moe`, the active experts dequantized and in groups of similar row counts, each group two
   batched GEMMs;
@@ -27,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from pwruntime.device_store import FUSED_MAX_TOKENS, dequantize_experts, grouped_mm_prefill, prefill_group_limits
-from pwruntime.kernels.bench import ARCHS, APLayers, BenchConfig, random_routing
+from pwruntime.device_store import (DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS, dequantize_experts,
+                                    grouped_mm_prefill, prefill_group_limits)
+from pwruntime.kernels.bench import GATE_ACTIVATIONS, MODEL_SHAPES, APLayers, BenchConfig, random_routing
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
@@ -53,7 +57,8 @@ def _per_expert(table, shape: MoEShape, x: torch.Tensor, ids: torch.Tensor, w: t
     active = sorted(set(ids.reshape(-1).tolist()))
     gate_up, down = dequantize_experts(table, shape, 0, active, x.dtype)
     slot = {e: j for j, e in enumerate(active)}
-    return grouped_moe(x, ids, w, shape.num_experts, lambda e, rows: expert_mlp(rows, gate_up[slot[e]], down[slot[e]]))
+    return grouped_moe(x, ids, w, shape.num_experts,
+                       lambda e, rows: expert_mlp(rows, gate_up[slot[e]], down[slot[e]], act=shape.activation))
 
 
 def dequant_bytes(shape: MoEShape, experts: int, bits: int, elem_bytes: int) -> int:
@@ -75,10 +80,11 @@ def runtime_path(x: torch.Tensor, shape: MoEShape) -> str:
     return "grouped" if grouped_mm_prefill(x, shape) else "padded"
 
 
-def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16,
+                   chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> list[dict]:
     """One row per prompt size in cfg.tokens for model shape `name` (see the module docstring)."""
-    h, inter, experts, k = ARCHS[name]
-    shape = MoEShape(experts, h, inter, k)
+    h, inter, experts, k = MODEL_SHAPES[name]
+    shape = MoEShape(experts, h, inter, k, GATE_ACTIVATIONS.get(name, "silu"))
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     ap = APLayers(shape, 1, gen)
     ap.set_bits(lambda layer, e, kind: bits)
@@ -86,12 +92,14 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
     for t in cfg.tokens:
         ids, w = random_routing(shape, t, gen)
         x = torch.randn(t, h, device="cuda", generator=gen).to(dtype)
-        max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size())
+        max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
         weights_of = lambda group: dequantize_experts(ap.table, shape, 0, group, dtype)  # noqa: E731
-        paths = {"padded": lambda: padded_moe(x, ids, w, experts, weights_of, max_experts, max_pad_rows),
+        paths = {"padded": lambda: padded_moe(x, ids, w, experts, weights_of, max_experts, max_pad_rows,
+                                              act=shape.activation),
                  "per_expert": lambda: _per_expert(ap.table, shape, x, ids, w)}
         if hasattr(torch, "_grouped_mm"):
-            paths["grouped"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts)
+            paths["grouped"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts,
+                                                      act=shape.activation)
         ws = MoEWorkspace.create(shape, min(t, FUSED_LAUNCH_TOKENS), dtype, x.device)
         paths["fused"] = lambda: fused_moe(ap.table, 0, x, ids, w, shape, ws)
         want = paths["per_expert"]().float()
@@ -99,6 +107,7 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
         counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
         active = [e for e, c in enumerate(counts) if c > 0]
         row = {"model": name, "tokens": t, "bits": bits, "dtype": str(dtype).removeprefix("torch."),
+               "activation": shape.activation, "prefill_chunk_bytes": chunk_bytes, "chunks": -(-experts // max_experts),
                "active_experts": len(active), "padded_groups": len(expert_groups(counts, max_experts, max_pad_rows)),
                "runtime_path": runtime_path(x, shape), "max_rel_diff": diff}
         for p in PATHS:
@@ -117,11 +126,11 @@ def print_table(res: dict) -> None:
 
     print(f"{res['device']}: one prefill MoE layer, wall ms (median of {res['reps']}), experts at {res['bits']} bits, "
           f"{res.get('dtype', 'float16')} activations; * marks the runtime's path")
-    print(f"{'model':<20} {'T':>5} {'active':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'fused':>9} "
+    print(f"{'model':<20} {'T':>5} {'active':>6} {'chunks':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'fused':>9} "
           f"{'speedup':>7} {'dequant':>8} {'GB/s':>6}")
     for r in res["rows"]:
         star = {p: "*" if r.get("runtime_path", "padded") == p else " " for p in PATHS}
-        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r['per_expert_ms']:>10.2f} "
+        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r.get('chunks', '-'):>6} {r['per_expert_ms']:>10.2f} "
               + " ".join(f"{ms(r.get(f'{p}_ms'))}{star[p]}" for p in PATHS[1:])
               + f" {r['speedup']:>7.2f} {r['dequant_ms']:>8.2f} {r['dequant_gbps']:>6.0f}")
 

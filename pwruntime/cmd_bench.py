@@ -55,6 +55,7 @@ from pathlib import Path
 
 from pwruntime import bench_serve
 from traces.clikit import UserError, check_output, check_seed, report_bench
+from traces.sizes import parse_size
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark kernels on the GPU (writes JSON and a hardware profile)",
@@ -70,7 +71,8 @@ def register(subparsers) -> None:
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
-                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans also takes and starts with demo; kv-resize: model "
+                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans and prefill also take demo and gemma-4-26b-a4b, "
+                        "plans all six by default; kv-resize: model "
                         "cards, `pwsim models`, default olmoe-1b-7b-0924; step-inputs: cards, default "
                         "Gemma-4-26B-A4B)")
     p.add_argument("--tokens", default=None,
@@ -81,6 +83,9 @@ def register(subparsers) -> None:
                    help="prefill: every expert block's committed bits; plans: the bits its offloads lower every "
                         "block to (3..7 there), default 4")
     p.add_argument("--layers", type=int, default=None, help="plans: MoE layers of each model shape (default 1)")
+    p.add_argument("--prefill-chunk", default=None, metavar="SIZE",
+                   help="prefill: the dequantized expert weights a layer holds at once, as the runtime's "
+                        "--prefill-chunk (default 1GiB)")
     p.add_argument("--plane-arena", action=argparse.BooleanOptionalAction, default=None,
                    help="plans: the store's planes and LUTs in a plane arena, as the runtime serves AP experts on "
                         "CUDA (default there; --no-plane-arena: torch's allocator, the only choice on the CPU)")
@@ -172,15 +177,17 @@ def _refuse(args, names: tuple[str, ...], target: str, takes: str = "") -> None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench {target}`" + takes)
 
 
-def _config(args, lo: int, hi: int, default_tokens: str):
-    """(BenchConfig, the command that reproduces the run) from the shared options, checked."""
+def _config(args, lo: int, hi: int, default_tokens: str, shapes: tuple[str, ...] | None = None):
+    """(BenchConfig, the command that reproduces the run) from the shared options, checked; --models among
+    `shapes` (default: the kernel bench's ARCHS, also the default models)."""
     import torch
 
     from pwruntime.kernels import bench as kb
+    shapes = shapes or tuple(kb.ARCHS)
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(kb.ARCHS)
-    unknown = [m for m in models if m not in kb.ARCHS]
+    unknown = [m for m in models if m not in shapes]
     if unknown:
-        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.ARCHS)}")
+        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(shapes)}")
     text = args.tokens or default_tokens
     tokens = _int_list("--tokens", text)
     if any(not lo <= t <= hi for t in tokens) or args.reps < 1:
@@ -199,17 +206,23 @@ def _run_prefill(args) -> int:
         raise UserError(f"--bits must lie in 3..8 (the device kernels' range), got {bits}")
     if args.profile_out is not None or args.plot_from is not None:
         raise UserError("--profile-out and --plot-from belong to `pwruntime bench kernels`")
-    cfg, command = _config(args, 65, 8192, "128,256,512")
+    from pwruntime.device_store import DEFAULT_PREFILL_CHUNK_BYTES
+    from pwruntime.kernels.bench import MODEL_SHAPES
+    chunk = parse_size(args.prefill_chunk or DEFAULT_PREFILL_CHUNK_BYTES, flag="--prefill-chunk")
+    cfg, command = _config(args, 65, 8192, "128,256,512", tuple(MODEL_SHAPES))
     command += f" --bits {bits} --dtype {args.dtype or 'bf16'}"
+    if args.prefill_chunk is not None and "--prefill-chunk" not in command:
+        command += f" --prefill-chunk {args.prefill_chunk}"
     import torch
     from tqdm import tqdm
 
     from pwruntime import bench_prefill as bp
     dtype = cfg.act_dtype
     res: dict = {"device": torch.cuda.get_device_name(), "command": command, "torch": torch.__version__,
-                 "bits": bits, "dtype": str(dtype).removeprefix("torch."), "reps": args.reps, "rows": []}
+                 "bits": bits, "dtype": str(dtype).removeprefix("torch."), "prefill_chunk_bytes": chunk,
+                 "reps": args.reps, "rows": []}
     for m in tqdm(cfg.models, desc="bench prefill", file=sys.stderr):
-        res["rows"] += bp.prefill_layers(cfg, m, bits, dtype)
+        res["rows"] += bp.prefill_layers(cfg, m, bits, dtype, chunk)
         torch.cuda.empty_cache()
     return report_bench(res, command, args.out, args.json, bp.print_table, bp.plot)
 
@@ -445,6 +458,9 @@ def run(args) -> int:
         raise UserError("--plan-log belongs to `pwruntime bench plans`")
     if args.bits is not None and args.target not in ("prefill", "plans"):
         raise UserError("--bits belongs to `pwruntime bench prefill` and `bench plans`")
+    if args.prefill_chunk is not None and args.target != "prefill":
+        raise UserError("--prefill-chunk belongs to `pwruntime bench prefill` (a server takes its own: "
+                        "`pwruntime serve --prefill-chunk`)")
     if args.target == "serve":
         return bench_serve.run_cli(args, _command(f"pwruntime bench serve --url {args.url}"))
     for name in bench_serve.SERVE_FLAGS:

@@ -64,6 +64,9 @@ def test_kernel_tables_print_the_same_bytes_dense_gemvs_where_a_run_has_them(cap
     (["--bits", "2"], "--bits must lie in 3..8"),
     (["--models", "gpt-5"], "unknown model shape"),
     (["--profile-out", "p.json"], "belong to `pwruntime bench kernels`"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: size '0' must be positive"),
+    (["--prefill-chunk", "lots"], "--prefill-chunk: cannot read size 'lots'"),
+    (["--models", "demo,gemma-4-26b-a4b,gemma-3"], "unknown model shape(s) ['gemma-3']"),
 ])
 def test_prefill_bench_misuse_is_one_clear_error(tmp_path, capsys, argv, message):
     out = tmp_path / "prefill.json"
@@ -127,6 +130,20 @@ def test_gpu_prefill_bench_paths_agree():
         assert r["runtime_path"] == ("fused" if r["tokens"] <= 128 else "grouped")
         assert r["runtime_ms"] == r[f"{r['runtime_path']}_ms"]
         assert 0 < r["dequant_ms"] < r["padded_ms"] and r["dequant_gbps"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_bench_takes_gemma4_in_one_chunk_or_two():
+    """Gemma 4's 128 experts (1.52 GB in bf16) take two chunks at the default 1 GiB, one at 2 GiB; every path runs
+    the tanh GELU (a path left on SiLU would differ from the per-expert one by far more than bf16 rounding)."""
+    from pwruntime import bench_prefill as bp
+    from pwruntime.kernels.bench import BenchConfig
+
+    cfg = BenchConfig(models=("gemma-4-26b-a4b",), tokens=(256,), reps=1, warmup=0)
+    for chunk, chunks in ((1 << 30, 2), (2 << 30, 1)):
+        (r,) = bp.prefill_layers(cfg, "gemma-4-26b-a4b", 3, chunk_bytes=chunk)
+        assert (r["chunks"], r["prefill_chunk_bytes"], r["activation"]) == (chunks, chunk, "gelu_tanh")
+        assert r["max_rel_diff"] < 2e-2 and r["runtime_path"] == "grouped" and r["active_experts"] > 100
 
 
 def test_prefix_cache_bench_reports_hits_and_equal_outputs(tmp_path, capsys):
@@ -358,6 +375,8 @@ def test_plans_bench_plan_log_misuse_is_one_clear_error(demo_plan_log, capsys, t
     (["decode", "--plan-log", "runs/x"], "--plan-log belongs to `pwruntime bench plans`"),
     (["kernels", "--bits", "5"], "--bits belongs to `pwruntime bench prefill` and `bench plans`"),
     (["serve", "--bits", "5"], "--bits belongs to `pwruntime bench prefill` and `bench plans`"),
+    (["kernels", "--prefill-chunk", "2GiB"], "--prefill-chunk belongs to `pwruntime bench prefill`"),
+    (["serve", "--prefill-chunk", "2GiB"], "--prefill-chunk belongs to `pwruntime bench prefill`"),
     (["plans", "--models", "demo", "--plan-log", "/nonexistent"], "holds no plan log"),
 ])
 def test_plans_and_kv_resize_bench_misuse_is_one_clear_error(capsys, argv, message):

@@ -197,3 +197,13 @@ def test_a_row_with_more_active_experts_than_routed_slots_is_refused():
     assert layer_ms(card, prof, BenchRow("olmoe-1b-7b", 5, 4, 40, 1.0)) > 0
     with pytest.raises(UserError, match="more than"):
         layer_ms(card, prof, BenchRow("olmoe-1b-7b", 5, 4, 60, 1.0))
+
+
+def test_every_shape_the_prefill_bench_takes_prices_as_its_own_card():
+    """`pwruntime bench prefill --models` names shapes (MODEL_SHAPES); `pwsim prefill-fit` prices each row on the card
+    it maps the name to, which must have that shape, or the fit would compare one model against another."""
+    from pwruntime.kernels.bench import MODEL_SHAPES
+    for name, (hidden, intermediate, experts, top_k) in MODEL_SHAPES.items():
+        card = card_for(name)
+        assert (card.hidden, card.expert_intermediate, card.experts, card.top_k) == (hidden, intermediate, experts,
+                                                                                      top_k), name

@@ -27,6 +27,10 @@ ARCHS: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts
     "olmoe-1b-7b": (2048, 1024, 64, 8),
     "qwen3-moe-30b-a3b": (2048, 768, 128, 8),
 }
+# every shape a bench of whole layers takes (plans, prefill): ARCHS, the demo model's and Gemma 4's
+MODEL_SHAPES: dict[str, tuple[int, int, int, int]] = {
+    "demo": (256, 128, 16, 4), **ARCHS, "gemma-4-26b-a4b": (2816, 704, 128, 8)}
+GATE_ACTIVATIONS = {"gemma-4-26b-a4b": "gelu_tanh"}  # the experts' gate activation where it is not SiLU
 BITS = (3, 4, 5, 6, 7, 8)
 FP16_GATHER_LIMIT = 8 << 30  # skip the gathered-bmm baseline when its gathered copy exceeds this
 
