@@ -71,8 +71,8 @@ def register(subparsers) -> None:
                         "serve: a request trace sent to a running server, timed by the client")
     p.add_argument("--models", default=None,
                    help="comma-separated model shapes (default: all of qwen1.5-moe-a2.7b, mixtral-8x7b, "
-                        "olmoe-1b-7b, qwen3-moe-30b-a3b; plans and prefill also take demo and gemma-4-26b-a4b, "
-                        "plans all six by default; kv-resize: model "
+                        "olmoe-1b-7b, qwen3-moe-30b-a3b; also demo and gemma-4-26b-a4b, which plans takes by "
+                        "default too; kv-resize: model "
                         "cards, `pwsim models`, default olmoe-1b-7b-0924; step-inputs: cards, default "
                         "Gemma-4-26B-A4B)")
     p.add_argument("--tokens", default=None,
@@ -177,17 +177,16 @@ def _refuse(args, names: tuple[str, ...], target: str, takes: str = "") -> None:
             raise UserError(f"--{name.replace('_', '-')} does not apply to `pwruntime bench {target}`" + takes)
 
 
-def _config(args, lo: int, hi: int, default_tokens: str, shapes: tuple[str, ...] | None = None):
-    """(BenchConfig, the command that reproduces the run) from the shared options, checked; --models among
-    `shapes` (default: the kernel bench's ARCHS, also the default models)."""
+def _config(args, lo: int, hi: int, default_tokens: str):
+    """(BenchConfig, the command that reproduces the run) from the shared options, checked: --models among
+    MODEL_SHAPES, by default the four of ARCHS."""
     import torch
 
     from pwruntime.kernels import bench as kb
-    shapes = shapes or tuple(kb.ARCHS)
     models = tuple(m.strip() for m in args.models.split(",")) if args.models else tuple(kb.ARCHS)
-    unknown = [m for m in models if m not in shapes]
+    unknown = [m for m in models if m not in kb.MODEL_SHAPES]
     if unknown:
-        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(shapes)}")
+        raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.MODEL_SHAPES)}")
     text = args.tokens or default_tokens
     tokens = _int_list("--tokens", text)
     if any(not lo <= t <= hi for t in tokens) or args.reps < 1:
@@ -207,9 +206,8 @@ def _run_prefill(args) -> int:
     if args.profile_out is not None or args.plot_from is not None:
         raise UserError("--profile-out and --plot-from belong to `pwruntime bench kernels`")
     from pwruntime.device_store import DEFAULT_PREFILL_CHUNK_BYTES
-    from pwruntime.kernels.bench import MODEL_SHAPES
     chunk = parse_size(args.prefill_chunk or DEFAULT_PREFILL_CHUNK_BYTES, flag="--prefill-chunk")
-    cfg, command = _config(args, 65, 8192, "128,256,512", tuple(MODEL_SHAPES))
+    cfg, command = _config(args, 65, 8192, "128,256,512")
     command += f" --bits {bits} --dtype {args.dtype or 'bf16'}"
     if args.prefill_chunk is not None and "--prefill-chunk" not in command:
         command += f" --prefill-chunk {args.prefill_chunk}"

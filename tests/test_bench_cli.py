@@ -31,6 +31,19 @@ def test_plot_from_a_saved_result_writes_a_png(tmp_path, capsys):
     assert str(png) in capsys.readouterr().out
 
 
+def test_the_moe_panel_draws_every_model_of_the_run_in_its_order(tmp_path, monkeypatch):
+    """Gemma 4's rows (and a shape without a label, named as it is) get their bars beside the four models'."""
+    from pwruntime.kernels import plots
+    figures = []
+    monkeypatch.setattr(plots, "write_png", lambda fig, path: figures.append(fig) or path)
+    res = _result()
+    res["moe"] = [{**r, "model": m} for m in ("olmoe-1b-7b", "gemma-4-26b-a4b", "tiny-shape") for r in res["moe"][:4]]
+    plots.plot_bench(res, tmp_path / "bench.png")
+    right = figures[0].axes[1]
+    assert [t.get_text() for t in right.get_xticklabels()] == ["OLMoE", "Gemma 4", "tiny-shape"]
+    assert len(right.patches) == 3 * 2   # a bar a model and token count at 3 bits
+
+
 def test_plot_from_a_wrong_file_is_one_clear_error(tmp_path, capsys):
     src = tmp_path / "bench.json"
     src.write_text(json.dumps({"single_block": [{"tokens": 1}]}))   # rows without their fields
@@ -130,6 +143,22 @@ def test_gpu_prefill_bench_paths_agree():
         assert r["runtime_path"] == ("fused" if r["tokens"] <= 128 else "grouped")
         assert r["runtime_ms"] == r[f"{r['runtime_path']}_ms"]
         assert 0 < r["dequant_ms"] < r["padded_ms"] and r["dequant_gbps"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_bench_times_gemma4_layers():
+    """bench kernels' MoE layers at Gemma 4's shape (tanh GELU experts): a row per width asked and mixed, each with
+    the bytes its active experts' planes and LUTs hold at those bits."""
+    from pwruntime.kernels.bench import BenchConfig, moe_layers
+
+    cfg = BenchConfig(models=("gemma-4-26b-a4b",), tokens=(1, 4), reps=2, warmup=1, dtype="bf16")
+    rows = moe_layers(cfg, "gemma-4-26b-a4b", bits=(3, 8), baselines=False)
+    assert [(r["bits"], r["tokens"]) for r in rows] == [(b, t) for b in (3, 8, "mixed") for t in (1, 4)]
+    by = {(r["bits"], r["tokens"]): r for r in rows}
+    for t, active in ((1, 8), (4, None)):
+        assert active is None or by[(3, t)]["active_experts"] == active
+        assert by[(3, t)]["ap_bytes"] < by[("mixed", t)]["ap_bytes"] < by[(8, t)]["ap_bytes"]
+        assert all(by[(b, t)]["ap_us"] > 0 for b in (3, 8, "mixed"))
 
 
 @pytest.mark.gpu

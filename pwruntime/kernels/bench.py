@@ -19,6 +19,7 @@ from policies.apformat import ap_block_bytes, fp16_bytes
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.device_table import DeviceWeightTable, device_layout
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, ap_linear, fused_moe
+from pwruntime.kernels.reference import gated
 from pwruntime.quant.dummy import random_luts, random_planes
 
 ARCHS: dict[str, tuple[int, int, int, int]] = {  # hidden, intermediate, experts, top-k
@@ -238,8 +239,7 @@ def _fp16_paths(shape: MoEShape, x, ids, w, wgu, wd):
 
     def gathered():
         xg = x.repeat_interleave(k, dim=0).unsqueeze(-1)
-        h = torch.bmm(wgu[flat], xg).squeeze(-1)
-        a = (F.silu(h[:, :inter]) * h[:, inter:]).unsqueeze(-1)
+        a = gated(torch.bmm(wgu[flat], xg).squeeze(-1), shape.activation).unsqueeze(-1)
         y = torch.bmm(wd[flat], a).squeeze(-1).view(tokens, k, -1)
         return (y.float() * w.unsqueeze(-1)).sum(1).to(x.dtype)
 
@@ -251,8 +251,7 @@ def _fp16_paths(shape: MoEShape, x, ids, w, wgu, wd):
     def loop():
         out = torch.zeros(tokens, shape.hidden, device=x.device, dtype=torch.float32)
         for e, tok, wt in groups:
-            h = x[tok] @ wgu[e].T
-            y = (F.silu(h[:, :inter]) * h[:, inter:]) @ wd[e].T
+            y = gated(x[tok] @ wgu[e].T, shape.activation) @ wd[e].T
             out.index_add_(0, tok, y.float() * wt)
         return out.to(x.dtype)
 
@@ -281,8 +280,8 @@ def same_bytes_dense_us(cfg: BenchConfig, tokens: int, launches: list[tuple[int,
 
 def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None,
                bits: tuple[int, ...] = BITS, baselines: bool = True) -> list[dict]:
-    h, i, e, k = ARCHS[name]
-    shape = MoEShape(e, h, i, k)
+    h, i, e, k = MODEL_SHAPES[name]
+    shape = MoEShape(e, h, i, k, GATE_ACTIVATIONS.get(name, "silu"))
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     layers = _layers_for(shape)
     ap = APLayers(shape, layers, gen)

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from traces.clikit import pyplot, write_png
 
-MODEL_LABELS = {"qwen1.5-moe-a2.7b": "Qwen1.5-MoE", "mixtral-8x7b": "Mixtral", "olmoe-1b-7b": "OLMoE",
-                "qwen3-moe-30b-a3b": "Qwen3-MoE"}
+MODEL_LABELS = {"demo": "demo", "qwen1.5-moe-a2.7b": "Qwen1.5-MoE", "mixtral-8x7b": "Mixtral",
+                "olmoe-1b-7b": "OLMoE", "qwen3-moe-30b-a3b": "Qwen3-MoE", "gemma-4-26b-a4b": "Gemma 4"}
 
 
 def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
@@ -37,7 +37,7 @@ def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
     left.legend(fontsize=8)
 
     moe = [r for r in res.get("moe", []) if r["bits"] == moe_bits]
-    models = [m for m in MODEL_LABELS if any(r["model"] == m for r in moe)]
+    models = list(dict.fromkeys(r["model"] for r in moe))   # in the run's order
     tokens = sorted({r["tokens"] for r in moe})
     width = 0.8 / max(1, len(tokens))
     for j, t in enumerate(tokens):
@@ -51,7 +51,7 @@ def plot_bench(res: dict, path: Path, moe_bits: int = 3) -> Path:
                        label="torch fp16 over the same bytes" if j == 0 else None)
     right.axhline(1.5, color="r", ls="--", lw=1, label="target 1.5x")
     right.set_xticks([i + width * (len(tokens) - 1) / 2 for i in range(len(models))])
-    right.set_xticklabels([MODEL_LABELS[m] for m in models])
+    right.set_xticklabels([MODEL_LABELS.get(m, m) for m in models])
     right.set_ylabel("measured / roofline")
     right.set_title(f"one MoE layer at {moe_bits} bits")
     right.set_ylim(0, right.get_ylim()[1] * 1.3)   # room for the legend above the bars
