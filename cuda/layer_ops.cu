@@ -38,10 +38,12 @@ __device__ __forceinline__ float block_sum(float v) {
 }
 
 // out = weight * rms_norm(s), s = x + delta (or x when delta is null), s also stored to sum_out: torch's
-// `s = x + delta; weight * F.rms_norm(s.float(), eps).to(dtype)`. One CTA a row.
+// `s = x + delta; weight * F.rms_norm(s.float(), eps).to(dtype)`; with float_weight (Gemma 4's order) the weight
+// multiplies in float32 before the one rounding, `F.rms_norm(s.float(), weight=weight.float(), eps).to(dtype)`, and
+// may be null (no weight). One CTA a row.
 extern "C" __global__ void __launch_bounds__(256) pw_add_rms_norm(
     const u16* __restrict__ x, ll x_row, const u16* __restrict__ delta, ll delta_row, u16* __restrict__ sum_out,
-    const u16* __restrict__ weight, u16* __restrict__ out, int cols, float eps) {
+    const u16* __restrict__ weight, u16* __restrict__ out, int cols, float eps, int float_weight) {
     const ll r = blockIdx.x;
     const u16* xr = x + r * x_row;
     const u16* dr = delta ? delta + r * delta_row : nullptr;
@@ -57,7 +59,10 @@ extern "C" __global__ void __launch_bounds__(256) pw_add_rms_norm(
     const float inv = rsqrtf(block_sum(ss) / (float)cols + eps);
     for (int c = threadIdx.x; c < cols; c += blockDim.x) {
         const float s = dr ? rnd(ld(xr + c) + ld(dr + c)) : ld(xr + c);
-        out[r * cols + c] = st(ld(weight + c) * rnd(s * inv));
+        if (float_weight)
+            out[r * cols + c] = st(weight ? s * inv * ld(weight + c) : s * inv);
+        else
+            out[r * cols + c] = st(ld(weight + c) * rnd(s * inv));
     }
 }
 

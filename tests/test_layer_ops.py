@@ -29,6 +29,25 @@ def test_add_rms_norm_adds_then_normalizes():
     assert outb.dtype == torch.bfloat16 and torch.equal(outb, wb * normed)
 
 
+def test_gemma_rms_norm_weights_in_float32_before_the_one_rounding():
+    """float_weight (Gemma 4's order): round(s / rms(s) * weight) in float32, not weight * round(s / rms(s)); without
+    a weight the normalisation alone. A weightless norm in the other order is refused."""
+    g = torch.Generator().manual_seed(4)
+    x, delta = (torch.randn(6, 80, generator=g).to(torch.bfloat16) for _ in range(2))
+    w = (torch.rand(80, generator=g) * 3 + 0.5).to(torch.bfloat16)
+    s, out = layer_ops.add_rms_norm(x, delta, w, 1e-6, float_weight=True)
+    assert torch.equal(s, x + delta)
+    normed = s.double() / (s.double() ** 2).mean(-1, keepdim=True).add(1e-6).sqrt()
+    want = (normed * w.double()).to(torch.bfloat16)
+    assert (out != want).float().mean() < 0.02 and torch.allclose(out.double(), want.double(), rtol=8e-3, atol=0)
+    assert not torch.equal(out, layer_ops.add_rms_norm(x, delta, w, 1e-6)[1])   # the orders round differently
+    _, bare = layer_ops.add_rms_norm(x, None, None, 1e-6, float_weight=True)
+    torch.testing.assert_close(bare, (x.double() / (x.double() ** 2).mean(-1, keepdim=True).add(1e-6).sqrt())
+                               .to(torch.bfloat16), atol=0, rtol=8e-3)
+    with pytest.raises(ValueError, match="without a weight"):
+        layer_ops.add_rms_norm(x, None, None, 1e-6)
+
+
 def test_rotary_rotates_each_pair_by_its_angle_and_writes_the_cache():
     heads, kv_heads, dim, tokens = 3, 1, 8, 6
     g = torch.Generator().manual_seed(1)

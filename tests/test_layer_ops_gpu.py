@@ -46,6 +46,25 @@ def test_add_rms_norm(dtype, cols):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols, weighted", [(256, True), (512, False), (2816, True), (4096, False)])
+def test_gemma_rms_norm(dtype, cols, weighted):
+    """The float-weight order (Gemma 4's norms: hidden rows, the per-head q/k norms, the weightless v and router
+    norms) against its reference, rows with a stride, with and without the residual add."""
+    wide = _rand(37, cols + 24, dtype=dtype)
+    x = wide[:, 24:]
+    delta = _rand(37, cols, dtype=dtype, seed=1)
+    weight = _rand(cols, dtype=dtype, seed=2) + 1 if weighted else None
+    for d in (delta, None):
+        s, out = layer_ops.add_rms_norm(x, d, weight, 1e-6, float_weight=True)
+        ref_s, ref_out = add_rms_norm_ref(x, d, weight, 1e-6, float_weight=True)
+        assert torch.equal(s, ref_s)
+        _mostly_exact(out, ref_out, ulps=4)
+    if weighted:   # the other order rounds before the weight: a kernel that ignored the mode would match it instead
+        other = add_rms_norm_ref(x, None, weight, 1e-6)[1]
+        assert not torch.equal(layer_ops.add_rms_norm(x, None, weight, 1e-6, float_weight=True)[1], other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_adds_eps_inside_the_root(dtype):
     """eps counts: a large one shrinks every output, and a row that sums to zero comes out zero, not NaN."""
     x, weight = _rand(8, 256, dtype=dtype), _rand(256, dtype=dtype, seed=2)

@@ -48,15 +48,19 @@ def _elementwise_grid(total: int) -> tuple[int]:
     return (max(1, min(-(-total // _ELEMENTWISE_THREADS), 1024)),)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(s, weight * rms_norm(s)) with s = x + delta (s = x when delta is None): the residual add fused into the norm."""
-    if not (_applies(x, weight) and (delta is None or _applies(x, delta))):
-        return add_rms_norm_ref(x, delta, weight, eps)
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
+                 eps: float, float_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, weight * rms_norm(s)) with s = x + delta (s = x when delta is None): the residual add fused into the norm.
+    `float_weight`: Gemma 4's order, the weight (None: none) multiplied in float32 before the cast back."""
+    if weight is None and not float_weight:
+        raise ValueError("an RMSNorm without a weight is Gemma 4's: pass float_weight=True")
+    operands = (x,) + (() if weight is None else (weight,)) + (() if delta is None else (delta,))
+    if not _applies(*operands):
+        return add_rms_norm_ref(x, delta, weight, eps, float_weight)
     if delta is not None and delta.shape != x.shape:
         raise ValueError(f"residual add of {tuple(delta.shape)} to {tuple(x.shape)}")
     cols = x.shape[-1]
-    if weight.shape != (cols,):
+    if weight is not None and weight.shape != (cols,):
         raise ValueError(f"RMSNorm weight {tuple(weight.shape)} for rows of {cols}")
     x2 = _rows(x)
     d2 = None if delta is None else _rows(delta)
@@ -66,7 +70,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         threads = min(256, 32 * -(-cols // 32))
         kc.launch(_kernel(x, "pw_add_rms_norm"), x.device, (x2.shape[0],), (threads,), (
             kc.ptr(x2), kc.i64(x2.stride(0)), kc.ptr(d2), kc.i64(0 if d2 is None else d2.stride(0)),
-            kc.ptr(None if delta is None else s), kc.ptr(weight.contiguous()), kc.ptr(out), kc.i32(cols), kc.f32(eps)))
+            kc.ptr(None if delta is None else s), kc.ptr(None if weight is None else weight.contiguous()), kc.ptr(out),
+            kc.i32(cols), kc.f32(eps), kc.i32(int(float_weight))))
     return s, out
 
 

@@ -135,11 +135,15 @@ def load_pattern_ref(planes) -> int:
 
 
 # ------------------------------------------------ the decoder layer's small ops (cuda/layer_ops.cu)
-def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_ref(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None,
+                     eps: float, float_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, weight * rms_norm(s)) with s = x + delta (x when delta is None): the norm in float32, cast back before the
-    weight (as transformers does)."""
+    weight (as transformers does); with `float_weight` (Gemma 4's RMSNorm) the weight, if any, multiplies in float32
+    and the product is cast back."""
     s = x if delta is None else x + delta
+    if float_weight:
+        w = None if weight is None else weight.float()
+        return s, F.rms_norm(s.float(), (s.shape[-1],), weight=w, eps=eps).to(s.dtype)
     return s, weight * F.rms_norm(s.float(), (s.shape[-1],), eps=eps).to(s.dtype)
 
 
