@@ -1,5 +1,5 @@
 // The decoder layer's small operations, fused: residual add + RMSNorm, rotary embedding + the K/V cache write, the
-// router's softmax + top-k, row L2 norms, SiLU-and-multiply, the shared expert's sigmoid-gated add, and the MoE
+// router's softmax + top-k, row L2 norms, activation-and-multiply, the shared expert's sigmoid-gated add, and the MoE
 // dispatch's weighted sum of each token's expert outputs.
 //
 // Each replaces a run of torch's elementwise and reduction kernels (a decode step of the demo model ran 180
@@ -162,14 +162,17 @@ extern "C" __global__ void __launch_bounds__(128) pw_row_norms(const u16* __rest
     if (lane == 0) out[r] = sqrtf(ss);
 }
 
-// act[r, i] = silu(h[r, i]) * h[r, inter + i]: torch's `F.silu(gate) * up` (the silu rounded, then the product).
-extern "C" __global__ void pw_silu_mul(const u16* __restrict__ h, ll h_row, int inter, ll total,
-                                       u16* __restrict__ act) {
+// act[r, i] = f(h[r, i]) * h[r, inter + i]: torch's `F.silu(gate) * up`, or with gelu `F.gelu(gate, approximate="tanh")
+// * up` (torch's formula: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); f rounded, then the product.
+extern "C" __global__ void pw_act_mul(const u16* __restrict__ h, ll h_row, int inter, ll total, int gelu,
+                                      u16* __restrict__ act) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
     for (ll n = blockIdx.x * (ll)blockDim.x + threadIdx.x; n < total; n += (ll)gridDim.x * blockDim.x) {
         const ll r = n / inter;
         const int i = (int)(n - r * inter);
         const float g = ld(h + r * h_row + i);
-        act[n] = st(rnd(g / (1.f + expf(-g))) * ld(h + r * h_row + inter + i));
+        const float f = gelu ? 0.5f * g * (1.f + tanhf(beta * (g + kappa * (g * g * g)))) : g / (1.f + expf(-g));
+        act[n] = st(rnd(f) * ld(h + r * h_row + inter + i));
     }
 }
 

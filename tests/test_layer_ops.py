@@ -91,7 +91,9 @@ def test_row_norms_into_out_and_the_elementwise_ops():
         layer_ops.row_norms(x, out=torch.empty(4))
     h = torch.tensor([[1.0, -2.0, 3.0, 5.0]])
     sig = lambda t: 1 / (1 + math.exp(-t))
-    torch.testing.assert_close(layer_ops.silu_mul(h), torch.tensor([[1.0 * sig(1.0) * 3.0, -2.0 * sig(-2.0) * 5.0]]))
+    torch.testing.assert_close(layer_ops.act_mul(h), torch.tensor([[1.0 * sig(1.0) * 3.0, -2.0 * sig(-2.0) * 5.0]]))
+    gelu = lambda t: 0.5 * t * (1 + math.tanh(math.sqrt(2 / math.pi) * (t + 0.044715 * t ** 3)))
+    torch.testing.assert_close(layer_ops.act_mul(h, "gelu_tanh"), torch.tensor([[gelu(1.0) * 3.0, gelu(-2.0) * 5.0]]))
     o, s, gate = torch.ones(2, 3), torch.full((2, 3), 2.0), torch.tensor([[0.0], [100.0]])
     torch.testing.assert_close(layer_ops.gated_add(o, gate, s), torch.tensor([[2.0] * 3, [3.0] * 3]))
 

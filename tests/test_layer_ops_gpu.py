@@ -8,7 +8,7 @@ import torch
 from model_fixtures import ARCHS, make_tiny_checkpoint
 from pwruntime.kernels import layer_ops
 from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         silu_mul_ref, slot_combine_ref)
+                                         act_mul_ref, slot_combine_ref)
 from pwruntime.kv_cache import KVCache
 from pwruntime.model import load_model, prefill_metadata
 from pwruntime.model.layers import Rotary
@@ -155,7 +155,10 @@ def test_row_norms_and_elementwise(dtype):
     assert layer_ops.row_norms(x, out=out) is out
     torch.testing.assert_close(out.view(-1), row_norms_ref(x), atol=0, rtol=2e-6)
     h = _rand(19, 2 * 1408 + 16, dtype=dtype)[:, 16:]          # rows with a stride
-    _mostly_exact(layer_ops.silu_mul(h), silu_mul_ref(h), ulps=2)
+    for act in ("silu", "gelu_tanh"):
+        got = layer_ops.act_mul(h, act)
+        _mostly_exact(got, act_mul_ref(h, act), ulps=2)
+    assert not torch.equal(got, act_mul_ref(h, "silu"))   # the mode reaches the kernel
     o, s, gate = _rand(19, 2048, dtype=dtype), _rand(19, 2048, dtype=dtype, seed=1), _rand(19, 1, dtype=dtype, seed=2)
     _mostly_exact(layer_ops.gated_add(o, gate, s), gated_add_ref(o, gate, s), ulps=2)
 

@@ -3,7 +3,7 @@ references (pwruntime.kernels.reference) everywhere else.
 
 Each function is one launch on CUDA where torch runs several: the residual add with the RMSNorm after it, rotary
 embedding of q and k with the K/V cache write, the router's softmax and top-k (and renormalization), the rows' L2 norms
-of the routing records, SiLU-and-multiply, Qwen2-MoE's sigmoid-gated shared-expert add, and the MoE dispatch's
+of the routing records, an activation (SiLU or tanh GELU) and multiply, Qwen2-MoE's sigmoid-gated shared-expert add, and the MoE dispatch's
 weighted sum of each token's expert outputs. The kernels round to the activation dtype wherever the references' torch
 ops do, so the two paths differ only in the order of float32 sums.
 """
@@ -14,7 +14,7 @@ import torch
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import write_kv
 from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         silu_mul_ref, slot_combine_ref)
+                                         act_mul_ref, slot_combine_ref)
 
 ROUTE_MAX_EXPERTS = 256     # 32 lanes x PW_ROUTE_PER_LANE in cuda/layer_ops.cu
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -140,17 +140,21 @@ def row_norms(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return res
 
 
-def silu_mul(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of h = [gate | up] [..., 2I] (the gate_up GEMM's output) -> [..., I]."""
-    if not _applies(h) or h.shape[-1] % 2:
-        return silu_mul_ref(h)
+ACT_MUL = ("silu", "gelu_tanh")   # the activations pw_act_mul computes (keys of reference.ACTIVATIONS)
+
+
+def act_mul(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of h = [gate | up] [..., 2I] (the gate_up GEMM's output) -> [..., I]; act SiLU or tanh GELU."""
+    if not _applies(h) or h.shape[-1] % 2 or act not in ACT_MUL:
+        return act_mul_ref(h, act)
     inter = h.shape[-1] // 2
     h2 = _rows(h)
     act = torch.empty(*h.shape[:-1], inter, dtype=h.dtype, device=h.device)
     total = act.numel()
     if total:
-        kc.launch(_kernel(h, "pw_silu_mul"), h.device, _elementwise_grid(total), (_ELEMENTWISE_THREADS,), (
-            kc.ptr(h2), kc.i64(h2.stride(0)), kc.i32(inter), kc.i64(total), kc.ptr(act)))
+        kc.launch(_kernel(h, "pw_act_mul"), h.device, _elementwise_grid(total), (_ELEMENTWISE_THREADS,), (
+            kc.ptr(h2), kc.i64(h2.stride(0)), kc.i32(inter), kc.i64(total), kc.i32(int(act == "gelu_tanh")),
+            kc.ptr(act)))
     return act
 
 

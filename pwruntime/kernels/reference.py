@@ -180,9 +180,9 @@ def slot_combine_ref(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out.to(rows.dtype)
 
 
-def silu_mul_ref(h: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of h = [gate | up] [..., 2I] -> [..., I]."""
-    return gated(h, "silu")
+def act_mul_ref(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """act(gate) * up of h = [gate | up] [..., 2I] -> [..., I] (layer_ops.act_mul's reference)."""
+    return gated(h, act)
 
 
 def gated_add_ref(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,7 @@ import numpy as np
 import torch
 
 from policies.page_table import block_index
-from pwruntime.kernels.layer_ops import row_norms, slot_combine
-from pwruntime.kernels.reference import gated
+from pwruntime.kernels.layer_ops import act_mul, row_norms, slot_combine
 
 KINDS = ("gate_up", "down")
 
@@ -63,7 +62,7 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         wt = w.transpose(-1, -2)
         return torch.matmul(a, wt) if offs is None else torch._grouped_mm(a, wt, offs=offs)
 
-    a = gated(mm(rows, gate_up), act)
+    a = act_mul(mm(rows, gate_up), act)
     return a, mm(a, down)
 
 

@@ -5,8 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pwruntime.kernels.layer_ops import add_rms_norm, silu_mul
-from pwruntime.kernels.reference import gated
+from pwruntime.kernels.layer_ops import act_mul, add_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -84,4 +83,4 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up(x)
-        return self.down(silu_mul(h) if self.act == "silu" else gated(h, self.act))
+        return self.down(act_mul(h, self.act))
