@@ -126,11 +126,12 @@ def print_table(res: dict) -> None:
 
     print(f"{res['device']}: one prefill MoE layer, wall ms (median of {res['reps']}), experts at {res['bits']} bits, "
           f"{res.get('dtype', 'float16')} activations; * marks the runtime's path")
-    print(f"{'model':<20} {'T':>5} {'active':>6} {'chunks':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} {'fused':>9} "
-          f"{'speedup':>7} {'dequant':>8} {'GB/s':>6}")
+    print(f"{'model':<20} {'T':>5} {'active':>6} {'chunks':>6} {'per expert':>10} {'padded':>9} {'grouped':>9} "
+          f"{'fused':>9} {'speedup':>7} {'dequant':>8} {'GB/s':>6}")
     for r in res["rows"]:
         star = {p: "*" if r.get("runtime_path", "padded") == p else " " for p in PATHS}
-        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r.get('chunks', '-'):>6} {r['per_expert_ms']:>10.2f} "
+        print(f"{r['model']:<20} {r['tokens']:>5} {r['active_experts']:>6} {r.get('chunks', '-'):>6} "
+              f"{r['per_expert_ms']:>10.2f} "
               + " ".join(f"{ms(r.get(f'{p}_ms'))}{star[p]}" for p in PATHS[1:])
               + f" {r['speedup']:>7.2f} {r['dequant_ms']:>8.2f} {r['dequant_gbps']:>6.0f}")
 

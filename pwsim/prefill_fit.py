@@ -33,9 +33,9 @@ from traces.model_card import CardError, ModelSpec, load_card
 # the bundled bench, by path (pwsim does not import pwruntime; an installed package may lack it)
 DEFAULT_BENCH = Path(__file__).resolve().parents[1] / "pwruntime" / "assets" / "prefill_bench.json"
 # `pwruntime bench prefill` names its shapes as pwruntime.kernels.bench.MODEL_SHAPES does; the bundled card of each
-BENCH_CARDS = {"demo": "pagedweight-demo", "qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b", "mixtral-8x7b": "mixtral-8x7b-v0.1",
-               "olmoe-1b-7b": "olmoe-1b-7b-0924", "qwen3-moe-30b-a3b": "qwen3-30b-a3b",
-               "gemma-4-26b-a4b": "gemma-4-26b-a4b"}
+BENCH_CARDS = {"demo": "pagedweight-demo", "qwen1.5-moe-a2.7b": "qwen1.5-moe-a2.7b",
+               "mixtral-8x7b": "mixtral-8x7b-v0.1", "olmoe-1b-7b": "olmoe-1b-7b-0924",
+               "qwen3-moe-30b-a3b": "qwen3-30b-a3b", "gemma-4-26b-a4b": "gemma-4-26b-a4b"}
 ROW_KEYS = ("model", "tokens", "bits", "active_experts", "padded_ms")
 ROUTING = "even: the row's tokens * top_k routed slots split evenly over its active experts, one MoE layer"
 

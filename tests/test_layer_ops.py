@@ -144,3 +144,24 @@ def test_linear_adds_its_bias():
     x, w, b = torch.randn(3, 5, generator=g), torch.randn(6, 5, generator=g), torch.randn(6, generator=g)
     torch.testing.assert_close(Linear(w, b)(x), x @ w.T + b)
     torch.testing.assert_close(Linear(w)(x), x @ w.T)
+
+
+def test_the_norm_and_activation_modes_reach_their_launches(monkeypatch):
+    """The host side of the CUDA path, run on the CPU with the launch captured: Gemma's norm order and a missing weight,
+    and the activation, arrive as the kernels' mode arguments, the output as the kernel's destination."""
+    launches = []
+    monkeypatch.setattr(layer_ops, "_applies", lambda *tensors: True)
+    monkeypatch.setattr(layer_ops, "_kernel", lambda t, func: func)
+    monkeypatch.setattr(layer_ops.kc, "launch", lambda kernel, device, grid, block, args: launches.append((kernel, args)))
+    h = torch.zeros(3, 8, dtype=torch.bfloat16)
+    for act, flag in (("silu", 0), ("gelu_tanh", 1)):
+        out = layer_ops.act_mul(h, act)
+        kernel, args = launches.pop()
+        assert kernel == "pw_act_mul" and int(args[4]) == flag and int(args[5]) == out.data_ptr()
+        assert out.shape == (3, 4) and int(args[3]) == 12 and int(args[2]) == 4
+    x, w = torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
+    for weight, float_weight in ((w, False), (w, True), (None, True)):
+        _, out = layer_ops.add_rms_norm(x, None, weight, 1e-6, float_weight=float_weight)
+        kernel, args = launches.pop()
+        assert kernel == "pw_add_rms_norm" and int(args[-1]) == int(float_weight)
+        assert int(args[5]) == (0 if weight is None else weight.data_ptr()) and int(args[6]) == out.data_ptr()

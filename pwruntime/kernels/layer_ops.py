@@ -3,9 +3,9 @@ references (pwruntime.kernels.reference) everywhere else.
 
 Each function is one launch on CUDA where torch runs several: the residual add with the RMSNorm after it, rotary
 embedding of q and k with the K/V cache write, the router's softmax and top-k (and renormalization), the rows' L2 norms
-of the routing records, an activation (SiLU or tanh GELU) and multiply, Qwen2-MoE's sigmoid-gated shared-expert add, and the MoE dispatch's
-weighted sum of each token's expert outputs. The kernels round to the activation dtype wherever the references' torch
-ops do, so the two paths differ only in the order of float32 sums.
+of the routing records, an activation (SiLU or tanh GELU) and multiply, Qwen2-MoE's sigmoid-gated shared-expert add,
+and the MoE dispatch's weighted sum of each token's expert outputs. The kernels round to the activation dtype
+wherever the references' torch ops do, so the two paths differ only in the order of float32 sums.
 """
 from __future__ import annotations
 
@@ -149,13 +149,13 @@ def act_mul(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
         return act_mul_ref(h, act)
     inter = h.shape[-1] // 2
     h2 = _rows(h)
-    act = torch.empty(*h.shape[:-1], inter, dtype=h.dtype, device=h.device)
-    total = act.numel()
+    out = torch.empty(*h.shape[:-1], inter, dtype=h.dtype, device=h.device)
+    total = out.numel()
     if total:
         kc.launch(_kernel(h, "pw_act_mul"), h.device, _elementwise_grid(total), (_ELEMENTWISE_THREADS,), (
             kc.ptr(h2), kc.i64(h2.stride(0)), kc.i32(inter), kc.i64(total), kc.i32(int(act == "gelu_tanh")),
-            kc.ptr(act)))
-    return act
+            kc.ptr(out)))
+    return out
 
 
 def gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
