@@ -32,7 +32,7 @@ import torch
 
 from pwruntime.device_store import (DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS, dequantize_experts,
                                     grouped_mm_prefill, prefill_group_limits)
-from pwruntime.kernels.bench import GATE_ACTIVATIONS, MODEL_SHAPES, APLayers, BenchConfig, random_routing
+from pwruntime.kernels.bench import APLayers, BenchConfig, model_shape, random_routing
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
@@ -83,8 +83,8 @@ def runtime_path(x: torch.Tensor, shape: MoEShape) -> str:
 def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16,
                    chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> list[dict]:
     """One row per prompt size in cfg.tokens for model shape `name` (see the module docstring)."""
-    h, inter, experts, k = MODEL_SHAPES[name]
-    shape = MoEShape(experts, h, inter, k, GATE_ACTIVATIONS.get(name, "silu"))
+    shape = model_shape(name)
+    h, experts = shape.hidden, shape.num_experts
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     ap = APLayers(shape, 1, gen)
     ap.set_bits(lambda layer, e, kind: bits)

@@ -33,6 +33,12 @@ MODEL_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "demo": (256, 128, 16, 4), **ARCHS, "gemma-4-26b-a4b": (2816, 704, 128, 8)}
 GATE_ACTIVATIONS = {"gemma-4-26b-a4b": "gelu_tanh"}  # the experts' gate activation where it is not SiLU
 BITS = (3, 4, 5, 6, 7, 8)
+
+
+def model_shape(name: str) -> MoEShape:
+    """The MoE layer of bench shape `name` (MODEL_SHAPES), with its experts' gate activation."""
+    h, i, e, k = MODEL_SHAPES[name]
+    return MoEShape(e, h, i, k, GATE_ACTIVATIONS.get(name, "silu"))
 FP16_GATHER_LIMIT = 8 << 30  # skip the gathered-bmm baseline when its gathered copy exceeds this
 
 
@@ -280,8 +286,8 @@ def same_bytes_dense_us(cfg: BenchConfig, tokens: int, launches: list[tuple[int,
 
 def moe_layers(cfg: BenchConfig, name: str, progress: Callable[[str], None] = lambda s: None,
                bits: tuple[int, ...] = BITS, baselines: bool = True) -> list[dict]:
-    h, i, e, k = MODEL_SHAPES[name]
-    shape = MoEShape(e, h, i, k, GATE_ACTIVATIONS.get(name, "silu"))
+    shape = model_shape(name)
+    h, i, e = shape.hidden, shape.intermediate, shape.num_experts
     gen = torch.Generator(device="cuda").manual_seed(cfg.seed)
     layers = _layers_for(shape)
     ap = APLayers(shape, layers, gen)
