@@ -152,7 +152,8 @@ def test_the_norm_and_activation_modes_reach_their_launches(monkeypatch):
     launches = []
     monkeypatch.setattr(layer_ops, "_applies", lambda *tensors: True)
     monkeypatch.setattr(layer_ops, "_kernel", lambda t, func: func)
-    monkeypatch.setattr(layer_ops.kc, "launch", lambda kernel, device, grid, block, args: launches.append((kernel, args)))
+    monkeypatch.setattr(layer_ops.kc, "launch",
+                        lambda kernel, device, grid, block, args: launches.append((kernel, args)))
     h = torch.zeros(3, 8, dtype=torch.bfloat16)
     for act, flag in (("silu", 0), ("gelu_tanh", 1)):
         out = layer_ops.act_mul(h, act)
