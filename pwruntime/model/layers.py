@@ -11,23 +11,7 @@ from pwruntime.kernels.layer_ops import act_mul, add_rms_norm
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in float32 and cast back before the weight (as transformers does); on CUDA one
     kernel, which can also do the residual add before it (`add`)."""
-
-    def __init__(self, weight: torch.Tensor, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_rms_norm(x, None, self.weight, self.eps)[1]
-
-    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm); delta None: (x, norm of x)."""
-        return add_rms_norm(x, delta, self.weight, self.eps)
-
-
-class FloatRMSNorm(nn.Module):
-    """Gemma 4's RMSNorm: x / rms(x) * weight all in float32, then cast back (the weight before the cast, unlike
-    RMSNorm); without a weight, the normalisation alone. Same interface as RMSNorm, the same kernel on CUDA."""
+    float_weight = False   # the weight multiplied in float32 before the cast back (FloatRMSNorm)
 
     def __init__(self, weight: torch.Tensor | None, eps: float):
         super().__init__()
@@ -35,10 +19,17 @@ class FloatRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return add_rms_norm(x, None, self.weight, self.eps, float_weight=True)[1]
+        return self.add(x, None)[1]
 
     def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, delta, self.weight, self.eps, float_weight=True)
+        """(x + delta, its norm); delta None: (x, norm of x)."""
+        return add_rms_norm(x, delta, self.weight, self.eps, self.float_weight)
+
+
+class FloatRMSNorm(RMSNorm):
+    """Gemma 4's RMSNorm: x / rms(x) * weight all in float32, then cast back (the weight before the cast, unlike
+    RMSNorm); without a weight, the normalisation alone. The same kernel on CUDA, in its float-weight mode."""
+    float_weight = True
 
 
 class Rotary(nn.Module):
