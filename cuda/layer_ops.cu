@@ -186,11 +186,13 @@ extern "C" __global__ void pw_gated_add(const u16* __restrict__ out, const u16* 
     }
 }
 
-// out[t] = sum_j w[t, j] * rows[t * k + j] (rows in slot order, w float32 [T, k]), summed in fp32 slot by slot and
-// rounded once: torch's float32 `addcmul_` over the slots, then `.to(dtype)`. 8 columns a thread (cols a multiple
-// of 8, rows 16-byte aligned), so a token's k rows are read once; grid (tokens, column blocks).
+// out[t] = sum_j w[t, j] * rows[r(t * k + j)] (w float32 [T, k]; r the identity, slot order, or with `where` non-null
+// where[s], the row of slot s), summed in fp32 slot by slot and rounded once: torch's float32 `addcmul_` over the
+// slots, then `.to(dtype)`. 8 columns a thread (cols a multiple of 8, rows 16-byte aligned), so a token's k rows are
+// read once; grid (tokens, column blocks).
 extern "C" __global__ void __launch_bounds__(128) pw_slot_combine(const u16* __restrict__ rows,
-                                                                 const float* __restrict__ w, int k, int cols,
+                                                                 const float* __restrict__ w,
+                                                                 const ll* __restrict__ where, int k, int cols,
                                                                  u16* __restrict__ out) {
     const ll t = blockIdx.x;
     const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
@@ -198,7 +200,8 @@ extern "C" __global__ void __launch_bounds__(128) pw_slot_combine(const u16* __r
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int j = 0; j < k; ++j) {
         const float wj = w[t * k + j];
-        const u32x4 v = ldg_nc_v4(rows + (t * k + j) * cols + c);
+        const ll row = where ? where[t * k + j] : t * k + j;
+        const u32x4 v = ldg_nc_v4(rows + row * cols + c);
         const u32 words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
         for (int q = 0; q < 4; ++q) {

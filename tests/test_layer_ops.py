@@ -111,6 +111,13 @@ def test_slot_combine_weights_each_token_s_slots_and_rounds_once():
     assert torch.equal(layer_ops.slot_combine(rows[:k], weights[:1]), got[:1])   # a token sees only its own rows
     with pytest.raises(ValueError, match="14 rows for 5 tokens of 3 slots"):
         layer_ops.slot_combine(rows[:14], weights)
+    # `where`: each slot's row read where it went, here rows shuffled and two spare rows added
+    perm = torch.randperm(tokens * k + 2, generator=g)
+    moved = torch.full((tokens * k + 2, cols), float("nan"), dtype=rows.dtype)
+    moved[perm[:tokens * k]] = rows
+    assert torch.equal(layer_ops.slot_combine(moved, weights, perm[:tokens * k]), got)
+    with pytest.raises(ValueError, match="where must be int64 \\[15\\]"):
+        layer_ops.slot_combine(moved, weights, perm[:tokens * k].int())
 
 
 def test_rotary_linear_factor_divides_positions():

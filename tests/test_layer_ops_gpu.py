@@ -173,6 +173,11 @@ def test_slot_combine(dtype, tokens, k, cols):
     got = layer_ops.slot_combine(rows, weights)
     assert got.shape == (tokens, cols) and got.dtype == dtype
     _mostly_exact(got, slot_combine_ref(rows, weights), ulps=1)
+    # `where`: the slots' rows shuffled among spare NaN rows, each read where it went: the same sums
+    perm = torch.randperm(2 * tokens * k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    moved = torch.full((2 * tokens * k, cols), float("nan"), dtype=dtype, device="cuda")
+    moved[perm[:tokens * k]] = rows
+    assert torch.equal(layer_ops.slot_combine(moved, weights, perm[:tokens * k]), got)
     rows[k:] = float("nan")                           # the first token reads its own k rows and no others
     assert torch.equal(layer_ops.slot_combine(rows, weights)[0], got[0])
 

@@ -172,21 +172,25 @@ def gated_add(out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> to
     return res
 
 
-def slot_combine(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * rows[t * k + j] for each token t: rows [T * k, H] (expert outputs in slot order),
-    weights [T, k] (float32 routing weights) -> [T, H] in the rows' dtype, summed in float32, each token's rows
-    read once (the reference makes k float32 passes over the output)."""
+def slot_combine(rows: torch.Tensor, weights: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * rows[s] over token t's slots s = t * k + j: rows [T * k, H] (expert outputs in slot
+    order) or, with `where` (int64 [T * k], the row of each slot), rows [N, H] in any order, each slot's read at
+    where[s]; weights [T, k] (float32 routing weights) -> [T, H] in the rows' dtype, summed in float32, each
+    token's rows read once (the reference makes k float32 passes over the output)."""
     tokens, k = weights.shape
-    if rows.shape[0] != tokens * k:
+    if where is None and rows.shape[0] != tokens * k:
         raise ValueError(f"{rows.shape[0]} rows for {tokens} tokens of {k} slots")
+    if where is not None and (where.dtype != torch.int64 or where.shape != (tokens * k,)):
+        raise ValueError(f"where must be int64 [{tokens * k}] (a row per slot), got {where.dtype} {list(where.shape)}")
     cols = rows.shape[-1]
     if not (_applies(rows) and weights.is_cuda and rows.is_contiguous() and cols % 8 == 0
             and rows.data_ptr() % 16 == 0):
-        return slot_combine_ref(rows, weights)
+        return slot_combine_ref(rows, weights, where)
     w = weights.to(torch.float32).contiguous()
     out = torch.empty(tokens, cols, dtype=rows.dtype, device=rows.device)
     if tokens and cols:
         threads = min(128, 32 * -(-cols // 256))
         kc.launch(_kernel(rows, "pw_slot_combine"), rows.device, (tokens, -(-cols // (8 * threads))), (threads,),
-                  (kc.ptr(rows), kc.ptr(w), kc.i32(k), kc.i32(cols), kc.ptr(out)))
+                  (kc.ptr(rows), kc.ptr(w), kc.ptr(None if where is None else where.contiguous()), kc.i32(k),
+                   kc.i32(cols), kc.ptr(out)))
     return out

@@ -168,11 +168,12 @@ def row_norms_ref(x: torch.Tensor) -> torch.Tensor:
     return x.float().norm(dim=-1)
 
 
-def slot_combine_ref(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_j weights[t, j] * rows[t * k + j] for each token t: rows [T * k, H] in slot order, weights [T, k] ->
-    [T, H] in the rows' dtype, accumulated in float32 slot by slot (no float32 copy of the rows)."""
+def slot_combine_ref(rows: torch.Tensor, weights: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_j weights[t, j] * rows[s] over token t's slots s = t * k + j (rows [T * k, H] in slot order, or with
+    `where` the row of each slot: rows[where[s]]), weights [T, k] -> [T, H] in the rows' dtype, accumulated in
+    float32 slot by slot (no float32 copy of the rows)."""
     tokens, k = weights.shape
-    by_slot = rows.view(tokens, k, -1)
+    by_slot = (rows if where is None else rows[where]).view(tokens, k, -1)
     w = weights.float()
     out = torch.zeros(tokens, by_slot.shape[2], dtype=torch.float32, device=rows.device)
     for j in range(k):
