@@ -8,6 +8,10 @@ the sum stays in the budget. A step's activations take the budget's `activation_
 by a profiling forward of the largest step, `pwruntime.activation_profile`; the simulator takes what a replay measured,
 `pwsim run --activation-reserve`), kept out of the pool as the slack is, and never lent.
 
+A prefill step's MoE layer dequantizes its experts to 16 bits a chunk at a time, at most `prefill_chunk_bytes` of them
+alive at once (`--prefill-chunk` in both engines, default `DEFAULT_PREFILL_CHUNK_BYTES`): part of the activations,
+and what sets how many chunks a layer takes (`prefill_chunk_experts`), each costing its own launches.
+
 `LUT_ROOMS`: where an offload's lower-bitwidth LUT finds room while the offload is in flight, an engine setting
 (`--lut-room`): "slack", borrowed from the allocator slack (policies.loop), or "pool", the KV pool shrunk over free
 blocks for it and grown again when the offload lands (every runtime and simulation before session 38).
@@ -16,6 +20,14 @@ from __future__ import annotations
 
 MiB = 1 << 20
 LUT_ROOMS = ("slack", "pool")
+DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights a prefill layer holds at once
+
+
+def prefill_chunk_experts(hidden: int, intermediate: int, element_size: int,
+                          chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> int:
+    """Experts of `hidden` x `intermediate` (gate, up and down: 3 * hidden * intermediate elements of `element_size`
+    bytes each) whose dequantized weights fit one prefill chunk of `chunk_bytes`; at least one."""
+    return max(1, chunk_bytes // (3 * hidden * intermediate * element_size))
 
 
 def allocator_slack_bytes(budget_bytes: int) -> int:

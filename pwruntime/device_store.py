@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, prefill_chunk_experts
 from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequant, dequantize_blocks, fused_moe
 from pwruntime.copy_batch import CopyBatch
 from pwruntime.plane_arena import PlaneArena
@@ -57,7 +58,6 @@ from pwruntime.stream_marks import DeferredFree, tensor_bytes
 # tokens and 3-4 bits, 0.53-1.05 at 8 bits; at 192 tokens 8 bits lose and at 256 every width (cuda/NOTES.md, s. 10).
 FUSED_MAX_TOKENS = 2 * MAX_TOKENS
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype, top-k)
-DEFAULT_PREFILL_CHUNK_BYTES = 1 << 30  # dequantized expert weights alive at once in prefill
 # Inside a CUDA-graph capture a MoE of more tokens whose prefill path reads counts back runs the fused kernel a launch
 # per MAX_TOKENS tokens, each reading the experts it routes to again. A mixed step's pieces take such a bucket only
 # while those re-reads stay under this many bytes a layer (about 80 us of the H200's bandwidth, what a layer's eager
@@ -456,8 +456,8 @@ class DeviceExpertStore:
 def prefill_group_limits(shape: MoEShape, element_size: int,
                          chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> tuple[int, int]:
     """(experts, padding rows) a prefill group may hold: `chunk_bytes` of dequantized weights, `PAD_FLOPS`."""
-    per_expert = 3 * shape.hidden * shape.intermediate
-    return max(1, chunk_bytes // (per_expert * element_size)), PAD_FLOPS // (2 * per_expert)
+    experts = prefill_chunk_experts(shape.hidden, shape.intermediate, element_size, chunk_bytes)
+    return experts, PAD_FLOPS // (6 * shape.hidden * shape.intermediate)
 
 
 def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],

@@ -1,11 +1,12 @@
-"""`pwsim prefill-fit`: the cost model's prefill MoE layer against `pwruntime bench prefill`, and its fixed cost.
+"""`pwsim prefill-fit`: the cost model's prefill MoE layer against `pwruntime bench prefill`, and its fixed costs.
 
 For each bench row (one MoE layer on the dequantize path, timed on the runtime's wall clock) it prices
 the same layer with the hardware profile's cost model and fits `prefill_layer_overhead_us`, the fixed
-cost of such a layer (the runtime's host work and launches), as the median gap (pwsim/prefill_fit.py).
-It writes `prefill_fit.json` (rows, ratios modeled / measured before and after the fit, the fitted
-value, inputs) and `prefill_fit.png` (modeled against measured per row, y = x) into --out; with
---fit-profile also the hardware profile with the fitted value, for `pwsim run --hardware JSON`.
+cost of such a layer (the runtime's host work and launches), and `prefill_chunk_overhead_us`, what each
+chunk of experts after the first adds (from rows benched at two `--prefill-chunk` sizes), as median gaps
+(pwsim/prefill_fit.py). It writes `prefill_fit.json` (rows, ratios modeled / measured before and after the
+fit, the fitted values, inputs) and `prefill_fit.png` (modeled against measured per row, y = x) into --out;
+with --fit-profile also the hardware profile with the fitted values, for `pwsim run --hardware JSON`.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from traces.clikit import UserError
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("prefill-fit", help="fit a prefill MoE layer's fixed cost to `pwruntime bench prefill`",
+    p = subparsers.add_parser("prefill-fit", help="fit a prefill MoE layer's fixed costs to `pwruntime bench prefill`",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--bench", default=None, metavar="JSON",
                    help="what `pwruntime bench prefill --out` wrote (default: pwruntime/assets/prefill_bench.json)")
@@ -26,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="runs/prefill-fit", help="directory for prefill_fit.json and prefill_fit.png")
     p.add_argument("--force", action="store_true", help="write into a non-empty --out that holds no prefill_fit.json")
     p.add_argument("--fit-profile", default=None, metavar="JSON",
-                   help="also write the hardware profile with the fitted prefill_layer_overhead_us")
+                   help="also write the hardware profile with the fitted prefill overheads")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -40,11 +41,11 @@ def _shown(path: Path) -> str:
 
 
 def _table(report: dict) -> str:
-    head = (f"{'model':<20} {'T':>5} {'bits':>4} {'active':>6} {'measured':>9} {'modeled':>8} {'ratio':>6} "
-            f"{'fitted':>7} {'ratio':>6}")
+    head = (f"{'model':<20} {'T':>5} {'bits':>4} {'active':>6} {'chunks':>6} {'measured':>9} {'modeled':>8} "
+            f"{'ratio':>6} {'fitted':>7} {'ratio':>6}")
     lines = [head]
     for r in report["rows"]:
-        lines.append(f"{r['model']:<20} {r['tokens']:>5} {r['bits']:>4} {r['active_experts']:>6} "
+        lines.append(f"{r['model']:<20} {r['tokens']:>5} {r['bits']:>4} {r['active_experts']:>6} {r['chunks']:>6} "
                      f"{r['measured_ms']:>9.3f} {r['modeled_ms']:>8.3f} {r['ratio']:>6.2f} {r['fitted_ms']:>7.3f} "
                      f"{r['fitted_ratio']:>6.2f}")
     return "\n".join(lines)
@@ -73,21 +74,27 @@ def run(args) -> int:
     fitted = None
     if args.fit_profile:
         r = report["ratios"]
-        note = (f"prefill_layer_overhead_us fitted by `{command}`: the median over {len(report['rows'])} rows of "
-                f"`{meta.get('command', 'pwruntime bench prefill')}` ({meta.get('device', 'device not recorded')}) "
-                "of the measured minus the modeled wall time of one prefill MoE layer (the runtime's host work and "
-                f"launches for the layer's expert groups); modeled / measured {r['before']['min']:.2f}-"
+        note = (f"prefill_layer_overhead_us and prefill_chunk_overhead_us fitted by `{command}` from "
+                f"{len(report['rows'])} rows of `{meta.get('command', 'pwruntime bench prefill')}` "
+                f"({meta.get('device', 'device not recorded')}, {report['fit']['chunk_pairs']} pairs of rows at two "
+                "chunk sizes): the medians of the measured minus the modeled wall time of one prefill MoE layer (the "
+                "runtime's host work and launches for the layer and for each chunk of experts after its first); "
+                f"modeled / measured {r['before']['min']:.2f}-"
                 f"{r['before']['max']:.2f} before, {r['after']['min']:.2f}-{r['after']['max']:.2f} after.")
         fitted = fitted_profile(profile, report, note)
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
-                                    "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us}
+                                    "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us,
+                                    "prefill_chunk_overhead_us": fitted.prefill_chunk_overhead_us}
     write_report(out, "prefill_fit", report, lambda png: plots.prefill_fit(report, png), fitted, args.fit_profile)
     if args.json:
         print(dumps(report))
         return 0
     value = report["fit"]
     print(_table(report))
-    print(f"prefill_layer_overhead_us {value['previous_us']:.1f} -> {value['prefill_layer_overhead_us']:.1f} us on "
+    pairs = value["chunk_pairs"]
+    print(f"prefill_layer_overhead_us {value['previous_us']:.1f} -> {value['prefill_layer_overhead_us']:.1f} us, "
+          f"prefill_chunk_overhead_us {value['previous_chunk_us']:.1f} -> {value['prefill_chunk_overhead_us']:.1f} us "
+          f"({f'{pairs} pairs of rows at two chunk sizes' if pairs else 'kept: no rows at two chunk sizes'}) on "
           f"{profile.name}; modeled / measured " + ", ".join(
               f"{when}: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f}"
               for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))

@@ -6,7 +6,7 @@ import argparse
 import time
 from pathlib import Path
 
-from policies.memory_budget import LUT_ROOMS
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, LUT_ROOMS
 from policies.plan_log import refusal_line
 from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size, parse_size
@@ -72,6 +72,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="where an offload's lower-bitwidth LUT finds room while the offload is in flight, as the "
                         "runtime's --lut-room: the budget's allocator slack (default), or the KV pool, shrunk over free "
                         "blocks for it (every run before session 38; `--like-replay` of such a replay sets it)")
+    e.add_argument("--prefill-chunk", default=None, metavar="SIZE",
+                   help="the dequantized expert weights a prefill MoE layer holds at once, as the runtime's "
+                        "--prefill-chunk: a layer takes its experts in ceil(experts / those SIZE holds) chunks, each "
+                        "after the first costing the profile's prefill_chunk_overhead_us (default 1GiB, the "
+                        "runtime's; `--like-replay` takes a replay's)")
     e.add_argument("--activation-reserve", default="0B", metavar="SIZE",
                    help="budget memory a step's activations take, kept out of the KV pool as the runtime's "
                         "--activation-reserve (which measures it by a profiling forward; a replay's config.json "
@@ -124,6 +129,8 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     if args.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     reserve = parse_size(args.activation_reserve, allow_zero=True, flag="--activation-reserve")
+    chunk = (DEFAULT_PREFILL_CHUNK_BYTES if args.prefill_chunk is None
+             else parse_size(args.prefill_chunk, flag="--prefill-chunk"))
     check_prefix_flags(args)
     if args.enable_prefix_caching and args.trace == SYNTHETIC and args.token_ids_vocab == 0:
         raise UserError("--enable-prefix-caching needs prompt token ids: with --trace synthetic add --token-ids-vocab V "
@@ -140,7 +147,7 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
                        timeline_stride=args.timeline_stride, prefix_caching=args.enable_prefix_caching,
                        hybrid_kv=args.hybrid_kv_cache, async_scheduling=args.async_scheduling,
                        instant_page_moves=args.instant_page_moves,
-                       lut_room=args.lut_room, activation_reserve_bytes=reserve,
+                       lut_room=args.lut_room, activation_reserve_bytes=reserve, prefill_chunk_bytes=chunk,
                        warmup_requests=args.warmup_requests,
                        time_scale=args.time_scale, request_rate=args.request_rate,
                        request_burstiness=1.0 if args.burstiness is None else args.burstiness,

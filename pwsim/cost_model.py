@@ -13,7 +13,9 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
   GEMM, and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
-  runtime's host work and launches for the layer's expert groups). With `fp16_experts` the experts are
+  runtime's host work and launches for the layer's expert groups) and `prefill_chunk_overhead_us` for each
+  chunk of experts after the first (the runtime takes a layer's experts `prefill_chunk_experts` at a time, as
+  many as `prefill_chunk_bytes` of dequantized weights hold). With `fp16_experts` the experts are
   plain fp16 matrices (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, prefill_chunk_experts
 from traces.hardware import AP_BITS, HardwareProfile
 from traces.model_card import ModelSpec
 
@@ -79,6 +82,12 @@ class CostBreakdown:
         return {**{f.name: getattr(self, f.name) for f in fields(self)}, "total": self.total}
 
 
+def prefill_chunks(card: ModelSpec, chunk_bytes: int) -> int:
+    """The chunks a prefill MoE layer takes its experts in when `chunk_bytes` of them, dequantized to 16 bits, are
+    alive at once (the runtime asks for every expert, `prefill_chunk_experts` at a time)."""
+    return -(-card.experts // prefill_chunk_experts(card.hidden, card.expert_intermediate, FP16, chunk_bytes))
+
+
 def _roof(nbytes, flops, bw: float, rate: float):
     return np.maximum(np.asarray(nbytes, dtype=np.float64) / bw, np.asarray(flops, dtype=np.float64) / rate)
 
@@ -86,7 +95,8 @@ def _roof(nbytes, flops, bw: float, rate: float):
 class CostModel:
     """`iteration_cost` with the constants of one (card, profile) pair precomputed."""
 
-    def __init__(self, card: ModelSpec, profile: HardwareProfile, fp16_experts: bool = False) -> None:
+    def __init__(self, card: ModelSpec, profile: HardwareProfile, fp16_experts: bool = False,
+                 prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> None:
         self.card, self.profile, self.fp16_experts = card, profile, fp16_experts
         c, p = card, profile
         self.rate = p.flops_per_s
@@ -126,7 +136,9 @@ class CostModel:
         self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
         self.token_overhead = p.token_overhead_us * 1e-6
         self.sequence_overhead = p.sequence_overhead_us * 1e-6
-        self.prefill_layer_overhead = p.prefill_layer_overhead_us * 1e-6
+        self.prefill_chunks = prefill_chunks(c, prefill_chunk_bytes)
+        self.prefill_layer_overhead = (p.prefill_layer_overhead_us
+                                       + (self.prefill_chunks - 1) * p.prefill_chunk_overhead_us) * 1e-6
 
     # ------------------------------------------------------------------ parts
     def attention(self, batch: BatchShape) -> float:

@@ -45,7 +45,8 @@ from policies.calibration import Calibration, free_block_threshold
 from policies.contract import Policy, Transition
 from policies.kv_groups import new_pool
 from policies.loop import PlanLoop, room_for
-from policies.memory_budget import allocator_slack_bytes, kv_room_bytes, lut_slack_bytes
+from policies.memory_budget import (DEFAULT_PREFILL_CHUNK_BYTES, allocator_slack_bytes, kv_room_bytes,
+                                    lut_slack_bytes)
 from policies.observe import RoutingStats, build_observation
 from policies.page_table import DEFAULT_BITS
 from policies.planners.base import never_plans, weight_bytes
@@ -94,13 +95,15 @@ class SimConfig:
     async_scheduling: bool = False  # as the runtime's: the next batch is scheduled before this one settles
     instant_page_moves: bool = False  # every page move lands at the boundary that began it, as the CPU runtime's
     lut_room: str = "slack"  # where offloads' lower LUTs find room in flight (policies.memory_budget.LUT_ROOMS)
+    prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES  # as the runtime's --prefill-chunk: the dequantized experts
+    # a prefill layer holds at once, which sets its chunks (the cost model's prefill_chunk_overhead_us each)
     warmup_requests: int = 0  # as `pwruntime replay --warmup-requests`: see `Simulation.run`
     max_concurrency: int | None = None  # as `pwruntime bench serve --max-concurrency`: at most this many requests in
     # flight; one whose arrival finds them all in flight is sent when one ends, its latencies counted from then
 
     def __post_init__(self) -> None:
-        if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1:
-            raise ValueError("budget_bytes, block_size and timeline_stride must be positive")
+        if self.budget_bytes <= 0 or self.block_size <= 0 or self.timeline_stride < 1 or self.prefill_chunk_bytes <= 0:
+            raise ValueError("budget_bytes, block_size, timeline_stride and prefill_chunk_bytes must be positive")
         if self.allocator_slack_bytes is None:
             object.__setattr__(self, "allocator_slack_bytes", allocator_slack_bytes(self.budget_bytes))
         if self.warmup_requests < 0 or self.activation_bytes < 0:
@@ -161,7 +164,8 @@ class Simulation:
         policy.reset(self.table, calibration)
         self.full_precision = bool(getattr(policy, "full_precision", False))
         self._own_bytes = getattr(policy, "weight_bytes", None)
-        self.cost = CostModel(card, profile, fp16_experts=self.full_precision)
+        self.cost = CostModel(card, profile, fp16_experts=self.full_precision,
+                              prefill_chunk_bytes=config.prefill_chunk_bytes)
         self.nonexpert_bytes = card.fp16_bytes() - 2 * card.routed_expert_params()
         layout = card.kv_layout(config.block_size, hybrid=config.hybrid_kv)
         self.kv_block_bytes = layout.page_bytes   # a block of every layer, or with hybrid KV a page of one group

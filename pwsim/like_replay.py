@@ -3,13 +3,13 @@
 A `pwruntime replay --record-routing` result holds the replayed requests and the routing they took (`DIR/trace`) and,
 in `config.json`, the flags it ran with. `apply` sets the `pwsim run` arguments that have a counterpart there: the
 trace and its model card, the memory budget, the policy and its parameters, the calibration, the scheduler limits,
-prefix caching, hybrid KV groups, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for
-a replay older than the flag), what it kept out of its KV pool for a step's activations and for its CUDA graphs and
-buffers (`--activation-reserve`, their sum), the warm-up and the arrival settings, and, from its `summary.json`, whether
-its page moves landed at once (`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the
-simulator adds of its own (the hardware profile, the output) stays as given. A replay whose KV pool was not sized by
-`--gpu-memory-budget` has no budget the simulator could take, and one that recorded no routing no trace of what it
-served: both are refused.
+prefix caching, hybrid KV groups, asynchronous scheduling, where offloads' LUTs found room (`--lut-room`: "pool" for a
+replay older than the flag), the dequantized experts a prefill layer held at once (`--prefill-chunk`), what it kept out
+of its KV pool for a step's activations and for its CUDA graphs and buffers (`--activation-reserve`, their sum), the
+warm-up and the arrival settings, and, from its `summary.json`, whether its page moves landed at once
+(`--instant-page-moves`: the CPU runtime's, which has no copy stream). What the simulator adds of its own (the hardware
+profile, the output) stays as given. A replay whose KV pool was not sized by `--gpu-memory-budget` has no budget the
+simulator could take, and one that recorded no routing no trace of what it served: both are refused.
 """
 from __future__ import annotations
 

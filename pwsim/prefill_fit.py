@@ -7,14 +7,18 @@ several), else `padded_ms`. `layer_ms` prices the same layer with `CostModel.moe
 one layer of the row's model card, the row's `tokens * top_k` routed slots split evenly over its active
 experts (the bench routes uniformly at random, so its counts are near-even; and the dequantize path's
 time depends on the split only through experts between memory- and compute-bound), every block at the
-row's bits, `batch_tokens` = the row's tokens.
+row's bits, `batch_tokens` = the row's tokens, and the row's chunk size (`prefill_chunk_bytes`, the bench's
+`--prefill-chunk`; 1 GiB, the default, in a bench older than the field).
 
-`fit` sets the profile's `prefill_layer_overhead_us` to its current value plus the median over rows of
-(measured - modeled), clipped at 0. The median, not a least-squares line: the model's slope (bytes and
-FLOPs at the profile's measured rates) is already physical, what it lacks is a fixed cost per layer (the
-experts' row counts read back to the host, the group's launches), and the median of the gaps is robust
-to the few rows where the GEMMs' own inefficiency adds to it. Each row has one active layer, so the fit
-is exact for the median row and refitting a fitted profile leaves it unchanged.
+`fit` sets the profile's two fixed costs from the gaps (measured - modeled without them). The medians, not a
+least-squares line: the model's slope (bytes and FLOPs at the profile's measured rates) is already physical, what
+it lacks is a fixed cost per layer (the group's launches and host work) and one per chunk of experts after the
+first, and medians are robust to the few rows where the GEMMs' own inefficiency adds to the gap.
+`prefill_chunk_overhead_us` is the median, over pairs of rows alike but for their chunk size (same model, tokens
+and bits) and so their chunk count, of the gap's difference per chunk, clipped at 0 (the profile's own value
+where the bench has no such pair: one run at one chunk size); `prefill_layer_overhead_us` is then the median over
+rows of the gap less the row's chunks after its first at that cost, clipped at 0. Each row has one active layer,
+so refitting a fitted profile leaves it unchanged.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pwsim.cost_model import CostModel
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES
+from pwsim.cost_model import CostModel, prefill_chunks
 from traces.clikit import UserError
 from traces.hardware import AP_BITS, HardwareProfile
 from traces.model_card import CardError, ModelSpec, load_card
@@ -48,6 +53,7 @@ class BenchRow:
     bits: int
     active_experts: int
     measured_ms: float
+    chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES
 
 
 def _int(v) -> bool:
@@ -67,15 +73,20 @@ def parse_rows(data, source: str) -> list[BenchRow]:
         if missing:
             raise UserError(f"{source}: row {k} lacks {missing}; each row needs {list(ROW_KEYS)}; {fix}")
         ms = r["runtime_ms"] if r.get("runtime_ms") is not None else r["padded_ms"]
+        chunk = r.get("prefill_chunk_bytes", DEFAULT_PREFILL_CHUNK_BYTES)
         ok = (isinstance(r["model"], str) and _int(r["tokens"]) and r["tokens"] > 0 and r["bits"] in AP_BITS
               and _int(r["active_experts"]) and r["active_experts"] > 0 and isinstance(ms, (int, float))
-              and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0)
+              and not isinstance(ms, bool) and math.isfinite(ms) and ms > 0 and _int(chunk) and chunk > 0)
         if not ok:
-            raise UserError(f"{source}: row {k} has a bad value (model a name, tokens and active_experts positive "
-                            f"integers, bits in {list(AP_BITS)}, the time a positive number): "
-                            f"{ {key: r[key] for key in (*ROW_KEYS, 'runtime_ms') if key in r} }")
-        rows.append(BenchRow(r["model"], r["tokens"], r["bits"], r["active_experts"], float(ms)))
+            raise UserError(f"{source}: row {k} has a bad value (model a name, tokens, active_experts and "
+                            f"prefill_chunk_bytes positive integers, bits in {list(AP_BITS)}, the time a positive "
+                            f"number): {_shown_row(r)}")
+        rows.append(BenchRow(r["model"], r["tokens"], r["bits"], r["active_experts"], float(ms), chunk))
     return rows
+
+
+def _shown_row(r: dict) -> dict:
+    return {key: r[key] for key in (*ROW_KEYS, "runtime_ms", "prefill_chunk_bytes") if key in r}
 
 
 def read_bench(path: str | Path) -> tuple[dict, list[BenchRow]]:
@@ -117,7 +128,7 @@ def layer_ms(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> float:
     if row.active_experts > min(card.experts, row.tokens * card.top_k):
         raise UserError(f"bench row {row.model} T={row.tokens} has {row.active_experts} active experts, more than "
                         f"{card.name} can route ({card.experts} experts, top-{card.top_k}); is the model right?")
-    cm = CostModel(card, profile)
+    cm = CostModel(card, profile, prefill_chunk_bytes=row.chunk_bytes)
     tok = np.zeros((cm.L, cm.E), dtype=np.int64)
     tok[0, :row.active_experts] = expert_counts(row.tokens, card.top_k, row.active_experts)
     q = np.full(cm.L * cm.E * 2, row.bits)
@@ -129,8 +140,20 @@ def ratio_summary(ratios) -> dict:
     return {"min": float(r.min()), "median": float(np.median(r)), "max": float(r.max())}
 
 
+def chunk_slopes(rows: list[BenchRow], counts: list[int], gaps: np.ndarray) -> list[float]:
+    """Per pair of rows alike but for their chunk count (same model, tokens and bits), their gaps' difference over
+    their chunk counts' (ms a chunk)."""
+    slopes = []
+    for a in range(len(rows)):
+        for b in range(a + 1, len(rows)):
+            ra, rb = rows[a], rows[b]
+            if (ra.model, ra.tokens, ra.bits) == (rb.model, rb.tokens, rb.bits) and counts[a] != counts[b]:
+                slopes.append(float((gaps[a] - gaps[b]) / (counts[a] - counts[b])))
+    return slopes
+
+
 def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
-    """Per row the modeled and measured ms before and after the fit, the fitted overhead, the ratio summaries.
+    """Per row the modeled and measured ms before and after the fit, the fitted overheads, the ratio summaries.
     Rows of at most `ap_fused_max_tokens` tokens ran the fused kernel, not the dequantize path: they are left out
     (counted as `skipped_fused_rows`)."""
     fused = profile.ap_fused_max_tokens
@@ -140,23 +163,34 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
         raise UserError(f"every bench row takes the fused path (at most {fused} tokens on {profile.name}); prefill-fit "
                         f"fits the dequantize path only: bench prompts of more than {fused} tokens (--tokens)")
     cards = {m: card_for(m) for m in dict.fromkeys(r.model for r in rows)}
-    before = np.array([layer_ms(cards[r.model], profile, r) for r in rows])
+    counts = [prefill_chunks(cards[r.model], r.chunk_bytes) for r in rows]
+    bare = replace(profile, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
     measured = np.array([r.measured_ms for r in rows])
-    fitted_us = max(0.0, profile.prefill_layer_overhead_us + float(np.median(measured - before)) * 1e3)
-    after_profile = replace(profile, prefill_layer_overhead_us=fitted_us)
+    gaps = measured - np.array([layer_ms(cards[r.model], bare, r) for r in rows])
+    slopes = chunk_slopes(rows, counts, gaps)
+    chunk_us = max(0.0, float(np.median(slopes)) * 1e3) if slopes else profile.prefill_chunk_overhead_us
+    layer_us = max(0.0, float(np.median(gaps * 1e3 - (np.array(counts) - 1) * chunk_us)))
+    after_profile = replace(profile, prefill_layer_overhead_us=layer_us, prefill_chunk_overhead_us=chunk_us)
+    before = np.array([layer_ms(cards[r.model], profile, r) for r in rows])
     after = np.array([layer_ms(cards[r.model], after_profile, r) for r in rows])
     table = [{"model": r.model, "card": cards[r.model].name, "tokens": r.tokens, "bits": r.bits,
-              "active_experts": r.active_experts, "measured_ms": r.measured_ms, "modeled_ms": float(b),
-              "ratio": float(b / r.measured_ms), "fitted_ms": float(a), "fitted_ratio": float(a / r.measured_ms)}
-             for r, b, a in zip(rows, before, after)]
+              "active_experts": r.active_experts, "prefill_chunk_bytes": r.chunk_bytes, "chunks": c,
+              "measured_ms": r.measured_ms, "modeled_ms": float(b), "ratio": float(b / r.measured_ms),
+              "fitted_ms": float(a), "fitted_ratio": float(a / r.measured_ms)}
+             for r, c, b, a in zip(rows, counts, before, after)]
     return {"hardware": profile.name, "routing": ROUTING, "rows": table, "skipped_fused_rows": skipped,
-            "fit": {"prefill_layer_overhead_us": fitted_us, "previous_us": profile.prefill_layer_overhead_us,
-                    "method": "previous + median over rows of (measured - modeled), clipped at 0"},
+            "fit": {"prefill_layer_overhead_us": layer_us, "previous_us": profile.prefill_layer_overhead_us,
+                    "prefill_chunk_overhead_us": chunk_us,
+                    "previous_chunk_us": profile.prefill_chunk_overhead_us, "chunk_pairs": len(slopes),
+                    "method": "chunk: median over rows alike but for their chunk count of the gap's difference a "
+                              "chunk (kept where no such pair); layer: median over rows of the gap less the chunks "
+                              "after the first; both clipped at 0 (gap: measured - modeled without either)"},
             "ratios": {"before": ratio_summary(before / measured), "after": ratio_summary(after / measured),
                        "of": "modeled / measured"}}
 
 
 def fitted_profile(profile: HardwareProfile, report: dict, note: str) -> HardwareProfile:
-    """`profile` with the fitted `prefill_layer_overhead_us` and `note` (where it came from) as metadata.prefill_fit."""
+    """`profile` with the fitted prefill overheads and `note` (where it came from) as metadata.prefill_fit."""
     return replace(profile, prefill_layer_overhead_us=report["fit"]["prefill_layer_overhead_us"],
+                   prefill_chunk_overhead_us=report["fit"]["prefill_chunk_overhead_us"],
                    metadata={**profile.metadata, "prefill_fit": note})

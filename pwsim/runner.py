@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
 
-from policies.memory_budget import allocator_slack_bytes
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, allocator_slack_bytes
 from pwsim.defaults import DEFAULT_ROUTING, DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.engine import SimConfig, Simulation
 from pwsim.hardware import format_size, load_profile, parse_size
@@ -73,6 +73,7 @@ class RunConfig:
     async_scheduling: bool = False  # SimConfig.async_scheduling
     instant_page_moves: bool = False  # SimConfig.instant_page_moves
     lut_room: str = "slack"  # SimConfig.lut_room
+    prefill_chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES  # SimConfig.prefill_chunk_bytes
     activation_reserve_bytes: int = 0  # SimConfig.activation_bytes (a replay's measured `activation_reserve`)
     warmup_requests: int = 0  # SimConfig.warmup_requests
     time_scale: float = 1.0  # arrival times multiplied by it, as `pwruntime replay --time-scale` (0.5: twice the rate;
@@ -128,6 +129,7 @@ class RunConfig:
                          prefix_caching=self.prefix_caching, hybrid_kv=self.hybrid_kv,
                          async_scheduling=self.async_scheduling,
                          instant_page_moves=self.instant_page_moves, lut_room=self.lut_room,
+                         prefill_chunk_bytes=self.prefill_chunk_bytes,
                          activation_bytes=self.activation_reserve_bytes,
                          warmup_requests=self.warmup_requests, max_concurrency=self.max_concurrency)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from pwsim.cli import main
-from pwsim.cost_model import BatchShape, CostModel
-from pwsim.prefill_fit import BenchRow, card_for, expert_counts, fit, layer_ms, parse_rows
+from pwsim.cost_model import BatchShape, CostModel, prefill_chunks
+from pwsim.prefill_fit import BenchRow, card_for, expert_counts, fit, fitted_profile, layer_ms, parse_rows
 from traces.hardware import HardwareProfileError, from_json, load_profile
 from traces.model_card import load_card
 
@@ -66,6 +66,59 @@ def test_profile_without_the_field_loads_with_zero_and_a_negative_one_is_rejecte
     assert load_profile(p.save(tmp_path / "p.json")).prefill_layer_overhead_us == 12.5
     with pytest.raises(HardwareProfileError, match="prefill_layer_overhead_us"):
         from_json({**data, "prefill_layer_overhead_us": -1.0})
+    data.pop("prefill_chunk_overhead_us")
+    assert from_json(data).prefill_chunk_overhead_us == 0.0
+    with pytest.raises(HardwareProfileError, match="prefill_chunk_overhead_us"):
+        from_json({**data, "prefill_chunk_overhead_us": -1.0})
+
+
+@pytest.mark.parametrize("card_name,chunk,want", [("Qwen3-30B-A3B", 1 << 30, 2), ("Qwen3-30B-A3B", 2 << 30, 1),
+                                                  ("Mixtral-8x7B-v0.1", 1 << 30, 3), ("Qwen1.5-MoE-A2.7B", 1 << 30, 1),
+                                                  ("Qwen1.5-MoE-A2.7B", 256 << 20, 4)])
+def test_each_chunk_of_experts_after_the_first_pays_the_chunk_overhead(card_name, chunk, want):
+    """A prefill layer takes ceil(experts / those `chunk` bytes of 16-bit weights hold) chunks (Qwen3-MoE: 128
+    experts of 9.4 MB, 114 to a GiB; Mixtral: 8 of 352 MB, 3 to a GiB), each after the first at the profile's
+    prefill_chunk_overhead_us; the fused path pays none."""
+    card = load_card(card_name)
+    prof = replace(load_profile("h200-roofline"), prefill_layer_overhead_us=100.0, prefill_chunk_overhead_us=40.0)
+    assert prefill_chunks(card, chunk) == want
+    q = np.full(card.moe_layers * card.experts * 2, 4)
+    et = _routing(card, 3, 256)
+    plain = CostModel(card, replace(prof, prefill_chunk_overhead_us=0.0), prefill_chunk_bytes=chunk)
+    paid = CostModel(card, prof, prefill_chunk_bytes=chunk)
+    assert paid.moe(q, et, 256) - plain.moe(q, et, 256) == pytest.approx(3 * (want - 1) * 40e-6, abs=1e-12)
+    fused = _routing(card, 3, 16)
+    assert paid.moe(q, fused, prof.ap_fused_max_tokens) == plain.moe(q, fused, prof.ap_fused_max_tokens)
+
+
+def test_pwsim_run_prefill_chunk_reaches_the_cost_model(tmp_path, capsys):
+    """`pwsim run --prefill-chunk`: Qwen1.5-MoE's experts (60 of 17.3 MB) in one chunk at 1 GiB, four at 256 MiB; on
+    a profile whose chunks cost 1 ms each the same prompts take 3 ms a prefill layer longer (24 layers)."""
+    prof = replace(load_profile("h200-measured"), prefill_chunk_overhead_us=1000.0)
+    hw = prof.save(tmp_path / "hw.json")
+    makespan = {}
+    for chunk in ("1GiB", "256MiB"):
+        out = tmp_path / chunk
+        assert main(["run", "--model", "Qwen1.5-MoE-A2.7B", "--calibration", "synthetic", "--trace", "synthetic",
+                     "--quality-fit", "none", "--requests", "1", "--prompt-dist", "fixed:480", "--output-dist",
+                     "fixed:1", "--budget", "20GiB", "--hardware", str(hw), "--prefill-chunk", chunk, "--no-plots",
+                     "--no-progress", "--out", str(out)]) == 0
+        assert f"--prefill-chunk {chunk}" in capsys.readouterr().out   # the command that reproduces it
+        makespan[chunk] = json.loads((out / "summary.json").read_text())["makespan_s"]
+    assert makespan["256MiB"] - makespan["1GiB"] == pytest.approx(24 * 3e-3, rel=1e-6)
+
+
+def test_the_cost_model_chunks_a_layer_as_the_runtime_does():
+    """pwsim's chunk count is the runtime's (`prefill_group_limits`, what `bench prefill` records as `chunks`) for
+    every bench shape and a few chunk sizes."""
+    from pwruntime.device_store import prefill_group_limits
+    from pwruntime.kernels.bench import model_shape
+    from pwsim.prefill_fit import BENCH_CARDS
+    for name in BENCH_CARDS:
+        shape = model_shape(name)
+        for chunk in (64 << 20, 1 << 30, 2 << 30, 8 << 30):
+            runtime = -(-shape.num_experts // prefill_group_limits(shape, 2, chunk)[0])
+            assert prefill_chunks(card_for(name), chunk) == runtime, (name, chunk)
 
 
 def test_expert_counts_split_the_routed_slots_evenly():
@@ -77,6 +130,13 @@ def test_the_measurement_is_the_runtime_path_where_the_bench_times_several():
     row = {"model": "mixtral-8x7b", "tokens": 256, "bits": 4, "active_experts": 8, "padded_ms": 2.5}
     rows = parse_rows({"rows": [row, {**row, "runtime_ms": 2.0}, {**row, "runtime_ms": None}]}, "bench")
     assert [r.measured_ms for r in rows] == [2.5, 2.0, 2.5]
+    # a row's chunk size: as recorded, else the runtime's default (a bench older than the field); never a bad one
+    rows = parse_rows({"rows": [row, {**row, "prefill_chunk_bytes": 2 << 30}]}, "bench")
+    assert [r.chunk_bytes for r in rows] == [1 << 30, 2 << 30]
+    from traces.clikit import UserError
+    for bad in (0, "1GiB", 1.5, True):
+        with pytest.raises(UserError, match="row 0 has a bad value.*prefill_chunk_bytes"):
+            parse_rows({"rows": [{**row, "prefill_chunk_bytes": bad}]}, "bench")
 
 
 def _rows(profile, models=("qwen1.5-moe-a2.7b", "mixtral-8x7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b"),
@@ -113,6 +173,32 @@ def test_fit_recovers_a_known_constant_robustly_and_refits_to_itself():
     with_fused = fit([fused_row, *_rows(zero, extra_ms=gaps)], zero)
     assert with_fused["skipped_fused_rows"] == 1 and len(with_fused["rows"]) == 8
     assert with_fused["fit"] == rep["fit"]
+
+
+def test_fit_takes_the_chunk_cost_from_rows_alike_but_for_their_chunk_size():
+    """Rows of two chunk sizes whose gaps are 0.3 ms a layer and 0.2 ms a chunk after the first (one outlier) give
+    back both costs; rows of one chunk size keep the profile's chunk cost and fit the layer's alone."""
+    base = replace(load_profile("h200-measured"), prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
+    rows = []
+    for m in ("qwen3-moe-30b-a3b", "mixtral-8x7b", "gemma-4-26b-a4b"):
+        card = card_for(m)
+        for t in (256, 1024):
+            for chunk in (256 << 20, 1 << 30, 4 << 30):
+                r = BenchRow(m, t, 3, card.experts, 1.0, chunk)
+                extra = 0.3 + 0.2 * (prefill_chunks(card, chunk) - 1) + (4.0 if (m, t, chunk) == (m, 256, 1 << 30) and
+                                                                          m == "mixtral-8x7b" else 0.0)
+                rows.append(replace(r, measured_ms=layer_ms(card, base, r) + extra))
+    rep = fit(rows, base)
+    assert rep["fit"]["prefill_chunk_overhead_us"] == pytest.approx(200.0, abs=1e-6)
+    assert rep["fit"]["prefill_layer_overhead_us"] == pytest.approx(300.0, abs=1e-6)
+    assert rep["fit"]["chunk_pairs"] == 18 and {r["chunks"] for r in rep["rows"]} >= {1, 2, 3}
+    assert sorted(r["fitted_ratio"] for r in rep["rows"])[-2] == pytest.approx(1.0)   # all but the outlier exact
+    again = fit(rows, fitted_profile(base, rep, "test"))
+    assert again["fit"]["prefill_chunk_overhead_us"] == pytest.approx(200.0, abs=1e-6)
+    assert again["fit"]["prefill_layer_overhead_us"] == pytest.approx(300.0, abs=1e-6)
+    one_size = [r for r in rows if r.chunk_bytes == 1 << 30]
+    kept = fit(one_size, replace(base, prefill_chunk_overhead_us=50.0))["fit"]
+    assert kept["chunk_pairs"] == 0 and kept["prefill_chunk_overhead_us"] == 50.0
 
 
 def _bench(path, rows: list[BenchRow]):

@@ -119,6 +119,8 @@ def test_a_corrupt_calibration_archive_is_a_calibration_error(tmp_path, how):
     (["--max-concurrency", "4,4"], "a list of distinct ones"),
     (["--rate", "nan"], "rate and burstiness must be positive and finite"),
     (["--prompt-dist", "fixed:inf"], "--prompt-dist: length distribution"),
+    (["--prefill-chunk", "0"], "--prefill-chunk: size '0' must be positive"),
+    (["--prefill-chunk", "1x"], "--prefill-chunk: cannot read size '1x'"),
 ])
 def test_run_bad_values(tmp_path, capsys, flags, needle):
     _misuse(capsys, ["run", *SMALL, "--budget", "20GiB", *flags, "--out", tmp_path / "run"], needle)
@@ -212,6 +214,17 @@ def test_like_replay_keeps_out_the_replay_s_activation_and_serving_reserves_toge
                  "--out", str(tmp_path / "run")]) == 0
     assert f"--activation-reserve {kept}" in capsys.readouterr().out
     assert json.loads((tmp_path / "run" / "config.json").read_text())["activation_reserve_bytes"] == kept
+
+
+@pytest.mark.parametrize("recorded, taken", [(2 << 30, 2 << 30), (None, 1 << 30)])
+def test_like_replay_chunks_prefill_experts_as_the_replay_did(tmp_path, capsys, recorded, taken):
+    """The replay's `prefill_chunk_bytes` (None: a store without AP experts) is the simulation's --prefill-chunk,
+    which sets how many chunks the cost model's prefill layers take."""
+    replay = _fake_replay(tmp_path / "replay", prefill_chunk_bytes=recorded)
+    assert main(["run", "--like-replay", str(replay), "--no-plots", "--no-progress",
+                 "--out", str(tmp_path / "run")]) == 0
+    assert (f"--prefill-chunk {recorded}" in capsys.readouterr().out) == (recorded is not None)
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["prefill_chunk_bytes"] == taken
 
 
 def test_run_trace_without_requests(tmp_path, capsys):

@@ -38,6 +38,10 @@ Format (JSON object, `format_version` 1):
                                         dequantize path (above ap_fused_max_tokens): the runtime's host work and
                                         launches for the layer's expert groups; `pwsim prefill-fit --fit-profile`
                                         measures it from `pwruntime bench prefill`
+    prefill_chunk_overhead_us           optional (default 0): what each chunk of dequantized experts after a layer's
+                                        first adds to it (the chunk's launches; a layer takes ceil(experts / those
+                                        a chunk holds), policies.memory_budget.prefill_chunk_experts); fitted
+                                        beside prefill_layer_overhead_us from a bench run at two chunk sizes
     ap_kernel_efficiency                {bits "3".."8": fraction of the moe bandwidth the fused AP kernel
                                         reaches when it reads that many planes}
     ap_fused_max_tokens                 a batch of at most this many tokens runs the fused AP kernel (the
@@ -95,6 +99,7 @@ class HardwareProfile:
     ap_fused_launch_tokens: int = 64
     routing_read_us: float = 0.0
     plan_transition_us: float = 0.0
+    prefill_chunk_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -158,7 +163,7 @@ def validate(p: HardwareProfile) -> None:
               "pcie_d2h_gbps", "ap_fused_max_tokens", "ap_fused_launch_tokens"):
         _positive(f, getattr(p, f))
     for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "sequence_overhead_us",
-              "prefill_layer_overhead_us", "routing_read_us", "plan_transition_us"):
+              "prefill_layer_overhead_us", "prefill_chunk_overhead_us", "routing_read_us", "plan_transition_us"):
         _positive(f, getattr(p, f), allow_zero=True)
     if p.achieved_flops_fraction > 1:
         raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")
