@@ -35,6 +35,7 @@ SETTINGS = (
     ("async_scheduling", "async_scheduling", "--async-scheduling"),
     ("lut_room", "lut_room", "--lut-room"),
     ("activation_reserve", "activation_reserve", "--activation-reserve"),
+    ("prefill_chunk_bytes", "prefill_chunk", "--prefill-chunk"),
     ("warmup_requests", "warmup_requests", "--warmup-requests"),
     ("time_scale", "time_scale", "--time-scale"),
     ("request_rate", "request_rate", "--request-rate"),
