@@ -277,9 +277,11 @@ def prefill_fit(report: dict, path: Path) -> Path:
         ax.scatter(measured[sel], after[sel], s=30, color=color, label=f"{m} (after)")
     lo, hi = min(measured.min(), before.min(), after.min()), max(measured.max(), before.max(), after.max())
     ax.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="y = x")
-    r, us = report["ratios"], report["fit"]["prefill_layer_overhead_us"]
+    r, fitted = report["ratios"], report["fit"]
     ax.set_title(f"prefill MoE layer on {report['hardware']}: modeled / measured median "
-                 f"{r['before']['median']:.2f} -> {r['after']['median']:.2f}\n(fitted {us:.0f} us a layer)", fontsize=9)
+                 f"{r['before']['median']:.2f} -> {r['after']['median']:.2f}\n(fitted "
+                 f"{fitted['prefill_layer_overhead_us']:.0f} us a layer, "
+                 f"{fitted['prefill_chunk_overhead_us']:.0f} us a chunk after its first)", fontsize=9)
     ax.set_xlabel("measured (ms, runtime wall clock)")
     ax.set_ylabel("modeled (ms, cost model)")
     ax.legend(fontsize=7)
