@@ -20,8 +20,10 @@ from traces.clikit import UserError
 def register(subparsers) -> None:
     p = subparsers.add_parser("prefill-fit", help="fit a prefill MoE layer's fixed costs to `pwruntime bench prefill`",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--bench", default=None, metavar="JSON",
-                   help="what `pwruntime bench prefill --out` wrote (default: pwruntime/assets/prefill_bench.json)")
+    p.add_argument("--bench", default=None, action="append", metavar="JSON",
+                   help="what `pwruntime bench prefill --out` wrote (default: pwruntime/assets/prefill_bench.json); "
+                        "again for another run on the same device (runs at two --prefill-chunk sizes fit the chunk "
+                        "cost)")
     p.add_argument("--hardware", default="h200-measured", metavar="NAME_OR_JSON",
                    help="hardware profile to fit (bundled name or JSON path; default h200-measured)")
     p.add_argument("--out", default="runs/prefill-fit", help="directory for prefill_fit.json and prefill_fit.png")
@@ -54,29 +56,30 @@ def _table(report: dict) -> str:
 def run(args) -> int:
     from pwsim import plots
     from pwsim.output import write_report
-    from pwsim.prefill_fit import DEFAULT_BENCH, fit, fitted_profile, read_bench
+    from pwsim.prefill_fit import DEFAULT_BENCH, fit, fitted_profile, read_benches
     from traces.hardware import load_profile
     from traces.results import dumps, prepare_dir
 
     if args.bench is None and not DEFAULT_BENCH.is_file():
         raise UserError(f"the bundled bench {DEFAULT_BENCH} is not here (an installed package leaves it out); pass "
                         "--bench FILE written by `pwruntime bench prefill --out FILE`")
-    bench = Path(args.bench) if args.bench is not None else DEFAULT_BENCH
+    benches = [Path(b) for b in args.bench] if args.bench else [DEFAULT_BENCH]
     out = prepare_dir(args.out, args.force, "pwsim prefill-fit", "prefill_fit.json")
-    meta, rows = read_bench(bench)
+    device, commands, rows = read_benches(benches)
     profile = load_profile(args.hardware)
     report = fit(rows, profile)
-    command = shlex.join(["pwsim", "prefill-fit", "--bench", _shown(bench), "--hardware", args.hardware,
-                          "--out", str(args.out), *(["--fit-profile", args.fit_profile] if args.fit_profile else [])])
-    report["inputs"] = {"bench": _shown(bench), "bench_device": meta.get("device"),
-                        "bench_command": meta.get("command"), "hardware": args.hardware}
+    command = shlex.join(["pwsim", "prefill-fit", *(a for b in benches for a in ("--bench", _shown(b))),
+                          "--hardware", args.hardware, "--out", str(args.out),
+                          *(["--fit-profile", args.fit_profile] if args.fit_profile else [])])
+    report["inputs"] = {"bench": [_shown(b) for b in benches], "bench_device": device, "bench_command": commands,
+                        "hardware": args.hardware}
     report["command"] = command
     fitted = None
     if args.fit_profile:
         r = report["ratios"]
         note = (f"prefill_layer_overhead_us and prefill_chunk_overhead_us fitted by `{command}` from "
-                f"{len(report['rows'])} rows of `{meta.get('command', 'pwruntime bench prefill')}` "
-                f"({meta.get('device', 'device not recorded')}, {report['fit']['chunk_pairs']} pairs of rows at two "
+                f"{len(report['rows'])} rows of {' and '.join(f'`{c}`' for c in commands)} "
+                f"({device or 'device not recorded'}, {report['fit']['chunk_pairs']} pairs of rows at two "
                 "chunk sizes): the medians of the measured minus the modeled wall time of one prefill MoE layer (the "
                 "runtime's host work and launches for the layer and for each chunk of experts after its first); "
                 f"modeled / measured {r['before']['min']:.2f}-"

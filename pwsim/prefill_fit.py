@@ -104,6 +104,22 @@ def read_bench(path: str | Path) -> tuple[dict, list[BenchRow]]:
     return {k: v for k, v in data.items() if k != "rows"}, rows
 
 
+def read_benches(paths: list[Path]) -> tuple[str | None, list[str], list[BenchRow]]:
+    """(the device, each bench's command, every row) of `pwruntime bench prefill` JSON files of one device; a
+    UserError where two name different devices (one fit is one device's)."""
+    metas, rows = [], []
+    for p in paths:
+        meta, some = read_bench(p)
+        metas.append(meta)
+        rows += some
+    devices = sorted({m["device"] for m in metas if m.get("device")})
+    if len(devices) > 1:
+        raise UserError(f"the benches ran on different devices ({', '.join(devices)}); fit one device's benches at a "
+                        "time")
+    return (devices[0] if devices else None,
+            [m.get("command", "pwruntime bench prefill") for m in metas], rows)
+
+
 def card_for(model: str) -> ModelSpec:
     """The model card of a bench model name (BENCH_CARDS, else a card of that name)."""
     try:

@@ -201,10 +201,10 @@ def test_fit_takes_the_chunk_cost_from_rows_alike_but_for_their_chunk_size():
     assert kept["chunk_pairs"] == 0 and kept["prefill_chunk_overhead_us"] == 50.0
 
 
-def _bench(path, rows: list[BenchRow]):
-    data = {"device": "test", "command": "synthetic", "rows": [
+def _bench(path, rows: list[BenchRow], device: str = "test"):
+    data = {"device": device, "command": f"synthetic {path.name}", "rows": [
         {"model": r.model, "tokens": r.tokens, "bits": r.bits, "active_experts": r.active_experts,
-         "padded_groups": 1, "padded_ms": r.measured_ms} for r in rows]}
+         "padded_groups": 1, "padded_ms": r.measured_ms, "prefill_chunk_bytes": r.chunk_bytes} for r in rows]}
     path.write_text(json.dumps(data))
     return path
 
@@ -225,6 +225,31 @@ def test_cli_writes_the_report_the_plot_and_the_fitted_profile(tmp_path, capsys)
     assert replace(p, prefill_layer_overhead_us=0.0, metadata=prof.metadata) == prof  # nothing else moved
     assert main(["prefill-fit", "--bench", str(bench), "--hardware", "h200-roofline", "--out", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["fit"] == report["fit"]
+
+
+def test_cli_fits_the_chunk_cost_from_two_benches_of_one_device(tmp_path, capsys):
+    """Two bench runs (one --prefill-chunk each) fit together; benches of two devices are refused."""
+    prof = replace(load_profile("h200-roofline"), prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
+    paths = []
+    for chunk in (256 << 20, 4 << 30):
+        rows = []
+        for m in ("qwen3-moe-30b-a3b", "gemma-4-26b-a4b"):
+            r = BenchRow(m, 512, 3, 128, 1.0, chunk)
+            rows.append(replace(r, measured_ms=layer_ms(card_for(m), prof, r) + 0.4
+                                + 0.1 * (prefill_chunks(card_for(m), chunk) - 1)))
+        paths.append(_bench(tmp_path / f"bench{chunk}.json", rows))
+    out = tmp_path / "out"
+    argv = ["prefill-fit", "--bench", str(paths[0]), "--bench", str(paths[1]), "--hardware", "h200-roofline"]
+    assert main([*argv, "--out", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fit"]["prefill_chunk_overhead_us"] == pytest.approx(100.0) and report["fit"]["chunk_pairs"] == 2
+    assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(400.0)
+    assert report["inputs"]["bench_command"] == [f"synthetic {p.name}" for p in paths]
+    assert report["command"].count("--bench") == 2
+    other = _bench(tmp_path / "other.json", [BenchRow("qwen3-moe-30b-a3b", 512, 3, 128, 1.0)], device="NVIDIA B200")
+    assert main([*argv[:3], "--bench", str(other), "--out", str(tmp_path / "mixed")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "different devices (NVIDIA B200, test)" in err[0] and not (tmp_path / "mixed").exists()
 
 
 def test_bundled_h200_measured_carries_the_fit_of_the_bundled_bench(tmp_path, capsys):
