@@ -12,7 +12,8 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   that each read the planes, at `profile.ap_efficiency(q, tokens)` of the moe bandwidth (measured per
   batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
-  GEMM, and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
+  GEMM, moves the dispatch's activations (`_dispatch_time`: gathered rows, GEMM inputs and outputs, the
+  activation, the combine; the fp16 experts' layers move them too), and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
   runtime's host work and launches for the layer's expert groups) and `prefill_chunk_overhead_us` for each
   chunk of experts after the first (the runtime takes a layer's experts `prefill_chunk_experts` at a time, as
   many as `prefill_chunk_bytes` of dequantized weights hold). With `fp16_experts` the experts are
@@ -168,10 +169,10 @@ class CostModel:
         if not n.size:
             return 0.0
         compute = n * self._flops_time  # [A, 2] seconds of GEMM FLOPs per block
-        if self.fp16_experts:
-            return float(np.maximum(self._fp16_time, compute).sum())
         if batch_tokens is None:
             batch_tokens = int(np.ceil(tok.sum(axis=1).max() / self.card.top_k))
+        if self.fp16_experts:
+            return float(np.maximum(self._fp16_time, compute).sum() + self._dispatch_time(tok, batch_tokens, 1))
         if batch_tokens <= self.fused_max:  # launch sets of at most launch_tokens, each reading the planes
             launches = -(-batch_tokens // self.launch_tokens)
             per = -(-batch_tokens // launches)
@@ -179,7 +180,19 @@ class CostModel:
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
         layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
         return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum()  # write fp16, GEMM
-                     + layers * self.prefill_layer_overhead)
+                     + self._dispatch_time(tok, batch_tokens, self.prefill_chunks) + layers * self.prefill_layer_overhead)
+
+    def _dispatch_time(self, tok: np.ndarray, batch_tokens: int, chunks: int) -> float:
+        """Seconds the dispatch around the experts' GEMMs moves activations (the runtime's `grouped_mm_moe`), at the
+        moe bandwidth: per routed row its input gathered (read, write), the gate/up GEMM's input and output, the
+        activation (read [gate | up], write the product), the down GEMM's input and output and the combine's read;
+        in more than one chunk also each chunk's scatter of its outputs, and each later chunk's rotation of the
+        rows and activation over them all; and each token's output, in layers with a routed row."""
+        h, i = self.card.hidden, self.card.expert_intermediate
+        rows = tok.sum(axis=1).astype(np.float64)
+        per_row = 5 * h + 6 * i + (0 if chunks == 1 else 2 * h * chunks + (chunks - 1) * (2 * h + 3 * i))
+        elements = rows.sum() * per_row + int((rows > 0).sum()) * batch_tokens * h
+        return FP16 * elements / self.bw["moe"]
 
     def _read_times(self, q: np.ndarray, tokens: int) -> np.ndarray:
         """Seconds the AP kernel takes to read each block at its bits (planes + LUT) in a batch of `tokens`,

@@ -108,6 +108,31 @@ def test_pwsim_run_prefill_chunk_reaches_the_cost_model(tmp_path, capsys):
     assert makespan["256MiB"] - makespan["1GiB"] == pytest.approx(24 * 3e-3, rel=1e-6)
 
 
+def test_the_dispatch_moves_each_routed_row_s_activations():
+    """Beside the experts' weights a prefill layer moves its routed rows' activations (gathered inputs, the GEMMs'
+    inputs and outputs, the activation, the combine): 5H + 6I 16-bit elements a row in one chunk, plus each chunk's
+    scatter and each later chunk's rotation and activation pass in more; and each token's output. The fp16 experts
+    pay it too; nothing else about the layer depends on the chunking (h200-measured prices a chunk at 0 us)."""
+    card, prof = load_card("gemma-4-26b-a4b"), load_profile("h200-measured")
+    assert prof.prefill_chunk_overhead_us == 0.0
+    h, i, tokens = card.hidden, card.expert_intermediate, 2048
+    tok = np.zeros((card.moe_layers, card.experts), dtype=np.int64)
+    tok[0] = tokens * card.top_k // card.experts   # 16,384 rows over 128 experts, one layer
+    rows, bw = tokens * card.top_k, prof.bandwidth("moe")
+    one = 2 * (rows * (5 * h + 6 * i) + tokens * h) / bw
+    two = 2 * (rows * (5 * h + 6 * i + 2 * h * 2 + (2 * h + 3 * i)) + tokens * h) / bw
+    whole, halves = CostModel(card, prof, prefill_chunk_bytes=4 << 30), CostModel(card, prof)
+    assert (whole.prefill_chunks, halves.prefill_chunks) == (1, 2)
+    assert whole._dispatch_time(tok, tokens, 1) == pytest.approx(one, rel=1e-12)
+    assert halves._dispatch_time(tok, tokens, 2) == pytest.approx(two, rel=1e-12)
+    q = np.full(card.moe_layers * card.experts * 2, 3)
+    assert halves.moe(q, tok, tokens) - whole.moe(q, tok, tokens) == pytest.approx(two - one, rel=1e-9)
+    fp16 = CostModel(card, prof, fp16_experts=True)
+    bare = sum(max(2 * n / bw, 2 * (tokens * card.top_k // card.experts) * n / prof.flops_per_s)
+               for n in (2 * i * h, h * i)) * card.experts
+    assert fp16.moe(q, tok, tokens) == pytest.approx(bare + one, rel=1e-9)
+
+
 def test_the_cost_model_chunks_a_layer_as_the_runtime_does():
     """pwsim's chunk count is the runtime's (`prefill_group_limits`, what `bench prefill` records as `chunks`) for
     every bench shape and a few chunk sizes."""
