@@ -208,9 +208,9 @@ def _run_prefill(args) -> int:
     from pwruntime.device_store import DEFAULT_PREFILL_CHUNK_BYTES
     chunk = parse_size(args.prefill_chunk or DEFAULT_PREFILL_CHUNK_BYTES, flag="--prefill-chunk")
     cfg, command = _config(args, 65, 8192, "128,256,512")
-    command += f" --bits {bits} --dtype {args.dtype or 'bf16'}"
-    if args.prefill_chunk is not None and "--prefill-chunk" not in command:
-        command += f" --prefill-chunk {args.prefill_chunk}"
+    for flag, value in (("--bits", bits), ("--dtype", args.dtype or "bf16"), ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and flag not in command.split():   # what it ran with, each flag once
+            command += f" {flag} {value}"
     import torch
     from tqdm import tqdm
 
