@@ -13,8 +13,9 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
   GEMM, moves the dispatch's activations (`_dispatch_time`: gathered rows, GEMM inputs and outputs, the
-  activation, the combine; the fp16 experts' layers move them too), and pays the profile's `prefill_layer_overhead_us` once per layer with an active expert (the
-  runtime's host work and launches for the layer's expert groups) and `prefill_chunk_overhead_us` for each
+  activation, the combine; the fp16 experts' layers move them too), and pays the profile's
+  `prefill_layer_overhead_us` once per layer with an active expert (the runtime's host work and launches
+  for the layer's expert groups) and `prefill_chunk_overhead_us` for each
   chunk of experts after the first (the runtime takes a layer's experts `prefill_chunk_experts` at a time, as
   many as `prefill_chunk_bytes` of dequantized weights hold). With `fp16_experts` the experts are
   plain fp16 matrices (the fp16 baseline).
@@ -180,7 +181,8 @@ class CostModel:
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
         layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
         return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum()  # write fp16, GEMM
-                     + self._dispatch_time(tok, batch_tokens, self.prefill_chunks) + layers * self.prefill_layer_overhead)
+                     + self._dispatch_time(tok, batch_tokens, self.prefill_chunks)
+                     + layers * self.prefill_layer_overhead)
 
     def _dispatch_time(self, tok: np.ndarray, batch_tokens: int, chunks: int) -> float:
         """Seconds the dispatch around the experts' GEMMs moves activations (the runtime's `grouped_mm_moe`), at the
