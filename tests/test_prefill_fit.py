@@ -92,20 +92,23 @@ def test_each_chunk_of_experts_after_the_first_pays_the_chunk_overhead(card_name
 
 
 def test_pwsim_run_prefill_chunk_reaches_the_cost_model(tmp_path, capsys):
-    """`pwsim run --prefill-chunk`: Qwen1.5-MoE's experts (60 of 17.3 MB) in one chunk at 1 GiB, four at 256 MiB; on
-    a profile whose chunks cost 1 ms each the same prompts take 3 ms a prefill layer longer (24 layers)."""
-    prof = replace(load_profile("h200-measured"), prefill_chunk_overhead_us=1000.0)
-    hw = prof.save(tmp_path / "hw.json")
+    """`pwsim run --prefill-chunk`: Qwen1.5-MoE's experts (60 of 17.3 MB) in one chunk at 1 GiB, four at 256 MiB. A
+    profile whose chunks cost 1 ms each makes the same prompt 3 ms a prefill layer longer there (24 layers) than one
+    whose chunks cost nothing, and nothing longer in one chunk; the chunks' extra passes over the rows cost anyway."""
     makespan = {}
-    for chunk in ("1GiB", "256MiB"):
-        out = tmp_path / chunk
-        assert main(["run", "--model", "Qwen1.5-MoE-A2.7B", "--calibration", "synthetic", "--trace", "synthetic",
-                     "--quality-fit", "none", "--requests", "1", "--prompt-dist", "fixed:480", "--output-dist",
-                     "fixed:1", "--budget", "20GiB", "--hardware", str(hw), "--prefill-chunk", chunk, "--no-plots",
-                     "--no-progress", "--out", str(out)]) == 0
-        assert f"--prefill-chunk {chunk}" in capsys.readouterr().out   # the command that reproduces it
-        makespan[chunk] = json.loads((out / "summary.json").read_text())["makespan_s"]
-    assert makespan["256MiB"] - makespan["1GiB"] == pytest.approx(24 * 3e-3, rel=1e-6)
+    for chunk_us in (0.0, 1000.0):
+        prof = replace(load_profile("h200-measured"), prefill_chunk_overhead_us=chunk_us)
+        hw = prof.save(tmp_path / f"hw{chunk_us:.0f}.json")
+        for chunk in ("1GiB", "256MiB"):
+            out = tmp_path / f"{chunk}-{chunk_us:.0f}"
+            assert main(["run", "--model", "Qwen1.5-MoE-A2.7B", "--calibration", "synthetic", "--trace", "synthetic",
+                         "--quality-fit", "none", "--requests", "1", "--prompt-dist", "fixed:480", "--output-dist",
+                         "fixed:1", "--budget", "20GiB", "--hardware", str(hw), "--prefill-chunk", chunk,
+                         "--no-plots", "--no-progress", "--out", str(out)]) == 0
+            assert f"--prefill-chunk {chunk}" in capsys.readouterr().out   # the command that reproduces it
+            makespan[chunk, chunk_us] = json.loads((out / "summary.json").read_text())["makespan_s"]
+    assert makespan["256MiB", 1000.0] - makespan["256MiB", 0.0] == pytest.approx(24 * 3e-3, rel=1e-6)
+    assert makespan["1GiB", 1000.0] == makespan["1GiB", 0.0] < makespan["256MiB", 0.0]
 
 
 def test_the_dispatch_moves_each_routed_row_s_activations():
