@@ -504,3 +504,26 @@ def test_step_inputs_bench_misuse_is_one_clear_error(tmp_path, capsys, argv, mes
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "si.json").exists()
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--models", "demo", "--tokens", "256", "--bits", "3", "--prefill-chunk", "2GiB"],
+     "pwruntime bench prefill --models demo --tokens 256 --bits 3 --prefill-chunk 2GiB --json --out OUT --dtype bf16"),
+    (["--models", "demo", "--tokens", "256"],
+     "pwruntime bench prefill --models demo --tokens 256 --json --out OUT --bits 4 --dtype bf16"),
+])
+def test_bench_prefill_records_the_command_with_each_flag_once(tmp_path, monkeypatch, capsys, argv, want):
+    """The reproduce command is the flags as given plus what the run chose of --bits and --dtype, each once (it once
+    appended `--bits 3 --dtype bf16` to a command that named them); the host side, the layers' timing stubbed."""
+    from pwruntime import bench_prefill
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "test GPU")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_prefill, "prefill_layers", lambda *a: [])
+    monkeypatch.setattr(bench_prefill, "plot", lambda res, path: path)
+    out = tmp_path / "prefill.json"
+    given = ["bench", "prefill", *argv, "--json", "--out", str(out)]
+    monkeypatch.setattr(sys, "argv", ["pwruntime", *given])   # the command as a shell gave it
+    assert main(given) == 0
+    capsys.readouterr()
+    assert json.loads(out.read_text())["command"] == want.replace("OUT", str(out))
