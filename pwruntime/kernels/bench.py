@@ -33,13 +33,13 @@ MODEL_SHAPES: dict[str, tuple[int, int, int, int]] = {
     "demo": (256, 128, 16, 4), **ARCHS, "gemma-4-26b-a4b": (2816, 704, 128, 8)}
 GATE_ACTIVATIONS = {"gemma-4-26b-a4b": "gelu_tanh"}  # the experts' gate activation where it is not SiLU
 BITS = (3, 4, 5, 6, 7, 8)
+FP16_GATHER_LIMIT = 8 << 30  # skip the gathered-bmm baseline when its gathered copy exceeds this
 
 
 def model_shape(name: str) -> MoEShape:
     """The MoE layer of bench shape `name` (MODEL_SHAPES), with its experts' gate activation."""
     h, i, e, k = MODEL_SHAPES[name]
     return MoEShape(e, h, i, k, GATE_ACTIVATIONS.get(name, "silu"))
-FP16_GATHER_LIMIT = 8 << 30  # skip the gathered-bmm baseline when its gathered copy exceeds this
 
 
 @dataclass(frozen=True)
