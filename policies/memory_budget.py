@@ -30,6 +30,12 @@ def prefill_chunk_experts(hidden: int, intermediate: int, element_size: int,
     return max(1, chunk_bytes // (3 * hidden * intermediate * element_size))
 
 
+def prefill_chunks(experts: int, hidden: int, intermediate: int, element_size: int,
+                   chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> int:
+    """The chunks a prefill MoE layer of `experts` experts takes them in, `prefill_chunk_experts` at a time."""
+    return -(-experts // prefill_chunk_experts(hidden, intermediate, element_size, chunk_bytes))
+
+
 def allocator_slack_bytes(budget_bytes: int) -> int:
     """The slack a budget keeps out of the KV pool: 64 MiB, or 1/32 of a budget under 2 GiB."""
     return min(64 * MiB, budget_bytes // 32)

@@ -37,6 +37,7 @@ from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
 from policies.apformat import ap_block_bytes
+from policies.memory_budget import prefill_chunks
 from traces.clikit import pyplot, write_png
 
 
@@ -107,7 +108,7 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
         counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
         active = [e for e, c in enumerate(counts) if c > 0]
         row = {"model": name, "tokens": t, "bits": bits, "dtype": str(dtype).removeprefix("torch."),
-               "activation": shape.activation, "prefill_chunk_bytes": chunk_bytes, "chunks": -(-experts // max_experts),
+               "activation": shape.activation, "prefill_chunk_bytes": chunk_bytes, "chunks": prefill_chunks(experts, h, shape.intermediate, x.element_size(), chunk_bytes),
                "active_experts": len(active), "padded_groups": len(expert_groups(counts, max_experts, max_pad_rows)),
                "runtime_path": runtime_path(x, shape), "max_rel_diff": diff}
         for p in PATHS:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, prefill_chunk_experts
+from policies import memory_budget
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES
 from traces.hardware import AP_BITS, HardwareProfile
 from traces.model_card import ModelSpec
 
@@ -87,7 +88,7 @@ class CostBreakdown:
 def prefill_chunks(card: ModelSpec, chunk_bytes: int) -> int:
     """The chunks a prefill MoE layer takes its experts in when `chunk_bytes` of them, dequantized to 16 bits, are
     alive at once (the runtime asks for every expert, `prefill_chunk_experts` at a time)."""
-    return -(-card.experts // prefill_chunk_experts(card.hidden, card.expert_intermediate, FP16, chunk_bytes))
+    return memory_budget.prefill_chunks(card.experts, card.hidden, card.expert_intermediate, FP16, chunk_bytes)
 
 
 def _roof(nbytes, flops, bw: float, rate: float):
