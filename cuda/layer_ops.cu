@@ -1,6 +1,6 @@
 // The decoder layer's small operations, fused: residual add + RMSNorm, rotary embedding + the K/V cache write, the
-// router's softmax + top-k, row L2 norms, activation-and-multiply, the shared expert's sigmoid-gated add, and the MoE
-// dispatch's weighted sum of each token's expert outputs.
+// router's softmax + top-k, row L2 norms, activation-and-multiply, the shared expert's sigmoid-gated add, the MoE
+// dispatch's weighted sum of each token's expert outputs, and its row moves (a gather and a scatter in one kernel).
 //
 // Each replaces a run of torch's elementwise and reduction kernels (a decode step of the demo model ran 180
 // kernels, most of them these), and each rounds to the activation dtype wherever torch's sequence of ops rounds,
@@ -149,10 +149,11 @@ extern "C" __global__ void __launch_bounds__(128) pw_route_topk(
 }
 
 // out[r] = sqrt(sum_c x[r, c]^2) in fp32 (torch's `x.float().norm(dim=-1)`). A warp a row.
+// `count` (non-null: an int64 on the device) bounds the rows: rows from *count on are left unwritten.
 extern "C" __global__ void __launch_bounds__(128) pw_row_norms(const u16* __restrict__ x, ll row, int rows, int cols,
-                                                              float* __restrict__ out) {
+                                                              const ll* __restrict__ count, float* __restrict__ out) {
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
-    if (r >= rows) return;
+    if (r >= rows || (count && r >= *count)) return;
     float ss = 0.f;
     for (int c = lane; c < cols; c += 32) {
         const float v = ld(x + r * row + c);
@@ -163,10 +164,12 @@ extern "C" __global__ void __launch_bounds__(128) pw_row_norms(const u16* __rest
 }
 
 // act[r, i] = f(h[r, i]) * h[r, inter + i]: torch's `F.silu(gate) * up`, or with gelu `F.gelu(gate, approximate="tanh")
-// * up` (torch's formula: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); f rounded, then the product.
+// * up` (torch's formula: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3)))); f rounded, then the product. With
+// `count` non-null only rows below *count (an int64 on the device).
 extern "C" __global__ void pw_act_mul(const u16* __restrict__ h, ll h_row, int inter, ll total, int gelu,
-                                      u16* __restrict__ act) {
+                                      const ll* __restrict__ count, u16* __restrict__ act) {
     const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    if (count) total = min(total, *count * inter);
     for (ll n = blockIdx.x * (ll)blockDim.x + threadIdx.x; n < total; n += (ll)gridDim.x * blockDim.x) {
         const ll r = n / inter;
         const int i = (int)(n - r * inter);
@@ -211,4 +214,20 @@ extern "C" __global__ void __launch_bounds__(128) pw_slot_combine(const u16* __r
     }
     const auto pair = [&acc](int q) { return (u32)st(acc[2 * q]) | ((u32)st(acc[2 * q + 1]) << 16); };
     *reinterpret_cast<u32x4*>(out + t * cols + c) = u32x4{pair(0), pair(1), pair(2), pair(3)};
+}
+
+// dst[d(p)] = src[s(p)] for the rows p below `rows` and, with `count` non-null, below *count (an int64 on the device):
+// s(p) = src_index[p] and d(p) = dst_index[p], each the identity where its index is null. 8 columns a thread (cols a
+// multiple of 8, both 16-byte aligned and contiguous, not overlapping); grid (rows, column blocks). A gather and a
+// scatter at the bandwidth of a copy (torch's index_put_ of rows runs an element a thread at about a third of it),
+// and a move bounded on the device does no work for the rows past its bound.
+extern "C" __global__ void __launch_bounds__(128) pw_move_rows(const u16* __restrict__ src,
+                                                              const ll* __restrict__ src_index,
+                                                              u16* __restrict__ dst, const ll* __restrict__ dst_index,
+                                                              const ll* __restrict__ count, int cols) {
+    const ll p = blockIdx.x;
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * 8;
+    if (c >= cols || (count && p >= *count)) return;
+    const ll s = src_index ? src_index[p] : p, d = dst_index ? dst_index[p] : p;
+    *reinterpret_cast<u32x4*>(dst + d * cols + c) = ldg_nc_v4(src + s * cols + c);
 }

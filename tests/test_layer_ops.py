@@ -165,11 +165,62 @@ def test_the_norm_and_activation_modes_reach_their_launches(monkeypatch):
     for act, flag in (("silu", 0), ("gelu_tanh", 1)):
         out = layer_ops.act_mul(h, act)
         kernel, args = launches.pop()
-        assert kernel == "pw_act_mul" and int(args[4]) == flag and int(args[5]) == out.data_ptr()
+        assert kernel == "pw_act_mul" and int(args[4]) == flag and int(args[5]) == 0 and int(args[6]) == out.data_ptr()
         assert out.shape == (3, 4) and int(args[3]) == 12 and int(args[2]) == 4
+    count = torch.tensor([2])
+    layer_ops.act_mul(h, "silu", count)
+    layer_ops.row_norms(h, count=count)
+    (_, norms_args), (_, act_args) = launches.pop(), launches.pop()
+    assert int(act_args[5]) == count.data_ptr() and int(norms_args[4]) == count.data_ptr()
+    for bad in (torch.tensor([2], dtype=torch.int32), torch.tensor([1, 2])):
+        with pytest.raises(ValueError, match="count must be one int64 value"):
+            layer_ops.act_mul(h, "silu", bad)
     x, w = torch.zeros(3, 8, dtype=torch.bfloat16), torch.ones(8, dtype=torch.bfloat16)
     for weight, float_weight in ((w, False), (w, True), (None, True)):
         _, out = layer_ops.add_rms_norm(x, None, weight, 1e-6, float_weight=float_weight)
         kernel, args = launches.pop()
         assert kernel == "pw_add_rms_norm" and int(args[-1]) == int(float_weight)
         assert int(args[5]) == (0 if weight is None else weight.data_ptr()) and int(args[6]) == out.data_ptr()
+
+
+def test_move_rows_gathers_scatters_and_stops_at_the_count():
+    """dst[dst_index[p]] = src[src_index[p]] move by move (the reference on the CPU), up to a count that lives in a
+    tensor; rows no move writes keep what they held."""
+    src = torch.arange(6 * 8, dtype=torch.float32).view(6, 8)
+    gather, scatter = torch.tensor([5, 0, 3]), torch.tensor([9, 2, 4, 7, 0, 1])
+    dst = layer_ops.move_rows(src, torch.full((10, 8), -1.0), src_index=gather)
+    assert torch.equal(dst[:3], src[[5, 0, 3]]) and (dst[3:] == -1).all()
+    dst = layer_ops.move_rows(src, torch.full((10, 8), -1.0), dst_index=scatter)
+    assert torch.equal(dst[scatter], src) and (dst[[3, 5, 6, 8]] == -1).all()
+    for count, moved in ((torch.tensor([2]), 2), (torch.tensor(0), 0), (torch.tensor([99]), 3)):
+        dst = layer_ops.move_rows(src, torch.full((10, 8), -1.0), gather, scatter, count)
+        want = torch.full((10, 8), -1.0)
+        for p in range(moved):
+            want[scatter[p]] = src[gather[p]]
+        assert torch.equal(dst, want), count
+    with pytest.raises(ValueError, match="src_index must be int64"):
+        layer_ops.move_rows(src, torch.zeros(10, 8), src_index=gather.int())
+    with pytest.raises(ValueError, match=r"dst_index must be int64 \[3\] or longer"):
+        layer_ops.move_rows(src, torch.zeros(10, 8), gather, scatter[:2])
+
+
+def test_move_rows_launch_takes_its_moves_indices_and_count(monkeypatch):
+    """The host side of the CUDA path, run on the CPU with the launch captured: a CTA row a move, 8 columns a
+    thread, null pointers for the identity, the count's address."""
+    launches = []
+    monkeypatch.setattr(layer_ops, "_applies", lambda *tensors: True)
+    monkeypatch.setattr(layer_ops, "_kernel", lambda t, func: func)
+    monkeypatch.setattr(layer_ops.kc, "launch",
+                        lambda kernel, device, grid, block, args: launches.append((kernel, grid, block, args)))
+    src, dst = torch.zeros(7, 2816, dtype=torch.bfloat16), torch.zeros(9, 2816, dtype=torch.bfloat16)
+    index, count = torch.arange(5), torch.tensor([3])
+    assert layer_ops.move_rows(src, dst, src_index=index, count=count) is dst
+    kernel, grid, block, args = launches.pop()
+    assert kernel == "pw_move_rows" and grid == (5, 3) and block == (128,)
+    assert [int(a) for a in args] == [src.data_ptr(), index.data_ptr(), dst.data_ptr(), 0, count.data_ptr(), 2816]
+    scatter = torch.arange(7)
+    layer_ops.move_rows(src, dst, dst_index=scatter)
+    _, grid, _, args = launches.pop()
+    assert grid == (7, 3) and int(args[1]) == 0 and int(args[3]) == scatter.data_ptr() and int(args[4]) == 0
+    layer_ops.move_rows(src[:, :12], dst[:, :12])       # not a multiple of 8 columns: the reference
+    assert not launches

@@ -7,8 +7,8 @@ import torch
 
 from model_fixtures import ARCHS, make_tiny_checkpoint
 from pwruntime.kernels import layer_ops
-from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         act_mul_ref, slot_combine_ref)
+from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, move_rows_ref, rotary_ref, route_topk_ref,
+                                         row_norms_ref, act_mul_ref, slot_combine_ref)
 from pwruntime.kv_cache import KVCache
 from pwruntime.model import load_model, prefill_metadata
 from pwruntime.model.layers import Rotary
@@ -159,6 +159,13 @@ def test_row_norms_and_elementwise(dtype):
         got = layer_ops.act_mul(h, act)
         _mostly_exact(got, act_mul_ref(h, act), ulps=2)
     assert not torch.equal(got, act_mul_ref(h, "silu"))   # the mode reaches the kernel
+    # a count on the device: the rows below it as without one, the others left as they were (NaN here)
+    count = torch.tensor([7], device="cuda")
+    got = layer_ops.act_mul(h, "silu", count)
+    assert torch.equal(got[:7], layer_ops.act_mul(h[:7], "silu"))
+    norms = torch.full((130,), float("nan"), device="cuda")
+    layer_ops.row_norms(x, out=norms, count=count)
+    assert torch.equal(norms[:7], layer_ops.row_norms(x[:7])) and norms[7:].isnan().all()
     o, s, gate = _rand(19, 2048, dtype=dtype), _rand(19, 2048, dtype=dtype, seed=1), _rand(19, 1, dtype=dtype, seed=2)
     _mostly_exact(layer_ops.gated_add(o, gate, s), gated_add_ref(o, gate, s), ulps=2)
 
@@ -180,6 +187,27 @@ def test_slot_combine(dtype, tokens, k, cols):
     assert torch.equal(layer_ops.slot_combine(moved, weights, perm[:tokens * k]), got)
     rows[k:] = float("nan")                           # the first token reads its own k rows and no others
     assert torch.equal(layer_ops.slot_combine(rows, weights)[0], got[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("moves,cols", [(1, 64), (300, 2816), (65, 2824), (1000, 4096)])
+def test_move_rows(dtype, moves, cols):
+    """The kernel's gathers, scatters and bounded moves equal the reference's, bit for bit (2824: a partial column
+    block)."""
+    src = _rand(moves + 5, cols, dtype=dtype)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gather = torch.randperm(moves + 5, device="cuda", generator=g)[:moves]
+    scatter = torch.randperm(2 * moves, device="cuda", generator=g)[:moves]
+    for si, di, count in ((gather, None, None), (None, scatter, None), (gather, scatter, None),
+                          (gather, scatter, torch.tensor([moves // 2], device="cuda")),
+                          (gather, None, torch.tensor(0, device="cuda"))):
+        first = src if si is not None else src[:moves]    # without a gather, as many rows as moves
+        got = layer_ops.move_rows(first, torch.full((2 * moves + 5, cols), float("nan"), dtype=dtype,
+                                                    device="cuda"), si, di, count)
+        want = move_rows_ref(first, torch.full((2 * moves + 5, cols), float("nan"), dtype=dtype, device="cuda"),
+                             si, di, count)
+        assert got.isnan().any() and not got.isnan().all()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
 
 
 @pytest.mark.parametrize("arch", ARCHS)

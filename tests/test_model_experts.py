@@ -127,6 +127,30 @@ def test_batched_dispatches_equal_the_per_expert_one(dispatch, tokens, cap, pad,
     assert all(len(grp) <= cap for grp in asked)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a GPU of compute capability 9.0 or newer (the grouped GEMM)")
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gpu_grouped_mm_moe_in_chunks_equals_one_chunk_bit_for_bit(act, garbage_past_the_groups):
+    """In bf16 on the GPU, the chunks' bounded moves, activations and norms (each chunk's rows only: the GEMMs leave
+    NaN past them here) give one chunk's outputs and down norms exactly, whatever the chunk size, empty chunks too."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    e_n, h, inter, k, tokens = 24, 256, 128, 4, 300
+    gate_up = (torch.randn(e_n, 2 * inter, h, device="cuda", generator=g) * 0.05).bfloat16()
+    down = (torch.randn(e_n, h, inter, device="cuda", generator=g) * 0.05).bfloat16()
+    x = torch.randn(tokens, h, device="cuda", generator=g).bfloat16()
+    ids = torch.rand(tokens, e_n, device="cuda", generator=g)[:, :e_n - 5].argsort(1)[:, :k]   # 5 experts idle
+    weights = torch.rand(tokens, k, device="cuda", generator=g)
+    weights_of = lambda r: (gate_up[r.start:r.stop], down[r.start:r.stop])  # noqa: E731
+    one_norms = torch.empty(tokens, k, device="cuda")
+    one = grouped_mm_moe(x, ids, weights, e_n, weights_of, e_n, one_norms, act)
+    assert not one.isnan().any()
+    for chunk in (12, 7, 5, 1):
+        norms = torch.full((tokens, k), float("nan"), device="cuda")
+        got = grouped_mm_moe(x, ids, weights, e_n, weights_of, chunk, norms, act)
+        assert torch.equal(got, one) and torch.equal(norms, one_norms), chunk
+
+
 def test_routing_records_match_transformers_router(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=3, num_hidden_layers=3, mlp_only_layers=[1])
     hf, model = load_hf_model(path), load_model(path)

@@ -4,8 +4,13 @@ references (pwruntime.kernels.reference) everywhere else.
 Each function is one launch on CUDA where torch runs several: the residual add with the RMSNorm after it, rotary
 embedding of q and k with the K/V cache write, the router's softmax and top-k (and renormalization), the rows' L2 norms
 of the routing records, an activation (SiLU or tanh GELU) and multiply, Qwen2-MoE's sigmoid-gated shared-expert add,
-and the MoE dispatch's weighted sum of each token's expert outputs. The kernels round to the activation dtype
-wherever the references' torch ops do, so the two paths differ only in the order of float32 sums.
+the MoE dispatch's weighted sum of each token's expert outputs, and its moves of rows (a gather, a scatter). The
+kernels round to the activation dtype wherever the references' torch ops do, so the two paths differ only in the order
+of float32 sums.
+
+A `count` (an int64 tensor of one value, on the device) bounds the rows a kernel works on without the host reading it:
+the MoE dispatch's chunks of experts (`grouped_mm_moe`) know how many rows a chunk has only on the device. Rows from
+the count on are left as they are (unwritten, in a new output); the references compute every row.
 """
 from __future__ import annotations
 
@@ -13,8 +18,8 @@ import torch
 
 from pwruntime.kernels import compile as kc
 from pwruntime.kernels.attention import write_kv
-from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, rotary_ref, route_topk_ref, row_norms_ref,
-                                         act_mul_ref, slot_combine_ref)
+from pwruntime.kernels.reference import (add_rms_norm_ref, gated_add_ref, move_rows_ref, rotary_ref, route_topk_ref,
+                                         row_norms_ref, act_mul_ref, slot_combine_ref)
 
 ROUTE_MAX_EXPERTS = 256     # 32 lanes x PW_ROUTE_PER_LANE in cuda/layer_ops.cu
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -41,6 +46,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, cols] with the last dimension contiguous: a view where one exists, else a copy."""
     t2 = t.reshape(-1, t.shape[-1])
     return t2 if t2.stride(-1) == 1 or t2.shape[-1] == 1 else t2.contiguous()
+
+
+def _count_ptr(count: torch.Tensor | None, device: torch.device):
+    """The device pointer of a row bound (null for none); raises ValueError for one not an int64 value on `device`."""
+    if count is None:
+        return kc.ptr(None)
+    if count.dtype != torch.int64 or count.numel() != 1 or count.device != device:
+        raise ValueError(f"count must be one int64 value on {device}, got {count.dtype} {list(count.shape)} on "
+                         f"{count.device}")
+    return kc.ptr(count)
 
 
 def _elementwise_grid(total: int) -> tuple[int]:
@@ -124,9 +139,9 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     return weights, ids
 
 
-def row_norms(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def row_norms(x: torch.Tensor, out: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 L2 norm of each row of x [..., C]: shape x.shape[:-1], or written into `out` (float32, one value a
-    row, contiguous) and returned."""
+    row, contiguous) and returned; with `count` only the rows below it on a GPU."""
     if out is not None and (out.dtype != torch.float32 or out.numel() != x[..., 0].numel() or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 tensor of {x[..., 0].numel()} values")
     if not _applies(x) or (out is not None and not out.is_cuda):
@@ -136,15 +151,17 @@ def row_norms(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     res = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if out is None else out
     if x2.shape[0]:
         kc.launch(_kernel(x, "pw_row_norms"), x.device, (-(-x2.shape[0] // 4),), (128,), (
-            kc.ptr(x2), kc.i64(x2.stride(0)), kc.i32(x2.shape[0]), kc.i32(x2.shape[1]), kc.ptr(res)))
+            kc.ptr(x2), kc.i64(x2.stride(0)), kc.i32(x2.shape[0]), kc.i32(x2.shape[1]), _count_ptr(count, x.device),
+            kc.ptr(res)))
     return res
 
 
 ACT_MUL = ("silu", "gelu_tanh")   # the activations pw_act_mul computes (keys of reference.ACTIVATIONS)
 
 
-def act_mul(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """act(gate) * up of h = [gate | up] [..., 2I] (the gate_up GEMM's output) -> [..., I]; act SiLU or tanh GELU."""
+def act_mul(h: torch.Tensor, act: str = "silu", count: torch.Tensor | None = None) -> torch.Tensor:
+    """act(gate) * up of h = [gate | up] [..., 2I] (the gate_up GEMM's output) -> [..., I]; act SiLU or tanh GELU;
+    with `count` only the rows below it on a GPU."""
     if not _applies(h) or h.shape[-1] % 2 or act not in ACT_MUL:
         return act_mul_ref(h, act)
     inter = h.shape[-1] // 2
@@ -154,7 +171,7 @@ def act_mul(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
     if total:
         kc.launch(_kernel(h, "pw_act_mul"), h.device, _elementwise_grid(total), (_ELEMENTWISE_THREADS,), (
             kc.ptr(h2), kc.i64(h2.stride(0)), kc.i32(inter), kc.i64(total), kc.i32(int(act == "gelu_tanh")),
-            kc.ptr(out)))
+            _count_ptr(count, h.device), kc.ptr(out)))
     return out
 
 
@@ -194,3 +211,25 @@ def slot_combine(rows: torch.Tensor, weights: torch.Tensor, where: torch.Tensor 
                   (kc.ptr(rows), kc.ptr(w), kc.ptr(None if where is None else where.contiguous()), kc.i32(k),
                    kc.i32(cols), kc.ptr(out)))
     return out
+
+
+def move_rows(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor | None = None,
+              dst_index: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
+    """dst[dst_index[p]] = src[src_index[p]] for each move p (an index None: the identity), as many moves as
+    src_index has values (else src has rows), only those below `count` where it is given; returns dst. src [N, C]
+    and dst [M, C] in one dtype, not overlapping; the indices int64, dst_index without repeats."""
+    moves = src.shape[0] if src_index is None else src_index.shape[0]
+    for name, index in (("src_index", src_index), ("dst_index", dst_index)):
+        if index is not None and (index.dtype != torch.int64 or index.dim() != 1 or index.shape[0] < moves):
+            raise ValueError(f"{name} must be int64 [{moves}] or longer, got {index.dtype} {list(index.shape)}")
+    cols = src.shape[-1]
+    if not (_applies(src, dst) and src.is_contiguous() and dst.is_contiguous() and dst.shape[-1] == cols
+            and cols % 8 == 0 and src.data_ptr() % 16 == 0 and dst.data_ptr() % 16 == 0):
+        return move_rows_ref(src, dst, src_index, dst_index, count)
+    if moves and cols:
+        threads = min(128, 32 * -(-cols // 256))
+        kc.launch(_kernel(src, "pw_move_rows"), src.device, (moves, -(-cols // (8 * threads))), (threads,),
+                  (kc.ptr(src), kc.ptr(None if src_index is None else src_index.contiguous()), kc.ptr(dst),
+                   kc.ptr(None if dst_index is None else dst_index.contiguous()), _count_ptr(count, src.device),
+                   kc.i32(cols)))
+    return dst

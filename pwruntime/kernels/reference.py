@@ -181,6 +181,21 @@ def slot_combine_ref(rows: torch.Tensor, weights: torch.Tensor, where: torch.Ten
     return out.to(rows.dtype)
 
 
+def move_rows_ref(src: torch.Tensor, dst: torch.Tensor, src_index: torch.Tensor | None = None,
+                  dst_index: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
+    """dst[dst_index[p]] = src[src_index[p]] for the moves p below `count` (layer_ops.move_rows's reference; an index
+    None is the identity, the moves as many as src_index has values, else src rows); returns dst."""
+    moves = src.shape[0] if src_index is None else src_index.shape[0]
+    if count is not None:
+        moves = min(moves, int(count))
+    rows = src[:moves] if src_index is None else src[src_index[:moves]]
+    if dst_index is None:
+        dst[:moves] = rows
+    else:
+        dst.index_copy_(0, dst_index[:moves], rows)
+    return dst
+
+
 def act_mul_ref(h: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """act(gate) * up of h = [gate | up] [..., 2I] -> [..., I] (layer_ops.act_mul's reference)."""
     return gated(h, act)

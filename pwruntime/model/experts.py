@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from policies.page_table import block_index
-from pwruntime.kernels.layer_ops import act_mul, row_norms, slot_combine
+from pwruntime.kernels.layer_ops import act_mul, move_rows, row_norms, slot_combine
 
 KINDS = ("gate_up", "down")
 
@@ -51,18 +51,19 @@ class ExpertStore(Protocol):
         ...
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               offs: torch.Tensor | None = None, act: str = "silu") -> tuple[torch.Tensor, torch.Tensor]:
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor | None = None,
+               act: str = "silu", count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = act(gate rows) *
     (up rows) [..., n, I], down act [..., n, H]). With `offs` (int32 [b], each expert's end row), rows [N, H]
-    sorted by expert go through torch's grouped GEMM against the b experts' matrices instead.
+    sorted by expert go through torch's grouped GEMM against the b experts' matrices instead, which computes only
+    the rows below the last offset; `count` (that row on the device, int64 [1]) bounds the activation's rows too.
 
     gate_up [..., 2I, H] (gate rows first), down [..., H, I]: the expert body the dispatchers below run."""
     def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         wt = w.transpose(-1, -2)
         return torch.matmul(a, wt) if offs is None else torch._grouped_mm(a, wt, offs=offs)
 
-    a = act_mul(mm(rows, gate_up), act)
+    a = act_mul(mm(rows, gate_up), act, count)
     return a, mm(a, down)
 
 
@@ -71,9 +72,8 @@ class _Dispatch:
     """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), each expert's row count on the device
     (reading them back is a dispatch's host sync), the sorted rows (each its token's input), and what a
     dispatcher fills in, kept in slot order (row t * k + j: token t's slot j): each row's expert output and, when
-    down norms are asked, its activation's norm. With `spare`, as many rows again take what `put` drops, the p-th
-    row put in row n + p (a scatter that writes one row many times is slower: on an H100, 16,384 rows of 2816 in
-    0.245 ms with two thirds of them to one row, 0.222 with each to its own); a dispatcher may use them until then.
+    down norms are asked, its activation's norm. With `spare`, the norms have as many values again, which take the
+    norms a bounded `put` drops (the p-th in value n + p: a scatter that writes one place many times is slower).
     Without `outputs` nothing is put: the dispatcher runs every sorted row at once and combines from its result
     (`combine_sorted`)."""
     order: torch.Tensor
@@ -90,23 +90,25 @@ class _Dispatch:
         rows = x[order // topk_ids.shape[1]]   # each sorted (token, slot) pair's token
         # counted by index_add_ into a fixed size, not bincount, which reads the largest id back to the host
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
-        size = rows.shape[0] * (2 if spare else 1)
         if not outputs:
             return cls(order, counts, rows, None, None)
-        return cls(order, counts, rows, x.new_empty(size, x.shape[1]),
+        size = rows.shape[0] * (2 if spare else 1)
+        return cls(order, counts, rows, x.new_empty(rows.shape),
                    torch.empty(size, dtype=torch.float32, device=x.device) if norms else None)
 
-    def put(self, dest, act: torch.Tensor, y: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+    def put(self, dest, act: torch.Tensor, y: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]; with
-        `keep` (bool [n] on the device, a dispatch `of(..., spare=True)`) only the rows it marks, the others going
-        to their spare rows."""
+        `count` (int64 [1] on the device, a dispatch `of(..., spare=True)` where norms are kept) only the first
+        `count` of them: the others' outputs are left alone (on a GPU not even read) and their norms go spare."""
         slots = self.order[dest]
-        if keep is not None:
-            n = self.order.shape[0]
-            slots = torch.where(keep, slots, torch.arange(n, 2 * n, device=slots.device))
-        self.outputs[slots] = y
+        move_rows(y, self.outputs, dst_index=slots, count=count)
         if self.norms is not None:
-            self.norms[slots] = row_norms(act)
+            norms = row_norms(act, count=count)
+            if count is not None:
+                n = self.order.shape[0]
+                pos = torch.arange(n, device=slots.device)
+                slots = torch.where(pos < count, slots, pos + n)
+            self.norms[slots] = norms
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
         """sum over each token's slots of routing weight * expert output, accumulated in float32 slot by slot
@@ -199,9 +201,9 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     with a `range` of expert ids), those without rows included, `max_experts` at a time in id order. A chunk is two
     grouped GEMMs over its experts' rows with their row offsets on the device. The grouped GEMM takes its rows from
     the first, so each chunk after the first runs on the sorted rows rotated to start at its own (the rotation is
-    a device index, as are the offsets), and only its own rows of the result are kept; the first chunk writes every
-    row, and the later chunks' own rows cover the rest. With one chunk the combine reads the GEMMs' rows where
-    they are, sorted (`_Dispatch.combine_sorted`).
+    a device index, as are the offsets). A chunk's row count, known on the device only, bounds its rotation, its
+    activation and the scatter of its outputs into slot order, so each moves its own rows, not all of them. With one
+    chunk the combine reads the GEMMs' rows where they are, sorted (`_Dispatch.combine_sorted`).
     """
     if not x.shape[0]:
         return x.new_empty(x.shape)
@@ -213,19 +215,20 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
         gate_up, down = weights_of(range(num_experts))
         return d.combine_sorted(*expert_mlp(d.rows, gate_up, down, ends.to(torch.int32), act), topk_weights,
                                 down_in_norm)
-    pos = torch.arange(n, device=x.device)
+    pos, rotated = torch.arange(n, device=x.device), torch.empty_like(d.rows)
     for first in range(0, num_experts, max_experts):
         last = min(first + max_experts, num_experts)
         gate_up, down = weights_of(range(first, last))
         if not first:
-            d.put(slice(None), *expert_mlp(d.rows, gate_up, down, ends[:last].to(torch.int32), act))
+            count = ends[last - 1:last]
+            d.put(slice(None), *expert_mlp(d.rows, gate_up, down, ends[:last].to(torch.int32), act, count), count)
         else:
             start = ends[first - 1]
+            count = ends[last - 1:last] - start
             src = (pos + start) % n   # sorted row of each rotated row: this chunk's rows first
+            move_rows(d.rows, rotated, src_index=src, count=count)
             offs = (ends[first:last] - start).to(torch.int32)
-            # rotated into the spare rows, which take the rows this chunk drops once its GEMMs have read them
-            rotated = torch.index_select(d.rows, 0, src, out=d.outputs[n:])
-            d.put(src, *expert_mlp(rotated, gate_up, down, offs, act), keep=pos < offs[-1])
+            d.put(src, *expert_mlp(rotated, gate_up, down, offs, act, count), count)
         del gate_up, down  # the next chunk's weights are made after these go
     return d.combine(topk_weights, down_in_norm)
 
