@@ -13,7 +13,8 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   batch size where the profile has it); a larger batch (prefill)
   dequantizes every active expert to fp16 (read AP, write and re-read fp16) and multiplies it by a
   GEMM, moves the dispatch's activations (`_dispatch_time`: gathered rows, GEMM inputs and outputs, the
-  activation, the combine; the fp16 experts' layers move them too), and pays the profile's
+  activation, the combine; in more than one chunk each row's scatter and the later chunks' rotation; the fp16
+  experts' layers move them too), and pays the profile's
   `prefill_layer_overhead_us` once per layer with an active expert (the runtime's host work and launches
   for the layer's expert groups) and `prefill_chunk_overhead_us` for each
   chunk of experts after the first (the runtime takes a layer's experts `prefill_chunk_experts` at a time, as
@@ -139,6 +140,8 @@ class CostModel:
         self.overhead = p.iteration_overhead_us * 1e-6 + c.layers * p.layer_overhead_us * 1e-6
         self.token_overhead = p.token_overhead_us * 1e-6
         self.sequence_overhead = p.sequence_overhead_us * 1e-6
+        self.prefill_chunk_experts = memory_budget.prefill_chunk_experts(c.hidden, c.expert_intermediate, FP16,
+                                                                         prefill_chunk_bytes)
         self.prefill_chunks = prefill_chunks(c, prefill_chunk_bytes)
         self.prefill_layer_overhead = (p.prefill_layer_overhead_us
                                        + (self.prefill_chunks - 1) * p.prefill_chunk_overhead_us) * 1e-6
@@ -174,7 +177,7 @@ class CostModel:
         if batch_tokens is None:
             batch_tokens = int(np.ceil(tok.sum(axis=1).max() / self.card.top_k))
         if self.fp16_experts:
-            return float(np.maximum(self._fp16_time, compute).sum() + self._dispatch_time(tok, batch_tokens, 1))
+            return float(np.maximum(self._fp16_time, compute).sum() + self._dispatch_time(tok, batch_tokens, False))
         if batch_tokens <= self.fused_max:  # launch sets of at most launch_tokens, each reading the planes
             launches = -(-batch_tokens // self.launch_tokens)
             per = -(-batch_tokens // launches)
@@ -182,19 +185,21 @@ class CostModel:
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
         layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
         return float((read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum()  # write fp16, GEMM
-                     + self._dispatch_time(tok, batch_tokens, self.prefill_chunks)
+                     + self._dispatch_time(tok, batch_tokens, self.prefill_chunks > 1)
                      + layers * self.prefill_layer_overhead)
 
-    def _dispatch_time(self, tok: np.ndarray, batch_tokens: int, chunks: int) -> float:
+    def _dispatch_time(self, tok: np.ndarray, batch_tokens: int, chunked: bool) -> float:
         """Seconds the dispatch around the experts' GEMMs moves activations (the runtime's `grouped_mm_moe`), at the
         moe bandwidth: per routed row its input gathered (read, write), the gate/up GEMM's input and output, the
         activation (read [gate | up], write the product), the down GEMM's input and output and the combine's read;
-        in more than one chunk also each chunk's scatter of its outputs, and each later chunk's rotation of the
-        rows and activation over them all; and each token's output, in layers with a routed row."""
+        in more than one chunk (`chunked`) also each row's output scattered into slot order (read, write) and each
+        row of a chunk after the first rotated to its chunk's start (read, write: a chunk moves only its own rows);
+        and each token's output, in layers with a routed row."""
         h, i = self.card.hidden, self.card.expert_intermediate
         rows = tok.sum(axis=1).astype(np.float64)
-        per_row = 5 * h + 6 * i + (0 if chunks == 1 else 2 * h * chunks + (chunks - 1) * (2 * h + 3 * i))
-        elements = rows.sum() * per_row + int((rows > 0).sum()) * batch_tokens * h
+        elements = rows.sum() * (5 * h + 6 * i) + int((rows > 0).sum()) * batch_tokens * h
+        if chunked:
+            elements += 2 * h * (rows.sum() + float(tok[:, self.prefill_chunk_experts:].sum()))
         return FP16 * elements / self.bw["moe"]
 
     def _read_times(self, q: np.ndarray, tokens: int) -> np.ndarray:

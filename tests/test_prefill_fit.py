@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -113,9 +114,9 @@ def test_pwsim_run_prefill_chunk_reaches_the_cost_model(tmp_path, capsys):
 
 def test_the_dispatch_moves_each_routed_row_s_activations():
     """Beside the experts' weights a prefill layer moves its routed rows' activations (gathered inputs, the GEMMs'
-    inputs and outputs, the activation, the combine): 5H + 6I 16-bit elements a row in one chunk, plus each chunk's
-    scatter and each later chunk's rotation and activation pass in more; and each token's output. The fp16 experts
-    pay it too; nothing else about the layer depends on the chunking (h200-measured prices a chunk at 0 us)."""
+    inputs and outputs, the activation, the combine): 5H + 6I 16-bit elements a row in one chunk, plus in more each
+    row's scatter and the rotation of the rows of the chunks after the first; and each token's output. The fp16
+    experts pay it too; nothing else about the layer depends on the chunking (h200-measured prices a chunk at 0 us)."""
     card, prof = load_card("gemma-4-26b-a4b"), load_profile("h200-measured")
     assert prof.prefill_chunk_overhead_us == 0.0
     h, i, tokens = card.hidden, card.expert_intermediate, 2048
@@ -123,11 +124,13 @@ def test_the_dispatch_moves_each_routed_row_s_activations():
     tok[0] = tokens * card.top_k // card.experts   # 16,384 rows over 128 experts, one layer
     rows, bw = tokens * card.top_k, prof.bandwidth("moe")
     one = 2 * (rows * (5 * h + 6 * i) + tokens * h) / bw
-    two = 2 * (rows * (5 * h + 6 * i + 2 * h * 2 + (2 * h + 3 * i)) + tokens * h) / bw
+    first = (1 << 30) // (3 * h * i * 2)            # the experts of the first 1 GiB chunk (90 of 128)
+    later = (card.experts - first) * tokens * card.top_k // card.experts
+    two = 2 * (rows * (5 * h + 6 * i) + 2 * h * (rows + later) + tokens * h) / bw
     whole, halves = CostModel(card, prof, prefill_chunk_bytes=4 << 30), CostModel(card, prof)
-    assert (whole.prefill_chunks, halves.prefill_chunks) == (1, 2)
-    assert whole._dispatch_time(tok, tokens, 1) == pytest.approx(one, rel=1e-12)
-    assert halves._dispatch_time(tok, tokens, 2) == pytest.approx(two, rel=1e-12)
+    assert (whole.prefill_chunks, halves.prefill_chunks, first) == (1, 2, 90)
+    assert whole._dispatch_time(tok, tokens, False) == pytest.approx(one, rel=1e-12)
+    assert halves._dispatch_time(tok, tokens, True) == pytest.approx(two, rel=1e-12)
     q = np.full(card.moe_layers * card.experts * 2, 3)
     assert halves.moe(q, tok, tokens) - whole.moe(q, tok, tokens) == pytest.approx(two - one, rel=1e-9)
     fp16 = CostModel(card, prof, fp16_experts=True)
@@ -286,6 +289,21 @@ def test_bundled_h200_measured_carries_the_fit_of_the_bundled_bench(tmp_path, ca
     assert report["fit"]["previous_us"] == load_profile("h200-measured").prefill_layer_overhead_us > 0
     assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(report["fit"]["previous_us"], abs=0.1)
     assert report["ratios"]["after"]["min"] > 0.75 and report["ratios"]["after"]["max"] < 1.25
+
+
+def test_bundled_h100_measured_carries_the_fit_of_its_two_chunk_sizes(tmp_path, capsys):
+    """The H100 profile (`bench kernels` on an H100) carries both prefill costs fitted from the bundled H100 benches at
+    1 and 4 GiB chunks (pairs of rows alike but for their chunk count), and fits every row within 0.85-1.15."""
+    assets = Path(__file__).resolve().parents[1] / "pwruntime" / "assets"
+    assert main(["prefill-fit", "--bench", str(assets / "prefill_bench_h100_1GiB.json"), "--bench",
+                 str(assets / "prefill_bench_h100_4GiB.json"), "--hardware", "h100-measured", "--out", str(tmp_path),
+                 "--json"]) == 0
+    report, prof = json.loads(capsys.readouterr().out), load_profile("h100-measured")
+    assert prof.device.startswith("NVIDIA H100") and report["fit"]["chunk_pairs"] > 0
+    assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(prof.prefill_layer_overhead_us, abs=0.1)
+    assert report["fit"]["prefill_chunk_overhead_us"] == pytest.approx(prof.prefill_chunk_overhead_us, abs=0.1)
+    assert prof.prefill_chunk_overhead_us > 0
+    assert report["ratios"]["after"]["min"] > 0.85 and report["ratios"]["after"]["max"] < 1.15
 
 
 def _misuse(tmp_path):
