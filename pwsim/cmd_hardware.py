@@ -8,7 +8,7 @@ from traces.clikit import text_table
 from traces.hardware import HardwareProfile, bundled_profiles, load_profile
 
 HOST_TERMS = ("iteration_overhead_us", "sequence_overhead_us", "token_overhead_us", "routing_read_us",
-              "plan_transition_us")
+              "plan_transition_us", "prefill_layer_overhead_us", "prefill_chunk_overhead_us")
 
 
 def origin(profile: HardwareProfile, limit: int = 240) -> str:
@@ -26,9 +26,10 @@ def profile_row(name: str) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    head = ("profile", "measured", "step us", "seq us", "token us", "routing read us", "plan transition us")
-    body = [(r["name"], "yes" if r["measured"] else "no", *(f"{r[k]:,.0f}" if k != "token_overhead_us" else
-                                                              f"{r[k]:.1f}" for k in HOST_TERMS)) for r in rows]
+    head = ("profile", "device", "measured", "step us", "seq us", "token us", "routing read us",
+            "plan transition us", "prefill layer us", "prefill chunk us")
+    body = [(r["name"], r["device"], "yes" if r["measured"] else "no",
+             *(f"{r[k]:,.0f}" if k != "token_overhead_us" else f"{r[k]:.1f}" for k in HOST_TERMS)) for r in rows]
     return "\n".join([text_table(head, body, left=2), ""] + [f"{r['name']}: {r['origin']}" for r in rows])
 
 
@@ -39,15 +40,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_table(rows))
         print("\nThe host costs the simulator charges besides the kernels' time (`pwsim fidelity --fit-profile` fits "
-              "them from a replay); the full profile: traces/hardware/<profile>.json.")
+              "a step's, a sequence's, a token's and a read's from a replay, `pwsim prefill-fit` a prefill MoE "
+              "layer's and its chunks' from `pwruntime bench prefill`); the full profile: "
+              "traces/hardware/<profile>.json.")
     return 0
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("hardware", help="list the bundled hardware profiles",
                               description="List the hardware profiles `--hardware` takes by name: whether each is "
-                                          "measured, the host costs it charges (a step, a sequence, a token, a read "
-                                          "of the routing statistics, a plan transition) and how it was made.")
+                                          "measured, its device, the host costs it charges (a step, a sequence, a token, a "
+                                          "read of the routing statistics, a plan transition, a prefill MoE layer and "
+                                          "each chunk of its experts after the first) and how it was made.")
     p.add_argument("names", nargs="*", metavar="PROFILE", help="profiles to show (a bundled name or a JSON path; "
                                                                "default: every bundled one)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

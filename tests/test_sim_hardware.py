@@ -123,9 +123,14 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
         assert all(r[k] == getattr(p, k) for k in HOST_TERMS) and r["measured"] == p.measured
     olmoe = next(r for r in rows if r["name"] == "h200-olmoe-runtime")
     assert olmoe["plan_transition_us"] > 0 and olmoe["origin"].startswith("h200-measured with the host costs")
+    h100 = next(r for r in rows if r["name"] == "h100-measured")
+    assert h100["device"].startswith("NVIDIA H100") and h100["prefill_chunk_overhead_us"] > 0
     assert main(["hardware", "h200-roofline"]) == 0
     out = capsys.readouterr().out
     assert "h200-roofline" in out and "h200-measured " not in out and "Roofline profile" in out
+    assert main(["hardware", "h100-measured"]) == 0
+    head, row = capsys.readouterr().out.splitlines()[:3:2]
+    assert "device" in head and "prefill chunk us" in head and "NVIDIA H100" in row and row.rstrip().endswith("94")
     assert main(["hardware", "no-such-profile"]) == 2
     err = capsys.readouterr().err
     assert "no-such-profile" in err and "h200-olmoe-runtime" in err and "Traceback" not in err
