@@ -108,7 +108,8 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
         counts = torch.bincount(ids.reshape(-1), minlength=experts).tolist()
         active = [e for e, c in enumerate(counts) if c > 0]
         row = {"model": name, "tokens": t, "bits": bits, "dtype": str(dtype).removeprefix("torch."),
-               "activation": shape.activation, "prefill_chunk_bytes": chunk_bytes, "chunks": prefill_chunks(experts, h, shape.intermediate, x.element_size(), chunk_bytes),
+               "activation": shape.activation, "prefill_chunk_bytes": chunk_bytes,
+               "chunks": prefill_chunks(experts, h, shape.intermediate, x.element_size(), chunk_bytes),
                "active_experts": len(active), "padded_groups": len(expert_groups(counts, max_experts, max_pad_rows)),
                "runtime_path": runtime_path(x, shape), "max_rel_diff": diff}
         for p in PATHS:

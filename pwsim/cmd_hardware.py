@@ -49,9 +49,9 @@ def run(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     p = subparsers.add_parser("hardware", help="list the bundled hardware profiles",
                               description="List the hardware profiles `--hardware` takes by name: whether each is "
-                                          "measured, its device, the host costs it charges (a step, a sequence, a token, a "
-                                          "read of the routing statistics, a plan transition, a prefill MoE layer and "
-                                          "each chunk of its experts after the first) and how it was made.")
+                                          "measured, its device, the host costs it charges (a step, a sequence, a "
+                                          "token, a read of the routing statistics, a plan transition, a prefill MoE "
+                                          "layer and each chunk of its experts after the first) and how it was made.")
     p.add_argument("names", nargs="*", metavar="PROFILE", help="profiles to show (a bundled name or a JSON path; "
                                                                "default: every bundled one)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
