@@ -149,9 +149,11 @@ extern "C" __global__ void __launch_bounds__(128) pw_route_topk(
 }
 
 // out[r] = sqrt(sum_c x[r, c]^2) in fp32 (torch's `x.float().norm(dim=-1)`). A warp a row.
-// `count` (non-null: an int64 on the device) bounds the rows: rows from *count on are left unwritten.
+// `count` (non-null: an int64 on the device) bounds the rows: rows from *count on write nothing. Row r's norm goes to
+// out[out_index[r]] where `out_index` is non-null, else to out[r].
 extern "C" __global__ void __launch_bounds__(128) pw_row_norms(const u16* __restrict__ x, ll row, int rows, int cols,
-                                                              const ll* __restrict__ count, float* __restrict__ out) {
+                                                              const ll* __restrict__ count,
+                                                              const ll* __restrict__ out_index, float* __restrict__ out) {
     const int r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     if (r >= rows || (count && r >= *count)) return;
     float ss = 0.f;
@@ -160,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(128) pw_row_norms(const u16* __rest
         ss += v * v;
     }
     ss = warp_sum(ss);
-    if (lane == 0) out[r] = sqrtf(ss);
+    if (lane == 0) out[out_index ? out_index[r] : r] = sqrtf(ss);
 }
 
 // act[r, i] = f(h[r, i]) * h[r, inter + i]: torch's `F.silu(gate) * up`, or with gelu `F.gelu(gate, approximate="tanh")

@@ -171,7 +171,7 @@ def test_the_norm_and_activation_modes_reach_their_launches(monkeypatch):
     layer_ops.act_mul(h, "silu", count)
     layer_ops.row_norms(h, count=count)
     (_, norms_args), (_, act_args) = launches.pop(), launches.pop()
-    assert int(act_args[5]) == count.data_ptr() and int(norms_args[4]) == count.data_ptr()
+    assert int(act_args[5]) == count.data_ptr() and int(norms_args[4]) == count.data_ptr() and int(norms_args[5]) == 0
     for bad in (torch.tensor([2], dtype=torch.int32), torch.tensor([1, 2])):
         with pytest.raises(ValueError, match="count must be one int64 value"):
             layer_ops.act_mul(h, "silu", bad)
@@ -181,6 +181,22 @@ def test_the_norm_and_activation_modes_reach_their_launches(monkeypatch):
         kernel, args = launches.pop()
         assert kernel == "pw_add_rms_norm" and int(args[-1]) == int(float_weight)
         assert int(args[5]) == (0 if weight is None else weight.data_ptr()) and int(args[6]) == out.data_ptr()
+
+
+def test_row_norms_placed_by_an_index_up_to_a_count():
+    """With `out_index` row r's norm lands at out[out_index[r]], only for the rows below `count`; the other places
+    keep what they held. Misuse: an index without an out, or of another length."""
+    x = torch.tensor([[3.0, 4.0], [0.0, 1.0], [6.0, 8.0]])
+    out = torch.full((2, 3), -1.0)
+    assert layer_ops.row_norms(x, out=out, out_index=torch.tensor([4, 0, 2])) is out
+    assert out.view(-1).tolist() == [1.0, -1.0, 10.0, -1.0, 5.0, -1.0]
+    out = torch.full((6,), -1.0)
+    layer_ops.row_norms(x, out=out, count=torch.tensor([2]), out_index=torch.tensor([5, 3, 1]))
+    assert out.tolist() == [-1.0, -1.0, -1.0, 1.0, -1.0, 5.0]
+    with pytest.raises(ValueError, match="out_index needs an out"):
+        layer_ops.row_norms(x, out_index=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match=r"must be int64 \[3\]"):
+        layer_ops.row_norms(x, out=out, out_index=torch.tensor([0, 1]))
 
 
 def test_move_rows_gathers_scatters_and_stops_at_the_count():

@@ -166,6 +166,10 @@ def test_row_norms_and_elementwise(dtype):
     norms = torch.full((130,), float("nan"), device="cuda")
     layer_ops.row_norms(x, out=norms, count=count)
     assert torch.equal(norms[:7], layer_ops.row_norms(x[:7])) and norms[7:].isnan().all()
+    placed = torch.full((260,), float("nan"), device="cuda")    # row r's norm at 2 * (129 - r), the first 7 rows
+    layer_ops.row_norms(x, out=placed, count=count, out_index=2 * (129 - torch.arange(130, device="cuda")))
+    assert torch.equal(placed[2 * (129 - torch.arange(7, device="cuda"))], norms[:7])
+    assert int(placed.isnan().sum()) == 260 - 7
     o, s, gate = _rand(19, 2048, dtype=dtype), _rand(19, 2048, dtype=dtype, seed=1), _rand(19, 1, dtype=dtype, seed=2)
     _mostly_exact(layer_ops.gated_add(o, gate, s), gated_add_ref(o, gate, s), ulps=2)
 

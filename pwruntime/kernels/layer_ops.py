@@ -139,20 +139,31 @@ def route_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[tor
     return weights, ids
 
 
-def row_norms(x: torch.Tensor, out: torch.Tensor | None = None, count: torch.Tensor | None = None) -> torch.Tensor:
-    """The float32 L2 norm of each row of x [..., C]: shape x.shape[:-1], or written into `out` (float32, one value a
-    row, contiguous) and returned; with `count` only the rows below it on a GPU."""
-    if out is not None and (out.dtype != torch.float32 or out.numel() != x[..., 0].numel() or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 tensor of {x[..., 0].numel()} values")
+def row_norms(x: torch.Tensor, out: torch.Tensor | None = None, count: torch.Tensor | None = None,
+              out_index: torch.Tensor | None = None) -> torch.Tensor:
+    """The float32 L2 norm of each row of x [..., C]: shape x.shape[:-1], or written into `out` (float32, contiguous:
+    one value a row, or with `out_index`, int64 [rows], row r's norm at out.view(-1)[out_index[r]]) and returned;
+    with `count` only the rows below it (the references compute every row, but write those only where an index
+    places them)."""
+    rows = x[..., 0].numel()
+    if out is not None and (out.dtype != torch.float32 or not out.is_contiguous()
+                            or (out_index is None and out.numel() != rows)):
+        raise ValueError(f"out must be a contiguous float32 tensor of {rows} values")
+    if out_index is not None and (out is None or out_index.dtype != torch.int64 or out_index.shape != (rows,)):
+        raise ValueError(f"out_index needs an out, and must be int64 [{rows}]")
     if not _applies(x) or (out is not None and not out.is_cuda):
         norms = row_norms_ref(x)
-        return norms if out is None else out.copy_(norms.view(out.shape))
+        if out_index is None:
+            return norms if out is None else out.copy_(norms.view(out.shape))
+        done = rows if count is None else min(rows, int(count))
+        out.view(-1)[out_index[:done]] = norms.reshape(-1)[:done]
+        return out
     x2 = _rows(x)
     res = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if out is None else out
     if x2.shape[0]:
         kc.launch(_kernel(x, "pw_row_norms"), x.device, (-(-x2.shape[0] // 4),), (128,), (
             kc.ptr(x2), kc.i64(x2.stride(0)), kc.i32(x2.shape[0]), kc.i32(x2.shape[1]), _count_ptr(count, x.device),
-            kc.ptr(res)))
+            kc.ptr(None if out_index is None else out_index.contiguous()), kc.ptr(res)))
     return res
 
 

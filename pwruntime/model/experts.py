@@ -72,10 +72,8 @@ class _Dispatch:
     """One MoE dispatch: the (token, slot) pairs sorted by expert (stable), each expert's row count on the device
     (reading them back is a dispatch's host sync), the sorted rows (each its token's input), and what a
     dispatcher fills in, kept in slot order (row t * k + j: token t's slot j): each row's expert output and, when
-    down norms are asked, its activation's norm. With `spare`, the norms have as many values again, which take the
-    norms a bounded `put` drops (the p-th in value n + p: a scatter that writes one place many times is slower).
-    Without `outputs` nothing is put: the dispatcher runs every sorted row at once and combines from its result
-    (`combine_sorted`)."""
+    down norms are asked, its activation's norm. Without `outputs` nothing is put: the dispatcher runs every sorted
+    row at once and combines from its result (`combine_sorted`)."""
     order: torch.Tensor
     counts: torch.Tensor
     rows: torch.Tensor
@@ -83,7 +81,7 @@ class _Dispatch:
     norms: torch.Tensor | None
 
     @classmethod
-    def of(cls, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, norms: bool, spare: bool = False,
+    def of(cls, x: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, norms: bool,
            outputs: bool = True) -> _Dispatch:
         flat = topk_ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -92,23 +90,17 @@ class _Dispatch:
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).index_add_(0, flat, torch.ones_like(flat))
         if not outputs:
             return cls(order, counts, rows, None, None)
-        size = rows.shape[0] * (2 if spare else 1)
         return cls(order, counts, rows, x.new_empty(rows.shape),
-                   torch.empty(size, dtype=torch.float32, device=x.device) if norms else None)
+                   torch.empty(rows.shape[0], dtype=torch.float32, device=x.device) if norms else None)
 
     def put(self, dest, act: torch.Tensor, y: torch.Tensor, count: torch.Tensor | None = None) -> None:
         """Sorted rows `dest` (a slice or an index) got expert outputs y [n, H] from activations act [n, I]; with
-        `count` (int64 [1] on the device, a dispatch `of(..., spare=True)` where norms are kept) only the first
-        `count` of them: the others' outputs are left alone (on a GPU not even read) and their norms go spare."""
+        `count` (int64 [1] on the device) only the first `count` of them: the others are left alone (on a GPU not
+        even read)."""
         slots = self.order[dest]
         move_rows(y, self.outputs, dst_index=slots, count=count)
         if self.norms is not None:
-            norms = row_norms(act, count=count)
-            if count is not None:
-                n = self.order.shape[0]
-                pos = torch.arange(n, device=slots.device)
-                slots = torch.where(pos < count, slots, pos + n)
-            self.norms[slots] = norms
+            row_norms(act, out=self.norms, count=count, out_index=slots)
 
     def combine(self, topk_weights: torch.Tensor, down_in_norm: torch.Tensor | None) -> torch.Tensor:
         """sum over each token's slots of routing weight * expert output, accumulated in float32 slot by slot
@@ -126,7 +118,7 @@ class _Dispatch:
         where = torch.empty_like(self.order).index_copy_(0, self.order, torch.arange(self.order.shape[0],
                                                                                       device=self.order.device))
         if down_in_norm is not None:
-            down_in_norm.view(-1).copy_(row_norms(act)[where])
+            row_norms(act, out=down_in_norm, out_index=self.order)
         return slot_combine(y, topk_weights, where)
 
 
@@ -208,7 +200,7 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if not x.shape[0]:
         return x.new_empty(x.shape)
     chunked = num_experts > max_experts
-    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None, spare=chunked, outputs=chunked)
+    d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None, outputs=chunked)
     n = d.rows.shape[0]
     ends = torch.cumsum(d.counts, 0)
     if not chunked:
