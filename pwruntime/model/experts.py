@@ -106,10 +106,9 @@ class _Dispatch:
         """sum over each token's slots of routing weight * expert output, accumulated in float32 slot by slot
         (`layer_ops.slot_combine`: deterministic, no atomics, each output row read once on a GPU); fills
         down_in_norm."""
-        slots = topk_weights.numel()
         if self.norms is not None:
-            down_in_norm.view(-1).copy_(self.norms[:slots])
-        return slot_combine(self.outputs[:slots], topk_weights)
+            down_in_norm.view(-1).copy_(self.norms)
+        return slot_combine(self.outputs, topk_weights)
 
     def combine_sorted(self, act: torch.Tensor, y: torch.Tensor, topk_weights: torch.Tensor,
                        down_in_norm: torch.Tensor | None) -> torch.Tensor:
