@@ -218,11 +218,11 @@ extern "C" __global__ void __launch_bounds__(128) pw_slot_combine(const u16* __r
     *reinterpret_cast<u32x4*>(out + t * cols + c) = u32x4{pair(0), pair(1), pair(2), pair(3)};
 }
 
-// dst[d(p)] = src[s(p)] for the rows p below `rows` and, with `count` non-null, below *count (an int64 on the device):
-// s(p) = src_index[p] and d(p) = dst_index[p], each the identity where its index is null. 8 columns a thread (cols a
-// multiple of 8, both 16-byte aligned and contiguous, not overlapping); grid (rows, column blocks). A gather and a
-// scatter at the bandwidth of a copy (torch's index_put_ of rows runs an element a thread at about a third of it),
-// and a move bounded on the device does no work for the rows past its bound.
+// dst[d(p)] = src[s(p)] for each move p, a CTA row of the grid (moves, column blocks), those from *count on skipped
+// where `count` is non-null (an int64 on the device): s(p) = src_index[p] and d(p) = dst_index[p], each the identity
+// where its index is null. 8 columns a thread (cols a multiple of 8, both 16-byte aligned and contiguous, not
+// overlapping). A gather and a scatter at the bandwidth of a copy (torch's index_put_ of rows runs an element a thread
+// at about a third of it), and a move bounded on the device does no work for the rows past its bound.
 extern "C" __global__ void __launch_bounds__(128) pw_move_rows(const u16* __restrict__ src,
                                                               const ll* __restrict__ src_index,
                                                               u16* __restrict__ dst, const ll* __restrict__ dst_index,

@@ -130,7 +130,8 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
     assert "h200-roofline" in out and "h200-measured " not in out and "Roofline profile" in out
     assert main(["hardware", "h100-measured"]) == 0
     head, row = capsys.readouterr().out.splitlines()[:3:2]
-    assert "device" in head and "prefill chunk us" in head and "NVIDIA H100" in row and row.rstrip().endswith("94")
+    chunk_us = f"{load_profile('h100-measured').prefill_chunk_overhead_us:,.0f}"
+    assert "device" in head and "prefill chunk us" in head and "NVIDIA H100" in row and row.split()[-1] == chunk_us
     assert main(["hardware", "no-such-profile"]) == 2
     err = capsys.readouterr().err
     assert "no-such-profile" in err and "h200-olmoe-runtime" in err and "Traceback" not in err
