@@ -155,8 +155,7 @@ def row_norms(x: torch.Tensor, out: torch.Tensor | None = None, count: torch.Ten
         norms = row_norms_ref(x)
         if out_index is None:
             return norms if out is None else out.copy_(norms.view(out.shape))
-        done = rows if count is None else min(rows, int(count))
-        out.view(-1)[out_index[:done]] = norms.reshape(-1)[:done]
+        move_rows_ref(norms.reshape(-1, 1), out.view(-1, 1), dst_index=out_index, count=count)   # the bounded scatter
         return out
     x2 = _rows(x)
     res = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) if out is None else out
