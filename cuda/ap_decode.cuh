@@ -143,3 +143,34 @@ __device__ __forceinline__ void decode_bytes(const u32 C, u32 row_base, u32 stri
     A[0] = lut_lookup(row_base, stride, C, 0) | (lut_lookup(row_base, stride, C, 1) << 16);
     A[1] = lut_lookup(row_base, stride, C, 2) | (lut_lookup(row_base, stride, C, 3) << 16);
 }
+
+// One 32-column word of a row -> its 32 values in the activation dtype as 16 pairs of consecutive elements (out[p]:
+// element 2p in the low half, 2p + 1 in the high). w: the row's plane words of that word (the top three
+// nibble-packed; w[Q..7] unused). q = 3, 4 look codes up in the row's register LUT L (reg_lut); q >= 5 call
+// look(code), which gives the entry of a code (0 .. 2^Q - 1) in the activation dtype.
+template <int Q, typename Look>
+__device__ __forceinline__ void decode_word32(const u32 (&w)[8], const u32 (&L)[8], Look look, u32 (&out)[16]) {
+    if constexpr (Q <= 4) {
+        u32 A[4][4];  // A[i][h]: elements i + 8h (low half) and i + 8h + 4
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            if constexpr (Q == 3) decode3(w, i, L, A[i]);
+            else decode4(w, i, L, A[i]);
+        }
+#pragma unroll
+        for (int i0 = 0; i0 < 4; i0 += 2)
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                out[i0 / 2 + 4 * h] = prmt(A[i0][h], A[i0 + 1][h], 0x5410u);      // elements i0 + 8h, +1
+                out[i0 / 2 + 4 * h + 2] = prmt(A[i0][h], A[i0 + 1][h], 0x7632u);  // elements i0 + 8h + 4, +5
+            }
+    } else {
+        u32 C[8];  // byte b of C[i]: the code of element i + 8b
+        byte_codes<Q>(w, C);
+#pragma unroll
+        for (int i = 0; i < 8; i += 2)
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+                out[i / 2 + 4 * b] = look((C[i] >> (8 * b)) & 0xffu) | (look((C[i + 1] >> (8 * b)) & 0xffu) << 16);
+    }
+}
