@@ -29,40 +29,24 @@ __device__ __forceinline__ void decode_word(const long long* row, int r, int W, 
     u32 w[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) w[j] = j < Q ? ldg_nc(reinterpret_cast<const u32*>(row[j]) + off) : 0u;
+    u32 L[8] = {};
     if constexpr (Q <= 4) {
         u32x4 raw[2];
 #pragma unroll
         for (int h = 0; h < Q - 2; ++h) raw[h] = ldg_nc_v4(lut + 8 * h);
-        u32 L[8];
         reg_lut<Q, BF>(raw, L);
-        u32 A[4][4];  // A[i][h]: elements i + 8h (low half) and i + 8h + 4
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            if constexpr (Q == 3) decode3(w, i, L, A[i]);
-            else decode4(w, i, L, A[i]);
-        }
-#pragma unroll
-        for (int i0 = 0; i0 < 4; i0 += 2)
-#pragma unroll
-            for (int h = 0; h < 4; ++h) {
-                out[i0 / 2 + 4 * h] = prmt(A[i0][h], A[i0 + 1][h], 0x5410u);      // elements i0 + 8h, +1
-                out[i0 / 2 + 4 * h + 2] = prmt(A[i0][h], A[i0 + 1][h], 0x7632u);  // elements i0 + 8h + 4, +5
-            }
-    } else {
-        u32 C[8];  // byte b of C[i]: the code of element i + 8b
-        byte_codes<Q>(w, C);
-        const auto look = [lut](u32 c, int b) { return (u32)lut2act<BF>(ldg_nc_u16(lut + ((c >> (8 * b)) & 0xffu))); };
-#pragma unroll
-        for (int i = 0; i < 8; i += 2)
-#pragma unroll
-            for (int b = 0; b < 4; ++b) out[i / 2 + 4 * b] = look(C[i], b) | (look(C[i + 1], b) << 16);
     }
+    decode_word32<Q>(w, L, [lut](u32 c) { return (u32)lut2act<BF>(ldg_nc_u16(lut + c)); }, out);
 }
 }  // namespace
 
+// `skip` (nullable): when it points at a nonzero value the launch writes nothing (a captured prefill whose layer
+// runs the fused AP GEMM instead, ap_gemm.cu, decides so on the device).
 extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_dequant(const long long* __restrict__ table,
                                                                     const long long* __restrict__ blocks,
-                                                                    int out_rows, int K, u16* __restrict__ dst) {
+                                                                    int out_rows, int K, u16* __restrict__ dst,
+                                                                    const long long* __restrict__ skip) {
+    if (skip != nullptr && *skip != 0) return;
     constexpr int LANE_WORDS = 20;  // a thread's 16 output words, padded by 4: its 16-byte writes hit distinct banks
     __shared__ __align__(16) u32 stage[THREADS / 32][32 * LANE_WORDS];
     const int W = (K + 31) >> 5;

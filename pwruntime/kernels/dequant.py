@@ -19,9 +19,12 @@ def variant(dtype: torch.dtype) -> kc.Variant:
 
 
 def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Tensor, out_features: int,
-                      in_features: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                      in_features: int, dtype: torch.dtype = torch.float16,
+                      skip: torch.Tensor | None = None) -> torch.Tensor:
     """W_q [n, out, in] of same-shape blocks, one launch on CUDA; a block at 0 bits gives zeros. Block ids given as
-    a tensor on the table's CUDA device are used where they are (nothing copied: capturable in a CUDA graph)."""
+    a tensor on the table's CUDA device are used where they are (nothing copied: capturable in a CUDA graph).
+    `skip` (int64 [1] on the device): when it holds a nonzero value the kernel writes nothing (the result's values
+    are undefined); off the kernel's path it is ignored."""
     on_device = isinstance(blocks, torch.Tensor) and blocks.is_cuda and table.device.type == "cuda"
     ids = [] if on_device else [int(b) for b in (blocks.tolist() if isinstance(blocks, torch.Tensor) else blocks)]
     n = blocks.numel() if on_device else len(ids)
@@ -44,5 +47,5 @@ def dequantize_blocks(table: DeviceWeightTable, blocks: Sequence[int] | torch.Te
     k = kc.get_kernel(dev, name, "pw_ap_dequant", defines)
     grid = (-(-out_features * words // THREADS), n)
     kc.launch(k, dev, grid, (THREADS,), (kc.ptr(table.table), kc.ptr(idx), kc.i32(out_features),
-                                         kc.i32(in_features), kc.ptr(dst)))
+                                         kc.i32(in_features), kc.ptr(dst), kc.ptr(skip)))
     return dst
