@@ -2,9 +2,10 @@
 
 Modules: `device_table` (the device-side weight page table the kernels read), `moe` (fused AP MoE
 decode, two launches per layer, CUDA-graph capturable; single-block AP linear), `dequant` (AP ->
-fp16/bf16 for prefill GEMMs), `attention` (paged-attention decode, GQA), `reference` (the pure-torch
-reference of every kernel, used on CPU and in tests), `compile` (CuPy RawModule cache and launches on
-torch's stream), `bench` (`pwruntime bench kernels`). CuPy is imported lazily, only on the CUDA path.
+fp16/bf16 for prefill GEMMs), `ap_gemm` (a grouped GEMM that decodes AP blocks into its tiles: prefill at
+3-4 bits), `attention` (paged-attention decode, GQA), `reference` (the pure-torch reference of every
+kernel, used on CPU and in tests), `compile` (CuPy RawModule cache and launches on torch's stream),
+`bench` (`pwruntime bench kernels`). CuPy is imported lazily, only on the CUDA path.
 """
 from pwruntime.kernels.attention import paged_attention_decode
 from pwruntime.kernels.dequant import dequantize_blocks

@@ -261,6 +261,8 @@ def variants() -> list[Variant]:
                 out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt), ("PW_WARPS", warps))))
         out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", 4), ("PW_OVERFLOW", 1))))  # MoE launches above 32 tokens
         out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
+        for rows in (64, 128):  # kernels.ap_gemm.TILE_ROWS
+            out.append(("ap_gemm.cu", (("PW_BF16", bf), ("PW_BM", rows))))
         out.append(("layer_ops.cu", (("PW_BF16", bf),)))
     for dt in (0, 1, 2):
         out.append(("paged_attention.cu", (("PW_DT", dt), ("PW_DPL", 4))))
