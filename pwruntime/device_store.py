@@ -37,16 +37,20 @@ iteration boundary, and `moe()`/`weight()` call it when the committed bits diffe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
 from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, prefill_chunk_experts
-from pwruntime.kernels import DeviceWeightTable, MoEShape, MoEWorkspace, dequant, dequantize_blocks, fused_moe
+from policies.prefill_path import (FUSED_GEMM_MAX_BITS, GROUPED_MM_MAX_INTERMEDIATE, fused_gemm_layer,
+                                   fused_gemm_tile_rows)
+from pwruntime.kernels import (DeviceWeightTable, MoEShape, MoEWorkspace, ap_gemm, dequant, dequantize_blocks,
+                               fused_moe)
 from pwruntime.copy_batch import CopyBatch
 from pwruntime.plane_arena import PlaneArena
-from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
+from pwruntime.kernels.device_table import COL_BITS, MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
 from pwruntime.kernels.layer_ops import row_norms
 from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
 from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
@@ -68,7 +72,6 @@ CAPTURE_REREAD_BYTES = 256 << 20
 # Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
 # measured 772 TFLOP/s fp16, less than the host time of the launches another group of experts would cost.
 PAD_FLOPS = 10 ** 10
-GROUPED_MM_MAX_INTERMEDIATE = 4096  # larger experts' prefill is faster as padded batched GEMMs (grouped_mm_prefill)
 
 
 def _kernel_path(x: torch.Tensor) -> bool:
@@ -406,10 +409,11 @@ class DeviceExpertStore:
 
     def kernel_variants(self, top_k: int) -> set:
         """The CUDA builds `moe` launches with `top_k` experts a token: the fused kernel's at 1..64 tokens a launch and
-        the prefill's dequantization (none off CUDA or in fp32, where the fallbacks run)."""
+        the prefill's dequantization and fused AP GEMM (none off CUDA or in fp32, where the fallbacks run)."""
         if self.device.type != "cuda" or self.dtype not in (torch.float16, torch.bfloat16):
             return set()
-        return layer_variants(self.moe_shape(top_k), self.dtype, self.device) | {dequant.variant(self.dtype)}
+        return (layer_variants(self.moe_shape(top_k), self.dtype, self.device) | {dequant.variant(self.dtype)}
+                | {ap_gemm.variant(self.dtype, rows) for rows in ap_gemm.TILE_ROWS})
 
     def workspace(self, tokens: int, dtype: torch.dtype, top_k: int) -> MoEWorkspace:
         """The workspace of `tokens`' bucket (created once, then reused by every layer and step)."""
@@ -461,10 +465,10 @@ def prefill_group_limits(shape: MoEShape, element_size: int,
 
 
 def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],
-                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                       dtype: torch.dtype, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits. A run of
     consecutive experts (a `range`, as grouped_mm_moe asks) is asked for by block ids made on the device (no copy:
-    capturable, see prefill_syncs)."""
+    capturable, see prefill_syncs). `skip` as dequantize_blocks takes it."""
     run = isinstance(experts, range) and experts.step == 1 and table.device.type == "cuda"
     first = torch.arange(2 * experts.start, 2 * experts.stop, 2, device=table.device) if run else None
 
@@ -473,8 +477,8 @@ def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, ex
             return first + shape.block(layer, 0, kind)
         return [shape.block(layer, e, kind) for e in experts]
 
-    gate_up, down = (dequantize_blocks(table, ids(kind), *block_shape(kind, shape.hidden, shape.intermediate), dtype)
-                     for kind in (0, 1))
+    gate_up, down = (dequantize_blocks(table, ids(kind), *block_shape(kind, shape.hidden, shape.intermediate), dtype,
+                                       skip) for kind in (0, 1))
     return gate_up, down
 
 
@@ -493,16 +497,57 @@ def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
     return grouped_mm_ok(x, shape.hidden, shape.intermediate) and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
 
 
+@dataclass(frozen=True)
+class FusedGemmLayer:
+    """One MoE layer's experts as the fused AP GEMM reads them (`kernels.ap_gemm`), for `grouped_mm_moe`. `on` (int64
+    [1] on the device) is 1 when every block of the layer is at FUSED_GEMM_MAX_BITS or fewer, read from the device
+    table on the device, so a captured step follows the bits of each replay; `off` = 1 - on."""
+    table: DeviceWeightTable
+    blocks: tuple[torch.Tensor, torch.Tensor]  # each expert's gate_up and down block ids, int64 [E] on the device
+    out_features: tuple[int, int]              # gate_up's and down's
+    tile_rows: int
+    on: torch.Tensor
+    off: torch.Tensor
+
+    @classmethod
+    def of(cls, table: DeviceWeightTable, shape: MoEShape, layer: int, rows: int) -> FusedGemmLayer:
+        first, e = shape.block(layer, 0, 0), shape.num_experts
+        ids = torch.arange(first, first + 2 * e, device=table.device)  # the layer's blocks: gate_up, down, gate_up...
+        on = (table.table[first:first + 2 * e, COL_BITS].amax() <= FUSED_GEMM_MAX_BITS).to(torch.int64).reshape(1)
+        outs = (block_shape(0, shape.hidden, shape.intermediate)[0], shape.hidden)
+        return cls(table, (ids[0::2], ids[1::2]), outs, fused_gemm_tile_rows(rows, e), on, 1 - on)
+
+    def mm(self, kind: int, a: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows a [N, in] sorted by expert (`ends` int32 [E]) times their experts' blocks of `kind`, where `on`
+        says so (into `out` when given)."""
+        return ap_gemm.ap_grouped_mm(self.table, self.blocks[kind], a, ends, self.out_features[kind],
+                                     FUSED_GEMM_MAX_BITS, self.tile_rows, out, self.on)
+
+
+def fused_gemm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
+    """Whether `prefill_moe` may run these activations' layer through the fused AP GEMM (`FusedGemmLayer`; it does
+    where every block of the layer is at FUSED_GEMM_MAX_BITS or fewer): on `grouped_mm_moe`'s path, where
+    `policies.prefill_path.fused_gemm_layer` says so (shapes the kernel takes, few rows an expert)."""
+    return grouped_mm_prefill(x, shape) and fused_gemm_layer(x.shape[0] * shape.top_k, shape.num_experts,
+                                                             shape.hidden, shape.intermediate)
+
+
 def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
                 down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
     (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `grouped_mm_moe` where
-    `grouped_mm_prefill` says so, else by `padded_moe`."""
-    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype)  # noqa: E731
+    `grouped_mm_prefill` says so, else by `padded_moe`. Where `fused_gemm_prefill` says so, `grouped_mm_moe` runs the
+    fused AP GEMM instead whenever the layer's blocks are all at 4 bits or fewer (decided on the device; the
+    dequantization is skipped then)."""
     max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
     if grouped_mm_prefill(x, shape):
+        fused = FusedGemmLayer.of(table, shape, layer, x.shape[0] * shape.top_k) if fused_gemm_prefill(x, shape) \
+            else None
+        skip = None if fused is None else fused.on
+        weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
         return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,
-                              shape.activation)
+                              shape.activation, fused)
+    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype)  # noqa: E731
     return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, max_pad_rows,
                       down_in_norm, shape.activation)

@@ -51,20 +51,30 @@ class ExpertStore(Protocol):
         ...
 
 
-def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offs: torch.Tensor | None = None,
-               act: str = "silu", count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Tensor | None,
+               offs: torch.Tensor | None = None, act: str = "silu", count: torch.Tensor | None = None,
+               fused=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert on its rows [n, H], or a batch of experts on theirs [b, n, H]: (act = act(gate rows) *
     (up rows) [..., n, I], down act [..., n, H]). With `offs` (int32 [b], each expert's end row), rows [N, H]
     sorted by expert go through torch's grouped GEMM against the b experts' matrices instead, which computes only
     the rows below the last offset; `count` (that row on the device, int64 [1]) bounds the activation's rows too.
+    `fused` (with offs; a `device_store.FusedGemmLayer`) may run the fused AP GEMM in their place, as its `on` says
+    on the device: the grouped GEMMs then get offsets of zeros (they compute nothing) and the fused GEMM writes their
+    results; with gate_up and down None it runs alone.
 
     gate_up [..., 2I, H] (gate rows first), down [..., H, I]: the expert body the dispatchers below run."""
-    def mm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        wt = w.transpose(-1, -2)
-        return torch.matmul(a, wt) if offs is None else torch._grouped_mm(a, wt, offs=offs)
+    gated = None if fused is None or gate_up is None else (offs * fused.off).to(torch.int32)
 
-    a = act_mul(mm(rows, gate_up), act, count)
-    return a, mm(a, down)
+    def mm(a: torch.Tensor, w: torch.Tensor | None, kind: int) -> torch.Tensor:
+        wt = None if w is None else w.transpose(-1, -2)
+        if offs is None:
+            return torch.matmul(a, wt)
+        if fused is None:
+            return torch._grouped_mm(a, wt, offs=offs)
+        return fused.mm(kind, a, offs, None if wt is None else torch._grouped_mm(a, wt, offs=gated))
+
+    a = act_mul(mm(rows, gate_up, 0), act, count)
+    return a, mm(a, down, 1)
 
 
 @dataclass
@@ -184,7 +194,7 @@ def padded_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tens
 
 def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    weights_of, max_experts: int, down_in_norm: torch.Tensor | None = None,
-                   act: str = "silu") -> torch.Tensor:
+                   act: str = "silu", fused=None) -> torch.Tensor:
     """grouped_moe's result with torch's grouped GEMM (`torch._grouped_mm`, prefill in bf16 on Hopper), reading
     nothing back to the host: no host sync, capturable in a CUDA graph.
 
@@ -195,6 +205,10 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     a device index, as are the offsets). A chunk's row count, known on the device only, bounds its rotation, its
     activation and the scatter of its outputs into slot order, so each moves its own rows, not all of them. With one
     chunk the combine reads the GEMMs' rows where they are, sorted (`_Dispatch.combine_sorted`).
+
+    `fused` (a `device_store.FusedGemmLayer`): where its `on` says so on the device, the fused AP GEMM computes the
+    layer over every sorted row at once, and the chunks see row ends of zeros, so their GEMMs, moves and activations
+    compute nothing (`weights_of` must skip its dequantization then, as `fused.on` says).
     """
     if not x.shape[0]:
         return x.new_empty(x.shape)
@@ -204,23 +218,28 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     ends = torch.cumsum(d.counts, 0)
     if not chunked:
         gate_up, down = weights_of(range(num_experts))
-        return d.combine_sorted(*expert_mlp(d.rows, gate_up, down, ends.to(torch.int32), act), topk_weights,
-                                down_in_norm)
+        return d.combine_sorted(*expert_mlp(d.rows, gate_up, down, ends.to(torch.int32), act, fused=fused),
+                                topk_weights, down_in_norm)
+    chunk_ends = ends if fused is None else ends * fused.off  # zeros where the fused GEMM runs
     pos, rotated = torch.arange(n, device=x.device), torch.empty_like(d.rows)
     for first in range(0, num_experts, max_experts):
         last = min(first + max_experts, num_experts)
         gate_up, down = weights_of(range(first, last))
         if not first:
-            count = ends[last - 1:last]
-            d.put(slice(None), *expert_mlp(d.rows, gate_up, down, ends[:last].to(torch.int32), act, count), count)
+            count = chunk_ends[last - 1:last]
+            d.put(slice(None), *expert_mlp(d.rows, gate_up, down, chunk_ends[:last].to(torch.int32), act, count),
+                  count)
         else:
-            start = ends[first - 1]
-            count = ends[last - 1:last] - start
+            start = chunk_ends[first - 1]
+            count = chunk_ends[last - 1:last] - start
             src = (pos + start) % n   # sorted row of each rotated row: this chunk's rows first
             move_rows(d.rows, rotated, src_index=src, count=count)
-            offs = (ends[first:last] - start).to(torch.int32)
+            offs = (chunk_ends[first:last] - start).to(torch.int32)
             d.put(src, *expert_mlp(rotated, gate_up, down, offs, act, count), count)
         del gate_up, down  # the next chunk's weights are made after these go
+    if fused is not None:
+        count = ends[-1:] * fused.on
+        d.put(slice(None), *expert_mlp(d.rows, None, None, ends.to(torch.int32), act, count, fused), count)
     return d.combine(topk_weights, down_in_norm)
 
 
