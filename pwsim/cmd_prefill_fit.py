@@ -83,11 +83,15 @@ def run(args) -> int:
                 "chunk sizes): the medians of the measured minus the modeled wall time of one prefill MoE layer (the "
                 "runtime's host work and launches for the layer and for each chunk of experts after its first); "
                 f"modeled / measured {r['before']['min']:.2f}-"
-                f"{r['before']['max']:.2f} before, {r['after']['min']:.2f}-{r['after']['max']:.2f} after.")
+                f"{r['before']['max']:.2f} before, {r['after']['min']:.2f}-{r['after']['max']:.2f} after."
+                + (f" ap_gemm_tflops from the {report['fit']['ap_gemm_rows']} rows that timed the fused AP GEMM's "
+                   "kernels: the median FLOPs a second over its padded tiles."
+                   if report["fit"]["ap_gemm_rows"] else ""))
         fitted = fitted_profile(profile, report, note)
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us,
-                                    "prefill_chunk_overhead_us": fitted.prefill_chunk_overhead_us}
+                                    "prefill_chunk_overhead_us": fitted.prefill_chunk_overhead_us,
+                                    "ap_gemm_tflops": fitted.to_json()["ap_gemm_tflops"]}
     write_report(out, "prefill_fit", report, lambda png: plots.prefill_fit(report, png), fitted, args.fit_profile)
     if args.json:
         print(dumps(report))
@@ -101,6 +105,9 @@ def run(args) -> int:
           f"{profile.name}; modeled / measured " + ", ".join(
               f"{when}: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f}"
               for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))
+    for bits, tiles in value["ap_gemm_tflops"].items():
+        rates = ", ".join(f"{v:.0f} TFLOP/s at {t}-row tiles" for t, v in tiles.items())
+        print(f"ap_gemm_tflops at {bits} bits: {rates} (from {value['ap_gemm_rows']} rows that timed the fused AP GEMM)")
     if report["skipped_fused_rows"]:
         print(f"{report['skipped_fused_rows']} rows of at most {profile.ap_fused_max_tokens} tokens ran the fused kernel: "
               "left out of the fit")

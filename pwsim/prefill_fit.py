@@ -10,6 +10,12 @@ time depends on the split only through experts between memory- and compute-bound
 row's bits, `batch_tokens` = the row's tokens, and the row's chunk size (`prefill_chunk_bytes`, the bench's
 `--prefill-chunk`; 1 GiB, the default, in a bench older than the field).
 
+Rows that also time the fused AP GEMM's kernels (`ap_gemm_kernel_ms`, at 3-4 bits, `ap_gemm_tile_rows` a tile) set
+the profile's `ap_gemm_tflops` first: per (bits, tile rows) the median over those rows of the FLOPs the cost model
+charges the layer's two GEMMs (each expert's even share of the rows plus half a tile, `CostModel._fused_gemm_times`)
+over the kernels' time. The rows whose layer the runtime sends through that GEMM (`policies.prefill_path`) are then
+modeled with it, as the simulator models them.
+
 `fit` sets the profile's two fixed costs from the gaps (measured - modeled without them). The medians, not a
 least-squares line: the model's slope (bytes and FLOPs at the profile's measured rates) is already physical, what
 it lacks is a fixed cost per layer (the group's launches and host work) and one per chunk of experts after the
@@ -54,6 +60,8 @@ class BenchRow:
     active_experts: int
     measured_ms: float
     chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES
+    ap_gemm_kernel_ms: float | None = None   # the fused AP GEMM's two kernels alone, where the bench timed them
+    ap_gemm_tile_rows: int | None = None
 
 
 def _int(v) -> bool:
@@ -81,12 +89,19 @@ def parse_rows(data, source: str) -> list[BenchRow]:
             raise UserError(f"{source}: row {k} has a bad value (model a name, tokens, active_experts and "
                             f"prefill_chunk_bytes positive integers, bits in {list(AP_BITS)}, the time a positive "
                             f"number): {_shown_row(r)}")
-        rows.append(BenchRow(r["model"], r["tokens"], r["bits"], r["active_experts"], float(ms), chunk))
+        kernel_ms, tile = r.get("ap_gemm_kernel_ms"), r.get("ap_gemm_tile_rows")
+        if kernel_ms is not None and not (isinstance(kernel_ms, (int, float)) and not isinstance(kernel_ms, bool)
+                                          and math.isfinite(kernel_ms) and kernel_ms > 0 and _int(tile) and tile > 0):
+            raise UserError(f"{source}: row {k} has a bad ap_gemm_kernel_ms or ap_gemm_tile_rows (a positive time "
+                            f"and a positive integer): {_shown_row(r)}")
+        rows.append(BenchRow(r["model"], r["tokens"], r["bits"], r["active_experts"], float(ms), chunk,
+                             None if kernel_ms is None else float(kernel_ms), tile if kernel_ms is not None else None))
     return rows
 
 
 def _shown_row(r: dict) -> dict:
-    return {key: r[key] for key in (*ROW_KEYS, "runtime_ms", "prefill_chunk_bytes") if key in r}
+    return {key: r[key] for key in (*ROW_KEYS, "runtime_ms", "prefill_chunk_bytes", "ap_gemm_kernel_ms",
+                                    "ap_gemm_tile_rows") if key in r}
 
 
 def read_bench(path: str | Path) -> tuple[dict, list[BenchRow]]:
@@ -151,6 +166,32 @@ def layer_ms(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> float:
     return cm.moe(q, tok, row.tokens) * 1e3
 
 
+def gemm_flops(card: ModelSpec, row: BenchRow) -> float:
+    """The FLOPs the cost model charges the row's fused AP GEMMs: each active expert's even share of the rows plus
+    half a tile, through gate_up and down."""
+    padded = expert_counts(row.tokens, card.top_k, row.active_experts) + row.ap_gemm_tile_rows / 2
+    return float(padded.sum()) * 2 * 3 * card.hidden * card.expert_intermediate
+
+
+def gemm_tflops(rows: list[BenchRow], cards: dict[str, ModelSpec]) -> dict[int, dict[int, float]]:
+    """{bits: {tile rows: TFLOP/s}}: per (bits, tile rows) the median over the rows that timed the fused AP GEMM of
+    gemm_flops / its kernels' time."""
+    rates: dict[tuple[int, int], list[float]] = {}
+    for r in rows:
+        if r.ap_gemm_kernel_ms is not None:
+            rates.setdefault((r.bits, r.ap_gemm_tile_rows), []).append(
+                gemm_flops(cards[r.model], r) / (r.ap_gemm_kernel_ms * 1e-3) / 1e12)
+    out: dict[int, dict[int, float]] = {}
+    for (bits, tile), values in sorted(rates.items()):
+        out.setdefault(bits, {})[tile] = float(np.median(values))
+    return out
+
+
+def merge_rates(old: dict[int, dict[int, float]], new: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """`old` with `new`'s rates over it, (bits, tile rows) by (bits, tile rows)."""
+    return {b: {**old.get(b, {}), **new.get(b, {})} for b in sorted({*old, *new})}
+
+
 def ratio_summary(ratios) -> dict:
     r = np.asarray(ratios, dtype=np.float64)
     return {"min": float(r.min()), "median": float(np.median(r)), "max": float(r.max())}
@@ -180,13 +221,15 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
                         f"fits the dequantize path only: bench prompts of more than {fused} tokens (--tokens)")
     cards = {m: card_for(m) for m in dict.fromkeys(r.model for r in rows)}
     counts = [prefill_chunks(cards[r.model], r.chunk_bytes) for r in rows]
-    bare = replace(profile, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
+    tflops = gemm_tflops(rows, cards)
+    rated = replace(profile, ap_gemm_tflops=merge_rates(profile.ap_gemm_tflops, tflops))
+    bare = replace(rated, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
     measured = np.array([r.measured_ms for r in rows])
     gaps = measured - np.array([layer_ms(cards[r.model], bare, r) for r in rows])
     slopes = chunk_slopes(rows, counts, gaps)
     chunk_us = max(0.0, float(np.median(slopes)) * 1e3) if slopes else profile.prefill_chunk_overhead_us
     layer_us = max(0.0, float(np.median(gaps * 1e3 - (np.array(counts) - 1) * chunk_us)))
-    after_profile = replace(profile, prefill_layer_overhead_us=layer_us, prefill_chunk_overhead_us=chunk_us)
+    after_profile = replace(rated, prefill_layer_overhead_us=layer_us, prefill_chunk_overhead_us=chunk_us)
     before = np.array([layer_ms(cards[r.model], profile, r) for r in rows])
     after = np.array([layer_ms(cards[r.model], after_profile, r) for r in rows])
     table = [{"model": r.model, "card": cards[r.model].name, "tokens": r.tokens, "bits": r.bits,
@@ -200,13 +243,19 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
                     "previous_chunk_us": profile.prefill_chunk_overhead_us, "chunk_pairs": len(slopes),
                     "method": "chunk: median over rows alike but for their chunk count of the gap's difference a "
                               "chunk (kept where no such pair); layer: median over rows of the gap less the chunks "
-                              "after the first; both clipped at 0 (gap: measured - modeled without either)"},
+                              "after the first; both clipped at 0 (gap: measured - modeled without either)",
+                    "ap_gemm_tflops": {str(b): {str(t): v for t, v in tv.items()} for b, tv in tflops.items()},
+                    "previous_ap_gemm_tflops": {str(b): {str(t): v for t, v in tv.items()}
+                                                for b, tv in profile.ap_gemm_tflops.items()},
+                    "ap_gemm_rows": sum(r.ap_gemm_kernel_ms is not None for r in rows)},
             "ratios": {"before": ratio_summary(before / measured), "after": ratio_summary(after / measured),
                        "of": "modeled / measured"}}
 
 
 def fitted_profile(profile: HardwareProfile, report: dict, note: str) -> HardwareProfile:
     """`profile` with the fitted prefill overheads and `note` (where it came from) as metadata.prefill_fit."""
+    fitted = {int(b): {int(t): v for t, v in tv.items()} for b, tv in report["fit"].get("ap_gemm_tflops", {}).items()}
     return replace(profile, prefill_layer_overhead_us=report["fit"]["prefill_layer_overhead_us"],
                    prefill_chunk_overhead_us=report["fit"]["prefill_chunk_overhead_us"],
+                   ap_gemm_tflops=merge_rates(profile.ap_gemm_tflops, fitted),
                    metadata={**profile.metadata, "prefill_fit": note})

@@ -53,6 +53,12 @@ Format (JSON object, `format_version` 1):
                                         measured at several batch sizes; between two measured sizes it is
                                         interpolated in log(tokens), outside them the nearest is used, and
                                         bits it lacks use ap_kernel_efficiency
+    ap_gemm_tflops                      optional {bits: {tile rows: TFLOP/s}}: the fused AP GEMM's rate over its
+                                        tiles, padded rows included (a prefill layer whose blocks are all at 3-4
+                                        bits and whose experts average few rows skips dequantizing them,
+                                        policies.prefill_path); where it lacks a layer's bits or tile size the
+                                        layer is priced on the dequantize path; `pwsim prefill-fit --fit-profile`
+                                        measures it from `pwruntime bench prefill` (`ap_gemm_kernel_ms`)
     metadata                            {"measured": bool, "note": str, "sources": [...], ...}
 """
 from __future__ import annotations
@@ -100,6 +106,7 @@ class HardwareProfile:
     routing_read_us: float = 0.0
     plan_transition_us: float = 0.0
     prefill_chunk_overhead_us: float = 0.0
+    ap_gemm_tflops: dict[int, dict[int, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -127,6 +134,11 @@ class HardwareProfile:
         w = (math.log(t) - math.log(lo)) / (math.log(hi) - math.log(lo))
         return table[lo] + w * (table[hi] - table[lo])
 
+    def ap_gemm_rate(self, bits: int, tile_rows: int) -> float | None:
+        """FLOP/s of the fused AP GEMM over its padded tiles at `bits` and `tile_rows`, or None where not measured."""
+        tflops = self.ap_gemm_tflops.get(bits, {}).get(tile_rows)
+        return None if tflops is None else tflops * 1e12
+
     @property
     def flops_per_s(self) -> float:
         return self.fp16_tflops * 1e12 * self.achieved_flops_fraction
@@ -141,6 +153,8 @@ class HardwareProfile:
         d["ap_kernel_efficiency"] = {str(b): v for b, v in sorted(self.ap_kernel_efficiency.items())}
         d["ap_efficiency_by_tokens"] = {str(b): {str(t): v for t, v in sorted(tv.items())}
                                         for b, tv in sorted(self.ap_efficiency_by_tokens.items())}
+        d["ap_gemm_tflops"] = {str(b): {str(r): v for r, v in sorted(rv.items())}
+                               for b, rv in sorted(self.ap_gemm_tflops.items())}
         return {"format_version": FORMAT_VERSION, **d}
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -186,6 +200,13 @@ def validate(p: HardwareProfile) -> None:
             if not isinstance(t, int) or t < 1:
                 raise HardwareProfileError(f"ap_efficiency_by_tokens[{b}] has batch size {t!r}; sizes are integers >= 1")
             _positive(f"ap_efficiency_by_tokens[{b}][{t}]", v)
+    for b, table in p.ap_gemm_tflops.items():
+        if b not in AP_BITS:
+            raise HardwareProfileError(f"ap_gemm_tflops has bitwidth {b}; bitwidths are {list(AP_BITS)}")
+        for r, v in table.items():
+            if not isinstance(r, int) or r < 1:
+                raise HardwareProfileError(f"ap_gemm_tflops[{b}] has tile rows {r!r}; tile rows are integers >= 1")
+            _positive(f"ap_gemm_tflops[{b}][{r}]", v)
     if "measured" not in p.metadata:
         raise HardwareProfileError('hardware profile metadata must say "measured": true or false')
 
@@ -207,6 +228,8 @@ def from_json(data: dict[str, Any], source: str = "<dict>") -> HardwareProfile:
         by_tok = kwargs.get("ap_efficiency_by_tokens", {})
         kwargs["ap_efficiency_by_tokens"] = {int(b): {int(t): float(v) for t, v in tv.items()}
                                              for b, tv in by_tok.items()}
+        kwargs["ap_gemm_tflops"] = {int(b): {int(r): float(v) for r, v in rv.items()}
+                                    for b, rv in kwargs.get("ap_gemm_tflops", {}).items()}
         kwargs["achieved_bandwidth_fraction"] = dict(kwargs.get("achieved_bandwidth_fraction", {}))
         return HardwareProfile(**kwargs)
     except HardwareProfileError as e:
