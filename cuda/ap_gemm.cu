@@ -2,8 +2,8 @@
 // W_e decoded from its planes as its tiles are loaded, so no dequantized copy of the weights is ever written.
 //
 // x [M, K] holds rows sorted by expert and `ends` (int32 [E]) each expert's end row, as torch._grouped_mm's
-// offsets; `blocks` (int64 [E]) names each expert's page-table row (int64 [plane0..plane7, lut, bits], layout v1,
-// the top three planes nibble-packed). A CTA computes one BM x BN tile of y: grid.x runs over the BN-column tiles,
+// offsets; expert e's block is page-table row block0 + e * block_step (int64 [plane0..plane7, lut, bits], layout
+// v1, the top three planes nibble-packed). A CTA computes one BM x BN tile of y: grid.x runs over the BN-column tiles,
 // grid.y over the BM-row tiles of every expert in turn (its size an upper bound, ceil(M / BM) + E; CTAs past the
 // last tile return at once). Each K step of BK = 64 columns, the CTA's threads decode the tile's BN weight rows
 // (a row's two 32-column words a thread, ap_decode.cuh's decoders; q >= 5 looks codes up in a shared-memory copy
@@ -205,7 +205,7 @@ __device__ __forceinline__ void gemm_tile(const long long* __restrict__ trow, co
 // 16-bit LUT entries when lut_bits >= 5: blocks at 5 <= q <= lut_bits stage their tile's LUT rows there, blocks
 // above it look their codes up in global memory. `on` (nullable): when it points at 0 the launch writes nothing.
 extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_grouped_gemm(
-    const long long* __restrict__ table, const long long* __restrict__ blocks, const int* __restrict__ ends, int E,
+    const long long* __restrict__ table, long long block0, long long block_step, const int* __restrict__ ends, int E,
     const u16* __restrict__ x, int K, int N, u16* __restrict__ y, int lut_bits, const long long* __restrict__ on) {
     if (on != nullptr && *on == 0) return;  // the layer takes the dequantize path this time (decided on the device)
     extern __shared__ __align__(128) char smem[];
@@ -215,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) pw_ap_grouped_gemm(
     const int e = tile[0];
     if (e < 0) return;  // uniform over the CTA
     const int row0 = tile[1], rows = min(BM, tile[2] - row0), n0 = blockIdx.x * BN;
-    const long long* trow = table + blocks[e] * TABLE_COLS;
+    const long long* trow = table + (block0 + e * block_step) * TABLE_COLS;
     const int q = (int)trow[9];
     const bool slut = q <= lut_bits;
     switch (q) {

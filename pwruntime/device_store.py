@@ -503,7 +503,7 @@ class FusedGemmLayer:
     [1] on the device) is 1 when every block of the layer is at FUSED_GEMM_MAX_BITS or fewer, read from the device
     table on the device, so a captured step follows the bits of each replay; `off` = 1 - on."""
     table: DeviceWeightTable
-    blocks: tuple[torch.Tensor, torch.Tensor]  # each expert's gate_up and down block ids, int64 [E] on the device
+    blocks: tuple[range, range]                # the experts' gate_up and down blocks (page-table rows)
     out_features: tuple[int, int]              # gate_up's and down's
     tile_rows: int
     on: torch.Tensor
@@ -511,11 +511,11 @@ class FusedGemmLayer:
 
     @classmethod
     def of(cls, table: DeviceWeightTable, shape: MoEShape, layer: int, rows: int) -> FusedGemmLayer:
-        first, e = shape.block(layer, 0, 0), shape.num_experts
-        ids = torch.arange(first, first + 2 * e, device=table.device)  # the layer's blocks: gate_up, down, gate_up...
+        first, e = shape.block(layer, 0, 0), shape.num_experts   # the layer's blocks: gate_up, down, gate_up...
         on = (table.table[first:first + 2 * e, COL_BITS].amax() <= FUSED_GEMM_MAX_BITS).to(torch.int64).reshape(1)
         outs = (block_shape(0, shape.hidden, shape.intermediate)[0], shape.hidden)
-        return cls(table, (ids[0::2], ids[1::2]), outs, fused_gemm_tile_rows(rows, e), on, 1 - on)
+        blocks = (range(first, first + 2 * e, 2), range(first + 1, first + 2 * e, 2))
+        return cls(table, blocks, outs, fused_gemm_tile_rows(rows, e), on, 1 - on)
 
     def mm(self, kind: int, a: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows a [N, in] sorted by expert (`ends` int32 [E]) times their experts' blocks of `kind`, where `on`

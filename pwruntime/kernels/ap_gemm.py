@@ -31,21 +31,21 @@ def variant(dtype: torch.dtype, tile_rows: int) -> kc.Variant:
     return "ap_gemm.cu", (("PW_BF16", int(dtype == torch.bfloat16)), ("PW_BM", int(tile_rows)))
 
 
-def ap_grouped_mm(table: DeviceWeightTable, blocks: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
-                  out_features: int, max_bits: int = 8, tile_rows: int = 128, out: torch.Tensor | None = None,
+def ap_grouped_mm(table: DeviceWeightTable, blocks: range, x: torch.Tensor, ends: torch.Tensor, out_features: int,
+                  max_bits: int = 8, tile_rows: int = 128, out: torch.Tensor | None = None,
                   on: torch.Tensor | None = None) -> torch.Tensor:
     """y [M, out_features] = the rows of x [M, K] sorted by expert, each times its expert's block transposed:
     expert e owns rows ends[e - 1] .. ends[e] - 1 (`ends` int32 [E] on x's device, torch._grouped_mm's offsets) and
-    block `blocks[e]` (int64 [E], page-table rows of shape [out_features, K]) at its committed bits, a block at 0 bits
-    giving zeros. fp32 accumulation, rounded to x's dtype (fp16 or bf16 on CUDA). Rows from ends[-1] on are not
+    block `blocks[e]` (a run of page-table rows, each of shape [out_features, K]) at its committed bits, a block at 0
+    bits giving zeros. fp32 accumulation, rounded to x's dtype (fp16 or bf16 on CUDA). Rows from ends[-1] on are not
     written (their values are undefined, as torch._grouped_mm leaves them).
 
     `max_bits`: the most bits the blocks have when the kernel runs (any is correct; 4 or fewer takes less shared
     memory, so more CTAs an SM). `tile_rows`: 64 or 128 (64 wastes less on experts of few rows). `out`: written in
     place of a new tensor. `on` (int64 [1] on the device): when it holds 0 nothing is written."""
     m, k = x.shape
-    if blocks.shape != ends.shape or blocks.dim() != 1:
-        raise ValueError(f"blocks and ends need one entry per expert, got shapes {tuple(blocks.shape)} and "
+    if len(blocks) != ends.numel() or ends.dim() != 1:
+        raise ValueError(f"blocks and ends need one entry per expert, got {len(blocks)} blocks and ends of shape "
                          f"{tuple(ends.shape)}")
     if not fused_gemm_shapes_ok(k, out_features):
         raise ValueError(f"ap_grouped_mm needs K % {GEMM_STEP} == 0 and an even out_features, got K={k}, "
@@ -55,7 +55,7 @@ def ap_grouped_mm(table: DeviceWeightTable, blocks: torch.Tensor, x: torch.Tenso
     if tile_rows not in TILE_ROWS:
         raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device) if out is None else out
-    if not m or not blocks.numel():
+    if not m or not len(blocks):
         return y
     if x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16):
         if on is None or int(on.reshape(-1)[0]):
@@ -64,23 +64,23 @@ def ap_grouped_mm(table: DeviceWeightTable, blocks: torch.Tensor, x: torch.Tenso
     name, defines = variant(x.dtype, tile_rows)
     smem = smem_bytes(max_bits, tile_rows)
     kern = kc.get_kernel(x.device, name, "pw_ap_grouped_gemm", defines, smem)
-    experts = blocks.numel()
-    grid = (-(-out_features // TILE_COLS), -(-m // tile_rows) + experts)   # every expert's last tile may be partial
+    grid = (-(-out_features // TILE_COLS), -(-m // tile_rows) + len(blocks))   # every expert's last tile may be partial
+    ends = ends.to(torch.int32).contiguous()
     kc.launch(kern, x.device, grid, (THREADS,),
-              (kc.ptr(table.table), kc.ptr(blocks.to(torch.int64).contiguous()),
-               kc.ptr(ends.to(torch.int32).contiguous()), kc.i32(experts), kc.ptr(x.contiguous()), kc.i32(k),
-               kc.i32(out_features), kc.ptr(y), kc.i32(max_bits), kc.ptr(on)), shared_mem=smem)
+              (kc.ptr(table.table), kc.i64(blocks.start), kc.i64(blocks.step), kc.ptr(ends), kc.i32(len(blocks)),
+               kc.ptr(x.contiguous()), kc.i32(k), kc.i32(out_features), kc.ptr(y), kc.i32(max_bits), kc.ptr(on)),
+              shared_mem=smem)
     return y
 
 
-def ap_grouped_mm_ref(table: DeviceWeightTable, blocks: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
+def ap_grouped_mm_ref(table: DeviceWeightTable, blocks: range, x: torch.Tensor, ends: torch.Tensor,
                       out_features: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """ap_grouped_mm in plain torch: each expert's block dequantized (`reference.dequantize_resident`, in x's dtype)
     and its rows multiplied in float32; rows from ends[-1] on are zeros (in `out` when given)."""
     y = torch.zeros(x.shape[0], out_features, dtype=x.dtype, device=x.device) if out is None else out.zero_()
     start = 0
-    for b, end in zip(blocks.tolist(), ends.tolist()):
-        rb = table.resident(int(b))
+    for b, end in zip(blocks, ends.tolist()):
+        rb = table.resident(b)
         if end > start and rb is not None:
             w = dequantize_resident(rb, x.shape[1], x.dtype).to(x.device)
             y[start:end] = (x[start:end].float() @ w.float().T).to(x.dtype)
