@@ -12,8 +12,8 @@ same layer:
 - `grouped`: `grouped_mm_moe`, the dequantized experts through torch's grouped GEMM over the unpadded rows
   (None where torch lacks it);
 - `ap_gemm`: `grouped_mm_moe` with the fused AP GEMM in place of the dequantization and torch's GEMMs
-  (`device_store.FusedGemmLayer`), where the runtime's grouped path runs and the experts are at 3-4 bits
-  (`policies.prefill_path`; None elsewhere);
+  (`device_store.FusedGemmLayer`, chosen by the host as in an eager step), where the runtime's grouped path runs and
+  the experts are at 3-4 bits (`policies.prefill_path`; None elsewhere);
 - `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
 `runtime_path` is the one `DeviceExpertStore.moe` takes for these activations (`runtime_path`: the fused kernel
 up to FUSED_MAX_TOKENS, then `grouped_mm_prefill`'s choice, the fused AP GEMM where `fused_gemm_prefill` says so at
@@ -144,10 +144,9 @@ def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = 
             paths["grouped"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts,
                                                       act=shape.activation)
         if ap_gemm_runs(x, shape, bits):
-            fused = FusedGemmLayer.of(ap.table, shape, 0, t * shape.top_k)
-            skipped = lambda group: dequantize_experts(ap.table, shape, 0, group, dtype, fused.on)  # noqa: E731
-            paths["ap_gemm"] = lambda: grouped_mm_moe(x, ids, w, experts, skipped, max_experts, act=shape.activation,
-                                                      fused=fused)
+            fused = FusedGemmLayer.of(ap.table, shape, 0, t * shape.top_k, on_device=False)  # as eagerly
+            paths["ap_gemm"] = lambda: grouped_mm_moe(x, ids, w, experts, weights_of, max_experts,
+                                                      act=shape.activation, fused=fused)
         ws = MoEWorkspace.create(shape, min(t, FUSED_LAUNCH_TOKENS), dtype, x.device)
         paths["fused"] = lambda: fused_moe(ap.table, 0, x, ids, w, shape, ws)
         want = paths["per_expert"]().float()

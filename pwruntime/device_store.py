@@ -499,23 +499,32 @@ def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
 
 @dataclass(frozen=True)
 class FusedGemmLayer:
-    """One MoE layer's experts as the fused AP GEMM reads them (`kernels.ap_gemm`), for `grouped_mm_moe`. `on` (int64
-    [1] on the device) is 1 when every block of the layer is at FUSED_GEMM_MAX_BITS or fewer, read from the device
-    table on the device, so a captured step follows the bits of each replay; `off` = 1 - on."""
+    """One MoE layer's experts as the fused AP GEMM reads them (`kernels.ap_gemm`), for `grouped_mm_moe`. Where the
+    device makes the choice, `on` (int64 [1] on the device) is 1 when every block of the layer is at
+    FUSED_GEMM_MAX_BITS or fewer, read from the device table when the step runs, so a captured step follows the bits
+    of each replay, and `off` = 1 - on; where the host made it (the GEMM runs), both are None."""
     table: DeviceWeightTable
     blocks: tuple[range, range]                # the experts' gate_up and down blocks (page-table rows)
     out_features: tuple[int, int]              # gate_up's and down's
     tile_rows: int
-    on: torch.Tensor
-    off: torch.Tensor
+    on: torch.Tensor | None
+    off: torch.Tensor | None
 
     @classmethod
-    def of(cls, table: DeviceWeightTable, shape: MoEShape, layer: int, rows: int) -> FusedGemmLayer:
+    def of(cls, table: DeviceWeightTable, shape: MoEShape, layer: int, rows: int,
+           on_device: bool = True) -> FusedGemmLayer | None:
+        """The layer of `rows` routed rows; `on_device` False: the choice made now from the table's host mirror (None
+        where a block is above FUSED_GEMM_MAX_BITS), for a step that runs at once (not captured)."""
         first, e = shape.block(layer, 0, 0), shape.num_experts   # the layer's blocks: gate_up, down, gate_up...
-        on = (table.table[first:first + 2 * e, COL_BITS].amax() <= FUSED_GEMM_MAX_BITS).to(torch.int64).reshape(1)
+        on = off = None
+        if on_device:
+            on = (table.table[first:first + 2 * e, COL_BITS].amax() <= FUSED_GEMM_MAX_BITS).to(torch.int64).reshape(1)
+            off = 1 - on
+        elif table.host[first:first + 2 * e, COL_BITS].max() > FUSED_GEMM_MAX_BITS:
+            return None
         outs = (block_shape(0, shape.hidden, shape.intermediate)[0], shape.hidden)
         blocks = (range(first, first + 2 * e, 2), range(first + 1, first + 2 * e, 2))
-        return cls(table, blocks, outs, fused_gemm_tile_rows(rows, e), on, 1 - on)
+        return cls(table, blocks, outs, fused_gemm_tile_rows(rows, e), on, off)
 
     def mm(self, kind: int, a: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The rows a [N, in] sorted by expert (`ends` int32 [E]) times their experts' blocks of `kind`, where `on`
@@ -538,12 +547,13 @@ def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.
     """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
     (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `grouped_mm_moe` where
     `grouped_mm_prefill` says so, else by `padded_moe`. Where `fused_gemm_prefill` says so, `grouped_mm_moe` runs the
-    fused AP GEMM instead whenever the layer's blocks are all at 4 bits or fewer (decided on the device; the
-    dequantization is skipped then)."""
+    fused AP GEMM instead whenever the layer's blocks are all at 4 bits or fewer: in a CUDA-graph capture decided on
+    the device at each replay (the dequantization and the chunks' GEMMs then compute nothing), else by the host now
+    (the other path is not launched at all)."""
     max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
     if grouped_mm_prefill(x, shape):
-        fused = FusedGemmLayer.of(table, shape, layer, x.shape[0] * shape.top_k) if fused_gemm_prefill(x, shape) \
-            else None
+        rows, captured = x.shape[0] * shape.top_k, _capturing(table.device)
+        fused = FusedGemmLayer.of(table, shape, layer, rows, captured) if fused_gemm_prefill(x, shape) else None
         skip = None if fused is None else fused.on
         weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
         return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,

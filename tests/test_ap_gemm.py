@@ -99,6 +99,10 @@ def test_fused_layer_is_on_only_where_every_block_is_at_four_bits_or_fewer():
     assert FusedGemmLayer.of(low, shape, 0, rows=256).tile_rows == 128
     one_high = random_layer(shape, lambda e, kind: 5 if (e, kind) == (2, 1) else 3, "cpu")
     assert int(FusedGemmLayer.of(one_high, shape, 0, rows=100).on) == 0
+    # the host's choice, from the table's host mirror: no layer at all above 4 bits, one without flags below
+    assert FusedGemmLayer.of(one_high, shape, 0, rows=100, on_device=False) is None
+    host = FusedGemmLayer.of(low, shape, 0, rows=100, on_device=False)
+    assert host.on is None and host.off is None and host.blocks == layer.blocks
 
 
 def test_fused_gemm_prefill_takes_layers_of_few_rows_an_expert(monkeypatch):
@@ -140,6 +144,24 @@ def test_grouped_mm_moe_switches_to_the_fused_gemm_on_the_device(monkeypatch, ma
         assert torch.equal(sabotaged, got)
     else:
         assert (sabotaged - want).abs().max() > 0.1
+
+
+def test_a_layer_the_host_chose_runs_the_fused_gemm_alone(monkeypatch):
+    shape = MoEShape(4, 64, 64, 2)
+    table = random_layer(shape, lambda e, kind: 3 + (e + kind) % 2, "cpu")
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(20)])
+    w = torch.softmax(torch.randn(20, 2, generator=gen), dim=-1)
+    weights_of = lambda group: dequantize_experts(table, shape, 0, group, torch.bfloat16)  # noqa: E731
+    want = grouped_mm_moe(x, ids, w, 4, weights_of, 2).float()
+
+    def no_weights(group):
+        raise AssertionError("a layer the fused GEMM runs alone dequantizes nothing")
+
+    fused = FusedGemmLayer.of(table, shape, 0, rows=40, on_device=False)
+    got = grouped_mm_moe(x, ids, w, 4, no_weights, 2, fused=fused).float()
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
 
 
 # ---------------------------------------------------------------- GPU

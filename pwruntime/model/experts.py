@@ -208,16 +208,18 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
 
     `fused` (a `device_store.FusedGemmLayer`): where its `on` says so on the device, the fused AP GEMM computes the
     layer over every sorted row at once, and the chunks see row ends of zeros, so their GEMMs, moves and activations
-    compute nothing (`weights_of` must skip its dequantization then, as `fused.on` says).
+    compute nothing (`weights_of` must skip its dequantization then, as `fused.on` says). A `fused` without `on`
+    (the host's choice) runs alone: no chunk, no dequantization.
     """
     if not x.shape[0]:
         return x.new_empty(x.shape)
-    chunked = num_experts > max_experts
+    fused_only = fused is not None and fused.on is None
+    chunked = num_experts > max_experts and not fused_only
     d = _Dispatch.of(x, topk_ids, num_experts, down_in_norm is not None, outputs=chunked)
     n = d.rows.shape[0]
     ends = torch.cumsum(d.counts, 0)
     if not chunked:
-        gate_up, down = weights_of(range(num_experts))
+        gate_up, down = (None, None) if fused_only else weights_of(range(num_experts))
         return d.combine_sorted(*expert_mlp(d.rows, gate_up, down, ends.to(torch.int32), act, fused=fused),
                                 topk_weights, down_in_norm)
     chunk_ends = ends if fused is None else ends * fused.off  # zeros where the fused GEMM runs
