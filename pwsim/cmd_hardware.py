@@ -22,14 +22,22 @@ def origin(profile: HardwareProfile, limit: int = 240) -> str:
 def profile_row(name: str) -> dict:
     p = load_profile(name)
     return {"name": p.name, "device": p.device, "measured": p.measured, "hbm_gbps": p.hbm_gbps,
-            **{k: getattr(p, k) for k in HOST_TERMS}, "origin": origin(p)}
+            **{k: getattr(p, k) for k in HOST_TERMS}, "ap_gemm_tflops": p.to_json()["ap_gemm_tflops"],
+            "origin": origin(p)}
+
+
+def gemm_rates(rates: dict[str, dict[str, float]]) -> str:
+    """The fused AP GEMM's rates as `3b 210/320 (64/128-row tiles)`, or - where the profile has none."""
+    return "; ".join(f"{b}b " + "/".join(f"{v:.0f}" for v in tiles.values()) + f" ({'/'.join(tiles)}-row tiles)"
+                     for b, tiles in rates.items()) or "-"
 
 
 def _table(rows: list[dict]) -> str:
     head = ("profile", "device", "measured", "step us", "seq us", "token us", "routing read us",
-            "plan transition us", "prefill layer us", "prefill chunk us")
+            "plan transition us", "prefill layer us", "prefill chunk us", "AP GEMM TFLOP/s")
     body = [(r["name"], r["device"], "yes" if r["measured"] else "no",
-             *(f"{r[k]:,.0f}" if k != "token_overhead_us" else f"{r[k]:.1f}" for k in HOST_TERMS)) for r in rows]
+             *(f"{r[k]:,.0f}" if k != "token_overhead_us" else f"{r[k]:.1f}" for k in HOST_TERMS),
+             gemm_rates(r["ap_gemm_tflops"])) for r in rows]
     return "\n".join([text_table(head, body, left=2), ""] + [f"{r['name']}: {r['origin']}" for r in rows])
 
 
@@ -41,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
         print(_table(rows))
         print("\nThe host costs the simulator charges besides the kernels' time (`pwsim fidelity --fit-profile` fits "
               "a step's, a sequence's, a token's and a read's from a replay, `pwsim prefill-fit` a prefill MoE "
-              "layer's and its chunks' from `pwruntime bench prefill`); the full profile: "
-              "traces/hardware/<profile>.json.")
+              "layer's and its chunks' from `pwruntime bench prefill`), and the fused AP GEMM's rate where a profile "
+              "prices 3-4-bit prefill layers with it (`pwsim prefill-fit`, from the bench's kernel times); the full "
+              "profile: traces/hardware/<profile>.json.")
     return 0
 
 

@@ -113,7 +113,7 @@ def test_figures_are_written_whole_and_closed(tmp_path):
 
 def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys):
     from pwsim.cli import main
-    from pwsim.cmd_hardware import HOST_TERMS
+    from pwsim.cmd_hardware import HOST_TERMS, gemm_rates
 
     assert main(["hardware", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -130,8 +130,11 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
     assert "h200-roofline" in out and "h200-measured " not in out and "Roofline profile" in out
     assert main(["hardware", "h100-measured"]) == 0
     head, row = capsys.readouterr().out.splitlines()[:3:2]
-    chunk_us = f"{load_profile('h100-measured').prefill_chunk_overhead_us:,.0f}"
-    assert "device" in head and "prefill chunk us" in head and "NVIDIA H100" in row and row.split()[-1] == chunk_us
+    prof = load_profile("h100-measured")
+    rates = gemm_rates(prof.to_json()["ap_gemm_tflops"])
+    assert "device" in head and "prefill chunk us" in head and "AP GEMM TFLOP/s" in head and "NVIDIA H100" in row
+    assert row.removesuffix(rates).split()[-1] == f"{prof.prefill_chunk_overhead_us:,.0f}" and row.endswith(rates)
+    assert gemm_rates({}) == "-" and gemm_rates({"3": {"64": 210.4, "128": 320.0}}) == "3b 210/320 (64/128-row tiles)"
     assert main(["hardware", "no-such-profile"]) == 2
     err = capsys.readouterr().err
     assert "no-such-profile" in err and "h200-olmoe-runtime" in err and "Traceback" not in err
