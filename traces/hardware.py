@@ -169,6 +169,17 @@ def _positive(name: str, value: Any, *, allow_zero: bool = False) -> None:
                                    f"number, got {value!r}")
 
 
+def _check_by_bits(name: str, table: dict, key: str) -> None:
+    """A {bits: {integer >= 1 (`key`): positive number}} field."""
+    for b, inner in table.items():
+        if b not in AP_BITS:
+            raise HardwareProfileError(f"{name} has bitwidth {b}; bitwidths are {list(AP_BITS)}")
+        for k, v in inner.items():
+            if not isinstance(k, int) or k < 1:
+                raise HardwareProfileError(f"{name}[{b}] has {key} {k!r}; a {key} is an integer >= 1")
+            _positive(f"{name}[{b}][{k}]", v)
+
+
 def validate(p: HardwareProfile) -> None:
     """Raise HardwareProfileError naming the first bad field."""
     if not p.name:
@@ -193,20 +204,8 @@ def validate(p: HardwareProfile) -> None:
         raise HardwareProfileError(f"ap_kernel_efficiency lacks bitwidths {missing_b}; it needs {list(AP_BITS)}")
     for b, v in p.ap_kernel_efficiency.items():
         _positive(f"ap_kernel_efficiency[{b}]", v)
-    for b, table in p.ap_efficiency_by_tokens.items():
-        if b not in AP_BITS:
-            raise HardwareProfileError(f"ap_efficiency_by_tokens has bitwidth {b}; bitwidths are {list(AP_BITS)}")
-        for t, v in table.items():
-            if not isinstance(t, int) or t < 1:
-                raise HardwareProfileError(f"ap_efficiency_by_tokens[{b}] has batch size {t!r}; sizes are integers >= 1")
-            _positive(f"ap_efficiency_by_tokens[{b}][{t}]", v)
-    for b, table in p.ap_gemm_tflops.items():
-        if b not in AP_BITS:
-            raise HardwareProfileError(f"ap_gemm_tflops has bitwidth {b}; bitwidths are {list(AP_BITS)}")
-        for r, v in table.items():
-            if not isinstance(r, int) or r < 1:
-                raise HardwareProfileError(f"ap_gemm_tflops[{b}] has tile rows {r!r}; tile rows are integers >= 1")
-            _positive(f"ap_gemm_tflops[{b}][{r}]", v)
+    _check_by_bits("ap_efficiency_by_tokens", p.ap_efficiency_by_tokens, "batch size")
+    _check_by_bits("ap_gemm_tflops", p.ap_gemm_tflops, "tile rows")
     if "measured" not in p.metadata:
         raise HardwareProfileError('hardware profile metadata must say "measured": true or false')
 
