@@ -20,9 +20,10 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   chunk of experts after the first (the runtime takes a layer's experts `prefill_chunk_experts` at a time, as
   many as `prefill_chunk_bytes` of dequantized weights hold). A prefill layer that `policies.prefill_path` sends
   through the fused AP GEMM (every block at 3-4 bits, few rows an expert) skips the dequantization and the fp16
-  GEMMs: each active expert's rows, padded by half a tile, at the profile's `ap_gemm_tflops` for its blocks' bits
-  (`_fused_gemm_times`; a profile without those rates prices the layer on the dequantize path), and its chunks
-  rotate no rows. With `fp16_experts` the experts are plain fp16 matrices (the fp16 baseline).
+  GEMMs: each active expert's rows in whole tiles, at the profile's `ap_gemm_tflops` for its blocks' bits
+  (`_fused_gemm_times`; a profile without those rates prices the layer on the dequantize path), and it takes no
+  chunks (no rows scattered or rotated, no chunk overhead). With `fp16_experts` the experts are plain fp16 matrices
+  (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
 * overhead: the profile's per-iteration and per-layer launch costs, and its host costs per token computed and
@@ -150,8 +151,9 @@ class CostModel:
         # the fused AP GEMM's FLOP/s by bits (0: a block of zeros, free; NaN: not measured), per tile size measured
         self._gemm_rates = {tile: np.array([np.inf] + [p.ap_gemm_rate(b, tile) or np.nan for b in range(1, 9)])
                             for tile in {t for table in p.ap_gemm_tflops.values() for t in table}}
-        self.prefill_layer_overhead = (p.prefill_layer_overhead_us
-                                       + (self.prefill_chunks - 1) * p.prefill_chunk_overhead_us) * 1e-6
+        # a prefill layer's fixed host cost, and what its chunks after the first add (a fused GEMM layer takes none)
+        self.prefill_layer_overhead = p.prefill_layer_overhead_us * 1e-6
+        self.prefill_chunks_overhead = (self.prefill_chunks - 1) * p.prefill_chunk_overhead_us * 1e-6
 
     # ------------------------------------------------------------------ parts
     def attention(self, batch: BatchShape) -> float:
@@ -193,15 +195,15 @@ class CostModel:
         dequantized = (read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum(axis=1)  # write, GEMM
         fused = self._fused_gemm_times(q, tok)  # [L], NaN where a layer dequantizes
         on = ~np.isnan(fused)
-        layers = int(active.any(axis=1).sum())  # layers with an active expert pay the fixed prefill cost
+        layers = active.any(axis=1)  # layers with an active expert pay the fixed prefill cost
         return float(dequantized[~on[np.nonzero(active)[0]]].sum() + fused[on].sum()
                      + self._dispatch_time(tok, batch_tokens, self.prefill_chunks > 1, on)
-                     + layers * self.prefill_layer_overhead)
+                     + layers.sum() * self.prefill_layer_overhead + (layers & ~on).sum() * self.prefill_chunks_overhead)
 
     def _fused_gemm_times(self, q: np.ndarray, tok: np.ndarray) -> np.ndarray:
-        """Per MoE layer the seconds of its fused AP GEMMs (gate_up and down over every active expert's rows plus half
-        a tile of padding, at the profile's rate for each block's bits and the layer's tile rows), or NaN where the
-        layer dequantizes: `policies.prefill_path` rules it out, a block is above FUSED_GEMM_MAX_BITS, or the
+        """Per MoE layer the seconds of its fused AP GEMMs (gate_up and down over every active expert's rows in whole
+        tiles, padding included, at the profile's rate for each block's bits and the layer's tile rows), or NaN where
+        the layer dequantizes: `policies.prefill_path` rules it out, a block is above FUSED_GEMM_MAX_BITS, or the
         profile has no rate for a block's bits at that tile size."""
         out = np.full(self.L, np.nan)
         if not self._gemm_rates:
@@ -216,7 +218,8 @@ class CostModel:
             active = tok[layer] > 0
             if rates is None:
                 continue
-            seconds = ((tok[layer][active, None] + tile / 2) * 2 * self.block_params[None, :]
+            padded = -(-tok[layer][active] // tile) * tile  # whole tiles of rows
+            seconds = (padded[:, None] * 2 * self.block_params[None, :]
                        / rates[bits[layer][active]])  # a block at 0 bits (zeros) costs nothing
             if not np.isnan(seconds).any():
                 out[layer] = seconds.sum()
@@ -228,15 +231,16 @@ class CostModel:
         moe bandwidth: per routed row its input gathered (read, write), the gate/up GEMM's input and output, the
         activation (read [gate | up], write the product), the down GEMM's input and output and the combine's read;
         in more than one chunk (`chunked`) also each row's output scattered into slot order (read, write) and each
-        row of a chunk after the first rotated to its chunk's start (read, write: a chunk moves only its own rows;
-        none in the layers `fused` marks, whose fused GEMM takes every row at once); and each token's output, in
-        layers with a routed row."""
+        row of a chunk after the first rotated to its chunk's start (read, write: a chunk moves only its own rows),
+        except in the layers `fused` marks, whose fused GEMM takes every row at once (as a step the runtime does not
+        capture runs them; a captured one also scatters their rows); and each token's output, in layers with a
+        routed row."""
         h, i = self.card.hidden, self.card.expert_intermediate
         rows = tok.sum(axis=1).astype(np.float64)
         elements = rows.sum() * (5 * h + 6 * i) + int((rows > 0).sum()) * batch_tokens * h
         if chunked:
-            rotated = tok[:, self.prefill_chunk_experts:] if fused is None else tok[~fused, self.prefill_chunk_experts:]
-            elements += 2 * h * (rows.sum() + float(rotated.sum()))
+            chunks = slice(None) if fused is None else ~fused
+            elements += 2 * h * (rows[chunks].sum() + float(tok[chunks, self.prefill_chunk_experts:].sum()))
         return FP16 * elements / self.bw["moe"]
 
     def _read_times(self, q: np.ndarray, tokens: int) -> np.ndarray:

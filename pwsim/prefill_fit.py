@@ -12,9 +12,10 @@ row's bits, `batch_tokens` = the row's tokens, and the row's chunk size (`prefil
 
 Rows that also time the fused AP GEMM's kernels (`ap_gemm_kernel_ms`, at 3-4 bits, `ap_gemm_tile_rows` a tile) set
 the profile's `ap_gemm_tflops` first: per (bits, tile rows) the median over those rows of the FLOPs the cost model
-charges the layer's two GEMMs (each expert's even share of the rows plus half a tile, `CostModel._fused_gemm_times`)
-over the kernels' time. The rows whose layer the runtime sends through that GEMM (`policies.prefill_path`) are then
-modeled with it, as the simulator models them.
+charges the layer's two GEMMs (each expert's rows in whole tiles, `CostModel._fused_gemm_times`, the rows spread
+over the experts as a uniform router spreads them, `random_counts`) over the kernels' time. The rows whose layer the
+runtime sends through that GEMM (`policies.prefill_path`) are then modeled with it, as the simulator models them,
+and take no chunks of experts (their `chunks` is 1).
 
 `fit` sets the profile's two fixed costs from the gaps (measured - modeled without them). The medians, not a
 least-squares line: the model's slope (bytes and FLOPs at the profile's measured rates) is already physical, what
@@ -36,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES
-from pwsim.cost_model import CostModel, prefill_chunks
+from pwsim.cost_model import CostModel
 from traces.clikit import UserError
 from traces.hardware import AP_BITS, HardwareProfile
 from traces.model_card import CardError, ModelSpec, load_card
@@ -150,6 +151,14 @@ def expert_counts(tokens: int, top_k: int, active: int) -> np.ndarray:
     return np.full(active, base, dtype=np.int64) + (np.arange(active) < extra)
 
 
+def random_counts(tokens: int, top_k: int, active: int) -> np.ndarray:
+    """`tokens * top_k` routed slots over `active` experts as a uniform router spreads them: one each, the rest
+    multinomial (a fixed seed: the same counts for the same row). What the fused AP GEMM's row tiles see: their
+    number, not the rows, sets its time, and even counts would never cross a tile."""
+    rng = np.random.default_rng(0)
+    return rng.multinomial(tokens * top_k - active, np.full(active, 1.0 / active)).astype(np.int64) + 1
+
+
 def layer_ms(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> float:
     """The cost model's milliseconds of the row's one prefill MoE layer (see the module docstring)."""
     if row.tokens <= profile.ap_fused_max_tokens:
@@ -159,17 +168,34 @@ def layer_ms(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> float:
     if row.active_experts > min(card.experts, row.tokens * card.top_k):
         raise UserError(f"bench row {row.model} T={row.tokens} has {row.active_experts} active experts, more than "
                         f"{card.name} can route ({card.experts} experts, top-{card.top_k}); is the model right?")
+    cm, q, tok = _layer(card, profile, row)
+    return cm.moe(q, tok, row.tokens) * 1e3
+
+
+def _layer(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> tuple[CostModel, np.ndarray, np.ndarray]:
+    """The cost model of the row's chunk size, its bits and its routing (one layer: even counts, or `random_counts`
+    where the layer is priced as the fused AP GEMM)."""
     cm = CostModel(card, profile, prefill_chunk_bytes=row.chunk_bytes)
     tok = np.zeros((cm.L, cm.E), dtype=np.int64)
     tok[0, :row.active_experts] = expert_counts(row.tokens, card.top_k, row.active_experts)
     q = np.full(cm.L * cm.E * 2, row.bits)
-    return cm.moe(q, tok, row.tokens) * 1e3
+    if not np.isnan(cm._fused_gemm_times(q, tok)[0]):
+        tok[0, :row.active_experts] = random_counts(row.tokens, card.top_k, row.active_experts)
+    return cm, q, tok
+
+
+def row_chunks(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> int:
+    """The chunks of experts the row's layer pays for: none after the first where the cost model prices it as the
+    fused AP GEMM (which takes every row at once), else `prefill_chunks`."""
+    cm, q, tok = _layer(card, profile, row)
+    return 1 if not np.isnan(cm._fused_gemm_times(q, tok)[0]) else cm.prefill_chunks
 
 
 def gemm_flops(card: ModelSpec, row: BenchRow) -> float:
-    """The FLOPs the cost model charges the row's fused AP GEMMs: each active expert's even share of the rows plus
-    half a tile, through gate_up and down."""
-    padded = expert_counts(row.tokens, card.top_k, row.active_experts) + row.ap_gemm_tile_rows / 2
+    """The FLOPs the cost model charges the row's fused AP GEMMs: each active expert's tiles of rows (`random_counts`
+    in tiles of `ap_gemm_tile_rows`, padding included), through gate_up and down."""
+    tile = row.ap_gemm_tile_rows
+    padded = -(-random_counts(row.tokens, card.top_k, row.active_experts) // tile) * tile
     return float(padded.sum()) * 2 * 3 * card.hidden * card.expert_intermediate
 
 
@@ -220,9 +246,9 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
         raise UserError(f"every bench row takes the fused path (at most {fused} tokens on {profile.name}); prefill-fit "
                         f"fits the dequantize path only: bench prompts of more than {fused} tokens (--tokens)")
     cards = {m: card_for(m) for m in dict.fromkeys(r.model for r in rows)}
-    counts = [prefill_chunks(cards[r.model], r.chunk_bytes) for r in rows]
     tflops = gemm_tflops(rows, cards)
     rated = replace(profile, ap_gemm_tflops=merge_rates(profile.ap_gemm_tflops, tflops))
+    counts = [row_chunks(cards[r.model], rated, r) for r in rows]
     bare = replace(rated, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
     measured = np.array([r.measured_ms for r in rows])
     gaps = measured - np.array([layer_ms(cards[r.model], bare, r) for r in rows])

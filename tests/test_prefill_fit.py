@@ -10,7 +10,8 @@ import pytest
 
 from pwsim.cli import main
 from pwsim.cost_model import BatchShape, CostModel, prefill_chunks
-from pwsim.prefill_fit import BenchRow, card_for, expert_counts, fit, fitted_profile, layer_ms, parse_rows
+from pwsim.prefill_fit import (BenchRow, card_for, expert_counts, fit, fitted_profile, layer_ms, parse_rows,
+                               random_counts)
 from traces.hardware import HardwareProfileError, from_json, load_profile
 from traces.model_card import load_card
 
@@ -155,6 +156,9 @@ def test_the_cost_model_chunks_a_layer_as_the_runtime_does():
 def test_expert_counts_split_the_routed_slots_evenly():
     c = expert_counts(130, 4, 60)
     assert c.sum() == 520 and c.max() - c.min() == 1 and list(c[:40]) == [9] * 40 and list(c[40:]) == [8] * 20
+    r = random_counts(2048, 8, 128)   # as a uniform router spreads them: about 128 an expert, some above a tile
+    assert r.sum() == 2048 * 8 and r.min() >= 1 and (r > 128).sum() > 20 and r.max() < 200
+    assert np.array_equal(r, random_counts(2048, 8, 128))
 
 
 def test_the_measurement_is_the_runtime_path_where_the_bench_times_several():
@@ -291,19 +295,22 @@ def test_bundled_h200_measured_carries_the_fit_of_the_bundled_bench(tmp_path, ca
     assert report["ratios"]["after"]["min"] > 0.75 and report["ratios"]["after"]["max"] < 1.25
 
 
-def test_bundled_h100_measured_carries_the_fit_of_its_two_chunk_sizes(tmp_path, capsys):
-    """The H100 profile (`bench kernels` on an H100) carries both prefill costs fitted from the bundled H100 benches at
-    1 and 4 GiB chunks (pairs of rows alike but for their chunk count), and fits every row within 0.85-1.15."""
+def test_bundled_h100_measured_carries_the_fit_of_its_benches(tmp_path, capsys):
+    """The H100 profile (`bench kernels` on an H100) carries both prefill costs and the fused AP GEMM's rates fitted
+    from the bundled H100 benches (3 bits at 1 and 4 GiB chunks: pairs of rows alike but for their chunk count; 4
+    bits at 1 GiB), and fits every row within 0.8-1.2."""
     assets = Path(__file__).resolve().parents[1] / "pwruntime" / "assets"
-    assert main(["prefill-fit", "--bench", str(assets / "prefill_bench_h100_1GiB.json"), "--bench",
-                 str(assets / "prefill_bench_h100_4GiB.json"), "--hardware", "h100-measured", "--out", str(tmp_path),
-                 "--json"]) == 0
+    benches = [a for name in ("1GiB", "4GiB", "4bit") for a in ("--bench", str(assets / f"prefill_bench_h100_{name}.json"))]
+    assert main(["prefill-fit", *benches, "--hardware", "h100-measured", "--out", str(tmp_path), "--json"]) == 0
     report, prof = json.loads(capsys.readouterr().out), load_profile("h100-measured")
     assert prof.device.startswith("NVIDIA H100") and report["fit"]["chunk_pairs"] > 0
     assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(prof.prefill_layer_overhead_us, abs=0.1)
     assert report["fit"]["prefill_chunk_overhead_us"] == pytest.approx(prof.prefill_chunk_overhead_us, abs=0.1)
-    assert prof.prefill_chunk_overhead_us > 0
-    assert report["ratios"]["after"]["min"] > 0.85 and report["ratios"]["after"]["max"] < 1.15
+    assert prof.prefill_chunk_overhead_us > 0 and report["fit"]["ap_gemm_rows"] > 0
+    assert report["fit"]["ap_gemm_tflops"] == {b: {t: pytest.approx(v, rel=1e-9) for t, v in tiles.items()}
+                                               for b, tiles in prof.to_json()["ap_gemm_tflops"].items()}
+    assert set(prof.ap_gemm_tflops) == {3, 4} and all(set(t) == {64, 128} for t in prof.ap_gemm_tflops.values())
+    assert report["ratios"]["after"]["min"] > 0.8 and report["ratios"]["after"]["max"] < 1.2
 
 
 def _misuse(tmp_path):

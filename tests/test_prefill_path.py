@@ -53,7 +53,7 @@ def test_a_low_bit_layer_of_few_rows_an_expert_is_priced_as_the_fused_gemm():
     cm, plain = CostModel(card, prof), CostModel(card, replace(prof, ap_gemm_tflops={}))
     h, i = card.hidden, card.expert_intermediate
     times = cm._fused_gemm_times(q, tok)
-    gemm = card.experts * (128 + 64) * 2 * 3 * h * i / 300e12   # 128-row tiles, half of one padded an expert
+    gemm = card.experts * 128 * 2 * 3 * h * i / 300e12   # one whole 128-row tile an expert
     assert times[0] == pytest.approx(gemm, rel=1e-12) and np.isnan(times[1:]).all()
     # the layer's time: the fused GEMM in place of the dequantize path's, the chunks rotating no rows
     dispatch = cm._dispatch_time(tok, 2048, cm.prefill_chunks > 1, ~np.isnan(times))
@@ -66,8 +66,11 @@ def test_a_low_bit_layer_of_few_rows_an_expert_is_priced_as_the_fused_gemm():
     q4[1] = 4   # expert 0's down block
     rate = np.full((card.experts, 2), 200e12)
     rate[0, 1] = 160e12
-    want = ((40 + 32) * 2 * np.array([2 * i * h, h * i])[None, :] / rate).sum()
+    want = (64 * 2 * np.array([2 * i * h, h * i])[None, :] / rate).sum()   # 40 rows: one tile of 64
     assert cm._fused_gemm_times(q4, tok)[0] == pytest.approx(want, rel=1e-12)
+    tok[0, :3] = (65, 128, 129)   # two tiles, two, three (tiles of 64: the experts average fewer than 64 rows)
+    assert cm._fused_gemm_times(q, tok)[0] - cm._fused_gemm_times(q, tok * 0 + 40)[0] == pytest.approx(
+        (64 + 64 + 128) * 2 * 3 * h * i / 200e12, rel=1e-9)
 
 
 @pytest.mark.parametrize("case", ["8 bits", "one block at 5", "too many rows", "no rate", "no rate at the tile"])
@@ -94,10 +97,11 @@ def _kernel_rows(card_name: str, tflops: float, tile: int) -> list[BenchRow]:
 
 
 def test_fit_measures_the_rate_and_models_those_rows_with_it():
-    base = replace(load_profile("h100-measured"), prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
+    base = replace(load_profile("h100-measured"), prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0,
+                   ap_gemm_tflops={})
     rows = _kernel_rows("qwen3-moe-30b-a3b", 280.0, 64) + _kernel_rows("gemma-4-26b-a4b", 320.0, 128)
     card = card_for("gemma-4-26b-a4b")
-    assert gemm_flops(card, rows[3]) == pytest.approx(card.experts * (16 + 64) * 2 * 3 * 2816 * 704)
+    assert gemm_flops(card, rows[3]) == pytest.approx(card.experts * 128 * 2 * 3 * 2816 * 704)   # a tile each
     rep = fit(rows, base)
     assert rep["fit"]["ap_gemm_tflops"] == {"3": {"64": pytest.approx(280.0), "128": pytest.approx(320.0)}}
     assert rep["fit"]["ap_gemm_rows"] == 6
