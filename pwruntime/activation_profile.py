@@ -9,6 +9,8 @@ a scratch cache of the engine's KV layout, allocated before the forward and free
 The context is shortened (halved) until that cache takes at most a quarter of the device's free memory, so a long
 `max_model_len` on a small device profiles a shorter context rather than fail; a forward that still runs out of
 memory is a UserError that names the flags to change.
+An expert store that can skip dequantizing a prefill layer (the fused AP GEMM at 3-4 bits) dequantizes every layer
+during it (`DeviceExpertStore.dequantizing`): a layer's bits may rise later, and its activations with them.
 What counts is torch's allocator peak during the forward beyond what it held before (a workspace a kernel allocates
 on its first call included), rounded up to 2 MiB. Only CUDA has an allocator to ask: elsewhere the reserve is 0.
 The CUDA graphs' memory pools and the runner's buffers are not in it: they are made after the KV cache exists, and the
@@ -16,6 +18,7 @@ serving reserve (`LLMEngine.capture_graphs`) keeps what they hold out of the poo
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Callable
 
 import torch
@@ -60,7 +63,9 @@ def profile_forward(model, block_size: int, hybrid: bool, max_num_batched_tokens
     ids = torch.randint(0, model.config.vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
     positions = torch.arange(context, context + tokens)
     before()
-    out = model.forward(ids, positions, kv, metas[0] if len(metas) == 1 else metas, record=True)
+    dequantizing = getattr(model.experts, "dequantizing", nullcontext)   # the prefill path that holds the most
+    with dequantizing():
+        out = model.forward(ids, positions, kv, metas[0] if len(metas) == 1 else metas, record=True)
     return model.logits(out.hidden[-min(max_num_seqs, tokens):])
 
 

@@ -37,6 +37,7 @@ iteration boundary, and `moe()`/`weight()` call it when the committed bits diffe
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +152,7 @@ class DeviceExpertStore:
         self._uploads = self.new_batch()  # what the rows written since the last flush need, issued by it
         self._moves = CopyBatch(self.device)  # the arena's moves (keep_dense)
         self._workspaces: dict[tuple[int, torch.dtype, int], MoEWorkspace] = {}
+        self._fused_gemm = True   # prefill may take the fused AP GEMM (`dequantizing` turns it off for a while)
         self._bits = np.zeros(n, dtype=np.int8)
         self.page_table = None
         if table is not None:
@@ -424,6 +426,16 @@ class DeviceExpertStore:
             ws = self._workspaces[key] = MoEWorkspace.create(self.moe_shape(top_k), bucket, dtype, self.device)
         return ws
 
+    @contextmanager
+    def dequantizing(self):
+        """Within it every prefill layer dequantizes, whatever its bits: the path that holds the most memory, which
+        a profiling forward must see (`activation_profile`), since a layer at 3-4 bits may later rise."""
+        saved, self._fused_gemm = self._fused_gemm, False
+        try:
+            yield
+        finally:
+            self._fused_gemm = saved
+
     def moe(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
         self._follow_table()
@@ -436,7 +448,7 @@ class DeviceExpertStore:
             kernel and _capturing(self.device) and prefill_syncs(self.moe_shape(k), x))
         if prefill or (down_in_norm is not None and not kernel):
             return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
-                               self.prefill_chunk_bytes, down_in_norm)
+                               self.prefill_chunk_bytes, down_in_norm, self._fused_gemm)
         if tokens <= MAX_TOKENS:
             return self._fused(layer, x, topk_ids, topk_weights, down_in_norm, kernel)
         out = torch.empty_like(x)
@@ -543,17 +555,18 @@ def fused_gemm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
 
 def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
-                down_in_norm: torch.Tensor | None = None) -> torch.Tensor:
+                down_in_norm: torch.Tensor | None = None, fused_gemm: bool = True) -> torch.Tensor:
     """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
     (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `grouped_mm_moe` where
     `grouped_mm_prefill` says so, else by `padded_moe`. Where `fused_gemm_prefill` says so, `grouped_mm_moe` runs the
     fused AP GEMM instead whenever the layer's blocks are all at 4 bits or fewer: in a CUDA-graph capture decided on
     the device at each replay (the dequantization and the chunks' GEMMs then compute nothing), else by the host now
-    (the other path is not launched at all)."""
+    (the other path is not launched at all). `fused_gemm` False: never."""
     max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
     if grouped_mm_prefill(x, shape):
         rows, captured = x.shape[0] * shape.top_k, _capturing(table.device)
-        fused = FusedGemmLayer.of(table, shape, layer, rows, captured) if fused_gemm_prefill(x, shape) else None
+        fused = (FusedGemmLayer.of(table, shape, layer, rows, captured) if fused_gemm and fused_gemm_prefill(x, shape)
+                 else None)
         skip = None if fused is None else fused.on
         weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
         return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,

@@ -164,6 +164,60 @@ def test_a_layer_the_host_chose_runs_the_fused_gemm_alone(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.02)
 
 
+def test_within_dequantizing_the_store_s_prefill_never_takes_the_fused_gemm(ap_path, monkeypatch):
+    """`DeviceExpertStore.dequantizing` tells prefill_moe not to take the fused GEMM, and only while it lasts."""
+    from policies.page_table import PageTable
+    from pwruntime.device_store import DeviceExpertStore
+    from pwruntime.quant.store import APExpertStore
+
+    ap = APExpertStore.from_checkpoint(ap_path)
+    table = PageTable(len(ap.layers), ap.experts, ap.hidden, ap.intermediate, bits=ap.bits, initial_bits=3)
+    store = DeviceExpertStore.from_ap_store(ap, device="cpu", dtype=torch.bfloat16, table=table)
+    asked = []
+    monkeypatch.setattr(ds, "prefill_moe", lambda *args: asked.append(args[-1]) or args[3])
+    x = torch.zeros(200, ap.hidden, dtype=torch.bfloat16)   # more tokens than the fused decode kernel takes
+    ids, w = torch.zeros(200, 2, dtype=torch.long), torch.full((200, 2), 0.5)
+    store.moe(0, x, ids, w)
+    with store.dequantizing():
+        store.moe(0, x, ids, w)
+    with pytest.raises(KeyError), store.dequantizing():
+        raise KeyError("left by an exception")
+    store.moe(0, x, ids, w)
+    assert asked == [True, False, True]
+
+
+def test_the_profiling_forward_runs_inside_the_store_s_dequantizing(tmp_path):
+    """The activation profile measures the prefill path that holds the most memory: its forward's MoE layers run
+    inside the store's `dequantizing` (a store without one, the dense experts', runs as it is)."""
+    from contextlib import contextmanager
+
+    from model_fixtures import make_tiny_checkpoint
+    from pwruntime.activation_profile import profile_forward
+    from pwruntime.model import load_model
+
+    model = load_model(make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=2))
+    plain = profile_forward(model, 4, False, 24, 64, 3)
+    dense, inside, seen = model.experts, [False], []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(dense, name)
+
+        @contextmanager
+        def dequantizing(self):
+            inside[0] = True
+            yield
+            inside[0] = False
+
+        def moe(self, *args, **kwargs):
+            seen.append(inside[0])
+            return dense.moe(*args, **kwargs)
+
+    model.experts = Recording()
+    torch.testing.assert_close(profile_forward(model, 4, False, 24, 64, 3), plain)
+    assert seen and all(seen) and not inside[0]
+
+
 # ---------------------------------------------------------------- GPU
 GEMMA = MoEShape(128, 2816, 704, 8, "gelu_tanh")
 
