@@ -563,14 +563,12 @@ def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.
     the device at each replay (the dequantization and the chunks' GEMMs then compute nothing), else by the host now
     (the other path is not launched at all). `fused_gemm` False: never."""
     max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
+    fused = (FusedGemmLayer.of(table, shape, layer, x.shape[0] * shape.top_k, _capturing(table.device))
+             if fused_gemm and fused_gemm_prefill(x, shape) else None)
+    skip = None if fused is None else fused.on
+    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
     if grouped_mm_prefill(x, shape):
-        rows, captured = x.shape[0] * shape.top_k, _capturing(table.device)
-        fused = (FusedGemmLayer.of(table, shape, layer, rows, captured) if fused_gemm and fused_gemm_prefill(x, shape)
-                 else None)
-        skip = None if fused is None else fused.on
-        weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
         return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,
                               shape.activation, fused)
-    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype)  # noqa: E731
     return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, max_pad_rows,
                       down_in_norm, shape.activation)
