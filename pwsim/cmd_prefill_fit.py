@@ -107,7 +107,8 @@ def run(args) -> int:
               for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))
     for bits, tiles in value["ap_gemm_tflops"].items():
         rates = ", ".join(f"{v:.0f} TFLOP/s at {t}-row tiles" for t, v in tiles.items())
-        print(f"ap_gemm_tflops at {bits} bits: {rates} (from {value['ap_gemm_rows']} rows that timed the fused AP GEMM)")
+        print(f"ap_gemm_tflops at {bits} bits: {rates} (from {value['ap_gemm_rows']} rows that timed the fused AP "
+              "GEMM)")
     if report["skipped_fused_rows"]:
         print(f"{report['skipped_fused_rows']} rows of at most {profile.ap_fused_max_tokens} tokens ran the fused kernel: "
               "left out of the fit")

@@ -300,7 +300,8 @@ def test_bundled_h100_measured_carries_the_fit_of_its_benches(tmp_path, capsys):
     from the bundled H100 benches (3 bits at 1 and 4 GiB chunks: pairs of rows alike but for their chunk count; 4
     bits at 1 GiB), and fits every row within 0.8-1.2."""
     assets = Path(__file__).resolve().parents[1] / "pwruntime" / "assets"
-    benches = [a for name in ("1GiB", "4GiB", "4bit") for a in ("--bench", str(assets / f"prefill_bench_h100_{name}.json"))]
+    benches = [a for name in ("1GiB", "4GiB", "4bit")
+               for a in ("--bench", str(assets / f"prefill_bench_h100_{name}.json"))]
     assert main(["prefill-fit", *benches, "--hardware", "h100-measured", "--out", str(tmp_path), "--json"]) == 0
     report, prof = json.loads(capsys.readouterr().out), load_profile("h100-measured")
     assert prof.device.startswith("NVIDIA H100") and report["fit"]["chunk_pairs"] > 0
