@@ -21,7 +21,7 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   many as `prefill_chunk_bytes` of dequantized weights hold). A prefill layer that `policies.prefill_path` sends
   through the fused AP GEMM (every block at 3-4 bits, few rows an expert) skips the dequantization and the fp16
   GEMMs: each active expert's rows in whole tiles, at the profile's `ap_gemm_tflops` for its blocks' bits
-  (`_fused_gemm_times`; a profile without those rates prices the layer on the dequantize path), and it takes no
+  (`fused_gemm_times`; a profile without those rates prices the layer on the dequantize path), and it takes no
   chunks (no rows scattered or rotated, no chunk overhead). With `fp16_experts` the experts are plain fp16 matrices
   (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
@@ -193,14 +193,14 @@ class CostModel:
             return float(launches * np.maximum(self._read_times(q, per)[active], compute / launches).sum())
         read_ap = self._read_times(q, 1)[active]  # [A, 2] the dequantize kernel reads each block once
         dequantized = (read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum(axis=1)  # write, GEMM
-        fused = self._fused_gemm_times(q, tok)  # [L], NaN where a layer dequantizes
+        fused = self.fused_gemm_times(q, tok)  # [L], NaN where a layer dequantizes
         on = ~np.isnan(fused)
         layers = active.any(axis=1)  # layers with an active expert pay the fixed prefill cost
         return float(dequantized[~on[np.nonzero(active)[0]]].sum() + fused[on].sum()
                      + self._dispatch_time(tok, batch_tokens, self.prefill_chunks > 1, on)
                      + layers.sum() * self.prefill_layer_overhead + (layers & ~on).sum() * self.prefill_chunks_overhead)
 
-    def _fused_gemm_times(self, q: np.ndarray, tok: np.ndarray) -> np.ndarray:
+    def fused_gemm_times(self, q: np.ndarray, tok: np.ndarray) -> np.ndarray:
         """Per MoE layer the seconds of its fused AP GEMMs (gate_up and down over every active expert's rows in whole
         tiles, padding included, at the profile's rate for each block's bits and the layer's tile rows), or NaN where
         the layer dequantizes: `policies.prefill_path` rules it out, a block is above FUSED_GEMM_MAX_BITS, or the
@@ -215,9 +215,9 @@ class CostModel:
                 continue
             tile = fused_gemm_tile_rows(int(rows[layer]), self.E)
             rates = self._gemm_rates.get(tile)
-            active = tok[layer] > 0
             if rates is None:
                 continue
+            active = tok[layer] > 0
             padded = -(-tok[layer][active] // tile) * tile  # whole tiles of rows
             seconds = (padded[:, None] * 2 * self.block_params[None, :]
                        / rates[bits[layer][active]])  # a block at 0 bits (zeros) costs nothing

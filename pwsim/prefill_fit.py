@@ -12,7 +12,7 @@ row's bits, `batch_tokens` = the row's tokens, and the row's chunk size (`prefil
 
 Rows that also time the fused AP GEMM's kernels (`ap_gemm_kernel_ms`, at 3-4 bits, `ap_gemm_tile_rows` a tile) set
 the profile's `ap_gemm_tflops` first: per (bits, tile rows) the median over those rows of the FLOPs the cost model
-charges the layer's two GEMMs (each expert's rows in whole tiles, `CostModel._fused_gemm_times`, the rows spread
+charges the layer's two GEMMs (each expert's rows in whole tiles, `CostModel.fused_gemm_times`, the rows spread
 over the experts as a uniform router spreads them, `random_counts`) over the kernels' time. The rows whose layer the
 runtime sends through that GEMM (`policies.prefill_path`) are then modeled with it, as the simulator models them,
 and take no chunks of experts (their `chunks` is 1).
@@ -179,7 +179,7 @@ def _layer(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> tuple[Co
     tok = np.zeros((cm.L, cm.E), dtype=np.int64)
     tok[0, :row.active_experts] = expert_counts(row.tokens, card.top_k, row.active_experts)
     q = np.full(cm.L * cm.E * 2, row.bits)
-    if not np.isnan(cm._fused_gemm_times(q, tok)[0]):
+    if not np.isnan(cm.fused_gemm_times(q, tok)[0]):
         tok[0, :row.active_experts] = random_counts(row.tokens, card.top_k, row.active_experts)
     return cm, q, tok
 
@@ -188,7 +188,7 @@ def row_chunks(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> int:
     """The chunks of experts the row's layer pays for: none after the first where the cost model prices it as the
     fused AP GEMM (which takes every row at once), else `prefill_chunks`."""
     cm, q, tok = _layer(card, profile, row)
-    return 1 if not np.isnan(cm._fused_gemm_times(q, tok)[0]) else cm.prefill_chunks
+    return 1 if not np.isnan(cm.fused_gemm_times(q, tok)[0]) else cm.prefill_chunks
 
 
 def gemm_flops(card: ModelSpec, row: BenchRow) -> float:

@@ -52,7 +52,7 @@ def test_a_low_bit_layer_of_few_rows_an_expert_is_priced_as_the_fused_gemm():
     card, prof, tok, q = _gemma(3)   # 2,048 tokens x 8 over 128 experts: 128 rows each, one layer
     cm, plain = CostModel(card, prof), CostModel(card, replace(prof, ap_gemm_tflops={}))
     h, i = card.hidden, card.expert_intermediate
-    times = cm._fused_gemm_times(q, tok)
+    times = cm.fused_gemm_times(q, tok)
     gemm = card.experts * 128 * 2 * 3 * h * i / 300e12   # one whole 128-row tile an expert
     assert times[0] == pytest.approx(gemm, rel=1e-12) and np.isnan(times[1:]).all()
     # the layer's time: the fused GEMM in place of the dequantize path's, the chunks rotating no rows
@@ -67,9 +67,9 @@ def test_a_low_bit_layer_of_few_rows_an_expert_is_priced_as_the_fused_gemm():
     rate = np.full((card.experts, 2), 200e12)
     rate[0, 1] = 160e12
     want = (64 * 2 * np.array([2 * i * h, h * i])[None, :] / rate).sum()   # 40 rows: one tile of 64
-    assert cm._fused_gemm_times(q4, tok)[0] == pytest.approx(want, rel=1e-12)
+    assert cm.fused_gemm_times(q4, tok)[0] == pytest.approx(want, rel=1e-12)
     tok[0, :3] = (65, 128, 129)   # two tiles, two, three (tiles of 64: the experts average fewer than 64 rows)
-    assert cm._fused_gemm_times(q, tok)[0] - cm._fused_gemm_times(q, tok * 0 + 40)[0] == pytest.approx(
+    assert cm.fused_gemm_times(q, tok)[0] - cm.fused_gemm_times(q, tok * 0 + 40)[0] == pytest.approx(
         (64 + 64 + 128) * 2 * 3 * h * i / 200e12, rel=1e-9)
 
 
@@ -82,7 +82,7 @@ def test_other_layers_keep_the_dequantize_path(case):
     if case == "one block at 5":
         q[5] = 5
     cm, plain = CostModel(card, prof), CostModel(card, replace(prof, ap_gemm_tflops={}))
-    assert np.isnan(cm._fused_gemm_times(q, tok)).all()
+    assert np.isnan(cm.fused_gemm_times(q, tok)).all()
     assert cm.moe(q, tok, 2048) == plain.moe(q, tok, 2048)
 
 
