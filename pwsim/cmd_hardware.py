@@ -8,7 +8,8 @@ from traces.clikit import text_table
 from traces.hardware import HardwareProfile, bundled_profiles, load_profile
 
 HOST_TERMS = ("iteration_overhead_us", "sequence_overhead_us", "token_overhead_us", "routing_read_us",
-              "plan_transition_us", "prefill_layer_overhead_us", "prefill_chunk_overhead_us")
+              "plan_transition_us", "prefill_layer_overhead_us", "prefill_chunk_overhead_us",
+              "ap_gemm_layer_overhead_us")
 
 
 def origin(profile: HardwareProfile, limit: int = 240) -> str:
@@ -34,7 +35,7 @@ def gemm_rates(rates: dict[str, dict[str, float]]) -> str:
 
 def _table(rows: list[dict]) -> str:
     head = ("profile", "device", "measured", "step us", "seq us", "token us", "routing read us",
-            "plan transition us", "prefill layer us", "prefill chunk us", "AP GEMM TFLOP/s")
+            "plan transition us", "prefill layer us", "prefill chunk us", "AP GEMM layer us", "AP GEMM TFLOP/s")
     body = [(r["name"], r["device"], "yes" if r["measured"] else "no",
              *(f"{r[k]:,.0f}" if k != "token_overhead_us" else f"{r[k]:.1f}" for k in HOST_TERMS),
              gemm_rates(r["ap_gemm_tflops"])) for r in rows]

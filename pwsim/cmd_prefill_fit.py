@@ -77,11 +77,13 @@ def run(args) -> int:
     fitted = None
     if args.fit_profile:
         r = report["ratios"]
-        note = (f"prefill_layer_overhead_us and prefill_chunk_overhead_us fitted by `{command}` from "
+        note = (f"prefill_layer_overhead_us, prefill_chunk_overhead_us and ap_gemm_layer_overhead_us fitted by "
+                f"`{command}` from "
                 f"{len(report['rows'])} rows of {' and '.join(f'`{c}`' for c in commands)} "
                 f"({device or 'device not recorded'}, {report['fit']['chunk_pairs']} pairs of rows at two "
                 "chunk sizes): the medians of the measured minus the modeled wall time of one prefill MoE layer (the "
-                "runtime's host work and launches for the layer and for each chunk of experts after its first); "
+                "runtime's host work and launches for the layer, for each chunk of experts after its first, and for "
+                "a layer on the fused AP GEMM); "
                 f"modeled / measured {r['before']['min']:.2f}-"
                 f"{r['before']['max']:.2f} before, {r['after']['min']:.2f}-{r['after']['max']:.2f} after."
                 + (f" ap_gemm_tflops from the {report['fit']['ap_gemm_rows']} rows that timed the fused AP GEMM's "
@@ -91,6 +93,7 @@ def run(args) -> int:
         report["fitted_profile"] = {"path": str(args.fit_profile), "name": fitted.name,
                                     "prefill_layer_overhead_us": fitted.prefill_layer_overhead_us,
                                     "prefill_chunk_overhead_us": fitted.prefill_chunk_overhead_us,
+                                    "ap_gemm_layer_overhead_us": fitted.ap_gemm_layer_overhead_us,
                                     "ap_gemm_tflops": fitted.to_json()["ap_gemm_tflops"]}
     write_report(out, "prefill_fit", report, lambda png: plots.prefill_fit(report, png), fitted, args.fit_profile)
     if args.json:
@@ -105,6 +108,9 @@ def run(args) -> int:
           f"{profile.name}; modeled / measured " + ", ".join(
               f"{when}: min {r['min']:.2f} median {r['median']:.2f} max {r['max']:.2f}"
               for when, r in ((w, report["ratios"][w]) for w in ("before", "after"))))
+    if value["ap_gemm_rows"]:
+        print(f"ap_gemm_layer_overhead_us {value['previous_ap_gemm_layer_us']:.1f} -> "
+              f"{value['ap_gemm_layer_overhead_us']:.1f} us (the fixed cost of a layer on the fused AP GEMM)")
     for bits, tiles in value["ap_gemm_tflops"].items():
         rates = ", ".join(f"{v:.0f} TFLOP/s at {t}-row tiles" for t, v in tiles.items())
         print(f"ap_gemm_tflops at {bits} bits: {rates} (from {value['ap_gemm_rows']} rows that timed the fused AP "

@@ -22,8 +22,8 @@ with the profile's achieved bandwidth for its op class and achieved GEMM rate, s
   through the fused AP GEMM (every block at 3-4 bits, few rows an expert) skips the dequantization and the fp16
   GEMMs: each active expert's rows in whole tiles, at the profile's `ap_gemm_tflops` for its blocks' bits
   (`fused_gemm_times`; a profile without those rates prices the layer on the dequantize path), and it takes no
-  chunks (no rows scattered or rotated, no chunk overhead). With `fp16_experts` the experts are plain fp16 matrices
-  (the fp16 baseline).
+  chunks (no rows scattered or rotated); its fixed cost is `ap_gemm_layer_overhead_us`. With `fp16_experts` the
+  experts are plain fp16 matrices (the fp16 baseline).
 * dense: shared experts, dense MLP layers, routers, norms and the embedding gather.
 * lm_head: the output projection for the sampled rows only.
 * overhead: the profile's per-iteration and per-layer launch costs, and its host costs per token computed and
@@ -151,9 +151,10 @@ class CostModel:
         # the fused AP GEMM's FLOP/s by bits (0: a block of zeros, free; NaN: not measured), per tile size measured
         self._gemm_rates = {tile: np.array([np.inf] + [p.ap_gemm_rate(b, tile) or np.nan for b in range(1, 9)])
                             for tile in {t for table in p.ap_gemm_tflops.values() for t in table}}
-        # a prefill layer's fixed host cost, and what its chunks after the first add (a fused GEMM layer takes none)
+        # a prefill layer's fixed host cost and what its chunks after the first add; a fused GEMM layer's (no chunks)
         self.prefill_layer_overhead = p.prefill_layer_overhead_us * 1e-6
         self.prefill_chunks_overhead = (self.prefill_chunks - 1) * p.prefill_chunk_overhead_us * 1e-6
+        self.ap_gemm_layer_overhead = p.ap_gemm_layer_overhead_us * 1e-6
 
     # ------------------------------------------------------------------ parts
     def attention(self, batch: BatchShape) -> float:
@@ -195,10 +196,11 @@ class CostModel:
         dequantized = (read_ap + self._fp16_time + np.maximum(self._fp16_time, compute)).sum(axis=1)  # write, GEMM
         fused = self.fused_gemm_times(q, tok)  # [L], NaN where a layer dequantizes
         on = ~np.isnan(fused)
-        layers = active.any(axis=1)  # layers with an active expert pay the fixed prefill cost
+        layers = active.any(axis=1)  # layers with an active expert pay the fixed prefill cost of their path
         return float(dequantized[~on[np.nonzero(active)[0]]].sum() + fused[on].sum()
                      + self._dispatch_time(tok, batch_tokens, self.prefill_chunks > 1, on)
-                     + layers.sum() * self.prefill_layer_overhead + (layers & ~on).sum() * self.prefill_chunks_overhead)
+                     + (layers & ~on).sum() * (self.prefill_layer_overhead + self.prefill_chunks_overhead)
+                     + (layers & on).sum() * self.ap_gemm_layer_overhead)
 
     def fused_gemm_times(self, q: np.ndarray, tok: np.ndarray) -> np.ndarray:
         """Per MoE layer the seconds of its fused AP GEMMs (gate_up and down over every active expert's rows in whole

@@ -14,8 +14,9 @@ Rows that also time the fused AP GEMM's kernels (`ap_gemm_kernel_ms`, at 3-4 bit
 the profile's `ap_gemm_tflops` first: per (bits, tile rows) the median over those rows of the FLOPs the cost model
 charges the layer's two GEMMs (each expert's rows in whole tiles, `CostModel.fused_gemm_times`, the rows spread
 over the experts as a uniform router spreads them, `random_counts`) over the kernels' time. The rows whose layer the
-runtime sends through that GEMM (`policies.prefill_path`) are then modeled with it, as the simulator models them,
-and take no chunks of experts (their `chunks` is 1).
+runtime sends through that GEMM (`policies.prefill_path`) are then modeled with it, as the simulator models them:
+no chunks of experts (their `chunks` is 0), and a fixed cost of their own, `ap_gemm_layer_overhead_us`, the median
+of their gaps (an eager fused layer launches far less than a dequantizing one).
 
 `fit` sets the profile's two fixed costs from the gaps (measured - modeled without them). The medians, not a
 least-squares line: the model's slope (bytes and FLOPs at the profile's measured rates) is already physical, what
@@ -184,11 +185,11 @@ def _layer(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> tuple[Co
     return cm, q, tok
 
 
-def row_chunks(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> int:
-    """The chunks of experts the row's layer pays for: none after the first where the cost model prices it as the
-    fused AP GEMM (which takes every row at once), else `prefill_chunks`."""
+def row_path(card: ModelSpec, profile: HardwareProfile, row: BenchRow) -> int:
+    """The chunks of experts the row's layer pays for, or 0 where the cost model prices it as the fused AP GEMM
+    (which takes every row at once, at its own fixed cost)."""
     cm, q, tok = _layer(card, profile, row)
-    return 1 if not np.isnan(cm.fused_gemm_times(q, tok)[0]) else cm.prefill_chunks
+    return 0 if not np.isnan(cm.fused_gemm_times(q, tok)[0]) else cm.prefill_chunks
 
 
 def gemm_flops(card: ModelSpec, row: BenchRow) -> float:
@@ -223,14 +224,15 @@ def ratio_summary(ratios) -> dict:
     return {"min": float(r.min()), "median": float(np.median(r)), "max": float(r.max())}
 
 
-def chunk_slopes(rows: list[BenchRow], counts: list[int], gaps: np.ndarray) -> list[float]:
-    """Per pair of rows alike but for their chunk count (same model, tokens and bits), their gaps' difference over
-    their chunk counts' (ms a chunk)."""
+def chunk_slopes(rows: list[BenchRow], counts: np.ndarray, gaps: np.ndarray) -> list[float]:
+    """Per pair of dequantizing rows (a count of chunks, not 0) alike but for their chunk count (same model, tokens
+    and bits), their gaps' difference over their chunk counts' (ms a chunk)."""
     slopes = []
     for a in range(len(rows)):
         for b in range(a + 1, len(rows)):
             ra, rb = rows[a], rows[b]
-            if (ra.model, ra.tokens, ra.bits) == (rb.model, rb.tokens, rb.bits) and counts[a] != counts[b]:
+            if ((ra.model, ra.tokens, ra.bits) == (rb.model, rb.tokens, rb.bits) and counts[a] != counts[b]
+                    and counts[a] and counts[b]):
                 slopes.append(float((gaps[a] - gaps[b]) / (counts[a] - counts[b])))
     return slopes
 
@@ -248,18 +250,23 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
     cards = {m: card_for(m) for m in dict.fromkeys(r.model for r in rows)}
     tflops = gemm_tflops(rows, cards)
     rated = replace(profile, ap_gemm_tflops=merge_rates(profile.ap_gemm_tflops, tflops))
-    counts = [row_chunks(cards[r.model], rated, r) for r in rows]
-    bare = replace(rated, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0)
+    counts = np.array([row_path(cards[r.model], rated, r) for r in rows])   # 0: the fused AP GEMM
+    bare = replace(rated, prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0, ap_gemm_layer_overhead_us=0.0)
     measured = np.array([r.measured_ms for r in rows])
     gaps = measured - np.array([layer_ms(cards[r.model], bare, r) for r in rows])
     slopes = chunk_slopes(rows, counts, gaps)
     chunk_us = max(0.0, float(np.median(slopes)) * 1e3) if slopes else profile.prefill_chunk_overhead_us
-    layer_us = max(0.0, float(np.median(gaps * 1e3 - (np.array(counts) - 1) * chunk_us)))
-    after_profile = replace(rated, prefill_layer_overhead_us=layer_us, prefill_chunk_overhead_us=chunk_us)
+    dequantized, fused = counts > 0, counts == 0
+    layer_us = (max(0.0, float(np.median(gaps[dequantized] * 1e3 - (counts[dequantized] - 1) * chunk_us)))
+                if dequantized.any() else profile.prefill_layer_overhead_us)
+    gemm_us = (max(0.0, float(np.median(gaps[fused] * 1e3))) if fused.any()
+               else profile.ap_gemm_layer_overhead_us)
+    after_profile = replace(rated, prefill_layer_overhead_us=layer_us, prefill_chunk_overhead_us=chunk_us,
+                            ap_gemm_layer_overhead_us=gemm_us)
     before = np.array([layer_ms(cards[r.model], profile, r) for r in rows])
     after = np.array([layer_ms(cards[r.model], after_profile, r) for r in rows])
     table = [{"model": r.model, "card": cards[r.model].name, "tokens": r.tokens, "bits": r.bits,
-              "active_experts": r.active_experts, "prefill_chunk_bytes": r.chunk_bytes, "chunks": c,
+              "active_experts": r.active_experts, "prefill_chunk_bytes": r.chunk_bytes, "chunks": int(c),
               "measured_ms": r.measured_ms, "modeled_ms": float(b), "ratio": float(b / r.measured_ms),
               "fitted_ms": float(a), "fitted_ratio": float(a / r.measured_ms)}
              for r, c, b, a in zip(rows, counts, before, after)]
@@ -267,9 +274,13 @@ def fit(rows: list[BenchRow], profile: HardwareProfile) -> dict:
             "fit": {"prefill_layer_overhead_us": layer_us, "previous_us": profile.prefill_layer_overhead_us,
                     "prefill_chunk_overhead_us": chunk_us,
                     "previous_chunk_us": profile.prefill_chunk_overhead_us, "chunk_pairs": len(slopes),
+                    "ap_gemm_layer_overhead_us": gemm_us,
+                    "previous_ap_gemm_layer_us": profile.ap_gemm_layer_overhead_us,
                     "method": "chunk: median over rows alike but for their chunk count of the gap's difference a "
-                              "chunk (kept where no such pair); layer: median over rows of the gap less the chunks "
-                              "after the first; both clipped at 0 (gap: measured - modeled without either)",
+                              "chunk (kept where no such pair); layer: median over the dequantizing rows of the gap "
+                              "less the chunks after the first; fused AP GEMM layer: median over its rows of the gap; "
+                              "all clipped at 0, each kept where no row has that path (gap: measured - modeled "
+                              "without any)",
                     "ap_gemm_tflops": {str(b): {str(t): v for t, v in tv.items()} for b, tv in tflops.items()},
                     "previous_ap_gemm_tflops": {str(b): {str(t): v for t, v in tv.items()}
                                                 for b, tv in profile.ap_gemm_tflops.items()},
@@ -283,5 +294,6 @@ def fitted_profile(profile: HardwareProfile, report: dict, note: str) -> Hardwar
     fitted = {int(b): {int(t): v for t, v in tv.items()} for b, tv in report["fit"].get("ap_gemm_tflops", {}).items()}
     return replace(profile, prefill_layer_overhead_us=report["fit"]["prefill_layer_overhead_us"],
                    prefill_chunk_overhead_us=report["fit"]["prefill_chunk_overhead_us"],
+                   ap_gemm_layer_overhead_us=report["fit"]["ap_gemm_layer_overhead_us"],
                    ap_gemm_tflops=merge_rates(profile.ap_gemm_tflops, fitted),
                    metadata={**profile.metadata, "prefill_fit": note})

@@ -298,7 +298,7 @@ def test_bundled_h200_measured_carries_the_fit_of_the_bundled_bench(tmp_path, ca
 def test_bundled_h100_measured_carries_the_fit_of_its_benches(tmp_path, capsys):
     """The H100 profile (`bench kernels` on an H100) carries both prefill costs and the fused AP GEMM's rates fitted
     from the bundled H100 benches (3 bits at 1 and 4 GiB chunks: pairs of rows alike but for their chunk count; 4
-    bits at 1 GiB), and fits every row within 0.8-1.2."""
+    bits at 1 GiB), and fits every row within 0.85-1.2."""
     assets = Path(__file__).resolve().parents[1] / "pwruntime" / "assets"
     benches = [a for name in ("1GiB", "4GiB", "4bit")
                for a in ("--bench", str(assets / f"prefill_bench_h100_{name}.json"))]
@@ -307,11 +307,13 @@ def test_bundled_h100_measured_carries_the_fit_of_its_benches(tmp_path, capsys):
     assert prof.device.startswith("NVIDIA H100") and report["fit"]["chunk_pairs"] > 0
     assert report["fit"]["prefill_layer_overhead_us"] == pytest.approx(prof.prefill_layer_overhead_us, abs=0.1)
     assert report["fit"]["prefill_chunk_overhead_us"] == pytest.approx(prof.prefill_chunk_overhead_us, abs=0.1)
+    assert report["fit"]["ap_gemm_layer_overhead_us"] == pytest.approx(prof.ap_gemm_layer_overhead_us, abs=0.1)
     assert prof.prefill_chunk_overhead_us > 0 and report["fit"]["ap_gemm_rows"] > 0
+    assert 0 < prof.ap_gemm_layer_overhead_us < prof.prefill_layer_overhead_us   # it launches less
     assert report["fit"]["ap_gemm_tflops"] == {b: {t: pytest.approx(v, rel=1e-9) for t, v in tiles.items()}
                                                for b, tiles in prof.to_json()["ap_gemm_tflops"].items()}
     assert set(prof.ap_gemm_tflops) == {3, 4} and all(set(t) == {64, 128} for t in prof.ap_gemm_tflops.values())
-    assert report["ratios"]["after"]["min"] > 0.8 and report["ratios"]["after"]["max"] < 1.2
+    assert report["ratios"]["after"]["min"] > 0.85 and report["ratios"]["after"]["max"] < 1.2
 
 
 def _misuse(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from policies.prefill_path import (FUSED_GEMM_MAX_ROWS, fused_gemm_layer, fused_gemm_shapes_ok,
                                    fused_gemm_tile_rows)
 from pwsim.cost_model import CostModel
-from pwsim.prefill_fit import BenchRow, card_for, fit, fitted_profile, gemm_flops, parse_rows
+from pwsim.prefill_fit import BenchRow, card_for, fit, fitted_profile, gemm_flops, layer_ms, parse_rows
 from traces.clikit import UserError
 from traces.hardware import HardwareProfileError, from_json, load_profile
 from traces.model_card import load_card
@@ -108,6 +108,25 @@ def test_fit_measures_the_rate_and_models_those_rows_with_it():
     prof = fitted_profile(base, rep, "test")
     assert prof.ap_gemm_tflops == {3: {64: pytest.approx(280.0), 128: pytest.approx(320.0)}}
     assert fitted_profile(replace(base, ap_gemm_tflops={4: {64: 1.0}}), rep, "t").ap_gemm_tflops[4] == {64: 1.0}
+
+
+def test_fit_gives_the_fused_layers_a_fixed_cost_of_their_own():
+    """Rows the model prices as the fused GEMM (3 bits, few rows an expert) whose gaps are 0.1 ms, and dequantizing
+    rows (8 bits) whose gaps are 0.3 ms: each path gets back its own fixed cost, and every row is then exact."""
+    base = replace(load_profile("h100-measured"), prefill_layer_overhead_us=0.0, prefill_chunk_overhead_us=0.0,
+                   ap_gemm_layer_overhead_us=0.0, ap_gemm_tflops={3: {64: 200.0, 128: 300.0}})
+    rows = []
+    for m in ("qwen3-moe-30b-a3b", "olmoe-1b-7b"):
+        card = card_for(m)
+        for t, bits in ((256, 3), (512, 3), (1024, 3), (256, 8), (512, 8), (1024, 8)):
+            r = BenchRow(m, t, bits, card.experts, 1.0)
+            rows.append(replace(r, measured_ms=layer_ms(card, base, r) + (0.1 if bits == 3 else 0.3)))
+    rep = fit(rows, base)
+    assert rep["fit"]["ap_gemm_layer_overhead_us"] == pytest.approx(100.0, abs=1e-6)
+    assert rep["fit"]["prefill_layer_overhead_us"] == pytest.approx(300.0, abs=1e-6)
+    assert [r["chunks"] == 0 for r in rep["rows"]] == [r["bits"] == 3 for r in rep["rows"]]
+    assert all(r["fitted_ratio"] == pytest.approx(1.0) for r in rep["rows"])
+    assert fitted_profile(base, rep, "t").ap_gemm_layer_overhead_us == pytest.approx(100.0)
 
 
 def test_bench_rows_give_the_kernel_time_or_nothing_valid():

@@ -133,7 +133,8 @@ def test_pwsim_hardware_lists_the_bundled_profiles_with_their_host_costs(capsys)
     prof = load_profile("h100-measured")
     rates = gemm_rates(prof.to_json()["ap_gemm_tflops"])
     assert "device" in head and "prefill chunk us" in head and "AP GEMM TFLOP/s" in head and "NVIDIA H100" in row
-    assert row.removesuffix(rates).split()[-1] == f"{prof.prefill_chunk_overhead_us:,.0f}" and row.endswith(rates)
+    assert row.removesuffix(rates).split()[-2:] == [f"{prof.prefill_chunk_overhead_us:,.0f}",
+                                                    f"{prof.ap_gemm_layer_overhead_us:,.0f}"] and row.endswith(rates)
     assert gemm_rates({}) == "-" and gemm_rates({"3": {"64": 210.4, "128": 320.0}}) == "3b 210/320 (64/128-row tiles)"
     assert main(["hardware", "no-such-profile"]) == 2
     err = capsys.readouterr().err

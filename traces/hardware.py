@@ -53,6 +53,9 @@ Format (JSON object, `format_version` 1):
                                         measured at several batch sizes; between two measured sizes it is
                                         interpolated in log(tokens), outside them the nearest is used, and
                                         bits it lacks use ap_kernel_efficiency
+    ap_gemm_layer_overhead_us           optional (default 0): the fixed cost of a prefill MoE layer that takes the
+                                        fused AP GEMM, in place of prefill_layer_overhead_us and its chunks' (fewer
+                                        launches and no chunks); fitted beside them by `pwsim prefill-fit`
     ap_gemm_tflops                      optional {bits: {tile rows: TFLOP/s}}: the fused AP GEMM's rate over its
                                         tiles, padded rows included (a prefill layer whose blocks are all at 3-4
                                         bits and whose experts average few rows skips dequantizing them,
@@ -107,6 +110,7 @@ class HardwareProfile:
     plan_transition_us: float = 0.0
     prefill_chunk_overhead_us: float = 0.0
     ap_gemm_tflops: dict[int, dict[int, float]] = field(default_factory=dict)
+    ap_gemm_layer_overhead_us: float = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -188,7 +192,8 @@ def validate(p: HardwareProfile) -> None:
               "pcie_d2h_gbps", "ap_fused_max_tokens", "ap_fused_launch_tokens"):
         _positive(f, getattr(p, f))
     for f in ("iteration_overhead_us", "layer_overhead_us", "token_overhead_us", "sequence_overhead_us",
-              "prefill_layer_overhead_us", "prefill_chunk_overhead_us", "routing_read_us", "plan_transition_us"):
+              "prefill_layer_overhead_us", "prefill_chunk_overhead_us", "routing_read_us", "plan_transition_us",
+              "ap_gemm_layer_overhead_us"):
         _positive(f, getattr(p, f), allow_zero=True)
     if p.achieved_flops_fraction > 1:
         raise HardwareProfileError(f"achieved_flops_fraction must be <= 1, got {p.achieved_flops_fraction}")
