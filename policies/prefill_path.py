@@ -25,11 +25,16 @@ def fused_gemm_shapes_ok(in_features: int, out_features: int) -> bool:
     return in_features % GEMM_STEP == 0 and out_features % 2 == 0
 
 
+def fused_gemm_experts(hidden: int, intermediate: int) -> bool:
+    """Whether the fused GEMM takes experts of hidden x intermediate: their two blocks' shapes, on the grouped path."""
+    return (fused_gemm_shapes_ok(hidden, 2 * intermediate) and fused_gemm_shapes_ok(intermediate, hidden)
+            and intermediate <= GROUPED_MM_MAX_INTERMEDIATE)
+
+
 def fused_gemm_layer(rows: int, experts: int, hidden: int, intermediate: int) -> bool:
     """Whether a prefill layer of `rows` routed rows (tokens x top-k) over `experts` experts of hidden x intermediate
     may take the fused GEMM (it does where its blocks are all at FUSED_GEMM_MAX_BITS or fewer)."""
-    return (fused_gemm_shapes_ok(hidden, 2 * intermediate) and fused_gemm_shapes_ok(intermediate, hidden)
-            and intermediate <= GROUPED_MM_MAX_INTERMEDIATE and rows <= FUSED_GEMM_MAX_ROWS * experts)
+    return fused_gemm_experts(hidden, intermediate) and rows <= FUSED_GEMM_MAX_ROWS * experts
 
 
 def fused_gemm_tile_rows(rows: int, experts: int) -> int:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from policies.prefill_path import FUSED_GEMM_MAX_BITS, fused_gemm_shapes_ok
+from policies.prefill_path import FUSED_GEMM_MAX_BITS, fused_gemm_experts
 from pwruntime.device_store import (DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS, FusedGemmLayer, dequantize_experts,
                                     fused_gemm_prefill, grouped_mm_prefill, prefill_group_limits)
 from pwruntime.kernels.bench import APLayers, BenchConfig, model_shape, random_routing
@@ -117,10 +117,9 @@ def runtime_path(x: torch.Tensor, shape: MoEShape, bits: int) -> str:
 
 
 def ap_gemm_runs(x: torch.Tensor, shape: MoEShape, bits: int) -> bool:
-    """Whether the `ap_gemm` path is timed: the grouped path, 3-4 bits, shapes the kernel takes (any rows)."""
-    h, i = shape.hidden, shape.intermediate
-    return (bits <= FUSED_GEMM_MAX_BITS and grouped_mm_prefill(x, shape) and fused_gemm_shapes_ok(h, 2 * i)
-            and fused_gemm_shapes_ok(i, h))
+    """Whether the `ap_gemm` path is timed: the grouped path, 3-4 bits, experts the kernel takes (any rows)."""
+    return (bits <= FUSED_GEMM_MAX_BITS and grouped_mm_prefill(x, shape)
+            and fused_gemm_experts(shape.hidden, shape.intermediate))
 
 
 def prefill_layers(cfg: BenchConfig, name: str, bits: int, dtype: torch.dtype = torch.bfloat16,
