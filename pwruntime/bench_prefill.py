@@ -12,7 +12,7 @@ same layer:
 - `grouped`: `grouped_mm_moe`, the dequantized experts through torch's grouped GEMM over the unpadded rows
   (None where torch lacks it);
 - `ap_gemm`: `grouped_mm_moe` with the fused AP GEMM in place of the dequantization and torch's GEMMs
-  (`device_store.FusedGemmLayer`, chosen by the host as in an eager step), where the runtime's grouped path runs and
+  (`prefill_layer.FusedGemmLayer`, chosen by the host as in an eager step), where the runtime's grouped path runs and
   the experts are at 3-4 bits (`policies.prefill_path`; None elsewhere);
 - `per_expert`: `grouped_moe`'s set of launches per active expert (what the runtime ran before session 9).
 `runtime_path` is the one `DeviceExpertStore.moe` takes for these activations (`runtime_path`: the fused kernel
@@ -37,12 +37,13 @@ from pathlib import Path
 import torch
 
 from policies.prefill_path import FUSED_GEMM_MAX_BITS, fused_gemm_experts
-from pwruntime.device_store import (DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS, FusedGemmLayer, dequantize_experts,
-                                    fused_gemm_prefill, grouped_mm_prefill, prefill_group_limits)
+from pwruntime.device_store import DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS
 from pwruntime.kernels.bench import APLayers, BenchConfig, model_shape, random_routing
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
+from pwruntime.prefill_layer import (FusedGemmLayer, dequantize_experts, fused_gemm_prefill, grouped_mm_prefill,
+                                     prefill_group_limits)
 from policies.apformat import ap_block_bytes
 from policies.memory_budget import prefill_chunks
 from traces.clikit import pyplot, write_png

@@ -18,14 +18,11 @@ Compute: `moe()` runs the fused AP MoE kernel (`fused_moe`) for T <= 128 tokens 
 inside a CUDA-graph capture for any T whose prefill path would read counts back (`prefill_syncs`), a
 launch set per 64 tokens, with one `MoEWorkspace` per (token bucket, dtype, top-k) reused across layers
 (no host sync, no data-dependent allocation: capturable in a CUDA graph) and fills `down_in_norm` from the
-workspace's activations. For T > 128 (prefill) it dequantizes experts at their committed bits
-(`dequantize_blocks`, at most `prefill_chunk_bytes` of weights at once) and runs them through
-`grouped_mm_moe` (torch's grouped GEMM over the unpadded rows; every expert, a chunk at a time, nothing read back
-to the host) for experts of up to 4096 intermediate rows in bf16 on Hopper, where it is the faster, and
-`padded_moe` (the active experts, two batched GEMMs per group of them) otherwise; either way not a set of launches
-per expert. Off CUDA, or
-in fp32, the kernels' pure-torch fallbacks run; the fused fallback gives no activations, so a
-`down_in_norm` request takes the prefill path there.
+workspace's activations. For T > 128 (prefill) it runs `pwruntime.prefill_layer.prefill_moe`: the experts
+dequantized at their committed bits, at most `prefill_chunk_bytes` of weights at once, through torch's grouped GEMM
+(or the fused AP GEMM where a layer is at 3-4 bits); never a set of launches per expert. Off CUDA, or in fp32, the
+kernels' pure-torch fallbacks run; the fused fallback gives no activations, so a `down_in_norm` request takes the
+prefill path there.
 
 Following the page table: with a `policies.PageTable` attached, `sync()` brings every idle block's
 row to the table's committed bits (and a held block's leading GPU planes). That is how a policy's
@@ -38,23 +35,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from policies.apformat import MAX_BITS
-from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES, prefill_chunk_experts
-from policies.prefill_path import (FUSED_GEMM_MAX_BITS, GROUPED_MM_MAX_INTERMEDIATE, fused_gemm_layer,
-                                   fused_gemm_tile_rows)
+from policies.memory_budget import DEFAULT_PREFILL_CHUNK_BYTES
 from pwruntime.kernels import (DeviceWeightTable, MoEShape, MoEWorkspace, ap_gemm, dequant, dequantize_blocks,
                                fused_moe)
 from pwruntime.copy_batch import CopyBatch
 from pwruntime.plane_arena import PlaneArena
-from pwruntime.kernels.device_table import COL_BITS, MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
+from pwruntime.kernels.device_table import MIN_BITS, TOP_PLANES, as_int32, pack_top_planes_
 from pwruntime.kernels.layer_ops import row_norms
 from pwruntime.kernels.moe import MAX_TOKENS, layer_variants
-from pwruntime.model.experts import block_shape, checked_block_index, grouped_mm_moe, grouped_mm_ok, padded_moe
+from pwruntime.model.experts import block_shape, checked_block_index
+from pwruntime.prefill_layer import capturing, prefill_moe, prefill_syncs
 from pwruntime.quant.ap_checkpoint import KINDS, LayerBlocks
 from pwruntime.stream_marks import DeferredFree, tensor_bytes
 
@@ -70,18 +65,11 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # one workspace per bucket (and dtype,
 # 761 MB a layer at 8 bits) took 372 ms a mixed step (up to 2,048 tokens) from the pieces and 86 ms eagerly (H100,
 # session 52), when its prefill, two chunks of experts, still read counts back; since session 64 it captures.
 CAPTURE_REREAD_BYTES = 256 << 20
-# Prefill groups of experts may compute this many FLOPs on padding rows (padded_moe): about 13 us at the H200's
-# measured 772 TFLOP/s fp16, less than the host time of the launches another group of experts would cost.
-PAD_FLOPS = 10 ** 10
 
 
 def _kernel_path(x: torch.Tensor) -> bool:
     """Whether fused_moe runs the CUDA kernel (and fills the workspace) for activations x."""
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def _resolve(device: str | torch.device) -> torch.device:
@@ -378,7 +366,7 @@ class DeviceExpertStore:
 
     def _follow_table(self) -> None:
         """Before a compute call: rows brought to the table's bits and on the device (never while capturing)."""
-        if _capturing(self.device):
+        if capturing(self.device):
             return
         pt = self.page_table
         if pt is not None and not np.array_equal(self.row_bits, pt.q):
@@ -445,7 +433,7 @@ class DeviceExpertStore:
         kernel = _kernel_path(x)
         # inside a capture (a mixed step's piecewise graph) the prefill path only where it reads nothing back
         prefill = tokens > FUSED_MAX_TOKENS and not (
-            kernel and _capturing(self.device) and prefill_syncs(self.moe_shape(k), x))
+            kernel and capturing(self.device) and prefill_syncs(self.moe_shape(k), x))
         if prefill or (down_in_norm is not None and not kernel):
             return prefill_moe(self.table, self.moe_shape(k), layer, x, topk_ids, topk_weights,
                                self.prefill_chunk_bytes, down_in_norm, self._fused_gemm)
@@ -467,108 +455,3 @@ class DeviceExpertStore:
         if down_in_norm is not None:
             row_norms(ws.act[:tokens * k], out=down_in_norm)
         return out
-
-
-def prefill_group_limits(shape: MoEShape, element_size: int,
-                         chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES) -> tuple[int, int]:
-    """(experts, padding rows) a prefill group may hold: `chunk_bytes` of dequantized weights, `PAD_FLOPS`."""
-    experts = prefill_chunk_experts(shape.hidden, shape.intermediate, element_size, chunk_bytes)
-    return experts, PAD_FLOPS // (6 * shape.hidden * shape.intermediate)
-
-
-def dequantize_experts(table: DeviceWeightTable, shape: MoEShape, layer: int, experts: Sequence[int],
-                       dtype: torch.dtype, skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [n, 2I, H], down [n, H, I]) of `experts` of one MoE layer at their committed bits. A run of
-    consecutive experts (a `range`, as grouped_mm_moe asks) is asked for by block ids made on the device (no copy:
-    capturable, see prefill_syncs). `skip` as dequantize_blocks takes it."""
-    run = isinstance(experts, range) and experts.step == 1 and table.device.type == "cuda"
-    first = torch.arange(2 * experts.start, 2 * experts.stop, 2, device=table.device) if run else None
-
-    def ids(kind: int):
-        if run:
-            return first + shape.block(layer, 0, kind)
-        return [shape.block(layer, e, kind) for e in experts]
-
-    gate_up, down = (dequantize_blocks(table, ids(kind), *block_shape(kind, shape.hidden, shape.intermediate), dtype,
-                                       skip) for kind in (0, 1))
-    return gate_up, down
-
-
-def prefill_syncs(shape: MoEShape, x: torch.Tensor) -> bool:
-    """Whether `prefill_moe` on activations x reads the experts' row counts back to the host (so cannot run in a
-    CUDA graph): everywhere but `grouped_mm_moe`."""
-    return not grouped_mm_prefill(x, shape)
-
-
-def grouped_mm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
-    """Whether prefill takes `grouped_mm_moe`: bf16 on a CUDA device of compute capability 9.0 or newer, experts
-    of at most `GROUPED_MM_MAX_INTERMEDIATE` intermediate rows, rows of 16-byte multiples. Measured on the H200
-    (torch 2.11, `pwruntime bench prefill`, cuda/NOTES.md session 10): torch's grouped GEMM ran the layers of
-    Qwen1.5-MoE, OLMoE and Qwen3-MoE up to 30% faster than `padded_moe` (one case of nine 2% slower),
-    Mixtral's (8 experts of 14336) 7-20% slower, and in fp16 the others' 2-3x slower."""
-    return grouped_mm_ok(x, shape.hidden, shape.intermediate) and shape.intermediate <= GROUPED_MM_MAX_INTERMEDIATE
-
-
-@dataclass(frozen=True)
-class FusedGemmLayer:
-    """One MoE layer's experts as the fused AP GEMM reads them (`kernels.ap_gemm`), for `grouped_mm_moe`. Where the
-    device makes the choice, `on` (int64 [1] on the device) is 1 when every block of the layer is at
-    FUSED_GEMM_MAX_BITS or fewer, read from the device table when the step runs, so a captured step follows the bits
-    of each replay, and `off` = 1 - on; where the host made it (the GEMM runs), both are None."""
-    table: DeviceWeightTable
-    blocks: tuple[range, range]                # the experts' gate_up and down blocks (page-table rows)
-    out_features: tuple[int, int]              # gate_up's and down's
-    tile_rows: int
-    on: torch.Tensor | None
-    off: torch.Tensor | None
-
-    @classmethod
-    def of(cls, table: DeviceWeightTable, shape: MoEShape, layer: int, rows: int,
-           on_device: bool = True) -> FusedGemmLayer | None:
-        """The layer of `rows` routed rows; `on_device` False: the choice made now from the table's host mirror (None
-        where a block is above FUSED_GEMM_MAX_BITS), for a step that runs at once (not captured)."""
-        first, e = shape.block(layer, 0, 0), shape.num_experts   # the layer's blocks: gate_up, down, gate_up...
-        on = off = None
-        if on_device:
-            on = (table.table[first:first + 2 * e, COL_BITS].amax() <= FUSED_GEMM_MAX_BITS).to(torch.int64).reshape(1)
-            off = 1 - on
-        elif table.host[first:first + 2 * e, COL_BITS].max() > FUSED_GEMM_MAX_BITS:
-            return None
-        outs = (block_shape(0, shape.hidden, shape.intermediate)[0], shape.hidden)
-        blocks = (range(first, first + 2 * e, 2), range(first + 1, first + 2 * e, 2))
-        return cls(table, blocks, outs, fused_gemm_tile_rows(rows, e), on, off)
-
-    def mm(self, kind: int, a: torch.Tensor, ends: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The rows a [N, in] sorted by expert (`ends` int32 [E]) times their experts' blocks of `kind`, where `on`
-        says so (into `out` when given)."""
-        return ap_gemm.ap_grouped_mm(self.table, self.blocks[kind], a, ends, self.out_features[kind],
-                                     FUSED_GEMM_MAX_BITS, self.tile_rows, out, self.on)
-
-
-def fused_gemm_prefill(x: torch.Tensor, shape: MoEShape) -> bool:
-    """Whether `prefill_moe` may run these activations' layer through the fused AP GEMM (`FusedGemmLayer`; it does
-    where every block of the layer is at FUSED_GEMM_MAX_BITS or fewer): on `grouped_mm_moe`'s path, where
-    `policies.prefill_path.fused_gemm_layer` says so (shapes the kernel takes, few rows an expert)."""
-    return grouped_mm_prefill(x, shape) and fused_gemm_layer(x.shape[0] * shape.top_k, shape.num_experts,
-                                                             shape.hidden, shape.intermediate)
-
-
-def prefill_moe(table: DeviceWeightTable, shape: MoEShape, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
-                topk_weights: torch.Tensor, chunk_bytes: int = DEFAULT_PREFILL_CHUNK_BYTES,
-                down_in_norm: torch.Tensor | None = None, fused_gemm: bool = True) -> torch.Tensor:
-    """The MoE of many tokens over a device weight table: the active experts dequantized at their committed bits
-    (`dequantize_experts`) a group at a time (`prefill_group_limits`) and run by `grouped_mm_moe` where
-    `grouped_mm_prefill` says so, else by `padded_moe`. Where `fused_gemm_prefill` says so, `grouped_mm_moe` runs the
-    fused AP GEMM instead whenever the layer's blocks are all at 4 bits or fewer: in a CUDA-graph capture decided on
-    the device at each replay (the dequantization and the chunks' GEMMs then compute nothing), else by the host now
-    (the other path is not launched at all). `fused_gemm` False: never."""
-    max_experts, max_pad_rows = prefill_group_limits(shape, x.element_size(), chunk_bytes)
-    fused = (FusedGemmLayer.of(table, shape, layer, x.shape[0] * shape.top_k, _capturing(table.device))
-             if fused_gemm and fused_gemm_prefill(x, shape) else None)
-    skip = None if fused is None else fused.on
-    weights_of = lambda group: dequantize_experts(table, shape, layer, group, x.dtype, skip)  # noqa: E731
-    if grouped_mm_prefill(x, shape):
-        return grouped_mm_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, down_in_norm,
-                              shape.activation, fused)
-    return padded_moe(x, topk_ids, topk_weights, shape.num_experts, weights_of, max_experts, max_pad_rows,
-                      down_in_norm, shape.activation)

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import pwruntime.device_store as ds
-from pwruntime.device_store import FusedGemmLayer, dequantize_experts, fused_gemm_prefill, prefill_moe
+import pwruntime.prefill_layer as pl
 from pwruntime.kernels import DeviceWeightTable, MoEShape, dequantize_blocks
 from pwruntime.kernels import ap_gemm
 from pwruntime.kernels.ap_gemm import ap_grouped_mm, ap_grouped_mm_ref
 from pwruntime.kernels.device_table import device_layout
 from pwruntime.model.experts import grouped_mm_moe
+from pwruntime.prefill_layer import FusedGemmLayer, dequantize_experts, fused_gemm_prefill, prefill_moe
 from pwruntime.quant.pack import dequantize, pack_planes
 
 
@@ -106,13 +107,13 @@ def test_fused_layer_is_on_only_where_every_block_is_at_four_bits_or_fewer():
 
 
 def test_fused_gemm_prefill_takes_layers_of_few_rows_an_expert(monkeypatch):
-    monkeypatch.setattr(ds, "grouped_mm_prefill", lambda x, shape: True)
+    monkeypatch.setattr(pl, "grouped_mm_prefill", lambda x, shape: True)
     shape = MoEShape(128, 2816, 704, 8)
     x = torch.zeros(2048, 2816, dtype=torch.bfloat16)
     assert fused_gemm_prefill(x, shape)               # 128 rows an expert
     assert not fused_gemm_prefill(torch.zeros(2049, 2816, dtype=torch.bfloat16), shape)
     assert not fused_gemm_prefill(torch.zeros(16, 2848, dtype=torch.bfloat16), MoEShape(128, 2848, 704, 8))  # K
-    monkeypatch.setattr(ds, "grouped_mm_prefill", lambda x, shape: False)
+    monkeypatch.setattr(pl, "grouped_mm_prefill", lambda x, shape: False)
     assert not fused_gemm_prefill(x, shape)
 
 

@@ -23,7 +23,8 @@ from policies.page_table import PageTable
 from policies.planners.base import make_plan
 from pwruntime import device_store, page_mover, plane_arena
 from pwruntime.copy_batch import CopyBatch
-from pwruntime.device_store import DeviceExpertStore, grouped_mm_prefill
+from pwruntime.device_store import DeviceExpertStore
+from pwruntime.prefill_layer import grouped_mm_prefill, prefill_group_limits, prefill_syncs
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.kernels.device_table import device_layout
 from pwruntime.kernels.moe import MoEShape, moe_plans
@@ -648,8 +649,8 @@ def test_gpu_a_bf16_prefill_in_chunks_of_experts_reads_nothing_back(ap_path, chu
     result, which is the reference's."""
     ref, _, dev = stores(ap_path, 5, device="cuda", dtype=torch.bfloat16)
     dev.prefill_chunk_bytes = chunk_experts * 3 * dev.hidden * dev.intermediate * 2
-    assert device_store.prefill_group_limits(dev.moe_shape(2), 2, dev.prefill_chunk_bytes)[0] == chunk_experts
-    assert not device_store.prefill_syncs(dev.moe_shape(2), torch.zeros(1, dev.hidden, dtype=torch.bfloat16,
+    assert prefill_group_limits(dev.moe_shape(2), 2, dev.prefill_chunk_bytes)[0] == chunk_experts
+    assert not prefill_syncs(dev.moe_shape(2), torch.zeros(1, dev.hidden, dtype=torch.bfloat16,
                                                                         device="cuda"))
     tokens = 200
     x, ids, w = routing(dev, tokens, 1, "cuda")

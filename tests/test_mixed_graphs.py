@@ -305,7 +305,7 @@ def test_engine_decodes_the_same_tokens_with_mixed_graphs(demo):
 def test_device_store_moe_of_many_tokens_is_captured(ap_path, dtype):
     """More than 128 tokens in a capture: fp16 runs fused launch sets (its prefill path reads counts back), bf16
     the grouped GEMM over block ids made on the device; the replay equals the store's eager MoE."""
-    from pwruntime.device_store import prefill_syncs
+    from pwruntime.prefill_layer import prefill_syncs
 
     _, _, dev = stores(ap_path, 5, device="cuda", dtype=dtype)
     tokens = 200

@@ -143,7 +143,7 @@ def test_the_dispatch_moves_each_routed_row_s_activations():
 def test_the_cost_model_chunks_a_layer_as_the_runtime_does():
     """pwsim's chunk count is the runtime's (`prefill_group_limits`, what `bench prefill` records as `chunks`) for
     every bench shape and a few chunk sizes."""
-    from pwruntime.device_store import prefill_group_limits
+    from pwruntime.prefill_layer import prefill_group_limits
     from pwruntime.kernels.bench import model_shape
     from pwsim.prefill_fit import BENCH_CARDS
     for name in BENCH_CARDS:

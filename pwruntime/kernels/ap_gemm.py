@@ -5,7 +5,7 @@
 block in 16 bits first and reads it back. Nothing is read back to the host: a launch is capturable in a CUDA graph.
 Its mma.sync tiles reach a fraction of torch's grouped GEMM's rate, and decoding 5-8-bit codes (a lookup each) in
 every tile costs more than dequantizing once, so the runtime takes it for layers of few rows an expert at 3-4 bits
-only (`policies.prefill_path`, `device_store.prefill_moe`, cuda/NOTES.md session 70).
+only (`policies.prefill_path`, `prefill_layer.prefill_moe`, cuda/NOTES.md session 70).
 """
 from __future__ import annotations
 

@@ -58,7 +58,7 @@ def expert_mlp(rows: torch.Tensor, gate_up: torch.Tensor | None, down: torch.Ten
     (up rows) [..., n, I], down act [..., n, H]). With `offs` (int32 [b], each expert's end row), rows [N, H]
     sorted by expert go through torch's grouped GEMM against the b experts' matrices instead, which computes only
     the rows below the last offset; `count` (that row on the device, int64 [1]) bounds the activation's rows too.
-    `fused` (with offs; a `device_store.FusedGemmLayer`) may run the fused AP GEMM in their place, as its `on` says
+    `fused` (with offs; a `prefill_layer.FusedGemmLayer`) may run the fused AP GEMM in their place, as its `on` says
     on the device: the grouped GEMMs then get offsets of zeros (they compute nothing) and the fused GEMM writes their
     results; with gate_up and down None it runs alone.
 
@@ -206,7 +206,7 @@ def grouped_mm_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     activation and the scatter of its outputs into slot order, so each moves its own rows, not all of them. With one
     chunk the combine reads the GEMMs' rows where they are, sorted (`_Dispatch.combine_sorted`).
 
-    `fused` (a `device_store.FusedGemmLayer`): where its `on` says so on the device, the fused AP GEMM computes the
+    `fused` (a `prefill_layer.FusedGemmLayer`): where its `on` says so on the device, the fused AP GEMM computes the
     layer over every sorted row at once, and the chunks see row ends of zeros, so their GEMMs, moves and activations
     compute nothing (`weights_of` must skip its dequantization then, as `fused.on` says). A `fused` without `on`
     (the host's choice) runs alone: no chunk, no dequantization.
