@@ -650,8 +650,7 @@ def test_gpu_a_bf16_prefill_in_chunks_of_experts_reads_nothing_back(ap_path, chu
     ref, _, dev = stores(ap_path, 5, device="cuda", dtype=torch.bfloat16)
     dev.prefill_chunk_bytes = chunk_experts * 3 * dev.hidden * dev.intermediate * 2
     assert prefill_group_limits(dev.moe_shape(2), 2, dev.prefill_chunk_bytes)[0] == chunk_experts
-    assert not prefill_syncs(dev.moe_shape(2), torch.zeros(1, dev.hidden, dtype=torch.bfloat16,
-                                                                        device="cuda"))
+    assert not prefill_syncs(dev.moe_shape(2), torch.zeros(1, dev.hidden, dtype=torch.bfloat16, device="cuda"))
     tokens = 200
     x, ids, w = routing(dev, tokens, 1, "cuda")
     x = x.bfloat16()
