@@ -28,6 +28,8 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from policies.prefill_path import TILE_ROWS
+
 CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
 BASE_OPTIONS = ("-std=c++17",)
 Variant = tuple[str, tuple[tuple[str, int], ...]]  # (source file, defines), as get_kernel asks for them
@@ -261,7 +263,7 @@ def variants() -> list[Variant]:
                 out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", nt), ("PW_WARPS", warps))))
         out.append(("ap_moe.cu", (("PW_BF16", bf), ("PW_NT", 4), ("PW_OVERFLOW", 1))))  # MoE launches above 32 tokens
         out.append(("ap_dequant.cu", (("PW_BF16", bf),)))
-        for rows in (64, 128):  # kernels.ap_gemm.TILE_ROWS
+        for rows in TILE_ROWS:
             out.append(("ap_gemm.cu", (("PW_BF16", bf), ("PW_BM", rows))))
         out.append(("layer_ops.cu", (("PW_BF16", bf),)))
     for dt in (0, 1, 2):
