@@ -38,7 +38,7 @@ import torch
 
 from policies.prefill_path import FUSED_GEMM_MAX_BITS, fused_gemm_experts
 from pwruntime.device_store import DEFAULT_PREFILL_CHUNK_BYTES, FUSED_MAX_TOKENS
-from pwruntime.kernels.bench import APLayers, BenchConfig, model_shape, random_routing
+from pwruntime.kernels.bench import APLayers, BenchConfig, events_ms, model_shape, random_routing
 from pwruntime.kernels.moe import MoEShape, MoEWorkspace, fused_moe
 from pwruntime.kernels.moe import MAX_TOKENS as FUSED_LAUNCH_TOKENS
 from pwruntime.model.experts import block_shape, expert_groups, expert_mlp, grouped_mm_moe, grouped_moe, padded_moe
@@ -70,21 +70,6 @@ def _per_expert(table, shape: MoEShape, x: torch.Tensor, ids: torch.Tensor, w: t
                        lambda e, rows: expert_mlp(rows, gate_up[slot[e]], down[slot[e]], act=shape.activation))
 
 
-def gpu_ms(fn: Callable[[], object], reps: int, warmup: int) -> float:
-    """The median GPU time of fn's launches (CUDA events around each call)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def ap_gemm_kernels_ms(fused: FusedGemmLayer, x: torch.Tensor, ids: torch.Tensor, shape: MoEShape, reps: int,
                        warmup: int, gen: torch.Generator) -> float:
     """GPU ms of the fused AP GEMM's two launches over the layer's rows sorted by expert: gate_up over the tokens'
@@ -93,7 +78,7 @@ def ap_gemm_kernels_ms(fused: FusedGemmLayer, x: torch.Tensor, ids: torch.Tensor
     rows = x[torch.argsort(flat, stable=True) // shape.top_k]
     ends = torch.cumsum(torch.bincount(flat, minlength=shape.num_experts), 0).to(torch.int32)
     act = torch.randn(rows.shape[0], shape.intermediate, device=x.device, generator=gen).to(x.dtype)
-    return gpu_ms(lambda: (fused.mm(0, rows, ends), fused.mm(1, act, ends)), reps, warmup)
+    return events_ms(lambda: (fused.mm(0, rows, ends), fused.mm(1, act, ends)), reps, warmup)
 
 
 def dequant_bytes(shape: MoEShape, experts: int, bits: int, elem_bytes: int) -> int:

@@ -57,7 +57,8 @@ class BenchConfig:
         return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.dtype]
 
 
-def _events_ms(run: Callable[[], None], reps: int, warmup: int) -> float:
+def events_ms(run: Callable[[], object], reps: int, warmup: int) -> float:
+    """The median GPU ms of run's launches: CUDA events around each of `reps` calls, after `warmup` calls."""
     for _ in range(warmup):
         run()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -83,7 +84,7 @@ def capture(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
 
 
 def graph_ms(graph: torch.cuda.CUDAGraph, cfg: BenchConfig) -> float:
-    return _events_ms(graph.replay, cfg.reps, cfg.warmup)
+    return events_ms(graph.replay, cfg.reps, cfg.warmup)
 
 
 # ------------------------------------------------------------------ platform numbers
@@ -91,11 +92,11 @@ def copy_bandwidth(size: int = 256 << 20, reps: int = 10) -> dict:
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     host.random_(0, 255)
     dev = torch.empty(size, dtype=torch.uint8, device="cuda")
-    h2d = _events_ms(lambda: dev.copy_(host, non_blocking=True), reps, 2)
-    d2h = _events_ms(lambda: host.copy_(dev, non_blocking=True), reps, 2)
+    h2d = events_ms(lambda: dev.copy_(host, non_blocking=True), reps, 2)
+    d2h = events_ms(lambda: host.copy_(dev, non_blocking=True), reps, 2)
     big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda").random_(0, 255)
     other = torch.empty_like(big)
-    d2d = _events_ms(lambda: other.copy_(big), reps, 2)
+    d2d = events_ms(lambda: other.copy_(big), reps, 2)
     return {"bytes": size, "h2d_pinned_gbps": size / h2d / 1e6, "d2h_pinned_gbps": size / d2h / 1e6,
             "d2d_copy_gbps": 2 * big.numel() / d2d / 1e6}
 
@@ -103,7 +104,7 @@ def copy_bandwidth(size: int = 256 << 20, reps: int = 10) -> dict:
 def gemm_tflops(n: int = 8192, reps: int = 10) -> float:
     a = torch.randn(n, n, device="cuda", dtype=torch.float16)
     b = torch.randn(n, n, device="cuda", dtype=torch.float16)
-    ms = _events_ms(lambda: a @ b, reps, 3)
+    ms = events_ms(lambda: a @ b, reps, 3)
     return 2 * n ** 3 / ms / 1e9
 
 
