@@ -490,3 +490,22 @@ def test_bench_write_failure_is_a_user_error(capsys, tmp_path, monkeypatch):
 def test_prefill_chunk_off_cuda_or_unreadable_is_a_user_error(env, capsys, size, needles):
     misuse(capsys, ["generate", "--ap", env["ap"], "--device", "cpu", "--prefill-chunk", size, "--prompt", "ba",
                     "--max-tokens", "1"], *needles)
+
+
+@pytest.mark.parametrize("argv, prog, needle", [
+    (["generate"], "pwruntime generate", "the following arguments are required: --prompt"),
+    (["generate", "--prompt", "ba", "--nosuch"], "pwruntime generate", "unrecognized arguments: --nosuch"),
+    (["demo", "train", "--corpus", "c", "--out", "o", "--nosuch"], "pwruntime demo train",
+     "unrecognized arguments: --nosuch"),
+    (["replay", "--trace", str(DEMO_TRACE), "--out", "x", "--dtype", "fp8"], "pwruntime replay",
+     "invalid choice: 'fp8'"),
+])
+def test_argparse_errors_are_one_line_naming_the_command_and_its_help(capsys, argv, prog, needle):
+    """One line, the (sub)command's own name (a nested one's too) and where its options are listed, exit 2; not the
+    command's whole usage first, nor an unknown flag reported by the top-level `pwruntime` parser."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    assert err.splitlines() == [err.strip()] and err.startswith(f"{prog}: error: ") and needle in err, err
+    assert err.strip().endswith(f"(see `{prog} --help`)"), err

@@ -631,3 +631,24 @@ def test_run_calibration_that_is_a_file(tmp_path, capsys):
     _misuse(capsys, ["run", "--budget", "32MiB", "--calibration", cal, "--out", tmp_path / "run"],
             "is not a directory")
     assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- argparse's own errors
+@pytest.mark.parametrize("argv, head, needle", [
+    (["run", "--nosuch", "1"], "pwsim run: error:", "unrecognized arguments: --nosuch 1"),
+    (["bench", "planner", "--nosuch"], "pwsim bench planner: error:", "unrecognized arguments: --nosuch"),
+    (["compare", "--budgets"], "pwsim compare: error:", "--budgets: expected one argument"),
+    (["nosuch"], "pwsim: error:", "invalid choice: 'nosuch'"),
+])
+def test_argparse_errors_are_one_line_naming_the_command_and_its_help(capsys, argv, head, needle):
+    """Usage errors name the (sub)command they belong to, not the top-level parser, in one line with where its
+    options are listed; before, a flag the command did not know was reported as `pwsim: error:` under the usage of
+    `pwsim` itself, and every other usage error printed the command's whole usage first."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and out == ""
+    lines = err.splitlines()
+    prog = head.split(": error:")[0]
+    assert len(lines) == 1 and lines[0].startswith(head) and needle in lines[0], err
+    assert lines[0].endswith(f"(see `{prog} --help`)"), err

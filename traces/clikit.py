@@ -14,7 +14,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, Sequence
+from typing import Any, BinaryIO, Callable, Iterator, NoReturn, Sequence
 
 
 class UserError(Exception):
@@ -22,15 +22,25 @@ class UserError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own misuse errors: one line, exit 2
-        self.print_usage(sys.stderr)
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
+    def error(self, message: str) -> NoReturn:  # argparse's own misuse errors: one line naming the help, exit 2
+        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(2)
+
+
+class _CommandParser(_Parser):
+    """A subcommand's parser (and its own subcommands'): an argument it does not know is its error, named after it.
+    Left to argparse, the top-level parser would report it, naming neither the command nor where its options are."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return namespace, extra
 
 
 def build_parser(prog: str, description: str, registrars: Sequence[Callable]) -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description=description)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     for register in registrars:
         register(sub)
     return parser
