@@ -54,7 +54,7 @@ import sys
 from pathlib import Path
 
 from pwruntime import bench_serve
-from traces.clikit import UserError, check_output, check_seed, report_bench
+from traces.clikit import UserError, check_counts, check_output, check_seed, report_bench
 from traces.sizes import parse_size
 
 def register(subparsers) -> None:
@@ -189,8 +189,9 @@ def _config(args, lo: int, hi: int, default_tokens: str):
         raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(kb.MODEL_SHAPES)}")
     text = args.tokens or default_tokens
     tokens = _int_list("--tokens", text)
-    if any(not lo <= t <= hi for t in tokens) or args.reps < 1:
-        raise UserError(f"--tokens must lie in {lo}..{hi} for bench {args.target} and --reps must be positive")
+    if any(not lo <= t <= hi for t in tokens):
+        raise UserError(f"--tokens must lie in {lo}..{hi} for bench {args.target}, got {text}")
+    check_counts(("--reps", args.reps))
     if not torch.cuda.is_available():
         raise UserError(f"pwruntime bench {args.target} needs a CUDA GPU (and CuPy); none is visible here")
     command = _command(f"pwruntime bench {args.target} --models {','.join(models)} --tokens {text} --reps {args.reps}")
@@ -235,9 +236,7 @@ def _run_prefix_cache(args) -> int:
             " (it takes --prompts, --max-tokens, --reps, --dtype, --model, --out, --json)")
     rounds = 2 if args.reps is None else args.reps
     args.prompts = 32 if args.prompts is None else args.prompts
-    if args.prompts < 1 or args.max_tokens < 1 or rounds < 1:
-        raise UserError(f"--prompts, --max-tokens and --reps must be positive, got {args.prompts}, {args.max_tokens}, "
-                        f"{rounds}")
+    check_counts(("--prompts", args.prompts), ("--max-tokens", args.max_tokens), ("--reps", rounds))
     cuda = torch.cuda.is_available()
     dtype = args.dtype or ("bf16" if cuda else "fp32")
     model = load_model(args.model or default_model_dir(), dtype=dtype, device="cuda" if cuda else "cpu")
@@ -309,9 +308,7 @@ def _run_decode(args) -> int:
     steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
     args.prompts = 32 if args.prompts is None else args.prompts
     prompt_tokens, policy = (40 if args.prompt_tokens is None else args.prompt_tokens), args.policy or "noop"
-    if min(args.prompts, prompt_tokens, steps, reps) < 1:
-        raise UserError(f"--prompts, --prompt-tokens, --steps and --reps must be positive, got {args.prompts}, "
-                        f"{prompt_tokens}, {steps}, {reps}")
+    check_counts(("--prompts", args.prompts), ("--prompt-tokens", prompt_tokens), ("--steps", steps), ("--reps", reps))
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
     temperature, top_p = (args.temperature or 0.0), (1.0 if args.top_p is None else args.top_p)

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from policies.memory_budget import LUT_ROOMS
-from traces.clikit import UserError, check_seed
+from traces.clikit import UserError, check_counts, check_seed
 
 
 def register(subparsers) -> None:
@@ -213,12 +213,8 @@ def _engine_config(args):
     from pwruntime.engine import EngineConfig
     from traces.sizes import parse_size
 
-    for flag, value in (("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
-                        ("--max-num-batched-tokens", args.max_num_batched_tokens)):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise UserError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    check_counts(("--block-size", args.block_size), ("--max-num-seqs", args.max_num_seqs),
+                 ("--max-num-batched-tokens", args.max_num_batched_tokens), ("--num-kv-blocks", args.num_kv_blocks))
     budget = None
     if args.gpu_memory_budget is not None:
         if args.num_kv_blocks is not None:

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from traces.clikit import UserError, check_output, pyplot, report_bench, text_table, write_png
+from traces.clikit import UserError, check_counts, check_output, pyplot, report_bench, text_table, write_png
 
 BLOCK_TOKENS = 16
 
@@ -78,10 +78,8 @@ def run_scheduler(args: argparse.Namespace) -> int:
     if not names:
         raise UserError("--models needs at least one card name (see `pwsim models`)")
     cards = [load_card(n) for n in names]   # an unknown name is a UserError naming the cards there are
-    for flag, value in (("--rows", args.rows), ("--steps", args.steps), ("--rounds", args.rounds),
-                        ("--context-min", args.context_min), ("--max-num-batched-tokens", args.max_num_batched_tokens)):
-        if value < 1:
-            raise UserError(f"{flag} must be positive, got {value}")
+    check_counts(("--rows", args.rows), ("--steps", args.steps), ("--rounds", args.rounds),
+                 ("--context-min", args.context_min), ("--max-num-batched-tokens", args.max_num_batched_tokens))
     if args.context_max < args.context_min:
         raise UserError(f"--context-max ({args.context_max}) must be at least --context-min ({args.context_min})")
     if args.out:

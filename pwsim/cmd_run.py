@@ -12,7 +12,7 @@ from pwsim.defaults import DEFAULT_WORKLOAD, DEFAULTS, SYNTHETIC
 from pwsim.hardware import format_size, parse_size
 from pwsim.cmd_traces import add_prefix_flags, check_prefix_flags
 from pwsim.runner import RunConfig, SyntheticWorkload, make_config
-from traces.clikit import UserError, check_seed
+from traces.clikit import UserError, check_counts, check_seed
 from traces.results import add_slo_flags, slo_attainment, slo_bounds, slo_line
 
 
@@ -121,10 +121,9 @@ def config_from_args(args: argparse.Namespace, policy: str, policy_params: dict,
     domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if not domains:
         raise UserError("--domains needs at least one name")
-    limits = (args.requests, args.block_size, args.max_num_seqs, args.max_num_batched_tokens, args.timeline_stride)
-    if min(limits) < 1:
-        raise UserError("--requests, --block-size, --max-num-seqs, --max-num-batched-tokens and --timeline-stride "
-                        "must be positive")
+    check_counts(("--requests", args.requests), ("--block-size", args.block_size),
+                 ("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                 ("--timeline-stride", args.timeline_stride))
     check_seed(args.seed)
     if args.warmup_requests < 0:
         raise UserError(f"--warmup-requests must be >= 0, got {args.warmup_requests}")

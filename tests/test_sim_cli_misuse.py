@@ -652,3 +652,13 @@ def test_argparse_errors_are_one_line_naming_the_command_and_its_help(capsys, ar
     prog = head.split(": error:")[0]
     assert len(lines) == 1 and lines[0].startswith(head) and needle in lines[0], err
     assert lines[0].endswith(f"(see `{prog} --help`)"), err
+
+
+@pytest.mark.parametrize("flag", ["--requests", "--block-size", "--max-num-seqs", "--max-num-batched-tokens",
+                                  "--timeline-stride"])
+def test_run_names_the_one_count_that_is_not_positive(tmp_path, capsys, flag):
+    """The error names the flag given 0 and its value; it used to list all five flags whichever was wrong."""
+    line = _misuse(capsys, ["run", *SMALL, flag, "0", "--out", tmp_path / "o"], f"{flag} must be positive, got 0")
+    others = {"--requests", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--timeline-stride"} - {flag}
+    assert not any(f"{o} " in line or line.endswith(o) for o in others), line
+    assert not (tmp_path / "o").exists()

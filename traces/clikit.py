@@ -65,6 +65,14 @@ def run_main(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
         return 141
 
 
+def check_counts(*flags: tuple[str, int | None]) -> None:
+    """Refuse the first (flag, value) pair whose value is below 1 (counts and sizes), naming that flag and its value;
+    None (a flag left out, its default decided later) passes."""
+    for flag, value in flags:
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be positive, got {value}")
+
+
 def check_seed(seed: int | None, flag: str = "--seed") -> None:
     """Refuse a negative seed (numpy's generators take none) before any work; None (no seed given) passes."""
     if seed is not None and seed < 0:
