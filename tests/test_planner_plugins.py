@@ -112,6 +112,12 @@ def test_pwsim_policies_lists_builtins_and_describes_ones_own(capsys, monkeypatc
     text = capsys.readouterr().out
     assert "pagedweight: PagedWeight planner (paper Algorithm 1)" in text
     assert "--policy-arg min_plan_blocks=...  an integer, default 0" in text and "FILE.py:CLASS" in text
+    # an ablation lists the default it changes, not pagedweight's twelve parameters again
+    assert text.count("--policy-arg min_plan_blocks=") == 1
+    ablation = text.split("pagedweight-no-routing: ")[1].split("\n")[:3]
+    assert ablation == ["PagedWeight without routing (ablation)",
+                        "    --policy-arg no_routing=...  true/false, default True",
+                        "    (its other parameters and their defaults: those of pagedweight)"], ablation
     assert pwsim_main(["policies", EXAMPLE, "uniform-4", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["name"] for r in rows] == [EXAMPLE, "uniform-4"]
