@@ -284,9 +284,8 @@ def _run_mixed(args) -> int:
     rows, reps, text = (24 if args.prompts is None else args.prompts), (30 if args.reps is None else args.reps), \
         args.tokens or "20,150,488"
     sizes = _int_list("--tokens", text)
-    if min(rows, reps, *sizes) < 1 or (args.num_kv_blocks is not None and args.num_kv_blocks < 1):
-        raise UserError(f"--prompts, --tokens, --reps and --num-kv-blocks must be positive, got {rows}, {text}, "
-                        f"{reps}, {args.num_kv_blocks}")
+    check_counts(("--prompts", rows), *(("--tokens", t) for t in sizes), ("--reps", reps),
+                 ("--num-kv-blocks", args.num_kv_blocks))
     need = max(bm.blocks_needed(rows, p, EngineConfig.block_size) for p in sizes)
     blocks = args.num_kv_blocks or need
     if blocks < need:
@@ -342,8 +341,7 @@ def _run_plans(args) -> int:
     if unknown:
         raise UserError(f"unknown model shape(s) {unknown}; choose from {', '.join(bpl.SHAPES)}")
     layers, reps = (1 if args.layers is None else args.layers), (5 if args.reps is None else args.reps)
-    if layers < 1 or reps < 1:
-        raise UserError(f"--layers and --reps must be positive, got {layers} and {reps}")
+    check_counts(("--layers", layers), ("--reps", reps))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.plane_arena and device.type != "cuda":
         raise UserError("--plane-arena needs a CUDA GPU (the arena maps device memory): leave it out on the CPU")

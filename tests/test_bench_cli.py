@@ -196,7 +196,7 @@ def test_prefix_cache_bench_reports_hits_and_equal_outputs(tmp_path, capsys):
 
 @pytest.mark.parametrize("target,argv,message", [
     ("prefix-cache", ["--models", "olmoe-1b-7b"], "--models does not apply"),
-    ("prefix-cache", ["--prompts", "0"], "must be positive"),
+    ("prefix-cache", ["--prompts", "0"], "--prompts must be positive, got 0"),
     ("kernels", ["--prompts", "4"], "belong to `pwruntime bench prefix-cache`"),
     ("prefill", ["--dtype", "fp32"], "--dtype fp32 is for"),
 ])
@@ -394,7 +394,7 @@ def test_plans_bench_plan_log_misuse_is_one_clear_error(demo_plan_log, capsys, t
 @pytest.mark.parametrize("argv,message", [
     (["plans", "--bits", "8"], "--bits must lie in 3..7"),
     (["plans", "--models", "gpt2"], "unknown model shape(s) ['gpt2']"),
-    (["plans", "--layers", "0"], "must be positive"),
+    (["plans", "--layers", "0"], "--layers must be positive, got 0"),
     (["decode", "--plane-arena"], "--plane-arena and --no-plane-arena belong to `pwruntime bench plans`"),
     (["kernels", "--no-plane-arena"], "--plane-arena and --no-plane-arena belong to `pwruntime bench plans`"),
     (["plans", "--dtype", "bf16"], "--dtype does not apply"),

@@ -39,7 +39,7 @@ def test_decode_bench_samples_at_a_temperature(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "must be positive"),
+    (["--steps", "0"], "--steps must be positive, got 0"),
     (["--tokens", "4"], "--tokens does not apply"),
     (["--max-tokens", "3"], "--max-tokens belongs to `pwruntime bench prefix-cache`"),
     (["--num-kv-blocks", "0"], "--num-kv-blocks must be positive"),

@@ -32,7 +32,7 @@ def test_mixed_bench_times_eager_forwards_on_the_cpu(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tokens", "0"], "must be positive"),
+    (["--tokens", "0"], "--tokens must be positive, got 0"),
     (["--tokens", "a,b"], "comma-separated integers"),
     (["--steps", "3"], "--steps does not apply"),
     (["--max-tokens", "3"], "--max-tokens belongs to `pwruntime bench prefix-cache`"),
