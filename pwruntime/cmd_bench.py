@@ -307,9 +307,8 @@ def _run_decode(args) -> int:
     steps, reps = (100 if args.steps is None else args.steps), (3 if args.reps is None else args.reps)
     args.prompts = 32 if args.prompts is None else args.prompts
     prompt_tokens, policy = (40 if args.prompt_tokens is None else args.prompt_tokens), args.policy or "noop"
-    check_counts(("--prompts", args.prompts), ("--prompt-tokens", prompt_tokens), ("--steps", steps), ("--reps", reps))
-    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
-        raise UserError(f"--num-kv-blocks must be positive, got {args.num_kv_blocks}")
+    check_counts(("--prompts", args.prompts), ("--prompt-tokens", prompt_tokens), ("--steps", steps), ("--reps", reps),
+                 ("--num-kv-blocks", args.num_kv_blocks))
     temperature, top_p = (args.temperature or 0.0), (1.0 if args.top_p is None else args.top_p)
     try:
         SamplingParams(temperature=temperature, top_p=top_p)

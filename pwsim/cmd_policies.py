@@ -17,16 +17,15 @@ def _text(rows: list[dict]) -> str:
     """A line on each policy, then its parameters; a preset of a policy listed above it (the same parameters, some
     defaults changed: `pagedweight-no-routing` after `pagedweight`) lists only the defaults that differ."""
     lines = []
+    shapes = [[(p["name"], p["type"]) for p in r["parameters"]] for r in rows]
     for i, r in enumerate(rows):
         lines.append(f"{r['name']}: {r['summary'] or '-'}")
-        shape = [(p["name"], p["type"]) for p in r["parameters"]]
-        like = next((e for e in rows[:i] if shape and [(p["name"], p["type"]) for p in e["parameters"]] == shape),
-                    None)
+        like = next((rows[j] for j in range(i) if shapes[i] and shapes[j] == shapes[i]), None)
         shown = [p for j, p in enumerate(r["parameters"]) if like is None or p != like["parameters"][j]]
         for p in shown:
             given = "required" if p["default"] == REQUIRED else f"default {p['default']}"
             lines.append(f"    --policy-arg {p['name']}=...  {p['type']}, {given}")
-        if like is not None and len(shown) < len(shape):
+        if like is not None and len(shown) < len(shapes[i]):
             lines.append(f"    (its other parameters and their defaults: those of {like['name']})")
     return "\n".join(lines)
 
