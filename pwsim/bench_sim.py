@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from traces.clikit import UserError, check_output, check_seed, report_bench
+from traces.clikit import UserError, check_counts, check_output, check_seed, report_bench
 
 LIMIT_S = 60.0
 
@@ -45,8 +45,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from pwsim.cmd_run import parse_policy
     from pwsim.runner import SyntheticWorkload, make_config
 
-    if args.requests < 1:
-        raise UserError("--requests must be positive")
+    check_counts(("--requests", args.requests))
     check_seed(args.seed)
     if args.out:
         check_output(args.out, directory=False)

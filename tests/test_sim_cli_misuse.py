@@ -570,6 +570,7 @@ def test_bench_planner_misuse(tmp_path, capsys, flags, needle):
     (["--seed", "-1"], "--seed must be >= 0"),
     (["--out", "{tmp}"], "is a directory; give a file name"),
     (["--rate", "nan"], "rate and burstiness must be positive and finite"),  # raised in the worker process
+    (["--requests", "0"], "--requests must be positive, got 0"),
 ])
 def test_bench_sim_misuse(tmp_path, capsys, flags, needle):
     flags = [f.replace("{tmp}", str(tmp_path)) for f in flags]
