@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from traces.clikit import UserError, check_seed
+from traces.clikit import UserError, check_counts, check_seed
 
 
 def register(subparsers) -> None:
@@ -104,8 +104,9 @@ def run(args) -> int:
 
     p_lo, p_hi = _range("--prompt-tokens", args.prompt_tokens)
     o_lo, o_hi = _range("--output-tokens", args.output_tokens)
-    if args.requests_per_domain < 1 or args.rate <= 0:
-        raise UserError("--requests-per-domain must be >= 1 and --rate > 0")
+    check_counts(("--requests-per-domain", args.requests_per_domain))
+    if args.rate <= 0:
+        raise UserError(f"--rate must be > 0 (requests per second), got {args.rate}")
     if args.max_num_seqs < 1:
         raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.temperature < 0:

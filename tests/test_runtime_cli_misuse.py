@@ -244,6 +244,8 @@ def test_quantize_options_that_make_no_usable_checkpoint(env, capsys, tmp_path, 
 @pytest.mark.parametrize("extra, needles", [
     (["--temperature", "-1"], ["--temperature"]),                # ValueError traceback before
     (["--max-num-seqs", "0"], ["--max-num-seqs"]),               # said "num_kv_blocks must be >= 1"
+    (["--requests-per-domain", "0"], ["--requests-per-domain must be positive, got 0"]),  # named --rate too
+    (["--rate", "0"], ["--rate must be > 0", "got 0.0"]),                                # named no value
     (["--card", "no-such-card"], ["--card", "no-such-card"]),   # was accepted and written into the trace
     (["--out", "PLAIN"], ["--out", "is a file"]),                 # FileExistsError after the whole recording
 ])
