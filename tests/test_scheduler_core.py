@@ -18,6 +18,10 @@ def drive(sched: Scheduler, max_steps: int = 100_000) -> list:
     batches = []
     while sched.has_unfinished():
         batch = sched.schedule()
+        assert batch.step == sched.num_steps - 1  # steps are numbered 0, 1, 2, ... one after another
+        assert not batches or batch.step == batches[-1].step + 1
+        assert batch.is_empty == (not batch.entries)
+        assert all(e.num_new_tokens >= 1 for e in batch.entries)  # a spent budget schedules no empty entries
         assert batch.num_tokens <= sched.max_num_batched_tokens
         assert len(batch.entries) <= sched.max_num_seqs
         assert len({id(e.seq) for e in batch.entries}) == len(batch.entries)
@@ -234,6 +238,26 @@ def test_add_takes_only_fresh_waiting_sequences():
     done.status = SequenceStatus.FINISHED
     with pytest.raises(ValueError, match="fresh waiting"):
         sched.add(done)
+
+
+@pytest.mark.parametrize("limits", [dict(max_num_seqs=0), dict(max_num_batched_tokens=0)])
+def test_each_limit_must_be_at_least_one(limits):
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Scheduler(BlockPool(4, 4), **limits)
+
+
+def test_aborting_a_waiting_sequence_takes_it_off_the_queue():
+    sched = Scheduler(BlockPool(16, 4), max_num_seqs=1)
+    a, b = Sequence("a", prompt_len=4, max_tokens=4), Sequence("b", prompt_len=4, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    sched.postprocess(sched.schedule(), None)  # a runs, b waits for a seat
+    assert b.status == SequenceStatus.WAITING
+    assert sched.abort("b") is b and b.finish_reason == "abort"
+    assert list(sched.waiting) == [] and list(sched.running) == [a]
+    assert sched.abort("nobody") is None
+    drive(sched)
+    assert a.finish_reason == "length" and sched.pool.num_free == 16
 
 
 def test_prompt_larger_than_pool_is_not_lost():
