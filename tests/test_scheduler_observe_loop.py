@@ -431,6 +431,31 @@ def test_a_block_held_in_place_rises_in_place():
     assert r1.started == (up,) and r1.rejected == () and table.q[0] == 7 and table.held[0]
 
 
+@pytest.mark.parametrize("t, why", [
+    (Transition(0, 8, 8, 0), "no legal change 8 -> 8"),
+    (Transition(0, 8, -1, 0), "no legal change 8 -> -1"),
+    (Transition(0, 8, 2, 0), "2 bits not supported; supported: (3, 4, 5, 6, 7, 8)"),
+    (Transition(0, 6, 4, 0), "stale plan: block is at 8 bits, not 6"),
+])
+def test_the_loop_names_why_it_refuses_a_transition(t, why):
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    r = PlanLoop(ScriptedPolicy([Plan((t,))]), table).step(_obs(0))
+    assert r.started == () and [(x.from_bits, x.to_bits, reason) for x, reason in r.rejected] == \
+        [(t.from_bits, t.to_bits, why)]
+    assert table.q[0] == 8 and not table.busy.any()
+
+
+def test_a_block_held_in_place_refuses_a_paged_reload():
+    table = PageTable(1, 1, hidden=64, intermediate=32, initial_bits=8)
+    up = Transition(0, 5, 7, 0)
+    loop = PlanLoop(ScriptedPolicy([Plan((Transition(0, 8, 5, 0, in_place=True),)), Plan((up,))]), table)
+    loop.step(_obs(0))
+    r1 = loop.step(_obs(1))
+    assert r1.started == () and [(x.to_bits, reason) for x, reason in r1.rejected] == \
+        [(7, "block keeps planes in place (commit_in_place); it cannot reload")]
+    assert table.q[0] == 5 and table.held[0]
+
+
 @dataclass
 class _Misbehaving:
     """A planner of one's own that does what the contract forbids at step 0 (`how`)."""
