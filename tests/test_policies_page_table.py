@@ -196,3 +196,34 @@ def test_a_busy_block_refuses_an_in_place_commit():
 def test_a_table_needs_a_layer_and_an_expert(layers, experts):
     with pytest.raises(ValueError, match="at least one layer and one expert"):
         PageTable(layers=layers, experts=experts, hidden=48, intermediate=40)
+
+
+def test_a_block_offloading_to_0_bits_is_busy_until_it_lands():
+    """Target 0 (an expert leaving the GPU whole) is a transfer in flight like any other."""
+    t = make_table()
+    t.begin_offload(2, 0)
+    for call in (lambda: t.begin_reload(2, 4), lambda: t.begin_offload(2, 0), lambda: t.commit_in_place(2, 3)):
+        with pytest.raises(PageTableError, match="in flight"):
+            call()
+    t.finish_offload(2)
+    assert t.q[2] == 0 and not t.busy[2] and (t.planes[2] == PlaneState.CPU).all()
+    t.begin_reload(2, 3)
+    check_invariants(t)
+
+
+def test_initialize_takes_0_bits_for_an_absent_block_and_refuses_negative_bits():
+    t = make_table()
+    t.initialize(np.array([0, 8] * 6))
+    assert t.q.tolist() == [0, 8] * 6 and (t.planes[0] == PlaneState.CPU).all()
+    check_invariants(t)
+    with pytest.raises(PageTableError, match="initial bits -1"):
+        t.initialize(-1)
+
+
+@pytest.mark.parametrize("bits, ok", [((1, 8), True), ((0, 8), False), ((3, 9), False), ((), False)])
+def test_supported_bitwidths_lie_in_1_to_8(bits, ok):
+    if ok:
+        assert PageTable(1, 1, hidden=48, intermediate=40, bits=bits).bits == bits
+    else:
+        with pytest.raises(ValueError, match="must lie in 1..8"):
+            PageTable(1, 1, hidden=48, intermediate=40, bits=bits)
