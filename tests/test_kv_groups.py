@@ -67,6 +67,8 @@ def test_layouts_that_cannot_split_evenly_fall_back_to_one_table():
     # windows everywhere alike, or none: nothing to split
     assert not KVLayout.build([64, 64, 64], [None, None, None], 16).hybrid
     assert not KVLayout.build([64, 64], [8, 8], 16).hybrid
+    assert not KVLayout.build([64, 32], [None, None], 16).hybrid   # two shapes, but no window
+    assert KVLayout.build([64], [None], 1).page_bytes == 64 and KVLayout.build([1], [None], 16).page_bytes == 16
     # a gcd of 1: groups of one layer; layers of two shapes and two windows
     layout = KVLayout.build([64, 64, 64, 32], [8, 8, 8, None], 4)
     assert [(g.layers, g.block_size, g.window) for g in layout.groups] == [
@@ -81,7 +83,8 @@ def test_groups_take_the_greatest_common_divisor_of_the_kinds_layer_counts():
     assert layout.layers_per_group == 2 and layout.page_bytes == 2 * 4 * 64
 
 
-@pytest.mark.parametrize("args", [([], [], 16), ([64], [None, None], 16), ([64], [None], 0), ([0], [None], 16)])
+@pytest.mark.parametrize("args", [([], [], 16), ([64], [None, None], 16), ([64], [None], 0), ([0], [None], 16),
+                                  ([0, 64], [None, None], 16)])
 def test_bad_layouts_are_refused(args):
     with pytest.raises(ValueError):
         KVLayout.build(*args)
@@ -159,6 +162,10 @@ def test_grouped_pool_holds_each_group_s_window_and_hands_back_the_rest():
             pool.slot("a", g, 27)                            # left the window
         assert pool.slot("a", g, 39) == table[9] * 4 + 3
     assert NULL_BLOCK not in pool.group_table("a", 3) and len(pool.group_table("a", 3)) == 5
+    assert pool.slot("a", 3, 0) == pool.group_table("a", 3)[0] * 8   # the full group holds position 0 still
+    for position in (-1, 40):
+        with pytest.raises(BlockPoolError, match="not reserved"):
+            pool.slot("a", 3, position)
     assert pool.free("a") == 3 * 2 + 5 and pool.num_free == 64
     pool.check_invariants()
 
@@ -215,6 +222,7 @@ def test_a_table_view_is_the_pool_s_own_and_a_table_a_copy():
 def test_grouped_pool_releases_before_it_takes_so_a_full_pool_still_decodes():
     layout = _gemma_like()
     pool = GroupedBlockPool(layout, layout.pages(0, 16))    # exactly a 16-token prompt's pages
+    assert not pool.prefix_caching and pool.can_allocate("a", 16) and not pool.can_allocate("a", 24)
     pool.allocate("a", 16)
     assert pool.num_free == 0
     # token 16 takes a block in each group (4) while the windows let go of blocks 0 and 1 of each sliding group (6):
@@ -277,10 +285,11 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
     a_tables = [pool.group_table("a", g) for g in range(4)]
     assert prefix.tables == tuple((NULL_BLOCK, NULL_BLOCK, *a_tables[g][2:4]) for g in range(3)) + (
         tuple(a_tables[3][:2]),)
-    free = pool.num_free
+    pool.pages.allocate("spare", pool.num_free - 4)          # exactly the pages b needs are free
     assert pool.can_allocate("b", 20, prefix) and pool._prefix_need(prefix, 20) == 3 * 1 + 1   # block 4, block 2
     pool.allocate("b", 20, prefix)
-    assert pool.num_free == free - 4 and pool.pages.ref_count(a_tables[3][0]) == 2
+    assert pool.num_free == 0 and pool.pages.ref_count(a_tables[3][0]) == 2
+    pool.pages.free("spare")
     assert pool.group_table("b", 0)[:4] == [NULL_BLOCK, NULL_BLOCK, *a_tables[0][2:4]]
     assert pool.slot("b", 0, 17) == pool.group_table("b", 0)[4] * 4 + 1
     pool.check_invariants()
