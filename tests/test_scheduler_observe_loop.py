@@ -17,7 +17,7 @@ from policies.features import BatchedPromptFeatures
 from policies.observe import RoutingMass, RoutingStats, build_observation, split_tokens
 from policies.page_table import PageTable, PlaneState
 from policies.scheduler import Scheduler
-from policies.sequence import make_sequences
+from policies.sequence import SequenceStatus, make_sequences
 
 
 def _routing(rng, layers, tokens, experts, k):
@@ -454,6 +454,26 @@ def test_a_block_held_in_place_refuses_a_paged_reload():
     assert r1.started == () and [(x.to_bits, reason) for x, reason in r1.rejected] == \
         [(7, "block keeps planes in place (commit_in_place); it cannot reload")]
     assert table.q[0] == 5 and table.held[0]
+
+
+def test_routing_stats_drop_stopped_forgets_only_sequences_that_no_longer_run():
+    """Asynchronous scheduling: of a batch whose routing was just added, the sequences preempted or finished since
+    it launched are dropped; those still running keep their features."""
+    rng = np.random.default_rng(6)
+    rs = RoutingStats(1, 4)
+    seqs = make_sequences([2, 2, 2], [4, 4, 4])
+    seqs[0].status, seqs[1].status = SequenceStatus.RUNNING, SequenceStatus.FINISHED  # seqs[2] was preempted
+    rs.add([s.seq_id for s in seqs], [1, 1, 1], *_routing(rng, 1, 3, 4, 2), *_norms(rng, 1, 3, 2))
+    rs.drop_stopped(seqs)
+    assert rs.sequence_features(seqs[0].seq_id).any()
+    assert not rs.sequence_features(seqs[1].seq_id).any() and not rs.sequence_features(seqs[2].seq_id).any()
+
+
+@pytest.mark.parametrize("seq_ids, lens", [(["x", "y"], [1]), (["x"], [2]), (["x", "y"], [1, 2])])
+def test_routing_stats_refuse_a_batch_whose_sequences_do_not_match_its_tokens(seq_ids, lens):
+    rng = np.random.default_rng(7)
+    with pytest.raises(ValueError, match="sequences with"):
+        RoutingStats(1, 4).add(seq_ids, lens, *_routing(rng, 1, 1, 4, 2))
 
 
 @dataclass
