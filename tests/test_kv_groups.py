@@ -312,6 +312,27 @@ def test_a_cached_prefix_needs_only_a_sliding_group_s_window():
 
 
 
+def test_only_computed_blocks_are_registered_and_a_revived_prefix_counts_its_cached_pages():
+    """`register` takes the blocks whose tokens are all computed, though more token ids are known; a prefix whose
+    blocks are cached but free (their sequence finished) takes those pages back, and the need says so."""
+    layout = _gemma_like()
+    pool = GroupedBlockPool(layout, 64, prefix_caching=True)
+    tokens = list(range(200, 224))
+    pool.allocate("a", 12)
+    assert pool.register("a", tokens, 12) == 3 * 3 + 1     # sliding blocks 0-2; the full group's block 0 (not 8..15)
+    assert pool.match_prefix(tokens).tokens == 8
+    pool.allocate("a", 16)
+    assert pool.register("a", tokens, 16) == 3 * 1 + 1     # now block 3 of each sliding group, block 1 of the full
+    pool.free("a")
+    prefix = pool.match_prefix(tokens)
+    assert prefix.tokens == 16 and pool.num_free == 64
+    need = pool._prefix_need(prefix, 20)
+    assert need == 3 * 2 + 2 + 3 * 1 + 1                    # the cached pages revived, then one block a group more
+    pool.allocate("b", 20, prefix)
+    assert pool.num_free == 64 - need
+    pool.check_invariants()
+
+
 def test_a_sequence_id_freed_and_used_again_registers_its_new_blocks():
     """A preempted sequence comes back under its id; whatever it registered before, its new blocks are registered."""
     pool = GroupedBlockPool(_gemma_like(), 64, prefix_caching=True)
