@@ -513,3 +513,29 @@ def test_reset_errors_are_clear():
         get("pagedweight").plan_step(table, obs(0))
     with pytest.raises(PolicyError, match="bucket multipliers must be positive"):
         get("pagedweight").reset(table, synthetic_calibration(table, seed=3, bucket_multipliers=(4.0, 2.0, 0.0)))
+    with pytest.raises(PolicyError, match="epsilon must be positive"):
+        get("pagedweight").reset(table, synthetic_calibration(table, seed=3, epsilon=0.0))
+
+
+@pytest.mark.parametrize("threshold, ok", [(0, True), (-1, False)])
+def test_a_reload_threshold_may_be_0_not_negative(threshold, ok):
+    if ok:
+        assert get("pagedweight", reload_threshold=threshold).params.reload_threshold == 0
+    else:
+        with pytest.raises(ValueError, match="reload_threshold must be >= 0"):
+            get("pagedweight", reload_threshold=threshold)
+
+
+def test_without_reload_the_lowered_bits_stay_after_pressure_clears():
+    eng, _ = engine()
+    eng.policy = get("pagedweight", reload=False)
+    eng.policy.reset(eng.table, synthetic_calibration(eng.table, seed=0, initial_mean_bits=7.5,
+                                                      free_block_threshold=8, reload_threshold=24))
+    start = eng.table.q.copy()
+    for _ in range(5):
+        eng.step(60)  # demand = the whole initial pool: pressure
+    lowered = eng.table.q.copy()
+    assert (lowered < start).any()
+    for _ in range(100):
+        assert kind(eng.step(10)[0]) is None
+    assert (eng.table.q == lowered).all()
