@@ -207,6 +207,7 @@ def test_request_errors_name_file_column_row(tmp_path, small):
         ("arrival_s", pa.array([0.0, 1.0, 2.0, 1.5, 3.0, 4.0]), 3, "earlier than the previous"),
         ("arrival_s", pa.array([0.0, float("nan"), 2.0, 3, 4, 5]), 1, "finite"),
         ("request_id", pa.array([0, 7, 2, 3, 7, 5], pa.int64()), 4, "duplicate request id 7 (first at row 1)"),
+        ("request_id", pa.array([0, 7, 2, 2, 7, 5], pa.int64()), 3, "duplicate request id 2 (first at row 2)"),
         ("request_id", pa.array([0, 1, None, 3, 4, 5], pa.int64()), 2, "null value"),
         ("prompt_tokens", pa.array([1, 2, 3, 2**40, 1, 1], pa.int64()), 3, "does not fit int32"),
         ("output_tokens", pa.array([1, 2, -2**40, 1, 1, 1], pa.int64()), 2, "does not fit int32"),  # would wrap to 0
@@ -214,6 +215,11 @@ def test_request_errors_name_file_column_row(tmp_path, small):
     for column, array, row, match in cases:
         _write(_set(base, column, array), f)
         _raises(lambda: tio.read_requests(f), f, column, row, match)
+
+
+def test_two_requests_of_one_id_are_refused():
+    with pytest.raises(TraceError, match=r"row 1: duplicate request id 5 \(first at row 0\)"):
+        RequestTrace([5, 5], [0.0, 1.0], [1, 1], [1, 1], [0, 0], ("a",))
 
 
 def test_request_column_errors(tmp_path, small):
