@@ -349,6 +349,18 @@ def test_request_summary_rate_and_percentiles():
     assert req.summary()["prompt_tokens"]["p99"] == pytest.approx(99.01)
 
 
+def test_request_summary_counts_lengths_domains_and_token_ids():
+    req = RequestTrace.from_columns(np.arange(3), np.zeros(3), np.array([2, 7, 3]), np.array([5, 1, 4]),
+                                    ["b", "a", "b"], prompt_token_ids=[[1, 2], list(range(7)), [4, 5, 6]])
+    s = req.summary()
+    assert s["requests"] == 3 and s["duration_s"] == 0.0 and s["rate_per_s"] == 0.0
+    assert s["prompt_tokens"] == {"mean": 4.0, "p50": 3.0, "p99": pytest.approx(6.92), "max": 7}
+    assert s["output_tokens"]["max"] == 5 and s["output_tokens"]["mean"] == pytest.approx(10 / 3)
+    assert s["total_tokens"] == 12 + 10 and s["domains"] == {"a": 1, "b": 2} and s["prompt_token_ids"]
+    one = RequestTrace.from_columns(np.arange(1), np.array([3.0]), np.array([4]), np.array([2]), ["a"]).summary()
+    assert one["duration_s"] == 0.0 and not one["prompt_token_ids"]
+
+
 def test_request_domain_index_and_negative_token_id_rows():
     with pytest.raises(TraceError, match="domain index 1 out of range"):
         RequestTrace(np.arange(2), np.zeros(2), np.ones(2), np.ones(2), np.array([0, 1]), ("a",))
@@ -387,6 +399,19 @@ def test_routing_mass_summary_and_card_check():
     with pytest.raises(TraceError, match="not a valid MoE shape"):
         RoutingTrace("OLMoE-1B-7B-0924", 0, 40, 2, np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, 2)),
                      np.zeros((0, 2)))
+
+
+@pytest.mark.parametrize("experts, top_k, ok", [(4, 4, True), (32767, 2, True), (4, 0, False), (4, 5, False),
+                                                (32768, 2, False)])
+def test_a_routing_shape_takes_top_k_1_to_experts_and_experts_that_fit_int16(experts, top_k, ok):
+    def make():
+        return RoutingTrace("x", 1, experts, top_k, np.zeros(0), np.zeros(0), np.zeros(0), np.zeros((0, top_k)),
+                            np.zeros((0, top_k)))
+    if ok:
+        assert make().top_k == top_k
+    else:
+        with pytest.raises(TraceError, match="not a valid MoE shape"):
+            make()
 
 
 def test_reader_edge_values_null_rows_and_boolean_metadata(tmp_path, small):
