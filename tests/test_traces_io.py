@@ -383,6 +383,20 @@ def test_routing_sorted_orders_attempts_before_positions():
     assert not back.is_sorted() and _tiny_routing().is_sorted()  # attempt 1's position 0 follows attempt 0's 1
     s = back.sorted()
     assert s.is_sorted() and s.attempts.tolist() == [0, 0, 1] and s.position.tolist() == [0, 1, 0]
+    assert s.sorted() is s   # already sorted: the same trace back
+    two = _tiny_routing(request_id=np.array([1, 0]), position=np.array([0, 0]), layer=np.zeros(2),
+                        expert_ids=np.array([[0, 1], [2, 3]]), weights=np.full((2, 2), 0.5), attempt=None)
+    assert not two.is_sorted() and two.sorted().request_id.tolist() == [0, 1]
+    assert two.sorted().expert_ids.tolist() == [[2, 3], [0, 1]]
+
+
+def test_routing_norms_must_be_finite_and_not_negative():
+    zeros = _tiny_routing(gate_up_in_norm=np.zeros(3), down_in_norm=np.zeros((3, 2)))   # a zero input's norm is 0
+    assert zeros.has_features
+    for gu, dn, column in [(np.array([1.0, -1.0, 1.0]), np.ones((3, 2)), "gate_up_in_norm"),
+                           (np.ones(3), np.array([[1.0, 1.0], [1.0, np.nan], [1.0, 1.0]]), "down_in_norm")]:
+        with pytest.raises(TraceError, match=rf"column '{column}', row 1: norm .* must be finite and >= 0"):
+            _tiny_routing(gate_up_in_norm=gu, down_in_norm=dn)
 
 
 def test_routing_mass_summary_and_card_check():
