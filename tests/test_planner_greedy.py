@@ -236,7 +236,7 @@ def test_chain_greedy_stages_matches_the_frontier_loop(data):
     first = np.array(data.draw(st.lists(st.integers(0, S), min_size=n, max_size=n)))
     stages = data.draw(st.integers(1, 3))
     lasts = [np.array(data.draw(st.lists(st.integers(-1, S - 1), min_size=n, max_size=n))) for _ in range(stages)]
-    target = data.draw(st.integers(1, 3 * n * S))
+    target = data.draw(st.integers(0, 3 * n * S))  # 0: nothing to free, no pick
     keys = chain_keys(np.ascontiguousarray(ratio.T), first)
     out = chain_greedy_stages(MatrixChains(keys, np.ascontiguousarray(weight.T)), np.arange(n), first, lasts, target)
     for s, last in enumerate(lasts):
