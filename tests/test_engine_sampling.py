@@ -159,6 +159,26 @@ def test_logits_processing_params_take_their_bounds():
             assert getattr(SamplingParams(**{name: bound}), name) == bound
 
 
+def test_sampling_params_take_the_ends_of_their_ranges_and_refuse_infinities():
+    assert SamplingParams(max_tokens=1).max_tokens == 1 and SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(temperature=0.0).greedy
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SamplingParams(temperature=math.inf)
+    with pytest.raises(ValueError, match="repetition_penalty must be a finite number > 0"):
+        SamplingParams(repetition_penalty=math.inf)
+
+
+@pytest.mark.parametrize("kw, want", [
+    (dict(presence_penalty=0.5), [2.0, -1.0, 0.0, 2.5, -2.0, 0.0]),      # each output token once: -0.5
+    (dict(frequency_penalty=0.25), [2.0, -1.0, 0.25, 2.5, -2.0, 0.0]),   # by its count: 3 twice, 2 once
+])
+def test_a_presence_or_frequency_penalty_alone_applies(kw, want):
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]])
+    history = History(prompt_ids=[0, 1], output_ids=[3, 3, 2], stop_ids={4, 5})
+    assert SamplingParams(**kw).reads_history
+    assert adjust_logits(logits, [SamplingParams(**kw)], [history])[0].tolist() == want
+
+
 def test_a_temperature_below_greedy_below_is_greedy_not_a_sharp_sample():
     """A positive temperature under GREEDY_BELOW takes the argmax whatever the request's number: dividing by it would
     turn logits 1e-6 apart into a real choice (or overflow)."""
