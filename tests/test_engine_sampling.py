@@ -12,7 +12,8 @@ from model_fixtures import make_text, make_tiny_checkpoint
 from pwruntime.engine import EngineConfig, LLMEngine
 from pwruntime.model import load_model
 from pwruntime.sampling import (GREEDY_BELOW, GREEDY_ROW, ROW_VALUES, History, RequestDraws, SamplingParams,
-                                adjust_logits, find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs)
+                                adjust_logits, find_stop, needed_cuts, row_values, sample_rows, sample_tensor, sorted_probs,
+                                token_logprobs)
 from traces.clikit import UserError
 
 
@@ -76,6 +77,16 @@ def test_params_validation_and_stop_search():
     assert SamplingParams(temperature=0.7, top_k=1).greedy
     assert find_stop("abcabd", ("bd", "ca")) == 2 and find_stop("abc", ("z",)) == -1
     assert find_stop("abcabd", ("ab",), search_from=1) == 3
+    assert find_stop("abcd", ("a", "c")) == 0   # the earliest, whichever stop string comes first in the tuple
+
+
+@pytest.mark.parametrize("k, want", [(2, 2), (0, 0), (9, 5)])
+def test_token_logprobs_give_at_most_the_vocabulary_s_top_tokens(k, want):
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, -1.0]])
+    chosen, top_ids, top_logp = token_logprobs(logits, torch.tensor([2]), k)
+    assert top_ids.shape == top_logp.shape == (1, want)
+    assert top_ids[0].tolist() == [1, 3, 2, 0, 4][:want]   # ties to the lower id
+    assert chosen.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 2].item())
 
 
 def test_adjust_logits_follows_vllms_formulas():
