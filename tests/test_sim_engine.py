@@ -300,8 +300,8 @@ def test_a_kv_pool_resize_charges_the_cache_s_copy():
 
 
 def test_an_expert_missing_only_its_gate_up_is_absent_for_a_forward():
-    """An expert needs both blocks: one whose gate_up planes are all gone (its down resident) makes a forward that
-    routes to it wait for a fetch, and run anyway, counted, when no planner fetches it."""
+    """An expert needs both blocks: one whose gate_up planes are all gone (its down resident), or its down planes,
+    makes a forward that routes to it wait for a fetch, and run anyway, counted, when no planner fetches it."""
     sim = tiny_sim("noop", kv_blocks=16, n=2)
     gate_up = sim.table.index(0, 0, 0)
     sim.table.begin_offload(gate_up, 0)
@@ -311,8 +311,16 @@ def test_an_expert_missing_only_its_gate_up_is_absent_for_a_forward():
     used[0, 0] = True
     assert list(sim._wait_for_absent(used)) == []   # nothing in flight to wait on: noop plans no fetch
     assert sim.rec.counters["forwards_with_absent_experts"] == 1
+    stalls = sim.rec.stall_count["absent_experts"]
     used[0, 0], used[0, 1] = False, True            # an expert with both blocks resident: no wait
     assert list(sim._wait_for_absent(used)) == [] and sim.rec.counters["forwards_with_absent_experts"] == 1
+    assert sim.rec.stall_count["absent_experts"] == stalls   # and no stall recorded for it
+    down = sim.table.index(0, 2, 1)                  # one missing only its down planes is absent too
+    sim.table.begin_offload(down, 0)
+    sim.table.finish_offload(down)
+    sim._refresh()
+    used[0, 1], used[0, 2] = False, True
+    assert list(sim._wait_for_absent(used)) == [] and sim.rec.counters["forwards_with_absent_experts"] == 2
 
 
 def test_weight_accounting_matches_the_page_table():
