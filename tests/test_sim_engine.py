@@ -707,3 +707,32 @@ def test_a_progress_bar_shows_on_a_terminal_unless_turned_off(monkeypatch):
         monkeypatch.setattr(sys, "stderr", Terminal())
         run_simulation(tiny_sim("pagedweight", kv_blocks=24, n=8), progress=progress)
         assert ("simulating" in sys.stderr.getvalue()) == progress
+
+
+@pytest.mark.parametrize("field, value", [("budget_bytes", 0), ("block_size", 0), ("timeline_stride", 0),
+                                          ("prefill_chunk_bytes", 0), ("warmup_requests", -1),
+                                          ("activation_bytes", -1), ("max_concurrency", 0)])
+def test_sim_config_refuses_each_bad_field_alone(field, value):
+    from pwsim.engine import SimConfig
+    with pytest.raises(ValueError, match=field):
+        SimConfig(**{"budget_bytes": 1 << 30, field: value})
+    assert SimConfig(budget_bytes=1 << 30, max_concurrency=1).max_concurrency == 1
+
+
+def test_expert_lru_is_told_only_the_experts_a_step_routed_to():
+    """One short request at a time (2-token prompts, top-2 of 8 experts): a step touches at most 4 experts a layer."""
+    card = tiny_card()
+    wl = tiny_workload(card, n=4, rate=5.0, prompt="fixed:2")
+    sim = tiny_sim("expert-lru", kv_blocks=24, card=card, workload=wl)
+    touched, touch = [], sim.policy.touch
+    sim.policy.touch = lambda used: touched.append(np.asarray(used).copy()) or touch(used)
+    assert sim.run().summary["completed"] == 4
+    assert touched and all(0 < m.reshape(card.layers, -1).sum(axis=1).max() <= 4 for m in touched)
+
+
+def test_a_planner_sees_the_budget_s_headroom_never_below_0():
+    sim = tiny_sim("pagedweight", kv_blocks=16, n=20, slack=256 * 1024)
+    seen, plan_step = [], sim.policy.plan_step
+    sim.policy.plan_step = lambda table, obs: seen.append(obs.headroom_bytes) or plan_step(table, obs)
+    sim.run()
+    assert seen and min(seen) >= 0 and max(seen) > 0
