@@ -400,8 +400,7 @@ def _cards_and_reps(args, target: str, models: tuple[str, ...], reps: int) -> tu
         except CardError as e:
             raise UserError(f"--models: {e}") from None
     reps = reps if args.reps is None else args.reps
-    if reps < 1:
-        raise UserError(f"--reps must be positive, got {reps}")
+    check_counts(("--reps", reps))
     return models, reps
 
 

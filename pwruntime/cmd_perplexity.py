@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from traces.clikit import UserError
+from traces.clikit import UserError, check_counts
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,7 @@ def _resolve(args) -> tuple[Path, str, str]:
         raise UserError(f"--stride must be at least 1, got {args.stride}")
     if args.max_tokens is not None and args.max_tokens < 2:
         raise UserError(f"--max-tokens must be at least 2, got {args.max_tokens}")
-    if args.block_size < 1:
-        raise UserError(f"--block-size must be positive, got {args.block_size}")
+    check_counts(("--block-size", args.block_size))
     return Path(model), device, dtype
 
 

@@ -104,11 +104,9 @@ def run(args) -> int:
 
     p_lo, p_hi = _range("--prompt-tokens", args.prompt_tokens)
     o_lo, o_hi = _range("--output-tokens", args.output_tokens)
-    check_counts(("--requests-per-domain", args.requests_per_domain))
+    check_counts(("--requests-per-domain", args.requests_per_domain), ("--max-num-seqs", args.max_num_seqs))
     if args.rate <= 0:
         raise UserError(f"--rate must be > 0 (requests per second), got {args.rate}")
-    if args.max_num_seqs < 1:
-        raise UserError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     check_seed(args.seed)
