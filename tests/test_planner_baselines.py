@@ -195,6 +195,51 @@ def test_in_place_blocks_refuse_page_moves(setup):
         table2.commit_in_place(0, 6)
 
 
+def test_dp_llm_params_take_their_end_values_and_refuse_past_them():
+    for ok in (1.0, 8.0):
+        assert get("dp-llm", target_bits=ok).params.target_bits == ok
+    for bad in (0.99, 8.01):
+        with pytest.raises(ValueError, match="target_bits must be in 1..8"):
+            get("dp-llm", target_bits=bad)
+    with pytest.raises(ValueError, match="update_interval must be >= 1"):
+        get("dp-llm", update_interval=0)
+
+
+def test_dp_llm_at_the_lowest_bitwidth_puts_every_layer_there_and_at_the_top_none(setup):
+    table, cal = setup
+    get("dp-llm", target_bits=3.0).reset(table, cal)  # the target may equal the lowest supported bitwidth
+    assert (table.q == 3).all()
+    get("dp-llm", target_bits=8.0).reset(table, cal)
+    assert (table.q == 8).all()
+
+
+def test_dp_llm_features_off_ignores_them_and_unused_blocks_weigh_nothing(setup):
+    """With `use_features` off the prompt features change nothing; with it on, a block no running request uses
+    (RMS 0) weighs 0 and the used ones are scaled to a mean of 1 among themselves."""
+    table, cal = setup
+    feats = synthetic_features(table.num_blocks, seed=1)
+    feats[table.layer == 0, 1] = 0.0
+    pol = get("dp-llm", use_features=False)
+    pol.reset(table, cal)
+    assert (pol.block_weights(table, obs(prompt_features=feats)) == 1).all()
+    pol = get("dp-llm")
+    pol.reset(table, cal)
+    w = pol.block_weights(table, obs(prompt_features=feats))
+    assert (w[table.layer == 0] == 0).all()
+    np.testing.assert_allclose(w[table.layer != 0].mean(), 1.0)
+
+
+def test_dp_llm_lowers_a_layer_no_request_uses_even_where_its_error_is_unknown(setup):
+    """A block of weight 0 adds nothing to its layer's error, even at a bitwidth its sensitivity leaves unknown (NaN,
+    read as infinite): 0 * inf must not make the layer unlowerable. Layer 0, unused, gives all 5 bits asked for."""
+    table, cal = setup
+    cal.sensitivity[table.layer == 0, 3] = np.nan
+    pol = get("dp-llm", target_bits=8 - 4.5 / 3, use_routing=False)
+    pol.reset(table, cal)
+    feats = synthetic_features(table.num_blocks, seed=1)
+    feats[table.layer == 0, 1] = 0.0
+    assert pol.choose(table, obs(prompt_features=feats)).tolist() == [3, 8, 8]
+
 # --------------------------------------------------------------------------------------- expert-lru
 def test_routed_since_reads_routing_mass_updates():
     from policies.observe import RoutingMass
@@ -312,3 +357,44 @@ def test_expert_lru_from_routing_mass_only():
         apply_plan_now(table, pol.plan_step(table, obs(step=step, routing_mass=m)))
         table.check_invariants()
         assert int((table.q[0::2] > 0).sum()) <= 6
+
+
+def test_expert_lru_params_take_their_end_values_and_refuse_each_bad_one_alone():
+    for ok in (1, 8):
+        assert get("expert-lru", bits=ok).params.bits == ok
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="bits must be in 1..8"):
+            get("expert-lru", bits=bad)
+    for bad in ({"budget_bytes": -1}, {"max_fetch_per_step": -1}):
+        with pytest.raises(ValueError, match="must be >= 0"):
+            get("expert-lru", **bad)
+
+
+def test_expert_lru_budget_of_exactly_one_expert_caches_one():
+    table, pol = _lru(4, 1)
+    assert pol.capacity == 1 and int((table.q[0::2] > 0).sum()) == 1
+
+
+def test_routed_since_without_a_previous_observation_is_every_expert_with_mass():
+    cur = np.array([[0.6, 0.0, 0.4], [0.0, 1.0, 0.0]])
+    assert routed_since(None, cur).tolist() == [[True, False, True], [False, True, False]]
+    assert routed_since(cur, None) is None
+
+
+def test_routed_since_ignores_an_expert_never_routed_when_finding_the_decay():
+    """Expert 2 has no mass before or after; the layer's decay is read off the experts that had mass, so expert 1
+    (whose share grew) was routed and expert 0 (whose share shrank) was not."""
+    prev = np.array([[0.5, 0.5, 0.0]])
+    cur = np.array([[0.25, 0.75, 0.0]])
+    assert routed_since(prev, cur).tolist() == [[False, True, False]]
+
+
+@pytest.mark.parametrize("lands", [0, 1], ids=["gate-landed", "down-landed"])
+def test_expert_lru_waits_while_either_block_of_an_evicted_expert_is_in_flight(lands):
+    table, pol = _lru(4, 2)   # 0, 1 resident
+    _touch(pol, 4, [2])
+    for t in pol.plan_step(table, obs(step=0)).transitions:   # 0 is evicted; only one of its blocks lands
+        (table.begin_offload if t.is_offload else table.begin_reload)(t.block, t.to_bits)
+    table.finish_offload(lands)
+    _touch(pol, 4, [0])
+    assert pol.plan_step(table, obs(step=1)) is None and pol.misses == 1

@@ -86,7 +86,8 @@ class DpLlmPolicy:
         err = np.zeros((L, bits.size))
         per_layer = 2 * table.experts
         for j in range(bits.size):  # sum_i w_i s_i^b per layer; inf * 0 counts as 0
-            contrib = np.where(w > 0, w * s[:, j], 0.0)
+            with np.errstate(invalid="ignore"):
+                contrib = np.where(w > 0, w * s[:, j], 0.0)
             err[:, j] = contrib.reshape(L, per_layer).sum(axis=1)
         g = np.maximum(err[:, 1:] - err[:, :-1], 0.0)
         g[~np.isfinite(g)] = np.inf
