@@ -85,6 +85,8 @@ def test_calibration_refuses_another_model(tmp_path):
 
 
 def test_calibration_fingerprint_with_weights():
+    assert model_fingerprint({"layers": 2, "experts": 8}) == model_fingerprint({"experts": 8, "layers": 2})
+    assert model_fingerprint({"layers": 2, "experts": 8}) != model_fingerprint({"layers": 2, "experts": 4})
     fp = model_fingerprint({"layers": 2}, "w1")
     assert fp.endswith("+w:w1")
     cal = _calibration(fp)
