@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Hashable, Mapping
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -167,3 +168,41 @@ def test_update_batch_with_a_sequence_twice_equals_two_updates():
         stepwise.update("s", ids[:, t:t + 1], w[:, t:t + 1], gu[:, t:t + 1], dn[:, t:t + 1])
     np.testing.assert_allclose(batched.sequence_features("s"), stepwise.sequence_features("s"))
     np.testing.assert_allclose(batched.sequence_features("s")[0], [2.0, np.sqrt(5.0), 3.0])  # gate_up: mean, rms, max
+
+
+def _one_token(layers: int = 2):
+    """One token routed to experts 0 and 1 in every layer: ids, weights, gate_up norms, down norms."""
+    return (np.tile([[[0, 1]]], (layers, 1, 1)), np.full((layers, 1, 2), 0.5), np.full((layers, 1), 2.0),
+            np.full((layers, 1, 2), 4.0))
+
+
+def test_no_initial_rows_still_takes_sequences():
+    f = BatchedPromptFeatures(2, 4, initial_slots=0)
+    f.update("a", *_one_token())
+    assert f.sequences() == ["a"] and np.allclose(f.sequence_features("a")[0], [2.0, 2.0, 2.0])
+
+
+def test_a_sequence_with_no_token_in_a_batch_gets_no_row():
+    f = BatchedPromptFeatures(2, 4)
+    f.update_batch(["a", "idle"], [1, 0], *_one_token())
+    assert f.sequences() == ["a"]
+
+
+@pytest.mark.parametrize("bad", ["weights", "gate_up", "down", "layers", "tokens", "ids-2d"])
+def test_each_shape_disagreement_alone_is_refused(bad):
+    ids, w, gu, dn = _one_token()
+    lens = [1]
+    if bad == "weights":
+        w = w[:, :, :1]
+    elif bad == "gate_up":
+        gu = gu[:1]
+    elif bad == "down":
+        dn = dn[:, :, :1]
+    elif bad == "layers":
+        ids, w, gu, dn = _one_token(layers=3)
+    elif bad == "tokens":
+        lens = [2]
+    else:
+        ids, w, dn = ids[0], w[0], dn[0]
+    with pytest.raises(ValueError, match="feature shapes disagree"):
+        BatchedPromptFeatures(2, 4).update_batch(["a"], lens, ids, w, gu, dn)
