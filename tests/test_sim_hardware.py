@@ -52,6 +52,9 @@ def test_round_trip_and_validation(tmp_path):
         (lambda d: d["ap_kernel_efficiency"].pop("3"), "lacks bitwidths"),
         (lambda d: d.__setitem__("pcie_h2d_gbps", -1), "pcie_h2d_gbps"),
         (lambda d: d.__setitem__("hbm_gbps", 0), "hbm_gbps must be a positive number"),
+        (lambda d: d.__setitem__("hbm_gbps", True), "hbm_gbps must be a positive number, got True"),
+        (lambda d: d.__setitem__("fp16_tflops", float("nan")), "fp16_tflops must be a positive number, got nan"),
+        (lambda d: d.__setitem__("fp16_tflops", float("inf")), "fp16_tflops must be a positive number, got inf"),
         (lambda d: d.__setitem__("routing_read_us", -5.0), "routing_read_us"),
         (lambda d: d["metadata"].pop("measured"), "measured"),
         (lambda d: d.__setitem__("format_version", 9), "format_version"),
@@ -146,9 +149,11 @@ def test_reloads_cross_the_host_to_device_link():
     assert p.pcie_h2d_gbps != p.pcie_d2h_gbps and p.h2d_bytes_per_s == p.pcie_h2d_gbps * 1e9
 
 
-def test_a_profile_may_achieve_the_full_flops_rate():
+def test_a_profile_may_achieve_the_full_flops_rate_and_bandwidth():
     from dataclasses import replace
     p = replace(load_profile("h200-roofline"), achieved_flops_fraction=1.0)  # validated on construction: accepted
     assert p.achieved_flops_fraction == 1.0
+    full = replace(p, achieved_bandwidth_fraction={**p.achieved_bandwidth_fraction, "moe": 1.0})
+    assert full.bandwidth("moe") == full.hbm_gbps * 1e9
     with pytest.raises(HardwareProfileError, match="achieved_flops_fraction must be <= 1"):
         replace(p, achieved_flops_fraction=1.5)
