@@ -228,6 +228,20 @@ def test_a_sequence_needs_a_prompt_token_and_room_for_an_output(make):
         make()
 
 
+def test_sequence_token_views():
+    """A length-only sequence knows no token ids; `token_ids` spans the prompt, the outputs, or both; lengths and
+    output budgets of `make_sequences` must pair up."""
+    assert Sequence("a", prompt_len=3).num_known_tokens == 0
+    s = Sequence("b", prompt_token_ids=[1, 2, 3], max_tokens=4)
+    s.output_token_ids += [7, UNKNOWN_TOKEN]
+    assert s.num_known_tokens == 4
+    assert (s.token_ids(0, 3), s.token_ids(3, 4), s.token_ids(2, 4)) == ([1, 2, 3], [7], [3, 7])
+    with pytest.raises(ValueError, match="length-only"):
+        Sequence("c", prompt_len=3).token_ids(0, 1)
+    with pytest.raises(ValueError):
+        make_sequences([4, 4], [8])
+
+
 def test_add_takes_only_fresh_waiting_sequences():
     sched = Scheduler(BlockPool(4, 4))
     started = Sequence("a", prompt_len=4)
