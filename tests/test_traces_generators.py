@@ -72,10 +72,26 @@ def test_length_distributions():
     assert np.isclose(counts[1] / counts[2], 2 ** 1.5, rtol=0.1)
 
 
-@pytest.mark.parametrize("spec", ["gauss:3", "uniform:5", "lognormal:abc,1", "uniform:20,10", "zipf:1,foo=3", "fixed:0"])
+@pytest.mark.parametrize("spec", ["gauss:3", "uniform:5", "lognormal:abc,1", "uniform:20,10", "zipf:1,foo=3", "fixed:0",
+                                  "fixed:5,6", "zipf:0", "lognormal:100,-0.5", f"uniform:1,{2**31}"])
 def test_bad_length_specs_are_user_errors(spec):
     with pytest.raises(UserError):
         LengthDist.parse(spec)
+
+
+def test_length_specs_at_their_bounds_are_taken():
+    """A one-value range, the int32 maximum, sigma 0 and a fixed value beyond the default maximum are all lengths."""
+    rng = np.random.default_rng(0)
+    assert (LengthDist.parse("uniform:5,5").sample(10, rng) == 5).all()
+    assert LengthDist.parse(f"uniform:1,{2**31 - 1}").hi == 2**31 - 1
+    assert (LengthDist.parse("lognormal:100,0").sample(10, rng) == 100).all()
+    assert (LengthDist.parse("fixed:40000").sample(10, rng) == 40000).all()
+
+
+def test_bounded_zipf_puts_its_mass_on_its_support_only():
+    """On {1, 2} with alpha 1.2: P(2) = 2^-1.2 / (1 + 2^-1.2) = 0.303 (no mass beyond the maximum folded onto it)."""
+    z = LengthDist.parse("zipf:1.2,1,2").sample(40000, np.random.default_rng(1))
+    assert abs((z == 2).mean() - 2**-1.2 / (1 + 2**-1.2)) < 0.01
 
 
 def test_domain_mix():
@@ -83,7 +99,8 @@ def test_domain_mix():
     assert names == ("chat", "code") and np.allclose(w, (0.75, 0.25))
     req = generate_requests(WorkloadSpec(requests=4000, domains=names, domain_weights=w), seed=0)
     assert abs((req.domain == "chat").mean() - 0.75) < 0.03
-    for bad in ("", "a,a", "a:-1,b:1", "a:x"):
+    assert parse_domains("chat:1,code:0") == (("chat", "code"), (1.0, 0.0))  # a domain may have no share
+    for bad in ("", "a,a", "a:-1,b:1", "a:x", "a:0,b:0"):
         with pytest.raises(UserError):
             parse_domains(bad)
 
