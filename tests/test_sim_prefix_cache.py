@@ -70,6 +70,19 @@ def test_shared_prefixes_change_only_the_leading_prompt_ids():
     assert len({f[0] for f in full}) == groups  # different groups differ from their first id
 
 
+def test_one_token_prompts_keep_their_id_beside_prompts_that_share_a_prefix():
+    """A prompt of one token has nothing to share (it keeps its own id); with only such prompts there is no prefix to
+    draw at all, and beside longer ones the longer ones still share theirs."""
+    only = _spec(prompt=LengthDist.parse("fixed:1"), shared_prefix_tokens=4)
+    np.testing.assert_array_equal(generate_requests(only, 2).token_ids, generate_requests(
+        _spec(prompt=LengthDist.parse("fixed:1")), 2).token_ids)
+    mixed = generate_requests(_spec(prompt=LengthDist.parse("uniform:1,2"), shared_prefix_tokens=4, prefix_groups=1), 2)
+    lens = mixed.prompt_tokens
+    assert (lens == 1).any() and (lens == 2).any()
+    heads = {int(mixed.prompt_ids(i)[0]) for i in range(len(mixed)) if lens[i] == 2}
+    assert len(heads) == 1  # one group: every two-token prompt starts with its one shared id
+
+
 def test_shared_prefixes_are_deterministic_by_seed():
     spec = _spec(shared_prefix_tokens=24, prefix_groups=4)
     a, b, c = (generate_requests(spec, s) for s in (3, 3, 4))

@@ -42,6 +42,12 @@ def test_arrivals_have_the_asked_rate_and_burstiness(cv):
     assert abs(gaps.std() / gaps.mean() - cv) < 0.08 * cv
 
 
+@pytest.mark.parametrize("rate, cv", [(0.0, 1.0), (float("inf"), 1.0), (1.0, 0.0), (1.0, float("inf"))])
+def test_arrivals_need_a_positive_finite_rate_and_burstiness(rate, cv):
+    with pytest.raises(UserError, match="rate and burstiness must be positive and finite"):
+        arrival_times(5, rate, cv, np.random.default_rng(0))
+
+
 def test_a_trace_re_timed_keeps_its_order_and_takes_the_asked_rate():
     """vLLM's --request-rate over a recorded trace: the same seed gives the same times; the requests keep their
     order of arrival (ties in order of position); the rate and burstiness are those asked for."""
@@ -100,7 +106,7 @@ def test_domain_mix():
     req = generate_requests(WorkloadSpec(requests=4000, domains=names, domain_weights=w), seed=0)
     assert abs((req.domain == "chat").mean() - 0.75) < 0.03
     assert parse_domains("chat:1,code:0") == (("chat", "code"), (1.0, 0.0))  # a domain may have no share
-    for bad in ("", "a,a", "a:-1,b:1", "a:x", "a:0,b:0"):
+    for bad in ("", "a,a", "a:-1,b:1", "a:-1,b:2", "a:x", "a:0,b:0"):
         with pytest.raises(UserError):
             parse_domains(bad)
 
