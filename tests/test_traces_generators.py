@@ -173,6 +173,41 @@ def test_drift_changes_popularity_over_time():
     assert still < 0.1 and moving > 2 * still and moving > 0.15
 
 
+def test_a_request_at_time_zero_is_routed_before_any_drift():
+    """The drift walk is 0 at the first grid point: a request arriving at time 0 is routed the same whatever the drift
+    (same seed), and one at the end of the trace is not."""
+    req = _requests(2, arrival=[0.0, 1000.0], prompt=20)
+    still = generate_routing(req, CARD, RoutingSpec(drift=0.0), seed=3)
+    moving = generate_routing(req, CARD, RoutingSpec(drift=5.0), seed=3)
+    first = still.request_id == 0
+    np.testing.assert_array_equal(still.expert_ids[first], moving.expert_ids[first])
+    assert not np.array_equal(still.expert_ids[~first], moving.expert_ids[~first])
+
+
+@pytest.mark.parametrize("shift", [0.25, 1.0])
+def test_every_domain_ranks_each_expert_once(shift):
+    """A domain reshuffles part of a layer's popularity ranking: still a permutation (no expert ranked twice)."""
+    from traces.generators import popularity_logits
+    logits = popularity_logits(4, 16, 3, RoutingSpec(skew=1.0, domain_shift=shift), np.random.default_rng(0))
+    ranks = np.rint(np.expm1(-logits.astype(np.float64))).astype(int)
+    assert (np.sort(ranks, axis=-1) == np.arange(16)).all()
+
+
+def test_routing_reports_progress_once_per_row_over_several_chunks():
+    req = _requests(40, prompt=100, output=1)  # 101 tokens x 24 layers: more rows than one chunk
+    seen = []
+    rt = generate_routing(req, CARD, RoutingSpec(), seed=0, progress=seen.append)
+    assert len(seen) > 1 and sum(seen) == len(rt.expert_ids)
+
+
+@pytest.mark.parametrize("bad", [dict(skew=-1.0), dict(skew=float("inf")), dict(domain_shift=1.5),
+                                 dict(drift=-0.1), dict(drift=float("inf")), dict(weight_temperature=0.0),
+                                 dict(weight_temperature=float("inf")), dict(tokens_per_request=-1)])
+def test_each_bad_routing_setting_alone_is_a_user_error(bad):
+    with pytest.raises(UserError, match="routing"):
+        RoutingSpec(**bad)
+
+
 def test_synthetic_features_are_positive_and_shaped():
     rt = generate_routing(_requests(20, prompt=3), CARD, RoutingSpec(features=True), seed=0)
     assert rt.gate_up_in_norm.shape == (len(rt),) and rt.down_in_norm.shape == (len(rt), CARD.top_k)
