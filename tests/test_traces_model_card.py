@@ -144,3 +144,65 @@ def test_card_errors_are_clear(tmp_path):
     assert ModelSpec.from_hf_config({**mixtral, "num_experts": 8}).experts == 8
     with pytest.raises(CardError, match="num_local_experts 8 and num_experts 16"):
         ModelSpec.from_hf_config({**mixtral, "num_experts": 16})
+
+
+@pytest.mark.parametrize("change, needle", [
+    (dict(layers=0), "layers must be a positive integer"),
+    (dict(hidden=2.5), "hidden must be a positive integer"),
+    (dict(dense_layers=(48,)), "dense_layers must lie in 0..47"),
+    (dict(dense_layers=tuple(range(48)), dense_intermediate=64), "every layer is dense"),
+    (dict(dense_layers=(0,), dense_intermediate=0), "dense_layers needs a positive dense_intermediate"),
+    (dict(shared_experts=1, shared_intermediate=0), "shared_experts needs a positive shared_intermediate"),
+])
+def test_each_bad_card_field_alone_is_refused(change, needle):
+    with pytest.raises(CardError, match=needle):
+        replace(load_card("Qwen3-30B-A3B"), **change)
+
+
+def test_card_fields_at_their_bounds_are_taken():
+    card = load_card("Qwen3-30B-A3B")
+    assert replace(card, top_k=card.experts).top_k == 128  # every expert active: still a card
+    assert replace(card, dense_layers=tuple(range(47)), dense_intermediate=64).moe_layers == 1
+
+
+def test_an_output_bias_counts_one_hidden_vector_a_layer():
+    card = load_card("Mixtral-8x7B-v0.1")
+    assert replace(card, o_bias=True).attention_params(0) - card.attention_params(0) == card.hidden
+
+
+def test_kv_layout_is_hybrid_by_default_with_full_attention_on_global_layers():
+    gemma = load_card("Gemma-4-26B-A4B")
+    layout = gemma.kv_layout(16)
+    assert layout.hybrid and not gemma.kv_layout(16, hybrid=False).hybrid
+    window = {layer: group.window for group in layout.groups for layer in group.layers}
+    assert all(window[layer] is None for layer in gemma.global_layers)
+    assert {window[layer] for layer in range(gemma.layers) if layer not in gemma.global_layers} == {1024}
+    assert [g.window for g in load_card("Qwen3-30B-A3B").kv_layout(16).groups] == [None]
+
+
+def test_hf_config_defaults_and_names():
+    """A config without `_name_or_path` is named by its architecture; one giving only `num_experts` for Mixtral is
+    read; absent flags take transformers' defaults (no attention bias; tied embeddings only for Gemma 4); a Qwen1.5
+    config without a shared expert has none."""
+    mixtral = read_card_json("Mixtral-8x7B-v0.1")["hf_config"]
+    assert ModelSpec.from_hf_config(mixtral).name == "mixtral"
+    assert ModelSpec.from_hf_config({**mixtral, "_name_or_path": "org/m"}).name == "org/m"
+    only_new = {k: v for k, v in mixtral.items() if k != "num_local_experts"}
+    assert ModelSpec.from_hf_config({**only_new, "num_experts": 8}).experts == 8
+    bare = {k: v for k, v in mixtral.items() if k != "tie_word_embeddings"}
+    assert ModelSpec.from_hf_config(bare).tied_embeddings is False
+    gemma = load_card("Gemma-4-26B-A4B")
+    assert gemma.tied_embeddings is True and gemma.qkv_bias is False
+    olmoe = {k: v for k, v in read_card_json("OLMoE-1B-7B-0924")["hf_config"].items() if k != "attention_bias"}
+    assert ModelSpec.from_hf_config(olmoe).qkv_bias is False
+    qwen = {**read_card_json("Qwen1.5-MoE-A2.7B")["hf_config"], "shared_expert_intermediate_size": 0}
+    spec = ModelSpec.from_hf_config(qwen)
+    assert (spec.shared_experts, spec.shared_expert_gate) == (0, False)
+
+
+def test_a_card_json_without_arch_says_so(tmp_path):
+    data = load_card("Qwen3-30B-A3B").to_dict()
+    del data["arch"]
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    with pytest.raises(CardError, match="missing field.*arch"):
+        load_card(tmp_path / "c.json")
