@@ -119,3 +119,36 @@ def test_a_relative_fit_measures_each_domain_from_its_least_damaged_point():
     ppl = np.array([10.0, 10.0 * np.e, 20.0, 20.0 * np.e])
     f = fit_perplexity(x, ppl, domains=["a", "a", "b", "b"])
     assert f.relative and f.a == pytest.approx(0.0, abs=1e-12) and f.b == pytest.approx(1.0)
+
+
+def test_a_relative_fit_over_three_domains_removes_each_domain_s_own_start():
+    x = np.tile([0.0, 1.0, 2.0], 3)
+    base = np.repeat([10.0, 20.0, 40.0], 3)
+    f = fit_perplexity(x, base * np.exp(0.5 * x), domains=list("aaabbbccc"))
+    assert f.a == pytest.approx(0.0, abs=1e-12) and f.b == pytest.approx(0.5) and f.r2 == pytest.approx(1.0)
+
+
+def test_two_points_are_enough_and_a_flat_fit_explains_everything():
+    f = fit_perplexity(np.array([0.0, 1.0]), np.array([5.0, 5.0]))
+    assert (f.n_points, f.r2) == (2, 1.0) and f.b == pytest.approx(0.0, abs=1e-12)
+    assert f.predict(3.0) == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("ppl", [0.0, -1.0])
+def test_a_fit_file_with_a_perplexity_not_above_zero_is_refused(tmp_path, ppl):
+    p = tmp_path / "fit.json"
+    p.write_text(json.dumps({"points": [{"damage": 0.0, "ppl": 5.0}, {"damage": 1.0, "ppl": ppl}]}))
+    with pytest.raises(QualityError, match="perplexities must be positive"):
+        load_fit_points(p)
+
+
+def test_accrual_follows_a_change_of_bits_and_a_model_without_damages_accrues_nothing():
+    qm = QualityModel(_planted(), 2, 3)
+    ids, dom = np.array([[[0, 1], [1, 2]]]), np.array([0])
+    at8 = qm.accrue(np.full(12, 8), dom, ids)[0]
+    at4 = qm.accrue(np.full(12, 4), dom, ids)[0]
+    assert at4 == pytest.approx(1e4 * at8)  # the damage table is re-read for the new bits, not cached
+    s = qm.summary()
+    assert s.available and s.tokens == 2 and s.fallback_tokens == 0
+    none = QualityModel({}, 2, 3)
+    assert none.accrue(np.full(12, 4), dom, ids).tolist() == [0.0]
