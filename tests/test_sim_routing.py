@@ -256,6 +256,31 @@ def test_popularity_routing_may_route_to_every_expert():
         PopularityRouting(np.ones((1, 1, 3)), np.array([0]), np.array([0]), top_k=1)
 
 
+@pytest.mark.parametrize("popularity, group, tokens, needle", [
+    (np.ones((1, 3)), [0], [4], "popularity must be"),
+    (-np.ones((1, 1, 3)), [0], [4], "popularity must be"),
+    (np.zeros((1, 1, 3)), [0], [4], "popularity must be"),
+    (np.ones((1, 1, 3)), [0], [1, 1], "positive length"),
+    (np.ones((2, 1, 3)), [0, 2], [4, 4], "does not exist"),
+    (np.ones((2, 1, 3)), [-1, 1], [4, 4], "does not exist"),
+])
+def test_popularity_routing_refuses_each_bad_input_alone(popularity, group, tokens, needle):
+    with pytest.raises(ValueError, match=needle):
+        PopularityRouting(popularity, np.array(group), np.array(tokens), top_k=1)
+
+
+def test_popularity_routing_takes_one_token_requests_and_the_last_group_and_routes_nothing_for_no_tokens():
+    src = PopularityRouting(np.ones((2, 1, 3)), np.array([1, 0]), np.array([1, 1]), top_k=1)
+    none = src.route(np.array([0, 1]), np.array([0, 0]), np.array([0, 0]))
+    assert none.num_tokens == 0 and none.has_norms
+    step = src.route(np.array([0, 1]), np.array([0, 0]), np.array([1, 1]))
+    assert step.num_tokens == 2 and step.has_norms
+    bare = PopularityRouting(np.ones((1, 1, 3)), np.array([0]), np.array([2]), top_k=1, norms=False)
+    plain = bare.route(np.array([0]), np.array([0]), np.array([2]))
+    assert not plain.has_norms
+    assert not replace(plain, gate_up_norm=np.ones((1, 2))).has_norms  # both norms, or none to feature on
+
+
 def test_popularity_routing_draws_each_norm_around_its_own_scale():
     """gate_up norms centre on exp(gate_up_mu), down norms on exp(down_mu): the columns are not mixed up."""
     src = PopularityRouting(np.ones((1, 1, 8)), np.array([0]), np.array([2000]), top_k=2, seed=3,
