@@ -374,7 +374,8 @@ class TraceRouting:
         order = np.lexsort((routing.layer, routing.position, rec))
         r_s, p_s, l_s = rec[order], routing.position[order].astype(np.int64), routing.layer[order]
         n = len(order)
-        if n % L or not (l_s.reshape(-1, L) == np.arange(L)).all():
+        tok = None if n % L else np.stack([r_s, p_s, l_s.astype(np.int64)]).reshape(3, -1, L)  # [record, pos, layer]
+        if tok is None or not ((tok[2] == np.arange(L)).all() and (tok[:2] == tok[:2, :, :1]).all()):
             raise TraceError(routing.source, f"some (request, position) lacks one of the {L} layers", column="layer",
                              fix="record every MoE layer for every routed token")
         r_tok, p_tok = r_s[::L], p_s[::L]

@@ -230,6 +230,69 @@ def test_a_later_recompute_falls_back_on_the_latest_recorded_attempt():
     assert got == [[0, 3], [1, 3], [1, 3]]
 
 
+def test_a_request_computed_three_times_replays_its_three_attempts_in_order():
+    from traces.schema import RequestTrace, RoutingTrace
+    rows = [(10, a, p, [a, a + 1]) for a in range(3) for p in range(2)]
+    rid, att, pos, ids = zip(*rows)
+    trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
+                         np.full((len(rows), 2), 0.5), attempt=np.array(att))
+    requests = RequestTrace.from_columns(np.array([10]), np.zeros(1), np.array([1]), np.array([1]),
+                                         np.array(["x"], dtype=object))
+    tr = TraceRouting.from_trace(trace, requests)
+    got = [tr.route(np.array([0]), np.array([0]), np.array([2])).ids[0, 0].tolist() for _ in range(3)]
+    assert got == [[0, 1], [1, 2], [2, 3]]
+
+
+@pytest.mark.parametrize("attempt", [0, 1])
+def test_a_gap_in_a_computation_names_its_request_and_position(attempt):
+    """A gap in a request's first computation, or in its recompute (which the trace keeps as a record of its own),
+    names the request of the trace and the first missing position."""
+    from traces.schema import RequestTrace, RoutingTrace
+    rows = [(10, 0, p, [0, 1]) for p in range(3)] + [(10, 1, p, [2, 3]) for p in range(3)] \
+        + [(11, 0, 0, [1, 2])]
+    rows = [r for r in rows if not (r[1] == attempt and r[2] == 1 and r[0] == 10)]
+    rid, att, pos, ids = zip(*rows)
+    trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
+                         np.full((len(rows), 2), 0.5), attempt=np.array(att))
+    requests = RequestTrace.from_columns(np.array([10, 11]), np.zeros(2), np.array([1, 1]), np.array([1, 1]),
+                                         np.array(["x", "x"], dtype=object))
+    with pytest.raises(TraceError) as e:
+        TraceRouting.from_trace(trace, requests)
+    assert "request 10 has a gap in its positions (position 1 missing)" in str(e.value)
+
+
+@pytest.mark.parametrize("rows", [
+    [(0, 0), (1, 1)],  # position 0 has only layer 0, position 1 only layer 1: as many rows as one whole token
+    [(0, 0), (0, 1), (1, 0)],  # position 1 lacks layer 1
+], ids=["split-token", "short-token"])
+def test_every_routed_position_needs_every_layer(rows):
+    from traces.schema import RequestTrace, RoutingTrace
+    pos, layer = (np.array(c) for c in zip(*rows))
+    trace = RoutingTrace("demo", 2, 4, 2, np.full(len(rows), 10), pos, layer, np.tile([0, 1], (len(rows), 1)),
+                         np.full((len(rows), 2), 0.5))
+    requests = RequestTrace.from_columns(np.array([10]), np.zeros(1), np.array([1]), np.array([1]),
+                                         np.array(["x"], dtype=object))
+    with pytest.raises(TraceError, match="some \\(request, position\\) lacks one of the 2 layers"):
+        TraceRouting.from_trace(trace, requests)
+
+
+def test_trace_routing_gives_every_recorded_position_and_then_the_last():
+    ids = np.arange(5 * 2).reshape(5, 1, 2)  # 5 rows, 1 layer, top-2: request 0 rows 0..2, request 1 rows 3..4
+    tr = TraceRouting(ids, np.full(ids.shape, 0.5), np.array([3, 2]), 10)
+    got = tr.route(np.array([0, 1]), np.array([0, 0]), np.array([4, 3])).ids[0]
+    assert got.tolist() == [ids[i, 0].tolist() for i in (0, 1, 2, 2, 3, 4, 4)]
+
+
+@pytest.mark.parametrize("weights_shape, lens, needle", [
+    ((4, 1, 1), [2, 2], "ids and weights must both be"),
+    ((4, 1, 2), [0, 4], "at least one routed position"),
+    ((4, 1, 2), [2, 1], "lens must cover all rows"),
+])
+def test_trace_routing_refuses_arrays_that_disagree(weights_shape, lens, needle):
+    with pytest.raises(ValueError, match=needle):
+        TraceRouting(np.zeros((4, 1, 2)), np.zeros(weights_shape), np.array(lens), 4)
+
+
 def test_a_request_without_routing_rows_is_a_trace_error():
     from traces.schema import RequestTrace
     trace = _without_attempts(_routing_with_a_recompute())
