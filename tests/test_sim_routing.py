@@ -439,3 +439,31 @@ def test_with_one_expert_dominating_each_layer_the_experts_are_chosen_as_often_a
         return np.bincount(flat, minlength=L * E).reshape(L, E) / (tokens * olmoe.top_k)
     sim = freq(np.repeat(np.arange(L), tokens), ids.reshape(L * tokens, -1))
     assert np.abs(freq(gen.layer, gen.expert_ids) - sim).max() < 0.012
+
+
+def test_the_binned_inverse_cdf_draws_what_an_exact_search_draws():
+    """The bin table is a shortcut: every hash maps to the expert an exact search of its row's CDF finds, down to
+    the last expert and the bins that straddle an expert boundary."""
+    from pwsim.routing import _hi, _inverse_cdf, _inverse_table, hash_key
+    E, rows = 7, 3
+    p = np.random.default_rng(0).dirichlet(np.full(E, 0.5), size=rows)
+    c = np.cumsum(p, axis=1)
+    c /= c[:, -1:]
+    c[:, -1] = 1.0 + 1e-12
+    table = _inverse_table(c + np.arange(rows)[:, None])
+    x = hash_key(np.arange(200_000), seed=1)
+    row = np.arange(len(x)) % rows
+    got = _inverse_cdf(table, row, x, E)
+    u = _hi(x)
+    want = np.empty(len(x), dtype=np.int64)
+    for r in range(rows):
+        want[row == r] = np.searchsorted(c[r], u[row == r], side="right")
+    assert (got == want).all() and set(got.tolist()) == set(range(E))
+
+
+def test_hash_helpers_repeats_and_norm_bins():
+    from pwsim.routing import _bits_20_31, _repeats
+    ids = np.array([[1, 2, 1], [3, 4, 5]])
+    assert _repeats(ids, np.array([0, 1])).tolist() == [True, False]  # a slot is not a repeat of itself
+    x = np.array([2**64 - 1, 1 << 20, (1 << 20) - 1, 1 << 32], dtype=np.uint64)
+    assert _bits_20_31(x).tolist() == [4095, 1, 0, 0]
