@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from traces.results import request_columns, request_summary, slo_attainment, stats
+from traces.clikit import UserError
+from traces.results import (latency_columns, request_columns, request_summary, result_tool, slo_attainment,
+                             slo_bounds, stats)
 from traces.sweep import sweep_row, table
 
 
@@ -42,6 +44,35 @@ def test_a_request_exactly_at_an_slo_bound_meets_it():
     assert slo_attainment(r, ttft_s=0.999, tpot_s=0.5)["met"] == 1      # request 1: TTFT 0.5, TPOT 0.5
 
 
+def test_one_output_token_has_no_tpot_and_a_run_that_finished_nothing_has_no_makespan():
+    cols = latency_columns([0.0, 0.0], [1.0, 1.0], [2.0, 3.0], [1, 2])
+    assert np.isnan(cols["tpot_s"][0]) and cols["tpot_s"][1] == 2.0
+    nan = float("nan")
+    idle = request_summary(request_columns([1, 2], ["a"] * 2, [1.0, 2.0], [10, 10], [0, 0], [nan, nan], [nan, nan],
+                                           [0, 0], ["", ""]))
+    assert idle["makespan_s"] == 0.0 and idle["unfinished"] == 2 and idle["throughput_tokens_per_s"] == 0.0
+
+
+@pytest.mark.parametrize("ttft, tpot", [(0.0, None), (float("inf"), None), (None, 0.0), (None, -5.0)])
+def test_an_slo_bound_must_be_a_positive_finite_number(ttft, tpot):
+    from argparse import Namespace
+    with pytest.raises(UserError, match="must be a number > 0"):
+        slo_bounds(Namespace(slo_ttft=ttft, slo_tpot=tpot))
+    assert slo_bounds(Namespace(slo_ttft=None, slo_tpot=None)) is None
+    assert slo_bounds(Namespace(slo_ttft=None, slo_tpot=50.0)) == (None, 0.05)
+
+
+@pytest.mark.parametrize("config, tool", [({"command": "replay"}, "replay"),
+                                          ({"command": "bench", "target": "serve"}, "bench serve"),
+                                          ({"command": "bench", "target": "kernels"}, None),
+                                          ({"command": "run", "target": "serve"}, None),
+                                          ({"budget_bytes": 1}, "pwsim"), ([1, 2], None)])
+def test_a_result_directory_is_told_by_its_config(tmp_path, config, tool):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert result_tool(tmp_path) == tool
+
+
 def test_a_sweep_row_and_its_table_in_the_units_they_name():
     s = request_summary(_requests())
     row = sweep_row(4, s)
@@ -59,3 +90,30 @@ def test_concurrency_levels_must_be_distinct():
     assert parse_levels("1,4,16") == [1, 4, 16] and parse_levels(None) == [None]
     with pytest.raises(UserError, match="distinct"):
         parse_levels("4,4")
+
+
+def test_a_result_goes_into_a_new_nested_folder_and_not_over_a_stranger_without_force(tmp_path):
+    from traces.results import write_result_dir
+    out = write_result_dir(tmp_path / "a" / "b" / "run", {"requests": {"request_id": np.arange(2)}},
+                           {"summary": {"requests": 2}})
+    assert (out / "requests.parquet").is_file()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not empty"):
+        write_result_dir(busy, {}, {"summary": {}})
+    assert [p.name for p in busy.iterdir()] == ["notes.txt"]
+
+
+def test_a_trace_folder_is_written_fresh_or_over_anything_with_force_but_never_over_a_run(tmp_path):
+    from traces.results import RESULT_MARKER, prepare_trace_dir
+    assert prepare_trace_dir(tmp_path / "new", force=False) == tmp_path / "new"
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x.txt").write_text("x")
+    with pytest.raises(UserError, match="is not empty"):
+        prepare_trace_dir(full, force=False)
+    assert prepare_trace_dir(full, force=True) == full
+    (full / RESULT_MARKER).write_text("{}")
+    with pytest.raises(UserError, match="result directory"):
+        prepare_trace_dir(full, force=True)

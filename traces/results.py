@@ -109,8 +109,8 @@ def request_summary(requests: dict[str, np.ndarray], itl_s: np.ndarray | None = 
     (`TokenGaps.all()`) those of every gap between two tokens of a request."""
     arrival, finish, reason = requests["arrival_s"], requests["finish_s"], requests["finish_reason"]
     n = len(arrival)
-    end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else 0.0
     start = float(arrival.min()) if n else 0.0
+    end = float(np.nanmax(finish)) if n and np.isfinite(finish).any() else start  # nothing finished: no span
     out_total, span = int(requests["output_tokens"].sum()), max(end - start, 1e-12)
     completed = int(np.isin(reason, ("length", "stop")).sum())
     return {"requests": n, "completed": completed,
