@@ -125,6 +125,9 @@ def test_calibration_scalars_and_checks(tmp_path):
         Calibration(fingerprint="x", layers=2, experts=3, bits=(3,), sensitivity=np.zeros((12, 9)),
                     initial_bits=np.zeros(12), depth_caps=(1, 2))
     assert free_block_threshold(cal, 0) == 0 and free_block_threshold(cal) == cal.free_block_threshold
+    cal.free_block_threshold = 3  # a calibration's own threshold, not the default's; none given: the default
+    assert (free_block_threshold(cal), free_block_threshold(None)) == (3, 8)
+    assert Calibration.load(cal.save(tmp_path / "new" / "nested" / "cal")).free_block_threshold == 3
 
 
 def test_registry():
