@@ -95,3 +95,18 @@ def test_import_trace_refuses_a_missing_file_and_an_existing_trace(tmp_path, cap
     assert main(["import-trace", str(log), "--out", str(out)]) == 0
     assert main(["import-trace", str(log), "--out", str(out)]) == 2
     assert "already holds a trace" in capsys.readouterr().err
+
+
+def test_one_token_prompts_and_outputs_are_kept_and_the_count_bounds_hold(tmp_path):
+    """A request of one prompt token and one output token is a request; a count of 2**31 - 1 is one, 2**31 is not; a
+    column that is empty everywhere reads as missing counts (every row dropped), and one request may be asked for."""
+    from traces.clikit import UserError
+    from traces.schema import TraceError
+    got = read_csv_trace(_csv(tmp_path, "t,p,o\n0,1,1\n1,0,5\n2,5,0\n"), CsvColumns("t", "p", "o"), max_requests=1)
+    assert (len(got.trace), got.dropped) == (1, 2) and got.trace.prompt_tokens.tolist() == [1]
+    top = read_csv_trace(_csv(tmp_path, f"t,p,o\n0,{2**31 - 1},1\n"), CsvColumns("t", "p", "o"))
+    assert top.trace.prompt_tokens.tolist() == [2**31 - 1]
+    with pytest.raises(TraceError, match="is not a token count"):
+        read_csv_trace(_csv(tmp_path, f"t,p,o\n0,{2**31},1\n"), CsvColumns("t", "p", "o"))
+    with pytest.raises(UserError, match="no request left"):
+        read_csv_trace(_csv(tmp_path, "t,p,o\n0,,1\n1,,2\n"), CsvColumns("t", "p", "o"))
