@@ -118,3 +118,13 @@ def test_page_moves_come_from_the_plan_log(sim_dir):
     assert len(refused) == int((plans["status"] == "rejected").sum()) > 0
     assert all(r["args"]["reason"] for r in refused)
     assert not _of(chrome_trace([REPLAY]), 1, "b", "page move")
+
+
+def test_stalls_need_a_start_and_process_names_belong_to_no_thread(sim_dir, tmp_path):
+    from traces.chrome_trace import _events_file
+    doc = {"stalls": [{"time_s": 1.0, "duration_s": 0.5, "kind": "absent_experts"}, {"kind": "no start"}]}
+    (tmp_path / "events.json").write_text(json.dumps(doc))
+    stalls = [e for e in _events_file(tmp_path / "events.json", 1) if e.get("cat") == "stall"]
+    assert [(s["name"], s["ts"], s["dur"]) for s in stalls] == [("absent_experts", 1e6, 5e5)]
+    meta = _of(chrome_trace([sim_dir]), 1, "M")
+    assert all(("tid" in e) == (e["name"] == "thread_name") for e in meta)
