@@ -31,14 +31,45 @@ def test_a_block_at_0_bits_holds_no_lut():
         lut_bytes(64, 0)
 
 
-def test_an_observation_refuses_more_free_blocks_than_blocks():
-    with pytest.raises(ValueError, match="not within 0..4"):
-        policies.Observation(step=0, time_s=0.0, free_blocks=5, total_blocks=4, kv_block_bytes=1,
-                             free_block_threshold=0)
+def _observation(free: int = 0, total: int = 4, block_bytes: int = 1, routing=None):
+    return policies.Observation(step=0, time_s=0.0, free_blocks=free, total_blocks=total, kv_block_bytes=block_bytes,
+                                free_block_threshold=0, routing=routing)
+
+
+@pytest.mark.parametrize("free, total", [(5, 4), (-1, 4), (0, -1)])
+def test_an_observation_refuses_free_blocks_outside_its_pool(free, total):
+    with pytest.raises(ValueError, match=f"free blocks {free} not within 0..{total}"):
+        _observation(free, total)
+
+
+def test_an_observation_takes_an_empty_or_full_pool_and_refuses_negative_block_bytes():
+    assert _observation(0, 0).total_blocks == 0 and _observation(4, 4).free_blocks == 4
+    assert _observation(block_bytes=0).kv_block_bytes == 0
+    with pytest.raises(ValueError, match="kv_block_bytes must be non-negative"):
+        _observation(block_bytes=-1)
+
+
+def test_routing_statistics_are_computed_once_when_a_planner_first_reads_them():
+    import time
+    calls = []
+
+    def mass():
+        calls.append("mass")
+        time.sleep(0.002)
+        return np.full((1, 2), 0.5)
+    readout = policies.RoutingReadout(mass, None)
+    obs = _observation(routing=readout)
+    assert not obs.routing_read and readout.seconds == 0.0
+    assert obs.routing_mass.tolist() == [[0.5, 0.5]] and obs.routing_mass is obs.routing_mass
+    assert calls == ["mass"] and obs.routing_read and readout.seconds >= 0.002
+    other = _observation(routing=policies.RoutingReadout(None, None))
+    assert other.prompt_features is None and other.routing_read  # reading None still counts as a read
+    assert not _observation().routing_read and _observation().routing_mass is None
 
 
 def test_only_a_paged_lowering_is_an_offload():
     assert policies.Transition(0, 8, 4, 100).is_offload
+    assert not policies.Transition(0, 4, 4, 0).is_offload
     assert not policies.Transition(0, 8, 4, 0, in_place=True).is_offload   # dp-llm: no page moves
     assert not policies.Transition(0, 4, 8, -100).is_offload
 
