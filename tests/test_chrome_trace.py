@@ -128,3 +128,24 @@ def test_stalls_need_a_start_and_process_names_belong_to_no_thread(sim_dir, tmp_
     assert [(s["name"], s["ts"], s["dur"]) for s in stalls] == [("absent_experts", 1e6, 5e5)]
     meta = _of(chrome_trace([sim_dir]), 1, "M")
     assert all(("tid" in e) == (e["name"] == "thread_name") for e in meta)
+
+
+def test_plans_keep_their_fields_moves_need_a_start_and_spans_may_last_no_time(tmp_path):
+    """A plan instant's args are the plan's fields but its time; a landing whose start the log lacks is no slice; a
+    request whose first token came as it arrived has a waiting span of no length, and an unfinished one no decoding
+    span."""
+    from traces.chrome_trace import _events_file, _page_moves, _requests
+    (tmp_path / "events.json").write_text(json.dumps({"plans": [{"time_s": 2.0, "blocks": 3}]}))
+    (plan,) = [e for e in _events_file(tmp_path / "events.json", 1) if e.get("cat") == "plan"]
+    assert plan["args"] == {"blocks": 3} and plan["ts"] == 2e6
+    log = {"step": np.array([4]), "status": np.array(["landed"], dtype=object), "block": np.array([7]),
+           "from_bits": np.array([4]), "to_bits": np.array([8]), "layer": np.array([0]), "expert": np.array([3]),
+           "kind": np.array([0]), "time_s": np.array([1.0]), "reason": np.array(["reload"], dtype=object)}
+    assert [e["ph"] for e in _page_moves(log, 1)] == ["M"]
+    nan = float("nan")
+    requests = {"arrival_s": np.array([1.0, 1.0]), "first_token_s": np.array([1.0, 2.0]),
+                "finish_s": np.array([3.0, nan]), "request_id": np.array([0, 1]), "prompt_tokens": np.array([4, 4]),
+                "output_tokens": np.array([2, 1]), "finish_reason": np.array(["length", ""], dtype=object)}
+    spans = [(e["id"], e["name"], e["ts"]) for e in _requests(requests, 1) if e["ph"] == "b"]
+    assert spans == [("1-0", "waiting for first token", 1e6), ("1-0", "decoding", 1e6),
+                     ("1-1", "waiting for first token", 1e6)]
