@@ -172,6 +172,12 @@ def test_the_measurement_is_the_runtime_path_where_the_bench_times_several():
     for bad in (0, "1GiB", 1.5, True):
         with pytest.raises(UserError, match="row 0 has a bad value.*prefill_chunk_bytes"):
             parse_rows({"rows": [{**row, "prefill_chunk_bytes": bad}]}, "bench")
+    for key in ("tokens", "active_experts"):
+        with pytest.raises(UserError, match="row 0 has a bad value"):
+            parse_rows({"rows": [{**row, key: 0}]}, "bench")
+    for not_a_bench in ([row], {"rows": {"0": row}}):
+        with pytest.raises(UserError, match="not a prefill bench"):
+            parse_rows(not_a_bench, "bench")
 
 
 def _rows(profile, models=("qwen1.5-moe-a2.7b", "mixtral-8x7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b"),
