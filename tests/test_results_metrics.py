@@ -117,3 +117,11 @@ def test_a_trace_folder_is_written_fresh_or_over_anything_with_force_but_never_o
     (full / RESULT_MARKER).write_text("{}")
     with pytest.raises(UserError, match="result directory"):
         prepare_trace_dir(full, force=True)
+
+
+def test_whether_a_runtime_result_moved_pages_instantly():
+    """A replay's summary says so; an older one did when it ran on the CPU; a served run does not say."""
+    from traces.results import instant_page_moves
+    assert instant_page_moves({"instant_page_moves": False, "device": "cpu"}) is False
+    assert (instant_page_moves({"device": "cpu"}), instant_page_moves({"device": "cuda"})) == (True, False)
+    assert instant_page_moves({}) is None
