@@ -446,3 +446,31 @@ def test_reader_edge_values_null_rows_and_boolean_metadata(tmp_path, small):
     meta[b"pagedweight"] = meta[b"pagedweight"].replace(b'"top_k": 8', b'"top_k": true')
     _write(base.replace_schema_metadata(meta), f)
     _raises(lambda: tio.read_routing(f), f, "metadata.top_k", None, "lacks a valid 'top_k'")
+
+
+def test_a_plain_requests_file_with_a_categorical_domain_reads(tmp_path, small):
+    """A requests file written by other tools (no PagedWeight metadata, the domain dictionary-encoded, as pandas
+    writes a categorical) reads as the same requests."""
+    import pyarrow.compute as pc
+    req, _ = small
+    t = tio.requests_table(req).drop_columns(["prompt_token_ids"]).replace_schema_metadata(None)
+    domain = pc.dictionary_encode(t.column("domain").combine_chunks())
+    t = t.set_column(t.column_names.index("domain"), "domain", domain)
+    back = tio.read_requests(_write(t, tmp_path / "requests.parquet"))
+    np.testing.assert_array_equal(back.request_id, req.request_id)
+    assert [back.domains[i] for i in back.domain_idx] == [req.domains[i] for i in req.domain_idx]
+
+
+def test_routing_with_one_norm_column_names_the_other_and_provenance_survives(tmp_path, small):
+    _, rt = small
+    path = tio.write_routing(tmp_path / "nested" / "new" / "routing.parquet", rt)
+    assert tio.read_routing(path).provenance == rt.provenance and rt.provenance
+    t = pq.read_table(path).drop_columns(["down_in_norm"])
+    bad = _write(t, tmp_path / "one_norm.parquet")
+    _raises(lambda: tio.read_routing(bad), bad, "down_in_norm", None, "missing")
+
+
+def test_a_trace_directory_that_is_a_file_or_missing_says_which(tmp_path):
+    (tmp_path / "file").write_text("x")
+    _raises(lambda: tio.read_trace_dir(tmp_path / "file"), tmp_path / "file", None, None, "is not a directory")
+    _raises(lambda: tio.read_trace_dir(tmp_path / "gone"), tmp_path / "gone", None, None, "does not exist")
