@@ -178,6 +178,25 @@ def test_the_measurement_is_the_runtime_path_where_the_bench_times_several():
     for not_a_bench in ([row], {"rows": {"0": row}}):
         with pytest.raises(UserError, match="not a prefill bench"):
             parse_rows(not_a_bench, "bench")
+    with pytest.raises(UserError, match="row 0 has a bad value"):
+        parse_rows({"rows": [{**row, "padded_ms": 0.0}]}, "bench")
+    timed = {**row, "ap_gemm_kernel_ms": 0.5, "ap_gemm_tile_rows": 64}
+    assert parse_rows({"rows": [timed]}, "bench")[0].ap_gemm_kernel_ms == 0.5
+    for bad in ({"ap_gemm_kernel_ms": True}, {"ap_gemm_kernel_ms": 0.0}, {"ap_gemm_kernel_ms": float("nan")},
+                {"ap_gemm_tile_rows": 0}, {"ap_gemm_tile_rows": 1.5}):
+        with pytest.raises(UserError, match="bad ap_gemm_kernel_ms or ap_gemm_tile_rows"):
+            parse_rows({"rows": [{**timed, **bad}]}, "bench")
+
+
+def test_a_row_at_the_fused_path_s_largest_prompt_is_refused_and_ratios_are_summarised():
+    from pwsim.prefill_fit import ratio_summary
+    from traces.clikit import UserError
+    profile = load_profile("h200-measured")
+    row = BenchRow("olmoe-1b-7b", profile.ap_fused_max_tokens, 4, 60, 0.5)
+    with pytest.raises(UserError, match="takes the fused path"):
+        layer_ms(card_for(row.model), profile, row)
+    assert ratio_summary([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert fit(_rows(profile), profile)["fit"]["ap_gemm_rows"] == 0
 
 
 def _rows(profile, models=("qwen1.5-moe-a2.7b", "mixtral-8x7b", "olmoe-1b-7b", "qwen3-moe-30b-a3b"),
