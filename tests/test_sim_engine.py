@@ -148,6 +148,10 @@ def test_link_transfers_serialize_at_h2d_bandwidth():
     assert (start[1:] >= end[:-1] - 1e-15).all(), "two reloads overlapped on the link"
     assert np.allclose(end - start, nbytes / sim.profile.h2d_bytes_per_s, rtol=1e-9)
     assert res.summary["page_traffic"]["reload_bytes"] == int(nbytes.sum())
+    log, M = res.plan_log, sim.table.M  # the planes the offloads begun released: their bits' bytes less the new
+    off = (log["status"] == "started") & (log["to_bits"] < log["from_bits"])
+    released = M[log["block"][off], log["from_bits"][off]] - M[log["block"][off], log["to_bits"][off]]
+    assert res.summary["page_traffic"]["offload_bytes_released"] == int(released.sum()) > 0
 
 
 @pytest.mark.parametrize("asynchronous, slow_device", [(False, False), (True, False), (True, True)])
