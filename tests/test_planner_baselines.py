@@ -195,14 +195,22 @@ def test_in_place_blocks_refuse_page_moves(setup):
         table2.commit_in_place(0, 6)
 
 
-def test_dp_llm_params_take_their_end_values_and_refuse_past_them():
-    for ok in (1.0, 8.0):
-        assert get("dp-llm", target_bits=ok).params.target_bits == ok
-    for bad in (0.99, 8.01):
-        with pytest.raises(ValueError, match="target_bits must be in 1..8"):
-            get("dp-llm", target_bits=bad)
-    with pytest.raises(ValueError, match="update_interval must be >= 1"):
-        get("dp-llm", update_interval=0)
+@pytest.mark.parametrize("name, key, ends, past", [("dp-llm", "target_bits", (1.0, 8.0), (0.99, 8.01)),
+                                                    ("expert-lru", "bits", (1, 8), (0, 9))])
+def test_a_baseline_s_bits_take_their_end_values_and_refuse_past_them(name, key, ends, past):
+    for ok in ends:
+        assert getattr(get(name, **{key: ok}).params, key) == ok
+    for bad in past:
+        with pytest.raises(ValueError, match=f"{key} must be in 1..8"):
+            get(name, **{key: bad})
+
+
+@pytest.mark.parametrize("name, bad, needle", [("dp-llm", {"update_interval": 0}, "update_interval must be >= 1"),
+                                               ("expert-lru", {"budget_bytes": -1}, "must be >= 0"),
+                                               ("expert-lru", {"max_fetch_per_step": -1}, "must be >= 0")])
+def test_each_other_bad_baseline_parameter_alone_is_refused(name, bad, needle):
+    with pytest.raises(ValueError, match=needle):
+        get(name, **bad)
 
 
 def test_dp_llm_at_the_lowest_bitwidth_puts_every_layer_there_and_at_the_top_none(setup):
@@ -357,17 +365,6 @@ def test_expert_lru_from_routing_mass_only():
         apply_plan_now(table, pol.plan_step(table, obs(step=step, routing_mass=m)))
         table.check_invariants()
         assert int((table.q[0::2] > 0).sum()) <= 6
-
-
-def test_expert_lru_params_take_their_end_values_and_refuse_each_bad_one_alone():
-    for ok in (1, 8):
-        assert get("expert-lru", bits=ok).params.bits == ok
-    for bad in (0, 9):
-        with pytest.raises(ValueError, match="bits must be in 1..8"):
-            get("expert-lru", bits=bad)
-    for bad in ({"budget_bytes": -1}, {"max_fetch_per_step": -1}):
-        with pytest.raises(ValueError, match="must be >= 0"):
-            get("expert-lru", **bad)
 
 
 def test_expert_lru_budget_of_exactly_one_expert_caches_one():
