@@ -536,6 +536,8 @@ def test_instant_page_moves_land_every_transfer_at_the_boundary_that_began_it():
 
     mover, now = plan(instant=True)
     assert sorted(now) == [0, 1, 9] and mover.in_flight_reloads == 0 and mover.reload_bytes == 4_005_000
+    mover.boundary()
+    assert mover.landed() == []  # each lands once
     assert all(start == end == 0.0 for _, start, end, _ in mover.transfers)
     mover, now = plan(instant=False)
     assert now == [] and mover.in_flight_reloads == 2
