@@ -517,6 +517,21 @@ def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_beg
     assert now == [9] and mover.in_flight_reloads == 2
 
 
+def test_the_next_landing_is_the_first_copy_to_finish():
+    """A forward that waits for an absent expert waits for the next copy to land, not for the whole queue."""
+    import simpy
+
+    from policies.contract import Transition
+    from pwsim.link import LinkMover
+    env = simpy.Environment()
+    mover = LinkMover(env, 1e9, lambda: None)
+    mover.boundary()
+    for block, nbytes in enumerate([1_000, 3_000]):
+        mover.start(Transition(block, 3, 4, -nbytes), nbytes)
+    env.run(mover.next_landing())
+    assert env.now == pytest.approx(1e-6) and mover.in_flight_reloads == 1
+
+
 def test_instant_page_moves_land_every_transfer_at_the_boundary_that_began_it():
     """`LinkMover(instant=True)`, the CPU runtime's moves: reloads of any size land at the boundary that began them
     and take no link time; offloads begun while a forward may still read their planes land at once too (the
