@@ -217,28 +217,28 @@ def test_the_recorder_keeps_what_was_computed_of_the_requests_it_may_record(tmp_
 def test_a_later_recompute_falls_back_on_the_latest_recorded_attempt():
     """Request 11 was recorded twice (attempts 0, 1), request 10 three times: 11's third computation replays its
     attempt 1, the latest it has, not its first."""
-    from traces.schema import RequestTrace, RoutingTrace
     rows = [(10, a, p, [a, a + 1]) for a in range(3) for p in range(2)] \
         + [(11, 0, p, [0, 3]) for p in range(2)] + [(11, 1, p, [1, 3]) for p in range(2)]
-    rid, att, pos, ids = zip(*rows)
-    trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
-                         np.full((len(rows), 2), 0.5), attempt=np.array(att))
-    requests = RequestTrace.from_columns(np.array([10, 11]), np.zeros(2), np.array([1, 1]), np.array([1, 1]),
-                                         np.array(["x", "x"], dtype=object))
-    tr = TraceRouting.from_trace(trace, requests)
+    tr = _replay(rows, [10, 11])
     got = [tr.route(np.array([1]), np.array([0]), np.array([2])).ids[0, 0].tolist() for _ in range(3)]
     assert got == [[0, 3], [1, 3], [1, 3]]
 
 
-def test_a_request_computed_three_times_replays_its_three_attempts_in_order():
+def _replay(rows, request_ids) -> TraceRouting:
+    """`TraceRouting.from_trace` of a one-layer, top-2 routing trace of rows (request id, attempt, position, ids), for
+    requests `request_ids` (one prompt and one output token each)."""
     from traces.schema import RequestTrace, RoutingTrace
-    rows = [(10, a, p, [a, a + 1]) for a in range(3) for p in range(2)]
     rid, att, pos, ids = zip(*rows)
     trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
                          np.full((len(rows), 2), 0.5), attempt=np.array(att))
-    requests = RequestTrace.from_columns(np.array([10]), np.zeros(1), np.array([1]), np.array([1]),
-                                         np.array(["x"], dtype=object))
-    tr = TraceRouting.from_trace(trace, requests)
+    n = len(request_ids)
+    requests = RequestTrace.from_columns(np.array(request_ids), np.zeros(n), np.ones(n, int), np.ones(n, int),
+                                         np.array(["x"] * n, dtype=object))
+    return TraceRouting.from_trace(trace, requests)
+
+
+def test_a_request_computed_three_times_replays_its_three_attempts_in_order():
+    tr = _replay([(10, a, p, [a, a + 1]) for a in range(3) for p in range(2)], [10])
     got = [tr.route(np.array([0]), np.array([0]), np.array([2])).ids[0, 0].tolist() for _ in range(3)]
     assert got == [[0, 1], [1, 2], [2, 3]]
 
@@ -247,17 +247,11 @@ def test_a_request_computed_three_times_replays_its_three_attempts_in_order():
 def test_a_gap_in_a_computation_names_its_request_and_position(attempt):
     """A gap in a request's first computation, or in its recompute (which the trace keeps as a record of its own),
     names the request of the trace and the first missing position."""
-    from traces.schema import RequestTrace, RoutingTrace
     rows = [(10, 0, p, [0, 1]) for p in range(3)] + [(10, 1, p, [2, 3]) for p in range(3)] \
         + [(11, 0, 0, [1, 2])]
     rows = [r for r in rows if not (r[1] == attempt and r[2] == 1 and r[0] == 10)]
-    rid, att, pos, ids = zip(*rows)
-    trace = RoutingTrace("demo", 1, 4, 2, np.array(rid), np.array(pos), np.zeros(len(rows)), np.array(ids),
-                         np.full((len(rows), 2), 0.5), attempt=np.array(att))
-    requests = RequestTrace.from_columns(np.array([10, 11]), np.zeros(2), np.array([1, 1]), np.array([1, 1]),
-                                         np.array(["x", "x"], dtype=object))
     with pytest.raises(TraceError) as e:
-        TraceRouting.from_trace(trace, requests)
+        _replay(rows, [10, 11])
     assert "request 10 has a gap in its positions (position 1 missing)" in str(e.value)
 
 
