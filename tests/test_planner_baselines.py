@@ -248,6 +248,7 @@ def test_dp_llm_lowers_a_layer_no_request_uses_even_where_its_error_is_unknown(s
     feats[table.layer == 0, 1] = 0.0
     assert pol.choose(table, obs(prompt_features=feats)).tolist() == [3, 8, 8]
 
+
 # --------------------------------------------------------------------------------------- expert-lru
 def test_routed_since_reads_routing_mass_updates():
     from policies.observe import RoutingMass

@@ -5,9 +5,12 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import simpy
 
+from policies.contract import Transition
 from policies.page_table import PageTable
 from pwsim.engine import BudgetError
+from pwsim.link import LinkMover
 from traces.hardware import load_profile
 from sim_fixtures import same_arrays, summary_without_wall, tiny_card, tiny_sim, tiny_workload, weights_at
 
@@ -485,11 +488,6 @@ def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_beg
     n of them after it; a reload copied by then lands at that boundary (the runtime's `landed()` follows the plan),
     a longer one at the first boundary after its copy; copies follow each other on the link; with no host cost per
     transition nothing copied lands at the boundary that began it."""
-    import simpy
-
-    from policies.contract import Transition
-    from pwsim.link import LinkMover
-
     def plan(transition_s: float, sizes: list[int]) -> tuple[LinkMover, list[int]]:
         env = simpy.Environment()
         mover = LinkMover(env, 1e9, lambda: None, transition_s=transition_s)  # 1 GB/s: 1 us a kB
@@ -519,10 +517,6 @@ def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_beg
 
 def test_the_next_landing_is_the_first_copy_to_finish():
     """A forward that waits for an absent expert waits for the next copy to land, not for the whole queue."""
-    import simpy
-
-    from policies.contract import Transition
-    from pwsim.link import LinkMover
     env = simpy.Environment()
     mover = LinkMover(env, 1e9, lambda: None)
     mover.boundary()
@@ -536,10 +530,6 @@ def test_instant_page_moves_land_every_transfer_at_the_boundary_that_began_it():
     """`LinkMover(instant=True)`, the CPU runtime's moves: reloads of any size land at the boundary that began them
     and take no link time; offloads begun while a forward may still read their planes land at once too (the
     link's default holds them a boundary)."""
-    import simpy
-
-    from policies.contract import Transition
-    from pwsim.link import LinkMover
 
     def plan(instant: bool) -> tuple[LinkMover, list[int]]:
         mover = LinkMover(simpy.Environment(), 1e9, lambda: None, instant=instant)
