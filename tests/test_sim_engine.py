@@ -488,6 +488,7 @@ def test_a_plan_s_host_work_lets_its_small_reloads_land_at_the_boundary_that_beg
     n of them after it; a reload copied by then lands at that boundary (the runtime's `landed()` follows the plan),
     a longer one at the first boundary after its copy; copies follow each other on the link; with no host cost per
     transition nothing copied lands at the boundary that began it."""
+
     def plan(transition_s: float, sizes: list[int]) -> tuple[LinkMover, list[int]]:
         env = simpy.Environment()
         mover = LinkMover(env, 1e9, lambda: None, transition_s=transition_s)  # 1 GB/s: 1 us a kB
