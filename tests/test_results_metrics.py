@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from traces.clikit import UserError
-from traces.results import (latency_columns, request_columns, request_summary, result_tool, slo_attainment,
-                             slo_bounds, stats)
+from traces.results import (RESULT_MARKER, instant_page_moves, latency_columns, prepare_trace_dir, request_columns,
+                             request_summary, result_tool, slo_attainment, slo_bounds, stats, write_result_dir)
 from traces.sweep import sweep_row, table
 
 
@@ -93,7 +93,6 @@ def test_concurrency_levels_must_be_distinct():
 
 
 def test_a_result_goes_into_a_new_nested_folder_and_not_over_a_stranger_without_force(tmp_path):
-    from traces.results import write_result_dir
     out = write_result_dir(tmp_path / "a" / "b" / "run", {"requests": {"request_id": np.arange(2)}},
                            {"summary": {"requests": 2}})
     assert (out / "requests.parquet").is_file()
@@ -106,7 +105,6 @@ def test_a_result_goes_into_a_new_nested_folder_and_not_over_a_stranger_without_
 
 
 def test_a_trace_folder_is_written_fresh_or_over_anything_with_force_but_never_over_a_run(tmp_path):
-    from traces.results import RESULT_MARKER, prepare_trace_dir
     assert prepare_trace_dir(tmp_path / "new", force=False) == tmp_path / "new"
     full = tmp_path / "full"
     full.mkdir()
@@ -121,7 +119,6 @@ def test_a_trace_folder_is_written_fresh_or_over_anything_with_force_but_never_o
 
 def test_whether_a_runtime_result_moved_pages_instantly():
     """A replay's summary says so; an older one did when it ran on the CPU; a served run does not say."""
-    from traces.results import instant_page_moves
     assert instant_page_moves({"instant_page_moves": False, "device": "cpu"}) is False
     assert (instant_page_moves({"device": "cpu"}), instant_page_moves({"device": "cuda"})) == (True, False)
     assert instant_page_moves({}) is None
